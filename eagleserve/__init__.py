@@ -1,0 +1,18 @@
+"""eagleserve: a minimal EAGLE speculative-decoding inference server."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from eagleserve.core import SamplingParams
+
+__all__ = ["Engine", "SamplingParams"]
+
+
+def __getattr__(name: str) -> Any:
+    # Imported lazily so `import eagleserve` stays cheap for the HTTP process.
+    if name == "Engine":
+        from eagleserve.engine import Engine
+
+        return Engine
+    raise AttributeError(name)

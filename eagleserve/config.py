@@ -1,0 +1,163 @@
+"""Frozen configuration, built once at start-up. Derived values are properties."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool = False  # Qwen2 has q/k/v bias
+    rope_scaling: tuple[tuple[str, Any], ...] | None = None  # Llama-3 style, as sorted items
+    eos_token_ids: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+
+    @property
+    def q_size(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_key_value_heads * self.head_dim
+
+    @property
+    def rope_scaling_dict(self) -> dict[str, Any] | None:
+        return dict(self.rope_scaling) if self.rope_scaling else None
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any] | Any) -> ModelConfig:
+        """From a Hugging Face config (dict or PretrainedConfig), v4 and v5 layouts."""
+        if not isinstance(cfg, dict):
+            cfg = cfg.to_dict()
+        heads = cfg["num_attention_heads"]
+        rope = cfg.get("rope_parameters") or {}
+        rope_theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0))
+        scaling = cfg.get("rope_scaling") or rope
+        scaling = {k: v for k, v in scaling.items() if k != "rope_theta"}
+        rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+        if rope_type not in ("default", "llama3"):
+            raise ValueError(f"unsupported rope scaling type {rope_type!r}")
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        model_type = cfg.get("model_type", "llama")
+        return cls(
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_hidden_layers=cfg["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope_theta),
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
+            rope_scaling=tuple(sorted(scaling.items())) if rope_type == "llama3" else None,
+            eos_token_ids=eos_ids,
+            bos_token_id=cfg.get("bos_token_id"),
+        )
+
+    @classmethod
+    def from_dir(cls, path: str) -> ModelConfig:
+        with open(os.path.join(path, "config.json")) as f:
+            return cls.from_hf(json.load(f))
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """Speculative decoding settings, named as SGLang's flags."""
+
+    algorithm: str  # "EAGLE" or "EAGLE3"
+    draft_model_path: str
+    num_steps: int = 3
+    eagle_topk: int = 1
+    num_draft_tokens: int = 4
+
+    def __post_init__(self) -> None:
+        if self.algorithm not in ("EAGLE", "EAGLE3"):
+            raise ValueError(f"--speculative-algorithm must be EAGLE or EAGLE3, not {self.algorithm}")
+        if self.num_steps < 1:
+            raise ValueError("--speculative-num-steps must be at least 1")
+        if self.eagle_topk < 1:
+            raise ValueError("--speculative-eagle-topk must be at least 1")
+        if self.eagle_topk == 1 and self.num_draft_tokens != self.num_steps + 1:
+            raise ValueError(
+                "a chain (--speculative-eagle-topk 1) needs --speculative-num-draft-tokens == "
+                f"--speculative-num-steps + 1 = {self.num_steps + 1}, got {self.num_draft_tokens}"
+            )
+        max_nodes = self.eagle_topk + (self.num_steps - 1) * self.eagle_topk**2
+        if not (2 <= self.num_draft_tokens <= max_nodes + 1):
+            raise ValueError(
+                f"--speculative-num-draft-tokens must be in [2, {max_nodes + 1}] for "
+                f"topk={self.eagle_topk}, num_steps={self.num_steps}; got {self.num_draft_tokens}"
+            )
+
+    @property
+    def is_chain(self) -> bool:
+        return self.eagle_topk == 1
+
+    @property
+    def alloc_len_per_decode(self) -> int:
+        """KV slots one request may write in one speculative iteration."""
+        return max(self.num_steps * self.eagle_topk, self.num_draft_tokens)
+
+
+@dataclass(frozen=True)
+class ServerArgs:
+    """Every CLI flag of `eagleserve serve` maps onto one field here."""
+
+    model: str = "default"
+    host: str = "127.0.0.1"
+    port: int = 8000
+    device: str = "auto"  # auto | cpu | cuda
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    max_running_requests: int = 32
+    kv_cache_tokens: int = 16384
+    max_context_len: int | None = None  # default: the model's max_position_embeddings, capped
+    served_model_name: str | None = None
+    api_key: str | None = None
+    seed: int = 0
+    speculative_algorithm: str | None = None
+    speculative_draft_model_path: str | None = None
+    speculative_num_steps: int = 3
+    speculative_eagle_topk: int = 1
+    speculative_num_draft_tokens: int = 4
+    disable_overlap_schedule: bool = False
+    attention_backend: str = "auto"  # auto | torch | triton
+    disable_cuda_graph: bool = False
+    cuda_graph_max_bs: int = 32
+    log_level: str = "info"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def spec_config(self) -> SpecConfig | None:
+        if not self.speculative_algorithm:
+            return None
+        if not self.speculative_draft_model_path:
+            raise ValueError("--speculative-algorithm needs --speculative-draft-model-path")
+        return SpecConfig(
+            algorithm=self.speculative_algorithm.upper(),
+            draft_model_path=self.speculative_draft_model_path,
+            num_steps=self.speculative_num_steps,
+            eagle_topk=self.speculative_eagle_topk,
+            num_draft_tokens=self.speculative_num_draft_tokens,
+        )
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in fields(cls) if f.name != "extra"]

@@ -1,0 +1,224 @@
+"""Shared nouns: sampling parameters, requests, and the schedule batch.
+
+Who fills what:
+- `SamplingParams`: the caller (server or offline `Engine`), validated once by `validate()`.
+- `Req`: created by the scheduler from a `GenerateReqInput`; the scheduler owns its KV fields
+  (`req_pool_idx`, `kv_committed_len`, `kv_allocated_len`); `output_ids` grow in result processing.
+- `ScheduleBatch`: built by the scheduler; `seq_lens_cpu`/`seq_lens_sum` are recomputed only by
+  `refresh_seq_lens_cpu` (producers set `seq_lens_sum = None`).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+
+if TYPE_CHECKING:
+    from eagleserve.model.kv_cache import ReqToTokenPool, TokenToKVPool
+
+ForwardMode = Literal["extend", "decode", "draft", "verify"]
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1: whole vocabulary
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None: no logprobs; k >= 0: chosen token plus top-k
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < 1e-5 or self.top_k == 1
+
+    def validate(self) -> str | None:
+        """Returns an error message, or None when the parameters are usable."""
+        if self.max_new_tokens <= 0:
+            return "max_tokens must be at least 1"
+        if self.temperature < 0:
+            return "temperature must be non-negative"
+        if not (0.0 < self.top_p <= 1.0):
+            return "top_p must be in (0, 1]"
+        if self.top_k == 0 or self.top_k < -1:
+            return "top_k must be -1 (disabled) or a positive integer"
+        if not (0.0 <= self.min_p <= 1.0):
+            return "min_p must be in [0, 1]"
+        if self.logprobs is not None and not (0 <= self.logprobs <= 20):
+            return "logprobs must be between 0 and 20"
+        return None
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+    ERROR = "error"
+
+
+@dataclass
+class Req:
+    rid: str
+    origin_input_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: frozenset[int] = frozenset()
+    output_ids: list[int] = field(default_factory=list)
+    # Logprob of each output token and its top alternatives, when asked for.
+    output_logprobs: list[float] = field(default_factory=list)
+    output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    matched_stop: int | str | None = None
+    # KV bookkeeping (scheduler-owned). req_pool_idx is None while the request holds no slot.
+    req_pool_idx: int | None = None
+    kv_committed_len: int = 0  # positions whose KV is final
+    kv_allocated_len: int = 0  # positions with a KV slot (>= committed; spec over-allocates)
+    # Speculative stats: accepted tokens per verify step.
+    spec_verify_ct: int = 0
+    spec_accepted_tokens: int = 0
+    generator: torch.Generator | None = None
+    # Tokens already handed to the output stream (streaming sends the rest).
+    num_sent_tokens: int = 0
+    retract_count: int = 0
+
+    @property
+    def fill_ids(self) -> list[int]:
+        return self.origin_input_ids + self.output_ids
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.origin_input_ids) + len(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def check_invariants(self) -> None:
+        assert 0 <= self.kv_committed_len <= self.kv_allocated_len, (
+            self.kv_committed_len,
+            self.kv_allocated_len,
+        )
+        assert self.kv_committed_len <= self.seq_len
+
+
+@dataclass
+class ScheduleBatch:
+    """One forward's worth of requests. Filled by the scheduler; read by the model runner."""
+
+    reqs: list[Req]
+    mode: ForwardMode
+    device: torch.device
+    # Device tensors, [bs] unless noted; filled by prepare_for_extend / prepare_for_decode.
+    input_ids: torch.Tensor | None = None  # [num_tokens] int64
+    req_pool_indices: torch.Tensor | None = None  # [bs] int64
+    seq_lens: torch.Tensor | None = None  # [bs] int64, length *after* this forward's tokens
+    out_cache_loc: torch.Tensor | None = None  # [num_tokens] int64 KV slots written
+    # Extend only: tokens already cached and tokens computed now, per request (host lists).
+    prefix_lens: list[int] | None = None
+    extend_lens: list[int] | None = None
+    # Host mirror of seq_lens. Only refresh_seq_lens_cpu recomputes these two.
+    seq_lens_cpu: torch.Tensor | None = None
+    seq_lens_sum: int | None = None
+    # Speculative relay state (EagleDraftInput) carried between iterations; None without spec.
+    spec_info: Any = None
+    # Overlap: FutureMap slots whose values this batch's inputs will resolve from.
+    future_indices: torch.Tensor | None = None
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.reqs)
+
+    def refresh_seq_lens_cpu(self, sync: bool = True) -> None:
+        """The one place that recomputes `seq_lens_cpu` and `seq_lens_sum`.
+
+        sync=True copies the device `seq_lens` to the host (a device sync); sync=False trusts
+        `seq_lens_cpu` and recomputes only the sum.
+        """
+        if sync or self.seq_lens_cpu is None:
+            assert self.seq_lens is not None
+            self.seq_lens_cpu = self.seq_lens.to("cpu")
+        self.seq_lens_sum = int(self.seq_lens_cpu.sum())
+
+    def prepare_for_extend(self, req_to_token_pool: ReqToTokenPool, kv_pool: TokenToKVPool) -> None:
+        """Gives every request a request slot and KV slots for all its tokens (no prefix cache).
+
+        The caller checked that enough slots are free.
+        """
+        assert self.mode == "extend"
+        fills = [r.fill_ids for r in self.reqs]
+        self.extend_lens = [len(f) for f in fills]
+        self.prefix_lens = [0] * len(fills)
+        loc = kv_pool.alloc(sum(self.extend_lens))
+        assert loc is not None, "prepare_for_extend: KV pool exhausted (caller must check)"
+        start = 0
+        for req, n in zip(self.reqs, self.extend_lens):
+            if req.req_pool_idx is None:
+                req.req_pool_idx = req_to_token_pool.alloc()
+                assert req.req_pool_idx is not None
+            req_to_token_pool.req_to_token[req.req_pool_idx, :n] = loc[start : start + n]
+            req.kv_allocated_len = n
+            start += n
+        dev = self.device
+        self.input_ids = torch.tensor([t for f in fills for t in f], dtype=torch.long, device=dev)
+        self.out_cache_loc = loc
+        self.req_pool_indices = torch.tensor(
+            [r.req_pool_idx for r in self.reqs], dtype=torch.long, device=dev
+        )
+        self.seq_lens_cpu = torch.tensor(self.extend_lens, dtype=torch.long)
+        self.seq_lens = self.seq_lens_cpu.to(dev)
+        self.refresh_seq_lens_cpu(sync=False)
+
+    def prepare_for_decode(self, req_to_token_pool: ReqToTokenPool, kv_pool: TokenToKVPool) -> None:
+        """One new KV slot per request at position seq_lens; afterwards seq_lens counts it.
+
+        `input_ids` already hold the last sampled token of each request (or its placeholder).
+        """
+        self.mode = "decode"
+        loc = kv_pool.alloc(self.batch_size)
+        assert loc is not None, "prepare_for_decode: KV pool exhausted (caller must retract)"
+        req_to_token_pool.req_to_token[self.req_pool_indices, self.seq_lens] = loc
+        for req in self.reqs:
+            req.kv_allocated_len += 1
+        self.out_cache_loc = loc
+        self.seq_lens = self.seq_lens + 1
+        if self.seq_lens_cpu is not None:
+            self.seq_lens_cpu = self.seq_lens_cpu + 1
+        self.seq_lens_sum = None
+
+    def filter_batch(self, keep: list[int]) -> None:
+        """Keeps the requests at positions `keep` (a running batch between decode steps)."""
+        idx = torch.tensor(keep, dtype=torch.long)
+        self.reqs = [self.reqs[i] for i in keep]
+        dev_idx = idx.to(self.device)
+        self.req_pool_indices = self.req_pool_indices[dev_idx]
+        self.seq_lens = self.seq_lens[dev_idx]
+        self.input_ids = self.input_ids[dev_idx]
+        if self.seq_lens_cpu is not None:
+            self.seq_lens_cpu = self.seq_lens_cpu[idx]
+        if self.future_indices is not None:
+            self.future_indices = self.future_indices[dev_idx]
+        if self.spec_info is not None:
+            self.spec_info = self.spec_info.filter(dev_idx)
+        self.seq_lens_sum = None
+
+    def merge_batch(self, other: ScheduleBatch) -> None:
+        self.reqs = self.reqs + other.reqs
+        self.req_pool_indices = torch.cat([self.req_pool_indices, other.req_pool_indices])
+        self.seq_lens = torch.cat([self.seq_lens, other.seq_lens])
+        self.input_ids = torch.cat([self.input_ids, other.input_ids])
+        if self.seq_lens_cpu is not None and other.seq_lens_cpu is not None:
+            self.seq_lens_cpu = torch.cat([self.seq_lens_cpu, other.seq_lens_cpu])
+        else:
+            self.seq_lens_cpu = None
+        if self.future_indices is not None or other.future_indices is not None:
+            assert self.future_indices is not None and other.future_indices is not None
+            self.future_indices = torch.cat([self.future_indices, other.future_indices])
+        if self.spec_info is not None:
+            self.spec_info = self.spec_info.merge(other.spec_info)
+        self.seq_lens_sum = None

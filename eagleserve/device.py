@@ -1,0 +1,35 @@
+"""The one module that talks to a device runtime (CUDA, ROCm/HIP or CPU) by name.
+
+Everything else asks here, so the same code runs on CUDA and HIP builds of torch and on CPU.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def pick_device(name: str = "auto") -> torch.device:
+    if name == "auto":
+        if torch.accelerator.is_available():
+            return torch.accelerator.current_accelerator()
+        return torch.device("cpu")
+    dev = torch.device(name)
+    if dev.type != "cpu" and not torch.accelerator.is_available():
+        raise RuntimeError(f"--device {name} was asked for, but no accelerator is available")
+    return dev
+
+
+def device_module(device: torch.device) -> Any:
+    """torch.cuda for CUDA and HIP builds, torch.cpu for CPU."""
+    return torch.get_device_module(device)
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type != "cpu":
+        device_module(device).synchronize()
+
+
+def is_hip() -> bool:
+    return torch.version.hip is not None

@@ -1,0 +1,80 @@
+"""Offline API: `Engine(model=...).generate(prompts, sampling_params)` in this process."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import fields, replace
+from typing import Any
+
+from eagleserve.config import ServerArgs
+from eagleserve.core import SamplingParams
+from eagleserve.messages import EngineStats, GenerateReqInput, TokenOutput
+from eagleserve.scheduler.scheduler import Scheduler
+
+
+class Engine:
+    """Runs the scheduler in-process. Keyword arguments are `ServerArgs` fields."""
+
+    def __init__(self, model: str = "default", **kwargs: Any) -> None:
+        known = {f.name for f in fields(ServerArgs)}
+        unknown = set(kwargs) - known
+        if unknown:
+            raise TypeError(f"unknown Engine arguments: {sorted(unknown)}")
+        self.args = ServerArgs(model=model, **kwargs)
+        self.scheduler = Scheduler(self.args)
+        self.tokenizer = self.scheduler.tokenizer
+        self._ids = itertools.count()
+
+    def generate(
+        self,
+        prompts: list[str] | list[list[int]] | str,
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+    ) -> list[dict[str, Any]]:
+        """Returns, per prompt, {"text", "token_ids", "finish_reason", "spec_accept_length"}."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        params = sampling_params or SamplingParams()
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        rids = []
+        for prompt, p in zip(prompts, plist):
+            ids = self._encode(prompt) if isinstance(prompt, str) else list(prompt)
+            rid = f"offline-{next(self._ids)}"
+            rids.append(rid)
+            self.scheduler.add_request(GenerateReqInput(rid, ids, replace(p)))
+        done: dict[str, TokenOutput] = {}
+        tokens: dict[str, list[int]] = {rid: [] for rid in rids}
+        while len(done) < len(rids):
+            for out in self.scheduler.step():
+                if out.error is not None:
+                    raise ValueError(out.error)
+                tokens[out.rid].extend(out.new_token_ids)
+                if out.finished:
+                    done[out.rid] = out
+        results = []
+        for rid, p in zip(rids, plist):
+            out = done[rid]
+            results.append(
+                {
+                    "token_ids": tokens[rid],
+                    "text": self._decode(tokens[rid], out.matched_stop, p),
+                    "finish_reason": out.finish_reason,
+                    "spec_accept_length": out.spec_accept_length,
+                }
+            )
+        return results
+
+    def stats(self) -> EngineStats:
+        return self.scheduler.stats()
+
+    def _encode(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer: pass token ids")
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def _decode(self, ids: list[int], matched_stop: int | str | None, p: SamplingParams) -> str:
+        if self.tokenizer is None:
+            return ""
+        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        if isinstance(matched_stop, str):
+            text = text[: text.find(matched_stop)] if matched_stop in text else text
+        return text

@@ -1,0 +1,132 @@
+"""Plain-torch paged attention: the CPU path and the reference every Triton kernel is tested against.
+
+Layout shared with the Triton kernels:
+- `k_buffer`, `v_buffer`: [num_slots, num_kv_heads, head_dim]; the K/V of *every* token a query
+  may see (prefix and the new tokens themselves) is already written there.
+- Request b reads slots `req_to_token[req_pool_indices[b], :prefix_lens[b] + extend_lens[b]]`.
+- Queries are flattened request by request: [sum(extend_lens), num_heads, head_dim].
+- New token i of request b sits at position prefix_lens[b] + i. It sees the whole prefix and, among
+  the new tokens, token j when j <= i (causal) or when tree_mask[b, i, j] (verify).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PaddedAttnMetadata:
+    """Built once per forward, shared by all layers."""
+
+    kv_indices: torch.Tensor  # [bs, max_kv] KV slots (padding -> slot 0)
+    q_gather: torch.Tensor  # [bs, max_q] row of the flattened queries (padding -> 0)
+    q_valid: torch.Tensor  # [bs, max_q] bool
+    mask: torch.Tensor  # [bs, 1, max_q, max_kv] bool, True = may attend
+
+
+def build_padded_metadata(
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    extend_lens: torch.Tensor,
+    tree_mask: torch.Tensor | None = None,
+    max_q: int | None = None,
+    max_kv: int | None = None,
+) -> PaddedAttnMetadata:
+    device = req_to_token.device
+    seq_lens = prefix_lens + extend_lens
+    max_q = int(extend_lens.max()) if max_q is None else max_q
+    max_kv = int(seq_lens.max()) if max_kv is None else max_kv
+    kv_pos = torch.arange(max_kv, device=device)  # [max_kv]
+    kv_indices = req_to_token[req_pool_indices][:, :max_kv]  # [bs, max_kv]
+    kv_valid = kv_pos[None, :] < seq_lens[:, None]
+    kv_indices = torch.where(kv_valid, kv_indices, torch.zeros_like(kv_indices))
+
+    q_pos = torch.arange(max_q, device=device)  # [max_q]
+    q_valid = q_pos[None, :] < extend_lens[:, None]  # [bs, max_q]
+    q_start = torch.cumsum(extend_lens, 0) - extend_lens
+    q_gather = torch.where(
+        q_valid, q_start[:, None] + q_pos[None, :], torch.zeros_like(q_valid, dtype=torch.long)
+    )
+
+    # Absolute position of each query and key; causal over the prefix plus the new tokens.
+    q_abs = prefix_lens[:, None] + q_pos[None, :]  # [bs, max_q]
+    mask = (kv_pos[None, None, :] <= q_abs[:, :, None]) & kv_valid[:, None, :]
+    if tree_mask is not None:
+        n = tree_mask.shape[1]
+        in_prefix = kv_pos[None, None, :] < prefix_lens[:, None, None]
+        new_j = (kv_pos[None, :] - prefix_lens[:, None]).clamp(0, n - 1)  # [bs, max_kv]
+        qi = q_pos.clamp(max=n - 1)
+        tm = torch.gather(
+            tree_mask[:, qi, :], 2, new_j[:, None, :].expand(-1, max_q, -1)
+        )  # [bs, max_q, max_kv]
+        mask = kv_valid[:, None, :] & (in_prefix | tm)
+    # Padded query rows attend to slot 0 only, so softmax never sees an all-False row.
+    mask = mask | (~q_valid[:, :, None] & (kv_pos[None, None, :] == 0))
+    return PaddedAttnMetadata(kv_indices, q_gather, q_valid, mask[:, None])
+
+
+def padded_attention(
+    q: torch.Tensor,  # [T, H, D]
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    md: PaddedAttnMetadata,
+    sm_scale: float,
+) -> torch.Tensor:
+    bs, max_q = md.q_gather.shape
+    num_heads, kv_heads = q.shape[1], k_buffer.shape[1]
+    qp = q[md.q_gather].transpose(1, 2)  # [bs, H, max_q, D]
+    k = k_buffer[md.kv_indices].transpose(1, 2).to(q.dtype)  # [bs, Hkv, max_kv, D]
+    v = v_buffer[md.kv_indices].transpose(1, 2).to(q.dtype)
+    if kv_heads != num_heads:
+        k = k.repeat_interleave(num_heads // kv_heads, dim=1)
+        v = v.repeat_interleave(num_heads // kv_heads, dim=1)
+    out = F.scaled_dot_product_attention(qp, k, v, attn_mask=md.mask, scale=sm_scale)
+    return out.transpose(1, 2)[md.q_valid]  # [T, H, D]
+
+
+def extend_attention_ref(
+    q: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    extend_lens: torch.Tensor,
+    sm_scale: float,
+) -> torch.Tensor:
+    md = build_padded_metadata(req_to_token, req_pool_indices, prefix_lens, extend_lens)
+    return padded_attention(q, k_buffer, v_buffer, md, sm_scale)
+
+
+def decode_attention_ref(
+    q: torch.Tensor,  # [bs, H, D]
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,  # [bs], including the token being decoded
+    sm_scale: float,
+) -> torch.Tensor:
+    ones = torch.ones_like(seq_lens)
+    md = build_padded_metadata(req_to_token, req_pool_indices, seq_lens - 1, ones)
+    return padded_attention(q, k_buffer, v_buffer, md, sm_scale)
+
+
+def tree_verify_attention_ref(
+    q: torch.Tensor,  # [bs * n, H, D]
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    prefix_lens: torch.Tensor,  # [bs]
+    tree_mask: torch.Tensor,  # [bs, n, n] bool
+    sm_scale: float,
+) -> torch.Tensor:
+    n = tree_mask.shape[1]
+    extend_lens = torch.full_like(prefix_lens, n)
+    md = build_padded_metadata(req_to_token, req_pool_indices, prefix_lens, extend_lens, tree_mask)
+    return padded_attention(q, k_buffer, v_buffer, md, sm_scale)

@@ -1,0 +1,73 @@
+"""Typed messages between the HTTP process and the engine process (and the offline Engine)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from eagleserve.core import SamplingParams
+
+
+@dataclass
+class GenerateReqInput:
+    """Server -> engine: one sequence to generate (n > 1 is sent as n of these)."""
+
+    rid: str
+    input_ids: list[int]
+    sampling_params: SamplingParams
+    stream: bool = False
+
+
+@dataclass
+class AbortReq:
+    """Server -> engine: drop a request (client gone); its KV slots are freed at once."""
+
+    rid: str
+
+
+@dataclass
+class ShutdownReq:
+    """Server -> engine: stop admitting, finish or abort in-flight work, then exit."""
+
+    timeout_s: float = 30.0
+
+
+@dataclass
+class StatsReq:
+    """Server -> engine: ask for an `EngineStats` reply."""
+
+
+@dataclass
+class TokenOutput:
+    """Engine -> server: new tokens of one request since its last TokenOutput."""
+
+    rid: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    matched_stop: int | str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    # Per new token, when logprobs were asked for: its logprob and the top alternatives.
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    # Mean accepted tokens per verify step so far (speculative decoding), else None.
+    spec_accept_length: float | None = None
+    error: str | None = None
+    error_code: int | None = None  # HTTP status to use when error is set
+
+
+@dataclass
+class BatchTokenOutput:
+    outputs: list[TokenOutput] = field(default_factory=list)
+
+
+@dataclass
+class EngineStats:
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_used_tokens: int = 0
+    kv_total_tokens: int = 0
+    spec_verify_calls_total: int = 0
+    spec_accepted_tokens_total: int = 0
+    # Accepted draft tokens at each draft depth (index 0 = first draft token).
+    spec_accepted_per_position: list[int] = field(default_factory=list)

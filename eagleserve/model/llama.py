@@ -1,0 +1,190 @@
+"""Llama-family decoder in plain PyTorch, with Hugging Face parameter names.
+
+Covers Llama 2/3 (incl. Llama-3 rope scaling), SmolLM2, Mistral and Qwen2 (q/k/v bias). Per-forward
+metadata comes from `get_forward_batch()`; the K/V of new tokens go to the paged pool.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from eagleserve.config import ModelConfig
+from eagleserve.model.forward_batch import get_forward_batch
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 and cast back before the weight, as transformers does.
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+    factor = scaling["factor"]
+    low_freq_factor = scaling.get("low_freq_factor", 1.0)
+    high_freq_factor = scaling.get("high_freq_factor", 4.0)
+    old_len = scaling["original_max_position_embeddings"]
+    low_freq_wavelen = old_len / low_freq_factor
+    high_freq_wavelen = old_len / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin cache for every position, computed in fp32 like transformers."""
+
+    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.max_positions = max_positions
+        self.build(torch.device("cpu") if torch.get_default_device().type == "meta" else None)
+
+    def build(self, device: torch.device | None) -> None:
+        """(Re)computes the caches on `device`; needed after materializing from meta tensors."""
+        cfg, dim = self.cfg, self.cfg.head_dim
+        exponent = torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim
+        inv_freq = 1.0 / (cfg.rope_theta**exponent)
+        if cfg.rope_scaling_dict:
+            inv_freq = _llama3_inv_freq(inv_freq, cfg.rope_scaling_dict)
+        t = torch.arange(self.max_positions, dtype=torch.int64, device=device).float()
+        freqs = t[:, None] * inv_freq[None, :]  # [max_pos, dim/2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos_cache", emb.cos(), persistent=False)
+        self.register_buffer("sin_cache", emb.sin(), persistent=False)
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # q [T, H, D], k [T, Hkv, D]
+        cos = self.cos_cache[positions].to(q.dtype)[:, None, :]
+        sin = self.sin_cache[positions].to(q.dtype)[:, None, :]
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, in_size: int | None = None) -> None:
+        super().__init__()
+        in_size = in_size or cfg.hidden_size
+        self.layer_id = layer_id
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        bias = cfg.attention_bias
+        self.q_proj = nn.Linear(in_size, cfg.q_size, bias=bias)
+        self.k_proj = nn.Linear(in_size, cfg.kv_size, bias=bias)
+        self.v_proj = nn.Linear(in_size, cfg.kv_size, bias=bias)
+        self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=False)
+
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding
+    ) -> torch.Tensor:
+        fb = get_forward_batch()
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        q, k = rotary(positions, q, k)
+        out = fb.attn_backend.forward(q, k, v, self.layer_id, fb)  # [T, H, D]
+        return self.o_proj(out.reshape(t, -1))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, hidden: int, inter: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = LlamaAttention(cfg, layer_id)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = LlamaMLP(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(
+        self, h: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding
+    ) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), positions, rotary)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(cfg, max_positions)
+
+
+@dataclass
+class ModelOutput:
+    logits: torch.Tensor  # [n, vocab] fp32, rows = logits_indices (all rows when None)
+    hidden_states: torch.Tensor  # [T, hidden] final normed hidden state of every token
+    aux_hidden_states: torch.Tensor | None  # [T, k * hidden] residual entering aux layers
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(
+        self, cfg: ModelConfig, max_positions: int, aux_layer_ids: tuple[int, ...] = ()
+    ) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = LlamaModel(cfg, max_positions)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        # Hidden states *entering* these layers are returned (EAGLE-3 fuses three of them).
+        self.aux_layer_ids = aux_layer_ids
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        if self.config.tie_word_embeddings:
+            return self.model.embed_tokens.weight
+        return self.lm_head.weight
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.lm_head_weight).float()
+
+    def forward(self) -> ModelOutput:
+        fb = get_forward_batch()
+        positions = fb.positions
+        h = self.model.embed_tokens(fb.input_ids)
+        aux: list[torch.Tensor] = []
+        for i, layer in enumerate(self.model.layers):
+            if i in self.aux_layer_ids:
+                aux.append(h)
+            h = layer(h, positions, self.model.rotary_emb)
+        h = self.model.norm(h)
+        rows = h if fb.logits_indices is None else h[fb.logits_indices]
+        return ModelOutput(
+            logits=self.compute_logits(rows),
+            hidden_states=h,
+            aux_hidden_states=torch.cat(aux, dim=-1) if aux else None,
+        )

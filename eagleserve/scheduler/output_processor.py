@@ -1,0 +1,99 @@
+"""Turning sampled tokens into request state: finish checks, stop strings, outgoing messages."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from eagleserve.core import FinishReason, Req
+from eagleserve.messages import TokenOutput
+
+
+@dataclass
+class GenerationBatchResult:
+    """What one run_batch produced; device tensors until the scheduler copies them to the host."""
+
+    next_token_ids: torch.Tensor  # [bs] int64, or [bs, stride] with speculation
+    accept_lens: torch.Tensor | None = None  # [bs] tokens committed per request (spec only)
+    logprobs: torch.Tensor | None = None  # [bs] or [bs, stride] logprob of each token
+    top_logprob_vals: torch.Tensor | None = None  # [..., k]
+    top_logprob_ids: torch.Tensor | None = None  # [..., k]
+    accepted_per_position: list[int] | None = None  # spec: accepted drafts at each depth
+
+
+class StopChecker:
+    """EOS, stop ids, max_new_tokens and stop strings; one token at a time so a run of accepted
+    speculative tokens is cut exactly where target-only decoding would stop."""
+
+    def __init__(self, tokenizer: object | None) -> None:
+        self.tokenizer = tokenizer
+
+    def check(self, req: Req) -> None:
+        params = req.sampling_params
+        last = req.output_ids[-1]
+        if not params.ignore_eos and last in req.eos_token_ids:
+            req.finish_reason, req.matched_stop = FinishReason.STOP, last
+        elif last in params.stop_token_ids:
+            req.finish_reason, req.matched_stop = FinishReason.STOP, last
+        elif params.stop and self._matches_stop_string(req):
+            req.finish_reason = FinishReason.STOP
+        elif len(req.output_ids) >= params.max_new_tokens:
+            req.finish_reason = FinishReason.LENGTH
+
+    def _matches_stop_string(self, req: Req) -> bool:
+        assert self.tokenizer is not None, "stop strings need a tokenizer"
+        longest = max(len(s) for s in req.sampling_params.stop)
+        # Every token decodes to at least one character or is part of one, so this tail covers
+        # any stop string ending in the newest token.
+        tail_ids = req.output_ids[-(longest + 4) :]
+        tail = self.tokenizer.decode(tail_ids, skip_special_tokens=False)
+        # Only a match that involves the newest token counts; earlier ones were checked before.
+        prev = self.tokenizer.decode(tail_ids[:-1], skip_special_tokens=False)
+        for s in req.sampling_params.stop:
+            if s in tail and s not in prev:
+                req.matched_stop = s
+                return True
+        return False
+
+
+def append_tokens(
+    req: Req,
+    tokens: list[int],
+    checker: StopChecker,
+    logprobs: list[float] | None = None,
+    top: list[list[tuple[int, float]]] | None = None,
+) -> int:
+    """Appends tokens one by one until the request finishes; returns how many were taken."""
+    taken = 0
+    for i, tok in enumerate(tokens):
+        req.output_ids.append(tok)
+        if logprobs is not None:
+            req.output_logprobs.append(logprobs[i])
+            req.output_top_logprobs.append(top[i] if top is not None else [])
+        taken += 1
+        checker.check(req)
+        if req.finished:
+            break
+    return taken
+
+
+def make_output(req: Req) -> TokenOutput:
+    new = req.output_ids[req.num_sent_tokens :]
+    want_lp = req.sampling_params.logprobs is not None
+    out = TokenOutput(
+        rid=req.rid,
+        new_token_ids=list(new),
+        finished=req.finished,
+        finish_reason=req.finish_reason.value if req.finish_reason else None,
+        matched_stop=req.matched_stop,
+        prompt_tokens=len(req.origin_input_ids),
+        completion_tokens=len(req.output_ids),
+        logprobs=req.output_logprobs[req.num_sent_tokens :] if want_lp else None,
+        top_logprobs=req.output_top_logprobs[req.num_sent_tokens :] if want_lp else None,
+        spec_accept_length=(
+            req.spec_accepted_tokens / req.spec_verify_ct if req.spec_verify_ct else None
+        ),
+    )
+    req.num_sent_tokens = len(req.output_ids)
+    return out

@@ -1,0 +1,259 @@
+"""The scheduler: a waiting queue, a running decode batch, continuous batching, KV admission."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections import deque
+
+import torch
+
+from eagleserve.config import ModelConfig, ServerArgs
+from eagleserve.core import FinishReason, Req, ScheduleBatch
+from eagleserve.device import pick_device
+from eagleserve.messages import EngineStats, GenerateReqInput, TokenOutput
+from eagleserve.model.loader import resolve_model_path
+from eagleserve.model.runner import ModelRunner, resolve_dtype
+from eagleserve.scheduler.output_processor import (
+    GenerationBatchResult,
+    StopChecker,
+    append_tokens,
+    make_output,
+)
+from eagleserve.scheduler.target_worker import TargetWorker
+
+logger = logging.getLogger(__name__)
+
+MAX_PREFILL_TOKENS = 8192
+
+
+def _load_tokenizer(path: str) -> object | None:
+    if not any(os.path.exists(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer.model")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+class Scheduler:
+    def __init__(self, args: ServerArgs) -> None:
+        self.args = args
+        self.device = pick_device(args.device)
+        self.model_path = resolve_model_path(args.model)
+        self.model_config = ModelConfig.from_dir(self.model_path)
+        self.tokenizer = _load_tokenizer(self.model_path)
+        self.spec_config = args.spec_config
+        cfg = self.model_config
+        self.max_context_len = min(
+            args.max_context_len or cfg.max_position_embeddings, args.kv_cache_tokens
+        )
+        # Speculation writes up to alloc_len positions past the committed length per step.
+        self.alloc_len = self.spec_config.alloc_len_per_decode if self.spec_config else 1
+        dtype = resolve_dtype(args.dtype, self.device)
+        if self.spec_config is None:
+            runner = ModelRunner(
+                cfg, self.model_path, self.device, dtype, args.kv_cache_tokens,
+                args.max_running_requests, self.max_context_len + 2 * self.alloc_len,
+                args.attention_backend,
+            )
+            self.worker = TargetWorker(runner)
+        else:
+            from eagleserve.spec.eagle_worker import EagleWorker
+
+            self.worker = EagleWorker(
+                cfg, self.model_path, self.spec_config, self.device, dtype, args,
+                self.max_context_len + 2 * self.alloc_len,
+            )
+        self.req_to_token_pool = self.worker.req_to_token_pool
+        self.kv_pool = self.worker.token_to_kv_pool
+        self.stop_checker = StopChecker(self.tokenizer)
+        eos = set(cfg.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_token_ids = frozenset(eos)
+        self.waiting: deque[Req] = deque()
+        self.running_batch: ScheduleBatch | None = None
+        self.pending_outputs: list[TokenOutput] = []
+        self.stats_verify_calls = 0
+        self.stats_accepted_tokens = 0
+        self.stats_accepted_per_position = [0] * (self.spec_config.num_steps if self.spec_config else 0)
+
+    # ---- admission -------------------------------------------------------------------------
+    def add_request(self, msg: GenerateReqInput) -> None:
+        params = msg.sampling_params
+        err = params.validate()
+        n_in = len(msg.input_ids)
+        if err is None and n_in == 0:
+            err = "the prompt is empty"
+        if err is None and n_in + params.max_new_tokens > self.max_context_len:
+            err = (
+                f"this model's maximum context length is {self.max_context_len} tokens; the "
+                f"prompt has {n_in} and max_tokens is {params.max_new_tokens}"
+            )
+        if err is None and any(t < 0 or t >= self.model_config.vocab_size for t in msg.input_ids):
+            err = "prompt token ids must be in [0, vocab_size)"
+        if err is None and params.stop and self.tokenizer is None:
+            err = "stop strings need a model with a tokenizer"
+        if err is not None:
+            self.pending_outputs.append(
+                TokenOutput(msg.rid, [], True, "error", error=err, error_code=400)
+            )
+            return
+        gen = None
+        if not params.is_greedy:
+            gen = torch.Generator(device=self.device)
+            gen.manual_seed(params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1)
+        self.waiting.append(
+            Req(msg.rid, list(msg.input_ids), params, self.eos_token_ids, generator=gen)
+        )
+
+    def abort_request(self, rid: str) -> None:
+        for req in list(self.waiting):
+            if req.rid == rid:
+                self.waiting.remove(req)
+                req.finish_reason = FinishReason.ABORT
+                self.pending_outputs.append(make_output(req))
+                return
+        batch = self.running_batch
+        if batch is None:
+            return
+        for i, req in enumerate(batch.reqs):
+            if req.rid == rid:
+                req.finish_reason = FinishReason.ABORT
+                self._release(req)
+                batch.filter_batch([j for j in range(batch.batch_size) if j != i])
+                self.pending_outputs.append(make_output(req))
+                return
+
+    # ---- the loop --------------------------------------------------------------------------
+    def has_work(self) -> bool:
+        return bool(self.waiting) or self.running_batch is not None or bool(self.pending_outputs)
+
+    def step(self) -> list[TokenOutput]:
+        outputs, self.pending_outputs = self.pending_outputs, []
+        batch = self.get_next_batch_to_run()
+        if batch is not None:
+            result = self.run_batch(batch)
+            self.process_batch_result(batch, result, outputs)
+        return outputs
+
+    def get_next_batch_to_run(self) -> ScheduleBatch | None:
+        batch = self.get_new_batch_prefill()
+        if batch is not None:
+            return batch
+        if self.running_batch is None:
+            return None
+        self.update_running_batch()
+        return self.running_batch
+
+    def get_new_batch_prefill(self) -> ScheduleBatch | None:
+        running = self.running_batch.batch_size if self.running_batch else 0
+        # Keep room for one step of every running request so admission never forces a retract.
+        free = self.kv_pool.available_size() - running * self.worker.decode_slots_per_req
+        picked: list[Req] = []
+        tokens = 0
+        while self.waiting and running + len(picked) < self.args.max_running_requests:
+            req = self.waiting[0]
+            need = req.seq_len + self.worker.decode_slots_per_req
+            if need > free or (picked and tokens + req.seq_len > MAX_PREFILL_TOKENS):
+                break
+            if self.req_to_token_pool.available_size() <= len(picked):
+                break
+            picked.append(self.waiting.popleft())
+            free -= need
+            tokens += req.seq_len
+        if not picked:
+            return None
+        batch = ScheduleBatch(reqs=picked, mode="extend", device=self.device)
+        batch.prepare_for_extend(self.req_to_token_pool, self.kv_pool)
+        return batch
+
+    def update_running_batch(self) -> None:
+        batch = self.running_batch
+        assert batch is not None
+        per_req = self.worker.decode_slots_per_req
+        while self.kv_pool.available_size() < batch.batch_size * per_req and batch.batch_size > 1:
+            req = batch.reqs[-1]
+            logger.info("KV pool full: retracting request %s", req.rid)
+            self._release(req)
+            req.retract_count += 1
+            batch.filter_batch(list(range(batch.batch_size - 1)))
+            self.waiting.appendleft(req)
+        self.worker.prepare_for_decode(batch)
+
+    def run_batch(self, batch: ScheduleBatch) -> GenerationBatchResult:
+        return self.worker.forward_batch_generation(batch)
+
+    # ---- results ---------------------------------------------------------------------------
+    def process_batch_result(
+        self, batch: ScheduleBatch, result: GenerationBatchResult, outputs: list[TokenOutput]
+    ) -> None:
+        next_ids = result.next_token_ids.tolist()
+        accept = result.accept_lens.tolist() if result.accept_lens is not None else None
+        lps = result.logprobs.tolist() if result.logprobs is not None else None
+        tvals = result.top_logprob_vals.tolist() if result.top_logprob_vals is not None else None
+        tids = result.top_logprob_ids.tolist() if result.top_logprob_ids is not None else None
+        if result.accepted_per_position is not None:
+            self.stats_verify_calls += batch.batch_size
+            self.stats_accepted_tokens += sum(accept)
+            for d, n in enumerate(result.accepted_per_position):
+                self.stats_accepted_per_position[d] += n
+        keep: list[int] = []
+        for i, req in enumerate(batch.reqs):
+            if req.finished:  # aborted while this batch ran
+                continue
+            if accept is None:
+                toks, n = [next_ids[i]], 1
+                lp = [lps[i]] if lps is not None else None
+                top = [list(zip(tids[i], tvals[i]))] if tids is not None else None
+            else:
+                n = accept[i]
+                toks = next_ids[i][:n]
+                lp = lps[i][:n] if lps is not None else None
+                top = [list(zip(tids[i][j], tvals[i][j])) for j in range(n)] if tids else None
+                req.spec_verify_ct += 1
+                req.spec_accepted_tokens += n
+            want_lp = req.sampling_params.logprobs is not None
+            append_tokens(req, toks, self.stop_checker, lp if want_lp else None, top)
+            # The newest token is the next step's input: its KV is not written yet.
+            req.kv_committed_len = req.seq_len - 1
+            outputs.append(make_output(req))
+            if req.finished:
+                self._release(req)
+            else:
+                keep.append(i)
+        if batch.mode == "extend":
+            if keep:
+                batch.filter_batch(keep)
+                self.worker.extend_to_decode(batch)
+                if self.running_batch is None:
+                    self.running_batch = batch
+                else:
+                    self.running_batch.merge_batch(batch)
+        else:
+            if len(keep) < batch.batch_size:
+                batch.filter_batch(keep)
+            if batch.batch_size == 0:
+                self.running_batch = None
+
+    def _release(self, req: Req) -> None:
+        """Frees every KV slot and the request slot of `req`."""
+        if req.req_pool_idx is None:
+            return
+        slots = self.req_to_token_pool.req_to_token[req.req_pool_idx, : req.kv_allocated_len]
+        self.kv_pool.free(slots)
+        self.req_to_token_pool.free(req.req_pool_idx)
+        req.req_pool_idx = None
+        req.kv_allocated_len = 0
+        req.kv_committed_len = 0
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_running=self.running_batch.batch_size if self.running_batch else 0,
+            num_waiting=len(self.waiting),
+            kv_used_tokens=self.kv_pool.size - self.kv_pool.available_size(),
+            kv_total_tokens=self.kv_pool.size,
+            spec_verify_calls_total=self.stats_verify_calls,
+            spec_accepted_tokens_total=self.stats_accepted_tokens,
+            spec_accepted_per_position=list(self.stats_accepted_per_position),
+        )
