@@ -222,3 +222,25 @@ class ScheduleBatch:
         if self.spec_info is not None:
             self.spec_info = self.spec_info.merge(other.spec_info)
         self.seq_lens_sum = None
+
+
+@dataclass
+class EagleDraftInput:
+    """The speculative relay state one decode iteration hands the next, per request.
+
+    Filled by the EAGLE worker after a draft extend; its rows follow `ScheduleBatch.reqs`.
+    """
+
+    topk_p: torch.Tensor  # [bs, topk] draft probabilities of the first draft tokens
+    topk_index: torch.Tensor  # [bs, topk] their target-vocabulary ids
+    hidden_states: torch.Tensor  # [bs, hidden] head feature fed to the next draft step
+
+    def filter(self, idx: torch.Tensor) -> EagleDraftInput:
+        return EagleDraftInput(self.topk_p[idx], self.topk_index[idx], self.hidden_states[idx])
+
+    def merge(self, other: EagleDraftInput) -> EagleDraftInput:
+        return EagleDraftInput(
+            torch.cat([self.topk_p, other.topk_p]),
+            torch.cat([self.topk_index, other.topk_index]),
+            torch.cat([self.hidden_states, other.hidden_states]),
+        )

@@ -71,3 +71,21 @@ class EngineStats:
     spec_accepted_tokens_total: int = 0
     # Accepted draft tokens at each draft depth (index 0 = first draft token).
     spec_accepted_per_position: list[int] = field(default_factory=list)
+
+
+@dataclass
+class EngineReady:
+    """Engine -> server, once: the model is loaded and the engine takes requests."""
+
+    model_path: str
+    max_context_len: int
+    kv_total_tokens: int = 0
+    vocab_size: int = 0
+
+
+@dataclass
+class EngineStartupError:
+    """Engine -> server, instead of `EngineReady`: start-up failed; the engine then exits."""
+
+    message: str
+    traceback: str = ""

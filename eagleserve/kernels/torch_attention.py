@@ -33,13 +33,18 @@ def build_padded_metadata(
     prefix_lens: torch.Tensor,
     extend_lens: torch.Tensor,
     tree_mask: torch.Tensor | None = None,
-    max_q: int | None = None,
-    max_kv: int | None = None,
+    kv_lens: torch.Tensor | None = None,
 ) -> PaddedAttnMetadata:
+    """Padded gather indices and the boolean mask for one forward.
+
+    Queries are the *last* extend_lens tokens of each request's KV range [0, kv_lens) (kv_lens
+    defaults to prefix_lens + extend_lens). With a tree_mask [bs, n_q, n_new], the region
+    [prefix_lens, prefix_lens + n_new) is visible only where the mask says so; the prefix always is.
+    """
     device = req_to_token.device
-    seq_lens = prefix_lens + extend_lens
-    max_q = int(extend_lens.max()) if max_q is None else max_q
-    max_kv = int(seq_lens.max()) if max_kv is None else max_kv
+    seq_lens = prefix_lens + extend_lens if kv_lens is None else kv_lens
+    max_q = int(extend_lens.max())
+    max_kv = int(seq_lens.max())
     kv_pos = torch.arange(max_kv, device=device)  # [max_kv]
     kv_indices = req_to_token[req_pool_indices][:, :max_kv]  # [bs, max_kv]
     kv_valid = kv_pos[None, :] < seq_lens[:, None]
@@ -51,19 +56,17 @@ def build_padded_metadata(
     q_gather = torch.where(
         q_valid, q_start[:, None] + q_pos[None, :], torch.zeros_like(q_valid, dtype=torch.long)
     )
-
-    # Absolute position of each query and key; causal over the prefix plus the new tokens.
-    q_abs = prefix_lens[:, None] + q_pos[None, :]  # [bs, max_q]
-    mask = (kv_pos[None, None, :] <= q_abs[:, :, None]) & kv_valid[:, None, :]
-    if tree_mask is not None:
-        n = tree_mask.shape[1]
+    if tree_mask is None:
+        # Causal: a query at absolute position p sees keys 0..p.
+        q_abs = (seq_lens - extend_lens)[:, None] + q_pos[None, :]  # [bs, max_q]
+        mask = (kv_pos[None, None, :] <= q_abs[:, :, None]) & kv_valid[:, None, :]
+    else:
+        n_q, n_new = tree_mask.shape[1], tree_mask.shape[2]
         in_prefix = kv_pos[None, None, :] < prefix_lens[:, None, None]
-        new_j = (kv_pos[None, :] - prefix_lens[:, None]).clamp(0, n - 1)  # [bs, max_kv]
-        qi = q_pos.clamp(max=n - 1)
-        tm = torch.gather(
-            tree_mask[:, qi, :], 2, new_j[:, None, :].expand(-1, max_q, -1)
-        )  # [bs, max_q, max_kv]
-        mask = kv_valid[:, None, :] & (in_prefix | tm)
+        new_j = (kv_pos[None, :] - prefix_lens[:, None]).clamp(0, n_new - 1)  # [bs, max_kv]
+        qi = q_pos.clamp(max=n_q - 1)
+        tm = torch.gather(tree_mask[:, qi, :], 2, new_j[:, None, :].expand(-1, max_q, -1))
+        mask = kv_valid[:, None, :] & (in_prefix | tm)  # [bs, max_q, max_kv]
     # Padded query rows attend to slot 0 only, so softmax never sees an all-False row.
     mask = mask | (~q_valid[:, :, None] & (kv_pos[None, None, :] == 0))
     return PaddedAttnMetadata(kv_indices, q_gather, q_valid, mask[:, None])

@@ -31,8 +31,11 @@ class ForwardBatch:
     attn_backend: AttentionBackend
     # Rows of the flattened tokens whose logits are wanted (None: all rows).
     logits_indices: torch.Tensor | None = None
-    # Verify only: [bs, n, n] bool, token i of a request attends to token j of the same request.
+    # Verify and tree drafting: [bs, n_q, n_new] bool over the region after the prefix (see
+    # kernels/torch_attention.py); None means causal.
     tree_mask: torch.Tensor | None = None
+    # KV range per request when it is longer than prefix + extend (tree drafting); else None.
+    kv_lens: torch.Tensor | None = None
     # Filled by attn_backend.init_forward_metadata before the forward.
     attn_metadata: Any = None
 

@@ -78,6 +78,7 @@ class ModelRunner:
         extend_lens: torch.Tensor,
         logits_indices: torch.Tensor | None = None,
         tree_mask: torch.Tensor | None = None,
+        kv_lens: torch.Tensor | None = None,
     ) -> ModelOutput:
         fb = ForwardBatch(
             mode=mode,
@@ -91,6 +92,7 @@ class ModelRunner:
             attn_backend=self.attn_backend,
             logits_indices=logits_indices,
             tree_mask=tree_mask,
+            kv_lens=kv_lens,
         )
         with forward_context(fb):
             return self.model()

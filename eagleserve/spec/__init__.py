@@ -1,0 +1,1 @@
+"""EAGLE speculative decoding: draft trees, verification and the EAGLE worker."""

@@ -1,0 +1,215 @@
+"""Verification of a draft tree against the target model: greedy and lossless sampling.
+
+Both walks use the node order of `eagleserve.spec.tree.build_tree`: node 0 is the root and a
+node's parent always has a smaller index. One pass over the nodes in increasing order therefore
+visits every child of the current node after the node itself, and the children of an accepted
+node after the node; children of the previous node that come later are skipped because their
+parent is no longer the current node.
+
+Results (AcceptResult), width D = max_depth + 1 (default max_depth = n - 1, enough for any tree):
+  accept_index [bs, D] long: accepted node indices by depth, starting with the root 0, then -1.
+  accept_lens [bs] long: accepted drafts + 1 = tokens committed this step.
+  output_tokens [bs, D] long: output_tokens[k] is the token following node accept_index[k]:
+      the accepted draft tokens, then the bonus token at accept_lens - 1, then -1.
+  bonus_tokens [bs] long: the token after the last accepted node (the next root).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["AcceptResult", "verify_greedy", "verify_sampling"]
+
+
+@dataclass
+class AcceptResult:
+    accept_index: torch.Tensor  # [bs, D] long, -1 padded
+    accept_lens: torch.Tensor  # [bs] long, >= 1
+    output_tokens: torch.Tensor  # [bs, D] long, -1 padded
+    bonus_tokens: torch.Tensor  # [bs] long
+
+    @property
+    def last_node(self) -> torch.Tensor:
+        """[bs] node index of the last accepted node (0 when no draft was accepted)."""
+        return torch.gather(self.accept_index, 1, (self.accept_lens - 1).unsqueeze(1)).squeeze(1)
+
+
+def _check_shapes(draft_tokens: torch.Tensor, parents: torch.Tensor, max_depth: int | None) -> int:
+    if draft_tokens.dim() != 2 or parents.shape != draft_tokens.shape:
+        raise ValueError(
+            f"draft_tokens and parents must both be [bs, n], got {tuple(draft_tokens.shape)} "
+            f"and {tuple(parents.shape)}"
+        )
+    n = draft_tokens.shape[1]
+    depth = n - 1 if max_depth is None else max_depth
+    if not 0 <= depth <= max(n - 1, 0):
+        raise ValueError(f"max_depth must be in 0..{n - 1}, got {max_depth}")
+    return depth
+
+
+def _assemble(
+    draft_tokens: torch.Tensor,
+    accept_index: torch.Tensor,
+    accept_lens: torch.Tensor,
+    bonus: torch.Tensor,
+) -> AcceptResult:
+    """output_tokens[k] = token of node accept_index[k + 1] for k < len - 1, bonus at len - 1."""
+    bs, width = accept_index.shape
+    nxt = torch.cat(
+        [accept_index[:, 1:], torch.full((bs, 1), -1, dtype=torch.long, device=bonus.device)],
+        dim=1,
+    )  # [bs, D]: the node following accept_index[k] on the path (-1 past the end)
+    out = torch.where(
+        nxt >= 0, torch.gather(draft_tokens.long(), 1, nxt.clamp(min=0)), torch.full_like(nxt, -1)
+    )  # [bs, D]
+    out.scatter_(1, (accept_lens - 1).unsqueeze(1), bonus.long().unsqueeze(1))
+    return AcceptResult(
+        accept_index=accept_index,
+        accept_lens=accept_lens,
+        output_tokens=out,
+        bonus_tokens=bonus.long(),
+    )
+
+
+def verify_greedy(
+    draft_tokens: torch.Tensor,
+    parents: torch.Tensor,
+    target_predict: torch.Tensor,
+    *,
+    max_depth: int | None = None,
+) -> AcceptResult:
+    """Longest root path whose every token equals the target's argmax after its parent.
+
+    draft_tokens [bs, n], parents [bs, n] (parents[:, 0] = -1, parents[:, i] < i),
+    target_predict [bs, n]: the target's argmax token after node i. Among children carrying the
+    same (matching) token the lowest node index is taken. max_depth bounds the result width
+    (default n - 1; must be >= the tree's real depth).
+    """
+    depth = _check_shapes(draft_tokens, parents, max_depth)
+    bs, n = draft_tokens.shape
+    device = draft_tokens.device
+    tokens = draft_tokens.long()
+    predict = target_predict.long()
+    cur = torch.zeros(bs, dtype=torch.long, device=device)  # current (last accepted) node
+    lens = torch.ones(bs, dtype=torch.long, device=device)  # accepted nodes incl. the root
+    accept_index = torch.full((bs, depth + 1), -1, dtype=torch.long, device=device)
+    accept_index[:, 0] = 0
+    want = predict[:, 0]  # [bs] the token the target wants after `cur`
+    for c in range(1, n):
+        # Node c is tested only if it is a child of the current node; ascending order makes the
+        # first matching sibling (lowest index) win, and later siblings see a new `cur`.
+        ok = (parents[:, c] == cur) & (tokens[:, c] == want)  # [bs]
+        slot = lens.clamp(max=depth).unsqueeze(1)
+        accept_index.scatter_(
+            1, slot, torch.where(ok, c, torch.gather(accept_index, 1, slot).squeeze(1)).unsqueeze(1)
+        )
+        cur = torch.where(ok, c, cur)
+        lens = lens + ok.long()
+        want = torch.where(ok, predict[:, c], want)
+    bonus = torch.gather(predict, 1, cur.unsqueeze(1)).squeeze(1)  # [bs]
+    return _assemble(tokens, accept_index, lens, bonus)
+
+
+def _draw_uniforms(
+    bs: int,
+    n: int,
+    generators: Sequence[torch.Generator | None] | None,
+    device: torch.device,
+) -> torch.Tensor:
+    """[bs, n] uniforms in [0, 1). Row b comes from request b's generator only.
+
+    Every request consumes exactly n draws per verify, whatever is accepted, so a seeded request
+    produces the same tokens regardless of which other requests share the batch.
+    Rows without a generator share one draw from the default RNG.
+    """
+    if generators is None:
+        return torch.rand(bs, n, device=device)
+    if len(generators) != bs:
+        raise ValueError(f"need one generator (or None) per request: {len(generators)} != {bs}")
+    u = torch.empty(bs, n, device=device)
+    unseeded = [i for i, g in enumerate(generators) if g is None]
+    if unseeded:
+        rows = torch.tensor(unseeded, dtype=torch.long, device=device)
+        u[rows] = torch.rand(len(unseeded), n, device=device)
+    for i, g in enumerate(generators):
+        if g is not None:
+            u[i] = torch.rand(n, generator=g, device=g.device).to(device)
+    return u
+
+
+def _sample_from(p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF sample from unnormalized non-negative p [bs, V] with uniforms u [bs]."""
+    cdf = torch.cumsum(p, dim=-1)  # [bs, V]
+    total = cdf[:, -1:]
+    idx = torch.searchsorted(cdf, u.unsqueeze(1) * total, right=True).clamp(max=p.shape[1] - 1)
+    # Rounding can land on a zero-probability token (u * total == total); take the argmax.
+    bad = torch.gather(p, 1, idx) <= 0
+    return torch.where(bad, p.argmax(dim=-1, keepdim=True), idx).squeeze(1)
+
+
+def verify_sampling(
+    draft_tokens: torch.Tensor,
+    parents: torch.Tensor,
+    target_probs: torch.Tensor,
+    generators: Sequence[torch.Generator | None] | None = None,
+    *,
+    max_depth: int | None = None,
+) -> AcceptResult:
+    """Lossless tree verification for deterministic drafts ("target-only" rejection).
+
+    target_probs [bs, n, V]: the target's processed (temperature, top-k/p, min-p) distribution
+    after node i. At the current node with residual p (initially target_probs[cur]) the
+    children are tried in node order: accept child c with probability p[tok_c] / sum(p),
+    otherwise zero p[tok_c]. This is sampling X ~ p one candidate at a time, so the committed
+    token is distributed exactly as p; an accepted child continues from its own distribution,
+    and when every child is rejected (or at a leaf) the bonus is drawn from the residual, i.e.
+    from p conditioned on X not being a rejected token. A duplicated sibling token is already
+    zeroed and so never accepted. A one-hot row behaves exactly like greedy.
+
+    Randomness: node c's test uses u[b, c] and the bonus uses u[b, 0] (the root is never
+    tested), drawn from generators[b] (None = default RNG).
+    """
+    depth = _check_shapes(draft_tokens, parents, max_depth)
+    bs, n = draft_tokens.shape
+    if target_probs.dim() != 3 or target_probs.shape[:2] != (bs, n):
+        raise ValueError(f"target_probs must be [{bs}, {n}, V], got {tuple(target_probs.shape)}")
+    device = draft_tokens.device
+    tokens = draft_tokens.long()
+    probs = target_probs.float().clamp(min=0)  # [bs, n, V]
+    u = _draw_uniforms(bs, n, generators, device)  # [bs, n]
+
+    cur = torch.zeros(bs, dtype=torch.long, device=device)
+    lens = torch.ones(bs, dtype=torch.long, device=device)
+    accept_index = torch.full((bs, depth + 1), -1, dtype=torch.long, device=device)
+    accept_index[:, 0] = 0
+    residual = probs[:, 0].clone()  # [bs, V] running residual at `cur`
+    for c in range(1, n):
+        child = parents[:, c] == cur  # [bs]
+        tok = tokens[:, c].unsqueeze(1)  # [bs, 1]
+        p_tok = torch.gather(residual, 1, tok).squeeze(1)  # [bs]
+        total = residual.sum(dim=1)
+        # total == 0 only after rounding ate the mass; ratio 0 then rejects (u >= 0).
+        ratio = torch.where(total > 0, p_tok / total.clamp(min=torch.finfo(total.dtype).tiny), 0)
+        ok = child & (u[:, c] < ratio)
+        rejected = child & ~ok
+        slot = lens.clamp(max=depth).unsqueeze(1)
+        accept_index.scatter_(
+            1, slot, torch.where(ok, c, torch.gather(accept_index, 1, slot).squeeze(1)).unsqueeze(1)
+        )
+        # Reject: remove the token from the residual. Accept: restart from the child's row.
+        residual.scatter_(1, tok, torch.where(rejected.unsqueeze(1), 0.0, p_tok.unsqueeze(1)))
+        residual = torch.where(ok.unsqueeze(1), probs[:, c], residual)
+        cur = torch.where(ok, c, cur)
+        lens = lens + ok.long()
+
+    # Bonus from the residual at the last accepted node; if rounding left (almost) no mass, fall
+    # back to that node's full distribution (only reachable when the rejected tokens held ~all
+    # of it, i.e. an event of probability ~0).
+    full = probs[torch.arange(bs, device=device), cur]  # [bs, V]
+    tiny = residual.sum(dim=1, keepdim=True) <= 1e-6 * full.sum(dim=1, keepdim=True)
+    residual = torch.where(tiny, full, residual)
+    bonus = _sample_from(residual, u[:, 0])
+    return _assemble(tokens, accept_index, lens, bonus)

@@ -1,0 +1,83 @@
+"""Running the draft steps: a chain (topk == 1, preallocated buffers) or a top-k tree."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from eagleserve.core import EagleDraftInput
+from eagleserve.spec.tree import Topk1ChainBuffers, organize_draft_results, select_top_k_tokens
+
+# step_fn(input_ids [bs*topk], features [bs*topk, h], depth, region_mask) ->
+#   (topk_p [bs*topk, topk], topk_index [bs*topk, topk], next_features [bs*topk, h])
+StepFn = Callable[
+    [torch.Tensor, torch.Tensor, int, "torch.Tensor | None"],
+    tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+]
+
+
+@dataclass
+class DraftTree:
+    parent_list: torch.Tensor  # [bs, W] long
+    top_scores_index: torch.Tensor  # [bs, num_draft_tokens - 1] long
+    draft_tokens: torch.Tensor  # [bs, num_draft_tokens - 1]
+
+
+def _run_steps(
+    info: EagleDraftInput, num_steps: int, topk: int, step_fn: StepFn
+) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+    score_list: list[torch.Tensor] = []
+    token_list: list[torch.Tensor] = []
+    parents_list: list[torch.Tensor] = []
+    topk_p, topk_index, hidden = info.topk_p, info.topk_index, info.hidden_states
+    scores = None
+    region_mask = None  # [bs, topk, s * topk]: which draft-region nodes each branch sees
+    for i in range(num_steps):
+        ids, feats, scores, (s_e, t_e, p_e) = select_top_k_tokens(
+            i, topk_p, topk_index, hidden, scores, topk
+        )
+        score_list.append(s_e)
+        token_list.append(t_e)
+        parents_list.append(p_e)
+        if i == num_steps - 1:
+            break
+        if topk > 1:
+            region_mask = _extend_region_mask(region_mask, p_e, i, topk)
+        topk_p, topk_index, hidden = step_fn(ids, feats, i + 1, region_mask)
+    return score_list, token_list, parents_list
+
+
+def _extend_region_mask(
+    mask: torch.Tensor | None, parents_entry: torch.Tensor, i: int, topk: int
+) -> torch.Tensor:
+    """Mask for the branches expanded at draft depth i + 1 (ancestor-or-self over the region)."""
+    bs = parents_entry.shape[0]
+    eye = torch.eye(topk, dtype=torch.bool, device=parents_entry.device).expand(bs, -1, -1)
+    if mask is None:
+        return eye.clone()
+    chosen = parents_entry - (topk * topk * (i - 1) + topk)  # [bs, topk] in [0, topk^2)
+    branch = chosen // topk  # which previous branch each new node extends
+    inherited = torch.gather(mask, 1, branch[:, :, None].expand(-1, -1, mask.shape[2]))
+    return torch.cat([inherited, eye], dim=2)
+
+
+def draft_chain(
+    info: EagleDraftInput, num_steps: int, step_fn: StepFn, buffers: Topk1ChainBuffers
+) -> DraftTree:
+    score_list, token_list, parents_list = _run_steps(info, num_steps, 1, step_fn)
+    parent_list, top_scores_index, draft_tokens = buffers.organize(
+        score_list, token_list, parents_list, num_steps + 1
+    )
+    return DraftTree(parent_list, top_scores_index, draft_tokens)
+
+
+def draft_tree(
+    info: EagleDraftInput, num_steps: int, topk: int, num_draft_tokens: int, step_fn: StepFn
+) -> DraftTree:
+    score_list, token_list, parents_list = _run_steps(info, num_steps, topk, step_fn)
+    parent_list, top_scores_index, draft_tokens = organize_draft_results(
+        score_list, token_list, parents_list, num_draft_tokens
+    )
+    return DraftTree(parent_list, top_scores_index, draft_tokens)

@@ -1,0 +1,230 @@
+"""EAGLE-1/2 and EAGLE-3 draft heads over a Llama-family target, with the published tensor names.
+
+Both heads run one decoder layer (layer_id 0 of the draft KV pool) inside an active
+`forward_context`. Parameter names equal the checkpoint names, so a state_dict is the checkpoint:
+- EAGLE (1/2): `fc` [h, 2h] (+bias), `layers.0.{self_attn,mlp,post_attention_layernorm}`; the
+  embedding and lm_head are the target's. Features are the target's final *normed* hidden state.
+- EAGLE3: `fc` [h, k*h] fusing the hidden states entering k target layers, `midlayer.*` whose
+  attention reads 2h, `norm`, a draft-vocab `lm_head`, and `d2t` (target id = draft id + d2t).
+Loading, saving and random init live in `eagleserve.spec.head_loader`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from eagleserve.config import ModelConfig
+from eagleserve.model.llama import (
+    LlamaAttention,
+    LlamaForCausalLM,
+    LlamaMLP,
+    RMSNorm,
+    RotaryEmbedding,
+)
+
+ALGORITHMS = ("EAGLE", "EAGLE3")
+
+
+def head_model_config(raw: dict[str, Any], target_cfg: ModelConfig) -> ModelConfig:
+    """The head's ModelConfig from its config.json; checks it fits the target."""
+    d = dict(raw)
+    d.setdefault("num_hidden_layers", 1)
+    d.setdefault("vocab_size", target_cfg.vocab_size)
+    try:
+        cfg = ModelConfig.from_hf(d)
+    except KeyError as e:
+        raise KeyError(f"draft head config.json lacks {e.args[0]!r}") from None
+    if cfg.hidden_size != target_cfg.hidden_size:
+        raise ValueError(
+            f"draft head hidden_size {cfg.hidden_size} != target hidden_size "
+            f"{target_cfg.hidden_size}: the head was trained for another target"
+        )
+    if cfg.vocab_size != target_cfg.vocab_size:
+        raise ValueError(
+            f"draft head vocab_size {cfg.vocab_size} != target vocab_size {target_cfg.vocab_size}"
+        )
+    # Heads have no q/k/v bias unless the config says so (from_hf guesses it from model_type).
+    return dataclasses.replace(
+        cfg, attention_bias=bool(raw.get("attention_bias", False)), tie_word_embeddings=False
+    )
+
+
+def eagle3_aux_layer_ids(raw: dict[str, Any], num_target_layers: int) -> tuple[int, ...]:
+    """Target layers whose *entering* hidden state EAGLE3 fuses, in the target's layer order.
+
+    `eagle_aux_hidden_state_layer_ids` name layers whose *output* is taken, hence the +1; the
+    default {2, N//2, N-3} is the reference's choice of entering states.
+    """
+    n = num_target_layers
+    given = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    ids = [i + 1 for i in given] if given is not None else [2, n // 2, n - 3]
+    if len(set(ids)) != len(ids) or not all(0 <= i < n for i in ids):
+        raise ValueError(
+            f"EAGLE3 aux layers {ids} (entering-layer ids) must be distinct and in [0, {n}) for a "
+            f"{n}-layer target; set eagle_config.eagle_aux_hidden_state_layer_ids"
+        )
+    return tuple(sorted(ids))
+
+
+class Eagle1Layer(nn.Module):
+    """Layer 0 of an EAGLE-1/2 head: no input_layernorm (fc output feeds attention directly)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg, 0)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = LlamaMLP(cfg.hidden_size, cfg.intermediate_size)
+
+
+class Eagle3MidLayer(nn.Module):
+    """The EAGLE3 layer: attention over cat(input_layernorm(embed), hidden_norm(g)) [2h]."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        h, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.hidden_norm = RMSNorm(h, eps)
+        self.input_layernorm = RMSNorm(h, eps)
+        self.self_attn = LlamaAttention(cfg, 0, in_size=2 * h)
+        self.post_attention_layernorm = RMSNorm(h, eps)
+        self.mlp = LlamaMLP(h, cfg.intermediate_size)
+
+
+class EagleHead(nn.Module):
+    def __init__(
+        self,
+        algorithm: str,
+        cfg: ModelConfig,
+        target: LlamaForCausalLM,
+        *,
+        fc_bias: bool = False,
+        aux_layer_ids: tuple[int, ...] = (),
+        draft_vocab_size: int | None = None,
+    ) -> None:
+        super().__init__()
+        if algorithm not in ALGORITHMS:
+            raise ValueError(f"unknown draft algorithm {algorithm!r}: EAGLE or EAGLE3")
+        h = cfg.hidden_size
+        self.algorithm = algorithm
+        self.config = cfg
+        self.hidden_size = h
+        self.target_vocab_size = target.config.vocab_size
+        # Plain attribute, not a submodule: the target owns embed/lm_head, and they must stay
+        # out of the head's state_dict and parameters.
+        self.__dict__["_target"] = target
+        if algorithm == "EAGLE":
+            if aux_layer_ids:
+                raise ValueError("EAGLE heads read the final hidden state: no aux layers")
+            self.aux_layer_ids: tuple[int, ...] = ()
+            self.feature_size = h
+            self.draft_vocab_size = self.target_vocab_size
+            self.fc_bias = fc_bias
+            self.fc = nn.Linear(2 * h, h, bias=fc_bias)  # input: cat(embed, feature)
+            self.layers = nn.ModuleList([Eagle1Layer(cfg)])
+        else:
+            if not aux_layer_ids or fc_bias:
+                raise ValueError("EAGLE3 heads need aux layer ids and have no fc bias")
+            self.aux_layer_ids = tuple(aux_layer_ids)
+            self.feature_size = len(aux_layer_ids) * h
+            self.draft_vocab_size = draft_vocab_size or self.target_vocab_size
+            self.fc_bias = False
+            self.fc = nn.Linear(self.feature_size, h, bias=False)
+            self.midlayer = Eagle3MidLayer(cfg)
+            self.norm = RMSNorm(h, cfg.rms_norm_eps)
+            self.lm_head = nn.Linear(h, self.draft_vocab_size, bias=False)
+            # [draft_vocab] int64; zeros = identity map (full draft vocab).
+            self.register_buffer("d2t", torch.zeros(self.draft_vocab_size, dtype=torch.int64))
+        self.rotary_emb = RotaryEmbedding(cfg, target.model.rotary_emb.max_positions)
+
+    @property
+    def target(self) -> LlamaForCausalLM:
+        return self._target
+
+    def forward(
+        self, input_ids: torch.Tensor, features: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """input_ids [T] (token t[j+1]), features [T, feature_size or h] (aligned with t[j]),
+        positions [T]. Returns (logits [T, draft_vocab] fp32, next_features [T, h])."""
+        width = features.shape[-1]
+        if width not in (self.feature_size, self.hidden_size):
+            raise ValueError(
+                f"{self.algorithm} head got features of width {width}, expected "
+                f"{self.feature_size} (target) or {self.hidden_size} (previous draft step)"
+            )
+        emb = self.target.model.embed_tokens(input_ids)  # [T, h]
+        features = features.to(emb.dtype)
+        if self.algorithm == "EAGLE":
+            layer = self.layers[0]
+            x = self.fc(torch.cat((emb, features), dim=-1))  # [T, h]
+            x = x + layer.self_attn(x, positions, self.rotary_emb)
+            out = x + layer.mlp(layer.post_attention_layernorm(x))
+            # No final norm: the target's lm_head reads the layer output directly.
+            return self.target.compute_logits(out), out
+        # Target features (k*h) are fused by fc; later steps feed back the h-wide output.
+        g = self.fc(features) if width != self.hidden_size else features  # [T, h]
+        m = self.midlayer
+        attn_in = torch.cat((m.input_layernorm(emb), m.hidden_norm(g)), dim=-1)  # [T, 2h]
+        x = g + m.self_attn(attn_in, positions, self.rotary_emb)
+        out = x + m.mlp(m.post_attention_layernorm(x))
+        logits = F.linear(self.norm(out), self.lm_head.weight).float()
+        return logits, out  # next_features are pre-norm
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        if self.algorithm == "EAGLE":
+            return draft_ids
+        return draft_ids + self.d2t[draft_ids]
+
+    def materialize(self, device: torch.device, dtype: torch.dtype) -> EagleHead:
+        """After construction on meta: real (uninitialized) parameters in `dtype` on `device`,
+        fp32 rotary caches, identity d2t."""
+        self.to_empty(device=device)
+        self.rotary_emb.build(device)
+        for p in self.parameters():
+            p.data = p.data.to(dtype)
+        if self.algorithm == "EAGLE3":
+            self.d2t.zero_()
+        return self
+
+
+def build_head(
+    algorithm: str,
+    cfg: ModelConfig,
+    target: LlamaForCausalLM,
+    device: torch.device,
+    dtype: torch.dtype,
+    **kwargs: Any,
+) -> EagleHead:
+    """An EagleHead built on meta and materialized (weights still to be filled)."""
+    with torch.device("meta"):
+        head = EagleHead(algorithm, cfg, target, **kwargs)
+    return head.materialize(torch.device(device), dtype)
+
+
+def load_eagle_head(
+    path: str, algorithm: str, target: LlamaForCausalLM, device: torch.device, dtype: torch.dtype
+) -> EagleHead:
+    from eagleserve.spec.head_loader import load_eagle_head as _load
+
+    return _load(path, algorithm, target, device, dtype)
+
+
+def save_eagle_head(head: EagleHead, out_dir: str) -> None:
+    from eagleserve.spec.head_loader import save_eagle_head as _save
+
+    _save(head, out_dir)
+
+
+def init_eagle_head(
+    algorithm: str,
+    target: LlamaForCausalLM,
+    draft_vocab_size: int | None = None,
+    seed: int = 0,
+    draft_token_ids: torch.Tensor | None = None,
+) -> EagleHead:
+    from eagleserve.spec.head_loader import init_eagle_head as _init
+
+    return _init(algorithm, target, draft_vocab_size, seed, draft_token_ids)
