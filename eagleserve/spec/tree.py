@@ -306,7 +306,9 @@ def build_tree(
     for _ in range(min(num_steps, m)):
         valid = cur >= 0
         safe = cur.clamp(min=0)
-        mask.scatter_(2, safe.unsqueeze(2), valid.unsqueeze(2) | torch.gather(mask, 2, safe[..., None]))
+        mask.scatter_(
+            2, safe.unsqueeze(2), valid.unsqueeze(2) | torch.gather(mask, 2, safe[..., None])
+        )
         cur = torch.where(valid, torch.gather(parents, 1, safe), cur)
 
     tokens = torch.cat([verified_id.long().view(bs, 1), draft_tokens.long()], dim=1)  # [bs, n]

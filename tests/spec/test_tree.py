@@ -141,7 +141,9 @@ def test_select_organize_build_random(topk: int, num_steps: int) -> None:
         _check_tree(tree, verified, tsi, token_list, cand_codes, n)
 
 
-def _quantized_topk(rows: int, topk: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+def _quantized_topk(
+    rows: int, topk: int, gen: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Probabilities with many exact ties (powers of two, ones and zeros) between levels."""
     patterns = torch.tensor(
         [

@@ -1,0 +1,122 @@
+"""The engine process: builds the Scheduler and serves it over two ZeroMQ sockets.
+
+The server PUSHes `GenerateReqInput` / `AbortReq` / `StatsReq` / `ShutdownReq` to `in_addr`;
+the engine PUSHes `EngineReady` (or `EngineStartupError`), `BatchTokenOutput` and `EngineStats`
+to `out_addr`. The engine exits when told to, or when its parent process is gone.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+import traceback
+from typing import Any
+
+import zmq
+
+from eagleserve.config import ServerArgs
+from eagleserve.messages import (
+    AbortReq,
+    BatchTokenOutput,
+    EngineReady,
+    EngineStartupError,
+    GenerateReqInput,
+    ShutdownReq,
+    StatsReq,
+)
+
+logger = logging.getLogger("eagleserve.engine")
+IDLE_POLL_MS = 500
+
+
+class EngineLoop:
+    def __init__(self, scheduler: Any, recv: zmq.Socket, send: zmq.Socket) -> None:
+        self.scheduler = scheduler
+        self.recv = recv
+        self.send = send
+        self.live: set[str] = set()  # rids added and not finished yet
+        self.shutdown_deadline: float | None = None
+        self.parent_pid = os.getppid()
+
+    def handle(self, msg: object) -> None:
+        if isinstance(msg, GenerateReqInput):
+            if self.shutdown_deadline is not None:
+                self.scheduler.add_request(msg)
+                self.scheduler.abort_request(msg.rid)
+                return
+            self.live.add(msg.rid)
+            self.scheduler.add_request(msg)
+        elif isinstance(msg, AbortReq):
+            self.scheduler.abort_request(msg.rid)
+        elif isinstance(msg, StatsReq):
+            self.send.send_pyobj(self.scheduler.stats())
+        elif isinstance(msg, ShutdownReq):
+            self.shutdown_deadline = time.monotonic() + msg.timeout_s
+        else:
+            logger.warning("engine: ignoring unknown message %r", type(msg).__name__)
+
+    def drain(self, block: bool) -> None:
+        """Handles every waiting message; when `block`, first waits (briefly) for one."""
+        timeout = IDLE_POLL_MS if block else 0
+        while self.recv.poll(timeout):
+            self.handle(self.recv.recv_pyobj())
+            timeout = 0
+
+    def parent_alive(self) -> bool:
+        return os.getppid() == self.parent_pid
+
+    def run(self) -> None:
+        sched = self.scheduler
+        while self.parent_alive():
+            self.drain(block=not sched.has_work())
+            if self.shutdown_deadline is not None:
+                if not self.live and not sched.has_work():
+                    break
+                if time.monotonic() > self.shutdown_deadline:
+                    for rid in list(self.live):
+                        sched.abort_request(rid)
+                    self.shutdown_deadline = time.monotonic() + 5.0
+            if not sched.has_work():
+                continue
+            outputs = sched.step()
+            for out in outputs:
+                if out.finished:
+                    self.live.discard(out.rid)
+            if outputs:
+                self.send.send_pyobj(BatchTokenOutput(outputs))
+                if not sched.has_work():  # just went idle: publish final gauges (KV back)
+                    self.send.send_pyobj(sched.stats())
+
+
+def run_engine(args: ServerArgs, in_addr: str, out_addr: str) -> None:
+    """Entry point of the engine process (multiprocessing spawn target)."""
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    ctx = zmq.Context()
+    recv = ctx.socket(zmq.PULL)
+    recv.connect(in_addr)
+    send = ctx.socket(zmq.PUSH)
+    send.setsockopt(zmq.LINGER, 5000)
+    send.connect(out_addr)
+    try:
+        from eagleserve.scheduler.scheduler import Scheduler
+
+        scheduler = Scheduler(args)
+        vocab = getattr(getattr(scheduler, "model_config", None), "vocab_size", 0)
+        stats = scheduler.stats()
+        ready = EngineReady(
+            scheduler.model_path, scheduler.max_context_len, stats.kv_total_tokens, vocab
+        )
+    except Exception as exc:  # report any start-up failure to the parent, then exit non-zero
+        send.send_pyobj(EngineStartupError(f"{type(exc).__name__}: {exc}", traceback.format_exc()))
+        send.close()
+        ctx.term()
+        sys.exit(1)
+    send.send_pyobj(ready)
+    EngineLoop(scheduler, recv, send).run()
+    send.close()
+    recv.close(linger=0)
+    ctx.term()
