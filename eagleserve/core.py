@@ -163,6 +163,7 @@ class ScheduleBatch:
                 assert req.req_pool_idx is not None
             req_to_token_pool.req_to_token[req.req_pool_idx, :n] = loc[start : start + n]
             req.kv_allocated_len = n
+            req.kv_committed_len = n
             start += n
         dev = self.device
         self.input_ids = torch.tensor([t for f in fills for t in f], dtype=torch.long, device=dev)

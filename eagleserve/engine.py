@@ -50,6 +50,9 @@ class Engine:
                 tokens[out.rid].extend(out.new_token_ids)
                 if out.finished:
                     done[out.rid] = out
+        # Let a forward still in flight land so every slot is back in the pool.
+        while self.scheduler.has_work() and not self.scheduler.waiting:
+            self.scheduler.step()
         results = []
         for rid, p in zip(rids, plist):
             out = done[rid]

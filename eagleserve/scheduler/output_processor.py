@@ -21,6 +21,14 @@ class GenerationBatchResult:
     top_logprob_ids: torch.Tensor | None = None  # [..., k]
     accepted_per_position: list[int] | None = None  # spec: accepted drafts at each depth
 
+    def to_host(self) -> GenerationBatchResult:
+        """Copies the tensors to the host (waits for the forward that made them)."""
+        cpu = lambda t: None if t is None else t.to("cpu")
+        return GenerationBatchResult(
+            cpu(self.next_token_ids), cpu(self.accept_lens), cpu(self.logprobs),
+            cpu(self.top_logprob_vals), cpu(self.top_logprob_ids), self.accepted_per_position,
+        )
+
 
 class StopChecker:
     """EOS, stop ids, max_new_tokens and stop strings; one token at a time so a run of accepted

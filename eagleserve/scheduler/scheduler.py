@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 from collections import deque
+from concurrent.futures import Future
 
 import torch
 
@@ -20,6 +21,8 @@ from eagleserve.scheduler.output_processor import (
     append_tokens,
     make_output,
 )
+from eagleserve.scheduler.future_map import FutureMap
+from eagleserve.scheduler.overlap import OverlapForwarder
 from eagleserve.scheduler.target_worker import TargetWorker
 
 logger = logging.getLogger(__name__)
@@ -74,6 +77,17 @@ class Scheduler:
         self.waiting: deque[Req] = deque()
         self.running_batch: ScheduleBatch | None = None
         self.pending_outputs: list[TokenOutput] = []
+        # Overlap: the batch whose forward is in flight, and requests whose slots must outlive it.
+        self.enable_overlap = not args.disable_overlap_schedule
+        self.forwarder: OverlapForwarder | None = None
+        self.future_map: FutureMap | None = None
+        if self.enable_overlap:
+            self.future_map = FutureMap(args.max_running_requests, self.device)
+            self.forwarder = OverlapForwarder(
+                self.worker, self.future_map, self.device, self.spec_config is not None
+            )
+        self.inflight: tuple[list[Req], Future[GenerationBatchResult]] | None = None
+        self.deferred_release: list[Req] = []
         self.stats_verify_calls = 0
         self.stats_accepted_tokens = 0
         self.stats_accepted_per_position = [0] * (self.spec_config.num_steps if self.spec_config else 0)
@@ -117,25 +131,53 @@ class Scheduler:
         batch = self.running_batch
         if batch is None:
             return
-        for i, req in enumerate(batch.reqs):
+        for req in batch.reqs:
             if req.rid == rid:
                 req.finish_reason = FinishReason.ABORT
                 self._release(req)
-                batch.filter_batch([j for j in range(batch.batch_size) if j != i])
+                self._drop_finished_from_running()
                 self.pending_outputs.append(make_output(req))
                 return
 
     # ---- the loop --------------------------------------------------------------------------
     def has_work(self) -> bool:
-        return bool(self.waiting) or self.running_batch is not None or bool(self.pending_outputs)
+        return bool(
+            self.waiting or self.running_batch or self.pending_outputs or self.inflight
+            or self.deferred_release
+        )
 
     def step(self) -> list[TokenOutput]:
-        outputs, self.pending_outputs = self.pending_outputs, []
+        """One iteration. With overlap: launch batch N+1, then process batch N's results."""
         batch = self.get_next_batch_to_run()
+        prev, self.inflight = self.inflight, None
         if batch is not None:
-            result = self.run_batch(batch)
-            self.process_batch_result(batch, result, outputs)
+            reqs = list(batch.reqs)  # the batch object changes (merge/filter) after launch
+            handle = self.run_batch(batch)
+            if batch.mode == "extend":
+                self._merge_into_running(batch)
+            if isinstance(handle, Future):
+                self.inflight = (reqs, handle)
+            else:
+                self.process_batch_result(reqs, handle)
+        if prev is not None:
+            self._process_finished_forward(prev)
+        if self.inflight is None:
+            self._flush_deferred_release()
+        outputs, self.pending_outputs = self.pending_outputs, []
         return outputs
+
+    def _process_finished_forward(
+        self, launched: tuple[list[Req], Future[GenerationBatchResult]]
+    ) -> None:
+        reqs, fut = launched
+        result = fut.result()
+        # Requests released while that forward ran may now give their slots back.
+        self._flush_deferred_release()
+        self.process_batch_result(reqs, result)
+
+    def _finish_inflight(self) -> None:
+        launched, self.inflight = self.inflight, None
+        self._process_finished_forward(launched)
 
     def get_next_batch_to_run(self) -> ScheduleBatch | None:
         batch = self.get_new_batch_prefill()
@@ -172,6 +214,12 @@ class Scheduler:
         batch = self.running_batch
         assert batch is not None
         per_req = self.worker.decode_slots_per_req
+        if self.kv_pool.available_size() < batch.batch_size * per_req and self.inflight:
+            # Retraction needs exact host state: let the in-flight batch land first.
+            self._finish_inflight()
+            batch = self.running_batch
+            if batch is None:
+                return
         while self.kv_pool.available_size() < batch.batch_size * per_req and batch.batch_size > 1:
             req = batch.reqs[-1]
             logger.info("KV pool full: retracting request %s", req.rid)
@@ -181,26 +229,45 @@ class Scheduler:
             self.waiting.appendleft(req)
         self.worker.prepare_for_decode(batch)
 
-    def run_batch(self, batch: ScheduleBatch) -> GenerationBatchResult:
+    def run_batch(self, batch: ScheduleBatch) -> GenerationBatchResult | Future:
+        # The one refresh point of seq_lens_cpu/seq_lens_sum before a forward. With overlap and
+        # EAGLE the new lengths come from the previous verify's publish.
+        if self.future_map is not None:
+            self.future_map.resolve_seq_lens_cpu(batch)
+        if batch.seq_lens_sum is None:
+            batch.refresh_seq_lens_cpu(sync=False)
+        if self.forwarder is not None:
+            return self.forwarder.launch(batch)
         return self.worker.forward_batch_generation(batch)
 
+    def _merge_into_running(self, batch: ScheduleBatch) -> None:
+        """A prefilled batch joins the running batch; its next inputs are already set."""
+        self.worker.extend_to_decode(batch)
+        if self.running_batch is None:
+            self.running_batch = batch
+        else:
+            self.running_batch.merge_batch(batch)
+
+    def _drop_finished_from_running(self) -> None:
+        batch = self.running_batch
+        if batch is None:
+            return
+        keep = [i for i, r in enumerate(batch.reqs) if not r.finished]
+        if len(keep) < batch.batch_size:
+            batch.filter_batch(keep)
+        if batch.batch_size == 0:
+            self.running_batch = None
+
     # ---- results ---------------------------------------------------------------------------
-    def process_batch_result(
-        self, batch: ScheduleBatch, result: GenerationBatchResult, outputs: list[TokenOutput]
-    ) -> None:
+    def process_batch_result(self, reqs: list[Req], result: GenerationBatchResult) -> None:
+        outputs = self.pending_outputs
         next_ids = result.next_token_ids.tolist()
         accept = result.accept_lens.tolist() if result.accept_lens is not None else None
         lps = result.logprobs.tolist() if result.logprobs is not None else None
         tvals = result.top_logprob_vals.tolist() if result.top_logprob_vals is not None else None
         tids = result.top_logprob_ids.tolist() if result.top_logprob_ids is not None else None
-        if result.accepted_per_position is not None:
-            self.stats_verify_calls += batch.batch_size
-            self.stats_accepted_tokens += sum(accept)
-            for d, n in enumerate(result.accepted_per_position):
-                self.stats_accepted_per_position[d] += n
-        keep: list[int] = []
-        for i, req in enumerate(batch.reqs):
-            if req.finished:  # aborted while this batch ran
+        for i, req in enumerate(reqs):
+            if req.finished:  # finished or aborted while this batch ran: drop its tokens
                 continue
             if accept is None:
                 toks, n = [next_ids[i]], 1
@@ -213,6 +280,10 @@ class Scheduler:
                 top = [list(zip(tids[i][j], tvals[i][j])) for j in range(n)] if tids else None
                 req.spec_verify_ct += 1
                 req.spec_accepted_tokens += n
+                self.stats_verify_calls += 1
+                self.stats_accepted_tokens += n
+                for d in range(min(n - 1, len(self.stats_accepted_per_position))):
+                    self.stats_accepted_per_position[d] += 1
             want_lp = req.sampling_params.logprobs is not None
             append_tokens(req, toks, self.stop_checker, lp if want_lp else None, top)
             # The newest token is the next step's input: its KV is not written yet.
@@ -220,24 +291,27 @@ class Scheduler:
             outputs.append(make_output(req))
             if req.finished:
                 self._release(req)
-            else:
-                keep.append(i)
-        if batch.mode == "extend":
-            if keep:
-                batch.filter_batch(keep)
-                self.worker.extend_to_decode(batch)
-                if self.running_batch is None:
-                    self.running_batch = batch
-                else:
-                    self.running_batch.merge_batch(batch)
-        else:
-            if len(keep) < batch.batch_size:
-                batch.filter_batch(keep)
-            if batch.batch_size == 0:
-                self.running_batch = None
+        self._drop_finished_from_running()
 
     def _release(self, req: Req) -> None:
-        """Frees every KV slot and the request slot of `req`."""
+        """Frees every KV slot and the request slot of `req`.
+
+        With a forward in flight that may still read or write this request's slots, the
+        release waits until that forward has finished.
+        """
+        if req.req_pool_idx is None:
+            return
+        if self.inflight is not None:
+            self.deferred_release.append(req)
+            return
+        self._free_slots(req)
+
+    def _flush_deferred_release(self) -> None:
+        for req in self.deferred_release:
+            self._free_slots(req)
+        self.deferred_release = []
+
+    def _free_slots(self, req: Req) -> None:
         if req.req_pool_idx is None:
             return
         slots = self.req_to_token_pool.req_to_token[req.req_pool_idx, : req.kv_allocated_len]

@@ -10,6 +10,8 @@ acceptance the row is permuted so the accepted path sits at L, L+1, ... (no KV c
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from eagleserve.config import ModelConfig, ServerArgs, SpecConfig
@@ -58,7 +60,10 @@ class EagleWorker:
             "torch" if not spec.is_chain else args.attention_backend, device,
             self.req_to_token_pool.req_to_token, hc.head_dim**-0.5,
         )
-        self.decode_slots_per_req = spec.alloc_len_per_decode
+        # The overlap scheduler prepares N+1 before it knows N's accept lengths: 2x covers the
+        # one-iteration lag of the host's committed length.
+        overlap = not args.disable_overlap_schedule
+        self.decode_slots_per_req = spec.alloc_len_per_decode * (2 if overlap else 1)
         self.chain_buffers = (
             Topk1ChainBuffers(args.cuda_graph_max_bs or args.max_running_requests, spec.num_steps,
                               spec.num_draft_tokens, device)
@@ -73,12 +78,11 @@ class EagleWorker:
 
     # ---- scheduler interface ---------------------------------------------------------------
     def prepare_for_decode(self, batch: ScheduleBatch) -> None:
-        """Reserves slots for positions [L, L + alloc_len) of every request."""
+        """Reserves slots up to the host's view of L plus decode_slots_per_req per request."""
         batch.mode = "decode"
         r2t = self.req_to_token_pool.req_to_token
-        seq_lens = batch.seq_lens_cpu.tolist()
-        for req, L in zip(batch.reqs, seq_lens):
-            need = L + self.decode_slots_per_req - req.kv_allocated_len
+        for req in batch.reqs:
+            need = req.kv_committed_len + self.decode_slots_per_req - req.kv_allocated_len
             if need > 0:
                 loc = self.token_to_kv_pool.alloc(need)
                 assert loc is not None, "EAGLE decode: KV pool exhausted (caller must retract)"
@@ -90,13 +94,19 @@ class EagleWorker:
         batch.prefix_lens = batch.extend_lens = None
 
     @torch.inference_mode()
-    def forward_batch_generation(self, batch: ScheduleBatch) -> GenerationBatchResult:
+    def forward_batch_generation(
+        self, batch: ScheduleBatch, on_verified: Callable[[ScheduleBatch], None] | None = None
+    ) -> GenerationBatchResult:
+        """One prefill or decode iteration. `on_verified(batch)` runs once `batch.seq_lens` and
+        `batch.input_ids` hold the new lengths and bonus tokens, before the draft extend."""
         if batch.mode == "extend":
-            return self._forward_prefill(batch)
-        return self._forward_decode(batch)
+            return self._forward_prefill(batch, on_verified)
+        return self._forward_decode(batch, on_verified)
 
     # ---- prefill -----------------------------------------------------------------------------
-    def _forward_prefill(self, batch: ScheduleBatch) -> GenerationBatchResult:
+    def _forward_prefill(
+        self, batch: ScheduleBatch, on_verified: Callable[[ScheduleBatch], None] | None
+    ) -> GenerationBatchResult:
         from eagleserve.scheduler.target_worker import forward_inputs, sample_with_logprobs
 
         inputs = forward_inputs(batch)
@@ -110,9 +120,11 @@ class EagleWorker:
         last = inputs["logits_indices"]
         shifted = torch.roll(batch.input_ids, -1)
         shifted[last] = result.next_token_ids
+        batch.input_ids = result.next_token_ids
+        if on_verified is not None:
+            on_verified(batch)
         self._draft_extend(batch, shifted, self._features(out), inputs["positions"],
                            batch.out_cache_loc, inputs["prefix_lens"], ext, last)
-        batch.input_ids = result.next_token_ids
         return result
 
     def _features(self, out: object) -> torch.Tensor:
@@ -179,7 +191,9 @@ class EagleWorker:
         return topk_p, self.head.to_target_ids(topk_ids), next_feats
 
     # ---- decode: draft -> verify -> accept -> draft extend ----------------------------------
-    def _forward_decode(self, batch: ScheduleBatch) -> GenerationBatchResult:
+    def _forward_decode(
+        self, batch: ScheduleBatch, on_verified: Callable[[ScheduleBatch], None] | None
+    ) -> GenerationBatchResult:
         spec = self.spec
         info: EagleDraftInput = batch.spec_info
         step_fn = lambda ids, feats, step, mask: self._draft_step(batch, ids, feats, step, mask)
@@ -216,9 +230,15 @@ class EagleWorker:
         ext_loc = r2t[batch.req_pool_indices[:, None], (L[:, None] + offs[None, :])][valid]
         feats = self._features(out)[flat_rows]
         last_rows = torch.cumsum(a, 0) - 1
+        # Producer of new lengths: the scheduler's refresh point recomputes the host mirror.
+        batch.seq_lens = L + a
+        batch.seq_lens_cpu = None
+        batch.seq_lens_sum = None
+        batch.input_ids = acc.bonus_tokens
+        if on_verified is not None:
+            on_verified(batch)
         self._draft_extend(batch, ext_ids, feats, positions, ext_loc, L, a, last_rows)
         result = GenerationBatchResult(acc.output_tokens, a)
-        result.accepted_per_position = self._accepted_per_position(a)
         if any(r.sampling_params.logprobs is not None for r in batch.reqs):
             k = max((r.sampling_params.logprobs or 0) for r in batch.reqs)
             row_logits = logits.reshape(bs * n, -1)[rows.reshape(-1)]
@@ -227,10 +247,6 @@ class EagleWorker:
             result.logprobs = chosen.view(bs, depth1)
             result.top_logprob_vals = vals.view(bs, depth1, -1)
             result.top_logprob_ids = ids.view(bs, depth1, -1)
-        batch.seq_lens = L + a
-        batch.seq_lens_cpu = None
-        batch.refresh_seq_lens_cpu(sync=True)
-        batch.input_ids = acc.bonus_tokens
         return result
 
     def _accept(self, batch: ScheduleBatch, tokens: torch.Tensor, parents: torch.Tensor,
@@ -271,7 +287,4 @@ class EagleWorker:
         order = key.argsort(dim=1)
         r2t[rows, cols] = slots.gather(1, order)
 
-    def _accepted_per_position(self, accept_lens: torch.Tensor) -> list[int]:
-        drafts = (accept_lens - 1).tolist()
-        return [sum(1 for x in drafts if x > d) for d in range(self.spec.num_steps)]
 

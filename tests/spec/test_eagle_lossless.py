@@ -110,6 +110,8 @@ def run_staggered(engine: Engine, prompts: list[list[int]], params: list[Samplin
                 finished.add(out.rid)
         steps += 1
         assert steps < 5000
+    while sched.has_work():
+        assert not sched.step()
     assert sched.kv_pool.available_size() == sched.kv_pool.size
     assert sched.req_to_token_pool.available_size() == sched.req_to_token_pool.size
     return [tokens[f"r{i}"] for i in range(len(prompts))]
@@ -117,8 +119,15 @@ def run_staggered(engine: Engine, prompts: list[list[int]], params: list[Samplin
 
 @pytest.fixture(scope="module")
 def reference(target_dir: str) -> list[list[int]]:
-    eng = Engine(model=target_dir, device="cpu", kv_cache_tokens=2048, max_running_requests=8)
+    eng = Engine(model=target_dir, device="cpu", kv_cache_tokens=2048, max_running_requests=8,
+                 disable_overlap_schedule=True)
     return run_staggered(eng, _prompts(0), _params())
+
+
+def test_overlap_target_only_matches(target_dir: str, reference: list[list[int]]) -> None:
+    eng = Engine(model=target_dir, device="cpu", kv_cache_tokens=2048, max_running_requests=8)
+    assert eng.scheduler.enable_overlap
+    assert run_staggered(eng, _prompts(0), _params()) == reference
 
 
 CASES = [
@@ -131,12 +140,14 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
 @pytest.mark.parametrize(("head", "steps", "topk", "ndt"), CASES)
 def test_greedy_lossless(target_dir: str, heads: dict[str, str], reference: list[list[int]],
-                         head: str, steps: int, topk: int, ndt: int) -> None:
+                         head: str, steps: int, topk: int, ndt: int, overlap: bool) -> None:
     algo = "EAGLE3" if head == "EAGLE3" else "EAGLE"
     eng = Engine(
         model=target_dir, device="cpu", kv_cache_tokens=2048, max_running_requests=8,
+        disable_overlap_schedule=not overlap,
         speculative_algorithm=algo, speculative_draft_model_path=heads[head],
         speculative_num_steps=steps, speculative_eagle_topk=topk,
         speculative_num_draft_tokens=ndt,

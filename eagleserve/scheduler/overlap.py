@@ -1,0 +1,83 @@
+"""The forward side of the overlap scheduler: batch N runs here while the host prepares N+1.
+
+Inputs of N+1 that depend on N's results are futures: decode input ids are `-future_index`
+placeholders, and with EAGLE the relay state (bonus token, top-k, hidden state, new seq lens)
+goes through the FutureMap. The forward runs on one forward thread (and, on an accelerator,
+on its own stream), so forwards execute in launch order and a batch's resolve always sees the
+previous batch's stash.
+"""
+
+from __future__ import annotations
+
+import copy
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from eagleserve.core import EagleDraftInput, ScheduleBatch
+from eagleserve.device import device_module
+from eagleserve.scheduler.future_map import FutureMap
+from eagleserve.scheduler.output_processor import GenerationBatchResult
+
+
+class OverlapForwarder:
+    def __init__(self, worker: Any, future_map: FutureMap, device: torch.device,
+                 is_spec: bool) -> None:
+        self.worker = worker
+        self.future_map = future_map
+        self.device = device
+        self.is_spec = is_spec
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="eagleserve-fwd")
+        mod = device_module(device) if device.type != "cpu" else None
+        self.stream = mod.Stream() if mod is not None else None
+        self._mod = mod
+
+    def launch(self, batch: ScheduleBatch) -> Future[GenerationBatchResult]:
+        """Submits `batch`, then rewrites the host batch's next inputs as futures."""
+        snapshot = copy.copy(batch)  # the host mutates `batch` while the forward runs
+        if self.is_spec:
+            self.future_map.expect_publish()
+        caller_stream = self._mod.current_stream() if self._mod is not None else None
+        fut = self.executor.submit(self._run, snapshot, caller_stream)
+        fi = FutureMap.alloc_future_indices(batch.req_pool_indices)
+        batch.input_ids = FutureMap.placeholder_ids(fi)
+        if self.is_spec:
+            batch.future_indices = fi
+            batch.spec_info = None
+        return fut
+
+    def _run(self, batch: ScheduleBatch, caller_stream: Any) -> GenerationBatchResult:
+        if self.stream is None:
+            return self._forward(batch)
+        # Device-side barrier: inputs the host enqueued on its stream come first.
+        self.stream.wait_stream(caller_stream)
+        with self._mod.stream(self.stream):
+            return self._forward(batch)
+
+    @torch.inference_mode()
+    def _forward(self, batch: ScheduleBatch) -> GenerationBatchResult:
+        fm = self.future_map
+        extras = fm.resolve_future(batch)
+        if extras is not None:
+            batch.spec_info = EagleDraftInput(
+                extras.topk_p, extras.topk_index, extras.hidden_states
+            )
+        fi = FutureMap.alloc_future_indices(batch.req_pool_indices)
+        if not self.is_spec:
+            result = self.worker.forward_batch_generation(batch)
+            fm.stash(fi, result.next_token_ids)
+        else:
+            def on_verified(b: ScheduleBatch) -> None:
+                # The host may prepare N+1 once the new lengths are known, before draft extend.
+                fm.stash(fi, b.input_ids, new_seq_lens=b.seq_lens)
+                fm.publish()
+
+            result = self.worker.forward_batch_generation(batch, on_verified=on_verified)
+            info: EagleDraftInput = batch.spec_info
+            fm.stash(fi, None, topk_p=info.topk_p, topk_index=info.topk_index,
+                     hidden_states=info.hidden_states)
+        return result.to_host()
+
+    def shutdown(self) -> None:
+        self.executor.shutdown(wait=True)

@@ -1,0 +1,220 @@
+"""The server side of the engine process: start it, send requests, route its outputs.
+
+One asyncio task receives every engine message and hands each `TokenOutput` to the queue of its
+request. If the engine process dies, the client turns unhealthy and every in-flight request
+gets a final 503 error output.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing as mp
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from eagleserve.config import ServerArgs
+from eagleserve.messages import (
+    AbortReq,
+    BatchTokenOutput,
+    EngineReady,
+    EngineStartupError,
+    EngineStats,
+    GenerateReqInput,
+    ShutdownReq,
+    StatsReq,
+    TokenOutput,
+)
+from eagleserve.scheduler.engine_loop import run_engine
+
+logger = logging.getLogger("eagleserve.server")
+POLL_MS = 250
+
+
+class EngineStartupFailed(RuntimeError):
+    """The engine process could not start (its message says why)."""
+
+
+def _dead_output(rid: str) -> TokenOutput:
+    return TokenOutput(
+        rid, [], True, "error", error="the engine process is not running", error_code=503
+    )
+
+
+class RequestStream:
+    """The outputs of a group of requests (the n choices of one API call), in arrival order.
+
+    Iterate it to get `TokenOutput`s until every request finished; `close()` aborts whatever is
+    still running (idempotent; call it when the client goes away).
+    """
+
+    def __init__(self, client: EngineClient, reqs: list[GenerateReqInput]) -> None:
+        self.client = client
+        self.rids = [r.rid for r in reqs]
+        self.live = set(self.rids)
+        self.queue: asyncio.Queue[TokenOutput] = asyncio.Queue()
+        self.closed = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> TokenOutput:
+        if not self.live:
+            raise StopAsyncIteration
+        out = await self.queue.get()
+        if out.finished:
+            self.live.discard(out.rid)
+        return out
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        for rid in self.live:
+            self.client.abort(rid)
+        for rid in self.rids:
+            self.client.queues.pop(rid, None)
+
+
+class EngineClient:
+    def __init__(self, args: ServerArgs) -> None:
+        self.args = args
+        self.ready: EngineReady | None = None
+        self.tokenizer: Any = None
+        self.healthy = False
+        self.queues: dict[str, asyncio.Queue[TokenOutput]] = {}
+        self.last_stats = EngineStats()
+        self.on_stats: Callable[[EngineStats], None] | None = None
+        self._stats_waiters: list[asyncio.Future[EngineStats]] = []
+        self._proc: Any = None
+        self._tmpdir: str | None = None
+        self._recv_task: asyncio.Task[None] | None = None
+
+    @property
+    def started(self) -> bool:
+        return self.ready is not None
+
+    @property
+    def max_context_len(self) -> int:
+        return self.ready.max_context_len if self.ready else 0
+
+    async def start(self) -> None:
+        """Spawns the engine process and waits until it is ready (or raises EngineStartupFailed)."""
+        self._tmpdir = tempfile.mkdtemp(prefix="eagleserve-")
+        in_addr = f"ipc://{os.path.join(self._tmpdir, 'to_engine')}"
+        out_addr = f"ipc://{os.path.join(self._tmpdir, 'from_engine')}"
+        self._ctx = zmq.asyncio.Context()
+        self._send = self._ctx.socket(zmq.PUSH)
+        self._send.bind(in_addr)
+        self._recv = self._ctx.socket(zmq.PULL)
+        self._recv.bind(out_addr)
+        spawn = mp.get_context("spawn")
+        self._proc = spawn.Process(
+            target=run_engine, args=(self.args, in_addr, out_addr), name="eagleserve-engine",
+            daemon=True,
+        )
+        self._proc.start()
+        while self.ready is None:
+            if await self._recv.poll(POLL_MS):
+                msg = await self._recv.recv_pyobj()
+                if isinstance(msg, EngineReady):
+                    self.ready = msg
+                elif isinstance(msg, EngineStartupError):
+                    self._proc.join(10)
+                    raise EngineStartupFailed(f"{msg.message}\n{msg.traceback}".rstrip())
+            elif not self._proc.is_alive():
+                raise EngineStartupFailed(f"the engine exited with code {self._proc.exitcode}")
+        self.tokenizer = await asyncio.to_thread(_load_tokenizer, self.ready.model_path)
+        self.last_stats = EngineStats(kv_total_tokens=self.ready.kv_total_tokens)
+        self.healthy = True
+        self._recv_task = asyncio.create_task(self._recv_loop())
+
+    async def _recv_loop(self) -> None:
+        while self.healthy:
+            if await self._recv.poll(POLL_MS):
+                self._dispatch(await self._recv.recv_pyobj())
+            elif not self._proc.is_alive():
+                logger.error("the engine process died (exit code %s)", self._proc.exitcode)
+                self._engine_died()
+
+    def _dispatch(self, msg: object) -> None:
+        if isinstance(msg, BatchTokenOutput):
+            for out in msg.outputs:
+                queue = self.queues.get(out.rid)
+                if queue is not None:
+                    queue.put_nowait(out)
+        elif isinstance(msg, EngineStats):
+            self.last_stats = msg
+            if self.on_stats is not None:
+                self.on_stats(msg)
+            waiters, self._stats_waiters = self._stats_waiters, []
+            for fut in waiters:
+                if not fut.done():
+                    fut.set_result(msg)
+
+    def _engine_died(self) -> None:
+        self.healthy = False
+        for rid, queue in list(self.queues.items()):
+            queue.put_nowait(_dead_output(rid))
+        for fut in self._stats_waiters:
+            if not fut.done():
+                fut.set_result(self.last_stats)
+        self._stats_waiters = []
+
+    def generate(self, reqs: list[GenerateReqInput]) -> RequestStream:
+        """Sends the requests; their outputs arrive on the returned stream."""
+        stream = RequestStream(self, reqs)
+        for req in reqs:
+            self.queues[req.rid] = stream.queue
+            if self.healthy:
+                self._send.send_pyobj(req)
+            else:
+                stream.queue.put_nowait(_dead_output(req.rid))
+        return stream
+
+    def abort(self, rid: str) -> None:
+        if self.healthy:
+            self._send.send_pyobj(AbortReq(rid))
+
+    async def get_stats(self, timeout: float = 2.0) -> EngineStats:
+        """Fresh engine stats (the last known ones if the engine does not answer in time)."""
+        if not self.healthy:
+            return self.last_stats
+        fut: asyncio.Future[EngineStats] = asyncio.get_running_loop().create_future()
+        self._stats_waiters.append(fut)
+        self._send.send_pyobj(StatsReq())
+        done, _ = await asyncio.wait({fut}, timeout=timeout)
+        return fut.result() if done else self.last_stats
+
+    async def shutdown(self, timeout: float = 10.0) -> None:
+        was_healthy, self.healthy = self.healthy, False
+        if self._recv_task is not None:
+            self._recv_task.cancel()
+            await asyncio.gather(self._recv_task, return_exceptions=True)
+        if self._proc is not None:
+            if was_healthy and self._proc.is_alive():
+                self._send.send_pyobj(ShutdownReq(timeout_s=min(5.0, timeout / 2)))
+            await asyncio.to_thread(self._proc.join, timeout)
+            if self._proc.is_alive():
+                self._proc.terminate()
+                await asyncio.to_thread(self._proc.join, 5)
+        if self._tmpdir is not None:
+            self._send.close(linger=0)
+            self._recv.close(linger=0)
+            self._ctx.term()
+            shutil.rmtree(self._tmpdir, ignore_errors=True)
+            self._tmpdir = None
+
+
+def _load_tokenizer(path: str) -> Any:
+    if not any(os.path.exists(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer.model")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
