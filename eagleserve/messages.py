@@ -67,6 +67,7 @@ class EngineStats:
     num_waiting: int = 0
     kv_used_tokens: int = 0
     kv_total_tokens: int = 0
+    num_retracted_total: int = 0
     spec_verify_calls_total: int = 0
     spec_accepted_tokens_total: int = 0
     # Accepted draft tokens at each draft depth (index 0 = first draft token).
@@ -80,6 +81,7 @@ class EngineReady:
     model_path: str
     max_context_len: int
     kv_total_tokens: int = 0
+    num_retracted_total: int = 0
     vocab_size: int = 0
 
 

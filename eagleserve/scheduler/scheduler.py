@@ -88,6 +88,7 @@ class Scheduler:
             )
         self.inflight: tuple[list[Req], Future[GenerationBatchResult]] | None = None
         self.deferred_release: list[Req] = []
+        self.num_retracted = 0
         self.stats_verify_calls = 0
         self.stats_accepted_tokens = 0
         self.stats_accepted_per_position = [0] * (self.spec_config.num_steps if self.spec_config else 0)
@@ -225,6 +226,7 @@ class Scheduler:
             logger.info("KV pool full: retracting request %s", req.rid)
             self._release(req)
             req.retract_count += 1
+            self.num_retracted += 1
             batch.filter_batch(list(range(batch.batch_size - 1)))
             self.waiting.appendleft(req)
         self.worker.prepare_for_decode(batch)
@@ -327,6 +329,7 @@ class Scheduler:
             num_waiting=len(self.waiting),
             kv_used_tokens=self.kv_pool.size - self.kv_pool.available_size(),
             kv_total_tokens=self.kv_pool.size,
+            num_retracted_total=self.num_retracted,
             spec_verify_calls_total=self.stats_verify_calls,
             spec_accepted_tokens_total=self.stats_accepted_tokens,
             spec_accepted_per_position=list(self.stats_accepted_per_position),

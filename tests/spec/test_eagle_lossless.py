@@ -160,3 +160,21 @@ def test_greedy_lossless(target_dir: str, heads: dict[str, str], reference: list
     if head == "EAGLE":
         # The crafted head must actually get drafts accepted, or this test proves little.
         assert stats.spec_accepted_tokens_total / stats.spec_verify_calls_total > 1.5
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
+@pytest.mark.parametrize(("spec", "topk", "ndt"), [(None, 1, 1), ("EAGLE", 1, 4), ("EAGLE", 2, 6)])
+def test_small_kv_pool_waits_and_retracts(target_dir: str, heads: dict[str, str],
+                                          reference: list[list[int]], overlap: bool,
+                                          spec: str | None, topk: int, ndt: int) -> None:
+    """A pool far below the total demand: requests wait or get retracted, tokens stay exact."""
+    kwargs = {}
+    if spec:
+        kwargs = dict(speculative_algorithm=spec, speculative_draft_model_path=heads["EAGLE"],
+                      speculative_num_steps=3, speculative_eagle_topk=topk,
+                      speculative_num_draft_tokens=ndt)
+    eng = Engine(model=target_dir, device="cpu", kv_cache_tokens=130, max_running_requests=8,
+                 disable_overlap_schedule=not overlap, **kwargs)
+    got = run_staggered(eng, _prompts(0), _params())
+    assert got == reference
+    assert eng.stats().num_retracted_total > 0, "the pool was meant to force retraction"
