@@ -1,0 +1,126 @@
+"""The FastAPI app: OpenAI-compatible routes, health, metrics, errors in OpenAI's format."""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import TypeVar
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from eagleserve.config import ServerArgs
+from eagleserve.server.engine_client import EngineClient
+from eagleserve.server.handlers import create_chat, create_completion
+from eagleserve.server.metrics import Metrics
+from eagleserve.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+)
+from eagleserve.server.serving import ApiError, Serving
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def validation_error(errors: list[dict]) -> ApiError:
+    """The first pydantic / FastAPI validation error as a 400."""
+    if not errors:
+        return ApiError(400, "invalid request body")
+    err = errors[0]
+    loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+    if err.get("type") == "json_invalid":
+        return ApiError(400, f"malformed JSON body: {err.get('msg', '')}")
+    param = ".".join(loc) or None
+    return ApiError(400, f"{param or 'body'}: {err.get('msg', 'invalid value')}", param)
+
+
+def parse_body(model: type[M], raw: bytes) -> M | ApiError:
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as exc:  # pydantic reports bad input only by raising
+        return validation_error(exc.errors(include_url=False))
+
+
+def create_app(args: ServerArgs, client: EngineClient) -> FastAPI:
+    metrics = Metrics()
+    client.on_stats = metrics.update_engine_stats
+    serving = Serving(args, client, metrics)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if not client.started:
+            await client.start()
+        metrics.update_engine_stats(client.last_stats)
+        yield
+        await client.shutdown()
+
+    app = FastAPI(title="eagleserve", lifespan=lifespan)
+    app.state.serving = serving
+
+    async def require_key(request: Request) -> None:
+        if args.api_key is None:
+            return
+        given = request.headers.get("authorization", "").encode()
+        if not secrets.compare_digest(given, f"Bearer {args.api_key}".encode()):
+            raise StarletteHTTPException(401, "invalid or missing API key")
+
+    def unavailable() -> Response | None:
+        if client.healthy:
+            return None
+        return ApiError(503, "the engine is not running").response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = "invalid_api_key" if exc.status_code == 401 else None
+        return ApiError(exc.status_code, str(exc.detail), code=code).response()
+
+    @app.exception_handler(RequestValidationError)
+    async def request_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return validation_error(list(exc.errors())).response()
+
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_key)])
+
+    @v1.post("/completions")
+    async def completions(request: Request) -> Response:
+        body = parse_body(CompletionRequest, await request.body())
+        if isinstance(body, ApiError):
+            return body.response()
+        err = serving.check_model(body.model)
+        if err is not None:
+            return err.response()
+        return unavailable() or await create_completion(serving, body, request)
+
+    @v1.post("/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        body = parse_body(ChatCompletionRequest, await request.body())
+        if isinstance(body, ApiError):
+            return body.response()
+        err = serving.check_model(body.model)
+        if err is not None:
+            return err.response()
+        return unavailable() or await create_chat(serving, body, request)
+
+    @v1.get("/models")
+    async def models() -> JSONResponse:
+        card = ModelCard(id=serving.model_name, max_model_len=client.max_context_len or None)
+        return JSONResponse(ModelList(data=[card]).model_dump())
+
+    app.include_router(v1)
+
+    @app.get("/health")
+    async def health() -> Response:
+        return unavailable() or JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics_route() -> Response:
+        metrics.update_engine_stats(await client.get_stats())
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    return app

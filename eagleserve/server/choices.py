@@ -1,0 +1,105 @@
+"""Per-choice output state: text (through the detokenizer), logprobs, finish reason, usage."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from eagleserve.messages import TokenOutput
+from eagleserve.server.detokenizer import IncrementalDetokenizer, token_strings
+from eagleserve.server.protocol import (
+    ChatLogprobs,
+    ChatTokenLogprob,
+    CompletionLogprobs,
+    TopLogprob,
+    UsageInfo,
+)
+
+
+class ChoiceState:
+    """One generated sequence. `feed` takes its TokenOutputs and returns the new text."""
+
+    def __init__(
+        self, index: int, prompt_index: int, tokenizer: Any, stop: list[str], text_offset: int = 0
+    ) -> None:
+        self.index = index
+        self.prompt_index = prompt_index
+        self.tokenizer = tokenizer
+        self.detok = IncrementalDetokenizer(tokenizer, stop)
+        self.text = ""
+        self.finish_reason: str | None = None
+        self.prompt_tokens = 0
+        self.completion_tokens = 0
+        self.spec_accept_length: float | None = None
+        # Logprobs: (token string, logprob, top alternatives as (string, logprob)).
+        self.lp: list[tuple[str, float, list[tuple[str, float]]]] = []
+        self.lp_sent = 0  # entries of `lp` already streamed
+        self.text_offset = text_offset  # completion logprobs: offset of the first token
+
+    def feed(self, out: TokenOutput) -> str:
+        delta = self.detok.add(out.new_token_ids)
+        if out.logprobs is not None:
+            names = token_strings(self.tokenizer, out.new_token_ids)
+            tops = out.top_logprobs or [[] for _ in names]
+            for name, value, top in zip(names, out.logprobs, tops):
+                alts = [(s, v) for s, (_, v) in zip(token_strings(self.tokenizer, [t for t, _ in top]), top)]
+                self.lp.append((name, value, alts))
+        self.prompt_tokens = out.prompt_tokens or self.prompt_tokens
+        self.completion_tokens = out.completion_tokens or self.completion_tokens
+        if out.spec_accept_length is not None:
+            self.spec_accept_length = out.spec_accept_length
+        if out.finished:
+            delta += self.detok.finish()
+            self.finish_reason = "stop" if self.detok.stopped else (out.finish_reason or "stop")
+        self.text += delta
+        return delta
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def _take_lp(self, only_new: bool) -> list[tuple[str, float, list[tuple[str, float]]]]:
+        start = self.lp_sent if only_new else 0
+        self.lp_sent = len(self.lp)
+        return self.lp[start:]
+
+    def completion_logprobs(self, only_new: bool = False) -> CompletionLogprobs:
+        start = self.lp_sent if only_new else 0
+        offset = self.text_offset + sum(len(name) for name, _, _ in self.lp[:start])
+        out = CompletionLogprobs()
+        for name, value, alts in self._take_lp(only_new):
+            out.tokens.append(name)
+            out.token_logprobs.append(value)
+            out.top_logprobs.append(dict(alts))
+            out.text_offset.append(offset)
+            offset += len(name)
+        return out
+
+    def chat_logprobs(self, only_new: bool = False) -> ChatLogprobs:
+        content = [
+            ChatTokenLogprob(
+                token=name,
+                logprob=value,
+                bytes=list(name.encode("utf-8")),
+                top_logprobs=[
+                    TopLogprob(token=s, logprob=v, bytes=list(s.encode("utf-8"))) for s, v in alts
+                ],
+            )
+            for name, value, alts in self._take_lp(only_new)
+        ]
+        return ChatLogprobs(content=content)
+
+
+def usage_of(choices: list[ChoiceState]) -> UsageInfo:
+    """Prompt tokens once per prompt (n choices share it); completion tokens of every choice."""
+    prompts: dict[int, int] = {}
+    for c in choices:
+        prompts[c.prompt_index] = max(prompts.get(c.prompt_index, 0), c.prompt_tokens)
+    prompt = sum(prompts.values())
+    completion = sum(c.completion_tokens for c in choices)
+    spec = [c.spec_accept_length for c in choices if c.spec_accept_length is not None]
+    return UsageInfo(
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        total_tokens=prompt + completion,
+        spec_accept_length=sum(spec) / len(spec) if spec else None,
+    )

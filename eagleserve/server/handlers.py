@@ -1,0 +1,220 @@
+"""The /v1/completions and /v1/chat/completions handlers (plain JSON and server-sent events)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from eagleserve.server.choices import ChoiceState, usage_of
+from eagleserve.server.protocol import (
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatDelta,
+    ChatResponseMessage,
+    ChatStreamChoice,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    new_id,
+    now,
+)
+from eagleserve.server.serving import ApiError, Serving, Tracker, run_to_end
+
+CLIENT_CLOSED = 499
+
+
+class AbortingStreamingResponse(StreamingResponse):
+    """Runs `on_close` however the response ends (finished, client gone, cancelled)."""
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+        super().__init__(content, media_type="text/event-stream")
+        self.on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
+
+
+def sse(obj: Any) -> str:
+    data = obj.model_dump() if hasattr(obj, "model_dump") else obj
+    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+def completion_prompts(serving: Serving, prompt: Any) -> list[list[int]] | ApiError:
+    if isinstance(prompt, str):
+        prompt = [prompt]
+    elif prompt and isinstance(prompt[0], int):
+        prompt = [prompt]
+    if not prompt:
+        return ApiError(400, "the prompt is empty", "prompt")
+    out: list[list[int]] = []
+    for p in prompt:
+        ids = serving.encode(p) if isinstance(p, str) else list(p)
+        if isinstance(ids, ApiError):
+            return ids
+        err = serving.check_prompt(ids, "prompt")
+        if err is not None:
+            return err
+        out.append(ids)
+    return out
+
+
+async def create_completion(serving: Serving, body: CompletionRequest, request: Request) -> Response:
+    prompts = completion_prompts(serving, body.prompt)
+    if isinstance(prompts, ApiError):
+        return prompts.response()
+    params = []
+    for ids in prompts:
+        p = serving.sampling_params(body, body.max_tokens, len(ids), body.logprobs)
+        if isinstance(p, ApiError):
+            return p.response()
+        params.append(p)
+    tok = serving.tokenizer
+    echoes = [tok.decode(ids) if body.echo and tok is not None else "" for ids in prompts]
+    reqs = serving.make_reqs(prompts, params, body.n, body.stream)
+
+    def make_choice(i: int, pi: int) -> ChoiceState:
+        return ChoiceState(i, pi, tok, params[pi].stop, text_offset=len(echoes[pi]))
+
+    tracker = Tracker(serving, "completions", reqs, make_choice, body.n)
+    stream = serving.client.generate(reqs)
+    rid, model = new_id("cmpl"), serving.model_name
+    want_lp = body.logprobs is not None
+
+    def chunk(c: ChoiceState, text: str, final: bool) -> CompletionResponse:
+        lp = c.completion_logprobs(only_new=True) if want_lp else None
+        fr = c.finish_reason if final else None
+        choice = CompletionChoice(index=c.index, text=text, logprobs=lp, finish_reason=fr)
+        return CompletionResponse(id=rid, model=model, choices=[choice])
+
+    if not body.stream:
+        if not await run_to_end(request, stream, tracker):
+            return Response(status_code=CLIENT_CLOSED)
+        if tracker.error is not None:
+            return tracker.error.response()
+        choices = [
+            CompletionChoice(
+                index=c.index,
+                text=echoes[c.prompt_index] + c.text,
+                logprobs=c.completion_logprobs() if want_lp else None,
+                finish_reason=c.finish_reason,
+            )
+            for c in tracker.ordered
+        ]
+        usage = usage_of(tracker.ordered)
+        return JSONResponse(CompletionResponse(id=rid, model=model, choices=choices, usage=usage)
+                            .model_dump())
+
+    async def events() -> AsyncIterator[str]:
+        for c in tracker.ordered:
+            if echoes[c.prompt_index]:
+                choice = CompletionChoice(index=c.index, text=echoes[c.prompt_index])
+                yield sse(CompletionResponse(id=rid, model=model, choices=[choice]))
+        async for out in stream:
+            c, delta = tracker.feed(out)
+            if tracker.error is not None:
+                yield sse(tracker.error.response_body())
+                return
+            if delta or c.finished or (want_lp and out.new_token_ids):
+                yield sse(chunk(c, delta, c.finished))
+        tracker.done()
+        if body.include_usage:
+            usage = usage_of(tracker.ordered)
+            yield sse(CompletionResponse(id=rid, model=model, choices=[], usage=usage))
+        yield "data: [DONE]\n\n"
+
+    return AbortingStreamingResponse(events(), stream.close)
+
+
+def chat_prompt(serving: Serving, body: ChatCompletionRequest) -> list[int] | ApiError:
+    if not body.messages:
+        return ApiError(400, "messages must not be empty", "messages")
+    tok = serving.tokenizer
+    if tok is None or not getattr(tok, "chat_template", None):
+        return ApiError(400, "this model has no chat template: use /v1/completions", "messages")
+    msgs = [{"role": m.role, "content": m.text()} for m in body.messages]
+    try:
+        text = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+    except Exception as exc:  # a template may reject a conversation (e.g. role order)
+        return ApiError(400, f"the chat template rejected the messages: {exc}", "messages")
+    ids = serving.encode(text)
+    if isinstance(ids, ApiError):
+        return ids
+    err = serving.check_prompt(ids, "messages")
+    return err if err is not None else ids
+
+
+async def create_chat(serving: Serving, body: ChatCompletionRequest, request: Request) -> Response:
+    ids = chat_prompt(serving, body)
+    if isinstance(ids, ApiError):
+        return ids.response()
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else (
+        body.max_tokens
+    )
+    top = body.top_logprobs or 0
+    params = serving.sampling_params(body, max_tokens, len(ids), top if body.logprobs else None)
+    if isinstance(params, ApiError):
+        return params.response()
+    reqs = serving.make_reqs([ids], [params], body.n, body.stream)
+    tok = serving.tokenizer
+
+    def make_choice(i: int, pi: int) -> ChoiceState:
+        return ChoiceState(i, pi, tok, params.stop)
+
+    tracker = Tracker(serving, "chat", reqs, make_choice, body.n)
+    stream = serving.client.generate(reqs)
+    rid, model = new_id("chatcmpl"), serving.model_name
+    created = now()
+
+    if not body.stream:
+        if not await run_to_end(request, stream, tracker):
+            return Response(status_code=CLIENT_CLOSED)
+        if tracker.error is not None:
+            return tracker.error.response()
+        choices = [
+            ChatChoice(
+                index=c.index,
+                message=ChatResponseMessage(content=c.text),
+                logprobs=c.chat_logprobs() if body.logprobs else None,
+                finish_reason=c.finish_reason,
+            )
+            for c in tracker.ordered
+        ]
+        resp = ChatCompletionResponse(
+            id=rid, created=created, model=model, choices=choices, usage=usage_of(tracker.ordered)
+        )
+        return JSONResponse(resp.model_dump())
+
+    def chunk(choices: list[ChatStreamChoice], usage: Any = None) -> str:
+        return sse(ChatCompletionChunk(id=rid, created=created, model=model, choices=choices,
+                                       usage=usage))
+
+    async def events() -> AsyncIterator[str]:
+        for c in tracker.ordered:
+            yield chunk([ChatStreamChoice(index=c.index, delta=ChatDelta(role="assistant",
+                                                                         content=""))])
+        async for out in stream:
+            c, delta = tracker.feed(out)
+            if tracker.error is not None:
+                yield sse(tracker.error.response_body())
+                return
+            lp = c.chat_logprobs(only_new=True) if body.logprobs else None
+            if delta or c.finished or (lp is not None and lp.content):
+                d = ChatDelta(content=delta or None)
+                yield chunk([ChatStreamChoice(index=c.index, delta=d, logprobs=lp,
+                                              finish_reason=c.finish_reason)])
+        tracker.done()
+        if body.include_usage:
+            yield chunk([], usage_of(tracker.ordered))
+        yield "data: [DONE]\n\n"
+
+    return AbortingStreamingResponse(events(), stream.close)

