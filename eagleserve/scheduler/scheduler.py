@@ -153,12 +153,16 @@ class Scheduler:
         prev, self.inflight = self.inflight, None
         if batch is not None:
             reqs = list(batch.reqs)  # the batch object changes (merge/filter) after launch
-            handle = self.run_batch(batch)
-            if batch.mode == "extend":
+            try:
+                handle = self.run_batch(batch)
+            except Exception as exc:  # a faulty forward fails its own requests, nothing else
+                self._fail_requests(reqs, exc)
+                handle = None
+            if handle is not None and batch.mode == "extend":
                 self._merge_into_running(batch)
             if isinstance(handle, Future):
                 self.inflight = (reqs, handle)
-            else:
+            elif handle is not None:
                 self.process_batch_result(reqs, handle)
         if prev is not None:
             self._process_finished_forward(prev)
@@ -171,10 +175,13 @@ class Scheduler:
         self, launched: tuple[list[Req], Future[GenerationBatchResult]]
     ) -> None:
         reqs, fut = launched
-        result = fut.result()
+        exc = fut.exception()
         # Requests released while that forward ran may now give their slots back.
         self._flush_deferred_release()
-        self.process_batch_result(reqs, result)
+        if exc is not None:
+            self._fail_requests(reqs, exc)
+        else:
+            self.process_batch_result(reqs, fut.result())
 
     def _finish_inflight(self) -> None:
         launched, self.inflight = self.inflight, None
@@ -293,6 +300,20 @@ class Scheduler:
             outputs.append(make_output(req))
             if req.finished:
                 self._release(req)
+        self._drop_finished_from_running()
+
+    def _fail_requests(self, reqs: list[Req], exc: BaseException) -> None:
+        logger.error(
+            "forward failed for requests %s: %r", [r.rid for r in reqs], exc, exc_info=exc
+        )
+        for req in reqs:
+            if req.finished:
+                continue
+            req.finish_reason = FinishReason.ERROR
+            out = make_output(req)
+            out.error, out.error_code = f"internal error in the engine: {exc!r}", 500
+            self.pending_outputs.append(out)
+            self._release(req)
         self._drop_finished_from_running()
 
     def _release(self, req: Req) -> None:

@@ -40,8 +40,9 @@ class ChoiceState:
         if out.logprobs is not None:
             names = token_strings(self.tokenizer, out.new_token_ids)
             tops = out.top_logprobs or [[] for _ in names]
-            for name, value, top in zip(names, out.logprobs, tops):
-                alts = [(s, v) for s, (_, v) in zip(token_strings(self.tokenizer, [t for t, _ in top]), top)]
+            for name, value, top in zip(names, out.logprobs, tops, strict=False):
+                alt_names = token_strings(self.tokenizer, [t for t, _ in top])
+                alts = [(s, v) for s, (_, v) in zip(alt_names, top, strict=True)]
                 self.lp.append((name, value, alts))
         self.prompt_tokens = out.prompt_tokens or self.prompt_tokens
         self.completion_tokens = out.completion_tokens or self.completion_tokens

@@ -116,7 +116,9 @@ class EngineClient:
         self._recv.bind(out_addr)
         spawn = mp.get_context("spawn")
         self._proc = spawn.Process(
-            target=run_engine, args=(self.args, in_addr, out_addr), name="eagleserve-engine",
+            target=run_engine,
+            args=(self.args, in_addr, out_addr),
+            name="eagleserve-engine",
             daemon=True,
         )
         self._proc.start()
@@ -213,7 +215,9 @@ class EngineClient:
 
 
 def _load_tokenizer(path: str) -> Any:
-    if not any(os.path.exists(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer.model")):
+    if not any(
+        os.path.exists(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer.model")
+    ):
         return None
     from transformers import AutoTokenizer
 

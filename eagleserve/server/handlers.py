@@ -68,7 +68,9 @@ def completion_prompts(serving: Serving, prompt: Any) -> list[list[int]] | ApiEr
     return out
 
 
-async def create_completion(serving: Serving, body: CompletionRequest, request: Request) -> Response:
+async def create_completion(
+    serving: Serving, body: CompletionRequest, request: Request
+) -> Response:
     prompts = completion_prompts(serving, body.prompt)
     if isinstance(prompts, ApiError):
         return prompts.response()
@@ -111,8 +113,9 @@ async def create_completion(serving: Serving, body: CompletionRequest, request: 
             for c in tracker.ordered
         ]
         usage = usage_of(tracker.ordered)
-        return JSONResponse(CompletionResponse(id=rid, model=model, choices=choices, usage=usage)
-                            .model_dump())
+        return JSONResponse(
+            CompletionResponse(id=rid, model=model, choices=choices, usage=usage).model_dump()
+        )
 
     async def events() -> AsyncIterator[str]:
         for c in tracker.ordered:
@@ -157,9 +160,9 @@ async def create_chat(serving: Serving, body: ChatCompletionRequest, request: Re
     ids = chat_prompt(serving, body)
     if isinstance(ids, ApiError):
         return ids.response()
-    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else (
-        body.max_tokens
-    )
+    max_tokens = body.max_completion_tokens
+    if max_tokens is None:
+        max_tokens = body.max_tokens
     top = body.top_logprobs or 0
     params = serving.sampling_params(body, max_tokens, len(ids), top if body.logprobs else None)
     if isinstance(params, ApiError):
@@ -195,13 +198,15 @@ async def create_chat(serving: Serving, body: ChatCompletionRequest, request: Re
         return JSONResponse(resp.model_dump())
 
     def chunk(choices: list[ChatStreamChoice], usage: Any = None) -> str:
-        return sse(ChatCompletionChunk(id=rid, created=created, model=model, choices=choices,
-                                       usage=usage))
+        return sse(
+            ChatCompletionChunk(id=rid, created=created, model=model, choices=choices, usage=usage)
+        )
 
     async def events() -> AsyncIterator[str]:
         for c in tracker.ordered:
-            yield chunk([ChatStreamChoice(index=c.index, delta=ChatDelta(role="assistant",
-                                                                         content=""))])
+            yield chunk(
+                [ChatStreamChoice(index=c.index, delta=ChatDelta(role="assistant", content=""))]
+            )
         async for out in stream:
             c, delta = tracker.feed(out)
             if tracker.error is not None:
@@ -210,8 +215,13 @@ async def create_chat(serving: Serving, body: ChatCompletionRequest, request: Re
             lp = c.chat_logprobs(only_new=True) if body.logprobs else None
             if delta or c.finished or (lp is not None and lp.content):
                 d = ChatDelta(content=delta or None)
-                yield chunk([ChatStreamChoice(index=c.index, delta=d, logprobs=lp,
-                                              finish_reason=c.finish_reason)])
+                yield chunk(
+                    [
+                        ChatStreamChoice(
+                            index=c.index, delta=d, logprobs=lp, finish_reason=c.finish_reason
+                        )
+                    ]
+                )
         tracker.done()
         if body.include_usage:
             yield chunk([], usage_of(tracker.ordered))

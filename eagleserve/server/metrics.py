@@ -30,15 +30,21 @@ class Metrics:
         self.kv_total = Gauge(P + "kv_total_tokens", "KV cache slots in all", registry=r)
         self.kv_usage = Gauge(P + "kv_cache_usage_ratio", "KV cache slots in use / all", registry=r)
         self.ttft = Histogram(
-            P + "time_to_first_token_seconds", "Time to first token", buckets=LATENCY_BUCKETS,
+            P + "time_to_first_token_seconds",
+            "Time to first token",
+            buckets=LATENCY_BUCKETS,
             registry=r,
         )
         self.itl = Histogram(
-            P + "inter_token_latency_seconds", "Time between output tokens",
-            buckets=LATENCY_BUCKETS, registry=r,
+            P + "inter_token_latency_seconds",
+            "Time between output tokens",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
         )
         self.e2e = Histogram(
-            P + "e2e_request_latency_seconds", "Request latency", buckets=LATENCY_BUCKETS,
+            P + "e2e_request_latency_seconds",
+            "Request latency",
+            buckets=LATENCY_BUCKETS,
             registry=r,
         )
         self.spec_accept_length = Gauge(
@@ -51,8 +57,10 @@ class Metrics:
             P + "spec_accepted_tokens", "Tokens committed by verify steps", registry=r
         )
         self.spec_accepted_per_position = Counter(
-            P + "spec_accepted_per_position", "Accepted draft tokens at each draft depth",
-            ["position"], registry=r,
+            P + "spec_accepted_per_position",
+            "Accepted draft tokens at each draft depth",
+            ["position"],
+            registry=r,
         )
         self._last = EngineStats()
 

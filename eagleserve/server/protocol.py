@@ -214,13 +214,13 @@ class ErrorResponse(BaseModel):
 
 ERROR_TYPES = {
     400: "invalid_request_error",
-    401: "authentication_error",
-    404: "not_found_error",
     503: "service_unavailable",
 }
 
 
-def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+def error_body(
+    status: int, message: str, param: str | None = None, code: str | None = None
+) -> dict:
     err_type = ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
     info = ErrorInfo(message=message, type=err_type, param=param, code=code)
     return ErrorResponse(error=info).model_dump()

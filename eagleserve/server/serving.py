@@ -112,7 +112,7 @@ class Serving:
     ) -> list[GenerateReqInput]:
         """n requests per prompt (choice index = prompt * n + j); seed + j when seeded."""
         reqs = []
-        for ids, p in zip(prompts, params):
+        for ids, p in zip(prompts, params, strict=True):
             for j in range(n):
                 seed = None if p.seed is None else p.seed + j
                 sp = SamplingParams(**{**p.__dict__, "seed": seed, "stop": list(p.stop)})
@@ -123,8 +123,14 @@ class Serving:
 class Tracker:
     """Feeds outputs to their choices and records latency / token metrics of one API call."""
 
-    def __init__(self, serving: Serving, endpoint: str, reqs: list[GenerateReqInput],
-                 make_choice: Callable[[int, int], ChoiceState], n: int) -> None:
+    def __init__(
+        self,
+        serving: Serving,
+        endpoint: str,
+        reqs: list[GenerateReqInput],
+        make_choice: Callable[[int, int], ChoiceState],
+        n: int,
+    ) -> None:
         self.serving = serving
         self.endpoint = endpoint
         self.choices = {r.rid: make_choice(i, i // n) for i, r in enumerate(reqs)}

@@ -1,0 +1,164 @@
+"""The `eagleserve` command. `eagleserve serve --help` lists every flag.
+
+The flags of `serve` are generated from the `ServerArgs` fields, one flag per field
+(`max_running_requests` <-> `--max-running-requests`). Precedence: flags > `--config` YAML file
+(keys are field names) > `EAGLESERVE_API_KEY` (for the API key) > the dataclass defaults.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from eagleserve.config import ServerArgs
+
+FIELD_HELP: dict[str, str] = {
+    "model": "target model: 'default' (SmolLM2-135M-Instruct), a Hugging Face folder, or a .gguf",
+    "host": "address to listen on",
+    "port": "port to listen on (0: any free port; the ready line shows which)",
+    "device": "auto | cpu | cuda",
+    "dtype": "auto | float32 | bfloat16 | float16",
+    "max_running_requests": "most requests decoding at once",
+    "kv_cache_tokens": "KV cache size in tokens (all requests together)",
+    "max_context_len": "most tokens per request, prompt + output (default: the model's limit)",
+    "served_model_name": "model name the API reports and accepts (default: --model)",
+    "api_key": "require 'Authorization: Bearer KEY' on /v1/* (default: $EAGLESERVE_API_KEY)",
+    "seed": "random seed of the engine",
+    "speculative_algorithm": "EAGLE or EAGLE3 to turn on speculative decoding",
+    "speculative_draft_model_path": "EAGLE draft head folder",
+    "speculative_num_steps": "draft steps per speculative iteration",
+    "speculative_eagle_topk": "draft branches per step (1: a chain)",
+    "speculative_num_draft_tokens": "tokens verified per iteration (chain: num_steps + 1)",
+    "disable_overlap_schedule": "run scheduling and the forward pass one after the other",
+    "attention_backend": "auto | torch | triton",
+    "disable_cuda_graph": "do not capture CUDA graphs for decode",
+    "cuda_graph_max_bs": "largest batch size captured in a CUDA graph",
+    "log_level": "debug | info | warning | error",
+}
+_TYPES: dict[str, Callable[[str], Any]] = {"int": int, "float": float, "str": str}
+
+
+def _field_type(f: dataclasses.Field) -> tuple[str, bool]:
+    """('int' | 'float' | 'str' | 'bool' | other, optional) from the field's annotation."""
+    parts = [p.strip() for p in str(f.type).split("|")]
+    optional = "None" in parts
+    parts = [p for p in parts if p != "None"]
+    return (parts[0] if len(parts) == 1 else "str"), optional
+
+
+def serve_fields() -> list[dataclasses.Field]:
+    return [f for f in dataclasses.fields(ServerArgs) if f.name != "extra"]
+
+
+def add_serve_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--config", metavar="YAML", help="YAML file (or name under configs/) of ServerArgs fields"
+    )
+    for f in serve_fields():
+        flag = "--" + f.name.replace("_", "-")
+        kind, optional = _field_type(f)
+        default = f.default if f.default is not dataclasses.MISSING else None
+        text = f"{FIELD_HELP.get(f.name, f.name.replace('_', ' '))} (default: {default})"
+        if kind == "bool":
+            parser.add_argument(
+                flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=text
+            )
+        else:
+            parser.add_argument(
+                flag,
+                type=_TYPES.get(kind, str),
+                default=argparse.SUPPRESS,
+                metavar=kind.upper(),
+                help=text,
+            )
+
+
+def find_config(name: str) -> Path | None:
+    repo = Path(__file__).resolve().parent.parent
+    for cand in (
+        Path(name),
+        Path("configs") / name,
+        Path("configs") / f"{name}.yaml",
+        repo / name,
+        repo / "configs" / f"{name}.yaml",
+    ):
+        if cand.is_file():
+            return cand
+    return None
+
+
+def load_config(name: str) -> dict[str, Any] | str:
+    """The YAML file's fields, or an error message."""
+    import yaml
+
+    path = find_config(name)
+    if path is None:
+        return f"config file not found: {name}"
+    data = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(data, dict):
+        return f"{path}: expected a mapping of ServerArgs fields"
+    known = {f.name for f in dataclasses.fields(ServerArgs)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        return f"{path}: unknown fields {unknown} (known: {sorted(known)})"
+    return data
+
+
+def build_server_args(ns: argparse.Namespace) -> ServerArgs | str:
+    """ServerArgs from parsed flags (+ config file + environment), or an error message."""
+    values: dict[str, Any] = {}
+    config = getattr(ns, "config", None)
+    if config:
+        loaded = load_config(config)
+        if isinstance(loaded, str):
+            return loaded
+        values.update(loaded)
+    values.update({f.name: getattr(ns, f.name) for f in serve_fields() if hasattr(ns, f.name)})
+    if values.get("api_key") is None and os.environ.get("EAGLESERVE_API_KEY"):
+        values["api_key"] = os.environ["EAGLESERVE_API_KEY"]
+    args = ServerArgs(**values)
+    if args.speculative_algorithm:
+        try:
+            args.spec_config  # noqa: B018 - validates the speculative flags
+        except ValueError as exc:
+            return str(exc)
+    return args
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="eagleserve", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    serve = sub.add_parser(
+        "serve",
+        help="start the OpenAI-compatible server",
+        description="Start the OpenAI-compatible HTTP server (/v1/completions, "
+        "/v1/chat/completions, /v1/models, /health, /metrics).",
+    )
+    add_serve_flags(serve)
+    serve.set_defaults(func=cmd_serve)
+    return parser
+
+
+def cmd_serve(ns: argparse.Namespace) -> int:
+    args = build_server_args(ns)
+    if isinstance(args, str):
+        print(f"eagleserve: error: {args}", file=sys.stderr)
+        return 2
+    from eagleserve.server.launch import serve
+
+    return asyncio.run(serve(args))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
+    return ns.func(ns)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
