@@ -34,10 +34,12 @@ _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # ---------------------------------------------------------------------------------------------
 @triton.jit
 def _dot(a, b, IEEE: tl.constexpr):
-    # fp32 inputs: "ieee" so results match the fp32 reference (the NVIDIA default is tf32).
-    # 16-bit inputs: the default precision; accumulation is fp32 either way.
+    # IEEE is set for fp32 inputs, so results match the fp32 reference (the NVIDIA default is
+    # tf32), and for CPU tensors (the interpreter): its tl.dot multiplies the raw bit patterns of
+    # bfloat16 operands (triton-lang/triton#11584), so there both operands go through fp32.
+    # 16-bit inputs on a GPU use the default precision; accumulation is fp32 either way.
     if IEEE:
-        return tl.dot(a, b, input_precision="ieee")
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
     else:
         return tl.dot(a, b)
 
@@ -146,14 +148,16 @@ def _decode_stage1_kernel(
         + offs_d[None, :]
     )
     tl.store(mo_ptrs, out, mask=h_valid[:, None] & d_valid[None, :])
-    tl.store(MidLse + b.to(tl.int64) * stride_ml_b + offs_h * stride_ml_h + split, lse, mask=h_valid)
+    tl.store(
+        MidLse + b.to(tl.int64) * stride_ml_b + offs_h * stride_ml_h + split, lse, mask=h_valid
+    )
 
 
 @triton.jit
 def _decode_stage2_kernel(
     MidO,  # [bs, H, NUM_SPLITS, D] fp32
     MidLse,  # [bs, H, NUM_SPLITS] fp32
-    O,  # [bs, H, D]
+    Out,  # [bs, H, D]
     stride_mo_b,
     stride_mo_h,
     stride_mo_s,
@@ -187,7 +191,9 @@ def _decode_stage2_kernel(
     )  # [BLOCK_S, BLOCK_D]
     w_sum = tl.sum(w, 0)
     out = tl.sum(o * w[:, None], 0) / tl.where(w_sum == 0.0, 1.0, w_sum)
-    tl.store(O + b * stride_ob + h * stride_oh + offs_d, out.to(O.dtype.element_ty), mask=d_valid)
+    tl.store(
+        Out + b * stride_ob + h * stride_oh + offs_d, out.to(Out.dtype.element_ty), mask=d_valid
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -198,7 +204,7 @@ def _prefill_kernel(
     Q,  # [T, H, D], request b's rows start at QStart[b]
     K,  # [S, Hkv, D]
     V,  # [S, Hkv, D]
-    O,  # [T, H, D]
+    Out,  # [T, H, D]
     ReqToToken,  # [R, L] int64
     ReqPoolIdx,  # [bs] int64
     QStart,  # [bs] int64, first query row of each request
@@ -300,8 +306,8 @@ def _prefill_kernel(
         # l_i == 0 only on rows with nothing visible (padding rows, which are not stored).
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(
-            O + q_rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
-            out.to(O.dtype.element_ty),
+            Out + q_rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
+            out.to(Out.dtype.element_ty),
             mask=m_valid[:, None] & d_valid[None, :],
         )
 
@@ -332,6 +338,11 @@ def _check_index(name: str, t: torch.Tensor, dim: int, device: torch.device) -> 
 
 def _block_d(head_dim: int) -> int:
     return max(16, triton.next_power_of_2(head_dim))
+
+
+def _ieee_dot(q: torch.Tensor) -> bool:
+    """fp32 inputs, or any CPU tensors (interpreter; see `_dot`)."""
+    return q.dtype == torch.float32 or q.device.type == "cpu"
 
 
 def _decode_attention(
@@ -371,7 +382,7 @@ def _decode_attention(
     block_d = _block_d(head_dim)
     block_h = max(16, triton.next_power_of_2(group))
     block_n = 64 if block_d <= 64 else 32
-    ieee = q.dtype == torch.float32
+    ieee = _ieee_dot(q)
     _decode_stage1_kernel[(bs, kv_heads, num_kv_splits)](
         q,
         k_buffer,
@@ -536,7 +547,7 @@ def _prefill_attention(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_D=block_d,
-        IEEE=q.dtype == torch.float32,
+        IEEE=_ieee_dot(q),
         num_warps=4,
         num_stages=2,
     )

@@ -23,6 +23,18 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return table[dtype]
 
 
+def init_dummy_weights(model: torch.nn.Module, seed: int = 0) -> None:
+    """Random weights (N(0, 0.02), norms 1), deterministic in `seed`, made on the model's device:
+    for benchmarks of model shapes whose weights are not at hand (vLLM's --load-format dummy)."""
+    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02, generator=gen)
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -35,6 +47,7 @@ class ModelRunner:
         max_context_len: int,
         attention_backend: str = "auto",
         aux_layer_ids: tuple[int, ...] = (),
+        load_format: str = "auto",
     ) -> None:
         self.config = model_config
         self.device = device
@@ -43,11 +56,11 @@ class ModelRunner:
         with torch.device("meta"):
             model = LlamaForCausalLM(model_config, max_context_len, aux_layer_ids)
         # Real parameters in the target dtype; rotary caches stay fp32 as in transformers.
-        model = model.to_empty(device=device)
+        model = model.to(dtype).to_empty(device=device)
         model.model.rotary_emb.build(device)
-        for p in model.parameters():
-            p.data = p.data.to(dtype)
-        if model_path is not None:
+        if load_format == "dummy":
+            init_dummy_weights(model)
+        elif model_path is not None:
             load_weights(model, model_path, desc="target weights")
         self.model = model.eval()
         self.req_to_token_pool = ReqToTokenPool(max_running_requests, max_context_len, device)

@@ -47,9 +47,9 @@ class TritonAttnBackend:
         bs = fb.batch_size
         if bs > 0:
             # The only device->host sync of the forward: grid sizes must be host ints.
-            max_extend, min_extend, max_kv_len = (
-                torch.stack([extend_lens.max(), extend_lens.min(), kv_lens.max()]).tolist()
-            )
+            max_extend, min_extend, max_kv_len = torch.stack(
+                [extend_lens.max(), extend_lens.min(), kv_lens.max()]
+            ).tolist()
         else:
             max_extend = min_extend = max_kv_len = 0
         if fb.tree_mask is not None:
@@ -83,20 +83,37 @@ class TritonAttnBackend:
                 bs, num_heads, head_dim = q.shape
                 md.num_kv_splits = choose_num_kv_splits(bs, k_buf.shape[1], md.max_kv_len)
                 md.mid_o = torch.empty(
-                    (bs, num_heads, md.num_kv_splits, head_dim), dtype=torch.float32,
+                    (bs, num_heads, md.num_kv_splits, head_dim),
+                    dtype=torch.float32,
                     device=q.device,
                 )
                 md.mid_lse = torch.empty(
                     (bs, num_heads, md.num_kv_splits), dtype=torch.float32, device=q.device
                 )
             return _decode_attention(
-                q, k_buf, v_buf, self.req_to_token, fb.req_pool_indices, md.kv_lens,
-                self.sm_scale, md.num_kv_splits, md.mid_o, md.mid_lse,
+                q,
+                k_buf,
+                v_buf,
+                self.req_to_token,
+                fb.req_pool_indices,
+                md.kv_lens,
+                self.sm_scale,
+                md.num_kv_splits,
+                md.mid_o,
+                md.mid_lse,
             )
         tree = md.kind == "tree"
         return _prefill_attention(
-            q, k_buf, v_buf, self.req_to_token, fb.req_pool_indices, md.extend_start_loc,
-            md.extend_lens, md.kv_lens, md.max_extend, self.sm_scale,
+            q,
+            k_buf,
+            v_buf,
+            self.req_to_token,
+            fb.req_pool_indices,
+            md.extend_start_loc,
+            md.extend_lens,
+            md.kv_lens,
+            md.max_extend,
+            self.sm_scale,
             prefix_lens=fb.prefix_lens if tree else None,
             tree_mask=fb.tree_mask if tree else None,
         )

@@ -57,7 +57,7 @@ class Scheduler:
             runner = ModelRunner(
                 cfg, self.model_path, self.device, dtype, args.kv_cache_tokens,
                 args.max_running_requests, self.max_context_len + 2 * self.alloc_len,
-                args.attention_backend,
+                args.attention_backend, load_format=args.load_format,
             )
             self.worker = TargetWorker(runner)
         else:

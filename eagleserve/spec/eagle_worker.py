@@ -44,6 +44,7 @@ class EagleWorker:
         self.target = ModelRunner(
             model_config, model_path, device, dtype, args.kv_cache_tokens,
             args.max_running_requests, max_context_len, args.attention_backend,
+            load_format=args.load_format,
         )
         self.head = load_eagle_head(spec.draft_model_path, spec.algorithm, self.target.model,
                                     device, dtype)

@@ -30,18 +30,14 @@ def hf_logits(
     """transformers with its own cache: prefill logits [n, V], then one [V] per decode token."""
     with torch.no_grad():
         out = model(torch.tensor([prompt]), use_cache=True)
+        prefill = out.logits[0].float()
         cache = out.past_key_values
         steps = []
         for tok in decode_ids:
             out = model(torch.tensor([[tok]]), past_key_values=cache, use_cache=True)
             cache = out.past_key_values
             steps.append(out.logits[0, -1].float())
-    return out_prefill(model, prompt), steps
-
-
-def out_prefill(model: torch.nn.Module, prompt: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return model(torch.tensor([prompt])).logits[0].float()
+    return prefill, steps
 
 
 def check_paged_parity(model_dir: str, vocab: int, lengths: list[int], seed: int) -> None:

@@ -1,0 +1,336 @@
+"""Triton paged-attention kernels vs the torch references, under the Triton CPU interpreter."""
+
+from __future__ import annotations
+
+import os
+
+# Must be set before triton is imported anywhere: the interpreter runs kernels on CPU tensors.
+os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton")
+
+from eagleserve.kernels import torch_attention as ref  # noqa: E402
+from eagleserve.kernels import triton_attention as tri  # noqa: E402
+from eagleserve.model.attention import TorchAttnBackend  # noqa: E402
+from eagleserve.model.forward_batch import ForwardBatch  # noqa: E402
+from eagleserve.model.kv_cache import TokenToKVPool  # noqa: E402
+from eagleserve.model.triton_backend import TritonAttnBackend  # noqa: E402
+
+ATOL = 1e-4
+RTOL = 1e-4
+
+
+class Paged:
+    """Random paged layout: requests live in shuffled req_to_token rows and map their positions
+    to a random permutation of KV slots. Unused req_to_token entries point at real slots holding
+    random data, so reading past a request's length gives a wrong answer, not a silent zero."""
+
+    def __init__(
+        self,
+        seq_lens: list[int],
+        kv_heads: int,
+        head_dim: int,
+        gen: torch.Generator,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        bs = len(seq_lens)
+        self.max_len = max(seq_lens) + 5
+        num_rows = bs + 2
+        num_slots = sum(seq_lens) + 7
+        self.k = torch.randn(num_slots, kv_heads, head_dim, generator=gen).to(dtype)
+        self.v = torch.randn(num_slots, kv_heads, head_dim, generator=gen).to(dtype)
+        self.req_to_token = torch.randint(
+            0, num_slots, (num_rows, self.max_len), generator=gen, dtype=torch.int64
+        )  # [R, L]
+        self.req_pool_indices = torch.randperm(num_rows, generator=gen)[:bs]  # [bs]
+        slots = torch.randperm(num_slots, generator=gen)
+        off = 0
+        for b, n in enumerate(seq_lens):
+            self.req_to_token[self.req_pool_indices[b], :n] = slots[off : off + n]
+            off += n
+
+
+def ancestor_mask(parents: list[int]) -> torch.Tensor:
+    """[n, n] bool: mask[i, j] = j is i or an ancestor of i (parents[i] < i, root -1)."""
+    n = len(parents)
+    mask = torch.zeros(n, n, dtype=torch.bool)
+    for i in range(n):
+        j = i
+        while j >= 0:
+            mask[i, j] = True
+            j = parents[j]
+    return mask
+
+
+def random_tree_masks(bs: int, n: int, kind: str, gen: torch.Generator) -> torch.Tensor:
+    """[bs, n, n] bool; kind "chain" (causal) or "random" (random parent arrays per request)."""
+    masks = []
+    for _ in range(bs):
+        if kind == "chain":
+            parents = [i - 1 for i in range(n)]
+        else:
+            parents = [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, n)]
+        masks.append(ancestor_mask(parents))
+    return torch.stack(masks)
+
+
+def heads(group: int) -> tuple[int, int]:
+    """(H, Hkv) for a GQA ratio, kept small: the interpreter runs one program at a time."""
+    return {1: (2, 2), 3: (3, 1), 4: (8, 2)}[group]
+
+
+# ---------------------------------------------------------------------------------------------
+# decode
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "seq_lens,group,head_dim,splits",
+    [
+        ([1], 1, 64, 1),
+        ([1, 37, 70, 5], 1, 64, 3),
+        ([65, 2, 33], 3, 128, 1),
+        ([130, 1, 17, 64, 9], 4, 64, 4),
+        ([3, 100], 4, 128, 7),  # more splits than positions for the short request
+        ([40, 9], 3, 80, 2),  # head_dim not a power of two
+    ],
+)
+def test_decode_matches_reference(
+    seq_lens: list[int], group: int, head_dim: int, splits: int
+) -> None:
+    gen = torch.Generator().manual_seed(1000 + sum(seq_lens) + group + head_dim + splits)
+    num_heads, kv_heads = heads(group)
+    pg = Paged(seq_lens, kv_heads, head_dim, gen)
+    q = torch.randn(len(seq_lens), num_heads, head_dim, generator=gen)
+    seq = torch.tensor(seq_lens)
+    scale = head_dim**-0.5
+    args = (q, pg.k, pg.v, pg.req_to_token, pg.req_pool_indices, seq, scale)
+    out = tri._decode_attention(*args, splits)
+    torch.testing.assert_close(out, ref.decode_attention_ref(*args), atol=ATOL, rtol=RTOL)
+
+
+def test_decode_public_wrapper() -> None:
+    gen = torch.Generator().manual_seed(7)
+    pg = Paged([300, 4, 1], 2, 64, gen)  # pool rows of 305 -> more than one split
+    assert tri.choose_num_kv_splits(3, 2, pg.max_len) > 1
+    q = torch.randn(3, 8, 64, generator=gen)
+    args = (q, pg.k, pg.v, pg.req_to_token, pg.req_pool_indices, torch.tensor([300, 4, 1]), 0.1)
+    out = tri.decode_attention(*args)
+    torch.testing.assert_close(out, ref.decode_attention_ref(*args), atol=ATOL, rtol=RTOL)
+
+
+# ---------------------------------------------------------------------------------------------
+# extend
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "prefix_lens,extend_lens,group,head_dim",
+    [
+        ([0], [1], 1, 64),
+        ([0, 10, 3], [5, 1, 17], 1, 128),
+        ([40, 0], [70, 9], 3, 64),  # 70 new tokens: two query blocks
+        ([7, 64, 0, 1], [3, 2, 33, 1], 4, 128),
+        ([5, 12], [6, 20], 3, 80),
+    ],
+)
+def test_extend_matches_reference(
+    prefix_lens: list[int], extend_lens: list[int], group: int, head_dim: int
+) -> None:
+    gen = torch.Generator().manual_seed(2000 + sum(prefix_lens) + sum(extend_lens) + head_dim)
+    num_heads, kv_heads = heads(group)
+    pg = Paged(
+        [p + e for p, e in zip(prefix_lens, extend_lens, strict=True)], kv_heads, head_dim, gen
+    )
+    q = torch.randn(sum(extend_lens), num_heads, head_dim, generator=gen)
+    pl, el = torch.tensor(prefix_lens), torch.tensor(extend_lens)
+    args = (q, pg.k, pg.v, pg.req_to_token, pg.req_pool_indices, pl, el, head_dim**-0.5)
+    out = tri.extend_attention(*args)
+    torch.testing.assert_close(out, ref.extend_attention_ref(*args), atol=ATOL, rtol=RTOL)
+
+
+# ---------------------------------------------------------------------------------------------
+# tree verify
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "prefix_lens,n,kind,group,head_dim",
+    [
+        ([0], 1, "chain", 1, 64),
+        ([5, 0, 33], 4, "chain", 1, 64),
+        ([12, 1], 7, "random", 3, 64),
+        ([70, 9, 20], 8, "random", 4, 128),
+        ([3, 50], 20, "random", 4, 64),  # n > 16: a 32-row query block, 12 rows masked
+        ([8], 6, "random", 3, 80),
+    ],
+)
+def test_tree_verify_matches_reference(
+    prefix_lens: list[int], n: int, kind: str, group: int, head_dim: int
+) -> None:
+    gen = torch.Generator().manual_seed(3000 + sum(prefix_lens) + n + head_dim)
+    bs = len(prefix_lens)
+    num_heads, kv_heads = heads(group)
+    pg = Paged([p + n for p in prefix_lens], kv_heads, head_dim, gen)
+    q = torch.randn(bs * n, num_heads, head_dim, generator=gen)
+    mask = random_tree_masks(bs, n, kind, gen)
+    pl = torch.tensor(prefix_lens)
+    args = (q, pg.k, pg.v, pg.req_to_token, pg.req_pool_indices, pl, mask, head_dim**-0.5)
+    out = tri.tree_verify_attention(*args)
+    torch.testing.assert_close(out, ref.tree_verify_attention_ref(*args), atol=ATOL, rtol=RTOL)
+
+
+def test_chain_tree_equals_causal_extend() -> None:
+    gen = torch.Generator().manual_seed(11)
+    pg = Paged([9, 25], 2, 64, gen)
+    n = 5
+    q = torch.randn(2 * n, 8, 64, generator=gen)
+    pl, el = torch.tensor([4, 20]), torch.tensor([n, n])
+    common = (q, pg.k, pg.v, pg.req_to_token, pg.req_pool_indices, pl)
+    tree = tri.tree_verify_attention(*common, random_tree_masks(2, n, "chain", gen), 0.2)
+    torch.testing.assert_close(tree, tri.extend_attention(*common, el, 0.2), atol=ATOL, rtol=RTOL)
+
+
+def test_non_contiguous_tree_mask() -> None:
+    gen = torch.Generator().manual_seed(12)
+    pg = Paged([10, 14], 1, 64, gen)
+    n = 4
+    q = torch.randn(2 * n, 3, 64, generator=gen)
+    mask = random_tree_masks(2, n, "random", gen).transpose(1, 2).contiguous().transpose(1, 2)
+    assert not mask.is_contiguous()
+    args = (q, pg.k, pg.v, pg.req_to_token, pg.req_pool_indices, torch.tensor([6, 10]), mask, 0.1)
+    out = tri.tree_verify_attention(*args)
+    torch.testing.assert_close(out, ref.tree_verify_attention_ref(*args), atol=ATOL, rtol=RTOL)
+
+
+# ---------------------------------------------------------------------------------------------
+# 16-bit inputs (fp32 accumulation; compared with the fp32 reference on the rounded inputs)
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_inputs(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(13)
+    pg = Paged([33, 8, 20], 2, 64, gen, dtype=dtype)
+    k32, v32 = pg.k.float(), pg.v.float()
+    pl, el = torch.tensor([30, 0, 12]), torch.tensor([3, 8, 8])
+    tol = {"atol": 2e-2, "rtol": 2e-2}
+    common = (pg.req_to_token, pg.req_pool_indices)
+
+    q = torch.randn(int(el.sum()), 8, 64, generator=gen).to(dtype)
+    out = tri.extend_attention(q, pg.k, pg.v, *common, pl, el, 0.125)
+    assert out.dtype == dtype
+    want = ref.extend_attention_ref(q.float(), k32, v32, *common, pl, el, 0.125)
+    torch.testing.assert_close(out.float(), want, **tol)
+
+    qd = torch.randn(3, 8, 64, generator=gen).to(dtype)
+    seq = pl + el
+    out = tri._decode_attention(qd, pg.k, pg.v, *common, seq, 0.125, 2)
+    want = ref.decode_attention_ref(qd.float(), k32, v32, *common, seq, 0.125)
+    torch.testing.assert_close(out.float(), want, **tol)
+
+
+# ---------------------------------------------------------------------------------------------
+# backend end to end, against TorchAttnBackend
+# ---------------------------------------------------------------------------------------------
+class BackendHarness:
+    """A real KV pool and req_to_token; runs one forward through both backends on layer 1."""
+
+    def __init__(self, num_heads: int, kv_heads: int, head_dim: int, gen: torch.Generator) -> None:
+        self.h, self.hkv, self.d, self.gen = num_heads, kv_heads, head_dim, gen
+        self.pool = TokenToKVPool(400, 2, kv_heads, head_dim, torch.float32, torch.device("cpu"))
+        self.req_to_token = torch.zeros(6, 128, dtype=torch.int64)
+        # Fill the pool with random K/V (a prior forward's cache) so prefixes are not zeros.
+        for buf in self.pool.k_buffer + self.pool.v_buffer:
+            buf.copy_(torch.randn(buf.shape, generator=gen))
+        self.scale = head_dim**-0.5
+        self.torch_be = TorchAttnBackend(self.req_to_token, self.scale)
+        self.triton_be = TritonAttnBackend(self.req_to_token, self.scale)
+
+    def assign(self, req_pool_indices: list[int], kv_lens: list[int]) -> None:
+        """Gives each request fresh shuffled slots for positions [0, kv_len)."""
+        for r, n in zip(req_pool_indices, kv_lens, strict=True):
+            slots = self.pool.alloc(n)
+            assert slots is not None
+            self.req_to_token[r, :n] = slots[torch.randperm(n, generator=self.gen)]
+
+    def run(
+        self,
+        mode: str,
+        req_pool_indices: list[int],
+        prefix_lens: list[int],
+        extend_lens: list[int],
+        tree_mask: torch.Tensor | None = None,
+        kv_lens: list[int] | None = None,
+        query_offset: list[int] | None = None,
+    ) -> None:
+        """query_offset[b]: position, relative to prefix, of request b's first written token."""
+        rpi = torch.tensor(req_pool_indices)
+        offs = query_offset or [0] * len(req_pool_indices)
+        loc = torch.cat(
+            [
+                self.req_to_token[r, p + o : p + o + e]
+                for r, p, e, o in zip(req_pool_indices, prefix_lens, extend_lens, offs, strict=True)
+            ]
+        )
+        t = loc.numel()
+        q = torch.randn(t, self.h, self.d, generator=self.gen)
+        k = torch.randn(t, self.hkv, self.d, generator=self.gen)
+        v = torch.randn(t, self.hkv, self.d, generator=self.gen)
+        outs = []
+        for be in (self.torch_be, self.triton_be):
+            fb = ForwardBatch(
+                mode=mode,  # type: ignore[arg-type]
+                input_ids=torch.zeros(t, dtype=torch.int64),
+                positions=torch.zeros(t, dtype=torch.int64),
+                out_cache_loc=loc,
+                req_pool_indices=rpi,
+                prefix_lens=torch.tensor(prefix_lens),
+                extend_lens=torch.tensor(extend_lens),
+                kv_pool=self.pool,
+                attn_backend=be,
+                tree_mask=tree_mask,
+                kv_lens=None if kv_lens is None else torch.tensor(kv_lens),
+            )
+            be.init_forward_metadata(fb)
+            outs.append(be.forward(q, k, v, 1, fb))
+        torch.testing.assert_close(outs[1], outs[0], atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.parametrize("group", [1, 4])
+def test_backend_extend_decode_verify(group: int) -> None:
+    gen = torch.Generator().manual_seed(40 + group)
+    num_heads, kv_heads = heads(group)
+    hx = BackendHarness(num_heads, kv_heads, 64, gen)
+    rpi = [3, 0, 5]
+    hx.assign(rpi, [60, 60, 60])
+    # Prefill with one request already partly cached.
+    hx.run("extend", rpi, [0, 12, 0], [21, 9, 1])
+    # Decode: one token per request.
+    hx.run("decode", rpi, [21, 21, 1], [1, 1, 1])
+    # Chain drafting step (mode draft, one token each) takes the decode kernel too.
+    hx.run("draft", rpi, [22, 22, 2], [1, 1, 1])
+    # Verify of a chain (no tree_mask): causal extend.
+    hx.run("verify", rpi, [22, 22, 2], [4, 4, 4])
+    # Verify of a random tree.
+    n = 6
+    hx.run("verify", rpi, [22, 22, 2], [n] * 3, tree_mask=random_tree_masks(3, n, "random", gen))
+
+
+def test_backend_tree_drafting_step() -> None:
+    """Draft step of a top-k tree: topk queries per request over a region of step * topk
+    positions after the prefix (n_q < n_new), with kv_lens set, as EagleWorker builds it."""
+    gen = torch.Generator().manual_seed(50)
+    hx = BackendHarness(8, 2, 64, gen)
+    rpi = [1, 4]
+    prefix, topk, step = [17, 40], 3, 2
+    hx.assign(rpi, [p + step * topk for p in prefix])
+    region = torch.zeros(2, topk, step * topk, dtype=torch.bool)
+    for b in range(2):
+        for i in range(topk):
+            region[b, i, int(torch.randint(0, topk, (1,), generator=gen))] = True  # parent
+            region[b, i, topk + i] = True  # self
+    hx.run(
+        "draft",
+        rpi,
+        prefix,
+        [topk, topk],
+        tree_mask=region,
+        kv_lens=[p + step * topk for p in prefix],
+        query_offset=[(step - 1) * topk] * 2,
+    )
