@@ -24,6 +24,7 @@ FIELD_HELP: dict[str, str] = {
     "port": "port to listen on (0: any free port; the ready line shows which)",
     "device": "auto | cpu | cuda",
     "dtype": "auto | float32 | bfloat16 | float16",
+    "load_format": "auto | dummy (random weights, for benchmarks)",
     "max_running_requests": "most requests decoding at once",
     "kv_cache_tokens": "KV cache size in tokens (all requests together)",
     "max_context_len": "most tokens per request, prompt + output (default: the model's limit)",

@@ -6,7 +6,8 @@ Three entry points with the same signatures as their torch references:
   every K/V row is read once per group; stage 2 merges the splits with their log-sum-exps.
 - `extend_attention`: new tokens over a cached prefix, causal.
 - `tree_verify_attention`: draft-tree tokens over a cached prefix, visibility from `tree_mask`.
-  Extend and tree share one jit kernel (`_prefill_kernel`), specialised by the constexpr `TREE`.
+  Extend and tree share one jit kernel (`_prefill_kernel`), specialised by the constexpr `TREE`;
+  it packs the GQA group into the query-row dimension so K/V tiles are read once per group.
 
 All softmax math is fp32 in the log2 domain (scores are pre-multiplied by sm_scale * log2(e)).
 Nothing here calls `torch.cuda`: tensors are allocated on `q.device`, so the same code runs under
@@ -235,28 +236,33 @@ def _prefill_kernel(
     BLOCK_D: tl.constexpr,
     IEEE: tl.constexpr,
 ):
+    # One program per (request, KV head, block of BLOCK_M rows). Rows pack (query, head of the
+    # GQA group) query-major: row r is query r // GROUP, head kv_head * GROUP + r % GROUP. All
+    # rows share the KV head, so each K/V tile is loaded once for the whole group; for short
+    # query runs (tree verify, n ~ 4..64) this also fills the tile's rows.
     b = tl.program_id(0)
-    h = tl.program_id(1)
+    kv_head = tl.program_id(1)
     m_block = tl.program_id(2)
     ext_len = tl.load(ExtendLens + b)
     m0 = m_block * BLOCK_M
     # Grid is sized for the longest request; shorter ones have nothing to do here.
-    if m0 < ext_len:
-        kv_head = h // GROUP
+    if m0 < ext_len * GROUP:
         q_start = tl.load(QStart + b)
         kv_len = tl.load(KvLens + b)
         req = tl.load(ReqPoolIdx + b)
-        q_pos0 = kv_len - ext_len  # absolute position of query row 0
+        q_pos0 = kv_len - ext_len  # absolute position of query 0
 
-        offs_m = m0 + tl.arange(0, BLOCK_M)  # query index within the request
-        m_valid = offs_m < ext_len
+        offs_r = m0 + tl.arange(0, BLOCK_M)
+        qi = offs_r // GROUP  # query index within the request
+        head = kv_head * GROUP + offs_r % GROUP
+        m_valid = qi < ext_len
         offs_d = tl.arange(0, BLOCK_D)
         d_valid = offs_d < HEAD_DIM
         offs_n = tl.arange(0, BLOCK_N)
 
-        q_rows = (q_start + offs_m).to(tl.int64)
+        q_rows = (q_start + qi).to(tl.int64)
         q = tl.load(
-            Q + q_rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
+            Q + q_rows[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
             mask=m_valid[:, None] & d_valid[None, :],
             other=0.0,
         )  # [BLOCK_M, BLOCK_D]
@@ -264,10 +270,10 @@ def _prefill_kernel(
         if TREE:
             prefix = tl.load(PrefixLens + b)
             kv_end = kv_len
-            tm_row = TreeMask + b.to(tl.int64) * stride_tm_b + offs_m[:, None] * stride_tm_q
+            tm_row = TreeMask + b.to(tl.int64) * stride_tm_b + qi[:, None] * stride_tm_q
         else:
-            # Causal: nothing past the last query row of this block is visible.
-            kv_end = tl.minimum(kv_len, q_pos0 + m0 + BLOCK_M)
+            # Causal: nothing past the last query of this block is visible.
+            kv_end = tl.minimum(kv_len, q_pos0 + (m0 + BLOCK_M - 1) // GROUP + 1)
 
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -299,14 +305,14 @@ def _prefill_kernel(
                 )
                 visible = n_valid[None, :] & ((j[None, :] < 0) | (tm != 0))
             else:
-                visible = n_valid[None, :] & (pos[None, :] <= (q_pos0 + offs_m)[:, None])
+                visible = n_valid[None, :] & (pos[None, :] <= (q_pos0 + qi)[:, None])
             s = tl.where(visible, s, float("-inf"))
             m_i, l_i, acc = _online_softmax_step(s, m_i, l_i, acc, v, IEEE)
 
         # l_i == 0 only on rows with nothing visible (padding rows, which are not stored).
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(
-            Out + q_rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
+            Out + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
             out.to(Out.dtype.element_ty),
             mask=m_valid[:, None] & d_valid[None, :],
         )
@@ -479,7 +485,7 @@ def _prefill_attention(
 ) -> torch.Tensor:
     """Shared launcher: causal when tree_mask is None, else prefix + tree-mask visibility."""
     group = _check_qkv(q, k_buffer, v_buffer)
-    num_heads, head_dim = q.shape[1], q.shape[2]
+    head_dim = q.shape[2]
     bs = req_pool_indices.shape[0]
     _check_index("req_to_token", req_to_token, 2, q.device)
     for name, t in (
@@ -511,9 +517,10 @@ def _prefill_attention(
         n_new = 0
 
     block_d = _block_d(head_dim)
-    block_m = min(64, max(16, triton.next_power_of_2(max_extend)))
+    rows = max_extend * group  # packed (query, head-of-group) rows of the longest request
+    block_m = min(64, max(16, triton.next_power_of_2(rows)))
     block_n = 64 if block_d <= 64 else 32
-    grid = (bs, num_heads, triton.cdiv(max_extend, block_m))
+    grid = (bs, k_buffer.shape[1], triton.cdiv(rows, block_m))
     _prefill_kernel[grid](
         q,
         k_buffer,

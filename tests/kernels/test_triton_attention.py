@@ -128,7 +128,7 @@ def test_decode_public_wrapper() -> None:
     [
         ([0], [1], 1, 64),
         ([0, 10, 3], [5, 1, 17], 1, 128),
-        ([40, 0], [70, 9], 3, 64),  # 70 new tokens: two query blocks
+        ([40, 0], [70, 9], 3, 64),  # 70 new tokens x group 3: 4 row blocks
         ([7, 64, 0, 1], [3, 2, 33, 1], 4, 128),
         ([5, 12], [6, 20], 3, 80),
     ],
@@ -158,7 +158,7 @@ def test_extend_matches_reference(
         ([5, 0, 33], 4, "chain", 1, 64),
         ([12, 1], 7, "random", 3, 64),
         ([70, 9, 20], 8, "random", 4, 128),
-        ([3, 50], 20, "random", 4, 64),  # n > 16: a 32-row query block, 12 rows masked
+        ([3, 50], 20, "random", 4, 64),  # 20 x group 4 = 80 rows: 2 row blocks
         ([8], 6, "random", 3, 80),
     ],
 )

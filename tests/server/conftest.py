@@ -14,9 +14,11 @@ from typing import Any
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 KV_TOKENS = 4096
 API_KEY = "test-secret-key"
+MODEL = "smol"  # --served-model-name of the main server fixture
 READY_TIMEOUT_S = 300.0
 
 
@@ -26,9 +28,9 @@ class ServerProcess:
                "cpu", "--kv-cache-tokens", str(KV_TOKENS), "--port", "0", "--log-level",
                "warning", *extra]  # fmt: skip
         self.log = tempfile.NamedTemporaryFile("w+", prefix="eagleserve-test-", suffix=".log")
-        self.proc = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=self.log, text=True, env={**os.environ, **(env or {})}
-        )
+        env = {**os.environ, **(env or {})}
+        out = subprocess.PIPE
+        self.proc = subprocess.Popen(cmd, stdout=out, stderr=self.log, text=True, env=env)
         self.url = self._wait_ready()
 
     def _wait_ready(self) -> str:
@@ -61,7 +63,8 @@ def server() -> Iterator[ServerProcess]:
     srv = ServerProcess(["--served-model-name", "smol"])
     yield srv
     srv.stop()
-    assert srv.proc.returncode == 0, "the server did not shut down cleanly"
+    # uvicorn re-raises SIGTERM after its graceful shutdown.
+    assert srv.proc.returncode in (0, -signal.SIGTERM), "the server did not shut down cleanly"
 
 
 @pytest.fixture(scope="session")
@@ -96,3 +99,26 @@ def engine() -> Any:
     from eagleserve import Engine
 
     return Engine(model="default", device="cpu", kv_cache_tokens=KV_TOKENS)
+
+
+def metric(http: httpx.Client, name: str, **labels: str) -> float:
+    total = 0.0
+    for fam in text_string_to_metric_families(http.get("/metrics").text):
+        for s in fam.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                total += s.value
+    return total
+
+
+def wait_kv_free(http: httpx.Client, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if (
+            metric(http, "eagleserve_kv_used_tokens") == 0
+            and metric(http, "eagleserve_num_requests_running")
+            + metric(http, "eagleserve_num_requests_waiting")
+            == 0
+        ):
+            return
+        time.sleep(0.25)
+    raise AssertionError(f"KV not freed: {metric(http, 'eagleserve_kv_used_tokens')} in use")

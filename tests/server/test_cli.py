@@ -33,29 +33,46 @@ def test_defaults_are_the_dataclass_defaults(monkeypatch: pytest.MonkeyPatch) ->
     assert parse([]) == ServerArgs()
 
 
+BRIEF_FLAGS = ["--model", "--host", "--port", "--device", "--dtype", "--max-running-requests",
+               "--kv-cache-tokens", "--served-model-name", "--api-key",
+               "--speculative-algorithm", "--speculative-draft-model-path",
+               "--speculative-num-steps", "--speculative-eagle-topk",
+               "--speculative-num-draft-tokens", "--disable-overlap-schedule",
+               "--attention-backend", "--disable-cuda-graph", "--cuda-graph-max-bs"]  # fmt: skip
+
+
 def test_flags_map_one_to_one(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("EAGLESERVE_API_KEY", raising=False)
-    args = parse(
-        ["--model", "/m", "--host", "0.0.0.0", "--port", "9000", "--device", "cpu",
-         "--dtype", "float32", "--max-running-requests", "8", "--kv-cache-tokens", "1024",
-         "--max-context-len", "512", "--served-model-name", "x", "--api-key", "k",
-         "--seed", "7", "--speculative-algorithm", "EAGLE",
-         "--speculative-draft-model-path", "/d", "--speculative-num-steps", "4",
-         "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "5",
-         "--disable-overlap-schedule", "--attention-backend", "torch", "--disable-cuda-graph",
-         "--cuda-graph-max-bs", "16", "--log-level", "debug"]
-    )  # fmt: skip
+    defaults = ServerArgs()
+    argv: list[str] = []
+    expected: dict[str, object] = {}
+    for f in serve_fields():
+        flag = "--" + f.name.replace("_", "-")
+        value = getattr(defaults, f.name)
+        kind = str(f.type)
+        if kind == "bool":
+            argv.append(flag if not value else "--no-" + flag[2:])
+            expected[f.name] = not value
+        elif kind.startswith("int"):
+            argv += [flag, str((value or 0) + 3)]
+            expected[f.name] = (value or 0) + 3
+        else:
+            text = "EAGLE3" if f.name == "speculative_algorithm" else f"v-{f.name}"
+            argv += [flag, text]
+            expected[f.name] = text
+    args = parse(argv)
     assert isinstance(args, ServerArgs)
-    assert args == ServerArgs(
-        model="/m", host="0.0.0.0", port=9000, device="cpu", dtype="float32",
-        max_running_requests=8, kv_cache_tokens=1024, max_context_len=512,
-        served_model_name="x", api_key="k", seed=7, speculative_algorithm="EAGLE",
-        speculative_draft_model_path="/d", speculative_num_steps=4, speculative_eagle_topk=1,
-        speculative_num_draft_tokens=5, disable_overlap_schedule=True, attention_backend="torch",
-        disable_cuda_graph=True, cuda_graph_max_bs=16, log_level="debug",
+    assert args == dataclasses.replace(defaults, **expected)
+    assert set(BRIEF_FLAGS) <= set(argv)
+
+
+def test_speculative_flags(monkeypatch: pytest.MonkeyPatch) -> None:
+    args = parse(
+        ["--speculative-algorithm", "EAGLE", "--speculative-draft-model-path", "/d",
+         "--speculative-num-steps", "4", "--speculative-num-draft-tokens", "5"]
     )  # fmt: skip
-    tested = {f.name for f in dataclasses.fields(ServerArgs)} - {"extra"}
-    assert all(getattr(args, n) != getattr(ServerArgs(), n) for n in tested)
+    assert isinstance(args, ServerArgs) and args.spec_config is not None
+    assert (args.spec_config.num_steps, args.spec_config.num_draft_tokens) == (4, 5)
 
 
 def test_config_file_and_flag_precedence(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,0 +1,287 @@
+"""eagleserve (fp32, packed int4 from the GGUF, EAGLE) vs llama.cpp on CPU, batch 1, in one run.
+
+    python bench/cpu_vs_llamacpp.py [--model default] [--new-tokens 96] [--draft PATH] [--gemv]
+
+Same GGUF, same prompt token ids (chat template applied once, by eagleserve's tokenizer), same
+budget (greedy, EOS ignored), 2 threads each. Prints tok/s, ratios, EAGLE's tau and whether
+EAGLE's tokens equal eagleserve's own target-only greedy tokens on the same weights; writes
+bench/results/cpu_vs_llamacpp.json. llama.cpp is optional (`make bench-llamacpp` builds it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+from transformers import AutoTokenizer
+
+from eagleserve import Engine, SamplingParams
+from eagleserve.model.loader import default_gguf_path, resolve_model_path
+from eagleserve.model.quant import quantize_model_from_gguf
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FALLBACK_PROMPTS = [
+    "Write a short story about a lighthouse keeper.",
+    "Explain how a hash map works.",
+    "List five uses of vinegar at home.",
+    "Write a Python function that checks whether a string is a palindrome.",
+    "What causes the seasons on Earth?",
+    "Translate 'good morning' into French, Spanish and German.",
+    "Summarize the plot of Romeo and Juliet.",
+    "Give me a recipe for pancakes.",
+]
+
+
+def machine() -> str:
+    cpu = platform.processor() or "cpu"
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if "model name" in line)
+    except (OSError, StopIteration):
+        pass
+    return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}"
+
+
+def load_prompts(n: int) -> tuple[list[str], str]:
+    """MT-bench first turns from bench/data.py when it exists, else the built-in 8 prompts."""
+    sys.path.insert(0, ROOT)
+    try:
+        from bench import data  # type: ignore[import-not-found]
+
+        for fn in ("mt_bench_first_turns", "load_mt_bench", "mt_bench_prompts"):
+            if hasattr(data, fn):
+                prompts = [p if isinstance(p, str) else p["turns"][0] for p in getattr(data, fn)()]
+                return prompts[:n], f"MT-bench first turns (bench.data.{fn})"
+    except ImportError:
+        pass
+    return FALLBACK_PROMPTS[:n], "built-in list (bench/data.py not found)"
+
+
+def gemv_bench(rounds: int = 5, reps: int = 30) -> dict[str, float]:
+    """The 576 x 49152 lm_head at batch 1: median over rounds of the median over reps (ms)."""
+    from eagleserve.model.quant import Int4Linear, Int8Linear
+
+    n, k = 49152, 576
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(n, k, generator=g) * 0.05
+    q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+    d = torch.rand(n, k // 32, generator=g) * 0.01
+    x = torch.randn(1, k, generator=g)
+    xb, wb = x.bfloat16(), w.bfloat16()
+    mods: dict[str, Any] = {
+        "fp32": lambda: torch.nn.functional.linear(x, w),
+        "bf16": lambda: torch.nn.functional.linear(xb, wb),
+        "int8": Int8Linear.from_float(w),
+        "int4": Int4Linear(q, d, -8 * d),
+    }
+    out: dict[str, list[float]] = {name: [] for name in mods}
+    with torch.inference_mode():
+        for _ in range(rounds):  # interleaved rounds: load from other jobs hits all alike
+            for name, f in mods.items():
+                call = (lambda f=f: f(x)) if isinstance(f, torch.nn.Module) else f
+                for _ in range(3):
+                    call()
+                ts = []
+                for _ in range(reps):
+                    t0 = time.perf_counter()
+                    call()
+                    ts.append(time.perf_counter() - t0)
+                out[name].append(1e3 * statistics.median(ts))
+    return {name: round(statistics.median(v), 2) for name, v in out.items()} | {
+        f"{name}_rounds": [round(t, 2) for t in v] for name, v in out.items()
+    }
+
+
+def target_model(engine: Engine) -> torch.nn.Module:
+    worker = engine.scheduler.worker
+    runner = worker.target if hasattr(worker, "target") else worker.runner
+    return runner.model
+
+
+def run_eagleserve(
+    name: str, prompt_ids: list[list[int]], args: argparse.Namespace, gguf: str, **kw: Any
+) -> dict[str, Any]:
+    engine = Engine(
+        model=args.model,
+        device="cpu",
+        dtype="float32",
+        max_running_requests=1,
+        kv_cache_tokens=8192,
+        **kw,
+    )
+    if name.endswith("int4"):
+        quantize_model_from_gguf(target_model(engine), gguf)
+    params = SamplingParams(max_new_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
+    engine.generate([prompt_ids[0]], SamplingParams(max_new_tokens=8, temperature=0.0))
+    tokens, secs, taus = [], [], []
+    for ids in prompt_ids:  # batch 1: one request at a time
+        t0 = time.perf_counter()
+        out = engine.generate([ids], params)[0]
+        secs.append(time.perf_counter() - t0)
+        tokens.append(out["token_ids"])
+        taus.append(out["spec_accept_length"])
+    n = sum(len(t) for t in tokens)
+    tau = statistics.mean(taus) if all(t is not None for t in taus) else None
+    return dict(
+        setting=name, tok_s=n / sum(secs), seconds=sum(secs), new_tokens=n, tau=tau, tokens=tokens
+    )
+
+
+def run_llamacpp(
+    prompt_ids: list[list[int]], args: argparse.Namespace, gguf: str
+) -> dict[str, Any] | None:
+    try:
+        import llama_cpp
+    except ImportError:
+        return None
+    llm = llama_cpp.Llama(
+        model_path=gguf,
+        n_ctx=2048,
+        n_threads=args.threads,
+        n_threads_batch=args.threads,
+        n_batch=512,
+        verbose=False,
+    )
+
+    def gen(ids: list[int], n_new: int) -> list[int]:
+        llm.reset()  # no prefix reuse between prompts: every prompt pays its prefill
+        out = []
+        for tok in llm.generate(ids, top_k=1, temp=0.0, reset=True):  # greedy, ignores EOS
+            out.append(int(tok))
+            if len(out) == n_new:
+                break
+        return out
+
+    gen(prompt_ids[0], 8)  # warm-up
+    tokens, secs = [], []
+    for ids in prompt_ids:
+        t0 = time.perf_counter()
+        tokens.append(gen(ids, args.new_tokens))
+        secs.append(time.perf_counter() - t0)
+    n = sum(len(t) for t in tokens)
+    return dict(
+        setting="llama.cpp Q4_1",
+        tok_s=n / sum(secs),
+        seconds=sum(secs),
+        new_tokens=n,
+        tau=None,
+        tokens=tokens,
+        version=getattr(llama_cpp, "__version__", "?"),
+    )
+
+
+def first_divergence(a: list[list[int]], b: list[list[int]]) -> list[int | None]:
+    """Per prompt: index of the first differing new token, None when identical."""
+    out: list[int | None] = []
+    for x, y in zip(a, b, strict=True):
+        i = next((j for j, (u, v) in enumerate(zip(x, y, strict=False)) if u != v), None)
+        out.append(i if i is not None or len(x) == len(y) else min(len(x), len(y)))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--model", default="default", help="'default' or a .gguf file")
+    ap.add_argument("--num-prompts", type=int, default=8)
+    ap.add_argument("--new-tokens", type=int, default=96)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--draft", default=None, help="EAGLE head folder: adds EAGLE rows")
+    ap.add_argument("--algorithm", default="EAGLE", help="EAGLE or EAGLE3")
+    ap.add_argument("--num-steps", type=int, default=3)
+    ap.add_argument("--topk", type=int, default=1)
+    ap.add_argument("--num-draft-tokens", type=int, default=4)
+    ap.add_argument("--gemv", action="store_true", help="also time the lm_head GEMV")
+    ap.add_argument("--out", default=os.path.join(ROOT, "bench/results/cpu_vs_llamacpp.json"))
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    gguf = default_gguf_path() if args.model == "default" else args.model
+    if not gguf.endswith(".gguf"):
+        raise SystemExit("--model must be 'default' or a .gguf file (llama.cpp needs the GGUF)")
+    prompts, source = load_prompts(args.num_prompts)
+    print(f"machine: {machine()}\nprompts: {len(prompts)} from {source}")
+    result: dict[str, Any] = dict(
+        machine=machine(), prompts_source=source, new_tokens=args.new_tokens, threads=args.threads
+    )
+    if args.gemv:
+        result["lm_head_gemv_ms"] = gemv_bench()
+        print(
+            "lm_head 576x49152 GEMV, batch 1 (ms, median):",
+            {k: v for k, v in result["lm_head_gemv_ms"].items() if "rounds" not in k},
+        )
+    tok = AutoTokenizer.from_pretrained(resolve_model_path(args.model))
+    prompt_ids = [
+        tok.apply_chat_template(
+            [{"role": "user", "content": p}],
+            tokenize=True,
+            add_generation_prompt=True,
+            return_dict=False,
+        )
+        for p in prompts
+    ]
+    spec = dict(
+        speculative_algorithm=args.algorithm,
+        speculative_draft_model_path=args.draft,
+        speculative_num_steps=args.num_steps,
+        speculative_eagle_topk=args.topk,
+        speculative_num_draft_tokens=args.num_draft_tokens,
+    )
+    rows = [
+        run_eagleserve("eagleserve fp32", prompt_ids, args, gguf),
+        run_eagleserve("eagleserve int4", prompt_ids, args, gguf),
+    ]
+    if args.draft:
+        rows += [
+            run_eagleserve("EAGLE fp32", prompt_ids, args, gguf, **spec),
+            run_eagleserve("EAGLE int4", prompt_ids, args, gguf, **spec),
+        ]
+    llama = run_llamacpp(prompt_ids, args, gguf)
+    if llama is None:
+        print("llama.cpp: llama_cpp not importable (see `make bench-llamacpp`); skipped")
+    else:
+        rows.append(llama)
+    by = {r["setting"]: r for r in rows}
+    for r in rows:
+        base = by["eagleserve int4" if "int4" in r["setting"] else "eagleserve fp32"]
+        r["speedup_vs_fp32_target"] = r["tok_s"] / by["eagleserve fp32"]["tok_s"]
+        if llama is not None:
+            r["ratio_vs_llamacpp"] = r["tok_s"] / llama["tok_s"]
+        if r["setting"].startswith("EAGLE"):
+            r["first_divergence_vs_target"] = first_divergence(r["tokens"], base["tokens"])
+            r["lossless"] = r["tokens"] == base["tokens"]
+    by["eagleserve int4"]["first_divergence_vs_fp32"] = first_divergence(
+        by["eagleserve int4"]["tokens"], by["eagleserve fp32"]["tokens"]
+    )
+    if llama is not None:
+        llama["first_divergence_vs_int4"] = first_divergence(
+            llama["tokens"], by["eagleserve int4"]["tokens"]
+        )
+    print(f"{'setting':<18}{'tok/s':>8}{'x fp32':>8}{'x llama':>9}{'tau':>6}  lossless")
+    for r in rows:
+        tau = f"{r['tau']:.2f}" if r["tau"] is not None else "-"
+        lossless = str(r.get("lossless", "-"))
+        print(
+            f"{r['setting']:<18}{r['tok_s']:>8.1f}{r['speedup_vs_fp32_target']:>8.2f}"
+            f"{r.get('ratio_vs_llamacpp', float('nan')):>9.2f}{tau:>6}  {lossless}"
+        )
+    for r in rows:
+        for key in (
+            "first_divergence_vs_fp32",
+            "first_divergence_vs_target",
+            "first_divergence_vs_int4",
+        ):
+            if key in r:
+                print(f"{r['setting']}: {key} per prompt = {r[key]}")
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(result | {"rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

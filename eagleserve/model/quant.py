@@ -1,0 +1,203 @@
+"""Packed 4-bit / 8-bit linears for CPU, fed straight from a GGUF's Q4_0 / Q4_1 / Q8_0 blocks.
+
+- `Int4Linear`: `aten._weight_int4pack_mm_for_cpu`, group size 32 (= the ggml block), which
+  computes w = (q - 8) * scale + zero per group. Q4_1 (w = d*q + m) maps with scale = d,
+  zero = m + 8d; Q4_0 (w = d*(q - 8)) with scale = d, zero = 0. In fp32 this is bit-exact:
+  (q - 8)*d is exact (11-bit d times 4-bit q), so both sides round the same real number once,
+  provided m + 8d is exact in fp32 (checked at pack time; true for every SmolLM2 block).
+  The fast kernel needs bf16 activations AND bf16 scales/zeros, so the compute path rounds
+  d and m + 8d to bf16 (a relative weight error <= 2^-9, the same order as a bf16 model).
+- `Int8Linear`: `torch._weight_int8pack_mm` takes one scale per output channel, not per
+  32-block, so Q8_0 is de-quantized and re-quantized per channel (symmetric, absmax / 127):
+  NOT bit-exact to the GGUF. A block-exact bmm over bf16 q was 7x slower than this (measured).
+"""
+
+from __future__ import annotations
+
+import logging
+import types
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from eagleserve.model.gguf_weights import BLOCK, QuantTensor, iter_gguf
+from eagleserve.model.llama import LlamaForCausalLM
+
+logger = logging.getLogger(__name__)
+
+
+class Int4Linear(nn.Module):
+    """y = x @ W.T (+ b) with W [N, K] stored as int4pack (uint8 [N, K/2]) + per-32 scale/zero."""
+
+    def __init__(
+        self,
+        q: torch.Tensor,  # [N, K] integer in 0..15
+        scale: torch.Tensor,  # [N, K // 32] fp32
+        zero: torch.Tensor,  # [N, K // 32] fp32
+        bias: torch.Tensor | None = None,  # [N]
+        compute_dtype: torch.dtype = torch.bfloat16,
+    ) -> None:
+        super().__init__()
+        n, k = q.shape
+        if k % BLOCK or scale.shape != (n, k // BLOCK) or zero.shape != scale.shape:
+            raise ValueError(f"bad int4 shapes q {tuple(q.shape)} scale {tuple(scale.shape)}")
+        self.in_features, self.out_features = k, n
+        self.compute_dtype = compute_dtype
+        # The packing op needs N % 16 == 0: pad with zero rows (scale = zero = 0), sliced off.
+        pad = -n % 16
+        q, scale, zero = (F.pad(t, (0, 0, 0, pad)) for t in (q.to(torch.int32), scale, zero))
+        # The op packs an int32 [N, K] in 0..15 into its own CPU layout (uint8 [N, K/2]).
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+        self.register_buffer("qweight", packed)
+        # scales_and_zeros [K // 32, N_pad, 2]: [..., 0] = scale, [..., 1] = zero; fp32 exact.
+        sz = torch.stack([scale.float().t(), zero.float().t()], dim=-1).contiguous()
+        self.register_buffer("scales_and_zeros", sz)
+        self.register_buffer("sz_compute", sz.to(compute_dtype), persistent=False)
+        self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
+
+    @classmethod
+    def from_quant(
+        cls, t: QuantTensor, bias: torch.Tensor | None = None, **kw: object
+    ) -> Int4Linear:
+        if t.qtype == "Q4_1":
+            assert t.m is not None
+            zero = t.m + 8 * t.d
+            exact = zero.double() == t.m.double() + 8 * t.d.double()
+            if not bool(exact.all()):
+                logger.warning("%d Q4_1 blocks: m + 8d is not exact in fp32", int((~exact).sum()))
+        elif t.qtype == "Q4_0":
+            zero = torch.zeros_like(t.d)
+        else:
+            raise ValueError(f"Int4Linear cannot hold {t.qtype}")
+        return cls(t.q, t.d, zero, bias, **kw)  # type: ignore[arg-type]
+
+    def _mm(self, x2: torch.Tensor, sz: torch.Tensor) -> torch.Tensor:
+        # x2 [M, K] -> [M, N] (padding rows dropped; a no-op slice when N % 16 == 0)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.qweight, BLOCK, sz)
+        return y[:, : self.out_features]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x [..., K] any float dtype -> [..., N] in x.dtype; the matmul runs in compute_dtype.
+        x2 = x.reshape(-1, self.in_features).to(self.compute_dtype)
+        sz = self.sz_compute if self.compute_dtype != torch.float32 else self.scales_and_zeros
+        y = self._mm(x2, sz).to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias.to(y.dtype)
+
+    @torch.no_grad()
+    def dequantize(self) -> torch.Tensor:
+        """[N, K] fp32 weight, read back through the kernel itself (fp32 path, identity input)."""
+        eye = torch.eye(self.in_features, dtype=torch.float32, device=self.qweight.device)
+        return self._mm(eye, self.scales_and_zeros).t().contiguous()  # [N, K]
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, compute={self.compute_dtype}"
+
+
+class Int8Linear(nn.Module):
+    """y = x @ W.T (+ b) with W [N, K] int8 and one fp scale per output channel."""
+
+    def __init__(
+        self,
+        qweight: torch.Tensor,  # [N, K] int8
+        scales: torch.Tensor,  # [N]
+        bias: torch.Tensor | None = None,
+        compute_dtype: torch.dtype = torch.bfloat16,
+    ) -> None:
+        super().__init__()
+        self.out_features, self.in_features = qweight.shape
+        self.compute_dtype = compute_dtype
+        self.register_buffer("qweight", qweight.to(torch.int8).contiguous())
+        self.register_buffer("scales", scales.float().contiguous())
+        self.register_buffer("scales_compute", self.scales.to(compute_dtype), persistent=False)
+        self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
+
+    @classmethod
+    def from_float(
+        cls, weight: torch.Tensor, bias: torch.Tensor | None = None, **kw: object
+    ) -> Int8Linear:
+        """Symmetric per-channel quantization of an fp weight [N, K] (absmax / 127)."""
+        w = weight.float()
+        scales = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
+        q = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
+        return cls(q, scales, bias, **kw)  # type: ignore[arg-type]
+
+    @classmethod
+    def from_quant(
+        cls, t: QuantTensor, bias: torch.Tensor | None = None, **kw: object
+    ) -> Int8Linear:
+        # Per-channel requantization of the exact de-quantized Q8_0 weight (see module doc).
+        return cls.from_float(t.dequantize(), bias, **kw)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features).to(self.compute_dtype)
+        s = self.scales_compute if self.compute_dtype != torch.float32 else self.scales
+        y = torch._weight_int8pack_mm(x2, self.qweight, s)
+        y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias.to(y.dtype)
+
+    def dequantize(self) -> torch.Tensor:
+        return self.qweight.float() * self.scales[:, None]
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, compute={self.compute_dtype}"
+
+
+def quantize_linear_int8(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Int8Linear:
+    """An fp nn.Linear weight [N, K] -> Int8Linear (e.g. for an EAGLE head)."""
+    return Int8Linear.from_float(weight, bias)
+
+
+def pack_quant(
+    t: QuantTensor, bias: torch.Tensor | None = None, compute_dtype: torch.dtype = torch.bfloat16
+) -> Int4Linear | Int8Linear:
+    if t.qtype == "Q8_0":
+        return Int8Linear.from_quant(t, bias, compute_dtype=compute_dtype)
+    return Int4Linear.from_quant(t, bias, compute_dtype=compute_dtype)
+
+
+def _packed_compute_logits(self: LlamaForCausalLM, hidden: torch.Tensor) -> torch.Tensor:
+    return self.lm_head(hidden).float()
+
+
+@torch.no_grad()
+def quantize_model_from_gguf(
+    model: LlamaForCausalLM, gguf_path: str, compute_dtype: torch.dtype = torch.bfloat16
+) -> None:
+    """Replaces, in place, every nn.Linear whose GGUF tensor is Q4_0 / Q4_1 / Q8_0 by a packed
+    module under the same HF name. Other types (F32, F16, K-quants) keep their fp weights.
+
+    Tied embeddings: the fp `embed_tokens` table stays for lookups; when `token_embd` is
+    quantized (Q8_0 in SmolLM2's GGUF, which has no `output.weight`), the logits matmul uses
+    a packed `lm_head` built from it. `compute_logits` is overridden on this instance only,
+    since LlamaForCausalLM.compute_logits reads `lm_head_weight` (still the fp table, which
+    EAGLE-3 head init copies rows from).
+    """
+    cfg = model.config
+    modules = dict(model.named_modules())
+    tied = cfg.tie_word_embeddings
+    counts: dict[str, int] = {}
+    for name, value in iter_gguf(gguf_path, cfg.num_attention_heads, cfg.num_key_value_heads):
+        if not isinstance(value, QuantTensor):
+            continue
+        mod_name = name.rsplit(".", 1)[0]
+        if name == "model.embed_tokens.weight":
+            if not tied or "lm_head" in modules:
+                continue  # untied: output.weight carries the lm_head
+            mod_name = "lm_head"
+        elif not isinstance(modules.get(mod_name), nn.Linear):
+            continue
+        old = modules.get(mod_name)
+        if old is not None and tuple(old.weight.shape) != value.shape:
+            raise ValueError(f"{name}: GGUF shape {value.shape} != {tuple(old.weight.shape)}")
+        dev = (old.weight if old is not None else model.model.embed_tokens.weight).device
+        if dev.type != "cpu":
+            raise ValueError("packed GGUF linears run on CPU only")
+        bias = None if old is None else old.bias
+        packed = pack_quant(value, None if bias is None else bias.detach(), compute_dtype)
+        parent_name, _, attr = mod_name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, attr, packed)
+        counts[value.qtype] = counts.get(value.qtype, 0) + 1
+    if tied and isinstance(getattr(model, "lm_head", None), (Int4Linear, Int8Linear)):
+        model.compute_logits = types.MethodType(_packed_compute_logits, model)  # type: ignore
+    logger.info("packed GGUF linears: %s", counts)

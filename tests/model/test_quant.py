@@ -1,0 +1,172 @@
+"""Packed GGUF linears (eagleserve.model.quant) against de-quantized fp32 references.
+
+Blocks are random GGUF-style Q4_0 / Q4_1 / Q8_0 bytes (random d, m, q), de-quantized by
+`gguf.quants.dequantize` itself, so the reference is llama.cpp's definition of the weight.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from eagleserve.model.gguf_weights import QuantTensor, unpack_blocks
+from eagleserve.model.quant import Int4Linear, Int8Linear, pack_quant
+
+gguf = pytest.importorskip("gguf")
+
+# (N out, K in): K a multiple of 32; the last is lm_head-like (576 x 49152, narrower).
+SHAPES = [(32, 32), (96, 64), (192, 576), (576, 1536), (4099, 576)]
+BF16_EPS = 2.0**-8  # bf16 unit roundoff is 2^-9; eps (spacing at 1) is 2^-8
+
+
+def random_blocks(qtype: str, n: int, k: int, seed: int) -> np.ndarray:
+    """Raw ggml bytes [N, bytes_per_row] with realistic scales: d ~ 1e-3..2e-2, m ~ -8d."""
+    rng = np.random.default_rng(seed)
+    g = k // 32
+    d = rng.uniform(1e-3, 2e-2, (n, g, 1)).astype(np.float16)
+    parts = [d.view(np.uint8)]
+    if qtype == "Q4_1":
+        m = (-8 * d.astype(np.float32) * rng.uniform(0.5, 1.5, (n, g, 1))).astype(np.float16)
+        parts.append(m.view(np.uint8))
+    if qtype == "Q8_0":
+        parts.append(rng.integers(-128, 128, (n, g, 32), dtype=np.int8).view(np.uint8))
+    else:
+        parts.append(rng.integers(0, 256, (n, g, 16), dtype=np.uint8))
+    return np.concatenate(parts, axis=-1).reshape(n, -1)
+
+
+def gguf_reference(raw: np.ndarray, qtype: str, n: int, k: int) -> torch.Tensor:
+    w = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[qtype])
+    return torch.from_numpy(np.asarray(w, dtype=np.float32).reshape(n, k))
+
+
+def bf16_tol(t: QuantTensor, w: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Bound [M, N] on |packed(x) - x @ w.T| from bf16 unit roundoff u = eps/2 and dot length K.
+
+    Terms: x rounded to bf16 (u|x||w|); the weight, if materialized in bf16 (u|w|); bf16 scale
+    and zero: int4 w' = (q-8)*bf16(d) + bf16(z) is off by <= u(|q-8|d + |z|), int8 q*bf16(s) by
+    <= u|w|; fp32 accumulation (K * 2^-24 |x||w|); output rounded to bf16 (u|y|).
+    """
+    u, k = BF16_EPS / 2, x.shape[-1]
+    if t.qtype == "Q8_0":
+        scale_err = w.abs()
+    else:
+        z = t.m + 8 * t.d if t.m is not None else torch.zeros_like(t.d)
+        q8 = (t.q.float() - 8).abs() if t.qtype != "Q8_0" else t.q.float().abs()
+        scale_err = q8 * t.d.repeat_interleave(32, 1) + z.abs().repeat_interleave(32, 1)
+    xa = x.abs()
+    bound = (
+        u * (xa @ (2 * w.abs() + scale_err).t()) + u * y.abs() + k * 2.0**-24 * (xa @ w.abs().t())
+    )
+    return 1.25 * bound + 1e-7
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
+def test_unpack_matches_gguf_dequantize(qtype: str) -> None:
+    n, k = 40, 96
+    raw = random_blocks(qtype, n, k, seed=1)
+    t = unpack_blocks(raw, qtype, n, k)
+    assert torch.equal(t.dequantize(), gguf_reference(raw, qtype, n, k))
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
+@pytest.mark.parametrize("shape", SHAPES[:4])
+def test_int4_mapping_is_bit_exact(qtype: str, shape: tuple[int, int]) -> None:
+    n, k = shape
+    raw = random_blocks(qtype, n, k, seed=n + k)
+    lin = pack_quant(unpack_blocks(raw, qtype, n, k))
+    assert isinstance(lin, Int4Linear)
+    assert torch.equal(lin.dequantize(), gguf_reference(raw, qtype, n, k))
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("m", [1, 5])
+def test_packed_linear_close_to_fp32(qtype: str, shape: tuple[int, int], m: int) -> None:
+    n, k = shape
+    raw = random_blocks(qtype, n, k, seed=3 * n + k)
+    w = gguf_reference(raw, qtype, n, k)
+    lin = pack_quant(unpack_blocks(raw, qtype, n, k))
+    assert isinstance(lin, Int8Linear if qtype == "Q8_0" else Int4Linear)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(k))
+    ref = x @ w.t()
+    y = lin(x)
+    assert y.dtype == torch.float32 and y.shape == (m, n)
+    t = unpack_blocks(raw, qtype, n, k)
+    tol = bf16_tol(t, w, x, ref)
+    if qtype == "Q8_0":
+        # Per-channel requantization adds <= half an int8 step (absmax/254) per weight.
+        tol = tol + (x.abs().sum(-1, keepdim=True) * w.abs().amax(1) / 254)
+    assert bool(((y - ref).abs() <= tol).all()), float(((y - ref).abs() / tol).max())
+    # 3-D input and fp32 compute (exact weights for int4: only fp32 summation order differs).
+    assert lin(x.view(m, 1, k)).shape == (m, 1, n)
+    lin.compute_dtype = torch.float32
+    y32 = lin(x)
+    err = 1e-5 * (x.abs() @ w.abs().t()) + 1e-6
+    if qtype != "Q8_0":
+        assert bool(((y32 - ref).abs() <= err).all())
+
+
+def test_int4_bias_and_dtype() -> None:
+    raw = random_blocks("Q4_1", 64, 64, seed=7)
+    t = unpack_blocks(raw, "Q4_1", 64, 64)
+    b = torch.randn(64)
+    lin = Int4Linear.from_quant(t, b)
+    x = torch.randn(3, 64).bfloat16()
+    y = lin(x)
+    assert y.dtype == torch.bfloat16
+    ref = x.float() @ t.dequantize().t() + b
+    assert torch.allclose(y.float(), ref, atol=0.05, rtol=0.02)
+
+
+def _prefill_logits(runner: object, ids: torch.Tensor) -> torch.Tensor:
+    n = ids.numel()
+    loc = runner.token_to_kv_pool.alloc(n)  # type: ignore[attr-defined]
+    runner.req_to_token_pool.req_to_token[0, :n] = loc  # type: ignore[attr-defined]
+    out = runner.forward(  # type: ignore[attr-defined]
+        "extend",
+        ids,
+        torch.arange(n),
+        loc,
+        torch.tensor([0]),
+        torch.tensor([0]),
+        torch.tensor([n]),
+    )
+    runner.token_to_kv_pool.free(loc)  # type: ignore[attr-defined]
+    return out.logits
+
+
+def test_smollm2_quantized_close_to_fp32(smollm2_dir: str) -> None:
+    from transformers import AutoTokenizer
+
+    from eagleserve.config import ModelConfig
+    from eagleserve.model.loader import default_gguf_path
+    from eagleserve.model.quant import quantize_model_from_gguf
+    from eagleserve.model.runner import ModelRunner
+
+    cfg = ModelConfig.from_dir(smollm2_dir)
+    runner = ModelRunner(cfg, smollm2_dir, torch.device("cpu"), torch.float32, 256, 1, 256)
+    text = "The capital of France is Paris. The capital of Germany is"
+    ids = torch.tensor(AutoTokenizer.from_pretrained(smollm2_dir).encode(text))
+    ref = _prefill_logits(runner, ids)  # [T, vocab] fp32
+    # Keep the transformers-dequantized weights to check the packed ones are the same.
+    fp = {k: v.clone() for k, v in runner.model.state_dict().items() if k.endswith("proj.weight")}
+    quantize_model_from_gguf(runner.model, default_gguf_path())
+    mods = dict(runner.model.named_modules())
+    assert isinstance(mods["model.layers.0.self_attn.q_proj"], Int4Linear)
+    assert isinstance(mods["lm_head"], Int8Linear)  # token_embd is Q8_0, tied
+    for name in (
+        "model.layers.0.self_attn.q_proj",
+        "model.layers.7.self_attn.k_proj",
+        "model.layers.29.mlp.down_proj",
+    ):
+        assert torch.equal(mods[name].dequantize(), fp[name + ".weight"]), name
+    out = _prefill_logits(runner, ids)
+    # Observed on SmolLM2-135M (bf16 activations/scales, int8 lm_head): max |diff| ~0.5 with
+    # logits of magnitude ~20; the next-token argmax agrees at almost every position.
+    diff = (out - ref).abs()
+    assert float(diff.max()) < 1.5, float(diff.max())
+    agree = (out.argmax(-1) == ref.argmax(-1)).float().mean()
+    assert float(agree) >= 0.8, float(agree)
+    assert out.argmax(-1)[-1] == ref.argmax(-1)[-1]

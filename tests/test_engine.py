@@ -1,0 +1,355 @@
+"""The offline `Engine`: greedy parity with transformers, sampling parameters, stop conditions,
+request validation. Every engine is checked after each test for leaked KV / request slots
+(conftest `check_pools_free`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+from conftest import TINY_EOS, random_prompts, track
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from eagleserve import Engine, SamplingParams
+
+SMOL_PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    ",
+    "Once upon a time, in a small village by the sea,",
+    "List three primary colors:",
+    "<|im_start|>user\nWhat is 17 times 23?<|im_end|>\n<|im_start|>assistant\n",
+    "Water boils at a temperature of",
+    "In machine learning, overfitting means",
+    "<|im_start|>user\nWrite a haiku about autumn leaves.<|im_end|>\n<|im_start|>assistant\n",
+]
+
+
+# ---- fixtures -----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def _tiny_engine(tiny_model_dir: str) -> Iterator[Engine]:
+    yield Engine(model=tiny_model_dir, device="cpu", dtype="float32", max_running_requests=16,
+                 kv_cache_tokens=2048)
+
+
+@pytest.fixture
+def tiny(_tiny_engine: Engine) -> Engine:
+    """A shared tiny-model engine (overlap on), pool-checked after each test that uses it."""
+    return track(_tiny_engine)  # type: ignore[return-value]
+
+
+@pytest.fixture(scope="module")
+def tiny_hf(tiny_model_dir: str) -> torch.nn.Module:
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+
+
+def greedy(n: int, **kw: object) -> SamplingParams:
+    return SamplingParams(max_new_tokens=n, temperature=0.0, **kw)  # type: ignore[arg-type]
+
+
+def sampled(n: int, seed: int | None, **kw: object) -> SamplingParams:
+    return SamplingParams(max_new_tokens=n, temperature=1.0, seed=seed, ignore_eos=True, **kw)  # type: ignore[arg-type]
+
+
+def step_logits(hf: torch.nn.Module, prompt: list[int], out: list[int]) -> torch.Tensor:
+    """Teacher-forced transformers logits [len(out), V]: row i is the distribution of out[i]."""
+    ids = torch.tensor([prompt + out])
+    with torch.no_grad():
+        logits = hf(ids).logits[0].float()
+    return logits[len(prompt) - 1 : len(prompt) - 1 + len(out)]
+
+
+# ---- greedy parity with transformers ------------------------------------------------------------
+
+
+def test_greedy_matches_transformers_generate(smollm2_dir: str,
+                                              make_engine: Callable[..., Engine]) -> None:
+    """8 prompts x 64 new tokens on SmolLM2, batched in one call, equal HF greedy one by one."""
+    engine = make_engine(smollm2_dir, max_running_requests=8, kv_cache_tokens=2048)
+    outs = engine.generate(SMOL_PROMPTS, greedy(64))
+
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    hf = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
+    eos = sorted(engine.scheduler.eos_token_ids)
+    for prompt, out in zip(SMOL_PROMPTS, outs):
+        ids = tok.encode(prompt, add_special_tokens=False)
+        with torch.no_grad():
+            ref = hf.generate(
+                torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                max_new_tokens=64, do_sample=False, eos_token_id=eos, pad_token_id=eos[0],
+            )[0, len(ids) :].tolist()
+        assert out["token_ids"] == ref, f"prompt {prompt!r}"
+        stopped = ref[-1] in eos
+        assert out["finish_reason"] == ("stop" if stopped else "length")
+        assert out["text"] == tok.decode(ref, skip_special_tokens=True)
+    assert sum(len(o["token_ids"]) for o in outs) > 4 * 64  # most ran the full length
+
+
+def test_stop_string_inside_a_token_cuts_text(smollm2_dir: str,
+                                               make_engine: Callable[..., Engine]) -> None:
+    """A stop string that starts mid-token: text ends right before it; finish_reason "stop"."""
+    engine = make_engine(smollm2_dir, max_running_requests=2, kv_cache_tokens=512)
+    prompt = "Once upon a time, in a small village by the sea,"
+    full = engine.generate(prompt, greedy(32, ignore_eos=True))[0]
+    tok, ids = engine.tokenizer, full["token_ids"]
+    # Characters 2..4 of a token of 4+ characters, not seen earlier in the text: a stop string
+    # that starts inside a token.
+    cut = -1
+    for i in range(2, len(ids) - 1):
+        piece = tok.decode(ids[i : i + 1])
+        start = len(tok.decode(ids[:i])) + 1
+        if len(piece) >= 4 and full["text"].find(piece[1:4]) == start:
+            stop, cut = piece[1:4], start
+            break
+    assert cut > 0, full["text"]
+    out = engine.generate(prompt, greedy(32, ignore_eos=True, stop=[stop]))[0]
+    assert out["finish_reason"] == "stop"
+    assert out["text"] == full["text"][:cut]
+    assert out["token_ids"] == full["token_ids"][: len(out["token_ids"])]
+    assert len(out["token_ids"]) < len(full["token_ids"])
+
+
+# ---- sampling -----------------------------------------------------------------------------------
+
+
+def test_same_seed_same_tokens_alone_and_batched(tiny: Engine) -> None:
+    prompt = random_prompts(1, [15], seed=1)[0]
+    alone = tiny.generate([prompt], sampled(48, seed=1234))[0]["token_ids"]
+    again = tiny.generate([prompt], sampled(48, seed=1234))[0]["token_ids"]
+    assert alone == again
+    # Batched with other requests (sampled with other seeds, greedy, other lengths), not first.
+    others = random_prompts(5, [3, 30, 9, 22, 6], seed=2)
+    params = [sampled(48, 7), greedy(20), sampled(48, 1234), sampled(48, None), greedy(48)]
+    batch = tiny.generate(others[:3] + [prompt] + others[3:],
+                          params[:3] + [sampled(48, seed=1234)] + params[3:])
+    assert batch[3]["token_ids"] == alone
+    # A different seed gives different tokens; so does no seed, twice.
+    other_seed = tiny.generate([prompt], sampled(48, seed=1235))[0]["token_ids"]
+    assert other_seed != alone
+    unseeded = tiny.generate([prompt, prompt], sampled(48, seed=None))
+    assert unseeded[0]["token_ids"] != unseeded[1]["token_ids"]
+
+
+def test_top_k_1_and_tiny_temperature_equal_greedy(tiny: Engine) -> None:
+    prompts = random_prompts(4, seed=3)
+    want = [o["token_ids"] for o in tiny.generate(prompts, greedy(32, ignore_eos=True))]
+    for params in (sampled(32, seed=5, top_k=1),
+                   SamplingParams(max_new_tokens=32, temperature=1e-3, seed=5, ignore_eos=True)):
+        got = [o["token_ids"] for o in tiny.generate(prompts, params)]
+        assert got == want, params
+
+
+def _allowed(probs: torch.Tensor, token: int, top_k: int, top_p: float, min_p: float) -> bool:
+    """Reference rule, written independently of eagleserve's sampler (ties: lenient 1e-6)."""
+    p = probs[token]
+    if top_k > 0 and int((probs > p + 1e-6).sum()) >= top_k:
+        return False
+    if top_p < 1.0 and float(probs[probs > p + 1e-6].sum()) >= top_p + 1e-5:
+        return False
+    return not (min_p > 0 and float(p) < min_p * float(probs.max()) - 1e-6)
+
+
+@pytest.mark.parametrize(
+    ("temperature", "top_k", "top_p", "min_p"),
+    [(1.0, 3, 1.0, 0.0), (1.0, -1, 0.6, 0.0), (1.0, -1, 1.0, 0.3), (0.7, 5, 0.8, 0.1)],
+    ids=["top_k", "top_p", "min_p", "combined"],
+)
+def test_sampled_tokens_stay_in_the_allowed_set(
+    tiny: Engine, tiny_hf: torch.nn.Module, temperature: float, top_k: int, top_p: float,
+    min_p: float,
+) -> None:
+    prompts = random_prompts(12, seed=4)
+    params = [SamplingParams(max_new_tokens=32, temperature=temperature, top_k=top_k,
+                             top_p=top_p, min_p=min_p, seed=100 + i, ignore_eos=True)
+              for i in range(len(prompts))]
+    outs = tiny.generate(prompts, params)
+    excluded_mass = 0.0
+    distinct = set()
+    for prompt, out in zip(prompts, outs):
+        logits = step_logits(tiny_hf, prompt, out["token_ids"])
+        probs = torch.softmax(logits / temperature, dim=-1)
+        for i, tok in enumerate(out["token_ids"]):
+            assert _allowed(probs[i], tok, top_k, top_p, min_p), (
+                f"token {tok} (p={float(probs[i, tok]):.3f}, max={float(probs[i].max()):.3f}) "
+                f"is outside the allowed set"
+            )
+            allowed = torch.tensor([_allowed(probs[i], t, top_k, top_p, min_p)
+                                    for t in range(probs.shape[1])])
+            excluded_mass += float(probs[i][~allowed].sum())
+            distinct.add((tuple(prompt), i, tok))
+    # The restriction matters: unrestricted sampling would have left the set many times...
+    assert excluded_mass > 20, excluded_mass
+    # ...and the sampler still samples (it is not greedy in disguise).
+    greedy_outs = tiny.generate(prompts, greedy(32, ignore_eos=True))
+    assert sum(o["token_ids"] != g["token_ids"] for o, g in zip(outs, greedy_outs)) >= 10
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.5])
+def test_first_token_distribution_follows_temperature(
+    tiny: Engine, tiny_hf: torch.nn.Module, temperature: float
+) -> None:
+    """1000 seeded one-token samples of one prompt follow softmax(logits / T).
+
+    Compared as total variation over the 6 likeliest tokens plus an "everything else" bucket.
+    """
+    prompt = random_prompts(1, [12], seed=6)[0]
+    n = 1000
+    params = [SamplingParams(max_new_tokens=1, temperature=temperature, seed=1000 + i)
+              for i in range(n)]
+    outs = tiny.generate([prompt] * n, params)
+    logits = step_logits(tiny_hf, prompt, [0])[0].double()
+    top = logits.topk(6).indices
+
+    def buckets(p: torch.Tensor) -> torch.Tensor:
+        return torch.cat([p[top], (1 - p[top].sum()).view(1)])
+
+    counts = torch.bincount(torch.tensor([o["token_ids"][0] for o in outs]), minlength=256)
+    emp = buckets(counts.double() / n)
+    want = buckets(torch.softmax(logits / temperature, -1))
+    other = buckets(torch.softmax(logits / (0.5 if temperature == 1.0 else 1.0), -1))
+    tv = float((emp - want).abs().sum() / 2)
+    tv_other = float((emp - other).abs().sum() / 2)
+    assert tv < 0.05, f"TV to softmax(logits/{temperature}) is {tv:.3f}"
+    assert tv_other > 0.1, (tv, tv_other)  # the check tells the temperatures apart
+
+
+# ---- stop conditions ----------------------------------------------------------------------------
+
+
+def _prompt_without_specials(engine: Engine, length: int, n: int, seed: int) -> list[int]:
+    """A random prompt whose greedy continuation (n tokens, EOS ignored) has no special token
+    (ids 0..2), so it neither stops at the tiny model's EOS nor loses characters in the text."""
+    for s in range(seed, seed + 50):
+        prompt = random_prompts(1, [length], seed=s)[0]
+        out = engine.generate([prompt], greedy(n, ignore_eos=True))[0]["token_ids"]
+        if min(out) > TINY_EOS:
+            return prompt
+    raise AssertionError("every prompt's continuation had a special token")
+
+
+def _first_new(tokens: list[int], min_index: int) -> int:
+    """Index >= min_index of a token that does not occur earlier in `tokens`."""
+    for i in range(min_index, len(tokens)):
+        if tokens[i] not in tokens[:i]:
+            return i
+    raise AssertionError("no fresh token")
+
+
+def test_eos_and_ignore_eos(tiny_model_dir: str, tmp_path: object,
+                            make_engine: Callable[..., Engine]) -> None:
+    base = make_engine(tiny_model_dir, max_running_requests=2, kv_cache_tokens=256)
+    prompt = _prompt_without_specials(base, 10, 40, seed=7)
+    full = base.generate([prompt], greedy(40, ignore_eos=True))[0]["token_ids"]
+    assert TINY_EOS not in full
+    k = _first_new(full, 4)
+    # The same weights with full[k] as the config's EOS token.
+    eos_dir = os.path.join(str(tmp_path), "eos_model")
+    shutil.copytree(tiny_model_dir, eos_dir)
+    with open(os.path.join(eos_dir, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["eos_token_id"] = full[k]
+    with open(os.path.join(eos_dir, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    engine = make_engine(eos_dir, max_running_requests=2, kv_cache_tokens=256)
+    out = engine.generate([prompt], greedy(40))[0]
+    assert out["token_ids"] == full[: k + 1]
+    assert out["finish_reason"] == "stop"
+    out = engine.generate([prompt], greedy(40, ignore_eos=True))[0]
+    assert out["token_ids"] == full and out["finish_reason"] == "length"
+
+
+def test_stop_token_ids(tiny: Engine) -> None:
+    prompt = random_prompts(1, [9], seed=8)[0]
+    full = tiny.generate([prompt], greedy(40, ignore_eos=True))[0]["token_ids"]
+    k = _first_new(full, 5)
+    # ignore_eos does not disable stop_token_ids.
+    for ignore_eos in (False, True):
+        out = tiny.generate([prompt], greedy(40, ignore_eos=ignore_eos,
+                                             stop_token_ids=[full[k], 255]))[0]
+        assert out["token_ids"] == full[: k + 1]
+        assert out["finish_reason"] == "stop"
+
+
+def test_stop_strings(tiny: Engine) -> None:
+    prompt = _prompt_without_specials(tiny, 11, 48, seed=9)
+    full = tiny.generate([prompt], greedy(48, ignore_eos=True))[0]
+    text = full["text"]
+    assert len(text) == 48  # the tiny tokenizer: one character per token
+    # A 3-character stop string whose first occurrence starts at position 10 or later.
+    k = next(i for i in range(10, 40) if text.find(text[i : i + 3]) == i)
+    stop = text[k : k + 3]
+    out = tiny.generate([prompt], greedy(48, ignore_eos=True, stop=["\x00never", stop]))[0]
+    assert out["finish_reason"] == "stop"
+    assert out["text"] == text[:k]
+    assert out["token_ids"] == full["token_ids"][: k + 3]
+    # A stop string present only in the prompt does not stop the output.
+    absent = next(c * 2 for c in "abcdefghij" if c * 2 not in text)
+    prompt_with_stop = tiny.tokenizer.encode(absent) + prompt
+    out = tiny.generate([prompt_with_stop], greedy(8, ignore_eos=True, stop=[absent]))[0]
+    assert out["finish_reason"] == "length" and len(out["token_ids"]) == 8
+
+
+def test_max_new_tokens_gives_length(tiny: Engine) -> None:
+    prompts = random_prompts(3, seed=10)
+    outs = tiny.generate(prompts, [greedy(n, ignore_eos=True) for n in (1, 7, 19)])
+    assert [len(o["token_ids"]) for o in outs] == [1, 7, 19]
+    assert all(o["finish_reason"] == "length" for o in outs)
+
+
+# ---- errors -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("prompt_len", "params", "message"),
+    [
+        (300, greedy(4), "maximum context length"),
+        (100, greedy(200), "maximum context length"),
+        (0, greedy(4), "empty"),
+        (10, greedy(0), "max_tokens"),
+        (10, SamplingParams(temperature=-0.5), "temperature"),
+        (10, SamplingParams(top_p=0.0), "top_p"),
+        (10, SamplingParams(top_p=1.5), "top_p"),
+        (10, SamplingParams(top_k=0), "top_k"),
+        (10, SamplingParams(top_k=-3), "top_k"),
+        (10, SamplingParams(min_p=1.5), "min_p"),
+        (10, SamplingParams(logprobs=99), "logprobs"),
+    ],
+)
+def test_bad_requests_raise_and_engine_keeps_working(
+    tiny_model_dir: str, make_engine: Callable[..., Engine], prompt_len: int,
+    params: SamplingParams, message: str,
+) -> None:
+    engine = make_engine(tiny_model_dir, max_running_requests=4, kv_cache_tokens=256)
+    assert engine.scheduler.max_context_len == 256
+    good = random_prompts(2, [6, 13], seed=11)
+    before = [o["token_ids"] for o in engine.generate(good, greedy(12, ignore_eos=True))]
+    bad = random_prompts(1, [prompt_len], seed=12)[0] if prompt_len else []
+    with pytest.raises(ValueError, match=message):
+        engine.generate([bad], params)
+    after = [o["token_ids"] for o in engine.generate(good, greedy(12, ignore_eos=True))]
+    assert after == before
+
+
+def test_out_of_vocab_token_raises(tiny: Engine) -> None:
+    with pytest.raises(ValueError, match="vocab"):
+        tiny.generate([[5, 6, 256]], greedy(4))
+    with pytest.raises(ValueError, match="vocab"):
+        tiny.generate([[5, -1, 7]], greedy(4))
+
+
+def test_bad_request_in_a_batch_leaves_engine_usable(
+    tiny_model_dir: str, make_engine: Callable[..., Engine]
+) -> None:
+    """One invalid request among valid ones: ValueError, and afterwards the engine is clean."""
+    tiny = make_engine(tiny_model_dir, max_running_requests=4, kv_cache_tokens=256)
+    good = random_prompts(2, [6, 13], seed=13)
+    want = [o["token_ids"] for o in tiny.generate(good, greedy(12, ignore_eos=True))]
+    with pytest.raises(ValueError, match="top_p"):
+        tiny.generate([good[0], good[1]], [greedy(12, ignore_eos=True), SamplingParams(top_p=2)])
+    got = [o["token_ids"] for o in tiny.generate(good, greedy(12, ignore_eos=True))]
+    assert got == want
