@@ -64,8 +64,8 @@ def load_prompts(n: int) -> tuple[list[str], str]:
     return FALLBACK_PROMPTS[:n], "built-in list (bench/data.py not found)"
 
 
-def gemv_bench(rounds: int = 5, reps: int = 30) -> dict[str, float]:
-    """The 576 x 49152 lm_head at batch 1: median over rounds of the median over reps (ms)."""
+def gemv_bench(rounds: int = 9, reps: int = 30) -> dict[str, float]:
+    """The 576 x 49152 lm_head at batch 1: per round the median over reps (ms)."""
     from eagleserve.model.quant import Int4Linear, Int8Linear
 
     n, k = 49152, 576
@@ -94,8 +94,10 @@ def gemv_bench(rounds: int = 5, reps: int = 30) -> dict[str, float]:
                     call()
                     ts.append(time.perf_counter() - t0)
                 out[name].append(1e3 * statistics.median(ts))
-    return {name: round(statistics.median(v), 2) for name, v in out.items()} | {
-        f"{name}_rounds": [round(t, 2) for t in v] for name, v in out.items()
+    # Other jobs share the cores (and CPU quota throttling adds ~4 ms steps): the min over
+    # rounds is the better estimate of the kernel; the median shows the noise.
+    return {f"{name}_min": round(min(v), 2) for name, v in out.items()} | {
+        f"{name}_median": round(statistics.median(v), 2) for name, v in out.items()
     }
 
 

@@ -69,6 +69,22 @@ def check_pools_free() -> Iterator[None]:
         assert_pools_free(obj)
 
 
+@pytest.fixture(scope="module")
+def torch_threads() -> Iterator[int]:
+    """Runs a module with few torch intra-op threads (EAGLESERVE_TEST_THREADS, default 1).
+
+    The small forwards of these tests gain nothing from a second thread, and on a busy 2-core
+    machine OpenMP's spinning barriers make every op wait for a descheduled thread (measured:
+    a tiny-model test took 25 s with 2 threads and 0.6 s with 1). Use it with
+    `pytestmark = pytest.mark.usefixtures("torch_threads")`.
+    """
+    before = torch.get_num_threads()
+    n = int(os.environ.get("EAGLESERVE_TEST_THREADS", "1"))
+    torch.set_num_threads(n)
+    yield n
+    torch.set_num_threads(before)
+
+
 def run_scheduler_to_completion(sched: Scheduler, max_steps: int = 100_000) -> None:
     """Steps until the scheduler has nothing left (its outputs are dropped)."""
     for _ in range(max_steps):
@@ -110,9 +126,16 @@ def save_tiny_model(path: str, seed: int = 0, qwen2: bool = False) -> Any:
 
     torch.manual_seed(seed)
     common: dict[str, Any] = dict(
-        vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-        tie_word_embeddings=False, eos_token_id=TINY_EOS, bos_token_id=TINY_BOS,
+        vocab_size=TINY_VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        eos_token_id=TINY_EOS,
+        bos_token_id=TINY_BOS,
         rms_norm_eps=1e-5,
     )
     if qwen2:
@@ -120,8 +143,11 @@ def save_tiny_model(path: str, seed: int = 0, qwen2: bool = False) -> Any:
         model = Qwen2ForCausalLM(cfg)
     else:
         rope = {
-            "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
-            "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "rope_type": "llama3",
+            "rope_theta": 10000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
             "original_max_position_embeddings": 64,
         }
         cfg = LlamaConfig(**common, rope_parameters=rope)
@@ -198,7 +224,10 @@ def make_scheduler() -> Callable[..., Scheduler]:
 
 
 def random_prompts(
-    n: int, lengths: list[int] | None = None, vocab: int = TINY_VOCAB, seed: int = 0,
+    n: int,
+    lengths: list[int] | None = None,
+    vocab: int = TINY_VOCAB,
+    seed: int = 0,
     low: int = 3,
 ) -> list[list[int]]:
     """`n` prompts of random token ids in [low, vocab) (no special tokens), fresh per seed."""

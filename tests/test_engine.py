@@ -16,6 +16,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from eagleserve import Engine, SamplingParams
 
+pytestmark = pytest.mark.usefixtures("torch_threads")
+
 SMOL_PROMPTS = [
     "The capital of France is",
     "def fibonacci(n):\n    ",
@@ -33,8 +35,13 @@ SMOL_PROMPTS = [
 
 @pytest.fixture(scope="module")
 def _tiny_engine(tiny_model_dir: str) -> Iterator[Engine]:
-    yield Engine(model=tiny_model_dir, device="cpu", dtype="float32", max_running_requests=16,
-                 kv_cache_tokens=2048)
+    yield Engine(
+        model=tiny_model_dir,
+        device="cpu",
+        dtype="float32",
+        max_running_requests=16,
+        kv_cache_tokens=2048,
+    )
 
 
 @pytest.fixture
@@ -67,8 +74,9 @@ def step_logits(hf: torch.nn.Module, prompt: list[int], out: list[int]) -> torch
 # ---- greedy parity with transformers ------------------------------------------------------------
 
 
-def test_greedy_matches_transformers_generate(smollm2_dir: str,
-                                              make_engine: Callable[..., Engine]) -> None:
+def test_greedy_matches_transformers_generate(
+    smollm2_dir: str, make_engine: Callable[..., Engine]
+) -> None:
     """8 prompts x 64 new tokens on SmolLM2, batched in one call, equal HF greedy one by one."""
     engine = make_engine(smollm2_dir, max_running_requests=8, kv_cache_tokens=2048)
     outs = engine.generate(SMOL_PROMPTS, greedy(64))
@@ -80,8 +88,12 @@ def test_greedy_matches_transformers_generate(smollm2_dir: str,
         ids = tok.encode(prompt, add_special_tokens=False)
         with torch.no_grad():
             ref = hf.generate(
-                torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                max_new_tokens=64, do_sample=False, eos_token_id=eos, pad_token_id=eos[0],
+                torch.tensor([ids]),
+                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                max_new_tokens=64,
+                do_sample=False,
+                eos_token_id=eos,
+                pad_token_id=eos[0],
             )[0, len(ids) :].tolist()
         assert out["token_ids"] == ref, f"prompt {prompt!r}"
         stopped = ref[-1] in eos
@@ -90,8 +102,9 @@ def test_greedy_matches_transformers_generate(smollm2_dir: str,
     assert sum(len(o["token_ids"]) for o in outs) > 4 * 64  # most ran the full length
 
 
-def test_stop_string_inside_a_token_cuts_text(smollm2_dir: str,
-                                               make_engine: Callable[..., Engine]) -> None:
+def test_stop_string_inside_a_token_cuts_text(
+    smollm2_dir: str, make_engine: Callable[..., Engine]
+) -> None:
     """A stop string that starts mid-token: text ends right before it; finish_reason "stop"."""
     engine = make_engine(smollm2_dir, max_running_requests=2, kv_cache_tokens=512)
     prompt = "Once upon a time, in a small village by the sea,"
@@ -125,8 +138,9 @@ def test_same_seed_same_tokens_alone_and_batched(tiny: Engine) -> None:
     # Batched with other requests (sampled with other seeds, greedy, other lengths), not first.
     others = random_prompts(5, [3, 30, 9, 22, 6], seed=2)
     params = [sampled(48, 7), greedy(20), sampled(48, 1234), sampled(48, None), greedy(48)]
-    batch = tiny.generate(others[:3] + [prompt] + others[3:],
-                          params[:3] + [sampled(48, seed=1234)] + params[3:])
+    batch = tiny.generate(
+        others[:3] + [prompt] + others[3:], params[:3] + [sampled(48, seed=1234)] + params[3:]
+    )
     assert batch[3]["token_ids"] == alone
     # A different seed gives different tokens; so does no seed, twice.
     other_seed = tiny.generate([prompt], sampled(48, seed=1235))[0]["token_ids"]
@@ -138,8 +152,10 @@ def test_same_seed_same_tokens_alone_and_batched(tiny: Engine) -> None:
 def test_top_k_1_and_tiny_temperature_equal_greedy(tiny: Engine) -> None:
     prompts = random_prompts(4, seed=3)
     want = [o["token_ids"] for o in tiny.generate(prompts, greedy(32, ignore_eos=True))]
-    for params in (sampled(32, seed=5, top_k=1),
-                   SamplingParams(max_new_tokens=32, temperature=1e-3, seed=5, ignore_eos=True)):
+    for params in (
+        sampled(32, seed=5, top_k=1),
+        SamplingParams(max_new_tokens=32, temperature=1e-3, seed=5, ignore_eos=True),
+    ):
         got = [o["token_ids"] for o in tiny.generate(prompts, params)]
         assert got == want, params
 
@@ -160,13 +176,26 @@ def _allowed(probs: torch.Tensor, token: int, top_k: int, top_p: float, min_p: f
     ids=["top_k", "top_p", "min_p", "combined"],
 )
 def test_sampled_tokens_stay_in_the_allowed_set(
-    tiny: Engine, tiny_hf: torch.nn.Module, temperature: float, top_k: int, top_p: float,
+    tiny: Engine,
+    tiny_hf: torch.nn.Module,
+    temperature: float,
+    top_k: int,
+    top_p: float,
     min_p: float,
 ) -> None:
     prompts = random_prompts(12, seed=4)
-    params = [SamplingParams(max_new_tokens=32, temperature=temperature, top_k=top_k,
-                             top_p=top_p, min_p=min_p, seed=100 + i, ignore_eos=True)
-              for i in range(len(prompts))]
+    params = [
+        SamplingParams(
+            max_new_tokens=32,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            min_p=min_p,
+            seed=100 + i,
+            ignore_eos=True,
+        )
+        for i in range(len(prompts))
+    ]
     outs = tiny.generate(prompts, params)
     excluded_mass = 0.0
     distinct = set()
@@ -178,8 +207,9 @@ def test_sampled_tokens_stay_in_the_allowed_set(
                 f"token {tok} (p={float(probs[i, tok]):.3f}, max={float(probs[i].max()):.3f}) "
                 f"is outside the allowed set"
             )
-            allowed = torch.tensor([_allowed(probs[i], t, top_k, top_p, min_p)
-                                    for t in range(probs.shape[1])])
+            allowed = torch.tensor(
+                [_allowed(probs[i], t, top_k, top_p, min_p) for t in range(probs.shape[1])]
+            )
             excluded_mass += float(probs[i][~allowed].sum())
             distinct.add((tuple(prompt), i, tok))
     # The restriction matters: unrestricted sampling would have left the set many times...
@@ -199,8 +229,9 @@ def test_first_token_distribution_follows_temperature(
     """
     prompt = random_prompts(1, [12], seed=6)[0]
     n = 1000
-    params = [SamplingParams(max_new_tokens=1, temperature=temperature, seed=1000 + i)
-              for i in range(n)]
+    params = [
+        SamplingParams(max_new_tokens=1, temperature=temperature, seed=1000 + i) for i in range(n)
+    ]
     outs = tiny.generate([prompt] * n, params)
     logits = step_logits(tiny_hf, prompt, [0])[0].double()
     top = logits.topk(6).indices
@@ -240,8 +271,9 @@ def _first_new(tokens: list[int], min_index: int) -> int:
     raise AssertionError("no fresh token")
 
 
-def test_eos_and_ignore_eos(tiny_model_dir: str, tmp_path: object,
-                            make_engine: Callable[..., Engine]) -> None:
+def test_eos_and_ignore_eos(
+    tiny_model_dir: str, tmp_path: object, make_engine: Callable[..., Engine]
+) -> None:
     base = make_engine(tiny_model_dir, max_running_requests=2, kv_cache_tokens=256)
     prompt = _prompt_without_specials(base, 10, 40, seed=7)
     full = base.generate([prompt], greedy(40, ignore_eos=True))[0]["token_ids"]
@@ -269,8 +301,9 @@ def test_stop_token_ids(tiny: Engine) -> None:
     k = _first_new(full, 5)
     # ignore_eos does not disable stop_token_ids.
     for ignore_eos in (False, True):
-        out = tiny.generate([prompt], greedy(40, ignore_eos=ignore_eos,
-                                             stop_token_ids=[full[k], 255]))[0]
+        out = tiny.generate(
+            [prompt], greedy(40, ignore_eos=ignore_eos, stop_token_ids=[full[k], 255])
+        )[0]
         assert out["token_ids"] == full[: k + 1]
         assert out["finish_reason"] == "stop"
 
@@ -321,8 +354,11 @@ def test_max_new_tokens_gives_length(tiny: Engine) -> None:
     ],
 )
 def test_bad_requests_raise_and_engine_keeps_working(
-    tiny_model_dir: str, make_engine: Callable[..., Engine], prompt_len: int,
-    params: SamplingParams, message: str,
+    tiny_model_dir: str,
+    make_engine: Callable[..., Engine],
+    prompt_len: int,
+    params: SamplingParams,
+    message: str,
 ) -> None:
     engine = make_engine(tiny_model_dir, max_running_requests=4, kv_cache_tokens=256)
     assert engine.scheduler.max_context_len == 256

@@ -52,7 +52,8 @@ def forward_context(fb: ForwardBatch) -> Iterator[ForwardBatch]:
     global _current
     if _current is not None:
         raise RuntimeError("forward_context does not nest: a forward is already running")
-    fb.attn_backend.init_forward_metadata(fb)
+    if fb.attn_metadata is None:  # graph replays bring static metadata of their own
+        fb.attn_backend.init_forward_metadata(fb)
     _current = fb
     try:
         yield fb

@@ -7,6 +7,7 @@ import torch
 from eagleserve.config import ModelConfig
 from eagleserve.core import ForwardMode
 from eagleserve.model.attention import create_attn_backend
+from eagleserve.model.cuda_graph import GraphedForward
 from eagleserve.model.forward_batch import ForwardBatch, forward_context
 from eagleserve.model.kv_cache import ReqToTokenPool, TokenToKVPool
 from eagleserve.model.llama import LlamaForCausalLM, ModelOutput
@@ -79,6 +80,29 @@ class ModelRunner:
             model_config.head_dim**-0.5,
         )
 
+        self.graphs: dict[tuple[str, int], GraphedForward] = {}
+
+    def capture_graphs(self, max_bs: int, verify_tokens: int | None, tree: bool) -> None:
+        """Device graphs for decode (and verify with `verify_tokens` per request)."""
+        kinds = [("decode", 1, False)]
+        if verify_tokens is not None:
+            kinds.append(("verify", verify_tokens, tree))
+        for mode, n, with_tree in kinds:
+            graph = GraphedForward(
+                lambda fb, extras: self._graph_outputs(self.model()),
+                lambda _mode=mode, **kw: ForwardBatch(
+                    mode=_mode, kv_pool=self.token_to_kv_pool, attn_backend=self.attn_backend,
+                    **kw,
+                ),
+                self.device, max_bs, n, tree=with_tree,
+            )
+            graph.capture()
+            self.graphs[(mode, n)] = graph
+
+    def _graph_outputs(self, out: ModelOutput) -> tuple[torch.Tensor, ...]:
+        aux = () if out.aux_hidden_states is None else (out.aux_hidden_states,)
+        return (out.logits, out.hidden_states, *aux)
+
     @torch.inference_mode()
     def forward(
         self,
@@ -93,6 +117,13 @@ class ModelRunner:
         tree_mask: torch.Tensor | None = None,
         kv_lens: torch.Tensor | None = None,
     ) -> ModelOutput:
+        bs = req_pool_indices.shape[0]
+        graph = self.graphs.get((mode, input_ids.shape[0] // max(bs, 1)))
+        if graph is not None and graph.can_run(bs) and logits_indices is None and kv_lens is None:
+            logits, hidden, *aux = graph.replay(
+                input_ids, positions, out_cache_loc, req_pool_indices, prefix_lens, tree_mask
+            )
+            return ModelOutput(logits, hidden, aux[0] if aux else None)
         fb = ForwardBatch(
             mode=mode,
             input_ids=input_ids,

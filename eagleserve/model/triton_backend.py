@@ -70,6 +70,24 @@ class TritonAttnBackend:
             num_kv_splits=0,
         )
 
+    def init_forward_metadata_static(self, fb: ForwardBatch) -> None:
+        """Graph capture: metadata over the static buffers only (`fb.kv_lens` is one, refilled
+        before each replay), so nothing here goes stale. Every request has the same number of
+        new tokens; the split count covers the longest possible row."""
+        extend_lens = fb.extend_lens
+        assert fb.kv_lens is not None, "graph capture needs a static kv_lens buffer"
+        n = int(extend_lens[0]) if extend_lens.shape[0] else 0
+        kind = "tree" if fb.tree_mask is not None else ("decode" if n == 1 else "extend")
+        fb.attn_metadata = TritonAttnMetadata(
+            kind=kind,
+            kv_lens=fb.kv_lens,
+            extend_lens=extend_lens,
+            extend_start_loc=torch.cumsum(extend_lens, 0) - extend_lens,
+            max_extend=n,
+            max_kv_len=self.req_to_token.shape[1],
+            num_kv_splits=0,
+        )
+
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, fb: ForwardBatch
     ) -> torch.Tensor:

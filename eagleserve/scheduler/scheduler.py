@@ -13,6 +13,7 @@ from eagleserve.config import ModelConfig, ServerArgs
 from eagleserve.core import FinishReason, Req, ScheduleBatch
 from eagleserve.device import pick_device
 from eagleserve.messages import EngineStats, GenerateReqInput, TokenOutput
+from eagleserve.model.cuda_graph import graphs_supported
 from eagleserve.model.loader import resolve_model_path
 from eagleserve.model.runner import ModelRunner, resolve_dtype
 from eagleserve.scheduler.output_processor import (
@@ -59,6 +60,9 @@ class Scheduler:
                 args.max_running_requests, self.max_context_len + 2 * self.alloc_len,
                 args.attention_backend, load_format=args.load_format,
             )
+            if graphs_supported(self.device, args.disable_cuda_graph, runner.attn_backend):
+                runner.capture_graphs(min(args.cuda_graph_max_bs, args.max_running_requests),
+                                      None, False)
             self.worker = TargetWorker(runner)
         else:
             from eagleserve.spec.eagle_worker import EagleWorker

@@ -17,6 +17,7 @@ import torch
 from eagleserve.config import ModelConfig, ServerArgs, SpecConfig
 from eagleserve.core import EagleDraftInput, ScheduleBatch
 from eagleserve.model.attention import create_attn_backend
+from eagleserve.model.cuda_graph import GraphedForward, graphs_supported
 from eagleserve.model.forward_batch import ForwardBatch, forward_context
 from eagleserve.model.kv_cache import TokenToKVPool
 from eagleserve.model.runner import ModelRunner
@@ -65,6 +66,19 @@ class EagleWorker:
         # one-iteration lag of the host's committed length.
         overlap = not args.disable_overlap_schedule
         self.decode_slots_per_req = spec.alloc_len_per_decode * (2 if overlap else 1)
+        self.draft_graph: GraphedForward | None = None
+        if graphs_supported(device, args.disable_cuda_graph, self.target.attn_backend):
+            max_bs = min(args.cuda_graph_max_bs, args.max_running_requests)
+            self.target.capture_graphs(max_bs, spec.num_draft_tokens, tree=not spec.is_chain)
+            if spec.is_chain:
+                self.draft_graph = GraphedForward(
+                    lambda fb, ex: self.head(fb.input_ids, ex["features"], fb.positions),
+                    lambda **kw: ForwardBatch(mode="draft", kv_pool=self.draft_kv_pool,
+                                              attn_backend=self.draft_attn, **kw),
+                    device, max_bs, 1,
+                    extra_shapes={"features": ((self.head.hidden_size,), dtype)},
+                )
+                self.draft_graph.capture()
         self.chain_buffers = (
             Topk1ChainBuffers(args.cuda_graph_max_bs or args.max_running_requests, spec.num_steps,
                               spec.num_draft_tokens, device)
@@ -177,6 +191,13 @@ class EagleWorker:
         region_idx = (step - 1) * topk + branch  # [topk]
         loc = r2t[batch.req_pool_indices[:, None], L[:, None] + region_idx[None, :]].reshape(-1)
         positions = (L + step - 1).repeat_interleave(topk)
+        if topk == 1 and self.draft_graph is not None and self.draft_graph.can_run(L.shape[0]):
+            logits, next_feats = self.draft_graph.replay(
+                input_ids, positions, loc, batch.req_pool_indices, L + step - 1, features=feats
+            )
+            probs = torch.softmax(logits, dim=-1)
+            topk_p, topk_ids = probs.topk(topk, dim=-1)
+            return topk_p, self.head.to_target_ids(topk_ids), next_feats
         if topk == 1:
             fb = self._draft_fb("draft", input_ids, positions, loc, batch.req_pool_indices,
                                 L + step - 1, torch.ones_like(L))

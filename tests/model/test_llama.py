@@ -16,6 +16,8 @@ from transformers import AutoModelForCausalLM
 from eagleserve.config import ModelConfig
 from eagleserve.model.runner import ModelRunner
 
+pytestmark = pytest.mark.usefixtures("torch_threads")
+
 REL_TOL = 1e-4
 DECODE_STEPS = 16
 
@@ -137,7 +139,9 @@ def test_smollm2_matches_transformers(smollm2_dir: str) -> None:
     check_paged_parity(smollm2_dir, cfg.vocab_size, [21, 9], seed=13)
 
 
-def test_parity_check_detects_wrong_rope(tiny_model_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_parity_check_detects_wrong_rope(
+    tiny_model_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The parity check can fail: dropping the Llama-3 rope scaling must break it."""
     orig = ModelConfig.from_dir
 

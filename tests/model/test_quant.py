@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from eagleserve.model.gguf_weights import QuantTensor, unpack_blocks
-from eagleserve.model.quant import Int4Linear, Int8Linear, pack_quant
+from eagleserve.model.quant import BF16Linear, Int4Linear, Int8Linear, pack_quant
 
 gguf = pytest.importorskip("gguf")
 
@@ -155,7 +155,7 @@ def test_smollm2_quantized_close_to_fp32(smollm2_dir: str) -> None:
     quantize_model_from_gguf(runner.model, default_gguf_path())
     mods = dict(runner.model.named_modules())
     assert isinstance(mods["model.layers.0.self_attn.q_proj"], Int4Linear)
-    assert isinstance(mods["lm_head"], Int8Linear)  # token_embd is Q8_0, tied
+    assert isinstance(mods["lm_head"], BF16Linear)  # token_embd is Q8_0, tied; q8_0="bf16"
     for name in (
         "model.layers.0.self_attn.q_proj",
         "model.layers.7.self_attn.k_proj",
@@ -163,10 +163,10 @@ def test_smollm2_quantized_close_to_fp32(smollm2_dir: str) -> None:
     ):
         assert torch.equal(mods[name].dequantize(), fp[name + ".weight"]), name
     out = _prefill_logits(runner, ids)
-    # Observed on SmolLM2-135M (bf16 activations/scales, int8 lm_head): max |diff| ~0.5 with
-    # logits of magnitude ~20; the next-token argmax agrees at almost every position.
+    # Observed on SmolLM2-135M (bf16 activations/scales, bf16 lm_head): max |diff| 0.64-0.93,
+    # mean ~0.08, logits up to ~40; argmax agreed at every position of 3 prompts.
     diff = (out - ref).abs()
     assert float(diff.max()) < 1.5, float(diff.max())
     agree = (out.argmax(-1) == ref.argmax(-1)).float().mean()
-    assert float(agree) >= 0.8, float(agree)
+    assert float(agree) >= 0.8, float(agree)  # near-ties may flip
     assert out.argmax(-1)[-1] == ref.argmax(-1)[-1]

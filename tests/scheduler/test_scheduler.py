@@ -18,6 +18,8 @@ from eagleserve.core import Req, SamplingParams
 from eagleserve.messages import GenerateReqInput, TokenOutput
 from eagleserve.scheduler.scheduler import Scheduler
 
+pytestmark = pytest.mark.usefixtures("torch_threads")
+
 OVERLAP = pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
 
 
@@ -41,7 +43,9 @@ def collect(outs: list[TokenOutput], tokens: dict[str, list[int]], done: dict[st
             done[out.rid] = out.finish_reason
 
 
-def run_alone(sched: Scheduler, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
+def run_alone(
+    sched: Scheduler, prompts: list[list[int]], params: SamplingParams
+) -> list[list[int]]:
     """Each prompt on its own, one after the other, through the same scheduler."""
     result = []
     for i, prompt in enumerate(prompts):
@@ -64,7 +68,9 @@ def test_batch_invariance_with_staggered_arrival(
     prompts = random_prompts(8, lengths, seed=101)
     params = greedy(40)
     sched = make_scheduler(
-        tiny_model_dir, max_running_requests=8, kv_cache_tokens=1024,
+        tiny_model_dir,
+        max_running_requests=8,
+        kv_cache_tokens=1024,
         disable_overlap_schedule=not overlap,
     )
     alone = run_alone(sched, prompts, params)
@@ -103,12 +109,20 @@ def test_small_kv_pool_waits_and_retracts_with_same_tokens(
     kv_tokens = lengths[0] + max_new
     params = greedy(max_new)
 
-    big = make_scheduler(tiny_model_dir, max_running_requests=8, kv_cache_tokens=4096,
-                         disable_overlap_schedule=not overlap)
+    big = make_scheduler(
+        tiny_model_dir,
+        max_running_requests=8,
+        kv_cache_tokens=4096,
+        disable_overlap_schedule=not overlap,
+    )
     want = run_alone(big, prompts, params)
 
-    small = make_scheduler(tiny_model_dir, max_running_requests=8, kv_cache_tokens=kv_tokens,
-                           disable_overlap_schedule=not overlap)
+    small = make_scheduler(
+        tiny_model_dir,
+        max_running_requests=8,
+        kv_cache_tokens=kv_tokens,
+        disable_overlap_schedule=not overlap,
+    )
     assert small.max_context_len == kv_tokens
     reqs = [add(small, f"r{i}", p, params) for i, p in enumerate(prompts)]
     tokens: dict[str, list[int]] = {}
@@ -138,8 +152,12 @@ def test_abort_frees_slots_and_spares_others(
     """Aborting a running and a waiting request frees their slots; the rest are unaffected."""
     prompts = random_prompts(4, [10, 17, 5, 12], seed=303)
     params = greedy(24)
-    sched = make_scheduler(tiny_model_dir, max_running_requests=2, kv_cache_tokens=512,
-                           disable_overlap_schedule=not overlap)
+    sched = make_scheduler(
+        tiny_model_dir,
+        max_running_requests=2,
+        kv_cache_tokens=512,
+        disable_overlap_schedule=not overlap,
+    )
     want = run_alone(sched, prompts, params)
     for i, p in enumerate(prompts):
         add(sched, f"r{i}", p, params)

@@ -6,6 +6,7 @@ import random
 from typing import Any
 
 import pytest
+from server_fixtures import tokenizer_fixture  # noqa: F401 (fixture)
 
 from eagleserve.server.detokenizer import IncrementalDetokenizer
 

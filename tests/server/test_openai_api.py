@@ -9,7 +9,16 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from conftest import MODEL, metric, wait_kv_free
+from server_fixtures import (  # noqa: F401 (fixtures)
+    MODEL,
+    base_url_fixture,
+    engine_fixture,
+    http_fixture,
+    metric,
+    server_fixture,
+    tokenizer_fixture,
+    wait_kv_free,
+)
 
 from eagleserve.core import SamplingParams
 

@@ -11,8 +11,18 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from conftest import API_KEY, MODEL, ServerProcess, metric, wait_kv_free
 from prometheus_client.parser import text_string_to_metric_families
+from server_fixtures import (  # noqa: F401 (fixtures)
+    API_KEY,
+    MODEL,
+    ServerProcess,
+    base_url_fixture,
+    http_fixture,
+    key_server_fixture,
+    metric,
+    server_fixture,
+    wait_kv_free,
+)
 
 LONG = {"max_tokens": 3000, "ignore_eos": True, "temperature": 0}
 GOOD = {"model": MODEL, "prompt": "Hello", "max_tokens": 2}

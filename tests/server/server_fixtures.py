@@ -1,4 +1,10 @@
-"""Shared fixtures: real `eagleserve serve` processes on free ports, the tokenizer, an Engine."""
+"""Shared fixtures of the server tests: real `eagleserve serve` processes, tokenizer, Engine.
+
+Not a conftest.py: pytest registers every conftest.py as the module `conftest`, and other test
+files do `from conftest import ...` of tests/conftest.py. Test modules import the fixtures they
+use from here (as `*_fixture`, named without the suffix); servers are cached per process, so
+every module shares one of each.
+"""
 
 from __future__ import annotations
 
@@ -58,47 +64,60 @@ class ServerProcess:
                 self.proc.wait()
 
 
-@pytest.fixture(scope="session")
-def server() -> Iterator[ServerProcess]:
-    srv = ServerProcess(["--served-model-name", "smol"])
+_CACHE: dict[str, Any] = {}
+
+
+def _cached(key: str, make: Any) -> Any:
+    if key not in _CACHE:
+        _CACHE[key] = make()
+    return _CACHE[key]
+
+
+@pytest.fixture(scope="session", name="server")
+def server_fixture() -> Iterator[ServerProcess]:
+    srv = _cached("server", lambda: ServerProcess(["--served-model-name", MODEL]))
     yield srv
     srv.stop()
     # uvicorn re-raises SIGTERM after its graceful shutdown.
     assert srv.proc.returncode in (0, -signal.SIGTERM), "the server did not shut down cleanly"
 
 
-@pytest.fixture(scope="session")
-def key_server() -> Iterator[ServerProcess]:
-    srv = ServerProcess(["--kv-cache-tokens", "512"], env={"EAGLESERVE_API_KEY": API_KEY})
+@pytest.fixture(scope="session", name="key_server")
+def key_server_fixture() -> Iterator[ServerProcess]:
+    srv = _cached(
+        "key", lambda: ServerProcess(["--kv-cache-tokens", "512"], {"EAGLESERVE_API_KEY": API_KEY})
+    )
     yield srv
     srv.stop()
 
 
-@pytest.fixture(scope="session")
-def base_url(server: ServerProcess) -> str:
+@pytest.fixture(scope="session", name="base_url")
+def base_url_fixture(server: ServerProcess) -> str:
     return server.url + "/v1"
 
 
-@pytest.fixture()
-def http(server: ServerProcess) -> Iterator[httpx.Client]:
+@pytest.fixture(name="http")
+def http_fixture(server: ServerProcess) -> Iterator[httpx.Client]:
     with httpx.Client(base_url=server.url, timeout=120) as client:
         yield client
 
 
-@pytest.fixture(scope="session")
-def tokenizer() -> Any:
+@pytest.fixture(scope="session", name="tokenizer")
+def tokenizer_fixture() -> Any:
     from transformers import AutoTokenizer
 
     from eagleserve.model.loader import resolve_model_path
 
-    return AutoTokenizer.from_pretrained(resolve_model_path("default"))
+    return _cached("tok", lambda: AutoTokenizer.from_pretrained(resolve_model_path("default")))
 
 
-@pytest.fixture(scope="session")
-def engine() -> Any:
+@pytest.fixture(scope="session", name="engine")
+def engine_fixture() -> Any:
     from eagleserve import Engine
 
-    return Engine(model="default", device="cpu", kv_cache_tokens=KV_TOKENS)
+    return _cached(
+        "engine", lambda: Engine(model="default", device="cpu", kv_cache_tokens=KV_TOKENS)
+    )
 
 
 def metric(http: httpx.Client, name: str, **labels: str) -> float:

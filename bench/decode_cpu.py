@@ -1,0 +1,190 @@
+"""Greedy decode throughput on CPU: eagleserve vs transformers `generate`, same model, one run.
+
+    python bench/decode_cpu.py [--new-tokens 64] [--batches 1,16] [--repeats 3] [--threads N]
+
+SmolLM2-135M-Instruct (the default model) in fp32, 64 new tokens per sequence (EOS ignored, so
+every sequence has exactly that many). eagleserve runs through the offline `Engine` (overlap
+scheduler on, and off as a second row); transformers runs `generate(do_sample=False)` with left
+padding for batches > 1. Tokens/s = new tokens of the batch / wall time of the whole call
+(prefill included), median of `--repeats` runs after one warm-up. Prints a table and writes
+bench/results/decode_cpu.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import sys
+from typing import Any
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.common import machine, machine_info, median, print_table, time_runs, write_json  # noqa: E402
+from eagleserve import Engine, SamplingParams  # noqa: E402
+from eagleserve.model.loader import resolve_model_path  # noqa: E402
+
+PROMPTS = [
+    "Write a short story about a lighthouse keeper.",
+    "Explain how a hash map works.",
+    "List five uses of vinegar at home.",
+    "def quicksort(arr):",
+    "What causes the seasons on Earth?",
+    "Translate 'good morning' into French, Spanish and German.",
+    "Summarize the plot of Romeo and Juliet.",
+    "Give me a recipe for pancakes.",
+    "Why is the sky blue? Answer in two sentences.",
+    "Write a haiku about autumn leaves.",
+    "What is the difference between a list and a tuple in Python?",
+    "Describe the water cycle.",
+    "Name three famous painters and one work by each.",
+    "How do vaccines work?",
+    "Write a limerick about a cat who loves to code.",
+    "Explain recursion to a five year old.",
+]
+
+
+def eagleserve_runner(engine: Engine, prompts: list[list[int]], new_tokens: int) -> Any:
+    params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+
+    def run() -> list[list[int]]:
+        outs = engine.generate(prompts, params)
+        assert all(len(o["token_ids"]) == new_tokens for o in outs)
+        return [o["token_ids"] for o in outs]
+
+    return run
+
+
+def hf_runner(model: Any, prompts: list[list[int]], new_tokens: int, pad_id: int) -> Any:
+    # No EOS: exactly `new_tokens` per sequence, as eagleserve with ignore_eos (min_new_tokens
+    # would instead mask EOS and change the tokens).
+    gen_cfg = copy.deepcopy(model.generation_config)
+    gen_cfg.eos_token_id = None
+    gen_cfg.pad_token_id = pad_id
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])  # left padding
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+
+    def run() -> list[list[int]]:
+        with torch.inference_mode():
+            out = model.generate(
+                ids,
+                attention_mask=mask,
+                generation_config=gen_cfg,
+                max_new_tokens=new_tokens,
+                do_sample=False,
+            )
+        return out[:, width:].tolist()
+
+    return run
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="default")
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--batches", default="1,16")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    ap.add_argument("--no-overlap-row", action="store_true", help="skip eagleserve overlap off")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    batches = [int(b) for b in args.batches.split(",")]
+    assert max(batches) <= len(PROMPTS)
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = resolve_model_path(args.model)
+    tok = AutoTokenizer.from_pretrained(path)
+    # Chat-formatted prompts, so the model answers instead of ending at once.
+    prompt_ids = [
+        tok.apply_chat_template(
+            [{"role": "user", "content": p}],
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=False,
+        )
+        for p in PROMPTS
+    ]
+    prompt_ids = [list(p) for p in prompt_ids]
+    pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    print(f"machine: {machine()}")
+    info = machine_info()
+
+    systems: dict[str, Any] = {}
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    systems["transformers"] = lambda p: hf_runner(hf, p, args.new_tokens, pad_id)
+    common_args = dict(
+        device="cpu", dtype="float32", max_running_requests=max(batches), kv_cache_tokens=8192
+    )
+    engines = {"eagleserve": Engine(model=path, **common_args)}
+    if not args.no_overlap_row:
+        engines["eagleserve (no overlap)"] = Engine(
+            model=path, disable_overlap_schedule=True, **common_args
+        )
+    for name, engine in engines.items():
+        systems[name] = lambda p, e=engine: eagleserve_runner(e, p, args.new_tokens)
+
+    rows: list[list[Any]] = []
+    results: list[dict[str, Any]] = []
+    tokens: dict[tuple[str, int], list[list[int]]] = {}
+    for bs in batches:
+        prompts = prompt_ids[:bs]
+        for name, make in systems.items():
+            run = make(prompts)
+            run()  # warm-up
+            times, out = time_runs(run, args.repeats)
+            tokens[(name, bs)] = out
+            t = median(times)
+            tps = bs * args.new_tokens / t
+            rows.append([name, bs, tps, 1000 * t / args.new_tokens, min(times), max(times)])
+            results.append(
+                {
+                    "system": name,
+                    "batch": bs,
+                    "new_tokens": args.new_tokens,
+                    "tokens_per_s": tps,
+                    "ms_per_step": 1000 * t / args.new_tokens,
+                    "wall_s": times,
+                }
+            )
+            print(f"  {name:<24} batch {bs:>2}: {tps:8.1f} tok/s", flush=True)
+    for bs in batches:
+        ref = tokens[("transformers", bs)]
+        for name in engines:
+            same = sum(a == b for a, b in zip(tokens[(name, bs)], ref))
+            for r in results:
+                if r["system"] == name and r["batch"] == bs:
+                    r["sequences_equal_to_transformers"] = f"{same}/{bs}"
+    print()
+    print_table(
+        ["system", "batch", "tok/s", "ms/step", "min s", "max s"],
+        rows,
+        title=f"greedy decode, {args.new_tokens} new tokens, SmolLM2-135M fp32 -- {machine()}",
+    )
+    for r in results:
+        if "sequences_equal_to_transformers" in r:
+            print(
+                f"{r['system']} batch {r['batch']}: sequences equal to transformers: "
+                f"{r['sequences_equal_to_transformers']}"
+            )
+    info["load_average_1min_end"] = machine_info()["load_average_1min"]
+    path_out = write_json(
+        "decode_cpu.json",
+        {
+            "benchmark": "decode_cpu",
+            "model": path,
+            "dtype": "float32",
+            "machine": info,
+            "repeats": args.repeats,
+            "results": results,
+        },
+    )
+    print(f"wrote {path_out}")
+
+
+if __name__ == "__main__":
+    main()
