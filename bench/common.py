@@ -84,10 +84,10 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     cells = [[cell(v) for v in row] for row in rows]
     widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]
     lines = [
-        " | ".join(h.ljust(w) for h, w in zip(headers, widths)),
+        " | ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)),
         "-+-".join("-" * w for w in widths),
     ]
-    lines += [" | ".join(c.rjust(w) for c, w in zip(r, widths)) for r in cells]
+    lines += [" | ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in cells]
     return "\n".join(lines)
 
 

@@ -155,7 +155,7 @@ def main() -> None:
     for bs in batches:
         ref = tokens[("transformers", bs)]
         for name in engines:
-            same = sum(a == b for a, b in zip(tokens[(name, bs)], ref))
+            same = sum(a == b for a, b in zip(tokens[(name, bs)], ref, strict=True))
             for r in results:
                 if r["system"] == name and r["batch"] == bs:
                     r["sequences_equal_to_transformers"] = f"{same}/{bs}"

@@ -43,16 +43,25 @@ class Engine:
             self.scheduler.add_request(GenerateReqInput(rid, ids, replace(p)))
         done: dict[str, TokenOutput] = {}
         tokens: dict[str, list[int]] = {rid: [] for rid in rids}
+        error: str | None = None
         while len(done) < len(rids):
             for out in self.scheduler.step():
-                if out.error is not None:
-                    raise ValueError(out.error)
+                if out.rid not in tokens:
+                    continue
+                if out.error is not None and error is None:
+                    # One bad request fails the call: drop the others, keep the engine clean.
+                    error = out.error
+                    for rid in rids:
+                        if rid not in done and rid != out.rid:
+                            self.scheduler.abort_request(rid)
                 tokens[out.rid].extend(out.new_token_ids)
                 if out.finished:
                     done[out.rid] = out
         # Let a forward still in flight land so every slot is back in the pool.
         while self.scheduler.has_work() and not self.scheduler.waiting:
             self.scheduler.step()
+        if error is not None:
+            raise ValueError(error)
         results = []
         for rid, p in zip(rids, plist):
             out = done[rid]

@@ -84,7 +84,7 @@ def test_greedy_matches_transformers_generate(
     tok = AutoTokenizer.from_pretrained(smollm2_dir)
     hf = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
     eos = sorted(engine.scheduler.eos_token_ids)
-    for prompt, out in zip(SMOL_PROMPTS, outs):
+    for prompt, out in zip(SMOL_PROMPTS, outs, strict=True):
         ids = tok.encode(prompt, add_special_tokens=False)
         with torch.no_grad():
             ref = hf.generate(
@@ -199,7 +199,7 @@ def test_sampled_tokens_stay_in_the_allowed_set(
     outs = tiny.generate(prompts, params)
     excluded_mass = 0.0
     distinct = set()
-    for prompt, out in zip(prompts, outs):
+    for prompt, out in zip(prompts, outs, strict=True):
         logits = step_logits(tiny_hf, prompt, out["token_ids"])
         probs = torch.softmax(logits / temperature, dim=-1)
         for i, tok in enumerate(out["token_ids"]):
@@ -216,7 +216,9 @@ def test_sampled_tokens_stay_in_the_allowed_set(
     assert excluded_mass > 20, excluded_mass
     # ...and the sampler still samples (it is not greedy in disguise).
     greedy_outs = tiny.generate(prompts, greedy(32, ignore_eos=True))
-    assert sum(o["token_ids"] != g["token_ids"] for o, g in zip(outs, greedy_outs)) >= 10
+    assert (
+        sum(o["token_ids"] != g["token_ids"] for o, g in zip(outs, greedy_outs, strict=True)) >= 10
+    )
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.5])

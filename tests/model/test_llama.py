@@ -60,7 +60,7 @@ def check_paged_parity(model_dir: str, vocab: int, lengths: list[int], seed: int
     pool_rows = [1 + 2 * i for i in range(bs)]
     slots = (torch.randperm(kv_tokens, generator=g) + 1)[:total]
     start = 0
-    for row, n in zip(pool_rows, lengths):
+    for row, n in zip(pool_rows, lengths, strict=True):
         runner.req_to_token_pool.req_to_token[row, : n + DECODE_STEPS] = slots[
             start : start + n + DECODE_STEPS
         ]
@@ -69,7 +69,7 @@ def check_paged_parity(model_dir: str, vocab: int, lengths: list[int], seed: int
     rows = torch.tensor(pool_rows)
 
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    ref = [hf_logits(hf, p, d) for p, d in zip(prompts, decode)]
+    ref = [hf_logits(hf, p, d) for p, d in zip(prompts, decode, strict=True)]
 
     # Prefill in two chunks: the first `cut` tokens, then the rest on top of the cached prefix.
     cuts = [max(1, n // 3) for n in lengths]
@@ -77,12 +77,16 @@ def check_paged_parity(model_dir: str, vocab: int, lengths: list[int], seed: int
     for lo_of, hi_of in ((lambda i: 0, lambda i: cuts[i]), (lambda i: cuts[i], lambda i: None)):
         lo = [lo_of(i) for i in range(bs)]
         hi = [hi_of(i) if hi_of(i) is not None else lengths[i] for i in range(bs)]
-        ext = [h - lo_i for lo_i, h in zip(lo, hi)]
+        ext = [h - lo_i for lo_i, h in zip(lo, hi, strict=True)]
         out = runner.forward(
             "extend",
-            input_ids=torch.tensor([t for p, a, b in zip(prompts, lo, hi) for t in p[a:b]]),
-            positions=torch.cat([torch.arange(a, b) for a, b in zip(lo, hi)]),
-            out_cache_loc=torch.cat([r2t[r, a:b] for r, a, b in zip(pool_rows, lo, hi)]),
+            input_ids=torch.tensor(
+                [t for p, a, b in zip(prompts, lo, hi, strict=True) for t in p[a:b]]
+            ),
+            positions=torch.cat([torch.arange(a, b) for a, b in zip(lo, hi, strict=True)]),
+            out_cache_loc=torch.cat(
+                [r2t[r, a:b] for r, a, b in zip(pool_rows, lo, hi, strict=True)]
+            ),
             req_pool_indices=rows,
             prefix_lens=torch.tensor(lo),
             extend_lens=torch.tensor(ext),
