@@ -11,10 +11,12 @@ bench/results/cpu_vs_llamacpp.json. llama.cpp is optional (`make bench-llamacpp`
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 from typing import Any
@@ -136,46 +138,57 @@ def run_eagleserve(
     )
 
 
+# Runs in-process when llama_cpp imports, else as `python -c` in the llama.cpp venv (which has
+# no torch / eagleserve): reads {gguf, threads, new_tokens, prompts} JSON on stdin.
+LLAMA_WORKER = """
+import json, sys, time
+import llama_cpp
+cfg = json.load(sys.stdin)
+llm = llama_cpp.Llama(model_path=cfg["gguf"], n_ctx=2048, n_threads=cfg["threads"],
+                      n_threads_batch=cfg["threads"], n_batch=512, verbose=False)
+def gen(ids, n_new):
+    llm.reset()  # no prefix reuse between prompts: every prompt pays its prefill
+    out = []
+    for tok in llm.generate(ids, top_k=1, temp=0.0, reset=True):  # greedy, never stops at EOS
+        out.append(int(tok))
+        if len(out) == n_new:
+            break
+    return out
+gen(cfg["prompts"][0], 8)  # warm-up
+tokens, secs = [], []
+for ids in cfg["prompts"]:
+    t0 = time.perf_counter()
+    tokens.append(gen(ids, cfg["new_tokens"]))
+    secs.append(time.perf_counter() - t0)
+print(json.dumps(dict(tokens=tokens, secs=secs, version=llama_cpp.__version__)))
+"""
+
+
 def run_llamacpp(
     prompt_ids: list[list[int]], args: argparse.Namespace, gguf: str
 ) -> dict[str, Any] | None:
-    try:
-        import llama_cpp
-    except ImportError:
-        return None
-    llm = llama_cpp.Llama(
-        model_path=gguf,
-        n_ctx=2048,
-        n_threads=args.threads,
-        n_threads_batch=args.threads,
-        n_batch=512,
-        verbose=False,
+    cfg = json.dumps(
+        dict(gguf=gguf, threads=args.threads, new_tokens=args.new_tokens, prompts=prompt_ids)
     )
-
-    def gen(ids: list[int], n_new: int) -> list[int]:
-        llm.reset()  # no prefix reuse between prompts: every prompt pays its prefill
-        out = []
-        for tok in llm.generate(ids, top_k=1, temp=0.0, reset=True):  # greedy, ignores EOS
-            out.append(int(tok))
-            if len(out) == n_new:
-                break
-        return out
-
-    gen(prompt_ids[0], 8)  # warm-up
-    tokens, secs = [], []
-    for ids in prompt_ids:
-        t0 = time.perf_counter()
-        tokens.append(gen(ids, args.new_tokens))
-        secs.append(time.perf_counter() - t0)
-    n = sum(len(t) for t in tokens)
+    if importlib.util.find_spec("llama_cpp") is not None:
+        python = sys.executable
+    elif os.path.exists(args.llama_python):
+        python = args.llama_python
+    else:
+        return None
+    proc = subprocess.run(
+        [python, "-c", LLAMA_WORKER], input=cfg, capture_output=True, text=True, check=True
+    )
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    n = sum(len(t) for t in out["tokens"])
+    secs = sum(out["secs"])
     return dict(
-        setting="llama.cpp Q4_1",
-        tok_s=n / sum(secs),
-        seconds=sum(secs),
+        setting=f"llama.cpp {out['version']}",
+        tok_s=n / secs,
+        seconds=secs,
         new_tokens=n,
         tau=None,
-        tokens=tokens,
-        version=getattr(llama_cpp, "__version__", "?"),
+        tokens=out["tokens"],
     )
 
 
@@ -200,6 +213,11 @@ def main() -> None:
     ap.add_argument("--topk", type=int, default=1)
     ap.add_argument("--num-draft-tokens", type=int, default=4)
     ap.add_argument("--gemv", action="store_true", help="also time the lm_head GEMV")
+    ap.add_argument(
+        "--llama-python",
+        default=os.path.join(ROOT, ".venv-llamacpp/bin/python"),
+        help="python of a venv with llama-cpp-python, used if not importable here",
+    )
     ap.add_argument("--out", default=os.path.join(ROOT, "bench/results/cpu_vs_llamacpp.json"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -213,10 +231,7 @@ def main() -> None:
     )
     if args.gemv:
         result["lm_head_gemv_ms"] = gemv_bench()
-        print(
-            "lm_head 576x49152 GEMV, batch 1 (ms, median):",
-            {k: v for k, v in result["lm_head_gemv_ms"].items() if "rounds" not in k},
-        )
+        print("lm_head 576x49152 GEMV, batch 1 (ms):", result["lm_head_gemv_ms"])
     tok = AutoTokenizer.from_pretrained(resolve_model_path(args.model))
     prompt_ids = [
         tok.apply_chat_template(
@@ -245,7 +260,7 @@ def main() -> None:
         ]
     llama = run_llamacpp(prompt_ids, args, gguf)
     if llama is None:
-        print("llama.cpp: llama_cpp not importable (see `make bench-llamacpp`); skipped")
+        print("llama.cpp: not found (no llama_cpp here or in --llama-python); skipped")
     else:
         rows.append(llama)
     by = {r["setting"]: r for r in rows}

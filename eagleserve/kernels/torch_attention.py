@@ -84,10 +84,10 @@ def padded_attention(
     qp = q[md.q_gather].transpose(1, 2)  # [bs, H, max_q, D]
     k = k_buffer[md.kv_indices].transpose(1, 2).to(q.dtype)  # [bs, Hkv, max_kv, D]
     v = v_buffer[md.kv_indices].transpose(1, 2).to(q.dtype)
-    if kv_heads != num_heads:
-        k = k.repeat_interleave(num_heads // kv_heads, dim=1)
-        v = v.repeat_interleave(num_heads // kv_heads, dim=1)
-    out = F.scaled_dot_product_attention(qp, k, v, attn_mask=md.mask, scale=sm_scale)
+    # GQA inside SDPA: no copy of K/V per query head.
+    out = F.scaled_dot_product_attention(
+        qp, k, v, attn_mask=md.mask, scale=sm_scale, enable_gqa=kv_heads != num_heads
+    )
     return out.transpose(1, 2)[md.q_valid]  # [T, H, D]
 
 

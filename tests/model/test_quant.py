@@ -80,32 +80,33 @@ def test_int4_mapping_is_bit_exact(qtype: str, shape: tuple[int, int]) -> None:
     assert torch.equal(lin.dequantize(), gguf_reference(raw, qtype, n, k))
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("mode", ["Q4_0", "Q4_1", "Q8_0:int8", "Q8_0:bf16"])
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("m", [1, 5])
-def test_packed_linear_close_to_fp32(qtype: str, shape: tuple[int, int], m: int) -> None:
+def test_packed_linear_close_to_fp32(mode: str, shape: tuple[int, int], m: int) -> None:
+    qtype, _, q8_0 = mode.partition(":")
     n, k = shape
     raw = random_blocks(qtype, n, k, seed=3 * n + k)
     w = gguf_reference(raw, qtype, n, k)
-    lin = pack_quant(unpack_blocks(raw, qtype, n, k))
-    assert isinstance(lin, Int8Linear if qtype == "Q8_0" else Int4Linear)
+    t = unpack_blocks(raw, qtype, n, k)
+    lin = pack_quant(t, q8_0=q8_0 or "int8")
+    kind = {"int8": Int8Linear, "bf16": BF16Linear}.get(q8_0, Int4Linear)
+    assert isinstance(lin, kind)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(k))
     ref = x @ w.t()
     y = lin(x)
     assert y.dtype == torch.float32 and y.shape == (m, n)
-    t = unpack_blocks(raw, qtype, n, k)
     tol = bf16_tol(t, w, x, ref)
-    if qtype == "Q8_0":
+    if q8_0 == "int8":
         # Per-channel requantization adds <= half an int8 step (absmax/254) per weight.
         tol = tol + (x.abs().sum(-1, keepdim=True) * w.abs().amax(1) / 254)
     assert bool(((y - ref).abs() <= tol).all()), float(((y - ref).abs() / tol).max())
-    # 3-D input and fp32 compute (exact weights for int4: only fp32 summation order differs).
-    assert lin(x.view(m, 1, k)).shape == (m, 1, n)
-    lin.compute_dtype = torch.float32
-    y32 = lin(x)
-    err = 1e-5 * (x.abs() @ w.abs().t()) + 1e-6
-    if qtype != "Q8_0":
-        assert bool(((y32 - ref).abs() <= err).all())
+    assert lin(x.view(m, 1, k)).shape == (m, 1, n)  # any leading dims
+    if kind is Int4Linear:
+        # fp32 compute: exact weights, only the fp32 summation order differs.
+        lin.compute_dtype = torch.float32
+        err = 1e-5 * (x.abs() @ w.abs().t()) + 1e-6
+        assert bool(((lin(x) - ref).abs() <= err).all())
 
 
 def test_int4_bias_and_dtype() -> None:
