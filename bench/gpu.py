@@ -152,6 +152,7 @@ def main() -> None:
             row["hf_tok_s"] = hf_tok_s(hf, row["batch"], args.new_tokens, vocab, device)
         del hf
     res["decode"] = rows
+    _save(res, args.out)
 
     # Draft step and verify cost relative to one target decode (batch 1, chain of 3).
     head_dir = os.path.join(tmp, "eagle3-head")
@@ -172,6 +173,7 @@ def main() -> None:
     res["costs_ms"] = {"target_decode": decode_ms, "draft_step": draft.mean_ms("_draft_step"),
                        "verify_4_tokens": fwd.mean_ms("verify")}
     res["costs_rel"] = {k: v / decode_ms for k, v in res["costs_ms"].items()}
+    _save(res, args.out)
     del seng
 
     # Kernel launches per speculative iteration (overlap on, batch 4).
@@ -179,7 +181,7 @@ def main() -> None:
     for compiled in (True, False):
         for chain_buffers in (True, False):
             os.environ["EAGLESERVE_DISABLE_COMPILE"] = "0" if compiled else "1"
-            e = Engine(model=tmp, **common, **spec)
+            e = Engine(model=tmp, disable_cuda_graph=True, **common, **spec)
             if not chain_buffers:
                 w = e.scheduler.worker
                 w.chain_buffers = Topk1ChainBuffers(0, 3, 4, device)
@@ -197,8 +199,12 @@ def main() -> None:
         print(f"{k:<18}{v:8.2f} ms  ({res['costs_rel'][k]:.2f}x decode)")
     for k, v in launches.items():
         print(f"kernel launches/iteration {k}: {v:.0f}")
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
+    _save(res, args.out)
+
+
+def _save(res: dict[str, Any], path: str) -> None:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
         json.dump(res, f, indent=2)
 
 
