@@ -60,6 +60,8 @@ class GraphedForward:
             for k, (shape, dtype) in (extra_shapes or {}).items()
         }
         self.graphs: dict[int, object] = {}
+        # The captured kernels read metadata and scratch owned by these: keep them alive.
+        self.batches: dict[int, ForwardBatch] = {}
         self.outputs: dict[int, tuple[torch.Tensor, ...]] = {}
 
     def _fb(self, bs: int) -> ForwardBatch:
@@ -92,7 +94,7 @@ class GraphedForward:
             with mod.graph(graph, pool=pool):
                 with forward_context(fb):
                     out = self.fn(fb, extras)
-            self.graphs[bs], self.outputs[bs] = graph, out
+            self.graphs[bs], self.outputs[bs], self.batches[bs] = graph, out, fb
 
     def can_run(self, bs: int) -> bool:
         return 0 < bs <= self.max_bs
