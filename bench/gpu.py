@@ -29,13 +29,28 @@ from eagleserve.spec.tree import Topk1ChainBuffers
 
 def llama3_8b_config(layers: int) -> dict[str, Any]:
     return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256,
-        "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": layers,
-        "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
-        "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "max_position_embeddings": 8192,
-        "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
-        "tie_word_embeddings": False, "bos_token_id": 128000, "eos_token_id": 128001,
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": 128256,
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": layers,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "max_position_embeddings": 8192,
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+        "tie_word_embeddings": False,
+        "bos_token_id": 128000,
+        "eos_token_id": 128001,
         "torch_dtype": "bfloat16",
     }
 
@@ -127,8 +142,14 @@ def main() -> None:
     cfg = llama3_8b_config(args.layers)
     with open(os.path.join(tmp, "config.json"), "w") as f:
         json.dump(cfg, f)
-    common = dict(device=str(device), dtype="bfloat16", load_format="dummy",
-                  kv_cache_tokens=65536, max_running_requests=32, max_context_len=4096)
+    common = dict(
+        device=str(device),
+        dtype="bfloat16",
+        load_format="dummy",
+        kv_cache_tokens=65536,
+        max_running_requests=32,
+        max_context_len=4096,
+    )
     vocab = cfg["vocab_size"]
     res: dict[str, Any] = {"device": name, "torch": torch.__version__, "layers": args.layers}
 
@@ -140,8 +161,7 @@ def main() -> None:
     rows = []
     for bs in (1, 8, 32):
         tok_s, _ = engine_tok_s(eng, bs, args.new_tokens, vocab)
-        rows.append({"batch": bs, "eagleserve_tok_s": tok_s,
-                     "floor_tok_s": bs * bw / weight_bytes})
+        rows.append({"batch": bs, "eagleserve_tok_s": tok_s, "floor_tok_s": bs * bw / weight_bytes})
     if not args.skip_hf:
         from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -159,19 +179,27 @@ def main() -> None:
     head = init_eagle_head("EAGLE3", model, draft_vocab_size=32000, seed=0)
     save_eagle_head(head, head_dir)
     del head, eng, model
-    spec = dict(speculative_algorithm="EAGLE3", speculative_draft_model_path=head_dir,
-                speculative_num_steps=3, speculative_eagle_topk=1,
-                speculative_num_draft_tokens=4)
+    spec = dict(
+        speculative_algorithm="EAGLE3",
+        speculative_draft_model_path=head_dir,
+        speculative_num_steps=3,
+        speculative_eagle_topk=1,
+        speculative_num_draft_tokens=4,
+    )
     seng = Engine(model=tmp, disable_overlap_schedule=True, **common, **spec)
     w = seng.scheduler.worker
     fwd = CallTimer(w.target, "forward", device, label=lambda mode, *a, **k: mode)
     draft = CallTimer(w, "_draft_step", device)
-    seng.generate(prompts(1, 128, vocab), SamplingParams(max_new_tokens=32, temperature=0,
-                                                          ignore_eos=True))
+    seng.generate(
+        prompts(1, 128, vocab), SamplingParams(max_new_tokens=32, temperature=0, ignore_eos=True)
+    )
     teng_runner = seng.scheduler.worker.target
     decode_ms = _decode_ms(teng_runner, device)
-    res["costs_ms"] = {"target_decode": decode_ms, "draft_step": draft.mean_ms("_draft_step"),
-                       "verify_4_tokens": fwd.mean_ms("verify")}
+    res["costs_ms"] = {
+        "target_decode": decode_ms,
+        "draft_step": draft.mean_ms("_draft_step"),
+        "verify_4_tokens": fwd.mean_ms("verify"),
+    }
     res["costs_rel"] = {k: v / decode_ms for k, v in res["costs_ms"].items()}
     _save(res, args.out)
     del seng
@@ -186,15 +214,20 @@ def main() -> None:
                 w = e.scheduler.worker
                 w.chain_buffers = Topk1ChainBuffers(0, 3, 4, device)
             launches[f"compiled={compiled},chain_buffers={chain_buffers}"] = kernel_launches(
-                e, vocab)
+                e, vocab
+            )
             del e
     res["kernel_launches_per_iteration"] = launches
-    print(f"device: {name}; weights {res['weight_gb']:.1f} GB; "
-          f"bandwidth {res['bandwidth_gb_s']:.0f} GB/s")
+    print(
+        f"device: {name}; weights {res['weight_gb']:.1f} GB; "
+        f"bandwidth {res['bandwidth_gb_s']:.0f} GB/s"
+    )
     print(f"{'batch':>6}{'eagleserve':>12}{'transformers':>14}{'floor':>10}")
     for r in rows:
-        print(f"{r['batch']:>6}{r['eagleserve_tok_s']:>12.1f}{r.get('hf_tok_s', 0):>14.1f}"
-              f"{r['floor_tok_s']:>10.1f}")
+        print(
+            f"{r['batch']:>6}{r['eagleserve_tok_s']:>12.1f}{r.get('hf_tok_s', 0):>14.1f}"
+            f"{r['floor_tok_s']:>10.1f}"
+        )
     for k, v in res["costs_ms"].items():
         print(f"{k:<18}{v:8.2f} ms  ({res['costs_rel'][k]:.2f}x decode)")
     for k, v in launches.items():
@@ -216,8 +249,14 @@ def _decode_ms(runner: Any, device: torch.device, iters: int = 20) -> float:
     loc = kv.alloc(129)
     r2t.req_to_token[idx, :129] = loc
     one = torch.ones(1, dtype=torch.long, device=device)
-    args = dict(input_ids=one * 1000, positions=one * 128, out_cache_loc=loc[128:129],
-                req_pool_indices=one * idx, prefix_lens=one * 128, extend_lens=one)
+    args = dict(
+        input_ids=one * 1000,
+        positions=one * 128,
+        out_cache_loc=loc[128:129],
+        req_pool_indices=one * idx,
+        prefix_lens=one * 128,
+        extend_lens=one,
+    )
     for _ in range(3):
         runner.forward("decode", **args)
     synchronize(device)

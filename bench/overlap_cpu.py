@@ -70,32 +70,58 @@ def main() -> None:
     prompts = (PROMPTS * ((args.batch + len(PROMPTS) - 1) // len(PROMPTS)))[: args.batch]
     settings: list[tuple[str, dict]] = [("target-only", {})]
     if args.draft:
-        settings.append(("EAGLE chain 3", dict(
-            speculative_algorithm="EAGLE", speculative_draft_model_path=args.draft,
-            speculative_num_steps=3, speculative_eagle_topk=1, speculative_num_draft_tokens=4)))
+        settings.append(
+            (
+                "EAGLE chain 3",
+                dict(
+                    speculative_algorithm="EAGLE",
+                    speculative_draft_model_path=args.draft,
+                    speculative_num_steps=3,
+                    speculative_eagle_topk=1,
+                    speculative_num_draft_tokens=4,
+                ),
+            )
+        )
     rows = []
     for name, kw in settings:
         results = {}
         for overlap in (False, True):
-            eng = Engine(model=args.model, device="cpu", kv_cache_tokens=16384,
-                         max_running_requests=max(args.batch, 8),
-                         disable_overlap_schedule=not overlap, **kw)
+            eng = Engine(
+                model=args.model,
+                device="cpu",
+                kv_cache_tokens=16384,
+                max_running_requests=max(args.batch, 8),
+                disable_overlap_schedule=not overlap,
+                **kw,
+            )
             results[overlap] = run(eng, prompts, args.new_tokens)
             del eng
         (t_off, s_off, tok_off), (t_on, s_on, tok_on) = results[False], results[True]
-        rows.append(dict(
-            setting=name, batch=args.batch, new_tokens=args.new_tokens,
-            ms_per_step_off=1000 * t_off / s_off, ms_per_step_on=1000 * t_on / s_on,
-            steps_off=s_off, steps_on=s_on, tok_s_off=args.batch * args.new_tokens / t_off,
-            tok_s_on=args.batch * args.new_tokens / t_on, identical_tokens=tok_off == tok_on,
-        ))
+        rows.append(
+            dict(
+                setting=name,
+                batch=args.batch,
+                new_tokens=args.new_tokens,
+                ms_per_step_off=1000 * t_off / s_off,
+                ms_per_step_on=1000 * t_on / s_on,
+                steps_off=s_off,
+                steps_on=s_on,
+                tok_s_off=args.batch * args.new_tokens / t_off,
+                tok_s_on=args.batch * args.new_tokens / t_on,
+                identical_tokens=tok_off == tok_on,
+            )
+        )
     print(f"machine: {machine()}")
-    print(f"{'setting':<16}{'bs':>4}{'ms/step off':>13}{'ms/step on':>12}{'tok/s off':>11}"
-          f"{'tok/s on':>10}{'same tokens':>13}")
+    print(
+        f"{'setting':<16}{'bs':>4}{'ms/step off':>13}{'ms/step on':>12}{'tok/s off':>11}"
+        f"{'tok/s on':>10}{'same tokens':>13}"
+    )
     for r in rows:
-        print(f"{r['setting']:<16}{r['batch']:>4}{r['ms_per_step_off']:>13.1f}"
-              f"{r['ms_per_step_on']:>12.1f}{r['tok_s_off']:>11.1f}{r['tok_s_on']:>10.1f}"
-              f"{str(r['identical_tokens']):>13}")
+        print(
+            f"{r['setting']:<16}{r['batch']:>4}{r['ms_per_step_off']:>13.1f}"
+            f"{r['ms_per_step_on']:>12.1f}{r['tok_s_off']:>11.1f}{r['tok_s_on']:>10.1f}"
+            f"{str(r['identical_tokens']):>13}"
+        )
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"machine": machine(), "rows": rows}, f, indent=2)

@@ -90,7 +90,9 @@ class SpecConfig:
 
     def __post_init__(self) -> None:
         if self.algorithm not in ("EAGLE", "EAGLE3"):
-            raise ValueError(f"--speculative-algorithm must be EAGLE or EAGLE3, not {self.algorithm}")
+            raise ValueError(
+                f"--speculative-algorithm must be EAGLE or EAGLE3, not {self.algorithm}"
+            )
         if self.num_steps < 1:
             raise ValueError("--speculative-num-steps must be at least 1")
         if self.eagle_topk < 1:

@@ -7,6 +7,7 @@ import pathlib
 import re
 import shutil
 import subprocess
+
 import tomllib
 
 from eagleserve.cli import build_parser
@@ -31,7 +32,9 @@ def test_entrypoint_is_the_documented_cli() -> None:
     entry, cmd = _instruction("ENTRYPOINT"), _instruction("CMD")
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
     assert entry[0] == "eagleserve" and scripts["eagleserve"] == "eagleserve.cli:main"
-    assert entry[1] == "serve" and "--host" in entry and entry[entry.index("--host") + 1] == "0.0.0.0"
+    assert (
+        entry[1] == "serve" and "--host" in entry and entry[entry.index("--host") + 1] == "0.0.0.0"
+    )
     ns = build_parser().parse_args(entry[1:] + cmd)  # the CLI accepts exactly these arguments
     assert ns.command == "serve"
     readme = (ROOT / "README.md").read_text()

@@ -1,4 +1,4 @@
-"""Plain-torch paged attention: the CPU path and the reference every Triton kernel is tested against.
+"""Plain-torch paged attention: the CPU path, and the reference the Triton kernels are tested on.
 
 Layout shared with the Triton kernels:
 - `k_buffer`, `v_buffer`: [num_slots, num_kv_heads, head_dim]; the K/V of *every* token a query

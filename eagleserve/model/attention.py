@@ -31,7 +31,11 @@ class TorchAttnBackend:
 
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         fb.attn_metadata = build_padded_metadata(
-            self.req_to_token, fb.req_pool_indices, fb.prefix_lens, fb.extend_lens, fb.tree_mask,
+            self.req_to_token,
+            fb.req_pool_indices,
+            fb.prefix_lens,
+            fb.extend_lens,
+            fb.tree_mask,
             fb.kv_lens,
         )
 

@@ -24,8 +24,10 @@ GraphFn = Callable[[ForwardBatch, dict[str, torch.Tensor]], tuple[torch.Tensor, 
 
 def graphs_supported(device: torch.device, disable: bool, attn_backend: object) -> bool:
     """Graphs need an accelerator and a backend whose metadata can be built without a sync."""
-    return device.type != "cpu" and not disable and hasattr(
-        attn_backend, "init_forward_metadata_static"
+    return (
+        device.type != "cpu"
+        and not disable
+        and hasattr(attn_backend, "init_forward_metadata_static")
     )
 
 
@@ -53,7 +55,8 @@ class GraphedForward:
         # Padded rows keep a lower-triangular mask: every query sees at least itself.
         self.tree_mask = (
             torch.ones(n, n, dtype=torch.bool, device=device).tril().repeat(max_bs, 1, 1)
-            if tree else None
+            if tree
+            else None
         )
         self.extras = {
             k: torch.zeros((t, *shape), dtype=dtype, device=device)
@@ -67,9 +70,12 @@ class GraphedForward:
     def _fb(self, bs: int) -> ForwardBatch:
         t = bs * self.n
         fb = self.make_fb(
-            input_ids=self.input_ids[:t], positions=self.positions[:t],
-            out_cache_loc=self.out_cache_loc[:t], req_pool_indices=self.req_pool_indices[:bs],
-            prefix_lens=self.prefix_lens[:bs], extend_lens=self.extend_lens[:bs],
+            input_ids=self.input_ids[:t],
+            positions=self.positions[:t],
+            out_cache_loc=self.out_cache_loc[:t],
+            req_pool_indices=self.req_pool_indices[:bs],
+            prefix_lens=self.prefix_lens[:bs],
+            extend_lens=self.extend_lens[:bs],
             tree_mask=None if self.tree_mask is None else self.tree_mask[:bs],
             kv_lens=self.kv_lens[:bs],
         )
@@ -113,8 +119,11 @@ class GraphedForward:
         bs = req_pool_indices.shape[0]
         pb = self.buckets[bisect.bisect_left(self.buckets, bs)]
         t, pt = bs * self.n, pb * self.n
-        for buf, src in ((self.input_ids, input_ids), (self.positions, positions),
-                         (self.out_cache_loc, out_cache_loc)):
+        for buf, src in (
+            (self.input_ids, input_ids),
+            (self.positions, positions),
+            (self.out_cache_loc, out_cache_loc),
+        ):
             buf[:t].copy_(src)
             buf[t:pt].zero_()
         self.req_pool_indices[:bs].copy_(req_pool_indices)

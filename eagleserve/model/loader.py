@@ -72,7 +72,7 @@ def convert_gguf(gguf_path: str, out_dir: str) -> str:
 
 
 def resolve_model_path(model: str) -> str:
-    """'default' -> the converted default model; a .gguf -> its converted folder; else the folder."""
+    """'default' -> the converted default model; a .gguf -> its converted folder; a folder."""
     if model == "default":
         out = os.path.join(cache_dir(), "SmolLM2-135M-Instruct")
         if not os.path.exists(os.path.join(out, "config.json")):
@@ -142,4 +142,6 @@ def load_weights(module: nn.Module, path: str, strict: bool = True, desc: str = 
         seen.add(name)
     missing = sorted(set(params) - seen)
     if missing and strict:
-        raise KeyError(f"missing tensors in {path}: {missing[:8]}{'...' if len(missing) > 8 else ''}")
+        raise KeyError(
+            f"missing tensors in {path}: {missing[:8]}{'...' if len(missing) > 8 else ''}"
+        )

@@ -17,8 +17,14 @@ from eagleserve.model.loader import load_weights
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     if dtype == "auto":
         return torch.float32 if device.type == "cpu" else torch.bfloat16
-    table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-             "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+    table = {
+        "float32": torch.float32,
+        "fp32": torch.float32,
+        "bfloat16": torch.bfloat16,
+        "bf16": torch.bfloat16,
+        "float16": torch.float16,
+        "fp16": torch.float16,
+    }
     if dtype not in table:
         raise ValueError(f"unknown dtype {dtype!r}: auto, float32, bfloat16 or float16")
     return table[dtype]
@@ -91,10 +97,15 @@ class ModelRunner:
             graph = GraphedForward(
                 lambda fb, extras: self._graph_outputs(self.model()),
                 lambda _mode=mode, **kw: ForwardBatch(
-                    mode=_mode, kv_pool=self.token_to_kv_pool, attn_backend=self.attn_backend,
+                    mode=_mode,
+                    kv_pool=self.token_to_kv_pool,
+                    attn_backend=self.attn_backend,
                     **kw,
                 ),
-                self.device, max_bs, n, tree=with_tree,
+                self.device,
+                max_bs,
+                n,
+                tree=with_tree,
             )
             graph.capture()
             self.graphs[(mode, n)] = graph

@@ -25,8 +25,12 @@ class GenerationBatchResult:
         """Copies the tensors to the host (waits for the forward that made them)."""
         cpu = lambda t: None if t is None else t.to("cpu")
         return GenerationBatchResult(
-            cpu(self.next_token_ids), cpu(self.accept_lens), cpu(self.logprobs),
-            cpu(self.top_logprob_vals), cpu(self.top_logprob_ids), self.accepted_per_position,
+            cpu(self.next_token_ids),
+            cpu(self.accept_lens),
+            cpu(self.logprobs),
+            cpu(self.top_logprob_vals),
+            cpu(self.top_logprob_ids),
+            self.accepted_per_position,
         )
 
 

@@ -22,8 +22,9 @@ from eagleserve.scheduler.output_processor import GenerationBatchResult
 
 
 class OverlapForwarder:
-    def __init__(self, worker: Any, future_map: FutureMap, device: torch.device,
-                 is_spec: bool) -> None:
+    def __init__(
+        self, worker: Any, future_map: FutureMap, device: torch.device, is_spec: bool
+    ) -> None:
         self.worker = worker
         self.future_map = future_map
         self.device = device
@@ -68,6 +69,7 @@ class OverlapForwarder:
             result = self.worker.forward_batch_generation(batch)
             fm.stash(fi, result.next_token_ids)
         else:
+
             def on_verified(b: ScheduleBatch) -> None:
                 # The host may prepare N+1 once the new lengths are known, before draft extend.
                 fm.stash(fi, b.input_ids, new_seq_lens=b.seq_lens)
@@ -75,8 +77,13 @@ class OverlapForwarder:
 
             result = self.worker.forward_batch_generation(batch, on_verified=on_verified)
             info: EagleDraftInput = batch.spec_info
-            fm.stash(fi, None, topk_p=info.topk_p, topk_index=info.topk_index,
-                     hidden_states=info.hidden_states)
+            fm.stash(
+                fi,
+                None,
+                topk_p=info.topk_p,
+                topk_index=info.topk_index,
+                hidden_states=info.hidden_states,
+            )
         return result.to_host()
 
     def shutdown(self) -> None:

@@ -16,13 +16,13 @@ from eagleserve.messages import EngineStats, GenerateReqInput, TokenOutput
 from eagleserve.model.cuda_graph import graphs_supported
 from eagleserve.model.loader import resolve_model_path
 from eagleserve.model.runner import ModelRunner, resolve_dtype
+from eagleserve.scheduler.future_map import FutureMap
 from eagleserve.scheduler.output_processor import (
     GenerationBatchResult,
     StopChecker,
     append_tokens,
     make_output,
 )
-from eagleserve.scheduler.future_map import FutureMap
 from eagleserve.scheduler.overlap import OverlapForwarder
 from eagleserve.scheduler.target_worker import TargetWorker
 
@@ -32,7 +32,9 @@ MAX_PREFILL_TOKENS = 8192
 
 
 def _load_tokenizer(path: str) -> object | None:
-    if not any(os.path.exists(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer.model")):
+    if not any(
+        os.path.exists(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer.model")
+    ):
         return None
     from transformers import AutoTokenizer
 
@@ -56,19 +58,31 @@ class Scheduler:
         dtype = resolve_dtype(args.dtype, self.device)
         if self.spec_config is None:
             runner = ModelRunner(
-                cfg, self.model_path, self.device, dtype, args.kv_cache_tokens,
-                args.max_running_requests, self.max_context_len + 2 * self.alloc_len,
-                args.attention_backend, load_format=args.load_format,
+                cfg,
+                self.model_path,
+                self.device,
+                dtype,
+                args.kv_cache_tokens,
+                args.max_running_requests,
+                self.max_context_len + 2 * self.alloc_len,
+                args.attention_backend,
+                load_format=args.load_format,
             )
             if graphs_supported(self.device, args.disable_cuda_graph, runner.attn_backend):
-                runner.capture_graphs(min(args.cuda_graph_max_bs, args.max_running_requests),
-                                      None, False)
+                runner.capture_graphs(
+                    min(args.cuda_graph_max_bs, args.max_running_requests), None, False
+                )
             self.worker = TargetWorker(runner)
         else:
             from eagleserve.spec.eagle_worker import EagleWorker
 
             self.worker = EagleWorker(
-                cfg, self.model_path, self.spec_config, self.device, dtype, args,
+                cfg,
+                self.model_path,
+                self.spec_config,
+                self.device,
+                dtype,
+                args,
                 self.max_context_len + 2 * self.alloc_len,
             )
         self.req_to_token_pool = self.worker.req_to_token_pool
@@ -95,7 +109,9 @@ class Scheduler:
         self.num_retracted = 0
         self.stats_verify_calls = 0
         self.stats_accepted_tokens = 0
-        self.stats_accepted_per_position = [0] * (self.spec_config.num_steps if self.spec_config else 0)
+        self.stats_accepted_per_position = [0] * (
+            self.spec_config.num_steps if self.spec_config else 0
+        )
 
     # ---- admission -------------------------------------------------------------------------
     def add_request(self, msg: GenerateReqInput) -> None:
@@ -121,7 +137,11 @@ class Scheduler:
         gen = None
         if not params.is_greedy:
             gen = torch.Generator(device=self.device)
-            gen.manual_seed(params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1)
+            gen.manual_seed(
+                params.seed
+                if params.seed is not None
+                else int.from_bytes(os.urandom(8), "little") >> 1
+            )
         self.waiting.append(
             Req(msg.rid, list(msg.input_ids), params, self.eos_token_ids, generator=gen)
         )
@@ -147,7 +167,10 @@ class Scheduler:
     # ---- the loop --------------------------------------------------------------------------
     def has_work(self) -> bool:
         return bool(
-            self.waiting or self.running_batch or self.pending_outputs or self.inflight
+            self.waiting
+            or self.running_batch
+            or self.pending_outputs
+            or self.inflight
             or self.deferred_release
         )
 
@@ -307,9 +330,7 @@ class Scheduler:
         self._drop_finished_from_running()
 
     def _fail_requests(self, reqs: list[Req], exc: BaseException) -> None:
-        logger.error(
-            "forward failed for requests %s: %r", [r.rid for r in reqs], exc, exc_info=exc
-        )
+        logger.error("forward failed for requests %s: %r", [r.rid for r in reqs], exc, exc_info=exc)
         for req in reqs:
             if req.finished:
                 continue

@@ -57,8 +57,11 @@ class TargetWorker:
 
     def forward_batch_generation(self, batch: ScheduleBatch) -> GenerationBatchResult:
         out = self.runner.forward(
-            batch.mode, batch.input_ids, out_cache_loc=batch.out_cache_loc,
-            req_pool_indices=batch.req_pool_indices, **forward_inputs(batch),
+            batch.mode,
+            batch.input_ids,
+            out_cache_loc=batch.out_cache_loc,
+            req_pool_indices=batch.req_pool_indices,
+            **forward_inputs(batch),
         )
         result = sample_with_logprobs(out.logits, batch, self.runner.config.vocab_size)
         # The sampled tokens are the next decode step's inputs.

@@ -43,12 +43,19 @@ class EagleWorker:
         self.spec = spec
         self.device = device
         self.target = ModelRunner(
-            model_config, model_path, device, dtype, args.kv_cache_tokens,
-            args.max_running_requests, max_context_len, args.attention_backend,
+            model_config,
+            model_path,
+            device,
+            dtype,
+            args.kv_cache_tokens,
+            args.max_running_requests,
+            max_context_len,
+            args.attention_backend,
             load_format=args.load_format,
         )
-        self.head = load_eagle_head(spec.draft_model_path, spec.algorithm, self.target.model,
-                                    device, dtype)
+        self.head = load_eagle_head(
+            spec.draft_model_path, spec.algorithm, self.target.model, device, dtype
+        )
         # EAGLE-3 fuses hidden states entering three target layers; the head says which.
         self.target.model.aux_layer_ids = self.head.aux_layer_ids
         self.req_to_token_pool = self.target.req_to_token_pool
@@ -59,8 +66,10 @@ class EagleWorker:
             args.kv_cache_tokens, 1, hc.num_key_value_heads, hc.head_dim, dtype, device
         )
         self.draft_attn = create_attn_backend(
-            "torch" if not spec.is_chain else args.attention_backend, device,
-            self.req_to_token_pool.req_to_token, hc.head_dim**-0.5,
+            "torch" if not spec.is_chain else args.attention_backend,
+            device,
+            self.req_to_token_pool.req_to_token,
+            hc.head_dim**-0.5,
         )
         # The overlap scheduler prepares N+1 before it knows N's accept lengths: 2x covers the
         # one-iteration lag of the host's committed length.
@@ -73,16 +82,24 @@ class EagleWorker:
             if spec.is_chain:
                 self.draft_graph = GraphedForward(
                     lambda fb, ex: self.head(fb.input_ids, ex["features"], fb.positions),
-                    lambda **kw: ForwardBatch(mode="draft", kv_pool=self.draft_kv_pool,
-                                              attn_backend=self.draft_attn, **kw),
-                    device, max_bs, 1,
+                    lambda **kw: ForwardBatch(
+                        mode="draft", kv_pool=self.draft_kv_pool, attn_backend=self.draft_attn, **kw
+                    ),
+                    device,
+                    max_bs,
+                    1,
                     extra_shapes={"features": ((self.head.hidden_size,), dtype)},
                 )
                 self.draft_graph.capture()
         self.chain_buffers = (
-            Topk1ChainBuffers(args.cuda_graph_max_bs or args.max_running_requests, spec.num_steps,
-                              spec.num_draft_tokens, device)
-            if spec.is_chain else None
+            Topk1ChainBuffers(
+                args.cuda_graph_max_bs or args.max_running_requests,
+                spec.num_steps,
+                spec.num_draft_tokens,
+                device,
+            )
+            if spec.is_chain
+            else None
         )
 
     def _rebuild_topk1_chain_buffers(self) -> None:
@@ -126,8 +143,11 @@ class EagleWorker:
 
         inputs = forward_inputs(batch)
         out = self.target.forward(
-            "extend", batch.input_ids, out_cache_loc=batch.out_cache_loc,
-            req_pool_indices=batch.req_pool_indices, **inputs,
+            "extend",
+            batch.input_ids,
+            out_cache_loc=batch.out_cache_loc,
+            req_pool_indices=batch.req_pool_indices,
+            **inputs,
         )
         result = sample_with_logprobs(out.logits, batch, self.target.config.vocab_size)
         # Head pairs token t[j+1] with feature f[j]: shift ids left, append the sampled token.
@@ -138,8 +158,16 @@ class EagleWorker:
         batch.input_ids = result.next_token_ids
         if on_verified is not None:
             on_verified(batch)
-        self._draft_extend(batch, shifted, self._features(out), inputs["positions"],
-                           batch.out_cache_loc, inputs["prefix_lens"], ext, last)
+        self._draft_extend(
+            batch,
+            shifted,
+            self._features(out),
+            inputs["positions"],
+            batch.out_cache_loc,
+            inputs["prefix_lens"],
+            ext,
+            last,
+        )
         return result
 
     def _features(self, out: object) -> torch.Tensor:
@@ -158,8 +186,15 @@ class EagleWorker:
         last_rows: torch.Tensor,
     ) -> None:
         """Head forward over committed tokens; its last row per request seeds the next draft."""
-        fb = self._draft_fb("extend", input_ids, positions, out_cache_loc, batch.req_pool_indices,
-                            prefix_lens, extend_lens)
+        fb = self._draft_fb(
+            "extend",
+            input_ids,
+            positions,
+            out_cache_loc,
+            batch.req_pool_indices,
+            prefix_lens,
+            extend_lens,
+        )
         with forward_context(fb):
             logits, feats = self.head(input_ids, features, positions)
         probs = torch.softmax(logits[last_rows], dim=-1)
@@ -168,20 +203,40 @@ class EagleWorker:
             topk_p, self.head.to_target_ids(topk_ids), feats[last_rows]
         )
 
-    def _draft_fb(self, mode: str, input_ids: torch.Tensor, positions: torch.Tensor,
-                  out_cache_loc: torch.Tensor, req_pool_indices: torch.Tensor,
-                  prefix_lens: torch.Tensor, extend_lens: torch.Tensor,
-                  tree_mask: torch.Tensor | None = None,
-                  kv_lens: torch.Tensor | None = None) -> ForwardBatch:
+    def _draft_fb(
+        self,
+        mode: str,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        out_cache_loc: torch.Tensor,
+        req_pool_indices: torch.Tensor,
+        prefix_lens: torch.Tensor,
+        extend_lens: torch.Tensor,
+        tree_mask: torch.Tensor | None = None,
+        kv_lens: torch.Tensor | None = None,
+    ) -> ForwardBatch:
         return ForwardBatch(
-            mode=mode, input_ids=input_ids, positions=positions, out_cache_loc=out_cache_loc,
-            req_pool_indices=req_pool_indices, prefix_lens=prefix_lens, extend_lens=extend_lens,
-            kv_pool=self.draft_kv_pool, attn_backend=self.draft_attn, tree_mask=tree_mask,
+            mode=mode,
+            input_ids=input_ids,
+            positions=positions,
+            out_cache_loc=out_cache_loc,
+            req_pool_indices=req_pool_indices,
+            prefix_lens=prefix_lens,
+            extend_lens=extend_lens,
+            kv_pool=self.draft_kv_pool,
+            attn_backend=self.draft_attn,
+            tree_mask=tree_mask,
             kv_lens=kv_lens,
         )
 
-    def _draft_step(self, batch: ScheduleBatch, input_ids: torch.Tensor, feats: torch.Tensor,
-                    step: int, region_mask: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+    def _draft_step(
+        self,
+        batch: ScheduleBatch,
+        input_ids: torch.Tensor,
+        feats: torch.Tensor,
+        step: int,
+        region_mask: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, ...]:
         """Head forward for draft depth `step` (1-based) of every branch; returns top-k."""
         topk = self.spec.eagle_topk
         L = batch.seq_lens
@@ -199,12 +254,27 @@ class EagleWorker:
             topk_p, topk_ids = probs.topk(topk, dim=-1)
             return topk_p, self.head.to_target_ids(topk_ids), next_feats
         if topk == 1:
-            fb = self._draft_fb("draft", input_ids, positions, loc, batch.req_pool_indices,
-                                L + step - 1, torch.ones_like(L))
+            fb = self._draft_fb(
+                "draft",
+                input_ids,
+                positions,
+                loc,
+                batch.req_pool_indices,
+                L + step - 1,
+                torch.ones_like(L),
+            )
         else:
-            fb = self._draft_fb("draft", input_ids, positions, loc, batch.req_pool_indices,
-                                L, torch.full_like(L, topk), tree_mask=region_mask,
-                                kv_lens=L + step * topk)
+            fb = self._draft_fb(
+                "draft",
+                input_ids,
+                positions,
+                loc,
+                batch.req_pool_indices,
+                L,
+                torch.full_like(L, topk),
+                tree_mask=region_mask,
+                kv_lens=L + step * topk,
+            )
         with forward_context(fb):
             logits, next_feats = self.head(input_ids, feats, positions)
         probs = torch.softmax(logits, dim=-1)
@@ -222,10 +292,15 @@ class EagleWorker:
         if spec.is_chain:
             tree: DraftTree = draft_chain(info, spec.num_steps, step_fn, self.chain_buffers)
         else:
-            tree = draft_tree(info, spec.num_steps, spec.eagle_topk, spec.num_draft_tokens,
-                              step_fn)
-        t = build_tree(batch.input_ids, tree.parent_list, tree.top_scores_index,
-                       tree.draft_tokens, spec.eagle_topk, spec.num_draft_tokens)
+            tree = draft_tree(info, spec.num_steps, spec.eagle_topk, spec.num_draft_tokens, step_fn)
+        t = build_tree(
+            batch.input_ids,
+            tree.parent_list,
+            tree.top_scores_index,
+            tree.draft_tokens,
+            spec.eagle_topk,
+            spec.num_draft_tokens,
+        )
         n = spec.num_draft_tokens
         bs = batch.batch_size
         L = batch.seq_lens
@@ -233,8 +308,13 @@ class EagleWorker:
         node = torch.arange(n, device=self.device)
         loc = r2t[batch.req_pool_indices[:, None], L[:, None] + node[None, :]].reshape(-1)
         out = self.target.forward(
-            "verify", t.draft_tokens.reshape(-1), (L[:, None] + t.depths).reshape(-1), loc,
-            batch.req_pool_indices, L, torch.full_like(L, n),
+            "verify",
+            t.draft_tokens.reshape(-1),
+            (L[:, None] + t.depths).reshape(-1),
+            loc,
+            batch.req_pool_indices,
+            L,
+            torch.full_like(L, n),
             tree_mask=None if spec.is_chain else t.tree_mask,
         )
         logits = out.logits.view(bs, n, -1)
@@ -264,15 +344,22 @@ class EagleWorker:
         if any(r.sampling_params.logprobs is not None for r in batch.reqs):
             k = max((r.sampling_params.logprobs or 0) for r in batch.reqs)
             row_logits = logits.reshape(bs * n, -1)[rows.reshape(-1)]
-            chosen, vals, ids = top_logprobs(row_logits, acc.output_tokens.clamp(min=0).reshape(-1), k)
+            chosen, vals, ids = top_logprobs(
+                row_logits, acc.output_tokens.clamp(min=0).reshape(-1), k
+            )
             depth1 = rows.shape[1]
             result.logprobs = chosen.view(bs, depth1)
             result.top_logprob_vals = vals.view(bs, depth1, -1)
             result.top_logprob_ids = ids.view(bs, depth1, -1)
         return result
 
-    def _accept(self, batch: ScheduleBatch, tokens: torch.Tensor, parents: torch.Tensor,
-                logits: torch.Tensor) -> AcceptResult:
+    def _accept(
+        self,
+        batch: ScheduleBatch,
+        tokens: torch.Tensor,
+        parents: torch.Tensor,
+        logits: torch.Tensor,
+    ) -> AcceptResult:
         bs, n, _ = logits.shape
         predict = logits.argmax(dim=-1)  # [bs, n]
         greedy = verify_greedy(tokens, parents, predict)
@@ -281,10 +368,12 @@ class EagleWorker:
             return greedy
         sampled_rows = [i for i, g in enumerate(info.is_greedy) if not g]
         idx = torch.tensor(sampled_rows, device=self.device)
-        sub = SamplingInfo.from_reqs([batch.reqs[i] for i in sampled_rows], logits.shape[-1],
-                                     self.device)
-        probs = logits_to_probs(logits[idx].reshape(len(sampled_rows) * n, -1),
-                                sub.repeat_interleave(n)).view(len(sampled_rows), n, -1)
+        sub = SamplingInfo.from_reqs(
+            [batch.reqs[i] for i in sampled_rows], logits.shape[-1], self.device
+        )
+        probs = logits_to_probs(
+            logits[idx].reshape(len(sampled_rows) * n, -1), sub.repeat_interleave(n)
+        ).view(len(sampled_rows), n, -1)
         samp = verify_sampling(tokens[idx], parents[idx], probs, sub.generators)
         for name in ("accept_index", "accept_lens", "output_tokens", "bonus_tokens"):
             getattr(greedy, name)[idx] = getattr(samp, name)
@@ -300,13 +389,12 @@ class EagleWorker:
         d = accept_index.shape[1]
         valid = accept_index >= 0
         # Sort key: accepted node at path step k -> k - d (negative), others -> their node index.
-        path_rank = torch.where(valid, torch.arange(d, device=self.device)[None, :] - d,
-                                torch.zeros_like(accept_index))
+        path_rank = torch.where(
+            valid, torch.arange(d, device=self.device)[None, :] - d, torch.zeros_like(accept_index)
+        )
         path_key = torch.zeros_like(cols).scatter_reduce_(
             1, accept_index.clamp(min=0), path_rank, reduce="amin", include_self=True
         )
         key = torch.where(path_key < 0, path_key, node[None, :].expand_as(cols))
         order = key.argsort(dim=1)
         r2t[rows, cols] = slots.gather(1, order)
-
-

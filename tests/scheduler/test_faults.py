@@ -13,9 +13,16 @@ from eagleserve.messages import GenerateReqInput
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     torch.manual_seed(5)
-    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
-                      eos_token_id=None)
+    cfg = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=256,
+        eos_token_id=None,
+    )
     path = str(tmp_path_factory.mktemp("fault-model"))
     LlamaForCausalLM(cfg).save_pretrained(path)
     return path
@@ -23,8 +30,13 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
 def test_forward_exception_fails_only_its_batch(model_dir: str, overlap: bool) -> None:
-    eng = Engine(model=model_dir, device="cpu", kv_cache_tokens=1024, max_running_requests=8,
-                 disable_overlap_schedule=not overlap)
+    eng = Engine(
+        model=model_dir,
+        device="cpu",
+        kv_cache_tokens=1024,
+        max_running_requests=8,
+        disable_overlap_schedule=not overlap,
+    )
     params = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
     prompts = [torch.randint(1, 63, (n,)).tolist() for n in (5, 9, 3)]
     expected = [o["token_ids"] for o in eng.generate(prompts, params)]

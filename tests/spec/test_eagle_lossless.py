@@ -27,9 +27,16 @@ VOCAB = 96
 def target_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     torch.manual_seed(1234)
     cfg = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=8,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-        tie_word_embeddings=False, eos_token_id=VOCAB - 1, bos_token_id=0,
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=8,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        eos_token_id=VOCAB - 1,
+        bos_token_id=0,
     )
     model = LlamaForCausalLM(cfg).eval()
     with torch.no_grad():
@@ -44,8 +51,9 @@ def target_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 def _head_dir(target_dir: str, algorithm: str, tmp: str, quality: float, seed: int) -> str:
-    runner = ModelRunner(ModelConfig.from_dir(target_dir), target_dir, torch.device("cpu"),
-                         torch.float32, 64, 1, 512)
+    runner = ModelRunner(
+        ModelConfig.from_dir(target_dir), target_dir, torch.device("cpu"), torch.float32, 64, 1, 512
+    )
     draft_vocab = 48 if algorithm == "EAGLE3" else None
     head = init_eagle_head(algorithm, runner.model, draft_vocab_size=draft_vocab, seed=seed)
     if algorithm == "EAGLE" and quality > 0:
@@ -88,8 +96,9 @@ def _params() -> list[SamplingParams]:
     return out
 
 
-def run_staggered(engine: Engine, prompts: list[list[int]], params: list[SamplingParams]
-                  ) -> list[list[int]]:
+def run_staggered(
+    engine: Engine, prompts: list[list[int]], params: list[SamplingParams]
+) -> list[list[int]]:
     """Adds requests two at a time while others decode; returns each request's tokens."""
     sched = engine.scheduler
     tokens: dict[str, list[int]] = {}
@@ -119,8 +128,13 @@ def run_staggered(engine: Engine, prompts: list[list[int]], params: list[Samplin
 
 @pytest.fixture(scope="module")
 def reference(target_dir: str) -> list[list[int]]:
-    eng = Engine(model=target_dir, device="cpu", kv_cache_tokens=2048, max_running_requests=8,
-                 disable_overlap_schedule=True)
+    eng = Engine(
+        model=target_dir,
+        device="cpu",
+        kv_cache_tokens=2048,
+        max_running_requests=8,
+        disable_overlap_schedule=True,
+    )
     return run_staggered(eng, _prompts(0), _params())
 
 
@@ -132,29 +146,55 @@ def test_overlap_target_only_matches(target_dir: str, reference: list[list[int]]
 
 CASES = [
     # (head, num_steps, topk, num_draft_tokens)
-    ("EAGLE", 1, 1, 2), ("EAGLE", 2, 1, 3), ("EAGLE", 3, 1, 4), ("EAGLE", 4, 1, 5),
-    ("EAGLE", 5, 1, 6), ("EAGLE", 2, 2, 3), ("EAGLE", 3, 2, 6), ("EAGLE", 4, 3, 8),
-    ("EAGLE", 5, 4, 12), ("EAGLE", 3, 4, 16), ("EAGLE", 2, 3, 4),
-    ("EAGLE-random", 3, 1, 4), ("EAGLE-random", 3, 2, 5),
-    ("EAGLE3", 1, 1, 2), ("EAGLE3", 4, 1, 5), ("EAGLE3", 3, 2, 6), ("EAGLE3", 2, 4, 8),
+    ("EAGLE", 1, 1, 2),
+    ("EAGLE", 2, 1, 3),
+    ("EAGLE", 3, 1, 4),
+    ("EAGLE", 4, 1, 5),
+    ("EAGLE", 5, 1, 6),
+    ("EAGLE", 2, 2, 3),
+    ("EAGLE", 3, 2, 6),
+    ("EAGLE", 4, 3, 8),
+    ("EAGLE", 5, 4, 12),
+    ("EAGLE", 3, 4, 16),
+    ("EAGLE", 2, 3, 4),
+    ("EAGLE-random", 3, 1, 4),
+    ("EAGLE-random", 3, 2, 5),
+    ("EAGLE3", 1, 1, 2),
+    ("EAGLE3", 4, 1, 5),
+    ("EAGLE3", 3, 2, 6),
+    ("EAGLE3", 2, 4, 8),
 ]
 
 
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
 @pytest.mark.parametrize(("head", "steps", "topk", "ndt"), CASES)
-def test_greedy_lossless(target_dir: str, heads: dict[str, str], reference: list[list[int]],
-                         head: str, steps: int, topk: int, ndt: int, overlap: bool) -> None:
+def test_greedy_lossless(
+    target_dir: str,
+    heads: dict[str, str],
+    reference: list[list[int]],
+    head: str,
+    steps: int,
+    topk: int,
+    ndt: int,
+    overlap: bool,
+) -> None:
     algo = "EAGLE3" if head == "EAGLE3" else "EAGLE"
     eng = Engine(
-        model=target_dir, device="cpu", kv_cache_tokens=2048, max_running_requests=8,
+        model=target_dir,
+        device="cpu",
+        kv_cache_tokens=2048,
+        max_running_requests=8,
         disable_overlap_schedule=not overlap,
-        speculative_algorithm=algo, speculative_draft_model_path=heads[head],
-        speculative_num_steps=steps, speculative_eagle_topk=topk,
+        speculative_algorithm=algo,
+        speculative_draft_model_path=heads[head],
+        speculative_num_steps=steps,
+        speculative_eagle_topk=topk,
         speculative_num_draft_tokens=ndt,
     )
     got = run_staggered(eng, _prompts(0), _params())
     for i, (g, r) in enumerate(zip(got, reference)):
-        assert g == r, f"request {i}: first mismatch at {next(j for j, (a, b) in enumerate(zip(g, r)) if a != b) if len(g) == len(r) else 'length'}"
+        first = next((j for j, (a, b) in enumerate(zip(g, r)) if a != b), min(len(g), len(r)))
+        assert g == r, f"request {i}: first mismatch at token {first}"
     stats = eng.stats()
     assert stats.spec_verify_calls_total > 0
     if head == "EAGLE":
@@ -164,17 +204,33 @@ def test_greedy_lossless(target_dir: str, heads: dict[str, str], reference: list
 
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
 @pytest.mark.parametrize(("spec", "topk", "ndt"), [(None, 1, 1), ("EAGLE", 1, 4), ("EAGLE", 2, 6)])
-def test_small_kv_pool_waits_and_retracts(target_dir: str, heads: dict[str, str],
-                                          reference: list[list[int]], overlap: bool,
-                                          spec: str | None, topk: int, ndt: int) -> None:
+def test_small_kv_pool_waits_and_retracts(
+    target_dir: str,
+    heads: dict[str, str],
+    reference: list[list[int]],
+    overlap: bool,
+    spec: str | None,
+    topk: int,
+    ndt: int,
+) -> None:
     """A pool far below the total demand: requests wait or get retracted, tokens stay exact."""
     kwargs = {}
     if spec:
-        kwargs = dict(speculative_algorithm=spec, speculative_draft_model_path=heads["EAGLE"],
-                      speculative_num_steps=3, speculative_eagle_topk=topk,
-                      speculative_num_draft_tokens=ndt)
-    eng = Engine(model=target_dir, device="cpu", kv_cache_tokens=130, max_running_requests=8,
-                 disable_overlap_schedule=not overlap, **kwargs)
+        kwargs = dict(
+            speculative_algorithm=spec,
+            speculative_draft_model_path=heads["EAGLE"],
+            speculative_num_steps=3,
+            speculative_eagle_topk=topk,
+            speculative_num_draft_tokens=ndt,
+        )
+    eng = Engine(
+        model=target_dir,
+        device="cpu",
+        kv_cache_tokens=130,
+        max_running_requests=8,
+        disable_overlap_schedule=not overlap,
+        **kwargs,
+    )
     got = run_staggered(eng, _prompts(0), _params())
     assert got == reference
     assert eng.stats().num_retracted_total > 0, "the pool was meant to force retraction"

@@ -29,9 +29,17 @@ PROMPT = [1, 5, 2, 7]
 def small_target(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, LlamaForCausalLM]:
     torch.manual_seed(7)
     cfg = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
-        tie_word_embeddings=False, eos_token_id=None, bos_token_id=None, pad_token_id=None,
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+        eos_token_id=None,
+        bos_token_id=None,
+        pad_token_id=None,
     )
     model = LlamaForCausalLM(cfg).eval()
     with torch.no_grad():
@@ -44,8 +52,9 @@ def small_target(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, LlamaFo
 @pytest.fixture(scope="module")
 def head_dir(small_target: tuple[str, LlamaForCausalLM], tmp_path_factory) -> str:
     path, _ = small_target
-    runner = ModelRunner(ModelConfig.from_dir(path), path, torch.device("cpu"), torch.float32,
-                         64, 1, 64)
+    runner = ModelRunner(
+        ModelConfig.from_dir(path), path, torch.device("cpu"), torch.float32, 64, 1, 64
+    )
     head = init_eagle_head("EAGLE", runner.model, seed=3)
     h = head.hidden_size
     with torch.no_grad():
@@ -59,6 +68,7 @@ def exact_joint(model: LlamaForCausalLM, params: SamplingParams) -> np.ndarray:
     """P(t1, t2, t3 | PROMPT) under temperature/top-k, from the target's own conditionals."""
     joint = np.zeros((VOCAB,) * 3)
     with torch.no_grad():
+
         def cond(prefix: list[int]) -> np.ndarray:
             logits = model(torch.tensor([PROMPT + prefix])).logits[0, -1].double()
             logits = logits / params.temperature
@@ -95,13 +105,19 @@ def empirical_joint(engine: Engine, params: SamplingParams) -> np.ndarray:
 )
 def test_sampling_matches_target(small_target, head_dir, steps, topk, ndt, temperature, top_k):
     path, model = small_target
-    params = SamplingParams(max_new_tokens=3, temperature=temperature, top_k=top_k,
-                            ignore_eos=True)
+    params = SamplingParams(max_new_tokens=3, temperature=temperature, top_k=top_k, ignore_eos=True)
     joint = exact_joint(model, params)
-    eng = Engine(model=path, device="cpu", kv_cache_tokens=32768, max_running_requests=2048,
-                 speculative_algorithm="EAGLE", speculative_draft_model_path=head_dir,
-                 speculative_num_steps=steps, speculative_eagle_topk=topk,
-                 speculative_num_draft_tokens=ndt)
+    eng = Engine(
+        model=path,
+        device="cpu",
+        kv_cache_tokens=32768,
+        max_running_requests=2048,
+        speculative_algorithm="EAGLE",
+        speculative_draft_model_path=head_dir,
+        speculative_num_steps=steps,
+        speculative_eagle_topk=topk,
+        speculative_num_draft_tokens=ndt,
+    )
     emp = empirical_joint(eng, params)
     stats = eng.stats()
     assert stats.spec_accepted_tokens_total / stats.spec_verify_calls_total > 1.3
@@ -126,12 +142,21 @@ def test_threshold_detects_bias(small_target):
 
 def test_seeded_sampling_repeats_with_speculation(small_target, head_dir):
     path, _ = small_target
-    eng = Engine(model=path, device="cpu", kv_cache_tokens=4096, max_running_requests=16,
-                 speculative_algorithm="EAGLE", speculative_draft_model_path=head_dir,
-                 speculative_num_steps=3, speculative_eagle_topk=1,
-                 speculative_num_draft_tokens=4)
-    ps = [SamplingParams(max_new_tokens=20, temperature=1.0, seed=s, ignore_eos=True)
-          for s in (11, 11, 12)]
+    eng = Engine(
+        model=path,
+        device="cpu",
+        kv_cache_tokens=4096,
+        max_running_requests=16,
+        speculative_algorithm="EAGLE",
+        speculative_draft_model_path=head_dir,
+        speculative_num_steps=3,
+        speculative_eagle_topk=1,
+        speculative_num_draft_tokens=4,
+    )
+    ps = [
+        SamplingParams(max_new_tokens=20, temperature=1.0, seed=s, ignore_eos=True)
+        for s in (11, 11, 12)
+    ]
     a = eng.generate([PROMPT] * 3, ps)
     b = eng.generate([PROMPT, [3, 3], PROMPT, [4]], [ps[0], ps[2], ps[1], ps[2]])
     assert a[0]["token_ids"] == a[1]["token_ids"] == b[0]["token_ids"] == b[2]["token_ids"]
