@@ -2,7 +2,8 @@
 
     python bench/overlap_cpu.py [--batch 16] [--new-tokens 64] [--draft PATH]
 
-Prints a table and writes bench/results/overlap_cpu.json. Tokens must be identical in both modes.
+Prints a table and writes bench/results/overlap_cpu.json (medians of interleaved runs). Tokens
+must be identical in both modes.
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--draft", default=None, help="EAGLE head folder: also measure a chain")
+    ap.add_argument("--repeats", type=int, default=3, help="median of this many runs per mode")
     ap.add_argument("--out", default="bench/results/overlap_cpu.json")
     args = ap.parse_args()
     prompts = (PROMPTS * ((args.batch + len(PROMPTS) - 1) // len(PROMPTS)))[: args.batch]
