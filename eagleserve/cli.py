@@ -143,6 +143,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_serve_flags(serve)
     serve.set_defaults(func=cmd_serve)
+    from eagleserve.train.cli import add_parser as add_train_draft
+
+    add_train_draft(sub)
     return parser
 
 

@@ -94,6 +94,19 @@ def resolve_model_path(model: str) -> str:
     return model
 
 
+def resolve_draft_path(path: str) -> str:
+    """`builtin:NAME` -> a head shipped in the package (eagleserve/assets/NAME); else `path`."""
+    if path.startswith("builtin:"):
+        name = path.split(":", 1)[1]
+        folder = os.path.join(os.path.dirname(os.path.dirname(__file__)), "assets", name)
+        if not os.path.isfile(os.path.join(folder, "config.json")):
+            raise FileNotFoundError(f"no built-in draft head named {name!r} ({folder})")
+        return folder
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise FileNotFoundError(f"draft model path {path!r} has no config.json")
+    return path
+
+
 def iter_checkpoint(path: str) -> Iterator[tuple[str, torch.Tensor]]:
     """Yields (name, tensor) from the safetensors or pytorch_model*.bin files of a folder."""
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))

@@ -20,6 +20,7 @@ from eagleserve.model.attention import create_attn_backend
 from eagleserve.model.cuda_graph import GraphedForward, graphs_supported
 from eagleserve.model.forward_batch import ForwardBatch, forward_context
 from eagleserve.model.kv_cache import TokenToKVPool
+from eagleserve.model.loader import resolve_draft_path
 from eagleserve.model.runner import ModelRunner
 from eagleserve.model.sampler import SamplingInfo, logits_to_probs, top_logprobs
 from eagleserve.scheduler.output_processor import GenerationBatchResult
@@ -54,7 +55,8 @@ class EagleWorker:
             load_format=args.load_format,
         )
         self.head = load_eagle_head(
-            spec.draft_model_path, spec.algorithm, self.target.model, device, dtype
+            resolve_draft_path(spec.draft_model_path), spec.algorithm, self.target.model, device,
+            dtype,
         )
         # EAGLE-3 fuses hidden states entering three target layers; the head says which.
         self.target.model.aux_layer_ids = self.head.aux_layer_ids

