@@ -114,3 +114,42 @@ def test_resume_continues_from_saved_step(tiny: tuple[str, str], tmp_path) -> No
     b = load_file(os.path.join(split, "model.safetensors"))
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5, msg=k)
+
+
+def test_default_head_drafts_far_better_than_random(tmp_path) -> None:
+    """The committed head for SmolLM2 gets many more drafts accepted than a random head."""
+    from eagleserve.model.loader import resolve_draft_path, resolve_model_path
+    from eagleserve.spec.head_loader import init_eagle_head, save_eagle_head
+
+    model = resolve_model_path("default")
+    trained = resolve_draft_path("builtin:smollm2-135m-eagle")
+    base = Engine(model=model, device="cpu", kv_cache_tokens=2048, max_running_requests=4)
+    random_dir = str(tmp_path / "random")
+    save_eagle_head(
+        init_eagle_head("EAGLE", base.scheduler.worker.runner.model, seed=1), random_dir
+    )
+    del base
+    prompts = [
+        "Explain photosynthesis in two sentences.",
+        "Write a haiku about autumn.",
+        "What are three uses of a paperclip?",
+    ]
+    p = SamplingParams(max_new_tokens=32, temperature=0.0)
+    taus = {}
+    for name, head in (("trained", trained), ("random", random_dir)):
+        eng = Engine(
+            model=model,
+            device="cpu",
+            kv_cache_tokens=2048,
+            max_running_requests=4,
+            speculative_algorithm="EAGLE",
+            speculative_draft_model_path=head,
+            speculative_num_steps=3,
+            speculative_eagle_topk=1,
+            speculative_num_draft_tokens=4,
+        )
+        eng.generate(prompts, p)
+        s = eng.stats()
+        taus[name] = s.spec_accepted_tokens_total / s.spec_verify_calls_total
+    assert taus["random"] < 1.2
+    assert taus["trained"] > 1.6, taus

@@ -1,0 +1,274 @@
+"""Triton split-KV decode attention (flash-decoding, two stages); see triton_attention.py."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from eagleserve.kernels.triton_common import (
+    _LOG2E,
+    _MAX_KV_SPLITS,
+    _TARGET_DECODE_PROGRAMS,
+    _block_d,
+    _check_index,
+    _check_qkv,
+    _dot,
+    _ieee_dot,
+    _online_softmax_step,
+)
+
+
+@triton.jit
+def _decode_stage1_kernel(
+    Q,  # [bs, H, D]
+    K,  # [S, Hkv, D]
+    V,  # [S, Hkv, D]
+    ReqToToken,  # [R, L] int64
+    ReqPoolIdx,  # [bs] int64
+    SeqLens,  # [bs] int64
+    MidO,  # [bs, H, NUM_SPLITS, D] fp32, normalised partial outputs
+    MidLse,  # [bs, H, NUM_SPLITS] fp32, log2-sum-exp of each split (-inf when empty)
+    qk_scale,  # sm_scale * log2(e)
+    stride_qb,
+    stride_qh,
+    stride_ks,
+    stride_kh,
+    stride_vs,
+    stride_vh,
+    stride_r2t_r,
+    stride_r2t_l,
+    stride_mo_b,
+    stride_mo_h,
+    stride_mo_s,
+    stride_ml_b,
+    stride_ml_h,
+    GROUP: tl.constexpr,  # query heads per KV head
+    HEAD_DIM: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_H: tl.constexpr,  # >= GROUP and >= 16 (tl.dot minimum); extra rows are masked
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    offs_h = kv_head * GROUP + tl.arange(0, BLOCK_H)  # query heads of this group
+    h_valid = tl.arange(0, BLOCK_H) < GROUP
+    offs_d = tl.arange(0, BLOCK_D)
+    d_valid = offs_d < HEAD_DIM
+    offs_n = tl.arange(0, BLOCK_N)
+
+    seq_len = tl.load(SeqLens + b)
+    req = tl.load(ReqPoolIdx + b)
+    # Contiguous chunk of positions for this split; trailing splits of short requests are empty.
+    split_len = tl.cdiv(seq_len, NUM_SPLITS)
+    start = split * split_len
+    end = tl.minimum(start + split_len, seq_len)
+
+    q_ptrs = Q + b.to(tl.int64) * stride_qb + offs_h[:, None] * stride_qh + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=h_valid[:, None] & d_valid[None, :], other=0.0)  # [BLOCK_H, BLOCK_D]
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    r2t_row = ReqToToken + req * stride_r2t_r
+    for n0 in range(start, end, BLOCK_N):
+        pos = n0 + offs_n
+        n_valid = pos < end
+        slot = tl.load(r2t_row + pos * stride_r2t_l, mask=n_valid, other=0)  # int64
+        kv_mask = n_valid[:, None] & d_valid[None, :]
+        k = tl.load(
+            K + slot[:, None] * stride_ks + kv_head * stride_kh + offs_d[None, :],
+            mask=kv_mask,
+            other=0.0,
+        ).to(q.dtype)  # [BLOCK_N, BLOCK_D]
+        v = tl.load(
+            V + slot[:, None] * stride_vs + kv_head * stride_vh + offs_d[None, :],
+            mask=kv_mask,
+            other=0.0,
+        ).to(q.dtype)
+        s = _dot(q, tl.trans(k), IEEE) * qk_scale  # [BLOCK_H, BLOCK_N]
+        s = tl.where(n_valid[None, :], s, float("-inf"))
+        m_i, l_i, acc = _online_softmax_step(s, m_i, l_i, acc, v, IEEE)
+
+    # Empty split: l = 0, m = -inf -> lse = -inf and o = 0, which stage 2 weights by 0.
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
+    mo_ptrs = (
+        MidO
+        + b.to(tl.int64) * stride_mo_b
+        + offs_h[:, None] * stride_mo_h
+        + split * stride_mo_s
+        + offs_d[None, :]
+    )
+    tl.store(mo_ptrs, out, mask=h_valid[:, None] & d_valid[None, :])
+    tl.store(
+        MidLse + b.to(tl.int64) * stride_ml_b + offs_h * stride_ml_h + split, lse, mask=h_valid
+    )
+
+
+@triton.jit
+def _decode_stage2_kernel(
+    MidO,  # [bs, H, NUM_SPLITS, D] fp32
+    MidLse,  # [bs, H, NUM_SPLITS] fp32
+    Out,  # [bs, H, D]
+    stride_mo_b,
+    stride_mo_h,
+    stride_mo_s,
+    stride_ml_b,
+    stride_ml_h,
+    stride_ob,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    s_valid = offs_s < NUM_SPLITS
+    offs_d = tl.arange(0, BLOCK_D)
+    d_valid = offs_d < HEAD_DIM
+
+    lse = tl.load(
+        MidLse + b * stride_ml_b + h * stride_ml_h + offs_s, mask=s_valid, other=float("-inf")
+    )  # [BLOCK_S]
+    m = tl.max(lse, 0)
+    # seq_len >= 1 makes at least one split non-empty; the guard only avoids NaN on bad input.
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(lse - m)  # 0 for empty splits
+    o = tl.load(
+        MidO + b * stride_mo_b + h * stride_mo_h + offs_s[:, None] * stride_mo_s + offs_d[None, :],
+        mask=s_valid[:, None] & d_valid[None, :],
+        other=0.0,
+    )  # [BLOCK_S, BLOCK_D]
+    w_sum = tl.sum(w, 0)
+    out = tl.sum(o * w[:, None], 0) / tl.where(w_sum == 0.0, 1.0, w_sum)
+    tl.store(
+        Out + b * stride_ob + h * stride_oh + offs_d, out.to(Out.dtype.element_ty), mask=d_valid
+    )
+
+
+def _decode_attention(
+    q: torch.Tensor,  # [bs, H, D]
+    k_buffer: torch.Tensor,  # [S, Hkv, D]
+    v_buffer: torch.Tensor,  # [S, Hkv, D]
+    req_to_token: torch.Tensor,  # [R, L] int64
+    req_pool_indices: torch.Tensor,  # [bs] int64
+    seq_lens: torch.Tensor,  # [bs] int64, >= 1, including the token being decoded
+    sm_scale: float,
+    num_kv_splits: int,
+    mid_o: torch.Tensor | None = None,  # [bs, H, num_kv_splits, D] fp32 scratch (reusable)
+    mid_lse: torch.Tensor | None = None,  # [bs, H, num_kv_splits] fp32 scratch
+) -> torch.Tensor:
+    """Decode with an explicit split count (the backend picks it once per forward)."""
+    group = _check_qkv(q, k_buffer, v_buffer)
+    bs, num_heads, head_dim = q.shape
+    kv_heads = k_buffer.shape[1]
+    _check_index("req_to_token", req_to_token, 2, q.device)
+    _check_index("req_pool_indices", req_pool_indices, 1, q.device)
+    _check_index("seq_lens", seq_lens, 1, q.device)
+    assert req_pool_indices.shape[0] == bs and seq_lens.shape[0] == bs
+    assert 1 <= num_kv_splits <= _MAX_KV_SPLITS, num_kv_splits
+    if mid_o is None:
+        mid_o = torch.empty(
+            (bs, num_heads, num_kv_splits, head_dim), dtype=torch.float32, device=q.device
+        )
+    if mid_lse is None:
+        mid_lse = torch.empty((bs, num_heads, num_kv_splits), dtype=torch.float32, device=q.device)
+    assert mid_o.shape == (bs, num_heads, num_kv_splits, head_dim) and mid_o.stride(3) == 1
+    assert mid_lse.shape == (bs, num_heads, num_kv_splits) and mid_lse.stride(2) == 1
+    assert mid_o.dtype == torch.float32 and mid_lse.dtype == torch.float32
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    if bs == 0:
+        return out
+
+    block_d = _block_d(head_dim)
+    block_h = max(16, triton.next_power_of_2(group))
+    block_n = 64 if block_d <= 64 else 32
+    ieee = _ieee_dot(q)
+    _decode_stage1_kernel[(bs, kv_heads, num_kv_splits)](
+        q,
+        k_buffer,
+        v_buffer,
+        req_to_token,
+        req_pool_indices,
+        seq_lens,
+        mid_o,
+        mid_lse,
+        sm_scale * _LOG2E,
+        q.stride(0),
+        q.stride(1),
+        k_buffer.stride(0),
+        k_buffer.stride(1),
+        v_buffer.stride(0),
+        v_buffer.stride(1),
+        req_to_token.stride(0),
+        req_to_token.stride(1),
+        mid_o.stride(0),
+        mid_o.stride(1),
+        mid_o.stride(2),
+        mid_lse.stride(0),
+        mid_lse.stride(1),
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        NUM_SPLITS=num_kv_splits,
+        BLOCK_H=block_h,
+        BLOCK_N=block_n,
+        BLOCK_D=block_d,
+        IEEE=ieee,
+        num_warps=4,
+        num_stages=2,
+    )
+    _decode_stage2_kernel[(bs, num_heads)](
+        mid_o,
+        mid_lse,
+        out,
+        mid_o.stride(0),
+        mid_o.stride(1),
+        mid_o.stride(2),
+        mid_lse.stride(0),
+        mid_lse.stride(1),
+        out.stride(0),
+        out.stride(1),
+        HEAD_DIM=head_dim,
+        NUM_SPLITS=num_kv_splits,
+        BLOCK_S=triton.next_power_of_2(num_kv_splits),
+        BLOCK_D=block_d,
+        num_warps=4 if block_d >= 128 else 2,
+    )
+    return out
+
+
+def choose_num_kv_splits(batch_size: int, kv_heads: int, max_seq_len: int) -> int:
+    """Splits per request for decode: enough programs to fill the GPU, each split still at
+    least ~256 positions long so the merge stays cheap. Host ints only (no device sync)."""
+    if max_seq_len <= 256:
+        return 1
+    by_len = math.ceil(max_seq_len / 256)
+    by_occupancy = math.ceil(_TARGET_DECODE_PROGRAMS / max(1, batch_size * kv_heads))
+    return max(1, min(_MAX_KV_SPLITS, by_len, by_occupancy))
+
+
+def decode_attention(
+    q: torch.Tensor,  # [bs, H, D]
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,  # [bs], including the token being decoded
+    sm_scale: float,
+) -> torch.Tensor:
+    # Without a host-side max length, size the splits from the pool's row length (an upper
+    # bound, no device sync); the backend passes an exact count instead.
+    num_splits = choose_num_kv_splits(q.shape[0], k_buffer.shape[1], req_to_token.shape[1])
+    return _decode_attention(
+        q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, sm_scale, num_splits
+    )
