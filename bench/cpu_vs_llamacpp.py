@@ -171,13 +171,21 @@ def run_llamacpp(
         dict(gguf=gguf, threads=args.threads, new_tokens=args.new_tokens, prompts=prompt_ids)
     )
     if importlib.util.find_spec("llama_cpp") is not None:
-        python = sys.executable
+        python = sys.executable  # still a subprocess: OMP_WAIT_POLICY must be set at start
     elif os.path.exists(args.llama_python):
         python = args.llama_python
     else:
         return None
+    # llama.cpp's OpenMP threads spin at barriers: on shared cores that collapsed 2-thread decode
+    # from ~45 to ~7 tok/s here (measured). PASSIVE makes them sleep instead.
+    env = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
     proc = subprocess.run(
-        [python, "-c", LLAMA_WORKER], input=cfg, capture_output=True, text=True, check=True
+        [python, "-c", LLAMA_WORKER],
+        input=cfg,
+        capture_output=True,
+        text=True,
+        check=True,
+        env=env,
     )
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     n = sum(len(t) for t in out["tokens"])
