@@ -68,7 +68,7 @@ def logits_to_probs(logits: torch.Tensor, info: SamplingInfo) -> torch.Tensor:
         drop = rank >= info.top_ks[:, None]
         # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
         cum_before = sorted_p.cumsum(-1) - sorted_p
-        drop |= cum_before >= info.top_ps[:, None]
+        drop |= (cum_before >= info.top_ps[:, None]) & (rank > 0)
         sorted_p = sorted_p.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(-1, sorted_idx, sorted_p)
     if bool((info.min_ps > 0).any()):

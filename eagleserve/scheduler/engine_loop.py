@@ -3,6 +3,11 @@
 The server PUSHes `GenerateReqInput` / `AbortReq` / `StatsReq` / `ShutdownReq` to `in_addr`;
 the engine PUSHes `EngineReady` (or `EngineStartupError`), `BatchTokenOutput` and `EngineStats`
 to `out_addr`. The engine exits when told to, or when its parent process is gone.
+
+Fault injection (tests only): with `EAGLESERVE_FAULT_INJECT_TOKEN=<id>` in the environment, every
+forward of a batch that holds a request whose prompt *starts with* token `<id>` raises
+`RuntimeError("injected fault ...")` inside the worker. The scheduler must then fail exactly
+that batch's requests (500) and keep serving the others. Unset (the default): no wrapper at all.
 """
 
 from __future__ import annotations
@@ -29,6 +34,25 @@ from eagleserve.messages import (
 
 logger = logging.getLogger("eagleserve.engine")
 IDLE_POLL_MS = 500
+FAULT_INJECT_ENV = "EAGLESERVE_FAULT_INJECT_TOKEN"
+
+
+def install_fault_injection(scheduler: Any, env: dict[str, str] | os._Environ = os.environ) -> None:
+    """Wraps the worker's forward so batches with a trigger prompt raise (see module doc)."""
+    raw = env.get(FAULT_INJECT_ENV)
+    if not raw:
+        return
+    trigger = int(raw)
+    worker = scheduler.worker
+    real = worker.forward_batch_generation
+
+    def faulty(batch: Any, *args: Any, **kwargs: Any) -> Any:
+        if any(r.origin_input_ids[:1] == [trigger] for r in batch.reqs):
+            raise RuntimeError(f"injected fault ({FAULT_INJECT_ENV}={trigger})")
+        return real(batch, *args, **kwargs)
+
+    worker.forward_batch_generation = faulty
+    logger.warning("fault injection on: prompts starting with token %d fail", trigger)
 
 
 class EngineLoop:
@@ -105,10 +129,13 @@ def run_engine(args: ServerArgs, in_addr: str, out_addr: str) -> None:
         from eagleserve.scheduler.scheduler import Scheduler
 
         scheduler = Scheduler(args)
-        vocab = getattr(getattr(scheduler, "model_config", None), "vocab_size", 0)
+        install_fault_injection(scheduler)
         stats = scheduler.stats()
         ready = EngineReady(
-            scheduler.model_path, scheduler.max_context_len, stats.kv_total_tokens, vocab
+            model_path=scheduler.model_path,
+            max_context_len=scheduler.max_context_len,
+            kv_total_tokens=stats.kv_total_tokens,
+            vocab_size=scheduler.model_config.vocab_size,
         )
     except Exception as exc:  # report any start-up failure to the parent, then exit non-zero
         send.send_pyobj(EngineStartupError(f"{type(exc).__name__}: {exc}", traceback.format_exc()))

@@ -250,6 +250,24 @@ class FutureMap:
                 self.hidden_states_buf = self._alloc_like_rows(hidden_states)
             self._copy_rows(self.hidden_states_buf, idx, hidden_states)
 
+    def stash_failed(self, future_indices: torch.Tensor, seq_lens: torch.Tensor | None) -> None:
+        """A forward raised: fills its rows with harmless values for the batch launched after it.
+
+        That batch still holds the failed requests (the host learns of the failure only after
+        launching it); their results are dropped, but its forward must not crash on them and so
+        fail healthy requests too. Token 0 and zero drafts are valid inputs; `seq_lens` (the
+        lengths the failed forward started from) stay within the slots the requests own.
+        """
+        if future_indices.numel() == 0:
+            return
+        idx = future_indices.to(self.device, torch.int64, non_blocking=True)
+        self.output_tokens_buf.index_fill_(0, idx, 0)
+        if seq_lens is not None:
+            self._copy_rows(self.new_seq_lens_buf, idx, seq_lens)
+        for buf in (self.topk_p_buf, self.topk_index_buf, self.hidden_states_buf):
+            if buf is not None:
+                buf.index_fill_(0, idx, 0)
+
     def _alloc_like_rows(self, sample: torch.Tensor) -> torch.Tensor:
         # [pool + 1, *row_shape]; -1 keeps unstashed rows recognisable in a debugger.
         shape = (self.pool_size + 1, *sample.shape[1:])

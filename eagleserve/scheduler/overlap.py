@@ -59,31 +59,46 @@ class OverlapForwarder:
     @torch.inference_mode()
     def _forward(self, batch: ScheduleBatch) -> GenerationBatchResult:
         fm = self.future_map
-        extras = fm.resolve_future(batch)
-        if extras is not None:
-            batch.spec_info = EagleDraftInput(
-                extras.topk_p, extras.topk_index, extras.hidden_states
-            )
         fi = FutureMap.alloc_future_indices(batch.req_pool_indices)
-        if not self.is_spec:
-            result = self.worker.forward_batch_generation(batch)
-            fm.stash(fi, result.next_token_ids)
-        else:
+        start_seq_lens: torch.Tensor | None = None
+        published = False
 
-            def on_verified(b: ScheduleBatch) -> None:
-                # The host may prepare N+1 once the new lengths are known, before draft extend.
-                fm.stash(fi, b.input_ids, new_seq_lens=b.seq_lens)
+        def on_verified(b: ScheduleBatch) -> None:
+            # The host may prepare N+1 once the new lengths are known, before draft extend.
+            nonlocal published
+            fm.stash(fi, b.input_ids, new_seq_lens=b.seq_lens)
+            fm.publish()
+            published = True
+
+        try:
+            extras = fm.resolve_future(batch)
+            if extras is not None:
+                batch.spec_info = EagleDraftInput(
+                    extras.topk_p, extras.topk_index, extras.hidden_states
+                )
+            if self.is_spec:
+                # The lengths it starts from: what a failed forward leaves for the next one.
+                start_seq_lens = batch.seq_lens.clone()
+            if not self.is_spec:
+                result = self.worker.forward_batch_generation(batch)
+                fm.stash(fi, result.next_token_ids)
+            else:
+                result = self.worker.forward_batch_generation(batch, on_verified=on_verified)
+                info: EagleDraftInput = batch.spec_info
+                fm.stash(
+                    fi,
+                    None,
+                    topk_p=info.topk_p,
+                    topk_index=info.topk_index,
+                    hidden_states=info.hidden_states,
+                )
+        except BaseException:
+            # The scheduler fails this batch's requests when it collects the result; until
+            # then the next batch must neither wait forever for the publish nor read garbage.
+            fm.stash_failed(fi, None if published else start_seq_lens)
+            if self.is_spec and not published:
                 fm.publish()
-
-            result = self.worker.forward_batch_generation(batch, on_verified=on_verified)
-            info: EagleDraftInput = batch.spec_info
-            fm.stash(
-                fi,
-                None,
-                topk_p=info.topk_p,
-                topk_index=info.topk_index,
-                hidden_states=info.hidden_states,
-            )
+            raise
         return result.to_host()
 
     def shutdown(self) -> None:

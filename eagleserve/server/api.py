@@ -23,6 +23,7 @@ from eagleserve.server.protocol import (
     CompletionRequest,
     ModelCard,
     ModelList,
+    add_api_bodies,
 )
 from eagleserve.server.serving import ApiError, Serving
 
@@ -72,6 +73,8 @@ def create_app(args: ServerArgs, client: EngineClient) -> FastAPI:
             raise StarletteHTTPException(401, "invalid or missing API key")
 
     def unavailable() -> Response | None:
+        if client.draining:
+            return ApiError(503, "the server is shutting down").response()
         if client.healthy:
             return None
         return ApiError(503, "the engine is not running").response()
@@ -107,12 +110,19 @@ def create_app(args: ServerArgs, client: EngineClient) -> FastAPI:
             return err.response()
         return unavailable() or await create_chat(serving, body, request)
 
-    @v1.get("/models")
+    @v1.get("/models", response_model=ModelList)
     async def models() -> JSONResponse:
         card = ModelCard(id=serving.model_name, max_model_len=client.max_context_len or None)
         return JSONResponse(ModelList(data=[card]).model_dump())
 
     app.include_router(v1)
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            app.openapi_schema = add_api_bodies(FastAPI.openapi(app))
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
     @app.get("/health")
     async def health() -> Response:

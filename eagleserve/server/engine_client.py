@@ -13,6 +13,7 @@ import multiprocessing as mp
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -88,6 +89,8 @@ class EngineClient:
         self.ready: EngineReady | None = None
         self.tokenizer: Any = None
         self.healthy = False
+        self.draining = False  # shutting down: no new requests (503), in-flight ones finish
+        self.died_at: float | None = None  # time.monotonic() when the engine process was lost
         self.queues: dict[str, asyncio.Queue[TokenOutput]] = {}
         self.last_stats = EngineStats()
         self.on_stats: Callable[[EngineStats], None] | None = None
@@ -162,6 +165,7 @@ class EngineClient:
 
     def _engine_died(self) -> None:
         self.healthy = False
+        self.died_at = time.monotonic()
         for rid, queue in list(self.queues.items()):
             queue.put_nowait(_dead_output(rid))
         for fut in self._stats_waiters:

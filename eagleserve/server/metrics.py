@@ -29,6 +29,9 @@ class Metrics:
         self.kv_used = Gauge(P + "kv_used_tokens", "KV cache slots in use", registry=r)
         self.kv_total = Gauge(P + "kv_total_tokens", "KV cache slots in all", registry=r)
         self.kv_usage = Gauge(P + "kv_cache_usage_ratio", "KV cache slots in use / all", registry=r)
+        self.num_retracted = Counter(
+            P + "num_retracted", "Requests retracted (KV pool full) to be re-prefilled", registry=r
+        )
         self.ttft = Histogram(
             P + "time_to_first_token_seconds",
             "Time to first token",
@@ -71,6 +74,7 @@ class Metrics:
         self.kv_total.set(s.kv_total_tokens)
         self.kv_usage.set(s.kv_used_tokens / s.kv_total_tokens if s.kv_total_tokens else 0.0)
         last = self._last
+        self.num_retracted.inc(max(0, s.num_retracted_total - last.num_retracted_total))
         self.spec_verify_calls.inc(max(0, s.spec_verify_calls_total - last.spec_verify_calls_total))
         self.spec_accepted_tokens.inc(
             max(0, s.spec_accepted_tokens_total - last.spec_accepted_tokens_total)

@@ -7,6 +7,7 @@ import uuid
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic.json_schema import models_json_schema
 
 MAX_N = 16
 
@@ -21,14 +22,15 @@ class _SamplingFields(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
+    # Bounds are in the schema (clients and fuzzers see them); top_k 0 is still rejected later.
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0, le=1)
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
-    n: int = 1
+    n: int = Field(1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
@@ -48,8 +50,8 @@ class _SamplingFields(BaseModel):
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
-    logprobs: int | None = None
+    max_tokens: int | None = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
 
 
@@ -73,11 +75,11 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(_SamplingFields):
-    messages: list[ChatMessage]
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    messages: list[ChatMessage] = Field(min_length=1)  # in the schema, so fuzzers know too
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
 
 
 # ---- responses -------------------------------------------------------------------------------
@@ -224,3 +226,38 @@ def error_body(
     err_type = ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
     info = ErrorInfo(message=message, type=err_type, param=param, code=code)
     return ErrorResponse(error=info).model_dump()
+
+
+# The handlers parse their bodies themselves (to answer in OpenAI's error format), so FastAPI
+# cannot see them: the OpenAPI document gets the request and response bodies from here.
+API_BODIES: dict[str, tuple[type[BaseModel], type[BaseModel]]] = {
+    "/v1/completions": (CompletionRequest, CompletionResponse),
+    "/v1/chat/completions": (ChatCompletionRequest, ChatCompletionResponse),
+}
+
+
+def add_api_bodies(schema: dict[str, Any]) -> dict[str, Any]:
+    """Adds the request body, the 200 body (JSON; `stream: true` answers text/event-stream)
+    and the error body of each POST route in API_BODIES to a FastAPI OpenAPI document."""
+    models = [(m, mode) for req, resp in API_BODIES.values() for m, mode in
+              ((req, "validation"), (resp, "serialization"))]  # fmt: skip
+    models.append((ErrorResponse, "serialization"))
+    refs, defs = models_json_schema(models, ref_template="#/components/schemas/{model}")
+    schema.setdefault("components", {}).setdefault("schemas", {}).update(defs.get("$defs", {}))
+
+    def body(model: type[BaseModel], mode: str) -> dict[str, Any]:
+        return {"application/json": {"schema": refs[(model, mode)]}}
+
+    for path, (req, resp) in API_BODIES.items():
+        op = schema["paths"][path]["post"]
+        op["requestBody"] = {"required": True, "content": body(req, "validation")}
+        ok = body(resp, "serialization")
+        ok["text/event-stream"] = {}  # chunks of the 200 body's type; no schema for SSE events
+        err = {"content": body(ErrorResponse, "serialization")}
+        op["responses"] = {
+            "200": {"description": "the completion (or an event stream)", "content": ok},
+            **{code: {"description": text, **err} for code, text in (
+                ("400", "invalid request"), ("401", "bad API key"), ("404", "unknown model"),
+                ("500", "engine error"), ("503", "engine down or shutting down"))},
+        }  # fmt: skip
+    return schema

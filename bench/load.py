@@ -1,0 +1,562 @@
+"""Load test: N concurrent clients drive a real server; every greedy answer is checked offline.
+
+    python bench/load.py [--clients 64] [--duration 60] [--spec] [--url URL]
+
+Starts `eagleserve serve` on 127.0.0.1 with a small KV pool (unless --url), then runs clients
+for `--duration` seconds: completions and chat, streamed and not, greedy and sampled, short and
+long prompts; some clients hang up mid-stream, some send requests that can never fit (400), and
+long `ignore_eos` requests together overflow the KV pool (waiting / retraction). After the load,
+every completed greedy response is recomputed with the offline `Engine` (same model and flags)
+and must match exactly, and the server's KV pool must be empty. Writes bench/results/load*.json
+and exits non-zero on any lost request, inexact greedy text or KV left in use.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import select
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import httpx
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.common import machine_info  # noqa: E402
+
+HOST = "127.0.0.1"  # all traffic stays on the loopback interface
+DEFAULT_DRAFT = "builtin:smollm2-135m-eagle"
+TOPICS = [
+    "the sea",
+    "a lighthouse",
+    "prime numbers",
+    "bread",
+    "autumn",
+    "a robot",
+    "the moon",
+    "trains",
+    "chess",
+    "volcanoes",
+    "bees",
+    "a library",
+    "rain",
+    "mountains",
+    "jazz",
+]
+STARTS = [
+    "Write a short poem about",
+    "Explain in two sentences",
+    "Tell me a fact about",
+    "Describe",
+    "List three things about",
+    "Once upon a time, near",
+]
+FILLER = (
+    "The committee met on a grey morning to review the harbour plans, the budget for the "
+    "new bridge, the school timetable and the library's opening hours. "
+)
+
+
+@dataclass
+class Job:
+    """One request a client sends."""
+
+    kind: str  # "completion" | "chat"
+    stream: bool
+    greedy: bool
+    prompt: str
+    max_tokens: int
+    ignore_eos: bool = False
+    disconnect_after: int | None = None  # stream only: hang up after this many chunks
+    never_fits: bool = False  # prompt + max_tokens > context: must get a 400
+    seed: int | None = None
+
+
+@dataclass
+class Outcome:
+    job: Job
+    status: str  # completed | aborted | rejected (expected 400) | error | lost
+    text: str = ""
+    finish_reason: str | None = None
+    completion_tokens: int = 0
+    ttft: float | None = None
+    tpot: float | None = None  # mean time per output token after the first (streams)
+    chunk_gaps: list[float] = field(default_factory=list)
+    detail: str = ""
+
+
+def make_job(rng: random.Random, args: argparse.Namespace, ctx: int) -> Job:
+    kind = "chat" if rng.random() < 0.4 else "completion"
+    long = rng.random() < args.long_share
+    topic = rng.choice(TOPICS)
+    prompt = f"{rng.choice(STARTS)} {topic} (#{rng.randrange(1000)})."
+    if long:
+        prompt = FILLER * rng.randint(*args.long_repeats) + prompt
+    job = Job(
+        kind=kind,
+        stream=rng.random() < 0.5,
+        greedy=rng.random() < 0.6,
+        prompt=prompt,
+        max_tokens=rng.randint(args.max_tokens // 2, args.long_max_tokens)
+        if long
+        else rng.randint(4, args.max_tokens),
+        ignore_eos=long,
+        seed=rng.randrange(1 << 16) if rng.random() < 0.5 else None,
+    )
+    if rng.random() < args.disconnect_share:
+        job.stream, job.disconnect_after = True, rng.randint(1, 3)
+        job.max_tokens = max(job.max_tokens, 32)
+    elif rng.random() < 0.03:
+        job.never_fits, job.max_tokens = True, ctx  # any prompt + ctx tokens > ctx
+    return job
+
+
+def request_body(job: Job, model: str) -> tuple[str, dict[str, Any]]:
+    body: dict[str, Any] = {"model": model, "max_tokens": job.max_tokens, "stream": job.stream}
+    body["temperature"] = 0.0 if job.greedy else 0.8
+    if not job.greedy:
+        body.update(top_p=0.95, seed=job.seed)
+    if job.ignore_eos:
+        body["ignore_eos"] = True
+    if job.stream:
+        body["stream_options"] = {"include_usage": True}
+    if job.kind == "chat":
+        body["messages"] = [{"role": "user", "content": job.prompt}]
+        return "/v1/chat/completions", body
+    body["prompt"] = job.prompt
+    return "/v1/completions", body
+
+
+def chunk_text(kind: str, choice: dict[str, Any]) -> str:
+    if kind == "chat":
+        return (choice.get("delta") or {}).get("content") or ""
+    return choice.get("text") or ""
+
+
+async def run_job(http: httpx.AsyncClient, job: Job, model: str, timeout: float) -> Outcome:
+    path, body = request_body(job, model)
+    t0 = time.monotonic()
+    try:
+        if not job.stream:
+            resp = await http.post(path, json=body, timeout=timeout)
+            return finish_plain(job, resp)
+        async with http.stream("POST", path, json=body, timeout=timeout) as resp:
+            if resp.status_code != 200:
+                await resp.aread()
+                return finish_plain(job, resp)
+            return await read_stream(job, resp, t0)
+    except (httpx.HTTPError, OSError) as exc:
+        return Outcome(job, "lost", detail=f"{type(exc).__name__}: {exc}")
+
+
+def finish_plain(job: Job, resp: httpx.Response) -> Outcome:
+    if resp.status_code == 400 and job.never_fits:
+        return Outcome(job, "rejected")
+    if resp.status_code != 200:
+        return Outcome(job, "error", detail=f"HTTP {resp.status_code}: {resp.text[:300]}")
+    data = resp.json()
+    choice = data["choices"][0]
+    text = choice["message"]["content"] if job.kind == "chat" else choice["text"]
+    usage = data.get("usage") or {}
+    return Outcome(
+        job, "completed", text or "", choice["finish_reason"], usage.get("completion_tokens", 0)
+    )
+
+
+async def read_stream(job: Job, resp: httpx.Response, t0: float) -> Outcome:
+    out = Outcome(job, "lost", detail="stream ended without [DONE]")
+    parts: list[str] = []
+    chunks = 0
+    first = last = None
+    async for line in resp.aiter_lines():
+        if not line.startswith("data: "):
+            continue
+        payload = line[6:]
+        if payload == "[DONE]":
+            out.status, out.detail = "completed", ""
+            break
+        data = json.loads(payload)
+        if "error" in data:
+            out.status, out.detail = "error", f"stream error: {data['error']}"
+            break
+        if data.get("usage"):
+            out.completion_tokens = data["usage"]["completion_tokens"]
+        for choice in data.get("choices", []):
+            text = chunk_text(job.kind, choice)
+            out.finish_reason = choice.get("finish_reason") or out.finish_reason
+            if text:
+                now = time.monotonic()
+                if first is None:
+                    first = now
+                    out.ttft = now - t0
+                else:
+                    out.chunk_gaps.append(now - last)
+                last = now
+                parts.append(text)
+                chunks += 1
+        if job.disconnect_after is not None and chunks >= job.disconnect_after:
+            out.status, out.detail = "aborted", ""
+            break  # leaving the `async with` closes the connection mid-stream
+    out.text = "".join(parts)
+    if first is not None and last is not None and out.completion_tokens > 1:
+        out.tpot = (last - first) / (out.completion_tokens - 1)
+    if out.status == "completed" and out.finish_reason is None:
+        out.status, out.detail = "lost", "stream finished without a finish_reason"
+    return out
+
+
+async def client_loop(
+    cid: int, http: httpx.AsyncClient, args: argparse.Namespace, ctx: int, deadline: float
+) -> list[Outcome]:
+    rng = random.Random(args.seed * 100_003 + cid)
+    outcomes = []
+    while time.monotonic() < deadline:
+        job = make_job(rng, args, ctx)
+        outcomes.append(await run_job(http, job, args.model_name, args.request_timeout))
+    return outcomes
+
+
+async def drive(args: argparse.Namespace, url: str) -> tuple[list[Outcome], float, int]:
+    limits = httpx.Limits(max_connections=args.clients + 8, max_keepalive_connections=args.clients)
+    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=args.request_timeout) as http:
+        models = (await http.get("/v1/models")).json()["data"][0]
+        args.model_name = models["id"]
+        ctx = models["max_model_len"]
+        start = time.monotonic()
+        deadline = start + args.duration
+        per_client = await asyncio.gather(
+            *(client_loop(i, http, args, ctx, deadline) for i in range(args.clients))
+        )
+        elapsed = time.monotonic() - start
+    return [o for outs in per_client for o in outs], elapsed, ctx
+
+
+# ---- server -------------------------------------------------------------------------------------
+
+
+def server_flags(args: argparse.Namespace) -> list[str]:
+    flags = [
+        "--model",
+        args.model,
+        "--dtype",
+        args.dtype,
+        "--device",
+        "cpu",
+        "--kv-cache-tokens",
+        str(args.kv_cache_tokens),
+        "--max-running-requests",
+        str(args.max_running_requests),
+    ]
+    if args.spec:
+        flags += [
+            "--speculative-algorithm",
+            "EAGLE",
+            "--speculative-draft-model-path",
+            args.draft,
+            "--speculative-num-steps",
+            "3",
+            "--speculative-eagle-topk",
+            "1",
+            "--speculative-num-draft-tokens",
+            "4",
+        ]
+    if args.disable_overlap_schedule:
+        flags.append("--disable-overlap-schedule")
+    return flags
+
+
+class Server:
+    """`eagleserve serve` on 127.0.0.1 and a free port; `stop()` sends SIGTERM."""
+
+    def __init__(self, flags: list[str], env: dict[str, str] | None = None) -> None:
+        cmd = [
+            sys.executable,
+            "-m",
+            "eagleserve",
+            "serve",
+            "--host",
+            HOST,
+            "--port",
+            "0",
+            "--log-level",
+            "warning",
+            *flags,
+        ]
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="eagleserve-load-", suffix=".log")
+        self.proc = subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            text=True,
+            env={**os.environ, **(env or {})},
+        )
+        self.url = self._wait_ready(300.0)
+
+    def _wait_ready(self, timeout: float) -> str:
+        assert self.proc.stdout is not None
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            if select.select([self.proc.stdout], [], [], 1.0)[0]:
+                line = self.proc.stdout.readline()
+                if line.startswith("eagleserve ready: "):
+                    return line.split()[2]
+        self.stop()
+        raise RuntimeError(f"server did not start:\n{self.log_tail()}")
+
+    def log_tail(self, n: int = 4000) -> str:
+        self.log.seek(0)
+        return self.log.read()[-n:]
+
+    def stop(self, timeout: float = 30.0) -> int | None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+def read_metrics(url: str) -> dict[str, float]:
+    """Unlabelled eagleserve_* samples of /metrics (labelled ones summed by name)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=30).text):
+        for s in fam.samples:
+            out[s.name] = out.get(s.name, 0.0) + s.value
+    return out
+
+
+def wait_idle(url: str, timeout: float = 60.0) -> dict[str, float]:
+    """Polls /metrics until nothing runs, waits or holds KV (or the timeout); returns the last."""
+    deadline = time.monotonic() + timeout
+    while True:
+        m = read_metrics(url)
+        busy = (
+            m.get("eagleserve_kv_used_tokens", 0)
+            + m.get("eagleserve_num_requests_running", 0)
+            + m.get("eagleserve_num_requests_waiting", 0)
+        )
+        if busy == 0 or time.monotonic() > deadline:
+            return m
+        time.sleep(0.25)
+
+
+# ---- offline check -------------------------------------------------------------------------
+
+
+def verify_greedy(args: argparse.Namespace, outcomes: list[Outcome]) -> list[dict[str, Any]]:
+    """Recomputes every completed greedy response offline; returns the mismatches."""
+    from eagleserve import Engine, SamplingParams
+
+    todo = [o for o in outcomes if o.status == "completed" and o.job.greedy]
+    if not todo:
+        return []
+    kw: dict[str, Any] = dict(
+        device="cpu",
+        dtype=args.dtype,
+        kv_cache_tokens=args.kv_cache_tokens,
+        max_running_requests=args.max_running_requests,
+        disable_overlap_schedule=args.disable_overlap_schedule,
+    )
+    if args.spec:
+        kw.update(
+            speculative_algorithm="EAGLE",
+            speculative_draft_model_path=args.draft,
+            speculative_num_steps=3,
+            speculative_eagle_topk=1,
+            speculative_num_draft_tokens=4,
+        )
+    engine = Engine(model=args.model, **kw)
+    tok = engine.tokenizer
+    keys: dict[tuple[str, str, int, bool], list[Outcome]] = {}
+    for o in todo:
+        keys.setdefault((o.job.kind, o.job.prompt, o.job.max_tokens, o.job.ignore_eos), []).append(
+            o
+        )
+    prompts, params = [], []
+    for kind, prompt, max_tokens, ignore_eos in keys:
+        if kind == "chat":
+            msgs = [{"role": "user", "content": prompt}]
+            prompt = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+        prompts.append(tok.encode(prompt, add_special_tokens=False))
+        params.append(
+            SamplingParams(max_new_tokens=max_tokens, temperature=0.0, ignore_eos=ignore_eos)
+        )
+    want = []
+    for i in range(0, len(prompts), args.max_running_requests):
+        want += engine.generate(
+            prompts[i : i + args.max_running_requests], params[i : i + args.max_running_requests]
+        )
+    bad = []
+    for (key, outs), w in zip(keys.items(), want, strict=True):
+        for o in outs:
+            if o.text != w["text"] or o.finish_reason != w["finish_reason"]:
+                bad.append(
+                    {
+                        "kind": key[0],
+                        "stream": o.job.stream,
+                        "prompt": key[1][-80:],
+                        "max_tokens": key[2],
+                        "got": o.text,
+                        "want": w["text"],
+                        "got_finish": o.finish_reason,
+                        "want_finish": w["finish_reason"],
+                    }
+                )
+    return bad
+
+
+# ---- report -----------------------------------------------------------------------------------
+
+
+def pct(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, round(q / 100 * (len(xs) - 1)))]
+
+
+def ms(x: float | None) -> float | None:
+    return None if x is None else round(1000 * x, 1)
+
+
+def summarize(outcomes: list[Outcome], elapsed: float) -> dict[str, Any]:
+    by = {
+        s: [o for o in outcomes if o.status == s]
+        for s in ("completed", "aborted", "rejected", "error", "lost")
+    }
+    done = by["completed"]
+    tokens = sum(o.completion_tokens for o in done)
+    gaps = [g for o in done for g in o.chunk_gaps]
+    return {
+        "sent": len(outcomes),
+        "completed": len(done),
+        "completed_greedy": sum(o.job.greedy for o in done),
+        "aborted_by_client": len(by["aborted"]),
+        "rejected_400_expected": len(by["rejected"]),
+        "errors": len(by["error"]),
+        "lost": len(by["lost"]),
+        "completion_tokens": tokens,
+        "tokens_per_s": round(tokens / elapsed, 2) if elapsed else None,
+        "requests_per_s": round(len(done) / elapsed, 3) if elapsed else None,
+        "ttft_ms": {
+            "p50": ms(pct([o.ttft for o in done if o.ttft is not None], 50)),
+            "p99": ms(pct([o.ttft for o in done if o.ttft is not None], 99)),
+        },
+        "itl_ms": {
+            "p50": ms(pct([o.tpot for o in done if o.tpot is not None], 50)),
+            "p99": ms(pct([o.tpot for o in done if o.tpot is not None], 99)),
+        },
+        "chunk_gap_ms": {"p50": ms(pct(gaps, 50)), "p99": ms(pct(gaps, 99))},
+        "error_details": [o.detail for o in by["error"] + by["lost"]][:20],
+    }
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--url", help="drive this server instead of starting one (127.0.0.1 only)")
+    p.add_argument("--clients", type=int, default=64)
+    p.add_argument("--duration", type=float, default=60.0, help="seconds of load")
+    p.add_argument("--spec", action="store_true", help="speculative decoding on (EAGLE)")
+    p.add_argument("--draft", default=DEFAULT_DRAFT, help="EAGLE head for --spec")
+    p.add_argument("--model", default="default")
+    p.add_argument("--kv-cache-tokens", type=int, default=4096)
+    p.add_argument("--max-running-requests", type=int, default=32)
+    p.add_argument("--disable-overlap-schedule", action="store_true")
+    p.add_argument("--max-tokens", type=int, default=32, help="most new tokens, short requests")
+    p.add_argument("--long-max-tokens", type=int, default=96, help="most new tokens, long ones")
+    p.add_argument("--long-share", type=float, default=0.25)
+    p.add_argument(
+        "--long-repeats",
+        type=lambda v: tuple(int(x) for x in v.split(",")),
+        default=(6, 14),
+        help="LO,HI: a long prompt repeats a ~30-token sentence LO..HI times",
+    )
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--disconnect-share", type=float, default=0.1)
+    p.add_argument("--request-timeout", type=float, default=300.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-verify", action="store_true", help="skip the offline greedy check")
+    p.add_argument("--out", help="JSON path (default: bench/results/load[_spec].json)")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.url and httpx.URL(args.url).host not in (HOST, "localhost"):
+        print("bench/load.py: --url must be on 127.0.0.1", file=sys.stderr)
+        return 2
+    server = None if args.url else Server(server_flags(args))
+    url = args.url or server.url  # type: ignore[union-attr]
+    try:
+        outcomes, elapsed, ctx = asyncio.run(drive(args, url))
+        final = wait_idle(url)
+    finally:
+        rc = server.stop() if server is not None else None
+    summary = summarize(outcomes, elapsed)
+    kv_used = final.get("eagleserve_kv_used_tokens", -1)
+    summary.update(
+        kv_used_tokens_end=kv_used,
+        kv_total_tokens=final.get("eagleserve_kv_total_tokens"),
+        retracted_total=final.get("eagleserve_num_retracted_total"),
+        server_exit_code=rc,
+        max_context_len=ctx,
+        elapsed_s=round(elapsed, 2),
+    )
+    mismatches = [] if args.no_verify else verify_greedy(args, outcomes)
+    summary["greedy_exact"] = summary["completed_greedy"] - len(mismatches)
+    summary["mismatches"] = mismatches[:10]
+    ok = summary["lost"] == 0 and summary["errors"] == 0 and not mismatches and kv_used == 0
+    summary["ok"] = ok
+    payload = {
+        "benchmark": "load",
+        "args": {k: v for k, v in vars(args).items()},
+        "machine": machine_info(),
+        "summary": summary,
+    }
+    name = args.out or os.path.join("bench", "results", f"load{'_spec' if args.spec else ''}.json")
+    os.makedirs(os.path.dirname(os.path.abspath(name)), exist_ok=True)
+    with open(name, "w") as f:
+        json.dump(payload, f, indent=2, default=lambda o: asdict(o))
+        f.write("\n")
+    keys = [
+        "sent",
+        "completed",
+        "greedy_exact",
+        "completed_greedy",
+        "aborted_by_client",
+        "rejected_400_expected",
+        "errors",
+        "lost",
+        "tokens_per_s",
+        "ttft_ms",
+        "itl_ms",
+        "chunk_gap_ms",
+        "retracted_total",
+        "kv_used_tokens_end",
+        "ok",
+    ]
+    for k in keys:
+        print(f"{k:>22}: {summary[k]}")
+    for d in summary["error_details"][:5]:
+        print("  error:", d)
+    for m in mismatches[:3]:
+        print("  mismatch:", json.dumps(m)[:400])
+    print(f"wrote {name}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,135 @@
+"""Shared helpers of the reliability tests: a tiny target with a chat template and an EAGLE head,
+real `eagleserve serve` processes on 127.0.0.1 (bench/load.py's `Server`), /metrics readers.
+
+Not a conftest.py (tests/conftest.py is imported as `conftest` by other tests). Servers are cached
+per process so the modules share one of each kind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+from conftest import save_tiny_model  # noqa: E402
+
+from bench.load import Server, read_metrics  # noqa: E402
+
+# Chat template of the tiny char-level tokenizer (one character per token).
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+FAULT_TOKEN = 200  # prompts starting with this token id fail inside the engine (fault hook)
+SPEC_FLAGS = ["--speculative-algorithm", "EAGLE", "--speculative-num-steps", "3",
+              "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4"]  # fmt: skip
+SMALL_KV = 768  # tokens: a few long requests together overflow it
+
+_CACHE: dict[str, Any] = {}
+
+
+def build_tiny_target(path: str) -> str:
+    """The tests' tiny random Llama (vocab 256, context 512) plus a chat template."""
+    save_tiny_model(path, seed=0)
+    cfg_path = os.path.join(path, "tokenizer_config.json")
+    with open(cfg_path) as f:
+        cfg = json.load(f)
+    cfg["chat_template"] = CHAT_TEMPLATE
+    with open(cfg_path, "w") as f:
+        json.dump(cfg, f)
+    return path
+
+
+def build_tiny_head(target: str, out: str, seed: int = 0) -> str:
+    """A random EAGLE-1 head for `target` (mostly rejected drafts: exercises the verify path)."""
+    from eagleserve.config import ModelConfig
+    from eagleserve.model.runner import ModelRunner
+    from eagleserve.spec.head_loader import init_eagle_head, save_eagle_head
+
+    cfg = ModelConfig.from_dir(target)
+    runner = ModelRunner(cfg, target, torch.device("cpu"), torch.float32, 64, 1, 512)
+    head = init_eagle_head("EAGLE", runner.model, seed=seed)
+    save_eagle_head(head, out)
+    return out
+
+
+@pytest.fixture(scope="session", name="tiny_dirs")
+def tiny_dirs_fixture(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
+    """(tiny target dir, EAGLE head dir), built once per session."""
+    if "dirs" not in _CACHE:
+        root = tmp_path_factory.mktemp("reliability")
+        target = build_tiny_target(str(root / "target"))
+        _CACHE["dirs"] = (target, build_tiny_head(target, str(root / "head")))
+    return _CACHE["dirs"]
+
+
+def spec_flags(head: str) -> list[str]:
+    return [*SPEC_FLAGS, "--speculative-draft-model-path", head]
+
+
+def start_server(target: str, extra: list[str], env: dict[str, str] | None = None) -> Server:
+    flags = ["--model", target, "--device", "cpu", "--dtype", "float32", *extra]
+    return Server(flags, env={"OMP_NUM_THREADS": "1", **(env or {})})
+
+
+@pytest.fixture(scope="session", name="spec_server")
+def spec_server_fixture(tiny_dirs: tuple[str, str]) -> Iterator[Server]:
+    """Tiny target + EAGLE, overlap on (the default), a small KV pool."""
+    if "spec" not in _CACHE:
+        target, head = tiny_dirs
+        flags = ["--kv-cache-tokens", str(SMALL_KV), "--max-running-requests", "16",
+                 *spec_flags(head)]  # fmt: skip
+        _CACHE["spec"] = start_server(target, flags)
+    yield _CACHE["spec"]
+    _CACHE["spec"].stop()
+
+
+@pytest.fixture(scope="module", name="fault_server")
+def fault_server_fixture(tiny_dirs: tuple[str, str]) -> Iterator[Server]:
+    """Tiny target + EAGLE without overlap (the shipped config's mode), the fault hook armed.
+
+    Not with overlap: the hook fails *every* batch holding the trigger request, and with overlap
+    the batch launched before the failure is known still holds it (with its neighbours). The
+    overlap case runs with a one-shot fault in test_shutdown.py."""
+    target, head = tiny_dirs
+    flags = ["--kv-cache-tokens", "1024", "--disable-overlap-schedule", *spec_flags(head)]
+    srv = start_server(target, flags, {"EAGLESERVE_FAULT_INJECT_TOKEN": str(FAULT_TOKEN)})
+    yield srv
+    srv.stop()
+
+
+def metric(url: str, name: str) -> float:
+    return read_metrics(url).get(name, 0.0)
+
+
+def wait_kv_free(url: str, timeout: float = 30.0) -> dict[str, float]:
+    """Waits until no KV slot is used and nothing runs or waits; fails after `timeout`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        m = read_metrics(url)
+        busy = (
+            m.get("eagleserve_kv_used_tokens", 0)
+            + m.get("eagleserve_num_requests_running", 0)
+            + m.get("eagleserve_num_requests_waiting", 0)
+        )
+        if busy == 0:
+            return m
+        if time.monotonic() > deadline:
+            raise AssertionError(f"KV not freed: {m.get('eagleserve_kv_used_tokens')} in use")
+        time.sleep(0.2)
+
+
+def completion(url: str, prompt: Any, max_tokens: int, **kw: Any) -> httpx.Response:
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **kw}
+    return httpx.post(url + "/v1/completions", json=body, timeout=120)

@@ -1,0 +1,81 @@
+"""Under load, with speculation on: nothing lost, greedy text exact, KV empty afterwards; requests
+that never fit get 400; requests that overflow the KV pool together still finish exactly."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+from rel_fixtures import (  # noqa: F401 (fixtures)
+    REPO,
+    SMALL_KV,
+    Server,
+    completion,
+    metric,
+    spec_server_fixture,
+    tiny_dirs_fixture,
+    wait_kv_free,
+)
+
+from eagleserve import Engine, SamplingParams
+
+
+def test_load_bench_with_spec(tiny_dirs: tuple[str, str], tmp_path: os.PathLike) -> None:
+    target, head = tiny_dirs
+    out = os.path.join(tmp_path, "load.json")
+    cmd = [sys.executable, os.path.join(REPO, "bench", "load.py"), "--model", target,
+           "--dtype", "float32", "--spec", "--draft", head, "--clients", "16", "--duration", "20",
+           "--kv-cache-tokens", str(SMALL_KV), "--max-running-requests", "16", "--max-tokens",
+           "16", "--long-max-tokens", "48", "--long-repeats", "1,2", "--out", out]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+    assert os.path.exists(out), proc.stdout[-3000:] + proc.stderr[-3000:]
+    with open(out) as f:
+        s = json.load(f)["summary"]
+    detail = json.dumps(s, indent=1)[:4000]
+    assert proc.returncode == 0 and s["ok"], detail
+    assert s["lost"] == 0 and s["errors"] == 0, detail
+    assert s["completed_greedy"] > 10 and s["greedy_exact"] == s["completed_greedy"], detail
+    assert s["aborted_by_client"] > 0, detail  # the disconnect path was exercised
+    assert s["kv_used_tokens_end"] == 0, detail
+    assert s["server_exit_code"] == 0, detail
+
+
+def test_never_fits_is_400(spec_server: Server) -> None:
+    url = spec_server.url
+    ctx = httpx.get(url + "/v1/models").json()["data"][0]["max_model_len"]
+    assert ctx <= SMALL_KV
+    for prompt, max_tokens in (([5] * 10, ctx - 9), ([5] * ctx, 1), ("hello", 10 * SMALL_KV)):
+        resp = completion(url, prompt, max_tokens)
+        assert resp.status_code == 400, resp.text
+        assert resp.json()["error"]["code"] == "context_length_exceeded"
+    assert completion(url, [5] * 10, ctx - 10).status_code == 200  # exactly the limit fits
+    wait_kv_free(url)
+
+
+def test_overflowing_pool_finishes_exact(spec_server: Server, tiny_dirs: tuple[str, str]) -> None:
+    """12 requests of ~200 tokens each need ~3x the pool: they queue and get retracted."""
+    url = spec_server.url
+    prompts = [[3 + (7 * i + j) % 200 for j in range(120 + 10 * i)] for i in range(12)]
+    before = metric(url, "eagleserve_num_retracted_total")
+
+    def one(p: list[int]) -> httpx.Response:
+        return completion(url, p, 80, ignore_eos=True)
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        resps = list(pool.map(one, prompts))
+    assert [r.status_code for r in resps] == [200] * len(prompts), [r.text for r in resps]
+    got = [r.json()["choices"][0]["text"] for r in resps]
+    assert metric(url, "eagleserve_num_retracted_total") > before, "no retraction happened"
+    wait_kv_free(url)
+    target, head = tiny_dirs
+    eng = Engine(model=target, device="cpu", dtype="float32", kv_cache_tokens=4096,
+                 speculative_algorithm="EAGLE", speculative_draft_model_path=head,
+                 speculative_num_steps=3, speculative_eagle_topk=1,
+                 speculative_num_draft_tokens=4)  # fmt: skip
+    want = eng.generate(prompts, SamplingParams(max_new_tokens=80, temperature=0, ignore_eos=True))
+    assert got == [w["text"] for w in want]
