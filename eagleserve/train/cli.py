@@ -1,61 +1,115 @@
-"""`eagleserve train-draft`: self-distill an EAGLE head for a served Llama-family model."""
+"""`eagleserve train-draft`: self-distill an EAGLE / EAGLE3 head for a served Llama-family model."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import random
 import time
 
 import torch
 
-from eagleserve.train.data import build_dataset, first_human_turns, sharegpt_path, split_held_out
-from eagleserve.train.trainer import TrainConfig, target_features, train_head
+from eagleserve.train.data import (
+    build_dataset,
+    first_human_turns,
+    load_sequences,
+    save_sequences,
+    sharegpt_path,
+    split_held_out,
+)
+from eagleserve.train.features import (
+    answer_coverage,
+    draft_vocab,
+    feature_layers,
+    label_map,
+    target_features,
+)
+from eagleserve.train.trainer import Data, TrainConfig, train_head, train_step
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "train-draft",
-        help="train an EAGLE head for a model by self-distillation",
+        help="train an EAGLE/EAGLE3 head for a model by self-distillation",
         description="The engine answers ShareGPT prompts with the target itself; the head learns "
-        "the target's next features and tokens. Writes the published EAGLE checkpoint format.",
+        "the target's greedy tokens over several unrolled draft depths. Writes the published "
+        "EAGLE/EAGLE3 checkpoint format (plus trainer_state.pt for --resume).",
     )
     p.add_argument("--model", required=True, help="target: HF folder, .gguf, or 'default'")
     p.add_argument("--out", required=True, help="output folder (checkpoints, data cache, log)")
-    p.add_argument(
-        "--algorithm",
-        default="EAGLE",
-        choices=["EAGLE"],
-        help="head type (EAGLE-1/2; EAGLE3 training is not implemented)",
-    )
+    p.add_argument("--algorithm", default="EAGLE3", choices=["EAGLE", "EAGLE3"])
+    p.add_argument("--draft-vocab-size", type=int, default=8192, help="EAGLE3 draft vocabulary")
     p.add_argument("--num-prompts", type=int, default=1500, help="ShareGPT prompts to answer")
-    p.add_argument(
-        "--prompt-ids-file",
-        default=None,
-        help="JSON list of token-id prompts instead of ShareGPT (no tokenizer needed)",
-    )
+    p.add_argument("--prompt-ids-file", help="JSON list of token-id prompts (no tokenizer)")
+    p.add_argument("--data", nargs="*", default=(), help="reuse generated data files (merged)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="answer length")
     p.add_argument("--max-prompt-tokens", type=int, default=256)
-    p.add_argument("--gen-batch-size", type=int, default=32)
+    p.add_argument("--gen-batch-size", type=int, default=48)
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--max-len", type=int, default=384)
-    p.add_argument("--ttt-steps", type=int, default=2, help="unrolled passes on own features")
+    p.add_argument("--ttt-steps", type=int, default=4, help="unrolled draft depths per batch")
     p.add_argument("--max-minutes", type=float, default=60.0, help="training time budget")
     p.add_argument("--save-every", type=int, default=100)
     p.add_argument("--max-steps", type=int, default=None, help="stop after this many steps")
+    p.add_argument("--val-fraction", type=float, default=0.03, help="sequences held out")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--resume", action="store_true", help="continue from --out's checkpoint")
-    p.add_argument("--export-dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"], help="export")
+    p.add_argument("--compute-dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch intra-op threads (1 avoids OpenMP stalls on a CPU shared with other jobs)",
+    )
     p.set_defaults(func=run)
     return p
 
 
+def _data(ns: argparse.Namespace, engine: object) -> tuple[list[list[int]], list[int], str]:
+    path = os.path.join(ns.out, "data.pt")
+    if os.path.exists(path):
+        return load_sequences(path)
+    if ns.data:
+        parts = [load_sequences(p) for p in ns.data]
+        seqs = [s for part in parts for s in part[0]]
+        lens = [n for part in parts for n in part[1]]
+        source = " + ".join(part[2] for part in parts)
+    else:
+        if ns.prompt_ids_file:
+            with open(ns.prompt_ids_file) as f:
+                prompts = json.load(f)
+            source = f"token-id prompts from {ns.prompt_ids_file}"
+        else:
+            prompts = split_held_out(first_human_turns(sharegpt_path()), ns.num_prompts, ns.seed)
+            source = f"ShareGPT_V3 first human turns, {len(prompts)} sampled (seed {ns.seed})"
+        seqs, lens = build_dataset(
+            engine, prompts, ns.max_new_tokens, ns.max_prompt_tokens, ns.gen_batch_size
+        )
+    save_sequences(seqs, lens, source, path)
+    return seqs, lens, source
+
+
+@torch.no_grad()
+def evaluate(head: object, data: Data, idx: list[int], cfg: TrainConfig) -> dict[str, float]:
+    """Per-depth top-1 accuracy on held-out sequences (mean over batches)."""
+    sums: dict[str, float] = {}
+    for i in range(0, len(idx), cfg.batch_size):
+        _, m = train_step(head, data, idx[i : i + cfg.batch_size], cfg, 0)
+        for k, v in m.items():
+            sums[k] = sums.get(k, 0.0) + v / max(1, -(-len(idx) // cfg.batch_size))
+    return sums
+
+
 def run(ns: argparse.Namespace) -> int:
     from eagleserve import Engine
-    from eagleserve.spec.head_loader import init_eagle_head, load_eagle_head, save_eagle_head
+    from eagleserve.spec.head_loader import init_eagle_head, save_eagle_head
 
+    if ns.threads:
+        torch.set_num_threads(ns.threads)
     torch.manual_seed(ns.seed)
     os.makedirs(ns.out, exist_ok=True)
     t_start = time.time()
@@ -66,37 +120,37 @@ def run(ns: argparse.Namespace) -> int:
         max_running_requests=ns.gen_batch_size,
         kv_cache_tokens=ns.gen_batch_size * (ns.max_prompt_tokens + ns.max_new_tokens + 8),
     )
-    data_path = os.path.join(ns.out, "data.pt")
-    if os.path.exists(data_path):
-        seqs = torch.load(data_path)["sequences"]
-        source = "cached"
-    else:
-        if ns.prompt_ids_file:
-            with open(ns.prompt_ids_file) as f:
-                prompts = json.load(f)
-            source = ns.prompt_ids_file
-        else:
-            prompts = split_held_out(first_human_turns(sharegpt_path()), ns.num_prompts, ns.seed)
-            source = f"ShareGPT_V3 first human turns, {len(prompts)} sampled (seed {ns.seed})"
-        seqs = build_dataset(
-            engine, prompts, ns.max_new_tokens, ns.max_prompt_tokens, ns.gen_batch_size
-        )
-        torch.save({"sequences": seqs, "source": source}, data_path)
+    seqs, prompt_lens, source = _data(ns, engine)
     t_data = time.time()
-    runner = engine.scheduler.worker.runner
-    feats = target_features(runner, seqs, ns.max_len)
+    target = engine.scheduler.worker.runner.model
+    for p in target.parameters():
+        p.requires_grad_(False)
+    order = list(range(len(seqs)))
+    random.Random(ns.seed).shuffle(order)
+    n_val = int(len(seqs) * ns.val_fraction)
+    val_idx, train_idx = order[:n_val], sorted(order[n_val:])
+    vocab = target.config.vocab_size
+    draft_ids = None
+    if ns.algorithm == "EAGLE3":
+        tr_seqs = [seqs[i] for i in train_idx]
+        tr_lens = [prompt_lens[i] for i in train_idx]
+        draft_ids = draft_vocab(tr_seqs, tr_lens, min(ns.draft_vocab_size, vocab), vocab)
+    head = init_eagle_head(ns.algorithm, target, seed=ns.seed, draft_token_ids=draft_ids)
     state = None
     ckpt = os.path.join(ns.out, "trainer_state.pt")
     if ns.resume and os.path.exists(ckpt):
-        head = load_eagle_head(
-            ns.out, ns.algorithm, runner.model, torch.device("cpu"), torch.float32
-        )
         state = torch.load(ckpt, weights_only=False)
-    else:
-        head = init_eagle_head(ns.algorithm, runner.model, seed=ns.seed)
-    head.train()
-    for p in runner.model.parameters():
-        p.requires_grad_(False)
+        head.load_state_dict(state["head"])  # fp32 weights, d2t included
+    layers = feature_layers(ns.algorithm, head.aux_layer_ids, target.config.num_hidden_layers)
+    feats = target_features(target, seqs, layers, ns.max_len)
+    t_feat = time.time()
+    data = Data(seqs, prompt_lens, feats, label_map(draft_ids, vocab))
+    train = Data(
+        [seqs[i] for i in train_idx],
+        [prompt_lens[i] for i in train_idx],
+        [feats[i] for i in train_idx],
+        data.label_map,
+    )
     cfg = TrainConfig(
         out_dir=ns.out,
         lr=ns.lr,
@@ -104,29 +158,46 @@ def run(ns: argparse.Namespace) -> int:
         max_len=ns.max_len,
         epochs=ns.epochs,
         max_minutes=ns.max_minutes,
-        ttt_steps=ns.ttt_steps,
+        depths=ns.ttt_steps,
+        compute_dtype=ns.compute_dtype,
         save_every=ns.save_every,
         seed=ns.seed,
         max_steps=ns.max_steps,
     )
-    metrics = train_head(head, seqs, feats, cfg, state)
-    if ns.export_dtype == "bfloat16":
+    head.train()
+    metrics = train_head(head, train, cfg, state)
+    head.eval()
+    t_train = time.time()
+    val = evaluate(head, data, val_idx, cfg) if val_idx else {}
+    if ns.dtype == "bfloat16":
         head = head.to(torch.bfloat16)
-    save_eagle_head(head.eval(), ns.out)
+    save_eagle_head(head, ns.out)
     log = {
         "model": ns.model,
         "algorithm": ns.algorithm,
         "source": source,
         "sequences": len(seqs),
         "tokens": sum(len(s) for s in seqs),
-        "data_minutes": (t_data - t_start) / 60,
-        "total_minutes": (time.time() - t_start) / 60,
-        "metrics": metrics,
+        "answer_tokens": sum(len(s) - p for s, p in zip(seqs, prompt_lens)),
+        "train_sequences": len(train_idx),
+        "val_sequences": len(val_idx),
+        "draft_vocab_size": head.draft_vocab_size,
+        "draft_vocab_answer_coverage": (
+            answer_coverage(seqs, prompt_lens, draft_ids) if draft_ids is not None else 1.0
+        ),
+        "minutes": {
+            "data": (t_data - t_start) / 60,
+            "features": (t_feat - t_data) / 60,
+            "train": (t_train - t_feat) / 60,
+            "total": (time.time() - t_start) / 60,
+        },
+        "train_metrics_ema": metrics,
+        "val_accuracy_by_depth": val,
         "args": {k: v for k, v in vars(ns).items() if k != "func"},
     }
     with open(os.path.join(ns.out, "training_log.json"), "w") as f:
         json.dump(log, f, indent=2)
-    print(json.dumps({k: log[k] for k in ("sequences", "tokens", "metrics")}))
+    print(json.dumps({k: log[k] for k in ("sequences", "tokens", "val_accuracy_by_depth")}))
     return 0
 
 

@@ -67,10 +67,12 @@ def build_dataset(
     max_new_tokens: int,
     max_prompt_tokens: int,
     batch_size: int,
-) -> list[list[int]]:
-    """Token sequences prompt + the target's own greedy answer, generated in large batches."""
+) -> tuple[list[list[int]], list[int]]:
+    """(sequences prompt + the target's own greedy answer, prompt lengths), generated in large
+    batches. Greedy: the draft is trained on exactly the tokens a greedy verify accepts."""
     tok = engine.tokenizer
     seqs: list[list[int]] = []
+    prompt_lens: list[int] = []
     ids_list = []
     for p in prompts:
         if isinstance(p, str):
@@ -87,7 +89,8 @@ def build_dataset(
         chunk = ids_list[i : i + batch_size]
         for ids, out in zip(chunk, engine.generate(chunk, params)):
             seqs.append(ids + out["token_ids"])
-    return seqs
+            prompt_lens.append(len(ids))
+    return seqs, prompt_lens
 
 
 def split_held_out(prompts: list[str], n_train: int, seed: int) -> list[str]:
@@ -97,5 +100,12 @@ def split_held_out(prompts: list[str], n_train: int, seed: int) -> list[str]:
     return [prompts[i] for i in order[:n_train]]
 
 
-def save_sequences(seqs: list[list[int]], path: str) -> None:
-    torch.save({"sequences": seqs}, path)
+def save_sequences(seqs: list[list[int]], prompt_lens: list[int], source: str, path: str) -> None:
+    torch.save({"sequences": seqs, "prompt_lens": prompt_lens, "source": source}, path)
+
+
+def load_sequences(path: str) -> tuple[list[list[int]], list[int], str]:
+    d = torch.load(path)
+    seqs = d["sequences"]
+    # Files without prompt lengths train on every position.
+    return seqs, d.get("prompt_lens") or [0] * len(seqs), d.get("source", path)

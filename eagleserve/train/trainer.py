@@ -1,9 +1,11 @@
-"""Training an EAGLE-1/2 head on the target's own features (self-distillation).
+"""Training an EAGLE / EAGLE3 head on the target's own features (self-distillation).
 
-Position j of a sequence pairs token x[j+1] with the target's final normed hidden state f[j]; the
-head predicts f[j+1] (smooth L1) and, through the target's lm_head, x[j+2] (cross-entropy against
-the target's own greedy token). A second, unrolled pass feeds the head its own predicted
-features, as later draft steps do at inference ("training-time test"), so deep steps stay good.
+Every batch is unrolled over `depths` draft depths (train/ttt.py): depth 0 reads the target's
+features, depth s the head's own depth s-1 output, as the worker's draft steps do. Losses per
+depth s, weighted 0.8**s: cross-entropy of the head's next-token logits against the target's
+greedy token (answer positions only: the draft is only ever asked to continue an answer), plus
+for EAGLE a smooth-L1 regression onto the target's next feature. Deterministic in the seed and
+the step, so `--resume` reproduces an uninterrupted run.
 """
 
 from __future__ import annotations
@@ -18,9 +20,10 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from eagleserve.model.runner import ModelRunner
 from eagleserve.spec.eagle_head import EagleHead
 from eagleserve.spec.head_loader import save_eagle_head
+from eagleserve.train.features import IGNORE
+from eagleserve.train.ttt import head_step, lm_head_weight
 
 
 @dataclass(frozen=True)
@@ -31,166 +34,148 @@ class TrainConfig:
     max_len: int = 384
     epochs: int = 2
     max_minutes: float = 60.0
-    ttt_steps: int = 2  # forward passes per batch: 1 plain + unrolled ones on own features
-    ce_weight: float = 0.1
-    ce_fraction: float = 0.35  # share of positions whose 49k-way CE is computed (CPU cost)
+    depths: int = 3  # unrolled draft depths per batch (1 = no training-time test)
+    depth_decay: float = 0.8
+    feature_weight: float = 1.0  # EAGLE only: smooth-L1 on next features
+    ce_fraction: float = 0.5  # EAGLE only: rows whose full-vocab CE is computed (CPU cost)
+    compute_dtype: str = "float32"  # "bfloat16": CPU autocast for the matmuls
     save_every: int = 100
     seed: int = 0
-    max_steps: int | None = None  # stop early (a budget); --resume continues the same schedule
+    max_steps: int | None = None  # stop early; --resume continues the same schedule
 
 
-@torch.inference_mode()
-def target_features(runner: ModelRunner, seqs: list[list[int]], max_len: int) -> list[torch.Tensor]:
-    """Final normed hidden state of every position ([len, h] bf16 per sequence)."""
-    feats = []
-    r2t, kv = runner.req_to_token_pool, runner.token_to_kv_pool
-    for s in tqdm(seqs, desc="Target features", unit="seq"):
-        ids = torch.tensor(s[:max_len])
-        n = len(ids)
-        idx, loc = r2t.alloc(), kv.alloc(n)
-        r2t.req_to_token[idx, :n] = loc
-        out = runner.forward(
-            "extend",
-            ids,
-            torch.arange(n),
-            loc,
-            torch.tensor([idx]),
-            torch.tensor([0]),
-            torch.tensor([n]),
-            logits_indices=torch.tensor([n - 1]),
-        )
-        feats.append(out.hidden_states.to(torch.bfloat16))
-        kv.free(loc)
-        r2t.free(idx)
-    return feats
+@dataclass
+class Data:
+    seqs: list[list[int]]
+    prompt_lens: list[int]
+    feats: list[torch.Tensor]  # [len, W] bf16, truncated to max_len
+    label_map: torch.Tensor  # [target vocab] -> draft id or IGNORE
 
 
-def dense_head_forward(
-    head: EagleHead, input_ids: torch.Tensor, feats: torch.Tensor, positions: torch.Tensor
-) -> torch.Tensor:
-    """The EAGLE-1 head over whole sequences with plain causal attention (training only).
-
-    input_ids [B, T], feats [B, T, h], positions [B, T] -> next features [B, T, h]. Same math
-    as `EagleHead.forward` over the paged cache.
-    """
-    bsz, t = input_ids.shape
-    layer = head.layers[0]
-    attn = layer.self_attn
-    emb = head.target.model.embed_tokens(input_ids)
-    x = head.fc(torch.cat((emb, feats.to(emb.dtype)), dim=-1))  # [B, T, h]
-    q = attn.q_proj(x).view(bsz * t, attn.num_heads, attn.head_dim)
-    k = attn.k_proj(x).view(bsz * t, attn.num_kv_heads, attn.head_dim)
-    v = attn.v_proj(x).view(bsz, t, attn.num_kv_heads, attn.head_dim)
-    q, k = head.rotary_emb(positions.reshape(-1), q, k)
-    q = q.view(bsz, t, attn.num_heads, attn.head_dim).transpose(1, 2)
-    k = k.view(bsz, t, attn.num_kv_heads, attn.head_dim).transpose(1, 2)
-    o = F.scaled_dot_product_attention(
-        q, k, v.transpose(1, 2), is_causal=True, enable_gqa=attn.num_heads != attn.num_kv_heads
-    )
-    x = x + attn.o_proj(o.transpose(1, 2).reshape(bsz, t, -1))
-    return x + layer.mlp(layer.post_attention_layernorm(x))
+def _order(n: int, bsz: int, seed: int, epoch: int, lens: list[int]) -> list[list[int]]:
+    """Batches of one epoch: shuffled, then length-sorted within chunks of 16 batches (less
+    padding) and the batches shuffled again."""
+    rng = random.Random(seed * 1000 + epoch)
+    perm = list(range(n))
+    rng.shuffle(perm)
+    batches: list[list[int]] = []
+    for c in range(0, n, bsz * 16):
+        chunk = sorted(perm[c : c + bsz * 16], key=lambda i: lens[i])
+        batches += [chunk[i : i + bsz] for i in range(0, len(chunk), bsz)]
+    rng.shuffle(batches)
+    return batches
 
 
-def _batch(
-    seqs: list[list[int]], feats: list[torch.Tensor], idx: list[int], max_len: int
-) -> tuple[torch.Tensor, ...]:
-    """Right-padded inputs/targets; `valid` marks positions with a next feature, `tok_valid`
-    those with a next-next token."""
-    n = min(max(len(seqs[i]) for i in idx), max_len) - 1
-    bsz, h = len(idx), feats[idx[0]].shape[-1]
-    ids = torch.zeros(bsz, n, dtype=torch.long)
-    f_in = torch.zeros(bsz, n, h)
-    f_next = torch.zeros(bsz, n, h)
-    tok_next = torch.zeros(bsz, n, dtype=torch.long)
-    valid = torch.zeros(bsz, n, dtype=torch.bool)
-    tok_valid = torch.zeros(bsz, n, dtype=torch.bool)
+def _batch(data: Data, idx: list[int], max_len: int, depths: int) -> tuple[torch.Tensor, ...]:
+    """Ids X [B, N+depths], features [B, N, W], labels Y [B, N+depths] (Y[t] = draft id of
+    x[t+1] where x[t+1] is an answer token, else IGNORE), feature mask [B, N+depths]."""
+    n = min(max(len(data.seqs[i]) for i in idx), max_len)
+    bsz, w = len(idx), data.feats[idx[0]].shape[-1]
+    x = torch.zeros(bsz, n + depths, dtype=torch.long)
+    f = torch.zeros(bsz, n + depths, w)
+    y = torch.full((bsz, n + depths), IGNORE, dtype=torch.long)
+    fmask = torch.zeros(bsz, n + depths, dtype=torch.bool)
     for b, i in enumerate(idx):
-        s = torch.tensor(seqs[i][: n + 1])
-        f = feats[i][: n + 1].float()
-        m = len(s) - 1
-        ids[b, :m] = s[1:]
-        f_in[b, :m] = f[:-1]
-        f_next[b, :m] = f[1:]
-        valid[b, :m] = True
-        tok_next[b, : m - 1] = s[2:]
-        tok_valid[b, : m - 1] = True
-    return ids, f_in, f_next, tok_next, valid, tok_valid
+        s = torch.tensor(data.seqs[i][:n])
+        m, p = len(s), data.prompt_lens[i]
+        x[b, :m] = s
+        f[b, :m] = data.feats[i][:m].float()
+        lab = data.label_map[s[1:]]
+        lab[: max(0, p - 1)] = IGNORE
+        y[b, : m - 1] = lab
+        fmask[b, :m] = True
+    return x, f, y, fmask
+
+
+def train_step(
+    head: EagleHead, data: Data, idx: list[int], cfg: TrainConfig, step: int
+) -> tuple[torch.Tensor, dict[str, float]]:
+    x, f, y, fmask = _batch(data, idx, cfg.max_len, cfg.depths)
+    t = f.shape[1] - cfg.depths - 1  # rows j: depth 0 needs x[j+1]
+    w = lm_head_weight(head)
+    gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
+    feats = f[:, :t]
+    past: list = []
+    loss = torch.zeros(())
+    metrics: dict[str, float] = {}
+    for s in range(cfg.depths):
+        ids = x[:, s + 1 : s + 1 + t]
+        pos = (torch.arange(t) + s).expand(x.shape[0], t)
+        hid, out, kv = head_step(head, ids, feats, pos, past)
+        past.append(kv)
+        lab = y[:, s + 1 : s + 1 + t]
+        sel = lab != IGNORE
+        if head.algorithm == "EAGLE":
+            sel &= torch.rand(sel.shape, generator=gen) < cfg.ce_fraction
+        logits = F.linear(hid[sel], w).float()
+        ce = F.cross_entropy(logits, lab[sel]) if sel.any() else logits.sum()
+        term = ce
+        if head.algorithm == "EAGLE":
+            fm = fmask[:, s + 1 : s + 1 + t]
+            nxt = f[:, s + 1 : s + 1 + t]
+            term = term + cfg.feature_weight * F.smooth_l1_loss(out[fm].float(), nxt[fm])
+        loss = loss + cfg.depth_decay**s * term
+        metrics[f"acc{s}"] = (
+            float((logits.argmax(-1) == lab[sel]).float().mean()) if sel.any() else 0
+        )
+        feats = out
+    return loss, metrics
 
 
 def train_head(
-    head: EagleHead,
-    seqs: list[list[int]],
-    feats: list[torch.Tensor],
-    cfg: TrainConfig,
-    start_state: dict | None = None,
+    head: EagleHead, data: Data, cfg: TrainConfig, start_state: dict | None = None
 ) -> dict[str, float]:
-    """Trains in place; checkpoints to cfg.out_dir; returns the final metrics."""
+    """Trains in place, checkpointing to cfg.out_dir; returns the last metrics (EMA)."""
     torch.manual_seed(cfg.seed)
     params = [p for p in head.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
-    order = list(range(len(seqs)))
-    steps_per_epoch = math.ceil(len(order) / cfg.batch_size)
-    total = steps_per_epoch * cfg.epochs
-    step = 0
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0, betas=(0.9, 0.95))
+    lens = [min(len(s), cfg.max_len) for s in data.seqs]
+    per_epoch = math.ceil(len(lens) / cfg.batch_size)
+    total = per_epoch * cfg.epochs
+    warm = max(1, min(50, total // 20))
+    step, ema = 0, {}
     if start_state is not None:
         opt.load_state_dict(start_state["optimizer"])
-        step = start_state["step"]
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / 50) * 0.5 * (1 + math.cos(math.pi * min(s / total, 1)))
-    )
-    for _ in range(step):
-        sched.step()
+        step, ema = start_state["step"], start_state.get("metrics", {})
+
+    def lr_at(s: int) -> float:  # linear warm-up, cosine to 0: a pure function of the step
+        return cfg.lr * min(1.0, (s + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(s / total, 1)))
+
+    autocast = torch.autocast("cpu", torch.bfloat16, enabled=cfg.compute_dtype == "bfloat16")
     t0 = time.time()
-    metrics: dict[str, float] = {}
     bar = tqdm(total=total, initial=step, desc="Training head", unit="step")
-    w = head.target.lm_head_weight.detach()
     while step < total:
-        epoch, within = divmod(step, steps_per_epoch)
-        rng = random.Random(cfg.seed + epoch)
-        perm = order[:]
-        rng.shuffle(perm)
-        idx = perm[within * cfg.batch_size : (within + 1) * cfg.batch_size]
-        ids, f_in, f_next, tok_next, valid, tok_valid = _batch(seqs, feats, idx, cfg.max_len)
-        positions = torch.arange(ids.shape[1]).expand_as(ids)
-        gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
-        ce_pick = tok_valid & (torch.rand(tok_valid.shape, generator=gen) < cfg.ce_fraction)
-        loss = torch.zeros(())
-        feats_in = f_in
-        for k in range(cfg.ttt_steps):
-            out = dense_head_forward(head, ids, feats_in, positions)
-            p_loss = F.smooth_l1_loss(out[valid], f_next[valid])
-            logits = F.linear(out[ce_pick], w)
-            ce = F.cross_entropy(logits, tok_next[ce_pick])
-            loss = loss + (p_loss + cfg.ce_weight * ce) / (k + 1)
-            metrics[f"acc{k}"] = float((logits.argmax(-1) == tok_next[ce_pick]).float().mean())
-            # Next pass: position j sees the head's own prediction of f[j] (from j-1).
-            feats_in = torch.cat([f_in[:, :1], out[:, :-1]], dim=1)
+        epoch, within = divmod(step, per_epoch)
+        idx = _order(len(lens), cfg.batch_size, cfg.seed, epoch, lens)[within]
+        with autocast:
+            loss, m = train_step(head, data, idx, cfg, step)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 0.5)
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step)
         opt.step()
-        sched.step()
         step += 1
-        metrics["loss"] = loss.item()
-        bar.set_postfix(
-            loss=f"{metrics['loss']:.3f}",
-            acc=f"{metrics['acc0']:.3f}",
-            acc_ttt=f"{metrics.get(f'acc{cfg.ttt_steps - 1}', 0):.3f}",
-        )
+        m["loss"] = loss.item()
+        ema = {k: v if k not in ema else 0.95 * ema[k] + 0.05 * v for k, v in m.items()}
+        bar.set_postfix({k: f"{v:.3f}" for k, v in ema.items()})
         bar.update(1)
-        if step % cfg.save_every == 0 or step == total:
-            save_checkpoint(head, opt, step, cfg.out_dir)
-        if (time.time() - t0) / 60 > cfg.max_minutes or step == cfg.max_steps:
-            save_checkpoint(head, opt, step, cfg.out_dir)
+        stop = (time.time() - t0) / 60 > cfg.max_minutes or step == cfg.max_steps
+        if step % cfg.save_every == 0 or step == total or stop:
+            save_checkpoint(head, opt, step, ema, cfg.out_dir)
+        if stop:
             break
     bar.close()
-    metrics["steps"] = step
-    return metrics
+    return {**ema, "steps": step, "total_steps": total}
 
 
-def save_checkpoint(head: EagleHead, opt: torch.optim.Optimizer, step: int, out_dir: str) -> None:
-    """The head in the published format, plus the optimizer and step for --resume."""
+def save_checkpoint(
+    head: EagleHead, opt: torch.optim.Optimizer, step: int, metrics: dict, out_dir: str
+) -> None:
+    """The head in the published format, plus fp32 weights, optimizer and step for --resume."""
     save_eagle_head(head, out_dir)
+    state = {k: v.detach().clone() for k, v in head.state_dict().items()}
     torch.save(
-        {"step": step, "optimizer": opt.state_dict()}, os.path.join(out_dir, "trainer_state.pt")
+        {"step": step, "optimizer": opt.state_dict(), "head": state, "metrics": metrics},
+        os.path.join(out_dir, "trainer_state.pt"),
     )

@@ -1,0 +1,84 @@
+"""A training/feature attention backend: causal SDPA over the forward's own k/v, no KV pool.
+
+It implements the `AttentionBackend` interface, so the target's own `LlamaForCausalLM` modules
+run unchanged over whole sequences (and stay differentiable). Invariant: the forward holds
+complete sequences from position 0 (no prefix cache); several sequences may be concatenated,
+`fb.extend_lens` giving their lengths, and attention never crosses a sequence boundary.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from eagleserve.model.forward_batch import ForwardBatch, forward_context
+from eagleserve.model.llama import LlamaForCausalLM
+
+
+class DenseCausalBackend:
+    def __init__(self, sm_scale: float) -> None:
+        self.sm_scale = sm_scale
+
+    def init_forward_metadata(self, fb: ForwardBatch) -> None:
+        lens = fb.extend_lens.tolist()
+        if len(lens) == 1:
+            fb.attn_metadata = None  # plain causal
+            return
+        seg = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))
+        t = seg.numel()
+        causal = torch.ones(t, t, dtype=torch.bool).tril()
+        fb.attn_metadata = (causal & (seg[:, None] == seg[None, :])).to(fb.input_ids.device)
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, fb: ForwardBatch
+    ) -> torch.Tensor:
+        # q [T, H, D]; k, v [T, Hkv, D] -> [T, H, D]
+        mask = fb.attn_metadata
+        o = F.scaled_dot_product_attention(
+            q.transpose(0, 1),
+            k.transpose(0, 1),
+            v.transpose(0, 1),
+            attn_mask=mask,
+            is_causal=mask is None,
+            scale=self.sm_scale,
+            enable_gqa=q.shape[1] != k.shape[1],
+        )
+        return o.transpose(0, 1)
+
+
+def dense_forward_batch(ids: list[torch.Tensor], backend: DenseCausalBackend) -> ForwardBatch:
+    """A ForwardBatch over whole sequences `ids` (concatenated), positions from 0."""
+    lens = torch.tensor([len(x) for x in ids])
+    return ForwardBatch(
+        mode="extend",
+        input_ids=torch.cat(ids),
+        positions=torch.cat([torch.arange(len(x)) for x in ids]),
+        out_cache_loc=torch.empty(0, dtype=torch.long),
+        req_pool_indices=torch.arange(len(ids)),
+        prefix_lens=torch.zeros_like(lens),
+        extend_lens=lens,
+        kv_pool=None,  # type: ignore[arg-type]  # never touched by this backend
+        attn_backend=backend,
+    )
+
+
+@torch.inference_mode()
+def hidden_states_entering(
+    model: LlamaForCausalLM, ids: list[torch.Tensor], layer_ids: tuple[int, ...]
+) -> torch.Tensor:
+    """[T, len(layer_ids) * h]: the residual entering each layer in `layer_ids`, concatenated;
+    layer id == num_layers means the final *normed* state (what EAGLE-1 reads). Stops after the
+    deepest layer needed, and never computes logits."""
+    n_layers = model.config.num_hidden_layers
+    backend = DenseCausalBackend(model.config.head_dim**-0.5)
+    fb = dense_forward_batch(ids, backend)
+    out: dict[int, torch.Tensor] = {}
+    with forward_context(fb):
+        h = model.model.embed_tokens(fb.input_ids)
+        for i in range(max(layer_ids)):
+            if i in layer_ids:
+                out[i] = h
+            h = model.model.layers[i](h, fb.positions, model.model.rotary_emb)
+        last = max(layer_ids)
+        out[last] = model.model.norm(h) if last == n_layers else h
+    return torch.cat([out[i] for i in sorted(layer_ids)], dim=-1)
