@@ -7,7 +7,7 @@ CONFIG ?= configs/smollm2-135m-eagle.yaml
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: setup serve test lint bench clean
+.PHONY: setup serve test lint bench bench-llamacpp clean
 
 setup: $(VENV)/.installed
 
@@ -34,5 +34,17 @@ lint: setup
 bench: setup
 	$(BIN)/python bench/decode_cpu.py
 
+# llama.cpp for bench/cpu_vs_llamacpp.py, built from source for this CPU, in its own venv
+# (never part of `make test`); the benchmark calls it through .venv-llamacpp/bin/python.
+LLAMA_VENV := .venv-llamacpp
+$(LLAMA_VENV)/.installed:
+	$(PYTHON) -m venv $(LLAMA_VENV)
+	$(LLAMA_VENV)/bin/pip install -q --upgrade pip
+	CMAKE_ARGS="-DGGML_NATIVE=ON" $(LLAMA_VENV)/bin/pip install -q llama-cpp-python==0.3.36
+	touch $@
+
+bench-llamacpp: setup $(LLAMA_VENV)/.installed
+	$(BIN)/python bench/cpu_vs_llamacpp.py
+
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(LLAMA_VENV)

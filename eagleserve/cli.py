@@ -25,6 +25,8 @@ FIELD_HELP: dict[str, str] = {
     "device": "auto | cpu | cuda",
     "dtype": "auto | float32 | bfloat16 | float16",
     "load_format": "auto | dummy (random weights, for benchmarks)",
+    "quantization": "auto | none | gguf: run a GGUF's Q4_0/Q4_1/Q8_0 weights packed on CPU "
+    "(auto: gguf for a GGUF model, e.g. 'default', on CPU when --dtype is auto)",
     "max_running_requests": "most requests decoding at once",
     "kv_cache_tokens": "KV cache size in tokens (all requests together)",
     "max_context_len": "most tokens per request, prompt + output (default: the model's limit)",

@@ -129,6 +129,7 @@ class ServerArgs:
     device: str = "auto"  # auto | cpu | cuda
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     load_format: str = "auto"  # auto | dummy (random weights, for benchmarks)
+    quantization: str = "auto"  # auto | none | gguf (the GGUF's own 4/8-bit weights, CPU)
     max_running_requests: int = 32
     kv_cache_tokens: int = 16384
     max_context_len: int | None = None  # default: the model's max_position_embeddings, capped

@@ -78,17 +78,21 @@ def padded_attention(
     v_buffer: torch.Tensor,
     md: PaddedAttnMetadata,
     sm_scale: float,
+    compute_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
+    """compute_dtype (default q.dtype): float64 makes a query's result independent, up to
+    rounding to q.dtype, of the padded shape it was computed in (see TorchAttnBackend)."""
     bs, max_q = md.q_gather.shape
     num_heads, kv_heads = q.shape[1], k_buffer.shape[1]
-    qp = q[md.q_gather].transpose(1, 2)  # [bs, H, max_q, D]
-    k = k_buffer[md.kv_indices].transpose(1, 2).to(q.dtype)  # [bs, Hkv, max_kv, D]
-    v = v_buffer[md.kv_indices].transpose(1, 2).to(q.dtype)
+    cd = compute_dtype or q.dtype
+    qp = q[md.q_gather].transpose(1, 2).to(cd)  # [bs, H, max_q, D]
+    k = k_buffer[md.kv_indices].transpose(1, 2).to(cd)  # [bs, Hkv, max_kv, D]
+    v = v_buffer[md.kv_indices].transpose(1, 2).to(cd)
     # GQA inside SDPA: no copy of K/V per query head.
     out = F.scaled_dot_product_attention(
         qp, k, v, attn_mask=md.mask, scale=sm_scale, enable_gqa=kv_heads != num_heads
     )
-    return out.transpose(1, 2)[md.q_valid]  # [T, H, D]
+    return out.transpose(1, 2)[md.q_valid].to(q.dtype)  # [T, H, D]
 
 
 def extend_attention_ref(

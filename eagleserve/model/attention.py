@@ -23,11 +23,21 @@ class AttentionBackend(Protocol):
 
 
 class TorchAttnBackend:
-    """Padded-batch SDPA over gathered K/V; exact and fast enough on CPU."""
+    """Padded-batch SDPA over gathered K/V; exact and fast enough on CPU.
 
-    def __init__(self, req_to_token: torch.Tensor, sm_scale: float) -> None:
+    A query's fp32 result depends in its last bits on the padded shape (decode: 1 query, verify:
+    n, other requests' lengths). When the linears round their inputs to bf16 (packed GGUF
+    weights), such a bit can flip a rounding and so a greedy token: speculative output would
+    then differ from target-only output. compute_dtype=float64 removes that: the fp64 results
+    differ by ~1e-16, which rounding back to fp32 erases.
+    """
+
+    def __init__(
+        self, req_to_token: torch.Tensor, sm_scale: float, compute_dtype: torch.dtype | None = None
+    ) -> None:
         self.req_to_token = req_to_token
         self.sm_scale = sm_scale
+        self.compute_dtype = compute_dtype
 
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         fb.attn_metadata = build_padded_metadata(
@@ -46,17 +56,29 @@ class TorchAttnBackend:
         pool = fb.kv_pool
         pool.set_kv(layer_id, fb.out_cache_loc, k, v)
         return padded_attention(
-            q, pool.k_buffer[layer_id], pool.v_buffer[layer_id], fb.attn_metadata, self.sm_scale
+            q,
+            pool.k_buffer[layer_id],
+            pool.v_buffer[layer_id],
+            fb.attn_metadata,
+            self.sm_scale,
+            self.compute_dtype,
         )
 
 
 def create_attn_backend(
-    name: str, device: torch.device, req_to_token: torch.Tensor, sm_scale: float
+    name: str,
+    device: torch.device,
+    req_to_token: torch.Tensor,
+    sm_scale: float,
+    shape_invariant: bool = False,
 ) -> AttentionBackend:
+    """shape_invariant: results must not depend on the batch's padded shape (torch: fp64)."""
     if name == "auto":
         name = "torch" if device.type == "cpu" else "triton"
     if name == "torch":
-        return TorchAttnBackend(req_to_token, sm_scale)
+        return TorchAttnBackend(req_to_token, sm_scale, torch.float64 if shape_invariant else None)
+    if shape_invariant:
+        raise ValueError(f"the {name} attention backend cannot guarantee shape invariance")
     if name == "triton":
         from eagleserve.model.triton_backend import TritonAttnBackend
 

@@ -42,6 +42,15 @@ def default_gguf_path() -> str:
     return path
 
 
+def gguf_source(model: str) -> str | None:
+    """The GGUF file a `--model` value comes from ('default' or a .gguf path), else None."""
+    if model == "default":
+        return default_gguf_path()
+    if model.endswith(".gguf"):
+        return os.path.abspath(model)
+    return None
+
+
 def convert_gguf(gguf_path: str, out_dir: str) -> str:
     """De-quantizes a GGUF once into an HF folder (safetensors + config + tokenizer)."""
     from safetensors.torch import save_file

@@ -23,6 +23,9 @@ from torch import nn
 
 from eagleserve.model.gguf_weights import BLOCK, QuantTensor, iter_gguf
 from eagleserve.model.llama import LlamaForCausalLM
+from eagleserve.model.loader import gguf_source
+
+QUANTIZATIONS = ("auto", "none", "gguf")
 
 logger = logging.getLogger(__name__)
 
@@ -232,3 +235,26 @@ def quantize_model_from_gguf(
     if tied and isinstance(getattr(model, "lm_head", None), PackedLinear):
         model.compute_logits = types.MethodType(_packed_compute_logits, model)  # type: ignore
     logger.info("packed GGUF linears: %s", counts)
+
+
+def packed_gguf_path(quantization: str, model: str, dtype: str, device: torch.device) -> str | None:
+    """The GGUF whose packed weights the target runs with, or None for plain fp weights.
+
+    "gguf" insists (a GGUF model on CPU); "auto" picks it for a GGUF model on CPU unless a
+    dtype was asked for, since that is the model the GGUF describes, at 1/4-1/8 of the bytes.
+    """
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"unknown quantization {quantization!r}: {' | '.join(QUANTIZATIONS)}")
+    if quantization == "none":
+        return None
+    source = gguf_source(model)
+    if quantization == "auto":
+        native = source is not None and device.type == "cpu" and dtype == "auto"
+        return source if native else None
+    if source is None:
+        raise ValueError("--quantization gguf needs a .gguf model (or 'default')")
+    if device.type != "cpu":
+        raise ValueError("--quantization gguf runs on CPU only (use --quantization none)")
+    if dtype not in ("auto", "float32"):
+        raise ValueError("--quantization gguf keeps activations in float32: use --dtype auto")
+    return source

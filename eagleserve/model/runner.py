@@ -55,6 +55,7 @@ class ModelRunner:
         attention_backend: str = "auto",
         aux_layer_ids: tuple[int, ...] = (),
         load_format: str = "auto",
+        gguf_path: str | None = None,
     ) -> None:
         self.config = model_config
         self.device = device
@@ -69,6 +70,11 @@ class ModelRunner:
             init_dummy_weights(model)
         elif model_path is not None:
             load_weights(model, model_path, desc="target weights")
+            if gguf_path is not None:
+                # Linears whose GGUF tensors are Q4_0/Q4_1/Q8_0 run packed (model/quant.py).
+                from eagleserve.model.quant import quantize_model_from_gguf
+
+                quantize_model_from_gguf(model, gguf_path)
         self.model = model.eval()
         self.req_to_token_pool = ReqToTokenPool(max_running_requests, max_context_len, device)
         self.token_to_kv_pool = TokenToKVPool(
@@ -84,6 +90,7 @@ class ModelRunner:
             device,
             self.req_to_token_pool.req_to_token,
             model_config.head_dim**-0.5,
+            shape_invariant=gguf_path is not None,
         )
 
         self.graphs: dict[tuple[str, int], GraphedForward] = {}

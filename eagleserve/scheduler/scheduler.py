@@ -15,6 +15,7 @@ from eagleserve.device import pick_device
 from eagleserve.messages import EngineStats, GenerateReqInput, TokenOutput
 from eagleserve.model.cuda_graph import graphs_supported
 from eagleserve.model.loader import resolve_model_path
+from eagleserve.model.quant import packed_gguf_path
 from eagleserve.model.runner import ModelRunner, resolve_dtype
 from eagleserve.scheduler.future_map import FutureMap
 from eagleserve.scheduler.output_processor import (
@@ -56,6 +57,7 @@ class Scheduler:
         # Speculation writes up to alloc_len positions past the committed length per step.
         self.alloc_len = self.spec_config.alloc_len_per_decode if self.spec_config else 1
         dtype = resolve_dtype(args.dtype, self.device)
+        self.gguf_path = packed_gguf_path(args.quantization, args.model, args.dtype, self.device)
         if self.spec_config is None:
             runner = ModelRunner(
                 cfg,
@@ -67,6 +69,7 @@ class Scheduler:
                 self.max_context_len + 2 * self.alloc_len,
                 args.attention_backend,
                 load_format=args.load_format,
+                gguf_path=self.gguf_path,
             )
             if graphs_supported(self.device, args.disable_cuda_graph, runner.attn_backend):
                 runner.capture_graphs(
@@ -84,6 +87,7 @@ class Scheduler:
                 dtype,
                 args,
                 self.max_context_len + 2 * self.alloc_len,
+                gguf_path=self.gguf_path,
             )
         self.req_to_token_pool = self.worker.req_to_token_pool
         self.kv_pool = self.worker.token_to_kv_pool

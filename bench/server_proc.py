@@ -1,0 +1,129 @@
+"""The server process the load test and the reliability tests drive: `eagleserve serve` on
+127.0.0.1 (flags from bench/load.py's arguments), its /metrics samples, waiting until it is idle.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import select
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+
+HOST = "127.0.0.1"  # all traffic stays on the loopback interface
+
+
+def server_flags(args: argparse.Namespace) -> list[str]:
+    """`eagleserve serve` flags for bench/load.py's parsed arguments (model, KV pool, EAGLE)."""
+    flags = [
+        "--model",
+        args.model,
+        "--dtype",
+        args.dtype,
+        "--device",
+        "cpu",
+        "--kv-cache-tokens",
+        str(args.kv_cache_tokens),
+        "--max-running-requests",
+        str(args.max_running_requests),
+    ]
+    if args.spec:
+        flags += [
+            "--speculative-algorithm",
+            "EAGLE",
+            "--speculative-draft-model-path",
+            args.draft,
+            "--speculative-num-steps",
+            "3",
+            "--speculative-eagle-topk",
+            "1",
+            "--speculative-num-draft-tokens",
+            "4",
+        ]
+    if args.disable_overlap_schedule:
+        flags.append("--disable-overlap-schedule")
+    return flags
+
+
+class Server:
+    """`eagleserve serve` on 127.0.0.1 and a free port; `stop()` sends SIGTERM."""
+
+    def __init__(self, flags: list[str], env: dict[str, str] | None = None) -> None:
+        cmd = [
+            sys.executable,
+            "-m",
+            "eagleserve",
+            "serve",
+            "--host",
+            HOST,
+            "--port",
+            "0",
+            "--log-level",
+            "warning",
+            *flags,
+        ]
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="eagleserve-load-", suffix=".log")
+        self.proc = subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            text=True,
+            env={**os.environ, **(env or {})},
+        )
+        self.url = self._wait_ready(300.0)
+
+    def _wait_ready(self, timeout: float) -> str:
+        assert self.proc.stdout is not None
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            if select.select([self.proc.stdout], [], [], 1.0)[0]:
+                line = self.proc.stdout.readline()
+                if line.startswith("eagleserve ready: "):
+                    return line.split()[2]
+        self.stop()
+        raise RuntimeError(f"server did not start:\n{self.log_tail()}")
+
+    def log_tail(self, n: int = 4000) -> str:
+        self.log.seek(0)
+        return self.log.read()[-n:]
+
+    def stop(self, timeout: float = 30.0) -> int | None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+def read_metrics(url: str) -> dict[str, float]:
+    """Unlabelled eagleserve_* samples of /metrics (labelled ones summed by name)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=30).text):
+        for s in fam.samples:
+            out[s.name] = out.get(s.name, 0.0) + s.value
+    return out
+
+
+def wait_idle(url: str, timeout: float = 60.0) -> dict[str, float]:
+    """Polls /metrics until nothing runs, waits or holds KV (or the timeout); returns the last."""
+    deadline = time.monotonic() + timeout
+    while True:
+        m = read_metrics(url)
+        busy = (
+            m.get("eagleserve_kv_used_tokens", 0)
+            + m.get("eagleserve_num_requests_running", 0)
+            + m.get("eagleserve_num_requests_waiting", 0)
+        )
+        if busy == 0 or time.monotonic() > deadline:
+            return m
+        time.sleep(0.25)
