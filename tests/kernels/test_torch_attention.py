@@ -32,8 +32,8 @@ def test_fp64_decode_equals_verify_bitwise(seed: int) -> None:
     q = torch.randn(n, h, d, generator=gen)  # the n new tokens of request 1
     scale = d**-0.5
     # verify: all n queries of request 1 in one causal forward, next to request 2's decode
-    md = build_padded_metadata(req_to_token, torch.tensor([1, 2]), torch.tensor([prefix, other - 1]),
-                               torch.tensor([n, 1]))  # fmt: skip
+    prefix_lens = torch.tensor([prefix, other - 1])
+    md = build_padded_metadata(req_to_token, torch.tensor([1, 2]), prefix_lens, torch.tensor([n, 1]))
     q_other = torch.randn(1, h, d, generator=gen)
     verify = padded_attention(torch.cat([q, q_other]), k, v, md, scale, torch.float64)[:n]
     for i in range(n):  # decode: query i alone, seeing prefix + i + 1 keys
