@@ -33,7 +33,8 @@ def test_fp64_decode_equals_verify_bitwise(seed: int) -> None:
     scale = d**-0.5
     # verify: all n queries of request 1 in one causal forward, next to request 2's decode
     prefix_lens = torch.tensor([prefix, other - 1])
-    md = build_padded_metadata(req_to_token, torch.tensor([1, 2]), prefix_lens, torch.tensor([n, 1]))
+    extend_lens = torch.tensor([n, 1])
+    md = build_padded_metadata(req_to_token, torch.tensor([1, 2]), prefix_lens, extend_lens)
     q_other = torch.randn(1, h, d, generator=gen)
     verify = padded_attention(torch.cat([q, q_other]), k, v, md, scale, torch.float64)[:n]
     for i in range(n):  # decode: query i alone, seeing prefix + i + 1 keys
