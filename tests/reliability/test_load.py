@@ -28,7 +28,8 @@ def test_load_bench_with_spec(tiny_dirs: tuple[str, str], tmp_path: os.PathLike)
     target, head = tiny_dirs
     out = os.path.join(tmp_path, "load.json")
     cmd = [sys.executable, os.path.join(REPO, "bench", "load.py"), "--model", target,
-           "--dtype", "float32", "--spec", "--draft", head, "--clients", "16", "--duration", "20",
+           "--dtype", "float32", "--spec", "--algorithm", "EAGLE", "--draft", head,
+           "--clients", "16", "--duration", "20",
            "--kv-cache-tokens", str(SMALL_KV), "--max-running-requests", "16", "--max-tokens",
            "16", "--long-max-tokens", "48", "--long-repeats", "1,2", "--out", out]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
