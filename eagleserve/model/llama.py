@@ -95,15 +95,22 @@ class LlamaAttention(nn.Module):
         self.k_proj = nn.Linear(in_size, cfg.kv_size, bias=bias)
         self.v_proj = nn.Linear(in_size, cfg.kv_size, bias=bias)
         self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=False)
+        # Set by model/quant.py when packed GGUF weights fuse q/k/v into one matmul.
+        self.qkv_proj: nn.Module | None = None
+        self.qkv_sizes = [cfg.q_size, cfg.kv_size, cfg.kv_size]
 
     def forward(
         self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding
     ) -> torch.Tensor:
         fb = get_forward_batch()
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        if self.qkv_proj is not None:
+            q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
         q, k = rotary(positions, q, k)
         out = fb.attn_backend.forward(q, k, v, self.layer_id, fb)  # [T, H, D]
         return self.o_proj(out.reshape(t, -1))
@@ -115,9 +122,14 @@ class LlamaMLP(nn.Module):
         self.gate_proj = nn.Linear(hidden, inter, bias=False)
         self.up_proj = nn.Linear(hidden, inter, bias=False)
         self.down_proj = nn.Linear(inter, hidden, bias=False)
+        self.gate_up_proj: nn.Module | None = None  # fused gate/up (model/quant.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class LlamaDecoderLayer(nn.Module):

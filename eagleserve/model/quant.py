@@ -186,6 +186,56 @@ def pack_quant(
     return Int4Linear.from_quant(t, bias, compute_dtype=compute_dtype)
 
 
+# Projections reading the same input: one packed matmul instead of three (two) saves the int4
+# kernel's fixed cost per call (measured per layer at batch 1: 546 -> 453 us).
+FUSED_GROUPS = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+}
+FUSED_MEMBERS = {m for members in FUSED_GROUPS.values() for m in members}
+
+
+def _set_module(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent_name, _, attr = name.rpartition(".")
+    setattr(model.get_submodule(parent_name) if parent_name else model, attr, module)
+
+
+def _fuse_siblings(
+    model: nn.Module,
+    pending: dict[str, tuple[QuantTensor, torch.Tensor | None]],
+    compute_dtype: torch.dtype,
+) -> dict[str, tuple[QuantTensor, torch.Tensor | None]]:
+    """Packs each complete same-type group of `pending` as one fused module (rows stacked in
+    member order); returns what could not be fused, to be packed one by one."""
+    left = dict(pending)
+    parents = {name.rpartition(".")[0] for name in pending}
+    for parent in sorted(parents):
+        for fused, members in FUSED_GROUPS.items():
+            names = [f"{parent}.{m}" for m in members]
+            parts = [pending.get(n) for n in names]
+            if any(p is None for p in parts):
+                continue
+            if len({p[0].qtype for p in parts}) != 1:  # type: ignore[index]
+                continue
+            values = [p[0] for p in parts]  # type: ignore[index]
+            biases = [p[1] for p in parts]  # type: ignore[index]
+            if any(b is None for b in biases) and not all(b is None for b in biases):
+                continue
+            qt = values[0].qtype
+            cat = QuantTensor(
+                qt,
+                torch.cat([v.q for v in values]),
+                torch.cat([v.d for v in values]),
+                None if qt != "Q4_1" else torch.cat([v.m for v in values]),  # type: ignore[misc]
+            )
+            bias = None if biases[0] is None else torch.cat(biases)  # type: ignore[arg-type]
+            _set_module(model, f"{parent}.{fused}", pack_quant(cat, bias, compute_dtype))
+            for m in members:  # gone, so that nothing can call the unfused weights by mistake
+                delattr(model.get_submodule(parent), m)
+                del left[f"{parent}.{m}"]
+    return left
+
+
 def _packed_compute_logits(self: LlamaForCausalLM, hidden: torch.Tensor) -> torch.Tensor:
     return self.lm_head(hidden).float()
 
@@ -211,6 +261,7 @@ def quantize_model_from_gguf(
     modules = dict(model.named_modules())
     tied = cfg.tie_word_embeddings
     counts: dict[str, int] = {}
+    pending: dict[str, tuple[QuantTensor, torch.Tensor | None]] = {}
     for name, value in iter_gguf(gguf_path, cfg.num_attention_heads, cfg.num_key_value_heads):
         if not isinstance(value, QuantTensor):
             continue
@@ -228,9 +279,14 @@ def quantize_model_from_gguf(
         if dev.type != "cpu":
             raise ValueError("packed GGUF linears run on CPU only")
         bias = None if old is None else old.bias
-        packed = pack_quant(value, None if bias is None else bias.detach(), compute_dtype, q8_0)
-        parent_name, _, attr = mod_name.rpartition(".")
-        setattr(model.get_submodule(parent_name) if parent_name else model, attr, packed)
+        bias = None if bias is None else bias.detach()
+        if value.qtype in ("Q4_0", "Q4_1") and mod_name.rsplit(".", 1)[-1] in FUSED_MEMBERS:
+            pending[mod_name] = (value, bias)  # packed below, fused with its siblings
+            continue
+        _set_module(model, mod_name, pack_quant(value, bias, compute_dtype, q8_0))
+        counts[value.qtype] = counts.get(value.qtype, 0) + 1
+    for mod_name, (value, bias) in _fuse_siblings(model, pending, compute_dtype).items():
+        _set_module(model, mod_name, pack_quant(value, bias, compute_dtype, q8_0))
         counts[value.qtype] = counts.get(value.qtype, 0) + 1
     if tied and isinstance(getattr(model, "lm_head", None), PackedLinear):
         model.compute_logits = types.MethodType(_packed_compute_logits, model)  # type: ignore

@@ -155,14 +155,17 @@ def test_smollm2_quantized_close_to_fp32(smollm2_dir: str) -> None:
     fp = {k: v.clone() for k, v in runner.model.state_dict().items() if k.endswith("proj.weight")}
     quantize_model_from_gguf(runner.model, default_gguf_path())
     mods = dict(runner.model.named_modules())
-    assert isinstance(mods["model.layers.0.self_attn.q_proj"], Int4Linear)
+    assert isinstance(mods["model.layers.0.self_attn.qkv_proj"], Int4Linear)  # fused q/k/v
+    assert "model.layers.0.self_attn.q_proj" not in mods  # nothing can call the unfused weight
     assert isinstance(mods["lm_head"], BF16Linear)  # token_embd is Q8_0, tied; q8_0="bf16"
-    for name in (
-        "model.layers.0.self_attn.q_proj",
-        "model.layers.7.self_attn.k_proj",
-        "model.layers.29.mlp.down_proj",
-    ):
-        assert torch.equal(mods[name].dequantize(), fp[name + ".weight"]), name
+    attn, mlp = "model.layers.7.self_attn", "model.layers.29.mlp"
+    expect = {
+        f"{attn}.qkv_proj": torch.cat([fp[f"{attn}.{p}_proj.weight"] for p in "qkv"]),
+        f"{mlp}.gate_up_proj": torch.cat([fp[f"{mlp}.{p}_proj.weight"] for p in ("gate", "up")]),
+        f"{mlp}.down_proj": fp[f"{mlp}.down_proj.weight"],
+    }
+    for name, weight in expect.items():
+        assert torch.equal(mods[name].dequantize(), weight), name
     out = _prefill_logits(runner, ids)
     # Observed on SmolLM2-135M (bf16 activations/scales, bf16 lm_head): max |diff| 0.64-0.93,
     # mean ~0.08, logits up to ~40; argmax agreed at every position of 3 prompts.
