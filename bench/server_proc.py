@@ -103,6 +103,10 @@ class Server:
         return self.proc.returncode
 
 
+# What a server still holds: all zero once every request is finished and its KV freed.
+BUSY_GAUGES = ("kv_used_tokens", "num_requests_running", "num_requests_waiting")
+
+
 def read_metrics(url: str) -> dict[str, float]:
     """Unlabelled eagleserve_* samples of /metrics (labelled ones summed by name)."""
     from prometheus_client.parser import text_string_to_metric_families
@@ -119,11 +123,7 @@ def wait_idle(url: str, timeout: float = 60.0) -> dict[str, float]:
     deadline = time.monotonic() + timeout
     while True:
         m = read_metrics(url)
-        busy = (
-            m.get("eagleserve_kv_used_tokens", 0)
-            + m.get("eagleserve_num_requests_running", 0)
-            + m.get("eagleserve_num_requests_waiting", 0)
-        )
+        busy = sum(m.get(f"eagleserve_{k}", 0) for k in BUSY_GAUGES)
         if busy == 0 or time.monotonic() > deadline:
             return m
         time.sleep(0.25)

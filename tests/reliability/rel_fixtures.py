@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -24,7 +23,7 @@ if REPO not in sys.path:
 
 from conftest import save_tiny_model  # noqa: E402
 
-from bench.server_proc import Server, read_metrics  # noqa: E402
+from bench.server_proc import BUSY_GAUGES, Server, read_metrics, wait_idle  # noqa: E402
 
 # Chat template of the tiny char-level tokenizer (one character per token).
 CHAT_TEMPLATE = (
@@ -115,19 +114,10 @@ def metric(url: str, name: str) -> float:
 
 def wait_kv_free(url: str, timeout: float = 30.0) -> dict[str, float]:
     """Waits until no KV slot is used and nothing runs or waits; fails after `timeout`."""
-    deadline = time.monotonic() + timeout
-    while True:
-        m = read_metrics(url)
-        busy = (
-            m.get("eagleserve_kv_used_tokens", 0)
-            + m.get("eagleserve_num_requests_running", 0)
-            + m.get("eagleserve_num_requests_waiting", 0)
-        )
-        if busy == 0:
-            return m
-        if time.monotonic() > deadline:
-            raise AssertionError(f"KV not freed: {m.get('eagleserve_kv_used_tokens')} in use")
-        time.sleep(0.2)
+    m = wait_idle(url, timeout)
+    busy = sum(m.get(f"eagleserve_{k}", 0) for k in BUSY_GAUGES)
+    assert busy == 0, f"KV not freed: {m.get('eagleserve_kv_used_tokens')} in use"
+    return m
 
 
 def completion(url: str, prompt: Any, max_tokens: int, **kw: Any) -> httpx.Response:
