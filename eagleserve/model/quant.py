@@ -236,6 +236,20 @@ def _fuse_siblings(
     return left
 
 
+@torch.no_grad()
+def linears_to_bf16(module: nn.Module) -> int:
+    """Replaces every nn.Linear below `module` by a BF16Linear (in place); returns how many.
+
+    For the draft head next to a packed target: its weights are stored in bf16 anyway, and the
+    draft's numerics do not affect the output (verify decides), only its speed."""
+    names = [n for n, m in module.named_modules() if isinstance(m, nn.Linear)]
+    for name in names:
+        old = module.get_submodule(name)
+        bias = None if old.bias is None else old.bias.detach()
+        _set_module(module, name, BF16Linear(old.weight.detach(), bias))
+    return len(names)
+
+
 def _packed_compute_logits(self: LlamaForCausalLM, hidden: torch.Tensor) -> torch.Tensor:
     return self.lm_head(hidden).float()
 
@@ -285,7 +299,10 @@ def quantize_model_from_gguf(
             continue
         _set_module(model, mod_name, pack_quant(value, bias, compute_dtype, q8_0))
         counts[value.qtype] = counts.get(value.qtype, 0) + 1
-    for mod_name, (value, bias) in _fuse_siblings(model, pending, compute_dtype).items():
+    unfused = _fuse_siblings(model, pending, compute_dtype)
+    if len(unfused) < len(pending):
+        counts["fused from Q4"] = len(pending) - len(unfused)
+    for mod_name, (value, bias) in unfused.items():
         _set_module(model, mod_name, pack_quant(value, bias, compute_dtype, q8_0))
         counts[value.qtype] = counts.get(value.qtype, 0) + 1
     if tied and isinstance(getattr(model, "lm_head", None), PackedLinear):

@@ -15,7 +15,6 @@ import dataclasses
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from eagleserve.config import ModelConfig
@@ -170,7 +169,7 @@ class EagleHead(nn.Module):
         attn_in = torch.cat((m.input_layernorm(emb), m.hidden_norm(g)), dim=-1)  # [T, 2h]
         x = g + m.self_attn(attn_in, positions, self.rotary_emb)
         out = x + m.mlp(m.post_attention_layernorm(x))
-        logits = F.linear(self.norm(out), self.lm_head.weight).float()
+        logits = self.lm_head(self.norm(out)).float()
         return logits, out  # next_features are pre-norm
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
