@@ -237,8 +237,8 @@ def _fuse_siblings(
 
 
 @torch.no_grad()
-def linears_to_bf16(module: nn.Module) -> int:
-    """Replaces every nn.Linear below `module` by a BF16Linear (in place); returns how many.
+def linears_to_bf16(module: nn.Module) -> None:
+    """Replaces every nn.Linear below `module` by a BF16Linear (in place).
 
     For the draft head next to a packed target: its weights are stored in bf16 anyway, and the
     draft's numerics do not affect the output (verify decides), only its speed."""
@@ -247,7 +247,6 @@ def linears_to_bf16(module: nn.Module) -> int:
         old = module.get_submodule(name)
         bias = None if old.bias is None else old.bias.detach()
         _set_module(module, name, BF16Linear(old.weight.detach(), bias))
-    return len(names)
 
 
 def _packed_compute_logits(self: LlamaForCausalLM, hidden: torch.Tensor) -> torch.Tensor:

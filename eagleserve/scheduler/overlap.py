@@ -76,9 +76,9 @@ class OverlapForwarder:
                 batch.spec_info = EagleDraftInput(
                     extras.topk_p, extras.topk_index, extras.hidden_states
                 )
-            if self.is_spec:
-                # The lengths it starts from: what a failed forward leaves for the next one.
-                start_seq_lens = batch.seq_lens.clone()
+            # The lengths it starts from: what a failed forward leaves for the next one. No copy:
+            # workers assign new seq_lens tensors, never write into this one.
+            start_seq_lens = batch.seq_lens
             if not self.is_spec:
                 result = self.worker.forward_batch_generation(batch)
                 fm.stash(fi, result.next_token_ids)
