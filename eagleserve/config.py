@@ -141,7 +141,8 @@ class ServerArgs:
     speculative_num_steps: int = 3
     speculative_eagle_topk: int = 1
     speculative_num_draft_tokens: int = 4
-    disable_overlap_schedule: bool = False
+    # None: decided by the device (see overlap_schedule); True/False force it off/on.
+    disable_overlap_schedule: bool | None = None
     attention_backend: str = "auto"  # auto | torch | triton
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int = 32
@@ -161,6 +162,14 @@ class ServerArgs:
             eagle_topk=self.speculative_eagle_topk,
             num_draft_tokens=self.speculative_num_draft_tokens,
         )
+
+    def overlap_schedule(self, device_type: str) -> bool:
+        """Whether the overlap scheduler runs. By default not on a CPU: there the scheduler thread
+        competes with the forward's OpenMP threads for the same cores (SmolLM2 int4, batch 1,
+        2 cores: 26 tok/s with overlap, 38 without; bench/overlap_cpu.py has batch 16)."""
+        if self.disable_overlap_schedule is None:
+            return device_type != "cpu"
+        return not self.disable_overlap_schedule
 
     @classmethod
     def field_names(cls) -> list[str]:

@@ -100,7 +100,7 @@ class Scheduler:
         self.running_batch: ScheduleBatch | None = None
         self.pending_outputs: list[TokenOutput] = []
         # Overlap: the batch whose forward is in flight, and requests whose slots must outlive it.
-        self.enable_overlap = not args.disable_overlap_schedule
+        self.enable_overlap = args.overlap_schedule(self.device.type)
         self.forwarder: OverlapForwarder | None = None
         self.future_map: FutureMap | None = None
         if self.enable_overlap:

@@ -81,7 +81,7 @@ class EagleWorker:
         )
         # The overlap scheduler prepares N+1 before it knows N's accept lengths: 2x covers the
         # one-iteration lag of the host's committed length.
-        overlap = not args.disable_overlap_schedule
+        overlap = args.overlap_schedule(device.type)
         self.decode_slots_per_req = spec.alloc_len_per_decode * (2 if overlap else 1)
         self.draft_graph: GraphedForward | None = None
         if graphs_supported(device, args.disable_cuda_graph, self.target.attn_backend):

@@ -50,7 +50,7 @@ def test_flags_map_one_to_one(monkeypatch: pytest.MonkeyPatch) -> None:
         flag = "--" + f.name.replace("_", "-")
         value = getattr(defaults, f.name)
         kind = str(f.type)
-        if kind == "bool":
+        if kind.startswith("bool"):
             argv.append(flag if not value else "--no-" + flag[2:])
             expected[f.name] = not value
         elif kind.startswith("int"):

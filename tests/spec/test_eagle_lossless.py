@@ -139,7 +139,8 @@ def reference(target_dir: str) -> list[list[int]]:
 
 
 def test_overlap_target_only_matches(target_dir: str, reference: list[list[int]]) -> None:
-    eng = Engine(model=target_dir, device="cpu", kv_cache_tokens=2048, max_running_requests=8)
+    eng = Engine(model=target_dir, device="cpu", kv_cache_tokens=2048, max_running_requests=8,
+                 disable_overlap_schedule=False)  # fmt: skip
     assert eng.scheduler.enable_overlap
     assert run_staggered(eng, _prompts(0), _params()) == reference
 

@@ -2,7 +2,8 @@
 
 The head is built for the test: a random EAGLE-1 head whose fc passes the embedding of the newest
 token through, so it proposes what the target's lm_head says after that token alone (some drafts
-get accepted, many are rejected). Mixed-length prompts, chain and tree, overlap on.
+get accepted, many are rejected). Mixed-length prompts, chain and tree, the
+CPU default scheduling (no overlap; the tiny-model tests cover overlap).
 """
 
 from __future__ import annotations
