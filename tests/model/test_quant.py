@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from eagleserve.model.gguf_weights import QuantTensor, unpack_blocks
-from eagleserve.model.quant import BF16Linear, Int4Linear, Int8Linear, pack_quant
+from eagleserve.model.quant import BF16Linear, Int4Linear, Int8Linear, Q8Int4Linear, pack_quant
 
 gguf = pytest.importorskip("gguf")
 
@@ -70,17 +70,17 @@ def test_unpack_matches_gguf_dequantize(qtype: str) -> None:
     assert torch.equal(t.dequantize(), gguf_reference(raw, qtype, n, k))
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
 @pytest.mark.parametrize("shape", SHAPES[:4])
 def test_int4_mapping_is_bit_exact(qtype: str, shape: tuple[int, int]) -> None:
     n, k = shape
     raw = random_blocks(qtype, n, k, seed=n + k)
-    lin = pack_quant(unpack_blocks(raw, qtype, n, k))
-    assert isinstance(lin, Int4Linear)
+    lin = pack_quant(unpack_blocks(raw, qtype, n, k))  # Q8_0: two int4 halves (q8_0="int4x2")
+    assert isinstance(lin, Q8Int4Linear if qtype == "Q8_0" else Int4Linear)
     assert torch.equal(lin.dequantize(), gguf_reference(raw, qtype, n, k))
 
 
-@pytest.mark.parametrize("mode", ["Q4_0", "Q4_1", "Q8_0:int8", "Q8_0:bf16"])
+@pytest.mark.parametrize("mode", ["Q4_0", "Q4_1", "Q8_0:int8", "Q8_0:bf16", "Q8_0:int4x2"])
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("m", [1, 5])
 def test_packed_linear_close_to_fp32(mode: str, shape: tuple[int, int], m: int) -> None:
@@ -90,7 +90,7 @@ def test_packed_linear_close_to_fp32(mode: str, shape: tuple[int, int], m: int) 
     w = gguf_reference(raw, qtype, n, k)
     t = unpack_blocks(raw, qtype, n, k)
     lin = pack_quant(t, q8_0=q8_0 or "int8")
-    kind = {"int8": Int8Linear, "bf16": BF16Linear}.get(q8_0, Int4Linear)
+    kind = {"int8": Int8Linear, "bf16": BF16Linear, "int4x2": Q8Int4Linear}.get(q8_0, Int4Linear)
     assert isinstance(lin, kind)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(k))
     ref = x @ w.t()
@@ -102,7 +102,7 @@ def test_packed_linear_close_to_fp32(mode: str, shape: tuple[int, int], m: int) 
         tol = tol + (x.abs().sum(-1, keepdim=True) * w.abs().amax(1) / 254)
     assert bool(((y - ref).abs() <= tol).all()), float(((y - ref).abs() / tol).max())
     assert lin(x.view(m, 1, k)).shape == (m, 1, n)  # any leading dims
-    if kind is Int4Linear:
+    if issubclass(kind, Int4Linear):
         # fp32 compute: exact weights, only the fp32 summation order differs.
         lin.compute_dtype = torch.float32
         err = 1e-5 * (x.abs() @ w.abs().t()) + 1e-6
@@ -157,13 +157,14 @@ def test_smollm2_quantized_close_to_fp32(smollm2_dir: str) -> None:
     mods = dict(runner.model.named_modules())
     assert isinstance(mods["model.layers.0.self_attn.qkv_proj"], Int4Linear)  # fused q/k/v
     assert "model.layers.0.self_attn.q_proj" not in mods  # nothing can call the unfused weight
-    assert isinstance(mods["lm_head"], BF16Linear)  # token_embd is Q8_0, tied; q8_0="bf16"
+    assert isinstance(mods["lm_head"], Q8Int4Linear)  # token_embd is Q8_0, tied; q8_0="int4x2"
     attn, mlp = "model.layers.7.self_attn", "model.layers.29.mlp"
     expect = {
         f"{attn}.qkv_proj": torch.cat([fp[f"{attn}.{p}_proj.weight"] for p in "qkv"]),
         f"{mlp}.gate_up_proj": torch.cat([fp[f"{mlp}.{p}_proj.weight"] for p in ("gate", "up")]),
         f"{mlp}.down_proj": fp[f"{mlp}.down_proj.weight"],
     }
+    expect["lm_head"] = runner.model.model.embed_tokens.weight  # the Q8_0 table, de-quantized
     for name, weight in expect.items():
         assert torch.equal(mods[name].dequantize(), weight), name
     out = _prefill_logits(runner, ids)
