@@ -25,6 +25,9 @@ class PaddedAttnMetadata:
     q_gather: torch.Tensor  # [bs, max_q] row of the flattened queries (padding -> 0)
     q_valid: torch.Tensor  # [bs, max_q] bool
     mask: torch.Tensor  # [bs, 1, max_q, max_kv] bool, True = may attend
+    # Every request has max_q queries (decode, verify, draft steps): the flattened queries are
+    # already [bs, max_q] row-major, so no gather is needed going in or out.
+    uniform_q: bool = False
 
 
 def build_padded_metadata(
@@ -69,7 +72,8 @@ def build_padded_metadata(
         mask = kv_valid[:, None, :] & (in_prefix | tm)  # [bs, max_q, max_kv]
     # Padded query rows attend to slot 0 only, so softmax never sees an all-False row.
     mask = mask | (~q_valid[:, :, None] & (kv_pos[None, None, :] == 0))
-    return PaddedAttnMetadata(kv_indices, q_gather, q_valid, mask[:, None])
+    uniform_q = bool((extend_lens == max_q).all())
+    return PaddedAttnMetadata(kv_indices, q_gather, q_valid, mask[:, None], uniform_q)
 
 
 def padded_attention(
@@ -83,16 +87,21 @@ def padded_attention(
     """compute_dtype (default q.dtype): float64 makes a query's result independent, up to
     rounding to q.dtype, of the padded shape it was computed in (see TorchAttnBackend)."""
     bs, max_q = md.q_gather.shape
-    num_heads, kv_heads = q.shape[1], k_buffer.shape[1]
+    num_heads, kv_heads, head_dim = q.shape[1], k_buffer.shape[1], q.shape[2]
     cd = compute_dtype or q.dtype
-    qp = q[md.q_gather].transpose(1, 2).to(cd)  # [bs, H, max_q, D]
-    k = k_buffer[md.kv_indices].transpose(1, 2).to(cd)  # [bs, Hkv, max_kv, D]
-    v = v_buffer[md.kv_indices].transpose(1, 2).to(cd)
-    # GQA inside SDPA: no copy of K/V per query head.
+    qp = q.view(bs, max_q, num_heads, head_dim) if md.uniform_q else q[md.q_gather]
+    qp = qp.transpose(1, 2).to(cd)  # [bs, H, max_q, D]
+    # index_select over whole rows: ~5x faster on CPU than advanced indexing (measured).
+    flat = md.kv_indices.reshape(-1)
+    k = k_buffer.index_select(0, flat).view(bs, -1, kv_heads, head_dim).transpose(1, 2).to(cd)
+    v = v_buffer.index_select(0, flat).view(bs, -1, kv_heads, head_dim).transpose(1, 2).to(cd)
+    # GQA inside SDPA: no copy of K/V per query head. k, v [bs, Hkv, max_kv, D]
     out = F.scaled_dot_product_attention(
         qp, k, v, attn_mask=md.mask, scale=sm_scale, enable_gqa=kv_heads != num_heads
     )
-    return out.transpose(1, 2)[md.q_valid].to(q.dtype)  # [T, H, D]
+    out = out.transpose(1, 2)  # [bs, max_q, H, D]
+    out = out.reshape(-1, num_heads, head_dim) if md.uniform_q else out[md.q_valid]
+    return out.to(q.dtype)  # [T, H, D]
 
 
 def extend_attention_ref(

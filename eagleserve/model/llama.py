@@ -24,6 +24,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            # One fused op, bit-identical to the lines below for fp32 (checked in tests).
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         # Normalise in fp32 and cast back before the weight, as transformers does.
         dtype = x.dtype
         x32 = x.float()
@@ -65,21 +68,41 @@ class RotaryEmbedding(nn.Module):
         t = torch.arange(self.max_positions, dtype=torch.int64, device=device).float()
         freqs = t[:, None] * inv_freq[None, :]  # [max_pos, dim/2]
         emb = torch.cat((freqs, freqs), dim=-1)
+        # rotate_half(x) * sin == roll(x, dim/2) * signed_sin, bit for bit (negation is exact).
+        sign = torch.cat((-torch.ones_like(freqs[0]), torch.ones_like(freqs[0])))
         self.register_buffer("cos_cache", emb.cos(), persistent=False)
-        self.register_buffer("sin_cache", emb.sin(), persistent=False)
+        self.register_buffer("signed_sin_cache", emb.sin() * sign, persistent=False)
+
+    def at(self, positions: torch.Tensor, dtype: torch.dtype) -> BoundRotary:
+        """The rotation of these positions, looked up once per forward for every layer."""
+        cos = self.cos_cache[positions].to(dtype)[:, None, :]  # [T, 1, D]
+        sin = self.signed_sin_cache[positions].to(dtype)[:, None, :]
+        return BoundRotary(cos, sin)
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        # q [T, H, D], k [T, Hkv, D]
-        cos = self.cos_cache[positions].to(q.dtype)[:, None, :]
-        sin = self.sin_cache[positions].to(q.dtype)[:, None, :]
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        return self.at(positions, q.dtype)(positions, q, k)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+class BoundRotary:
+    """cos / signed sin [T, 1, D] of one forward's positions; called like RotaryEmbedding."""
+
+    def __init__(self, cos: torch.Tensor, signed_sin: torch.Tensor) -> None:
+        self.cos, self.signed_sin = cos, signed_sin
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        # x [T, heads, D]: x*cos + rotate_half(x)*sin, as transformers computes it.
+        return x * self.cos + x.roll(x.shape[-1] // 2, dims=-1) * self.signed_sin
+
+    def __call__(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        assert positions.shape[0] == self.cos.shape[0], "bound to other positions"
+        return self.apply(q), self.apply(k)
+
+
+Rotary = RotaryEmbedding | BoundRotary
 
 
 class LlamaAttention(nn.Module):
@@ -99,19 +122,23 @@ class LlamaAttention(nn.Module):
         self.qkv_proj: nn.Module | None = None
         self.qkv_sizes = [cfg.q_size, cfg.kv_size, cfg.kv_size]
 
-    def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary) -> torch.Tensor:
         fb = get_forward_batch()
-        t = x.shape[0]
-        if self.qkv_proj is not None:
-            q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
+        t, nh, nkv = x.shape[0], self.num_heads, self.num_kv_heads
+        if self.qkv_proj is not None and isinstance(rotary, BoundRotary):
+            # q and k heads are adjacent in the fused output: one rotation for both.
+            qkv = self.qkv_proj(x).view(t, nh + 2 * nkv, self.head_dim)
+            qk = rotary.apply(qkv[:, : nh + nkv])
+            q, k, v = qk[:, :nh], qk[:, nh:], qkv[:, nh + nkv :]
         else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
-        q, k = rotary(positions, q, k)
+            if self.qkv_proj is not None:
+                q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
+            else:
+                q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+            q = q.view(t, nh, self.head_dim)
+            k = k.view(t, nkv, self.head_dim)
+            v = v.view(t, nkv, self.head_dim)
+            q, k = rotary(positions, q, k)
         out = fb.attn_backend.forward(q, k, v, self.layer_id, fb)  # [T, H, D]
         return self.o_proj(out.reshape(t, -1))
 
@@ -140,9 +167,7 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = LlamaMLP(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(
-        self, h: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding
-    ) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, positions: torch.Tensor, rotary: Rotary) -> torch.Tensor:
         h = h + self.self_attn(self.input_layernorm(h), positions, rotary)
         return h + self.mlp(self.post_attention_layernorm(h))
 
@@ -188,11 +213,12 @@ class LlamaForCausalLM(nn.Module):
         fb = get_forward_batch()
         positions = fb.positions
         h = self.model.embed_tokens(fb.input_ids)
+        rotary = self.model.rotary_emb.at(positions, h.dtype)
         aux: list[torch.Tensor] = []
         for i, layer in enumerate(self.model.layers):
             if i in self.aux_layer_ids:
                 aux.append(h)
-            h = layer(h, positions, self.model.rotary_emb)
+            h = layer(h, positions, rotary)
         h = self.model.norm(h)
         rows = h if fb.logits_indices is None else h[fb.logits_indices]
         return ModelOutput(
