@@ -60,10 +60,10 @@ class EagleWorker:
             resolve_draft_path(spec.draft_model_path), spec.algorithm, self.target.model, device,
             dtype,
         )
-        if gguf_path is not None:  # a packed target on CPU: the head's matmuls in bf16 too
-            from eagleserve.model.quant import linears_to_bf16
+        if gguf_path is not None:  # a packed target on CPU: the head's matmuls in int8
+            from eagleserve.model.quant import linears_to_int8
 
-            linears_to_bf16(self.head)
+            linears_to_int8(self.head)
         # EAGLE-3 fuses hidden states entering three target layers; the head says which.
         self.target.model.aux_layer_ids = self.head.aux_layer_ids
         self.req_to_token_pool = self.target.req_to_token_pool
