@@ -1,11 +1,15 @@
 """eagleserve (fp32, packed int4 from the GGUF, EAGLE) vs llama.cpp on CPU, batch 1, in one run.
 
-    python bench/cpu_vs_llamacpp.py [--model default] [--new-tokens 96] [--draft PATH] [--gemv]
+    python bench/cpu_vs_llamacpp.py [--model default] [--new-tokens 96] [--rounds 3]
+        [--chains 1,2,3] [--draft PATH] [--gemv]
 
 Same GGUF, same prompt token ids (chat template applied once, by eagleserve's tokenizer), same
-budget (greedy, EOS ignored), 2 threads each. Prints tok/s, ratios, EAGLE's tau and whether
-EAGLE's tokens equal eagleserve's own target-only greedy tokens on the same weights; writes
-bench/results/cpu_vs_llamacpp.json. llama.cpp is optional (`make bench-llamacpp` builds it).
+budget (greedy, EOS ignored), 2 threads each, default scheduling (no overlap on CPU). Every
+setting runs once per round, rounds interleaved so that load from other jobs hits all alike;
+tok/s is the median over rounds (all prompts of a round, prefill included). Prints tok/s,
+ratios, EAGLE's tau and whether EAGLE's tokens equal eagleserve's own target-only greedy tokens
+on the same weights; writes bench/results/cpu_vs_llamacpp.json. llama.cpp is optional
+(`make bench-llamacpp` builds it).
 """
 
 from __future__ import annotations
@@ -74,21 +78,21 @@ def gemv_bench(rounds: int = 9, reps: int = 30) -> dict[str, float]:
     }
 
 
-def run_eagleserve(
-    name: str, prompt_ids: list[list[int]], args: argparse.Namespace, **kw: Any
-) -> dict[str, Any]:
+def make_engine(name: str, prompt_ids: list[list[int]], args: argparse.Namespace, **kw: Any) -> Any:
     # int4: the GGUF's packed weights (--quantization gguf); fp32: de-quantized weights.
-    weights = dict(quantization="gguf") if name.endswith("int4") else dict(dtype="float32")
+    weights = dict(quantization="gguf") if "int4" in name else dict(dtype="float32")
     engine = Engine(
-        model=args.model,
-        device="cpu",
-        max_running_requests=1,
-        kv_cache_tokens=8192,
-        **weights,
-        **kw,
-    )
+        model=args.model, device="cpu", max_running_requests=1, kv_cache_tokens=8192,
+        **weights, **kw,
+    )  # fmt: skip
+    engine.generate([prompt_ids[0]], SamplingParams(max_new_tokens=8, temperature=0.0))  # warm-up
+    return engine
+
+
+def run_setting(
+    name: str, engine: Any, prompt_ids: list[list[int]], args: argparse.Namespace
+) -> dict[str, Any]:
     params = SamplingParams(max_new_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
-    engine.generate([prompt_ids[0]], SamplingParams(max_new_tokens=8, temperature=0.0))
     tokens, secs, taus = [], [], []
     for ids in prompt_ids:  # batch 1: one request at a time
         t0 = time.perf_counter()
@@ -101,6 +105,16 @@ def run_eagleserve(
     return dict(
         setting=name, tok_s=n / sum(secs), seconds=sum(secs), new_tokens=n, tau=tau, tokens=tokens
     )
+
+
+def merge_rounds(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One row from a setting's rounds: median tok/s; the tokens must not change between rounds."""
+    row = dict(runs[0])
+    row["tok_s_rounds"] = [r["tok_s"] for r in runs]
+    row["tok_s"] = statistics.median(row["tok_s_rounds"])
+    row["seconds"] = statistics.median(r["seconds"] for r in runs)
+    row["same_tokens_every_round"] = all(r["tokens"] == runs[0]["tokens"] for r in runs)
+    return row
 
 
 # Runs in-process when llama_cpp imports, else as `python -c` in the llama.cpp venv (which has
@@ -186,9 +200,10 @@ def main() -> None:
         help="EAGLE head for the EAGLE rows ('' for none; default: the shipped head)",
     )
     ap.add_argument("--algorithm", default="EAGLE3", help="EAGLE or EAGLE3 (the head's kind)")
-    ap.add_argument("--num-steps", type=int, default=3)
-    ap.add_argument("--topk", type=int, default=1)
-    ap.add_argument("--num-draft-tokens", type=int, default=4)
+    ap.add_argument("--chains", default="1,2,3", help="EAGLE chain lengths (num_steps) to run")
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds; median reported")
+    ap.add_argument("--no-fp32", action="store_true", help="skip the fp32 target-only row")
+    ap.add_argument("--eagle-fp32", action="store_true", help="also EAGLE on fp32 weights")
     ap.add_argument("--gemv", action="store_true", help="also time the lm_head GEMV")
     ap.add_argument(
         "--llama-python",
@@ -204,7 +219,11 @@ def main() -> None:
     prompts, source = load_prompts(args.num_prompts)
     print(f"machine: {machine()}\nprompts: {len(prompts)} from {source}")
     result: dict[str, Any] = dict(
-        machine=machine(), prompts_source=source, new_tokens=args.new_tokens, threads=args.threads
+        machine=machine(),
+        prompts_source=source,
+        new_tokens=args.new_tokens,
+        threads=args.threads,
+        rounds=args.rounds,
     )
     if args.gemv:
         result["lm_head_gemv_ms"] = gemv_bench()
@@ -222,46 +241,55 @@ def main() -> None:
     spec = dict(
         speculative_algorithm=args.algorithm,
         speculative_draft_model_path=args.draft,
-        speculative_num_steps=args.num_steps,
-        speculative_eagle_topk=args.topk,
-        speculative_num_draft_tokens=args.num_draft_tokens,
+        speculative_eagle_topk=1,
     )
-    rows = [
-        run_eagleserve("eagleserve fp32", prompt_ids, args),
-        run_eagleserve("eagleserve int4", prompt_ids, args),
-    ]
+    settings: dict[str, dict[str, Any]] = {"eagleserve int4": {}}
+    if not args.no_fp32:
+        settings["eagleserve fp32"] = {}
     if args.draft:
-        rows += [
-            run_eagleserve("EAGLE fp32", prompt_ids, args, **spec),
-            run_eagleserve("EAGLE int4", prompt_ids, args, **spec),
-        ]
-    llama = run_llamacpp(prompt_ids, args, gguf)
-    if llama is None:
+        for steps in (int(c) for c in args.chains.split(",") if c):
+            chain = dict(speculative_num_steps=steps, speculative_num_draft_tokens=steps + 1)
+            settings[f"EAGLE int4 chain {steps}"] = {**spec, **chain}
+            if args.eagle_fp32:
+                settings[f"EAGLE fp32 chain {steps}"] = {**spec, **chain}
+    engines = {name: make_engine(name, prompt_ids, args, **kw) for name, kw in settings.items()}
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in [*engines, "llama.cpp"]}
+    for i in range(args.rounds):
+        for name, engine in engines.items():
+            runs[name].append(run_setting(name, engine, prompt_ids, args))
+            print(f"round {i + 1}: {name:<22} {runs[name][-1]['tok_s']:6.1f} tok/s", flush=True)
+        llama_run = run_llamacpp(prompt_ids, args, gguf)
+        if llama_run is not None:
+            runs["llama.cpp"].append(llama_run)
+            print(f"round {i + 1}: {llama_run['setting']:<22} {llama_run['tok_s']:6.1f} tok/s")
+    if not runs["llama.cpp"]:
         print("llama.cpp: not found (no llama_cpp here or in --llama-python); skipped")
-    else:
-        rows.append(llama)
+    rows = [merge_rounds(r) for r in runs.values() if r]
+    llama = rows[-1] if runs["llama.cpp"] else None
     by = {r["setting"]: r for r in rows}
     for r in rows:
-        base = by["eagleserve int4" if "int4" in r["setting"] else "eagleserve fp32"]
-        r["speedup_vs_fp32_target"] = r["tok_s"] / by["eagleserve fp32"]["tok_s"]
+        r["speedup_vs_int4_target"] = r["tok_s"] / by["eagleserve int4"]["tok_s"]
         if llama is not None:
             r["ratio_vs_llamacpp"] = r["tok_s"] / llama["tok_s"]
         if r["setting"].startswith("EAGLE"):
+            base = by["eagleserve int4" if "int4" in r["setting"] else "eagleserve fp32"]
             r["first_divergence_vs_target"] = first_divergence(r["tokens"], base["tokens"])
             r["lossless"] = r["tokens"] == base["tokens"]
-    by["eagleserve int4"]["first_divergence_vs_fp32"] = first_divergence(
-        by["eagleserve int4"]["tokens"], by["eagleserve fp32"]["tokens"]
-    )
+    if "eagleserve fp32" in by:
+        by["eagleserve int4"]["first_divergence_vs_fp32"] = first_divergence(
+            by["eagleserve int4"]["tokens"], by["eagleserve fp32"]["tokens"]
+        )
     if llama is not None:
         llama["first_divergence_vs_int4"] = first_divergence(
             llama["tokens"], by["eagleserve int4"]["tokens"]
         )
-    print(f"{'setting':<18}{'tok/s':>8}{'x fp32':>8}{'x llama':>9}{'tau':>6}  lossless")
+    print(f"\nbatch 1, {args.new_tokens} new tokens, median of {args.rounds} rounds -- {machine()}")
+    print(f"{'setting':<22}{'tok/s':>8}{'x int4':>8}{'x llama':>9}{'tau':>6}  lossless")
     for r in rows:
         tau = f"{r['tau']:.2f}" if r["tau"] is not None else "-"
         lossless = str(r.get("lossless", "-"))
         print(
-            f"{r['setting']:<18}{r['tok_s']:>8.1f}{r['speedup_vs_fp32_target']:>8.2f}"
+            f"{r['setting']:<22}{r['tok_s']:>8.1f}{r['speedup_vs_int4_target']:>8.2f}"
             f"{r.get('ratio_vs_llamacpp', float('nan')):>9.2f}{tau:>6}  {lossless}"
         )
     for r in rows:

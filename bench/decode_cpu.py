@@ -1,12 +1,15 @@
 """Greedy decode throughput on CPU: eagleserve vs transformers `generate`, same model, one run.
 
     python bench/decode_cpu.py [--new-tokens 64] [--batches 1,16] [--repeats 3] [--threads N]
+        [--overlap-row]
 
-SmolLM2-135M-Instruct (the default model) in fp32, 64 new tokens per sequence (EOS ignored, so
-every sequence has exactly that many). eagleserve runs through the offline `Engine` (overlap
-scheduler on, and off as a second row); transformers runs `generate(do_sample=False)` with left
-padding for batches > 1. Tokens/s = new tokens of the batch / wall time of the whole call
-(prefill included), median of `--repeats` runs after one warm-up. Prints a table and writes
+SmolLM2-135M-Instruct (the default model, a Q4_1/Q8_0 GGUF), 64 new tokens per sequence (EOS
+ignored, so every sequence has exactly that many). transformers loads the GGUF as it can, de-
+quantized to fp32, and runs `generate(do_sample=False)` with left padding for batches > 1.
+eagleserve runs through the offline `Engine` with its CPU defaults (no overlap scheduler) twice:
+on the same fp32 weights, and on the GGUF's own packed 4-bit weights (its default for a GGUF on
+CPU). Tokens/s = new tokens of the batch / wall time of the whole call (prefill included),
+median of `--repeats` runs after one warm-up. Prints a table and writes
 bench/results/decode_cpu.json.
 """
 
@@ -24,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import machine, machine_info, median, print_table, time_runs, write_json  # noqa: E402
 from eagleserve import Engine, SamplingParams  # noqa: E402
-from eagleserve.model.loader import resolve_model_path  # noqa: E402
+from eagleserve.model.loader import gguf_source, resolve_model_path  # noqa: E402
 
 PROMPTS = [
     "Write a short story about a lighthouse keeper.",
@@ -88,7 +91,7 @@ def main() -> None:
     ap.add_argument("--batches", default="1,16")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
-    ap.add_argument("--no-overlap-row", action="store_true", help="skip eagleserve overlap off")
+    ap.add_argument("--overlap-row", action="store_true", help="also eagleserve fp32, overlap on")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -120,11 +123,15 @@ def main() -> None:
     common_args = dict(
         device="cpu", dtype="float32", max_running_requests=max(batches), kv_cache_tokens=8192
     )
-    engines = {"eagleserve": Engine(model=path, **common_args)}
-    if not args.no_overlap_row:
-        engines["eagleserve (no overlap)"] = Engine(
-            model=path, disable_overlap_schedule=True, **common_args
+    engines = {"eagleserve fp32": Engine(model=path, **common_args)}
+    if args.overlap_row:
+        engines["eagleserve fp32 (overlap)"] = Engine(
+            model=path, disable_overlap_schedule=False, **common_args
         )
+    if gguf_source(args.model) is not None:
+        # The GGUF's own Q4_1/Q8_0 weights, packed (bf16 activations inside the matmuls).
+        int4_args = {**common_args, "dtype": "auto", "quantization": "gguf"}
+        engines["eagleserve int4 (default)"] = Engine(model=args.model, **int4_args)
     for name, engine in engines.items():
         systems[name] = lambda p, e=engine: eagleserve_runner(e, p, args.new_tokens)
 
@@ -163,7 +170,7 @@ def main() -> None:
     print_table(
         ["system", "batch", "tok/s", "ms/step", "min s", "max s"],
         rows,
-        title=f"greedy decode, {args.new_tokens} new tokens, SmolLM2-135M fp32 -- {machine()}",
+        title=f"greedy decode, {args.new_tokens} new tokens, SmolLM2-135M -- {machine()}",
     )
     for r in results:
         if "sequences_equal_to_transformers" in r:
@@ -177,7 +184,7 @@ def main() -> None:
         {
             "benchmark": "decode_cpu",
             "model": path,
-            "dtype": "float32",
+            "dtype": "transformers and eagleserve fp32: float32; int4: the GGUF's packed weights",
             "machine": info,
             "repeats": args.repeats,
             "results": results,

@@ -119,3 +119,12 @@ def test_startup_failure_exits_nonzero(tmp_path: Path) -> None:
     )  # fmt: skip
     assert proc.returncode == 1
     assert "engine failed to start" in proc.stderr
+
+
+def test_overlap_schedule_defaults_to_off_on_cpu_only() -> None:
+    # Unset: off on a CPU (measured slower on 2 cores), on for an accelerator; a flag decides.
+    assert ServerArgs().overlap_schedule("cpu") is False
+    assert ServerArgs().overlap_schedule("cuda") is True
+    assert ServerArgs(disable_overlap_schedule=False).overlap_schedule("cpu") is True
+    assert ServerArgs(disable_overlap_schedule=True).overlap_schedule("cuda") is False
+    assert parse(["--no-disable-overlap-schedule"]).disable_overlap_schedule is False

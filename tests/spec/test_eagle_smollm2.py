@@ -91,7 +91,7 @@ def test_smollm2_spec_greedy_is_lossless(smollm2_dir: str, smol_head: str, steps
     assert stats.spec_accepted_tokens_total > stats.spec_verify_calls_total
 
 
-@pytest.mark.parametrize(("steps", "topk", "ndt"), [(3, 1, 4), (3, 2, 6)])
+@pytest.mark.parametrize(("steps", "topk", "ndt"), [(1, 1, 2), (3, 1, 4), (3, 2, 6)])
 def test_gguf_int4_with_shipped_head_is_lossless(steps: int, topk: int, ndt: int) -> None:
     """The default deployment's weights: the GGUF's own 4-bit linears (not de-quantized) and
     the shipped EAGLE3 head. Greedy output must equal the same weights' target-only output
