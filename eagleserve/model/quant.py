@@ -76,15 +76,18 @@ class Int4Linear(nn.Module):
         return cls(t.q, t.d, zero, bias, **kw)  # type: ignore[arg-type]
 
     def _mm(self, x2: torch.Tensor, sz: torch.Tensor) -> torch.Tensor:
-        # x2 [M, K] -> [M, N] (padding rows dropped; a no-op slice when N % 16 == 0)
+        # x2 [M, K] -> [M, N] (padding rows dropped)
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.qweight, BLOCK, sz)
-        return y[:, : self.out_features]
+        return y if y.shape[1] == self.out_features else y[:, : self.out_features]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x [..., K] any float dtype -> [..., N] in x.dtype; the matmul runs in compute_dtype.
-        x2 = x.reshape(-1, self.in_features).to(self.compute_dtype)
+        # (Few ops on purpose: at batch 1 each costs as much as a small layer's matmul.)
+        x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
         sz = self.sz_compute if self.compute_dtype != torch.float32 else self.scales_and_zeros
-        y = self._mm(x2, sz).to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+        y = self._mm(x2.to(self.compute_dtype), sz).to(x.dtype)
+        if x.dim() != 2:
+            y = y.reshape(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
     @torch.no_grad()
