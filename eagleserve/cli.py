@@ -38,7 +38,9 @@ FIELD_HELP: dict[str, str] = {
     "speculative_num_steps": "draft steps per speculative iteration",
     "speculative_eagle_topk": "draft branches per step (1: a chain)",
     "speculative_num_draft_tokens": "tokens verified per iteration (chain: num_steps + 1)",
-    "disable_overlap_schedule": "run scheduling and the forward pass one after the other (default: on CPU only)",
+    "disable_overlap_schedule": (
+        "run scheduling and the forward pass one after the other (default: on a CPU only)"
+    ),
     "attention_backend": "auto | torch | triton",
     "disable_cuda_graph": "do not capture CUDA graphs for decode",
     "cuda_graph_max_bs": "largest batch size captured in a CUDA graph",

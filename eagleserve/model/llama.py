@@ -124,6 +124,14 @@ class LlamaAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary) -> torch.Tensor:
         fb = get_forward_batch()
+        q, k, v = self.project(x, positions, rotary)
+        out = fb.attn_backend.forward(q, k, v, self.layer_id, fb)  # [T, H, D]
+        return self.o_proj(out.reshape(x.shape[0], -1))
+
+    def project(
+        self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [T, H, D], k and v [T, Hkv, D], q and k rotated."""
         t, nh, nkv = x.shape[0], self.num_heads, self.num_kv_heads
         if self.qkv_proj is not None and isinstance(rotary, BoundRotary):
             # q and k heads are adjacent in the fused output: one rotation for both.
@@ -139,8 +147,7 @@ class LlamaAttention(nn.Module):
             k = k.view(t, nkv, self.head_dim)
             v = v.view(t, nkv, self.head_dim)
             q, k = rotary(positions, q, k)
-        out = fb.attn_backend.forward(q, k, v, self.layer_id, fb)  # [T, H, D]
-        return self.o_proj(out.reshape(t, -1))
+        return q, k, v
 
 
 class LlamaMLP(nn.Module):
