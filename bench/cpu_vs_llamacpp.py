@@ -43,7 +43,7 @@ def load_prompts(n: int) -> tuple[list[str], str]:
 
 def gemv_bench(rounds: int = 9, reps: int = 30) -> dict[str, float]:
     """The 576 x 49152 lm_head at batch 1: per round the median over reps (ms)."""
-    from eagleserve.model.quant import Int4Linear, Int8Linear
+    from eagleserve.model.quant import Int4Linear, Int8Linear, Q8Int4Linear
 
     n, k = 49152, 576
     g = torch.Generator().manual_seed(0)
@@ -57,6 +57,8 @@ def gemv_bench(rounds: int = 9, reps: int = 30) -> dict[str, float]:
         "bf16": lambda: torch.nn.functional.linear(xb, wb),
         "int8": Int8Linear.from_float(w),
         "int4": Int4Linear(q, d, -8 * d),
+        # SmolLM2's Q8_0 lm_head as served: two 4-bit halves in one int4 matmul.
+        "q8_as_int4x2": Q8Int4Linear(torch.randint(-128, 128, (n, k), generator=g), d),
     }
     out: dict[str, list[float]] = {name: [] for name in mods}
     with torch.inference_mode():

@@ -165,8 +165,7 @@ class ServerArgs:
 
     def overlap_schedule(self, device_type: str) -> bool:
         """Whether the overlap scheduler runs. By default not on a CPU: there the scheduler thread
-        competes with the forward's OpenMP threads for the same cores (SmolLM2 int4, batch 1,
-        2 cores: 26 tok/s with overlap, 38 without; bench/overlap_cpu.py has batch 16)."""
+        competes with the forward's OpenMP threads for the same cores (bench/overlap_cpu.py)."""
         if self.disable_overlap_schedule is None:
             return device_type != "cpu"
         return not self.disable_overlap_schedule
