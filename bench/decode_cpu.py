@@ -8,7 +8,8 @@ ignored, so every sequence has exactly that many). transformers loads the GGUF a
 quantized to fp32, and runs `generate(do_sample=False)` with left padding for batches > 1.
 eagleserve runs through the offline `Engine` with its CPU defaults (no overlap scheduler) on the
 same fp32 weights, and on the GGUF's own packed 4-bit weights (its default for a GGUF on CPU).
-Both also run the weights rounded to bf16 (transformers' fastest CPU dtype here). Tokens/s = new tokens of the batch / wall time of the whole call (prefill included),
+Both also run the weights rounded to bf16 (transformers' fastest CPU dtype here).
+Tokens/s = new tokens of the batch / wall time of the whole call (prefill included),
 median of `--repeats` runs after one warm-up. Prints a table and writes
 bench/results/decode_cpu.json.
 """

@@ -73,7 +73,7 @@ def test_sigterm_drains_then_exits_0(tiny_dirs: tuple[str, str]) -> None:
         tiny_dirs[0], ["--kv-cache-tokens", "8192"], {"EAGLESERVE_DRAIN_TIMEOUT_S": "4"}
     )
     url = srv.url
-    longs = [f"long{i}" for i in range(6)]
+    longs = [f"long{i}" for i in range(16)]  # 16 x 508 tokens fit the 8192-token pool
     try:
         results: dict[str, httpx.Response | Exception] = {}
 
@@ -84,15 +84,16 @@ def test_sigterm_drains_then_exits_0(tiny_dirs: tuple[str, str]) -> None:
                 results[name] = exc
 
         # "short" finishes within the drain; the long ones (near the context, sharing the
-        # engine) keep it busy past the SIGTERM and may be cut off by the drain timeout.
+        # engine) keep it busy past the SIGTERM and may be cut off by the drain timeout. (With
+        # fewer, the tiny model finished them all before the probe and the server had exited.)
         threads = [threading.Thread(target=run, args=("short", 24))]
         threads += [threading.Thread(target=run, args=(name, 500)) for name in longs]
         for t in threads:
             t.start()
-        time.sleep(0.5)
+        time.sleep(0.3)
         t0 = time.monotonic()
         srv.proc.send_signal(signal.SIGTERM)
-        time.sleep(0.3)
+        time.sleep(0.1)
         refused = completion(url, [5, 6], 2)
         assert refused.status_code == 503, refused.text
         assert refused.json()["error"]["type"] == "service_unavailable"
