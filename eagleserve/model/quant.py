@@ -85,16 +85,19 @@ class Int4Linear(nn.Module):
         # (Few ops on purpose: at batch 1 each costs as much as a small layer's matmul.)
         x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
         sz = self.sz_compute if self.compute_dtype != torch.float32 else self.scales_and_zeros
-        y = self._mm(x2.to(self.compute_dtype), sz).to(x.dtype)
+        y = self._mm(self._kernel_input(x2.to(self.compute_dtype)), sz).to(x.dtype)
         if x.dim() != 2:
             y = y.reshape(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias.to(y.dtype)
+
+    def _kernel_input(self, x2: torch.Tensor) -> torch.Tensor:
+        return x2  # [M, K] as the packed weight reads it
 
     @torch.no_grad()
     def dequantize(self) -> torch.Tensor:
         """[N, K] fp32 weight, read back through the kernel itself (fp32 path, identity input)."""
         eye = torch.eye(self.in_features, dtype=torch.float32, device=self.qweight.device)
-        return self._mm(eye, self.scales_and_zeros).t().contiguous()  # [N, K]
+        return self._mm(self._kernel_input(eye), self.scales_and_zeros).t().contiguous()
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, compute={self.compute_dtype}"
@@ -107,8 +110,8 @@ class Q8Int4Linear(Int4Linear):
     gives 16d*hi for q4 = hi + 8, scale = 16d, zero = 0, and d*lo for q4 = lo, scale = d,
     zero = 8d; the two halves of K sum to d*q in the kernel's fp32 accumulator. With bf16 scales
     the weight is bf16(d)*q (relative error <= 2^-9 per block, as a bf16 copy of the weight has
-    per element), read at 1 byte per weight instead of bf16's 2: the 576x49152 lm_head GEMV takes
-    ~1.6 ms instead of 4.5 (2 cores, batch 1).
+    per element), read at 1 byte per weight instead of bf16's 2 (the 576x49152 lm_head GEMV at
+    batch 1 on 2 cores: ~2 ms against 3.3-4.5 in bf16; bench/cpu_vs_llamacpp.py --gemv).
     """
 
     def __init__(
@@ -137,19 +140,8 @@ class Q8Int4Linear(Int4Linear):
             raise ValueError(f"Q8Int4Linear holds Q8_0, not {t.qtype}")
         return cls(t.q, t.d, bias, **kw)  # type: ignore[arg-type]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x2 = x.reshape(-1, self.in_features).to(self.compute_dtype)
-        sz = self.sz_compute if self.compute_dtype != torch.float32 else self.scales_and_zeros
-        y = self._mm(torch.cat([x2, x2], dim=1), sz)
-        y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
-        return y if self.bias is None else y + self.bias.to(y.dtype)
-
-    @torch.no_grad()
-    def dequantize(self) -> torch.Tensor:
-        k = self.in_features
-        eye = torch.eye(k, dtype=torch.float32, device=self.qweight.device)
-        both = self._mm(torch.cat([eye, eye], dim=1), self.scales_and_zeros)  # [K, N]
-        return both.t().contiguous()
+    def _kernel_input(self, x2: torch.Tensor) -> torch.Tensor:
+        return torch.cat([x2, x2], dim=1)  # [M, 2K]: the hi and the lo half read the same x
 
 
 class Int8Linear(nn.Module):
