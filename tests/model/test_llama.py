@@ -157,3 +157,36 @@ def test_parity_check_detects_wrong_rope(
     monkeypatch.setattr(ModelConfig, "from_dir", staticmethod(no_scaling))
     with pytest.raises(AssertionError, match="relative error"):
         check_paged_parity(tiny_model_dir, 256, [29, 7], seed=14)
+
+
+@pytest.mark.parametrize("rows", [1, 7, 33])
+def test_fused_norm_and_bound_rotary_are_bit_identical_to_reference(rows: int) -> None:
+    """The per-step shortcuts (fused rms_norm; cos/sin looked up once per forward, rotate_half as
+    a roll times a pre-signed sin) compute exactly the reference formulas, bit for bit."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    from eagleserve.model.llama import RMSNorm, RotaryEmbedding
+
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 96, generator=gen) * 3
+    norm = RMSNorm(96, 1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(96, generator=gen))
+    ref = norm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5))
+    assert torch.equal(norm(x), ref)
+
+    cfg = ModelConfig(
+        vocab_size=8, hidden_size=64, intermediate_size=8, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5,
+        rope_theta=10000.0, max_position_embeddings=512, tie_word_embeddings=True,
+    )  # fmt: skip
+    rope = RotaryEmbedding(cfg, 512)
+    positions = torch.randint(0, 512, (rows,), generator=gen)
+    q = torch.randn(rows, 4, 16, generator=gen)
+    k = torch.randn(rows, 2, 16, generator=gen)
+    got_q, got_k = rope.at(positions, q.dtype)(positions, q, k)
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, 16, 2, dtype=torch.int64).float() / 16))
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)  # [rows, 16], as transformers builds it
+    ref_q, ref_k = apply_rotary_pos_emb(q, k, emb.cos(), emb.sin(), unsqueeze_dim=1)
+    assert torch.equal(got_q, ref_q) and torch.equal(got_k, ref_k)
