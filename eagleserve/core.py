@@ -21,6 +21,9 @@ if TYPE_CHECKING:
 
 ForwardMode = Literal["extend", "decode", "draft", "verify"]
 
+# torch.Generator.manual_seed takes a signed 64-bit value; seeds live in [0, 2^63).
+SEED_BOUND = 2**63
+
 
 @dataclass
 class SamplingParams:
@@ -53,6 +56,8 @@ class SamplingParams:
             return "min_p must be in [0, 1]"
         if self.logprobs is not None and not (0 <= self.logprobs <= 20):
             return "logprobs must be between 0 and 20"
+        if self.seed is not None and not (0 <= self.seed < SEED_BOUND):
+            return f"seed must be in [0, {SEED_BOUND})"
         return None
 
 

@@ -353,6 +353,9 @@ def test_max_new_tokens_gives_length(tiny: Engine) -> None:
         (10, SamplingParams(top_k=-3), "top_k"),
         (10, SamplingParams(min_p=1.5), "min_p"),
         (10, SamplingParams(logprobs=99), "logprobs"),
+        (10, SamplingParams(seed=2**64 - 1), "seed"),
+        (10, SamplingParams(seed=2**70), "seed"),
+        (10, SamplingParams(seed=-1), "seed"),
     ],
 )
 def test_bad_requests_raise_and_engine_keeps_working(
@@ -371,6 +374,13 @@ def test_bad_requests_raise_and_engine_keeps_working(
         engine.generate([bad], params)
     after = [o["token_ids"] for o in engine.generate(good, greedy(12, ignore_eos=True))]
     assert after == before
+
+
+def test_largest_seed_samples(tiny: Engine) -> None:
+    """The top of the seed range reaches torch's generator without overflowing, reproducibly."""
+    prompt = random_prompts(1, [7], seed=int(torch.randint(0, 2**31, ()).item()))
+    runs = [tiny.generate(prompt, sampled(8, seed=2**63 - 1))[0]["token_ids"] for _ in range(2)]
+    assert len(runs[0]) == 8 and runs[0] == runs[1]
 
 
 def test_out_of_vocab_token_raises(tiny: Engine) -> None:

@@ -13,7 +13,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from eagleserve.config import ServerArgs
-from eagleserve.core import SamplingParams
+from eagleserve.core import SEED_BOUND, SamplingParams
 from eagleserve.messages import GenerateReqInput, TokenOutput
 from eagleserve.server.choices import ChoiceState
 from eagleserve.server.engine_client import EngineClient, RequestStream
@@ -110,11 +110,11 @@ class Serving:
     def make_reqs(
         self, prompts: list[list[int]], params: list[SamplingParams], n: int, stream: bool
     ) -> list[GenerateReqInput]:
-        """n requests per prompt (choice index = prompt * n + j); seed + j when seeded."""
+        """n requests per prompt (choice index = prompt * n + j); seeds j apart, mod 2^63."""
         reqs = []
         for ids, p in zip(prompts, params, strict=True):
             for j in range(n):
-                seed = None if p.seed is None else p.seed + j
+                seed = None if p.seed is None else (p.seed + j) % SEED_BOUND
                 sp = SamplingParams(**{**p.__dict__, "seed": seed, "stop": list(p.stop)})
                 reqs.append(GenerateReqInput(f"req-{uuid.uuid4().hex}", list(ids), sp, stream))
         return reqs
