@@ -23,6 +23,7 @@ import torch
 
 from eagleserve import Engine, SamplingParams
 from eagleserve.device import pick_device, synchronize
+from eagleserve.model.forward_batch import ForwardBatch, HostLens
 from eagleserve.spec.head_loader import init_eagle_head, save_eagle_head
 from eagleserve.spec.tree import Topk1ChainBuffers
 
@@ -188,16 +189,16 @@ def main() -> None:
     )
     seng = Engine(model=tmp, disable_overlap_schedule=True, **common, **spec)
     w = seng.scheduler.worker
-    fwd = CallTimer(w.target, "forward", device, label=lambda mode, *a, **k: mode)
-    draft = CallTimer(w, "_draft_step", device)
+    fwd = CallTimer(w.runner, "forward", device, label=lambda fb, *a, **k: fb.mode)
+    draft = CallTimer(w.drafter, "_step", device)
     seng.generate(
         prompts(1, 128, vocab), SamplingParams(max_new_tokens=32, temperature=0, ignore_eos=True)
     )
-    teng_runner = seng.scheduler.worker.target
+    teng_runner = seng.scheduler.worker.runner
     decode_ms = _decode_ms(teng_runner, device)
     res["costs_ms"] = {
         "target_decode": decode_ms,
-        "draft_step": draft.mean_ms("_draft_step"),
+        "draft_step": draft.mean_ms("_step"),
         "verify_4_tokens": fwd.mean_ms("verify"),
     }
     res["costs_rel"] = {k: v / decode_ms for k, v in res["costs_ms"].items()}
@@ -211,8 +212,7 @@ def main() -> None:
             os.environ["EAGLESERVE_DISABLE_COMPILE"] = "0" if compiled else "1"
             e = Engine(model=tmp, disable_cuda_graph=True, **common, **spec)
             if not chain_buffers:
-                w = e.scheduler.worker
-                w.chain_buffers = Topk1ChainBuffers(0, 3, 4, device)
+                e.scheduler.worker.drafter.chain_buffers = Topk1ChainBuffers(0, 3, 4, device)
             launches[f"compiled={compiled},chain_buffers={chain_buffers}"] = kernel_launches(
                 e, vocab
             )
@@ -249,20 +249,24 @@ def _decode_ms(runner: Any, device: torch.device, iters: int = 20) -> float:
     loc = kv.alloc(129)
     r2t.req_to_token[idx, :129] = loc
     one = torch.ones(1, dtype=torch.long, device=device)
-    args = dict(
+    fb = lambda: ForwardBatch(
+        mode="decode",
         input_ids=one * 1000,
         positions=one * 128,
         out_cache_loc=loc[128:129],
         req_pool_indices=one * idx,
         prefix_lens=one * 128,
         extend_lens=one,
+        host=HostLens.per_request(1, 128, 1),
+        kv_pool=kv,
+        attn_backend=runner.attn_backend,
     )
     for _ in range(3):
-        runner.forward("decode", **args)
+        runner.forward(fb())
     synchronize(device)
     t0 = time.perf_counter()
     for _ in range(iters):
-        runner.forward("decode", **args)
+        runner.forward(fb())
     synchronize(device)
     kv.free(loc)
     r2t.free(idx)

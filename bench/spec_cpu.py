@@ -58,7 +58,7 @@ class Timers:
         fn = getattr(obj, attr)
 
         def timed(*a: Any, **kw: Any) -> Any:
-            key = name or f"{attr}:{a[0]}"  # runner.forward: keyed by forward mode
+            key = name or f"{attr}:{a[0].mode}"  # runner.forward(fb): keyed by forward mode
             t0 = time.perf_counter()
             out = fn(*a, **kw)
             self.total[key] += time.perf_counter() - t0
@@ -132,9 +132,9 @@ def build_engines(path: str, draft: str, algorithm: str) -> tuple[dict[str, Engi
         t = Timers()
         worker = eng.scheduler.worker
         if kw:
-            t.wrap(worker.target, "forward")
-            t.wrap(worker, "_draft_step", "draft step")
-            t.wrap(worker, "_draft_extend", "draft extend")
+            t.wrap(worker.runner, "forward")
+            t.wrap(worker.drafter, "_step", "draft step")
+            t.wrap(worker.drafter, "extend", "draft extend")
         else:
             t.wrap(worker.runner, "forward")
         engines[name], timers[name] = eng, t

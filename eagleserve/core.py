@@ -11,6 +11,7 @@ Who fills what:
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -197,6 +198,11 @@ class ScheduleBatch:
             self.seq_lens_cpu = self.seq_lens_cpu + 1
         self.seq_lens_sum = None
 
+    def extend_to_decode(self) -> None:
+        """A prefilled batch becomes a decode batch: its next inputs are already set."""
+        self.mode = "decode"
+        self.prefix_lens = self.extend_lens = None
+
     def filter_batch(self, keep: list[int]) -> None:
         """Keeps the requests at positions `keep` (a running batch between decode steps)."""
         idx = torch.tensor(keep, dtype=torch.long)
@@ -230,6 +236,11 @@ class ScheduleBatch:
         self.seq_lens_sum = None
 
 
+# Called by a speculative worker once a batch's new seq_lens and bonus tokens are set, before
+# its draft extend: the overlap scheduler publishes the lengths there.
+OnVerified = Callable[[ScheduleBatch], None]
+
+
 @dataclass
 class EagleDraftInput:
     """The speculative relay state one decode iteration hands the next, per request.
@@ -249,4 +260,26 @@ class EagleDraftInput:
             torch.cat([self.topk_p, other.topk_p]),
             torch.cat([self.topk_index, other.topk_index]),
             torch.cat([self.hidden_states, other.hidden_states]),
+        )
+
+
+@dataclass
+class GenerationBatchResult:
+    """What one forward iteration produced; device tensors until `to_host`."""
+
+    next_token_ids: torch.Tensor  # [bs] int64, or [bs, stride] with speculation
+    accept_lens: torch.Tensor | None = None  # [bs] tokens committed per request (spec only)
+    logprobs: torch.Tensor | None = None  # [bs] or [bs, stride] logprob of each token
+    top_logprob_vals: torch.Tensor | None = None  # [..., k]
+    top_logprob_ids: torch.Tensor | None = None  # [..., k]
+
+    def to_host(self) -> GenerationBatchResult:
+        """Copies the tensors to the host (waits for the forward that made them)."""
+        cpu = lambda t: None if t is None else t.to("cpu")
+        return GenerationBatchResult(
+            cpu(self.next_token_ids),
+            cpu(self.accept_lens),
+            cpu(self.logprobs),
+            cpu(self.top_logprob_vals),
+            cpu(self.top_logprob_ids),
         )

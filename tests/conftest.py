@@ -16,7 +16,11 @@ import pytest
 import torch
 
 from eagleserve.config import ServerArgs
+from eagleserve.core import ForwardMode
 from eagleserve.engine import Engine
+from eagleserve.model.forward_batch import ForwardBatch, HostLens
+from eagleserve.model.llama import ModelOutput
+from eagleserve.model.runner import ModelRunner
 from eagleserve.scheduler.scheduler import Scheduler
 
 TINY_VOCAB = 256
@@ -241,3 +245,43 @@ def random_prompts(
 
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+# ---- forwards -----------------------------------------------------------------------------------
+
+
+def make_forward_batch(**fields: Any) -> ForwardBatch:
+    """A ForwardBatch from keyword fields, its host bounds read off the length tensors (the
+    scheduler passes them down; a test may sync)."""
+    ext = fields["extend_lens"]
+    kv = fields.get("kv_lens")
+    kv = fields["prefix_lens"] + ext if kv is None else kv
+    return ForwardBatch(host=HostLens.of(ext.tolist(), kv.tolist()), **fields)
+
+
+def forward_tokens(
+    runner: ModelRunner,
+    mode: ForwardMode,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    out_cache_loc: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    extend_lens: torch.Tensor,
+    **extra: Any,
+) -> ModelOutput:
+    """runner.forward over the given tokens (the target's KV pool and attention backend)."""
+    return runner.forward(
+        make_forward_batch(
+            mode=mode,
+            input_ids=input_ids,
+            positions=positions,
+            out_cache_loc=out_cache_loc,
+            req_pool_indices=req_pool_indices,
+            prefix_lens=prefix_lens,
+            extend_lens=extend_lens,
+            kv_pool=runner.token_to_kv_pool,
+            attn_backend=runner.attn_backend,
+            **extra,
+        )
+    )

@@ -35,6 +35,9 @@ def build_padded_metadata(
     req_pool_indices: torch.Tensor,
     prefix_lens: torch.Tensor,
     extend_lens: torch.Tensor,
+    max_q: int,
+    max_kv: int,
+    uniform_q: bool,
     tree_mask: torch.Tensor | None = None,
     kv_lens: torch.Tensor | None = None,
 ) -> PaddedAttnMetadata:
@@ -43,11 +46,12 @@ def build_padded_metadata(
     Queries are the *last* extend_lens tokens of each request's KV range [0, kv_lens) (kv_lens
     defaults to prefix_lens + extend_lens). With a tree_mask [bs, n_q, n_new], the region
     [prefix_lens, prefix_lens + n_new) is visible only where the mask says so; the prefix always is.
+    `max_q` >= every extend len and `max_kv` >= every KV range are host ints (upper bounds pad);
+    `uniform_q` says every request has exactly `max_q` queries. Nothing here syncs the device.
     """
     device = req_to_token.device
     seq_lens = prefix_lens + extend_lens if kv_lens is None else kv_lens
-    max_q = int(extend_lens.max())
-    max_kv = int(seq_lens.max())
+    max_kv = min(max_kv, req_to_token.shape[1])
     kv_pos = torch.arange(max_kv, device=device)  # [max_kv]
     kv_indices = req_to_token[req_pool_indices][:, :max_kv]  # [bs, max_kv]
     kv_valid = kv_pos[None, :] < seq_lens[:, None]
@@ -72,7 +76,6 @@ def build_padded_metadata(
         mask = kv_valid[:, None, :] & (in_prefix | tm)  # [bs, max_q, max_kv]
     # Padded query rows attend to slot 0 only, so softmax never sees an all-False row.
     mask = mask | (~q_valid[:, :, None] & (kv_pos[None, None, :] == 0))
-    uniform_q = bool((extend_lens == max_q).all())
     return PaddedAttnMetadata(kv_indices, q_gather, q_valid, mask[:, None], uniform_q)
 
 
@@ -102,47 +105,3 @@ def padded_attention(
     out = out.transpose(1, 2)  # [bs, max_q, H, D]
     out = out.reshape(-1, num_heads, head_dim) if md.uniform_q else out[md.q_valid]
     return out.to(q.dtype)  # [T, H, D]
-
-
-def extend_attention_ref(
-    q: torch.Tensor,
-    k_buffer: torch.Tensor,
-    v_buffer: torch.Tensor,
-    req_to_token: torch.Tensor,
-    req_pool_indices: torch.Tensor,
-    prefix_lens: torch.Tensor,
-    extend_lens: torch.Tensor,
-    sm_scale: float,
-) -> torch.Tensor:
-    md = build_padded_metadata(req_to_token, req_pool_indices, prefix_lens, extend_lens)
-    return padded_attention(q, k_buffer, v_buffer, md, sm_scale)
-
-
-def decode_attention_ref(
-    q: torch.Tensor,  # [bs, H, D]
-    k_buffer: torch.Tensor,
-    v_buffer: torch.Tensor,
-    req_to_token: torch.Tensor,
-    req_pool_indices: torch.Tensor,
-    seq_lens: torch.Tensor,  # [bs], including the token being decoded
-    sm_scale: float,
-) -> torch.Tensor:
-    ones = torch.ones_like(seq_lens)
-    md = build_padded_metadata(req_to_token, req_pool_indices, seq_lens - 1, ones)
-    return padded_attention(q, k_buffer, v_buffer, md, sm_scale)
-
-
-def tree_verify_attention_ref(
-    q: torch.Tensor,  # [bs * n, H, D]
-    k_buffer: torch.Tensor,
-    v_buffer: torch.Tensor,
-    req_to_token: torch.Tensor,
-    req_pool_indices: torch.Tensor,
-    prefix_lens: torch.Tensor,  # [bs]
-    tree_mask: torch.Tensor,  # [bs, n, n] bool
-    sm_scale: float,
-) -> torch.Tensor:
-    n = tree_mask.shape[1]
-    extend_lens = torch.full_like(prefix_lens, n)
-    md = build_padded_metadata(req_to_token, req_pool_indices, prefix_lens, extend_lens, tree_mask)
-    return padded_attention(q, k_buffer, v_buffer, md, sm_scale)

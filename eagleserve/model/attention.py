@@ -45,6 +45,9 @@ class TorchAttnBackend:
             fb.req_pool_indices,
             fb.prefix_lens,
             fb.extend_lens,
+            fb.host.max_extend,
+            fb.host.max_kv,
+            fb.host.uniform,
             fb.tree_mask,
             fb.kv_lens,
         )

@@ -10,11 +10,17 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
+from eagleserve.core import ForwardMode
 from eagleserve.device import device_module
-from eagleserve.model.forward_batch import ForwardBatch, forward_context
+from eagleserve.model.forward_batch import ForwardBatch, HostLens, forward_context
+
+if TYPE_CHECKING:
+    from eagleserve.model.attention import AttentionBackend
+    from eagleserve.model.kv_cache import TokenToKVPool
 
 BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
@@ -35,14 +41,17 @@ class GraphedForward:
     def __init__(
         self,
         fn: GraphFn,
-        make_fb: Callable[..., ForwardBatch],
+        mode: ForwardMode,
+        kv_pool: TokenToKVPool,
+        attn_backend: AttentionBackend,
         device: torch.device,
         max_bs: int,
         tokens_per_req: int,
         tree: bool = False,
         extra_shapes: dict[str, tuple[tuple[int, ...], torch.dtype]] | None = None,
     ) -> None:
-        self.fn, self.make_fb, self.device = fn, make_fb, device
+        self.fn, self.mode, self.device = fn, mode, device
+        self.kv_pool, self.attn_backend = kv_pool, attn_backend
         self.n = n = tokens_per_req
         self.buckets = [b for b in BUCKETS if b < max_bs] + [max_bs]
         self.max_bs = max_bs
@@ -69,17 +78,22 @@ class GraphedForward:
 
     def _fb(self, bs: int) -> ForwardBatch:
         t = bs * self.n
-        fb = self.make_fb(
+        fb = ForwardBatch(
+            mode=self.mode,
             input_ids=self.input_ids[:t],
             positions=self.positions[:t],
             out_cache_loc=self.out_cache_loc[:t],
             req_pool_indices=self.req_pool_indices[:bs],
             prefix_lens=self.prefix_lens[:bs],
             extend_lens=self.extend_lens[:bs],
+            # The longest row a request can have: the graph serves every length.
+            host=HostLens(self.n, self.attn_backend.req_to_token.shape[1], True),
+            kv_pool=self.kv_pool,
+            attn_backend=self.attn_backend,
             tree_mask=None if self.tree_mask is None else self.tree_mask[:bs],
             kv_lens=self.kv_lens[:bs],
         )
-        fb.attn_backend.init_forward_metadata_static(fb)
+        self.attn_backend.init_forward_metadata_static(fb)
         return fb
 
     @torch.inference_mode()
@@ -102,38 +116,40 @@ class GraphedForward:
                     out = self.fn(fb, extras)
             self.graphs[bs], self.outputs[bs], self.batches[bs] = graph, out, fb
 
-    def can_run(self, bs: int) -> bool:
-        return 0 < bs <= self.max_bs
-
-    def replay(
-        self,
-        input_ids: torch.Tensor,  # [bs * n]
-        positions: torch.Tensor,
-        out_cache_loc: torch.Tensor,
-        req_pool_indices: torch.Tensor,  # [bs]
-        prefix_lens: torch.Tensor,
-        tree_mask: torch.Tensor | None = None,  # [bs, n, n]
-        **extras: torch.Tensor,
-    ) -> tuple[torch.Tensor, ...]:
-        """Outputs are views of static buffers, valid until the next replay of this object."""
-        bs = req_pool_indices.shape[0]
+    def replay(self, fb: ForwardBatch, **extras: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Runs `fb` (bs * n tokens, n each) padded to its bucket. Outputs are views of static
+        buffers, valid until the next replay of this object."""
+        bs = fb.batch_size
         pb = self.buckets[bisect.bisect_left(self.buckets, bs)]
         t, pt = bs * self.n, pb * self.n
         for buf, src in (
-            (self.input_ids, input_ids),
-            (self.positions, positions),
-            (self.out_cache_loc, out_cache_loc),
+            (self.input_ids, fb.input_ids),
+            (self.positions, fb.positions),
+            (self.out_cache_loc, fb.out_cache_loc),
         ):
             buf[:t].copy_(src)
             buf[t:pt].zero_()
-        self.req_pool_indices[:bs].copy_(req_pool_indices)
+        self.req_pool_indices[:bs].copy_(fb.req_pool_indices)
         self.req_pool_indices[bs:pb].zero_()
-        self.prefix_lens[:bs].copy_(prefix_lens)
+        self.prefix_lens[:bs].copy_(fb.prefix_lens)
         self.prefix_lens[bs:pb].zero_()
         torch.add(self.prefix_lens[:pb], self.n, out=self.kv_lens[:pb])
-        if self.tree_mask is not None and tree_mask is not None:
-            self.tree_mask[:bs].copy_(tree_mask)
+        if self.tree_mask is not None and fb.tree_mask is not None:
+            self.tree_mask[:bs].copy_(fb.tree_mask)
         for k, v in extras.items():
             self.extras[k][:t].copy_(v)
         self.graphs[pb].replay()
         return tuple(o[:t] for o in self.outputs[pb])
+
+    def can_replay(self, fb: ForwardBatch) -> bool:
+        """A forward this graph computes: its mode, n new tokens per request, a causal or tree
+        attention over prefix + n (no longer KV range), all logits rows."""
+        return (
+            fb.mode == self.mode
+            and fb.host.uniform
+            and fb.host.max_extend == self.n
+            and fb.kv_lens is None
+            and fb.logits_indices is None
+            and (fb.tree_mask is not None) == (self.tree_mask is not None)
+            and 0 < fb.batch_size <= self.max_bs
+        )

@@ -10,6 +10,7 @@ import logging
 import os
 import shutil
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -78,6 +79,17 @@ def convert_gguf(gguf_path: str, out_dir: str) -> str:
     shutil.rmtree(out_dir, ignore_errors=True)
     os.replace(tmp, out_dir)
     return out_dir
+
+
+def load_tokenizer(path: str) -> Any | None:
+    """The model folder's tokenizer, or None when it ships none (token-id-only models)."""
+    if not any(
+        os.path.exists(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer.model")
+    ):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
 
 
 def resolve_model_path(model: str) -> str:

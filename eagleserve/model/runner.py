@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from eagleserve.config import ModelConfig
-from eagleserve.core import ForwardMode
+from eagleserve.config import ModelConfig, ServerArgs
+from eagleserve.core import ForwardMode, ScheduleBatch
 from eagleserve.model.attention import create_attn_backend
-from eagleserve.model.cuda_graph import GraphedForward
+from eagleserve.model.cuda_graph import GraphedForward, graphs_supported
 from eagleserve.model.forward_batch import ForwardBatch, forward_context
 from eagleserve.model.kv_cache import ReqToTokenPool, TokenToKVPool
 from eagleserve.model.llama import LlamaForCausalLM, ModelOutput
@@ -60,6 +60,7 @@ class ModelRunner:
         self.config = model_config
         self.device = device
         self.dtype = dtype
+        self.gguf_path = gguf_path  # set: linears run packed from this GGUF (model/quant.py)
         self.max_context_len = max_context_len
         with torch.device("meta"):
             model = LlamaForCausalLM(model_config, max_context_len, aux_layer_ids)
@@ -93,68 +94,69 @@ class ModelRunner:
             shape_invariant=gguf_path is not None,
         )
 
-        self.graphs: dict[tuple[str, int], GraphedForward] = {}
+        self.graphs: list[GraphedForward] = []
+
+    @classmethod
+    def from_args(
+        cls,
+        args: ServerArgs,
+        model_config: ModelConfig,
+        model_path: str,
+        device: torch.device,
+        max_context_len: int,
+    ) -> ModelRunner:
+        """The served target as `args` ask for it (dtype, pools, backend, packed GGUF weights)."""
+        from eagleserve.model.quant import packed_gguf_path
+
+        return cls(
+            model_config,
+            model_path,
+            device,
+            resolve_dtype(args.dtype, device),
+            args.kv_cache_tokens,
+            args.max_running_requests,
+            max_context_len,
+            args.attention_backend,
+            load_format=args.load_format,
+            gguf_path=packed_gguf_path(args.quantization, args.model, args.dtype, device),
+        )
+
+    def graphs_enabled(self, args: ServerArgs) -> bool:
+        return graphs_supported(self.device, args.disable_cuda_graph, self.attn_backend)
 
     def capture_graphs(self, max_bs: int, verify_tokens: int | None, tree: bool) -> None:
         """Device graphs for decode (and verify with `verify_tokens` per request)."""
-        kinds = [("decode", 1, False)]
+        kinds: list[tuple[ForwardMode, int, bool]] = [("decode", 1, False)]
         if verify_tokens is not None:
             kinds.append(("verify", verify_tokens, tree))
         for mode, n, with_tree in kinds:
             graph = GraphedForward(
                 lambda fb, extras: self._graph_outputs(self.model()),
-                lambda _mode=mode, **kw: ForwardBatch(
-                    mode=_mode,
-                    kv_pool=self.token_to_kv_pool,
-                    attn_backend=self.attn_backend,
-                    **kw,
-                ),
+                mode,
+                self.token_to_kv_pool,
+                self.attn_backend,
                 self.device,
                 max_bs,
                 n,
                 tree=with_tree,
             )
             graph.capture()
-            self.graphs[(mode, n)] = graph
+            self.graphs.append(graph)
 
     def _graph_outputs(self, out: ModelOutput) -> tuple[torch.Tensor, ...]:
         aux = () if out.aux_hidden_states is None else (out.aux_hidden_states,)
         return (out.logits, out.hidden_states, *aux)
 
     @torch.inference_mode()
-    def forward(
-        self,
-        mode: ForwardMode,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        out_cache_loc: torch.Tensor,
-        req_pool_indices: torch.Tensor,
-        prefix_lens: torch.Tensor,
-        extend_lens: torch.Tensor,
-        logits_indices: torch.Tensor | None = None,
-        tree_mask: torch.Tensor | None = None,
-        kv_lens: torch.Tensor | None = None,
-    ) -> ModelOutput:
-        bs = req_pool_indices.shape[0]
-        graph = self.graphs.get((mode, input_ids.shape[0] // max(bs, 1)))
-        if graph is not None and graph.can_run(bs) and logits_indices is None and kv_lens is None:
-            logits, hidden, *aux = graph.replay(
-                input_ids, positions, out_cache_loc, req_pool_indices, prefix_lens, tree_mask
-            )
-            return ModelOutput(logits, hidden, aux[0] if aux else None)
-        fb = ForwardBatch(
-            mode=mode,
-            input_ids=input_ids,
-            positions=positions,
-            out_cache_loc=out_cache_loc,
-            req_pool_indices=req_pool_indices,
-            prefix_lens=prefix_lens,
-            extend_lens=extend_lens,
-            kv_pool=self.token_to_kv_pool,
-            attn_backend=self.attn_backend,
-            logits_indices=logits_indices,
-            tree_mask=tree_mask,
-            kv_lens=kv_lens,
-        )
+    def forward(self, fb: ForwardBatch) -> ModelOutput:
+        """One target forward: a captured graph when one computes `fb`, else eager."""
+        for graph in self.graphs:
+            if graph.can_replay(fb):
+                logits, hidden, *aux = graph.replay(fb)
+                return ModelOutput(logits, hidden, aux[0] if aux else None)
         with forward_context(fb):
             return self.model()
+
+    def forward_batch(self, batch: ScheduleBatch) -> ModelOutput:
+        """The target forward of a scheduled prefill or decode batch."""
+        return self.forward(ForwardBatch.init_new(batch, self.token_to_kv_pool, self.attn_backend))

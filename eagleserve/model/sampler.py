@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from eagleserve.core import Req
+from eagleserve.core import GenerationBatchResult, Req
 
 
 @dataclass
@@ -98,3 +98,14 @@ def top_logprobs(
     chosen = logp.gather(-1, token_ids.view(-1, 1)).squeeze(-1)
     vals, ids = logp.topk(k, dim=-1) if k > 0 else (logp[:, :0], token_ids.view(-1, 1)[:, :0])
     return chosen, vals, ids
+
+
+def sample_with_logprobs(logits: torch.Tensor, reqs: list[Req]) -> GenerationBatchResult:
+    """One next token per row of `logits` (row i for reqs[i]), with logprobs when any asks."""
+    info = SamplingInfo.from_reqs(reqs, logits.shape[-1], logits.device)
+    next_ids = sample(logits, info)
+    if all(r.sampling_params.logprobs is None for r in reqs):
+        return GenerationBatchResult(next_ids)
+    k = max((r.sampling_params.logprobs or 0) for r in reqs)
+    chosen, vals, ids = top_logprobs(logits, next_ids, k)
+    return GenerationBatchResult(next_ids, None, chosen, vals, ids)

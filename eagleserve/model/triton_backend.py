@@ -1,7 +1,7 @@
 """Attention backend on the Triton paged kernels (GPU path; also runs under TRITON_INTERPRET=1).
 
-Per forward, `init_forward_metadata` builds every index tensor and the host-side sizes once (a
-single device->host sync); `forward` then only writes K/V and launches kernels, per layer.
+Per forward, `init_forward_metadata` builds every index tensor once from the ForwardBatch and
+its host bounds (no device->host sync); `forward` then only writes K/V and launches kernels.
 """
 
 from __future__ import annotations
@@ -44,17 +44,11 @@ class TritonAttnBackend:
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         extend_lens = fb.extend_lens
         kv_lens = fb.prefix_lens + extend_lens if fb.kv_lens is None else fb.kv_lens
-        bs = fb.batch_size
-        if bs > 0:
-            # The only device->host sync of the forward: grid sizes must be host ints.
-            max_extend, min_extend, max_kv_len = torch.stack(
-                [extend_lens.max(), extend_lens.min(), kv_lens.max()]
-            ).tolist()
-        else:
-            max_extend = min_extend = max_kv_len = 0
+        # Grid sizes are host ints: the scheduler's bounds, never a read of the device lengths.
+        max_extend, max_kv_len = fb.host.max_extend, fb.host.max_kv
         if fb.tree_mask is not None:
             kind = "tree"
-        elif max_extend == 1 and min_extend == 1:
+        elif max_extend == 1 and fb.host.uniform:
             # One query per request (decode, chain drafting, or a 1-token extend): the query is
             # the last position of its KV range, exactly what the split-KV decode kernel computes.
             kind = "decode"
@@ -76,7 +70,7 @@ class TritonAttnBackend:
         new tokens; the split count covers the longest possible row."""
         extend_lens = fb.extend_lens
         assert fb.kv_lens is not None, "graph capture needs a static kv_lens buffer"
-        n = int(extend_lens[0]) if extend_lens.shape[0] else 0
+        n = fb.host.max_extend
         kind = "tree" if fb.tree_mask is not None else ("decode" if n == 1 else "extend")
         fb.attn_metadata = TritonAttnMetadata(
             kind=kind,

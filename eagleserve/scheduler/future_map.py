@@ -32,29 +32,28 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
+
+from eagleserve.core import EagleDraftInput
 
 if TYPE_CHECKING:
     from eagleserve.core import ScheduleBatch
 
 DISABLE_COMPILE_ENV = "EAGLESERVE_DISABLE_COMPILE"
 
-_GatherResult = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]
+_GatherResult = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 def _gather_spec_extras_eager(
     indices: torch.Tensor,
     topk_p_buf: torch.Tensor,
     topk_index_buf: torch.Tensor,
-    output_tokens_buf: torch.Tensor,
-    hidden_states_buf: torch.Tensor | None,
+    hidden_states_buf: torch.Tensor,
 ) -> _GatherResult:
-    """The four row gathers at `indices` [bs]: -> [bs, topk], [bs, topk], [bs], [bs, h] | None."""
-    hidden = hidden_states_buf[indices] if hidden_states_buf is not None else None
-    return topk_p_buf[indices], topk_index_buf[indices], output_tokens_buf[indices], hidden
+    """The three row gathers at `indices` [bs]: -> [bs, topk], [bs, topk], [bs, h]."""
+    return topk_p_buf[indices], topk_index_buf[indices], hidden_states_buf[indices]
 
 
 # Created on first use: building the compiled wrapper imports dynamo/inductor, which must not
@@ -73,7 +72,7 @@ def _get_compiled_gather() -> Callable[..., _GatherResult]:
     if _compiled_gather is None:
         with _compile_lock:
             if _compiled_gather is None:
-                # combo_kernels fuses the four differently-shaped gathers horizontally into one
+                # combo_kernels fuses the three differently-shaped gathers horizontally into one
                 # launch on GPUs (inductor otherwise emits one kernel per output).
                 _compiled_gather = torch.compile(
                     _gather_spec_extras_eager, dynamic=True, options={"combo_kernels": True}
@@ -98,34 +97,18 @@ def _gather_spec_extras(
     indices: torch.Tensor,
     topk_p_buf: torch.Tensor,
     topk_index_buf: torch.Tensor,
-    output_tokens_buf: torch.Tensor,
-    hidden_states_buf: torch.Tensor | None,
+    hidden_states_buf: torch.Tensor,
 ) -> _GatherResult:
-    """Gathers rows `indices` [bs] of the spec relay buffers in one fused (compiled) kernel.
+    """Gathers rows `indices` [bs] of the draft relay buffers in one fused (compiled) kernel.
 
-    Returns (topk_p [bs, topk], topk_index [bs, topk], output_tokens [bs], hidden [bs, h] or
-    None when `hidden_states_buf` is None). Compiled lazily with `torch.compile(dynamic=True)`;
-    at most one graph per (hidden / no hidden, dtypes, topk) configuration, independent of bs.
-    `EAGLESERVE_DISABLE_COMPILE=1` runs the eager gathers instead.
+    Returns (topk_p [bs, topk], topk_index [bs, topk], hidden [bs, h]). Compiled lazily with
+    `torch.compile(dynamic=True)`; one graph per (dtypes, topk) configuration, independent of
+    bs. `EAGLESERVE_DISABLE_COMPILE=1` runs the eager gathers instead.
     """
     if _compile_disabled() or indices.numel() == 0:
-        return _gather_spec_extras_eager(
-            indices, topk_p_buf, topk_index_buf, output_tokens_buf, hidden_states_buf
-        )
+        return _gather_spec_extras_eager(indices, topk_p_buf, topk_index_buf, hidden_states_buf)
     _mark_batch_dim_unbacked(indices)
-    return _get_compiled_gather()(
-        indices, topk_p_buf, topk_index_buf, output_tokens_buf, hidden_states_buf
-    )
-
-
-@dataclass
-class SpecExtras:
-    """Relay values of the previous iteration for one spec batch, in batch order."""
-
-    topk_p: torch.Tensor  # [bs, topk] draft top-k probabilities
-    topk_index: torch.Tensor  # [bs, topk] draft top-k token ids
-    bonus_tokens: torch.Tensor  # [bs] int64, the verified (root) token of the next tree
-    hidden_states: torch.Tensor | None  # [bs, h], None when the draft head needs none
+    return _get_compiled_gather()(indices, topk_p_buf, topk_index_buf, hidden_states_buf)
 
 
 class _HostPublishCounter:
@@ -186,10 +169,10 @@ class FutureMap:
         # -1 everywhere: an unstashed slot trips the `seq_lens > 0` guard.
         self.output_tokens_buf = torch.full((rows,), -1, dtype=torch.int64, device=self.device)
         self.new_seq_lens_buf = torch.full((rows,), -1, dtype=torch.int64, device=self.device)
-        # Spec payload buffers: shapes/dtypes unknown until the first stash that carries them.
+        # Draft relay buffers: shapes/dtypes come with `warm_up` or the first `stash_draft`.
         self.topk_p_buf: torch.Tensor | None = None  # [rows, topk]
         self.topk_index_buf: torch.Tensor | None = None  # [rows, topk]
-        self.hidden_states_buf: torch.Tensor | None = None  # [rows, h]; None: head needs none
+        self.hidden_states_buf: torch.Tensor | None = None  # [rows, h]
         # Set by the first stash with new_seq_lens (spec). Without spec the host tracks seq lens
         # itself and both seq-len resolves are no-ops.
         self.relays_seq_lens = False
@@ -217,38 +200,55 @@ class FutureMap:
     def stash(
         self,
         future_indices: torch.Tensor,
-        output_tokens: torch.Tensor | None,
+        output_tokens: torch.Tensor,
         new_seq_lens: torch.Tensor | None = None,
-        topk_p: torch.Tensor | None = None,
-        topk_index: torch.Tensor | None = None,
-        hidden_states: torch.Tensor | None = None,
     ) -> None:
-        """Writes this forward's results into the rows `future_indices` [bs] (device, in order).
+        """Writes this forward's tokens into the rows `future_indices` [bs] (device, in order).
 
         output_tokens [bs]: next token (no spec) or bonus token (spec). new_seq_lens [bs]:
-        post-verify lengths. topk_p / topk_index [bs, topk] (together), hidden_states [bs, h].
-        Any argument may be None to stash only part (e.g. seq lens before `publish`, the draft
-        extend's outputs afterwards).
+        post-verify lengths (spec; the host reads them after `publish`).
         """
         if future_indices.numel() == 0:
             return  # idle batch: nothing to write
         idx = future_indices.to(self.device, torch.int64, non_blocking=True)
-        if output_tokens is not None:
-            self._copy_rows(self.output_tokens_buf, idx, output_tokens)
+        self._copy_rows(self.output_tokens_buf, idx, output_tokens)
         if new_seq_lens is not None:
             self._copy_rows(self.new_seq_lens_buf, idx, new_seq_lens)
             self.relays_seq_lens = True
-        assert (topk_p is None) == (topk_index is None), "topk_p and topk_index go together"
-        if topk_p is not None and topk_index is not None:
-            if self.topk_p_buf is None or self.topk_index_buf is None:
-                self.topk_p_buf = self._alloc_like_rows(topk_p)
-                self.topk_index_buf = self._alloc_like_rows(topk_index)
-            self._copy_rows(self.topk_p_buf, idx, topk_p)
-            self._copy_rows(self.topk_index_buf, idx, topk_index)
-        if hidden_states is not None:
-            if self.hidden_states_buf is None:
-                self.hidden_states_buf = self._alloc_like_rows(hidden_states)
-            self._copy_rows(self.hidden_states_buf, idx, hidden_states)
+
+    def stash_draft(self, future_indices: torch.Tensor, info: EagleDraftInput) -> None:
+        """Writes the draft extend's seed (top-k and feature) into the rows `future_indices`."""
+        if future_indices.numel() == 0:
+            return
+        idx = future_indices.to(self.device, torch.int64, non_blocking=True)
+        if self.topk_p_buf is None:
+            self._alloc_draft_bufs(info.topk_p, info.topk_index, info.hidden_states)
+        assert self.topk_p_buf is not None and self.topk_index_buf is not None
+        assert self.hidden_states_buf is not None
+        # A feature rounded on its way through the relay would change the next draft.
+        assert info.hidden_states.dtype == self.hidden_states_buf.dtype, "warm_up dtype"
+        self._copy_rows(self.topk_p_buf, idx, info.topk_p)
+        self._copy_rows(self.topk_index_buf, idx, info.topk_index)
+        self._copy_rows(self.hidden_states_buf, idx, info.hidden_states)
+
+    def warm_up(self, topk: int, hidden_size: int, dtype: torch.dtype) -> None:
+        """Allocates the draft relay buffers and compiles the gather before the first request
+        (otherwise the first speculative decode after start-up pays the compile)."""
+        dev = self.device
+        self._alloc_draft_bufs(
+            torch.empty(0, topk, device=dev),
+            torch.empty(0, topk, dtype=torch.int64, device=dev),
+            torch.empty(0, hidden_size, dtype=dtype, device=dev),
+        )
+        assert self.topk_p_buf is not None and self.topk_index_buf is not None
+        assert self.hidden_states_buf is not None
+        idx = torch.ones(2, dtype=torch.int64, device=dev)
+        _gather_spec_extras(idx, self.topk_p_buf, self.topk_index_buf, self.hidden_states_buf)
+
+    def _alloc_draft_bufs(self, *samples: torch.Tensor) -> None:
+        self.topk_p_buf, self.topk_index_buf, self.hidden_states_buf = (
+            self._alloc_like_rows(t) for t in samples
+        )
 
     def stash_failed(self, future_indices: torch.Tensor, seq_lens: torch.Tensor | None) -> None:
         """A forward raised: fills its rows with harmless values for the batch launched after it.
@@ -316,13 +316,14 @@ class FutureMap:
 
     # ---- consumer side ---------------------------------------------------------------------
 
-    def resolve_future(self, batch: ScheduleBatch) -> SpecExtras | None:
+    def resolve_future(self, batch: ScheduleBatch) -> EagleDraftInput | None:
         """Forward side, before the model runs: replaces placeholders by stashed values.
 
         Runs entirely on the device in stream order (no host sync):
-        - `batch.input_ids`: every negative id `-f` becomes `output_tokens_buf[f]`; other ids
-          pass through, so extend tokens and decode placeholders can share a batch.
-        - with spec buffers and `batch.future_indices`: returns the gathered `SpecExtras`.
+        - `batch.input_ids`: every negative id `-f` becomes `output_tokens_buf[f]` (the next or
+          bonus token); other ids pass through, so extend tokens and decode placeholders can
+          share a batch.
+        - with draft buffers and `batch.future_indices`: returns the gathered draft seed.
         - once seq lens are relayed: `batch.seq_lens = new_seq_lens_buf[future_indices]`,
           followed by an async guard that all are > 0 (catches unstashed/poisoned slots).
         """
@@ -335,17 +336,15 @@ class FutureMap:
             batch.input_ids = resolved_ids
 
         fi = batch.future_indices
-        extras: SpecExtras | None = None
+        info: EagleDraftInput | None = None
         if fi is not None and fi.numel() > 0:
-            if self.topk_p_buf is not None and self.topk_index_buf is not None:
-                topk_p, topk_index, bonus, hidden = _gather_spec_extras(
-                    fi,
-                    self.topk_p_buf,
-                    self.topk_index_buf,
-                    self.output_tokens_buf,
-                    self.hidden_states_buf,
+            if self.topk_p_buf is not None:
+                assert self.topk_index_buf is not None and self.hidden_states_buf is not None
+                info = EagleDraftInput(
+                    *_gather_spec_extras(
+                        fi, self.topk_p_buf, self.topk_index_buf, self.hidden_states_buf
+                    )
                 )
-                extras = SpecExtras(topk_p, topk_index, bonus, hidden)
             if self.relays_seq_lens:
                 batch.seq_lens = self.new_seq_lens_buf[fi]
                 # Every committed length is >= 1; -1 means the slot was never stashed (or was
@@ -359,10 +358,8 @@ class FutureMap:
                 torch._assert_async((resolved_ids >= 0).all())
                 self.output_tokens_buf.index_fill_(0, (-ids).clamp(min=0), -1)
             if fi is not None and fi.numel() > 0:
-                if extras is not None:
-                    torch._assert_async((extras.bonus_tokens >= 0).all())
                 self._poison_rows(fi)
-        return extras
+        return info
 
     def _poison_rows(self, fi: torch.Tensor) -> None:
         for buf in (

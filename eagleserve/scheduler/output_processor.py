@@ -2,36 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-import torch
-
 from eagleserve.core import FinishReason, Req
 from eagleserve.messages import TokenOutput
-
-
-@dataclass
-class GenerationBatchResult:
-    """What one run_batch produced; device tensors until the scheduler copies them to the host."""
-
-    next_token_ids: torch.Tensor  # [bs] int64, or [bs, stride] with speculation
-    accept_lens: torch.Tensor | None = None  # [bs] tokens committed per request (spec only)
-    logprobs: torch.Tensor | None = None  # [bs] or [bs, stride] logprob of each token
-    top_logprob_vals: torch.Tensor | None = None  # [..., k]
-    top_logprob_ids: torch.Tensor | None = None  # [..., k]
-    accepted_per_position: list[int] | None = None  # spec: accepted drafts at each depth
-
-    def to_host(self) -> GenerationBatchResult:
-        """Copies the tensors to the host (waits for the forward that made them)."""
-        cpu = lambda t: None if t is None else t.to("cpu")
-        return GenerationBatchResult(
-            cpu(self.next_token_ids),
-            cpu(self.accept_lens),
-            cpu(self.logprobs),
-            cpu(self.top_logprob_vals),
-            cpu(self.top_logprob_ids),
-            self.accepted_per_position,
-        )
 
 
 class StopChecker:

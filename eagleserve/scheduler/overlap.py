@@ -15,15 +15,20 @@ from typing import Any
 
 import torch
 
-from eagleserve.core import EagleDraftInput, ScheduleBatch
+from eagleserve.core import GenerationBatchResult, ScheduleBatch
 from eagleserve.device import device_module
 from eagleserve.scheduler.future_map import FutureMap
-from eagleserve.scheduler.output_processor import GenerationBatchResult
+from eagleserve.scheduler.target_worker import TargetWorker
+from eagleserve.spec.eagle_worker import EagleWorker
 
 
 class OverlapForwarder:
     def __init__(
-        self, worker: Any, future_map: FutureMap, device: torch.device, is_spec: bool
+        self,
+        worker: TargetWorker | EagleWorker,
+        future_map: FutureMap,
+        device: torch.device,
+        is_spec: bool,
     ) -> None:
         self.worker = worker
         self.future_map = future_map
@@ -71,11 +76,9 @@ class OverlapForwarder:
             published = True
 
         try:
-            extras = fm.resolve_future(batch)
-            if extras is not None:
-                batch.spec_info = EagleDraftInput(
-                    extras.topk_p, extras.topk_index, extras.hidden_states
-                )
+            info = fm.resolve_future(batch)
+            if info is not None:
+                batch.spec_info = info
             # The lengths it starts from: what a failed forward leaves for the next one. No copy:
             # workers assign new seq_lens tensors, never write into this one.
             start_seq_lens = batch.seq_lens
@@ -84,14 +87,7 @@ class OverlapForwarder:
                 fm.stash(fi, result.next_token_ids)
             else:
                 result = self.worker.forward_batch_generation(batch, on_verified=on_verified)
-                info: EagleDraftInput = batch.spec_info
-                fm.stash(
-                    fi,
-                    None,
-                    topk_p=info.topk_p,
-                    topk_index=info.topk_index,
-                    hidden_states=info.hidden_states,
-                )
+                fm.stash_draft(fi, batch.spec_info)
         except BaseException:
             # The scheduler fails this batch's requests when it collects the result; until
             # then the next batch must neither wait forever for the publish nor read garbage.

@@ -10,36 +10,24 @@ from concurrent.futures import Future
 import torch
 
 from eagleserve.config import ModelConfig, ServerArgs
-from eagleserve.core import FinishReason, Req, ScheduleBatch
+from eagleserve.core import FinishReason, GenerationBatchResult, Req, ScheduleBatch
 from eagleserve.device import pick_device
 from eagleserve.messages import EngineStats, GenerateReqInput, TokenOutput
-from eagleserve.model.cuda_graph import graphs_supported
-from eagleserve.model.loader import resolve_model_path
-from eagleserve.model.quant import packed_gguf_path
-from eagleserve.model.runner import ModelRunner, resolve_dtype
+from eagleserve.model.loader import load_tokenizer, resolve_model_path
+from eagleserve.model.runner import ModelRunner
 from eagleserve.scheduler.future_map import FutureMap
 from eagleserve.scheduler.output_processor import (
-    GenerationBatchResult,
     StopChecker,
     append_tokens,
     make_output,
 )
 from eagleserve.scheduler.overlap import OverlapForwarder
 from eagleserve.scheduler.target_worker import TargetWorker
+from eagleserve.spec.eagle_worker import EagleWorker
 
 logger = logging.getLogger(__name__)
 
 MAX_PREFILL_TOKENS = 8192
-
-
-def _load_tokenizer(path: str) -> object | None:
-    if not any(
-        os.path.exists(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer.model")
-    ):
-        return None
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(path)
 
 
 class Scheduler:
@@ -48,7 +36,7 @@ class Scheduler:
         self.device = pick_device(args.device)
         self.model_path = resolve_model_path(args.model)
         self.model_config = ModelConfig.from_dir(self.model_path)
-        self.tokenizer = _load_tokenizer(self.model_path)
+        self.tokenizer = load_tokenizer(self.model_path)
         self.spec_config = args.spec_config
         cfg = self.model_config
         self.max_context_len = min(
@@ -56,39 +44,14 @@ class Scheduler:
         )
         # Speculation writes up to alloc_len positions past the committed length per step.
         self.alloc_len = self.spec_config.alloc_len_per_decode if self.spec_config else 1
-        dtype = resolve_dtype(args.dtype, self.device)
-        self.gguf_path = packed_gguf_path(args.quantization, args.model, args.dtype, self.device)
-        if self.spec_config is None:
-            runner = ModelRunner(
-                cfg,
-                self.model_path,
-                self.device,
-                dtype,
-                args.kv_cache_tokens,
-                args.max_running_requests,
-                self.max_context_len + 2 * self.alloc_len,
-                args.attention_backend,
-                load_format=args.load_format,
-                gguf_path=self.gguf_path,
-            )
-            if graphs_supported(self.device, args.disable_cuda_graph, runner.attn_backend):
-                runner.capture_graphs(
-                    min(args.cuda_graph_max_bs, args.max_running_requests), None, False
-                )
-            self.worker = TargetWorker(runner)
-        else:
-            from eagleserve.spec.eagle_worker import EagleWorker
-
-            self.worker = EagleWorker(
-                cfg,
-                self.model_path,
-                self.spec_config,
-                self.device,
-                dtype,
-                args,
-                self.max_context_len + 2 * self.alloc_len,
-                gguf_path=self.gguf_path,
-            )
+        runner = ModelRunner.from_args(
+            args, cfg, self.model_path, self.device, self.max_context_len + 2 * self.alloc_len
+        )
+        self.worker: TargetWorker | EagleWorker = (
+            TargetWorker(runner, args)
+            if self.spec_config is None
+            else EagleWorker(runner, self.spec_config, args)
+        )
         self.req_to_token_pool = self.worker.req_to_token_pool
         self.kv_pool = self.worker.token_to_kv_pool
         self.stop_checker = StopChecker(self.tokenizer)
@@ -108,6 +71,12 @@ class Scheduler:
             self.forwarder = OverlapForwarder(
                 self.worker, self.future_map, self.device, self.spec_config is not None
             )
+            if isinstance(self.worker, EagleWorker):
+                self.future_map.warm_up(
+                    self.worker.spec.eagle_topk,
+                    self.worker.drafter.head.hidden_size,
+                    self.worker.runner.dtype,
+                )
         self.inflight: tuple[list[Req], Future[GenerationBatchResult]] | None = None
         self.deferred_release: list[Req] = []
         self.num_retracted = 0
@@ -282,7 +251,7 @@ class Scheduler:
 
     def _merge_into_running(self, batch: ScheduleBatch) -> None:
         """A prefilled batch joins the running batch; its next inputs are already set."""
-        self.worker.extend_to_decode(batch)
+        batch.extend_to_decode()
         if self.running_batch is None:
             self.running_batch = batch
         else:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["AcceptResult", "verify_greedy", "verify_sampling"]
+__all__ = ["AcceptResult", "commit_tree_path", "verify_greedy", "verify_sampling"]
 
 
 @dataclass
@@ -213,3 +213,32 @@ def verify_sampling(
     residual = torch.where(tiny, full, residual)
     bonus = _sample_from(residual, u[:, 0])
     return _assemble(tokens, accept_index, lens, bonus)
+
+
+def commit_tree_path(
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    accept_index: torch.Tensor,
+    n: int,
+) -> None:
+    """Permutes the slots of positions [L, L + n) of each request (L = seq_lens) so the accepted
+    nodes sit at L, L + 1, ... in path order; no KV is copied. Rejected nodes keep their slots
+    (behind the path), so the request still owns exactly the slots it owned."""
+    device = accept_index.device
+    node = torch.arange(n, device=device)
+    cols = seq_lens[:, None] + node[None, :]  # [bs, n]
+    rows = req_pool_indices[:, None].expand(-1, n)
+    slots = req_to_token[rows, cols]  # [bs, n]
+    d = accept_index.shape[1]
+    valid = accept_index >= 0
+    # Sort key: accepted node at path step k -> k - d (negative), others -> their node index.
+    path_rank = torch.where(
+        valid, torch.arange(d, device=device)[None, :] - d, torch.zeros_like(accept_index)
+    )
+    path_key = torch.zeros_like(cols).scatter_reduce_(
+        1, accept_index.clamp(min=0), path_rank, reduce="amin", include_self=True
+    )
+    key = torch.where(path_key < 0, path_key, node[None, :].expand_as(cols))
+    order = key.argsort(dim=1)
+    req_to_token[rows, cols] = slots.gather(1, order)

@@ -51,6 +51,9 @@ def _stable_topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     tree relies on a parent (lower flat index, score >= child's) being picked before an
     equal-score child, so ties are broken by index with a stable descending sort.
     """
+    if k == 1:  # max returns the first index of the maximum: no sort needed
+        values, indices = x.max(dim=-1, keepdim=True)
+        return values, indices
     values, indices = torch.sort(x, dim=-1, descending=True, stable=True)
     return values[..., :k], indices[..., :k]
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from eagleserve.model.forward_batch import ForwardBatch, forward_context
+from eagleserve.model.forward_batch import ForwardBatch, HostLens, forward_context
 from eagleserve.model.llama import LlamaForCausalLM
 
 
@@ -57,6 +57,7 @@ def dense_forward_batch(ids: list[torch.Tensor], backend: DenseCausalBackend) ->
         req_pool_indices=torch.arange(len(ids)),
         prefix_lens=torch.zeros_like(lens),
         extend_lens=lens,
+        host=HostLens.of(lens.tolist(), lens.tolist()),
         kv_pool=None,  # type: ignore[arg-type]  # never touched by this backend
         attn_backend=backend,
     )

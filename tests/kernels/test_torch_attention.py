@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from attention_refs import padded_metadata
 
-from eagleserve.kernels.torch_attention import build_padded_metadata, padded_attention
+from eagleserve.kernels.torch_attention import padded_attention
 
 
 def paged(num_slots: int, hkv: int, d: int, gen: torch.Generator) -> tuple[torch.Tensor, ...]:
@@ -34,11 +35,11 @@ def test_fp64_decode_equals_verify_bitwise(seed: int) -> None:
     # verify: all n queries of request 1 in one causal forward, next to request 2's decode
     prefix_lens = torch.tensor([prefix, other - 1])
     extend_lens = torch.tensor([n, 1])
-    md = build_padded_metadata(req_to_token, torch.tensor([1, 2]), prefix_lens, extend_lens)
+    md = padded_metadata(req_to_token, torch.tensor([1, 2]), prefix_lens, extend_lens)
     q_other = torch.randn(1, h, d, generator=gen)
     verify = padded_attention(torch.cat([q, q_other]), k, v, md, scale, torch.float64)[:n]
     for i in range(n):  # decode: query i alone, seeing prefix + i + 1 keys
-        md1 = build_padded_metadata(req_to_token, torch.tensor([1]), torch.tensor([prefix + i]),
+        md1 = padded_metadata(req_to_token, torch.tensor([1]), torch.tensor([prefix + i]),
                                     torch.tensor([1]))  # fmt: skip
         one = padded_attention(q[i : i + 1], k, v, md1, scale, torch.float64)
         assert torch.equal(one[0], verify[i]), i
@@ -61,7 +62,7 @@ def test_uniform_query_fast_path_equals_gather_path(seed: int, n: int) -> None:
     for b in range(bs):
         req_to_token[b, : lens[b] + n] = torch.randperm(2047, generator=gen)[: lens[b] + n] + 1
     q = torch.randn(bs * n, h, d, generator=gen)
-    md = build_padded_metadata(
+    md = padded_metadata(
         req_to_token, torch.arange(bs), lens, torch.full((bs,), n, dtype=torch.long)
     )
     assert md.uniform_q

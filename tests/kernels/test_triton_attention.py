@@ -12,10 +12,11 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
-from eagleserve.kernels import torch_attention as ref  # noqa: E402
+import attention_refs as ref  # noqa: E402
+
 from eagleserve.kernels import triton_attention as tri  # noqa: E402
 from eagleserve.model.attention import TorchAttnBackend  # noqa: E402
-from eagleserve.model.forward_batch import ForwardBatch  # noqa: E402
+from eagleserve.model.forward_batch import ForwardBatch, HostLens  # noqa: E402
 from eagleserve.model.kv_cache import TokenToKVPool  # noqa: E402
 from eagleserve.model.triton_backend import TritonAttnBackend  # noqa: E402
 
@@ -282,6 +283,10 @@ class BackendHarness:
                 req_pool_indices=rpi,
                 prefix_lens=torch.tensor(prefix_lens),
                 extend_lens=torch.tensor(extend_lens),
+                host=HostLens.of(
+                    extend_lens,
+                    kv_lens or [p + e for p, e in zip(prefix_lens, extend_lens)],
+                ),
                 kv_pool=self.pool,
                 attn_backend=be,
                 tree_mask=tree_mask,

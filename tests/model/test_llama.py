@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import forward_tokens
 from transformers import AutoModelForCausalLM
 
 from eagleserve.config import ModelConfig
@@ -78,7 +79,8 @@ def check_paged_parity(model_dir: str, vocab: int, lengths: list[int], seed: int
         lo = [lo_of(i) for i in range(bs)]
         hi = [hi_of(i) if hi_of(i) is not None else lengths[i] for i in range(bs)]
         ext = [h - lo_i for lo_i, h in zip(lo, hi, strict=True)]
-        out = runner.forward(
+        out = forward_tokens(
+            runner,
             "extend",
             input_ids=torch.tensor(
                 [t for p, a, b in zip(prompts, lo, hi, strict=True) for t in p[a:b]]
@@ -102,7 +104,8 @@ def check_paged_parity(model_dir: str, vocab: int, lengths: list[int], seed: int
 
     seq = torch.tensor(lengths)
     for step in range(DECODE_STEPS):
-        out = runner.forward(
+        out = forward_tokens(
+            runner,
             "decode",
             input_ids=torch.tensor([d[step] for d in decode]),
             positions=seq.clone(),

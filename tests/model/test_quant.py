@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from conftest import forward_tokens
 
 from eagleserve.model.gguf_weights import QuantTensor, unpack_blocks
 from eagleserve.model.quant import BF16Linear, Int4Linear, Int8Linear, Q8Int4Linear, pack_quant
@@ -125,7 +126,8 @@ def _prefill_logits(runner: object, ids: torch.Tensor) -> torch.Tensor:
     n = ids.numel()
     loc = runner.token_to_kv_pool.alloc(n)  # type: ignore[attr-defined]
     runner.req_to_token_pool.req_to_token[0, :n] = loc  # type: ignore[attr-defined]
-    out = runner.forward(  # type: ignore[attr-defined]
+    out = forward_tokens(
+        runner,
         "extend",
         ids,
         torch.arange(n),

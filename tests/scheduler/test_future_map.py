@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import eagleserve.scheduler.future_map as fm_mod
-from eagleserve.core import ScheduleBatch
+from eagleserve.core import EagleDraftInput, ScheduleBatch
 from eagleserve.scheduler.future_map import (
     DISABLE_COMPILE_ENV,
     FutureMap,
@@ -51,9 +51,9 @@ def eager_gather(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.usefixtures("eager_gather")
 @pytest.mark.parametrize("topk", [1, 4])
-@pytest.mark.parametrize("hidden", [None, 16])
-def test_spec_round_trip(topk: int, hidden: int | None) -> None:
-    gen = torch.Generator().manual_seed(topk * 100 + (hidden or 0))
+@pytest.mark.parametrize("hidden", [8, 16])
+def test_spec_round_trip(topk: int, hidden: int) -> None:
+    gen = torch.Generator().manual_seed(topk * 100 + hidden)
     fmap = FutureMap(POOL, CPU)
     bs = 11
     slots = _rand_slots(gen, bs)
@@ -64,12 +64,11 @@ def test_spec_round_trip(topk: int, hidden: int | None) -> None:
     new_seq_lens = torch.randint(1, 4096, (bs,), generator=gen)
     topk_p = torch.rand(bs, topk, generator=gen) + 0.01
     topk_index = torch.randint(1, 32000, (bs, topk), generator=gen)
-    hs = torch.randn(bs, hidden, generator=gen) if hidden is not None else None
+    hs = torch.randn(bs, hidden, generator=gen)
     # Two-phase stash as the worker does it: seq lens before publish, draft outputs after.
     fmap.stash(fi, bonus, new_seq_lens=new_seq_lens)
     fmap.publish()
-    fmap.stash(fi, None, topk_p=topk_p, topk_index=topk_index, hidden_states=hs)
-    assert (fmap.hidden_states_buf is None) == (hidden is None)
+    fmap.stash_draft(fi, EagleDraftInput(topk_p, topk_index, hs))
 
     # The next batch holds the same requests in a different order.
     perm = torch.randperm(bs, generator=gen)
@@ -83,18 +82,13 @@ def test_spec_round_trip(topk: int, hidden: int | None) -> None:
     assert torch.equal(batch.seq_lens_cpu, new_seq_lens[perm])
     assert batch.seq_lens_sum == int(new_seq_lens.sum())
 
-    extras = fmap.resolve_future(batch)
-    assert extras is not None
-    assert torch.equal(extras.topk_p, topk_p[perm])
-    assert torch.equal(extras.topk_index, topk_index[perm])
-    assert torch.equal(extras.bonus_tokens, bonus[perm])
-    assert torch.equal(batch.input_ids, bonus[perm])
+    info = fmap.resolve_future(batch)
+    assert info is not None
+    assert torch.equal(info.topk_p, topk_p[perm])
+    assert torch.equal(info.topk_index, topk_index[perm])
+    assert torch.equal(info.hidden_states, hs[perm])
+    assert torch.equal(batch.input_ids, bonus[perm])  # the bonus token, through the placeholder
     assert torch.equal(batch.seq_lens, new_seq_lens[perm])
-    if hs is None:
-        assert extras.hidden_states is None
-    else:
-        assert extras.hidden_states is not None
-        assert torch.equal(extras.hidden_states, hs[perm])
 
 
 @pytest.mark.usefixtures("eager_gather")
@@ -134,17 +128,14 @@ def test_unstashed_slot_trips_guard() -> None:
 def test_debug_poison_catches_double_resolve() -> None:
     fmap = FutureMap(POOL, CPU, debug_poison=True)
     fi = torch.tensor([2, 7])
-    fmap.stash(
-        fi,
-        torch.tensor([101, 102]),
-        new_seq_lens=torch.tensor([30, 40]),
-        topk_p=torch.rand(2, 1) + 0.1,
-        topk_index=torch.tensor([[5], [6]]),
+    fmap.stash(fi, torch.tensor([101, 102]), new_seq_lens=torch.tensor([30, 40]))
+    fmap.stash_draft(
+        fi, EagleDraftInput(torch.rand(2, 1) + 0.1, torch.tensor([[5], [6]]), torch.randn(2, 4))
     )
     fmap.publish()
     ok = _batch(input_ids=-fi, future_indices=fi)
-    extras = fmap.resolve_future(ok)
-    assert extras is not None and torch.equal(extras.bonus_tokens, torch.tensor([101, 102]))
+    assert fmap.resolve_future(ok) is not None
+    assert torch.equal(ok.input_ids, torch.tensor([101, 102]))
     # Consumed: a second resolve without a stash in between trips the guard.
     with pytest.raises(RuntimeError):
         fmap.resolve_future(_batch(input_ids=-fi, future_indices=fi))
@@ -180,14 +171,13 @@ def test_resolve_seq_lens_cpu_noop_without_future_indices(monkeypatch: pytest.Mo
 
 
 def _make_bufs(
-    gen: torch.Generator, topk: int, hidden: int | None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    gen: torch.Generator, topk: int, hidden: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     rows = POOL + 1
     topk_p = torch.rand(rows, topk, generator=gen) + 0.01
     topk_index = torch.randint(1, 32000, (rows, topk), generator=gen)
-    tokens = torch.randint(1, 32000, (rows,), generator=gen)
-    hs = torch.randn(rows, hidden, generator=gen) if hidden is not None else None
-    return topk_p, topk_index, tokens, hs
+    hs = torch.randn(rows, hidden, generator=gen)
+    return topk_p, topk_index, hs
 
 
 def _assert_same(a: tuple, b: tuple) -> None:
@@ -205,15 +195,38 @@ def test_compiled_gather_matches_eager_without_recompiles(monkeypatch: pytest.Mo
     stats = torch._dynamo.utils.counters["stats"]
     before = stats["unique_graphs"]
     gen = torch.Generator().manual_seed(3)
-    for hidden in (None, 24):
+    for hidden in (16, 24):
         bufs = _make_bufs(gen, topk=4, hidden=hidden)
         for bs in range(1, 65):
             idx = torch.randint(1, POOL + 1, (bs,), generator=gen)
             got = _gather_spec_extras(idx, *bufs)
             _assert_same(got, _gather_spec_extras_eager(idx, *bufs))
     compiled_graphs = stats["unique_graphs"] - before
-    # One graph per hidden / no-hidden configuration, none per batch size (bs=1 included).
+    # At most one graph per hidden size, none per batch size (bs=1 included).
     assert 1 <= compiled_graphs <= 2, compiled_graphs
+
+
+def test_warm_up_compiles_before_the_first_request(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(DISABLE_COMPILE_ENV, raising=False)
+    torch._dynamo.reset()
+    monkeypatch.setattr(fm_mod, "_compiled_gather", None)
+    fmap = FutureMap(POOL, CPU)
+    fmap.warm_up(topk=2, hidden_size=12, dtype=torch.float32)
+    stats = torch._dynamo.utils.counters["stats"]
+    before = stats["unique_graphs"]
+    gen = torch.Generator().manual_seed(6)
+    fi = FutureMap.alloc_future_indices(_rand_slots(gen, 5))
+    info = EagleDraftInput(
+        torch.rand(5, 2, generator=gen),
+        torch.randint(0, 999, (5, 2), generator=gen),
+        torch.randn(5, 12, generator=gen),
+    )
+    fmap.stash(fi, torch.randint(0, 999, (5,), generator=gen))
+    fmap.stash_draft(fi, info)
+    got = fmap.resolve_future(_batch(input_ids=-fi, future_indices=fi))
+    assert stats["unique_graphs"] == before  # nothing left to compile on the serving path
+    assert got is not None and torch.equal(got.hidden_states, info.hidden_states)
+    assert torch.equal(got.topk_index, info.topk_index)
 
 
 def test_disable_compile_env_gives_identical_results(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -10,11 +10,12 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from conftest import forward_tokens, make_forward_batch
 from safetensors.torch import save_file
 
 from eagleserve.config import ModelConfig
 from eagleserve.model.attention import TorchAttnBackend
-from eagleserve.model.forward_batch import ForwardBatch, forward_context
+from eagleserve.model.forward_batch import forward_context
 from eagleserve.model.kv_cache import ReqToTokenPool, TokenToKVPool
 from eagleserve.model.llama import LlamaForCausalLM
 from eagleserve.model.runner import ModelRunner
@@ -209,7 +210,7 @@ def paged_forward(head: EagleHead, ids: torch.Tensor, feats: list) -> tuple:
     r2t.req_to_token[0, : len(ids)] = loc
     outs = []
     for (a, b), f in zip(((0, SPLIT), (SPLIT, len(ids))), feats, strict=True):
-        fb = ForwardBatch(
+        fb = make_forward_batch(
             mode="extend",
             input_ids=ids[a:b],
             positions=torch.arange(a, b),
@@ -324,8 +325,15 @@ def test_target_aux_features_fit_head(target_dir: str, target: LlamaForCausalLM)
     ids = torch.arange(5)
     loc = runner.token_to_kv_pool.alloc(5)
     runner.req_to_token_pool.req_to_token[0, :5] = loc
-    out = runner.forward(
-        "extend", ids, torch.arange(5), loc, torch.tensor([0]), torch.tensor([0]), torch.tensor([5])
+    out = forward_tokens(
+        runner,
+        "extend",
+        ids,
+        torch.arange(5),
+        loc,
+        torch.tensor([0]),
+        torch.tensor([0]),
+        torch.tensor([5]),
     )
     assert out.aux_hidden_states.shape == (5, head.feature_size)
     logits, nxt = paged_forward(

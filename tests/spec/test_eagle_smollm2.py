@@ -12,6 +12,7 @@ import os
 
 import pytest
 import torch
+from conftest import forward_tokens
 
 from eagleserve import Engine, SamplingParams
 from eagleserve.config import ModelConfig
@@ -32,8 +33,15 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def smol_head(smollm2_dir: str, tmp_path_factory: pytest.TempPathFactory) -> str:
-    runner = ModelRunner(ModelConfig.from_dir(smollm2_dir), smollm2_dir, torch.device("cpu"),
-                         torch.float32, 64, 1, 512)
+    runner = ModelRunner(
+        ModelConfig.from_dir(smollm2_dir),
+        smollm2_dir,
+        torch.device("cpu"),
+        torch.float32,
+        64,
+        1,
+        512,
+    )
     head = init_eagle_head("EAGLE", runner.model, seed=0)
     h = head.hidden_size
     with torch.no_grad():
@@ -45,15 +53,24 @@ def smol_head(smollm2_dir: str, tmp_path_factory: pytest.TempPathFactory) -> str
 
 def excused(engine: Engine, prompt_ids: list[int], prefix: list[int]) -> bool:
     """True when the target's top-2 logits after `prefix` are within 1e-4 (a numerical tie)."""
-    runner = engine.scheduler.worker.target
+    runner = engine.scheduler.worker.runner
     ids = torch.tensor(prompt_ids + prefix)
     r2t, kv = runner.req_to_token_pool, runner.token_to_kv_pool
     idx, loc = r2t.alloc(), kv.alloc(len(ids))
     try:
         r2t.req_to_token[idx, : len(ids)] = loc
         n = torch.tensor([len(ids)])
-        out = runner.forward("extend", ids, torch.arange(len(ids)), loc, torch.tensor([idx]),
-                             torch.tensor([0]), n, logits_indices=n - 1)
+        out = forward_tokens(
+            runner,
+            "extend",
+            ids,
+            torch.arange(len(ids)),
+            loc,
+            torch.tensor([idx]),
+            torch.tensor([0]),
+            n,
+            logits_indices=n - 1,
+        )
         top2 = out.logits[0].topk(2).values
         return float(top2[0] - top2[1]) < 1e-4
     finally:
@@ -62,24 +79,34 @@ def excused(engine: Engine, prompt_ids: list[int], prefix: list[int]) -> bool:
 
 
 @pytest.mark.parametrize(("steps", "topk", "ndt"), [(3, 1, 4), (5, 1, 6), (3, 2, 6)])
-def test_smollm2_spec_greedy_is_lossless(smollm2_dir: str, smol_head: str, steps: int,
-                                         topk: int, ndt: int) -> None:
-    params = [SamplingParams(max_new_tokens=n, temperature=0.0) for n in (40, 24, 32, 40, 16,
-                                                                            40, 8, 32)]
+def test_smollm2_spec_greedy_is_lossless(
+    smollm2_dir: str, smol_head: str, steps: int, topk: int, ndt: int
+) -> None:
+    params = [
+        SamplingParams(max_new_tokens=n, temperature=0.0) for n in (40, 24, 32, 40, 16, 40, 8, 32)
+    ]
     base = Engine(model=smollm2_dir, device="cpu", kv_cache_tokens=4096, max_running_requests=8)
     ref = base.generate(PROMPTS, params)
     del base
-    eng = Engine(model=smollm2_dir, device="cpu", kv_cache_tokens=4096, max_running_requests=8,
-                 speculative_algorithm="EAGLE", speculative_draft_model_path=smol_head,
-                 speculative_num_steps=steps, speculative_eagle_topk=topk,
-                 speculative_num_draft_tokens=ndt)
+    eng = Engine(
+        model=smollm2_dir,
+        device="cpu",
+        kv_cache_tokens=4096,
+        max_running_requests=8,
+        speculative_algorithm="EAGLE",
+        speculative_draft_model_path=smol_head,
+        speculative_num_steps=steps,
+        speculative_eagle_topk=topk,
+        speculative_num_draft_tokens=ndt,
+    )
     got = eng.generate(PROMPTS, params)
     tok = eng.tokenizer
     for prompt, r, g in zip(PROMPTS, ref, got):
         if g["token_ids"] == r["token_ids"]:
             continue
-        j = next((i for i, (a, b) in enumerate(zip(g["token_ids"], r["token_ids"])) if a != b),
-                 None)
+        j = next(
+            (i for i, (a, b) in enumerate(zip(g["token_ids"], r["token_ids"])) if a != b), None
+        )
         assert j is not None, f"{prompt!r}: lengths differ {len(g['token_ids'])} vs ref"
         prompt_ids = tok.encode(prompt, add_special_tokens=False)
         assert excused(eng, prompt_ids, r["token_ids"][:j]), (

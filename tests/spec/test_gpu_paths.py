@@ -56,7 +56,7 @@ def test_gpu_greedy_equals_cpu(
         disable_cuda_graph=not graphs,
         **kw,
     )
-    runner = eng.scheduler.worker.runner if algo is None else eng.scheduler.worker.target
+    runner = eng.scheduler.worker.runner if algo is None else eng.scheduler.worker.runner
     assert bool(runner.graphs) == graphs
     got = run_staggered(eng, _prompts(0), _params())
     assert got == reference

@@ -9,12 +9,13 @@ import os
 
 import pytest
 import torch
+from conftest import make_forward_batch
 from safetensors.torch import load_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from eagleserve import Engine, SamplingParams
 from eagleserve.model.attention import TorchAttnBackend
-from eagleserve.model.forward_batch import ForwardBatch, forward_context
+from eagleserve.model.forward_batch import forward_context
 from eagleserve.model.kv_cache import ReqToTokenPool, TokenToKVPool
 from eagleserve.train.cli import main
 from eagleserve.train.ttt import head_step
@@ -98,7 +99,7 @@ def test_unrolled_forward_matches_worker_draft_path(tiny: tuple[str, str], algor
             n, nxt = j + 1, f[:0]
             for s in range(depths):
                 lo, ln = (0, n) if s == 0 else (j + s, 1)
-                fb = ForwardBatch(
+                fb = make_forward_batch(
                     mode="extend" if s == 0 else "draft",
                     input_ids=x[lo + 1 : lo + 1 + ln],
                     positions=torch.arange(lo, lo + ln),

@@ -1,0 +1,159 @@
+"""The EAGLE draft worker: the head, its KV, and its two kinds of forward.
+
+- `extend`: a head forward over committed tokens (after a prefill, and after each verify over
+  the accepted path); its last row per request seeds the next iteration's draft.
+- `draft`: num_steps head forwards along a chain (topk == 1, preallocated buffers, a device
+  graph where one is captured) or a top-k tree, from the seed the last extend left.
+
+The head's KV uses the target's slot numbers (one allocator, two sets of buffers), so the slots
+the scheduler reserved for a request serve both.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from eagleserve.config import ServerArgs, SpecConfig
+from eagleserve.core import EagleDraftInput, ScheduleBatch
+from eagleserve.model.attention import create_attn_backend
+from eagleserve.model.cuda_graph import GraphedForward
+from eagleserve.model.forward_batch import ForwardBatch, HostLens, forward_context
+from eagleserve.model.kv_cache import TokenToKVPool
+from eagleserve.model.loader import resolve_draft_path
+from eagleserve.model.runner import ModelRunner
+from eagleserve.spec.draft_tree import DraftTree, draft_chain, draft_tree
+from eagleserve.spec.eagle_head import load_eagle_head
+from eagleserve.spec.tree import Topk1ChainBuffers
+
+
+class EagleDraftWorker:
+    def __init__(self, target: ModelRunner, spec: SpecConfig, args: ServerArgs) -> None:
+        self.spec = spec
+        self.device = device = target.device
+        self.req_to_token = target.req_to_token_pool.req_to_token
+        self.head = load_eagle_head(
+            resolve_draft_path(spec.draft_model_path), spec.algorithm, target.model, device,
+            target.dtype,
+        )  # fmt: skip
+        if target.gguf_path is not None:  # a packed target on CPU: the head's matmuls in int8
+            from eagleserve.model.quant import linears_to_int8
+
+            linears_to_int8(self.head)
+        # EAGLE-3 fuses hidden states entering three target layers; the head says which.
+        target.model.aux_layer_ids = self.head.aux_layer_ids
+        hc = self.head.config
+        self.kv_pool = TokenToKVPool(
+            args.kv_cache_tokens, 1, hc.num_key_value_heads, hc.head_dim, target.dtype, device
+        )
+        self.attn_backend = create_attn_backend(
+            "torch" if not spec.is_chain else args.attention_backend,
+            device,
+            self.req_to_token,
+            hc.head_dim**-0.5,
+        )
+        graph_bs = min(args.cuda_graph_max_bs, args.max_running_requests)
+        self.graph: GraphedForward | None = None
+        if spec.is_chain and target.graphs_enabled(args):
+            self.graph = GraphedForward(
+                lambda fb, ex: self.head(fb.input_ids, ex["features"], fb.positions),
+                "draft",
+                self.kv_pool,
+                self.attn_backend,
+                device,
+                graph_bs,
+                1,
+                extra_shapes={"features": ((self.head.hidden_size,), target.dtype)},
+            )
+            self.graph.capture()
+        # Sized for the largest batch that can run, so no batch falls back to the slow path.
+        self.chain_buffers = (
+            Topk1ChainBuffers(
+                max(graph_bs, args.max_running_requests),
+                spec.num_steps,
+                spec.num_draft_tokens,
+                device,
+            )
+            if spec.is_chain
+            else None
+        )
+
+    def extend(
+        self, fb: ForwardBatch, features: torch.Tensor, last_rows: torch.Tensor
+    ) -> EagleDraftInput:
+        """Head forward over `fb`'s tokens (its layout, the head's KV): token j is paired with
+        the target feature of the token before it. Returns the seed of the next draft."""
+        fb = dataclasses.replace(
+            fb,
+            mode="extend",
+            kv_pool=self.kv_pool,
+            attn_backend=self.attn_backend,
+            logits_indices=None,
+            tree_mask=None,
+            attn_metadata=None,
+        )
+        with forward_context(fb):
+            logits, feats = self.head(fb.input_ids, features, fb.positions)
+        probs = torch.softmax(logits[last_rows], dim=-1)
+        topk_p, topk_ids = probs.topk(self.spec.eagle_topk, dim=-1)
+        return EagleDraftInput(topk_p, self.head.to_target_ids(topk_ids), feats[last_rows])
+
+    def draft(self, batch: ScheduleBatch, info: EagleDraftInput) -> DraftTree:
+        """num_steps head steps from `info`; batch.seq_lens are the committed lengths L."""
+        spec = self.spec
+        assert batch.seq_lens_cpu is not None, "drafting needs the scheduler's host seq lens"
+        max_len = int(batch.seq_lens_cpu.max())
+
+        def step(ids: torch.Tensor, feats: torch.Tensor, depth: int, mask: torch.Tensor | None):
+            return self._step(batch, max_len, ids, feats, depth, mask)
+
+        if spec.is_chain:
+            assert self.chain_buffers is not None
+            return draft_chain(info, spec.num_steps, step, self.chain_buffers)
+        return draft_tree(info, spec.num_steps, spec.eagle_topk, spec.num_draft_tokens, step)
+
+    def _step(
+        self,
+        batch: ScheduleBatch,
+        max_len: int,
+        input_ids: torch.Tensor,
+        feats: torch.Tensor,
+        depth: int,
+        region_mask: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Head forward for draft depth `depth` (1-based) of every branch; returns its top-k.
+
+        Branch b of depth d writes head KV at region node (d - 1) * topk + b, position L + d - 1.
+        A chain step is a 1-token decode after L + d - 1 positions; tree branches also see the
+        region nodes `region_mask` allows."""
+        topk = self.spec.eagle_topk
+        L = batch.seq_lens
+        bs = batch.batch_size
+        branch = torch.arange(topk, device=self.device)
+        region_idx = (depth - 1) * topk + branch  # [topk]
+        rows = batch.req_pool_indices[:, None]
+        loc = self.req_to_token[rows, L[:, None] + region_idx[None, :]].reshape(-1)
+        positions = (L + depth - 1).repeat_interleave(topk)
+        fb = ForwardBatch(
+            mode="draft",
+            input_ids=input_ids,
+            positions=positions,
+            out_cache_loc=loc,
+            req_pool_indices=batch.req_pool_indices,
+            prefix_lens=L + depth - 1 if topk == 1 else L,
+            extend_lens=torch.full_like(L, topk),
+            host=HostLens.per_request(topk, max_len + (depth - 1) * topk, bs),
+            kv_pool=self.kv_pool,
+            attn_backend=self.attn_backend,
+            tree_mask=None if topk == 1 else region_mask,
+            kv_lens=None if topk == 1 else L + depth * topk,
+        )
+        if self.graph is not None and self.graph.can_replay(fb):
+            logits, next_feats = self.graph.replay(fb, features=feats)
+        else:
+            with forward_context(fb):
+                logits, next_feats = self.head(input_ids, feats, positions)
+        probs = torch.softmax(logits, dim=-1)
+        topk_p, topk_ids = probs.topk(topk, dim=-1)  # [bs*topk, topk]
+        return topk_p, self.head.to_target_ids(topk_ids), next_feats
