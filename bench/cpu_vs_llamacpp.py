@@ -95,6 +95,7 @@ def run_setting(
     name: str, engine: Any, prompt_ids: list[list[int]], args: argparse.Namespace
 ) -> dict[str, Any]:
     params = SamplingParams(max_new_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
+    before = engine.stats()
     tokens, secs, taus = [], [], []
     for ids in prompt_ids:  # batch 1: one request at a time
         t0 = time.perf_counter()
@@ -104,9 +105,17 @@ def run_setting(
         taus.append(out["spec_accept_length"])
     n = sum(len(t) for t in tokens)
     tau = statistics.mean(taus) if all(t is not None for t in taus) else None
+    after = engine.stats()
+    verifies = after.spec_verify_calls_total - before.spec_verify_calls_total
+    # Acceptance by depth: the fraction of verifies that accepted a draft at depth d.
+    by_depth = [
+        (a - b) / verifies
+        for a, b in zip(after.spec_accepted_per_position, before.spec_accepted_per_position)
+    ] if verifies else []  # fmt: skip
     return dict(
-        setting=name, tok_s=n / sum(secs), seconds=sum(secs), new_tokens=n, tau=tau, tokens=tokens
-    )
+        setting=name, tok_s=n / sum(secs), seconds=sum(secs), new_tokens=n, tau=tau,
+        acceptance_by_depth=by_depth, tokens=tokens,
+    )  # fmt: skip
 
 
 def merge_rounds(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -152,33 +161,39 @@ def run_llamacpp(
         dict(gguf=gguf, threads=args.threads, new_tokens=args.new_tokens, prompts=prompt_ids)
     )
     if importlib.util.find_spec("llama_cpp") is not None:
-        python = sys.executable  # still a subprocess: OMP_WAIT_POLICY must be set at start
+        python = sys.executable  # a subprocess: its OpenMP runtime apart from torch's
     elif os.path.exists(args.llama_python):
         python = args.llama_python
     else:
         return None
-    # llama.cpp's OpenMP threads spin at barriers: on shared cores that collapsed 2-thread decode
-    # from ~45 to ~7 tok/s here (measured). PASSIVE makes them sleep instead.
-    env = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
+    # llama.cpp runs at its own defaults: no thread wait policy or other setting that only one
+    # side gets (run the benchmark alone on the machine instead).
     proc = subprocess.run(
-        [python, "-c", LLAMA_WORKER],
-        input=cfg,
-        capture_output=True,
-        text=True,
-        check=True,
-        env=env,
+        [python, "-c", LLAMA_WORKER], input=cfg, capture_output=True, text=True, check=True
     )
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     n = sum(len(t) for t in out["tokens"])
     secs = sum(out["secs"])
     return dict(
         setting=f"llama.cpp {out['version']}",
+        build_flags=build_flags(python),
         tok_s=n / secs,
         seconds=secs,
         new_tokens=n,
         tau=None,
         tokens=out["tokens"],
     )
+
+
+def build_flags(python: str) -> str:
+    """The CMAKE_ARGS llama-cpp-python was built with (`make bench-llamacpp` writes them into
+    the venv's BUILD_FLAGS), or 'unknown'."""
+    path = os.path.join(os.path.dirname(os.path.dirname(python)), "BUILD_FLAGS")
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return "unknown"
 
 
 def first_divergence(a: list[list[int]], b: list[list[int]]) -> list[int | None]:
@@ -264,6 +279,8 @@ def main() -> None:
         if llama_run is not None:
             runs["llama.cpp"].append(llama_run)
             print(f"round {i + 1}: {llama_run['setting']:<22} {llama_run['tok_s']:6.1f} tok/s")
+    if runs["llama.cpp"]:
+        print(f"llama.cpp build flags: {runs['llama.cpp'][0]['build_flags']}")
     if not runs["llama.cpp"]:
         print("llama.cpp: not found (no llama_cpp here or in --llama-python); skipped")
     rows = [merge_rounds(r) for r in runs.values() if r]
@@ -294,6 +311,10 @@ def main() -> None:
             f"{r['setting']:<22}{r['tok_s']:>8.1f}{r['speedup_vs_int4_target']:>8.2f}"
             f"{r.get('ratio_vs_llamacpp', float('nan')):>9.2f}{tau:>6}  {lossless}"
         )
+    for r in rows:
+        if r.get("acceptance_by_depth"):
+            by_depth = [round(a, 3) for a in r["acceptance_by_depth"]]
+            print(f"{r['setting']}: acceptance by depth {by_depth}")
     for r in rows:
         for key in (
             "first_divergence_vs_fp32",
