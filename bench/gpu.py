@@ -212,7 +212,7 @@ def main() -> None:
             os.environ["EAGLESERVE_DISABLE_COMPILE"] = "0" if compiled else "1"
             e = Engine(model=tmp, disable_cuda_graph=True, **common, **spec)
             if not chain_buffers:
-                e.scheduler.worker.drafter.chain_buffers = Topk1ChainBuffers(0, 3, 4, device)
+                e.scheduler.worker.drafter.chain_buffers = {3: Topk1ChainBuffers(0, 3, 4, device)}
             launches[f"compiled={compiled},chain_buffers={chain_buffers}"] = kernel_launches(
                 e, vocab
             )

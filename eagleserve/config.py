@@ -87,6 +87,9 @@ class SpecConfig:
     num_steps: int = 3
     eagle_topk: int = 1
     num_draft_tokens: int = 4
+    # Choose the chain length per iteration (spec/adaptive.py); num_steps is the longest.
+    adaptive: bool = False
+    adaptive_probe_interval: int = 32
 
     def __post_init__(self) -> None:
         if self.algorithm not in ("EAGLE", "EAGLE3"):
@@ -102,6 +105,10 @@ class SpecConfig:
                 "a chain (--speculative-eagle-topk 1) needs --speculative-num-draft-tokens == "
                 f"--speculative-num-steps + 1 = {self.num_steps + 1}, got {self.num_draft_tokens}"
             )
+        if self.adaptive and self.eagle_topk != 1:
+            raise ValueError("--speculative-adaptive chooses a chain length: it needs topk 1")
+        if self.adaptive and self.adaptive_probe_interval < 1:
+            raise ValueError("--speculative-adaptive-probe-interval must be at least 1")
         max_nodes = self.eagle_topk + (self.num_steps - 1) * self.eagle_topk**2
         if not (2 <= self.num_draft_tokens <= max_nodes + 1):
             raise ValueError(
@@ -141,6 +148,8 @@ class ServerArgs:
     speculative_num_steps: int = 3
     speculative_eagle_topk: int = 1
     speculative_num_draft_tokens: int = 4
+    speculative_adaptive: bool = False
+    speculative_adaptive_probe_interval: int = 32
     # None: decided by the device (see overlap_schedule); True/False force it off/on.
     disable_overlap_schedule: bool | None = None
     attention_backend: str = "auto"  # auto | torch | triton
@@ -161,6 +170,8 @@ class ServerArgs:
             num_steps=self.speculative_num_steps,
             eagle_topk=self.speculative_eagle_topk,
             num_draft_tokens=self.speculative_num_draft_tokens,
+            adaptive=self.speculative_adaptive,
+            adaptive_probe_interval=self.speculative_adaptive_probe_interval,
         )
 
     def overlap_schedule(self, device_type: str) -> bool:

@@ -88,6 +88,10 @@ class Req:
     # Speculative stats: accepted tokens per verify step.
     spec_verify_ct: int = 0
     spec_accepted_tokens: int = 0
+    # Adaptive speculation: acceptance EMA per draft depth, and committed tokens whose head
+    # extend is held back (spec/draft_lag.py).
+    spec_alphas: list[float] = field(default_factory=list)
+    draft_lag: int = 0
     generator: torch.Generator | None = None
     # Tokens already handed to the output stream (streaming sends the rest).
     num_sent_tokens: int = 0
@@ -135,6 +139,10 @@ class ScheduleBatch:
     spec_info: Any = None
     # Overlap: FutureMap slots whose values this batch's inputs will resolve from.
     future_indices: torch.Tensor | None = None
+    # Adaptive speculation, set per decode iteration before launch: the chain length, and how
+    # many held head inputs each request has (None: the configured chain, nothing held).
+    num_drafts: int | None = None
+    draft_lags: list[int] | None = None
 
     @property
     def batch_size(self) -> int:
@@ -170,6 +178,7 @@ class ScheduleBatch:
             req_to_token_pool.req_to_token[req.req_pool_idx, :n] = loc[start : start + n]
             req.kv_allocated_len = n
             req.kv_committed_len = n
+            req.draft_lag = 0  # a prefill runs the head over every token
             start += n
         dev = self.device
         self.input_ids = torch.tensor([t for f in fills for t in f], dtype=torch.long, device=dev)
@@ -272,6 +281,7 @@ class GenerationBatchResult:
     logprobs: torch.Tensor | None = None  # [bs] or [bs, stride] logprob of each token
     top_logprob_vals: torch.Tensor | None = None  # [..., k]
     top_logprob_ids: torch.Tensor | None = None  # [..., k]
+    num_drafts: int | None = None  # spec: draft tokens per request this iteration
 
     def to_host(self) -> GenerationBatchResult:
         """Copies the tensors to the host (waits for the forward that made them)."""
@@ -282,4 +292,5 @@ class GenerationBatchResult:
             cpu(self.logprobs),
             cpu(self.top_logprob_vals),
             cpu(self.top_logprob_ids),
+            self.num_drafts,
         )

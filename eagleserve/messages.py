@@ -72,6 +72,10 @@ class EngineStats:
     spec_accepted_tokens_total: int = 0
     # Accepted draft tokens at each draft depth (index 0 = first draft token).
     spec_accepted_per_position: list[int] = field(default_factory=list)
+    # Draft tokens verified, and decode iterations by chain length k (index k; adaptive
+    # speculation picks k per iteration, k = 0 being a plain decode).
+    spec_proposed_tokens_total: int = 0
+    spec_iterations_per_num_drafts: list[int] = field(default_factory=list)
 
 
 @dataclass

@@ -124,11 +124,10 @@ class ModelRunner:
     def graphs_enabled(self, args: ServerArgs) -> bool:
         return graphs_supported(self.device, args.disable_cuda_graph, self.attn_backend)
 
-    def capture_graphs(self, max_bs: int, verify_tokens: int | None, tree: bool) -> None:
-        """Device graphs for decode (and verify with `verify_tokens` per request)."""
+    def capture_graphs(self, max_bs: int, verify_tokens: tuple[int, ...], tree: bool) -> None:
+        """Device graphs for decode, and for verify with each of `verify_tokens` per request."""
         kinds: list[tuple[ForwardMode, int, bool]] = [("decode", 1, False)]
-        if verify_tokens is not None:
-            kinds.append(("verify", verify_tokens, tree))
+        kinds += [("verify", n, tree) for n in verify_tokens]
         for mode, n, with_tree in kinds:
             graph = GraphedForward(
                 lambda fb, extras: self._graph_outputs(self.model()),

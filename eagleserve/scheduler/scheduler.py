@@ -23,6 +23,7 @@ from eagleserve.scheduler.output_processor import (
 )
 from eagleserve.scheduler.overlap import OverlapForwarder
 from eagleserve.scheduler.target_worker import TargetWorker
+from eagleserve.spec.adaptive import update_acceptance
 from eagleserve.spec.eagle_worker import EagleWorker
 
 logger = logging.getLogger(__name__)
@@ -82,9 +83,10 @@ class Scheduler:
         self.num_retracted = 0
         self.stats_verify_calls = 0
         self.stats_accepted_tokens = 0
-        self.stats_accepted_per_position = [0] * (
-            self.spec_config.num_steps if self.spec_config else 0
-        )
+        num_steps = self.spec_config.num_steps if self.spec_config else 0
+        self.stats_accepted_per_position = [0] * num_steps
+        self.stats_proposed_tokens = 0
+        self.stats_iterations_per_num_drafts = [0] * (num_steps + 1 if num_steps else 0)
 
     # ---- admission -------------------------------------------------------------------------
     def add_request(self, msg: GenerateReqInput) -> None:
@@ -245,6 +247,8 @@ class Scheduler:
             self.future_map.resolve_seq_lens_cpu(batch)
         if batch.seq_lens_sum is None:
             batch.refresh_seq_lens_cpu(sync=False)
+        if batch.mode == "decode" and isinstance(self.worker, EagleWorker):
+            self.worker.plan_decode(batch)
         if self.forwarder is not None:
             return self.forwarder.launch(batch)
         return self.worker.forward_batch_generation(batch)
@@ -287,12 +291,7 @@ class Scheduler:
                 toks = next_ids[i][:n]
                 lp = lps[i][:n] if lps is not None else None
                 top = [list(zip(tids[i][j], tvals[i][j])) for j in range(n)] if tids else None
-                req.spec_verify_ct += 1
-                req.spec_accepted_tokens += n
-                self.stats_verify_calls += 1
-                self.stats_accepted_tokens += n
-                for d in range(min(n - 1, len(self.stats_accepted_per_position))):
-                    self.stats_accepted_per_position[d] += 1
+                self._count_verify(req, result.num_drafts, n)
             want_lp = req.sampling_params.logprobs is not None
             append_tokens(req, toks, self.stop_checker, lp if want_lp else None, top)
             # The newest token is the next step's input: its KV is not written yet.
@@ -301,6 +300,24 @@ class Scheduler:
             if req.finished:
                 self._release(req)
         self._drop_finished_from_running()
+
+    def _count_verify(self, req: Req, num_drafts: int | None, accepted: int) -> None:
+        """Speculative statistics of one request's iteration; a k = 0 iteration (adaptive) is
+        a plain decode and no verify."""
+        k = len(self.stats_accepted_per_position) if num_drafts is None else num_drafts
+        if self.stats_iterations_per_num_drafts:
+            self.stats_iterations_per_num_drafts[k] += 1
+        if k == 0:
+            return
+        if req.spec_alphas:
+            update_acceptance(req.spec_alphas, k, accepted - 1)
+        req.spec_verify_ct += 1
+        req.spec_accepted_tokens += accepted
+        self.stats_verify_calls += 1
+        self.stats_accepted_tokens += accepted
+        self.stats_proposed_tokens += k
+        for d in range(min(accepted - 1, len(self.stats_accepted_per_position))):
+            self.stats_accepted_per_position[d] += 1
 
     def _fail_requests(self, reqs: list[Req], exc: BaseException) -> None:
         logger.error("forward failed for requests %s: %r", [r.rid for r in reqs], exc, exc_info=exc)
@@ -352,4 +369,6 @@ class Scheduler:
             spec_verify_calls_total=self.stats_verify_calls,
             spec_accepted_tokens_total=self.stats_accepted_tokens,
             spec_accepted_per_position=list(self.stats_accepted_per_position),
+            spec_proposed_tokens_total=self.stats_proposed_tokens,
+            spec_iterations_per_num_drafts=list(self.stats_iterations_per_num_drafts),
         )

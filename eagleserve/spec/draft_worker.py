@@ -23,6 +23,7 @@ from eagleserve.model.forward_batch import ForwardBatch, HostLens, forward_conte
 from eagleserve.model.kv_cache import TokenToKVPool
 from eagleserve.model.loader import resolve_draft_path
 from eagleserve.model.runner import ModelRunner
+from eagleserve.spec.draft_lag import DraftLag, catch_up_batch
 from eagleserve.spec.draft_tree import DraftTree, draft_chain, draft_tree
 from eagleserve.spec.eagle_head import load_eagle_head
 from eagleserve.spec.tree import Topk1ChainBuffers
@@ -67,15 +68,24 @@ class EagleDraftWorker:
                 extra_shapes={"features": ((self.head.hidden_size,), target.dtype)},
             )
             self.graph.capture()
-        # Sized for the largest batch that can run, so no batch falls back to the slow path.
-        self.chain_buffers = (
-            Topk1ChainBuffers(
-                max(graph_bs, args.max_running_requests),
-                spec.num_steps,
-                spec.num_draft_tokens,
+        # Per chain length drafted (adaptive speculation drafts 1..num_steps), sized for the
+        # largest batch that can run, so no batch falls back to the slow path.
+        chain_lengths = range(1 if spec.adaptive else spec.num_steps, spec.num_steps + 1)
+        self.chain_buffers = {
+            k: Topk1ChainBuffers(max(graph_bs, args.max_running_requests), k, k + 1, device)
+            for k in (chain_lengths if spec.is_chain else ())
+        }
+        # Adaptive: head inputs held while requests do not draft; a request drafts at least
+        # every probe_interval iterations, which bounds how many it holds.
+        self.lag = (
+            DraftLag(
+                args.max_running_requests,
+                spec.adaptive_probe_interval,
+                self.head.feature_size,
+                target.dtype,
                 device,
             )
-            if spec.is_chain
+            if spec.adaptive
             else None
         )
 
@@ -99,8 +109,25 @@ class EagleDraftWorker:
         topk_p, topk_ids = probs.topk(self.spec.eagle_topk, dim=-1)
         return EagleDraftInput(topk_p, self.head.to_target_ids(topk_ids), feats[last_rows])
 
-    def draft(self, batch: ScheduleBatch, info: EagleDraftInput) -> DraftTree:
-        """num_steps head steps from `info`; batch.seq_lens are the committed lengths L."""
+    def catch_up(self, batch: ScheduleBatch, info: EagleDraftInput) -> EagleDraftInput:
+        """Runs the head over every input held for the batch's requests (batch.draft_lags);
+        returns `info` with those requests' seeds replaced by the fresh ones."""
+        assert self.lag is not None and batch.draft_lags is not None
+        fb, features, last_rows, rows = catch_up_batch(
+            self.lag, batch, batch.draft_lags, self.req_to_token, self.kv_pool, self.attn_backend
+        )
+        fresh = self.extend(fb, features, last_rows)
+        idx = torch.tensor(rows, dtype=torch.long, device=self.device)
+        topk_p, topk_index, hidden = (
+            info.topk_p.clone(), info.topk_index.clone(), info.hidden_states.clone()
+        )  # fmt: skip
+        topk_p[idx], topk_index[idx], hidden[idx] = (
+            fresh.topk_p, fresh.topk_index, fresh.hidden_states
+        )  # fmt: skip
+        return EagleDraftInput(topk_p, topk_index, hidden)
+
+    def draft(self, batch: ScheduleBatch, info: EagleDraftInput, num_steps: int) -> DraftTree:
+        """`num_steps` head steps from `info`; batch.seq_lens are the committed lengths L."""
         spec = self.spec
         assert batch.seq_lens_cpu is not None, "drafting needs the scheduler's host seq lens"
         max_len = int(batch.seq_lens_cpu.max())
@@ -109,9 +136,8 @@ class EagleDraftWorker:
             return self._step(batch, max_len, ids, feats, depth, mask)
 
         if spec.is_chain:
-            assert self.chain_buffers is not None
-            return draft_chain(info, spec.num_steps, step, self.chain_buffers)
-        return draft_tree(info, spec.num_steps, spec.eagle_topk, spec.num_draft_tokens, step)
+            return draft_chain(info, num_steps, step, self.chain_buffers[num_steps])
+        return draft_tree(info, num_steps, spec.eagle_topk, spec.num_draft_tokens, step)
 
     def _step(
         self,

@@ -11,11 +11,13 @@ acceptance the row is permuted so the accepted path sits at L, L+1, ... (no KV c
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import torch
 
 from eagleserve.config import ServerArgs, SpecConfig
 from eagleserve.core import GenerationBatchResult, OnVerified, ScheduleBatch
+from eagleserve.model.cuda_graph import BUCKETS
 from eagleserve.model.forward_batch import ForwardBatch, HostLens
 from eagleserve.model.llama import ModelOutput
 from eagleserve.model.runner import ModelRunner
@@ -26,8 +28,13 @@ from eagleserve.model.sampler import (
     top_logprobs,
 )
 from eagleserve.spec.accept import AcceptResult, commit_tree_path, verify_greedy, verify_sampling
+from eagleserve.spec.adaptive import AdaptiveController
+from eagleserve.spec.cost_model import measure_costs
 from eagleserve.spec.draft_worker import EagleDraftWorker
 from eagleserve.spec.tree import build_tree
+
+# Acceptance a request starts from before its first verify (adaptive speculation).
+ACCEPT_PRIOR = 0.5
 
 
 class EagleWorker:
@@ -42,9 +49,41 @@ class EagleWorker:
         # one-iteration lag of the host's committed length.
         overlap = args.overlap_schedule(self.device.type)
         self.decode_slots_per_req = spec.alloc_len_per_decode * (2 if overlap else 1)
+        verify_sizes = (
+            tuple(k + 1 for k in range(1, spec.num_steps + 1))
+            if spec.adaptive
+            else (spec.num_draft_tokens,)
+        )
         if runner.graphs_enabled(args):
             max_bs = min(args.cuda_graph_max_bs, args.max_running_requests)
-            runner.capture_graphs(max_bs, spec.num_draft_tokens, tree=not spec.is_chain)
+            runner.capture_graphs(max_bs, verify_sizes, tree=not spec.is_chain)
+        self.controller: AdaptiveController | None = None
+        if spec.adaptive:
+            buckets = tuple(b for b in BUCKETS if b < args.max_running_requests)
+            costs = measure_costs(
+                runner, self.drafter, (*buckets, args.max_running_requests), spec.num_steps
+            )
+            self.controller = AdaptiveController(
+                costs, spec.num_steps, spec.adaptive_probe_interval
+            )
+
+    def plan_decode(self, batch: ScheduleBatch) -> None:
+        """Scheduler thread, before a decode launches: picks this iteration's chain length from
+        the last known acceptance (with overlap, one iteration old) and books the held head
+        inputs (a k = 0 iteration holds one more per request; k > 0 catches all up)."""
+        if self.controller is None:
+            return
+        for req in batch.reqs:
+            if not req.spec_alphas:
+                req.spec_alphas = [ACCEPT_PRIOR] * self.spec.num_steps
+        k = self.controller.choose([r.spec_alphas for r in batch.reqs])
+        lags = [r.draft_lag for r in batch.reqs]
+        assert self.drafter.lag is not None
+        if k == 0 and max(lags) + 1 >= self.drafter.lag.max_lag:
+            k = 1  # the ring is full: draft (and catch up) now
+        batch.num_drafts, batch.draft_lags = k, lags
+        for req in batch.reqs:
+            req.draft_lag = req.draft_lag + 1 if k == 0 else 0
 
     # ---- scheduler interface ---------------------------------------------------------------
     def prepare_for_decode(self, batch: ScheduleBatch) -> None:
@@ -96,17 +135,78 @@ class EagleWorker:
     def _forward_decode(
         self, batch: ScheduleBatch, on_verified: OnVerified | None
     ) -> GenerationBatchResult:
+        k = self.spec.num_steps if batch.num_drafts is None else batch.num_drafts
+        t0 = time.perf_counter()
+        if k == 0:
+            result = self._decode_without_drafts(batch, on_verified)
+        else:
+            if batch.draft_lags is not None and any(batch.draft_lags):
+                batch.spec_info = self.drafter.catch_up(batch, batch.spec_info)
+            result = self._draft_verify(batch, on_verified, k)
+        if self.controller is not None and self.device.type == "cpu":
+            # On a CPU the forward ran synchronously: its wall time is the iteration's cost.
+            self.controller.costs.observe(batch.batch_size, k, time.perf_counter() - t0)
+        return result
+
+    def _decode_without_drafts(
+        self, batch: ScheduleBatch, on_verified: OnVerified | None
+    ) -> GenerationBatchResult:
+        """k = 0: a plain target decode of the bonus token; the head's input is held back."""
+        L = batch.seq_lens
+        bs = batch.batch_size
+        assert batch.seq_lens_cpu is not None and batch.draft_lags is not None
+        max_len = int(batch.seq_lens_cpu.max())
+        r2t = self.req_to_token_pool.req_to_token
+        out = self.runner.forward(
+            ForwardBatch(
+                mode="decode",
+                input_ids=batch.input_ids,
+                positions=L,
+                out_cache_loc=r2t[batch.req_pool_indices, L],
+                req_pool_indices=batch.req_pool_indices,
+                prefix_lens=L,
+                extend_lens=torch.ones_like(L),
+                host=HostLens.per_request(1, max_len, bs),
+                kv_pool=self.token_to_kv_pool,
+                attn_backend=self.runner.attn_backend,
+            )
+        )
+        sampled = sample_with_logprobs(out.logits, batch.reqs)
+        next_ids = sampled.next_token_ids
+        assert self.drafter.lag is not None
+        self.drafter.lag.hold(
+            batch.req_pool_indices, batch.draft_lags, next_ids, self._features(out)
+        )
+        batch.seq_lens = L + 1
+        batch.seq_lens_cpu = batch.seq_lens_cpu + 1  # known on the host: no refresh needed
+        batch.seq_lens_sum = None
+        batch.input_ids = next_ids
+        if on_verified is not None:
+            on_verified(batch)
+        one = lambda t: None if t is None else t.unsqueeze(1)
+        return GenerationBatchResult(
+            next_ids[:, None],
+            torch.ones_like(L),
+            one(sampled.logprobs),
+            one(sampled.top_logprob_vals),
+            one(sampled.top_logprob_ids),
+            num_drafts=0,
+        )
+
+    def _draft_verify(
+        self, batch: ScheduleBatch, on_verified: OnVerified | None, k: int
+    ) -> GenerationBatchResult:
         spec = self.spec
-        tree = self.drafter.draft(batch, batch.spec_info)
+        tree = self.drafter.draft(batch, batch.spec_info, k)
+        n = k + 1 if spec.is_chain else spec.num_draft_tokens
         t = build_tree(
             batch.input_ids,
             tree.parent_list,
             tree.top_scores_index,
             tree.draft_tokens,
             spec.eagle_topk,
-            spec.num_draft_tokens,
+            n,
         )
-        n = spec.num_draft_tokens
         bs = batch.batch_size
         L = batch.seq_lens
         assert batch.seq_lens_cpu is not None
@@ -161,7 +261,7 @@ class EagleWorker:
         if on_verified is not None:
             on_verified(batch)
         batch.spec_info = self.drafter.extend(extend_fb, feats, torch.cumsum(a, 0) - 1)
-        result = GenerationBatchResult(acc.output_tokens, a)
+        result = GenerationBatchResult(acc.output_tokens, a, num_drafts=n - 1)
         if any(r.sampling_params.logprobs is not None for r in batch.reqs):
             k = max((r.sampling_params.logprobs or 0) for r in batch.reqs)
             row_logits = logits.reshape(bs * n, -1)[rows.reshape(-1)]

@@ -50,6 +50,8 @@ def test_flags_map_one_to_one(monkeypatch: pytest.MonkeyPatch) -> None:
         flag = "--" + f.name.replace("_", "-")
         value = getattr(defaults, f.name)
         kind = str(f.type)
+        if f.name == "speculative_adaptive":
+            continue  # needs topk 1, which the +3 below changes: test_speculative_flags has it
         if kind.startswith("bool"):
             argv.append(flag if not value else "--no-" + flag[2:])
             expected[f.name] = not value
@@ -73,6 +75,20 @@ def test_speculative_flags(monkeypatch: pytest.MonkeyPatch) -> None:
     )  # fmt: skip
     assert isinstance(args, ServerArgs) and args.spec_config is not None
     assert (args.spec_config.num_steps, args.spec_config.num_draft_tokens) == (4, 5)
+    assert not args.spec_config.adaptive
+    adaptive = parse(
+        ["--speculative-algorithm", "EAGLE", "--speculative-draft-model-path", "/d",
+         "--speculative-adaptive", "--speculative-adaptive-probe-interval", "9"]
+    )  # fmt: skip
+    assert isinstance(adaptive, ServerArgs) and adaptive.spec_config is not None
+    assert (adaptive.spec_config.adaptive, adaptive.spec_config.adaptive_probe_interval) == (
+        True,
+        9,
+    )
+    tree = ["--speculative-eagle-topk", "2", "--speculative-num-draft-tokens", "5"]
+    err = parse(["--speculative-algorithm", "EAGLE", "--speculative-draft-model-path", "/d",
+                 "--speculative-adaptive", *tree])  # fmt: skip
+    assert "needs topk 1" in str(err)
 
 
 def test_config_file_and_flag_precedence(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

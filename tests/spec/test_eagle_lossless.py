@@ -235,3 +235,112 @@ def test_small_kv_pool_waits_and_retracts(
     got = run_staggered(eng, _prompts(0), _params())
     assert got == reference
     assert eng.stats().num_retracted_total > 0, "the pool was meant to force retraction"
+
+
+def adaptive_engine(target_dir: str, head_dir: str, overlap: bool, **kw: object) -> Engine:
+    return Engine(
+        model=target_dir,
+        device="cpu",
+        kv_cache_tokens=kw.pop("kv_cache_tokens", 2048),  # type: ignore[arg-type]
+        max_running_requests=8,
+        disable_overlap_schedule=not overlap,
+        speculative_algorithm="EAGLE",
+        speculative_draft_model_path=head_dir,
+        speculative_num_steps=3,
+        speculative_eagle_topk=1,
+        speculative_num_draft_tokens=4,
+        speculative_adaptive=True,
+        speculative_adaptive_probe_interval=8,
+        **kw,
+    )
+
+
+def script_choices(engine: Engine, choices: list[int]) -> None:
+    """The controller picks k from `choices`, cycling: stretches without drafting (held head
+    inputs), catch-ups, and every chain length."""
+    controller = engine.scheduler.worker.controller
+    assert controller is not None
+    picks = iter(choices * 1000)
+    controller.choose = lambda alphas: next(picks)  # type: ignore[method-assign]
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
+@pytest.mark.parametrize("head", ["EAGLE", "EAGLE-random"])
+def test_adaptive_greedy_lossless(
+    target_dir: str, heads: dict[str, str], reference: list[list[int]], head: str, overlap: bool
+) -> None:
+    scripted = adaptive_engine(target_dir, heads[head], overlap)
+    script_choices(scripted, [0, 0, 3, 1, 0, 0, 0, 0, 2, 3, 0, 1])
+    assert run_staggered(scripted, _prompts(0), _params()) == reference
+    hist = scripted.stats().spec_iterations_per_num_drafts
+    assert all(n > 0 for n in hist), hist  # every k, 0 included, really ran
+    real = adaptive_engine(target_dir, heads[head], overlap)
+    assert run_staggered(real, _prompts(0), _params()) == reference
+
+
+def test_adaptive_retraction_keeps_tokens(
+    target_dir: str, heads: dict[str, str], reference: list[list[int]]
+) -> None:
+    eng = adaptive_engine(target_dir, heads["EAGLE"], True, kv_cache_tokens=130)
+    script_choices(eng, [0, 0, 0, 2, 0, 3])
+    assert run_staggered(eng, _prompts(0), _params()) == reference
+    assert eng.stats().num_retracted_total > 0
+
+
+def test_adaptive_controller_follows_acceptance(target_dir: str, heads: dict[str, str]) -> None:
+    """With drafting priced like a decode, a head that is mostly right drafts long chains and
+    a random head mostly does not draft at all."""
+    chosen = {}
+    for head in ("EAGLE", "EAGLE-random"):
+        eng = adaptive_engine(target_dir, heads[head], False)
+        costs = eng.scheduler.worker.controller.costs
+        for key in costs.seconds:
+            costs.seconds[key] = 1.0 + 0.35 * key[1]  # a draft step and verify token: +35 %
+        costs.observe = lambda *a: None  # type: ignore[method-assign]
+        eng.generate(_prompts(1), SamplingParams(max_new_tokens=40, temperature=0.0))
+        chosen[head] = eng.stats().spec_iterations_per_num_drafts
+    good, rand = chosen["EAGLE"], chosen["EAGLE-random"]
+    assert good[0] < sum(good[1:]), good
+    assert rand[0] > sum(rand[1:]), rand
+
+
+def head_kv(engine: Engine, req_pool_idx: int, length: int) -> torch.Tensor:
+    drafter = engine.scheduler.worker.drafter
+    slots = engine.scheduler.req_to_token_pool.req_to_token[req_pool_idx, :length]
+    return drafter.kv_pool.k_buffer[0][slots].clone()
+
+
+def test_head_kv_after_a_stretch_without_drafting(target_dir: str, heads: dict[str, str]) -> None:
+    """After k = 0 iterations and the catch-up, the head's KV equals that of a run that ran the
+    head after every token (here: a fixed 1-chain), position by position."""
+    prompt = _prompts(3)[3]
+    runs = {}
+    for name in ("lagged", "always"):
+        eng = (
+            adaptive_engine(target_dir, heads["EAGLE-random"], False)
+            if name == "lagged"
+            else Engine(model=target_dir, device="cpu", kv_cache_tokens=2048,
+                        max_running_requests=8, speculative_algorithm="EAGLE",
+                        speculative_draft_model_path=heads["EAGLE-random"],
+                        speculative_num_steps=1, speculative_eagle_topk=1,
+                        speculative_num_draft_tokens=2)
+        )  # fmt: skip
+        if name == "lagged":
+            script_choices(eng, [0, 0, 0, 0, 0, 1])
+        sched = eng.scheduler
+        sched.add_request(
+            GenerateReqInput("r", prompt, SamplingParams(max_new_tokens=30, temperature=0.0))
+        )
+        for _ in range(7):  # prefill + six decodes: the sixth catches up five held inputs
+            sched.step()
+        req = sched.running_batch.reqs[0]
+        runs[name] = (eng, req.req_pool_idx, req.kv_committed_len)
+    n = min(length for _, _, length in runs.values())
+    assert n > len(prompt) + 5
+    lagged, always = (head_kv(e, idx, n) for e, idx, _ in runs.values())
+    torch.testing.assert_close(lagged, always, atol=1e-5, rtol=1e-5)
+    for eng, _, _ in runs.values():
+        for rid in ("r",):
+            eng.scheduler.abort_request(rid)
+        while eng.scheduler.has_work():
+            eng.scheduler.step()

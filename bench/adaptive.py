@@ -1,0 +1,172 @@
+"""Adaptive speculation vs fixed chains vs target-only, on the default model, in one run.
+
+    python bench/adaptive.py [--batches 1,4,16] [--sets mtbench,humaneval,copy] [--rounds 2]
+        [--new-tokens 48] [--overlap]
+
+For every prompt set and batch size, one row per setting: target-only, fixed 1- and 3-chains
+(the shipped EAGLE3 head), and adaptive (chain lengths 0..3 chosen per iteration). Settings run
+interleaved, round by round, on the packed-int4 SmolLM2 as `make serve` runs it (greedy, EOS
+ignored). Reports tok/s (median over rounds), the ratio to target-only from the same run, tau,
+acceptance by depth, the chain lengths adaptive chose, and whether every setting's tokens equal
+target-only's. Writes bench/results/adaptive.json.
+
+Prompt sets: MT-bench first turns, HumanEval, and "copy": passages the answer must repeat
+(acceptance is high there, so longer chains pay).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+from bench.common import machine, median, print_table, write_json  # noqa: E402
+from bench.data import human_eval, mt_bench  # noqa: E402
+from eagleserve import Engine, SamplingParams  # noqa: E402
+
+HEAD = dict(
+    speculative_algorithm="EAGLE3",
+    speculative_draft_model_path="builtin:smollm2-135m-eagle",
+    speculative_eagle_topk=1,
+)
+SETTINGS: dict[str, dict[str, Any]] = {
+    "target-only": {},
+    "chain 1": dict(HEAD, speculative_num_steps=1, speculative_num_draft_tokens=2),
+    "chain 3": dict(HEAD, speculative_num_steps=3, speculative_num_draft_tokens=4),
+    "adaptive 0..3": dict(
+        HEAD, speculative_num_steps=3, speculative_num_draft_tokens=4, speculative_adaptive=True
+    ),
+}
+COPY_TEXT = [
+    "The mitochondria is the powerhouse of the cell. It produces energy through respiration.",
+    "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n",
+    "Roses are red, violets are blue, sugar is sweet, and so are you.",
+    "To be, or not to be, that is the question: whether tis nobler in the mind to suffer.",
+]
+
+
+def prompt_set(name: str, n: int) -> list[str]:
+    if name == "mtbench":
+        return mt_bench(n)
+    if name == "humaneval":
+        return human_eval(n)
+    if name == "copy":
+        return [f"Repeat this text exactly, twice:\n\n{t}" for t in COPY_TEXT][:n]
+    raise SystemExit(f"unknown prompt set {name!r}")
+
+
+def chat_ids(tokenizer: Any, prompt: str) -> list[int]:
+    return tokenizer.apply_chat_template(
+        [{"role": "user", "content": prompt}],
+        tokenize=True,
+        add_generation_prompt=True,
+        return_dict=False,
+    )
+
+
+def run(engine: Engine, prompts: list[list[int]], batch: int, new: int) -> dict[str, Any]:
+    before = engine.stats()
+    params = SamplingParams(max_new_tokens=new, temperature=0.0, ignore_eos=True)
+    reqs = [prompts[i % len(prompts)] for i in range(batch)]
+    t0 = time.perf_counter()
+    out = engine.generate(reqs, params)
+    secs = time.perf_counter() - t0
+    after = engine.stats()
+    verifies = after.spec_verify_calls_total - before.spec_verify_calls_total
+    accepted = after.spec_accepted_tokens_total - before.spec_accepted_tokens_total
+    depth = [
+        (a - b) / verifies if verifies else 0.0
+        for a, b in zip(after.spec_accepted_per_position, before.spec_accepted_per_position)
+    ]
+    chosen = [
+        a - b
+        for a, b in zip(after.spec_iterations_per_num_drafts, before.spec_iterations_per_num_drafts)
+    ]
+    return {
+        "tok_s": batch * new / secs,
+        "tau": accepted / verifies if verifies else None,
+        "acceptance_by_depth": depth,
+        "iterations_per_k": chosen,
+        "tokens": [o["token_ids"] for o in out],
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--batches", default="1,4,16")
+    ap.add_argument("--sets", default="mtbench,humaneval,copy")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--new-tokens", type=int, default=48)
+    ap.add_argument("--overlap", action="store_true", help="overlap scheduler on (CPU: off)")
+    args = ap.parse_args()
+    batches = [int(b) for b in args.batches.split(",")]
+    engines = {
+        name: Engine(
+            model="default",
+            device="cpu",
+            kv_cache_tokens=16384,
+            max_running_requests=max(batches),
+            disable_overlap_schedule=not args.overlap,
+            **kw,
+        )
+        for name, kw in SETTINGS.items()
+    }
+    tok = engines["target-only"].tokenizer
+    warm = SamplingParams(max_new_tokens=8, temperature=0.0)
+    for eng in engines.values():
+        eng.generate(["Hello"], warm)
+    rows, table = [], []
+    for set_name in args.sets.split(","):
+        prompts = [chat_ids(tok, p) for p in prompt_set(set_name, 16)]
+        for bs in batches:
+            runs: dict[str, list[dict[str, Any]]] = {name: [] for name in engines}
+            for _ in range(args.rounds):
+                for name, eng in engines.items():
+                    runs[name].append(run(eng, prompts, bs, args.new_tokens))
+            base = median([r["tok_s"] for r in runs["target-only"]])
+            ref = runs["target-only"][0]["tokens"]
+            for name, rs in runs.items():
+                tok_s = median([r["tok_s"] for r in rs])
+                last = rs[-1]
+                row = {
+                    "set": set_name,
+                    "batch": bs,
+                    "setting": name,
+                    "tok_s": tok_s,
+                    "x_target": tok_s / base,
+                    "tau": last["tau"],
+                    "acceptance_by_depth": last["acceptance_by_depth"],
+                    "iterations_per_k": last["iterations_per_k"],
+                    "lossless": all(r["tokens"] == ref for r in rs),
+                }
+                rows.append(row)
+                table.append([
+                    set_name, bs, name, tok_s, row["x_target"],
+                    "-" if row["tau"] is None else round(row["tau"], 2),
+                    " ".join(f"{a:.2f}" for a in row["acceptance_by_depth"]) or "-",
+                    " ".join(str(c) for c in row["iterations_per_k"]) or "-",
+                    row["lossless"],
+                ])  # fmt: skip
+                print(table[-1], flush=True)
+    title = (
+        f"{machine()}; greedy, {args.new_tokens} new tokens, overlap "
+        f"{'on' if args.overlap else 'off'}, median of {args.rounds} interleaved rounds"
+    )
+    print_table(
+        ["set", "bs", "setting", "tok/s", "x target", "tau", "accept by depth", "iters per k",
+         "lossless"],
+        table,
+        title,
+    )  # fmt: skip
+    name = "adaptive_overlap.json" if args.overlap else "adaptive.json"
+    print(write_json(name, {"machine": machine(), "new_tokens": args.new_tokens,
+                            "rounds": args.rounds, "rows": rows}))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,95 @@
+"""Adaptive speculation: per decode iteration, the chain length k in {0, 1, ..., num_steps} that
+maximises expected committed tokens per second, from live acceptance and measured cost.
+
+- Acceptance, per request: `alphas[d]` = P(draft at depth d+1 accepted | drafts before it were),
+  an EMA updated from every verify the request takes part in (`update_acceptance`).
+- Expected committed tokens of one request with a k-chain (the bonus token always counts):
+  E[k] = 1 + sum_{j=1..k} prod_{d<j} alphas[d]  (`expected_tokens`).
+- Cost: `CostTable` holds the seconds of one decode iteration per batch-size bucket and k,
+  measured at start-up and refreshed by an EMA of measured iterations.
+- `choose_num_drafts`: argmax_k sum_r E_r[k] / cost(bs, k); k = 0 is a plain target decode.
+
+A request that never drafts never updates its acceptance, so every `probe_interval`-th iteration
+drafts the full chain regardless (the price of noticing that acceptance went up).
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+# Weight of the newest verify in a request's acceptance EMA.
+ACCEPT_EMA = 0.2
+# Weight of the newest measured iteration in a cost EMA.
+COST_EMA = 0.1
+
+
+def expected_tokens(alphas: Sequence[float], k: int) -> float:
+    """E[committed tokens] of a k-draft chain whose depth-d draft is accepted with probability
+    alphas[d] given all before it were (the bonus token included)."""
+    total, reach = 1.0, 1.0
+    for d in range(k):
+        reach *= alphas[d]
+        total += reach
+    return total
+
+
+def update_acceptance(alphas: list[float], num_drafts: int, accepted: int) -> None:
+    """Folds one verify into `alphas` in place: depths before `accepted` were accepted, the
+    depth at `accepted` (when drafted) was rejected, deeper ones were never judged."""
+    for d in range(min(accepted + 1, num_drafts)):
+        hit = 1.0 if d < accepted else 0.0
+        alphas[d] += ACCEPT_EMA * (hit - alphas[d])
+
+
+@dataclass
+class CostTable:
+    """Seconds per decode iteration, by batch-size bucket and chain length k."""
+
+    buckets: tuple[int, ...]  # increasing batch sizes; a batch uses the smallest bucket >= bs
+    seconds: dict[tuple[int, int], float] = field(default_factory=dict)
+
+    def bucket(self, bs: int) -> int:
+        i = bisect.bisect_left(self.buckets, bs)
+        return self.buckets[min(i, len(self.buckets) - 1)]
+
+    def cost(self, bs: int, k: int) -> float:
+        return self.seconds[(self.bucket(bs), k)]
+
+    def observe(self, bs: int, k: int, seconds: float) -> None:
+        """Folds one measured iteration into the EMA of its bucket."""
+        key = (self.bucket(bs), k)
+        old = self.seconds.get(key)
+        self.seconds[key] = seconds if old is None else old + COST_EMA * (seconds - old)
+
+
+def choose_num_drafts(
+    alphas_per_req: Sequence[Sequence[float]], costs: CostTable, max_k: int
+) -> int:
+    """The k in 0..max_k with the most expected committed tokens per second for this batch;
+    ties go to the shorter chain."""
+    bs = len(alphas_per_req)
+    best_k, best_rate = 0, -1.0
+    for k in range(max_k + 1):
+        tokens = sum(expected_tokens(a, k) for a in alphas_per_req)
+        rate = tokens / costs.cost(bs, k)
+        if rate > best_rate * (1 + 1e-9):
+            best_k, best_rate = k, rate
+    return best_k
+
+
+@dataclass
+class AdaptiveController:
+    """Picks k per iteration; `probe_interval` forces a full chain now and then (see module)."""
+
+    costs: CostTable
+    max_k: int
+    probe_interval: int
+    iterations: int = 0
+
+    def choose(self, alphas_per_req: Sequence[Sequence[float]]) -> int:
+        self.iterations += 1
+        if self.probe_interval > 0 and self.iterations % self.probe_interval == 0:
+            return self.max_k
+        return choose_num_drafts(alphas_per_req, self.costs, self.max_k)

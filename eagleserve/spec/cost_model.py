@@ -1,0 +1,123 @@
+"""Start-up measurement of what a speculative decode iteration costs, on the device it runs on.
+
+For each batch-size bucket and chain length k, one iteration is
+- k = 0: a target decode (one token per request);
+- k >= 1: (k - 1) head draft steps (the first draft comes from the last extend's seed), a
+  target verify of k + 1 tokens per request, and a head extend over up to k + 1 tokens.
+Each part is timed on dummy requests (a context of up to CONTEXT tokens of scratch KV slots,
+freed afterwards) through the same forwards serving uses, synchronized, best of a few repetitions.
+The sum misses sampling and accept bookkeeping, which `CostTable.observe` refines online.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+
+from eagleserve.device import synchronize
+from eagleserve.model.forward_batch import ForwardBatch, HostLens, forward_context
+from eagleserve.model.runner import ModelRunner
+from eagleserve.spec.adaptive import CostTable
+from eagleserve.spec.draft_worker import EagleDraftWorker
+
+CONTEXT = 128
+REPEATS = 3
+
+
+def _best_seconds(fn: Callable[[], object], device: torch.device) -> float:
+    fn()  # warm-up
+    best = float("inf")
+    for _ in range(REPEATS):
+        synchronize(device)
+        t0 = time.perf_counter()
+        fn()
+        synchronize(device)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def measure_costs(
+    runner: ModelRunner, drafter: EagleDraftWorker, buckets: tuple[int, ...], max_k: int
+) -> CostTable:
+    """Times every (bucket, k) on scratch slots; the pools are as before afterwards."""
+    table = CostTable(buckets)
+    r2t_pool, kv_pool = runner.req_to_token_pool, runner.token_to_kv_pool
+    bs_max = max(buckets)
+    # A shorter context where the KV pool is small (it only shifts attention's share).
+    width = min(CONTEXT + max_k + 1, kv_pool.available_size() // bs_max)
+    context = width - max_k - 1
+    if context < 1:
+        raise ValueError(
+            f"--kv-cache-tokens {kv_pool.size} is too small to measure speculation costs "
+            f"for batches of {bs_max}"
+        )
+    rows = [r2t_pool.alloc() for _ in range(bs_max)]
+    loc = kv_pool.alloc(bs_max * width)
+    try:
+        assert loc is not None and all(r is not None for r in rows)
+        rpi_all = torch.tensor(rows, dtype=torch.long, device=runner.device)
+        r2t_pool.req_to_token[rpi_all, :width] = loc.view(bs_max, width)
+        for bs in buckets:
+            times = _part_times(runner, drafter, rpi_all[:bs], max_k, context)
+            for k in range(max_k + 1):
+                table.seconds[(bs, k)] = (
+                    times["verify", 1]
+                    if k == 0
+                    else times["verify", k + 1] + (k - 1) * times["draft"] + times["extend", k + 1]
+                )
+    finally:
+        kv_pool.free(loc)
+        for r in rows:
+            if r is not None:
+                r2t_pool.free(r)
+    return table
+
+
+def _part_times(
+    runner: ModelRunner, drafter: EagleDraftWorker, rpi: torch.Tensor, max_k: int, context: int
+) -> dict[tuple[str, int] | str, float]:
+    dev = runner.device
+    bs = rpi.shape[0]
+    r2t = runner.req_to_token_pool.req_to_token
+    prefix = torch.full((bs,), context, dtype=torch.long, device=dev)
+    hidden, feature = drafter.head.hidden_size, drafter.head.feature_size
+
+    def fb(n: int, mode: str, kv_pool: object, backend: object) -> ForwardBatch:
+        cols = context + torch.arange(n, device=dev)
+        return ForwardBatch(
+            mode=mode,  # type: ignore[arg-type]
+            input_ids=torch.randint(0, runner.config.vocab_size, (bs * n,), device=dev),
+            positions=cols.repeat(bs),
+            out_cache_loc=r2t[rpi[:, None], cols[None, :]].reshape(-1),
+            req_pool_indices=rpi,
+            prefix_lens=prefix,
+            extend_lens=torch.full((bs,), n, dtype=torch.long, device=dev),
+            host=HostLens.per_request(n, context, bs),
+            kv_pool=kv_pool,  # type: ignore[arg-type]
+            attn_backend=backend,  # type: ignore[arg-type]
+        )
+
+    def head(n: int, mode: str, feats_dim: int) -> Callable[[], object]:
+        feats = torch.randn(bs * n, feats_dim, device=dev, dtype=runner.dtype)
+
+        def run() -> object:
+            f = fb(n, mode, drafter.kv_pool, drafter.attn_backend)
+            with torch.inference_mode(), forward_context(f):
+                return drafter.head(f.input_ids, feats, f.positions)
+
+        return run
+
+    times: dict[tuple[str, int] | str, float] = {}
+    for n in range(1, max_k + 2):
+        target_mode = "decode" if n == 1 else "verify"
+        times["verify", n] = _best_seconds(
+            lambda n=n, m=target_mode: runner.forward(
+                fb(n, m, runner.token_to_kv_pool, runner.attn_backend)
+            ),
+            dev,
+        )
+        times["extend", n] = _best_seconds(head(n, "extend", feature), dev)
+    times["draft"] = _best_seconds(head(1, "draft", hidden), dev)
+    return times

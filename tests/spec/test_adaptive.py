@@ -1,0 +1,116 @@
+"""Adaptive speculation's pure parts: expected tokens, the acceptance EMA, the choice of k."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from eagleserve.spec.adaptive import (
+    ACCEPT_EMA,
+    AdaptiveController,
+    CostTable,
+    choose_num_drafts,
+    expected_tokens,
+    update_acceptance,
+)
+
+
+def simulate_tokens(alphas: list[float], k: int, rng: random.Random, n: int) -> float:
+    """Mean committed tokens of n simulated k-chains (the bonus token always counts)."""
+    total = 0
+    for _ in range(n):
+        accepted = 0
+        while accepted < k and rng.random() < alphas[accepted]:
+            accepted += 1
+        total += accepted + 1
+    return total / n
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_expected_tokens_matches_simulation(seed: int) -> None:
+    rng = random.Random(seed)
+    alphas = [rng.uniform(0.1, 0.95) for _ in range(4)]
+    for k in range(5):
+        sim = simulate_tokens(alphas, k, rng, 40_000)
+        assert expected_tokens(alphas, k) == pytest.approx(sim, abs=0.03)
+    assert expected_tokens(alphas, 0) == 1.0
+
+
+def test_acceptance_ema_converges_to_per_depth_rates() -> None:
+    rng = random.Random(7)
+    true = [0.8, 0.5, 0.2]
+    alphas = [0.5, 0.5, 0.5]
+    hits, seen = [0.0] * 3, [0] * 3
+    for _ in range(3000):
+        accepted = 0
+        while accepted < 3 and rng.random() < true[accepted]:
+            accepted += 1
+        update_acceptance(alphas, 3, accepted)
+        for d in range(min(accepted + 1, 3)):
+            seen[d] += 1
+            hits[d] += d < accepted
+    for d in range(3):
+        assert alphas[d] == pytest.approx(true[d], abs=0.25)  # an EMA: noisy, but close
+        assert hits[d] / seen[d] == pytest.approx(true[d], abs=0.05)
+
+
+def test_acceptance_update_touches_only_judged_depths() -> None:
+    alphas = [0.3, 0.6, 0.9]
+    update_acceptance(alphas, 3, 1)  # depth 0 accepted, depth 1 rejected, depth 2 not judged
+    assert alphas[0] == pytest.approx(0.3 + ACCEPT_EMA * 0.7)
+    assert alphas[1] == pytest.approx(0.6 - ACCEPT_EMA * 0.6)
+    assert alphas[2] == 0.9
+    before = list(alphas)
+    update_acceptance(alphas, 0, 0)  # a plain decode judges nothing
+    assert alphas == before
+
+
+def table(costs: list[float]) -> CostTable:
+    t = CostTable((1, 4))
+    for bs in (1, 4):
+        for k, c in enumerate(costs):
+            t.seconds[(bs, k)] = c * bs
+    return t
+
+
+def test_choice_follows_acceptance_and_cost() -> None:
+    costs = table([1.0, 1.3, 1.6, 1.9])
+    # Drafts that are rarely right do not pay for their cost: plain decode.
+    assert choose_num_drafts([[0.1] * 3] * 4, costs, 3) == 0
+    # Drafts that are nearly always right: the full chain (E[3] = 3.7 in 1.9 time).
+    assert choose_num_drafts([[0.95] * 3] * 4, costs, 3) == 3
+    # Acceptance that falls with depth: a short chain.
+    assert choose_num_drafts([[0.9, 0.2, 0.1]] * 4, costs, 3) == 1
+    # Free drafting: any acceptance at all makes the full chain best.
+    free = table([1.0, 1.0, 1.0, 1.0])
+    assert choose_num_drafts([[0.2] * 3], free, 3) == 3
+    # A tie (E[1] / cost(1) == E[0] / cost(0)) goes to the shorter chain.
+    assert choose_num_drafts([[0.3] * 3], costs, 3) == 0
+
+
+def test_choice_is_the_argmax_on_random_inputs() -> None:
+    rng = random.Random(11)
+    for _ in range(200):
+        costs = table(sorted(rng.uniform(0.5, 3.0) for _ in range(4)))
+        alphas = [[rng.random() for _ in range(3)] for _ in range(rng.randint(1, 4))]
+        k = choose_num_drafts(alphas, costs, 3)
+        rates = [
+            sum(expected_tokens(a, j) for a in alphas) / costs.cost(len(alphas), j)
+            for j in range(4)
+        ]
+        assert rates[k] >= max(rates) * (1 - 1e-9)
+
+
+def test_controller_probes_the_full_chain() -> None:
+    ctl = AdaptiveController(table([1.0, 1.3, 1.6, 1.9]), max_k=3, probe_interval=5)
+    picks = [ctl.choose([[0.05] * 3]) for _ in range(20)]
+    assert picks == [3 if (i + 1) % 5 == 0 else 0 for i in range(20)]
+
+
+def test_cost_table_buckets_and_ema() -> None:
+    t = CostTable((1, 2, 4, 8))
+    t.seconds[(4, 1)] = 1.0
+    assert t.bucket(3) == 4 and t.bucket(8) == 8 and t.bucket(50) == 8
+    t.observe(3, 1, 2.0)
+    assert t.cost(4, 1) == pytest.approx(1.1)
