@@ -26,6 +26,7 @@ from eagleserve.server.protocol import (
     add_api_bodies,
 )
 from eagleserve.server.serving import ApiError, Serving
+from eagleserve.server.validation import check_request
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -95,7 +96,7 @@ def create_app(args: ServerArgs, client: EngineClient) -> FastAPI:
         body = parse_body(CompletionRequest, await request.body())
         if isinstance(body, ApiError):
             return body.response()
-        err = serving.check_model(body.model)
+        err = serving.check_model(body.model) or check_request(body)
         if err is not None:
             return err.response()
         return unavailable() or await create_completion(serving, body, request)
@@ -105,7 +106,7 @@ def create_app(args: ServerArgs, client: EngineClient) -> FastAPI:
         body = parse_body(ChatCompletionRequest, await request.body())
         if isinstance(body, ApiError):
             return body.response()
-        err = serving.check_model(body.model)
+        err = serving.check_model(body.model) or check_request(body)
         if err is not None:
             return err.response()
         return unavailable() or await create_chat(serving, body, request)
