@@ -32,6 +32,7 @@ FIELD_HELP: dict[str, str] = {
     "max_context_len": "most tokens per request, prompt + output (default: the model's limit)",
     "served_model_name": "model name the API reports and accepts (default: --model)",
     "api_key": "require 'Authorization: Bearer KEY' on /v1/* (default: $EAGLESERVE_API_KEY)",
+    "max_request_body_bytes": "larger request bodies get a 413 before they are read",
     "seed": "random seed of the engine",
     "speculative_algorithm": "EAGLE or EAGLE3 to turn on speculative decoding",
     "speculative_draft_model_path": "EAGLE draft head folder",

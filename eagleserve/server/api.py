@@ -17,6 +17,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from eagleserve.config import ServerArgs
 from eagleserve.server.engine_client import EngineClient
 from eagleserve.server.handlers import create_chat, create_completion
+from eagleserve.server.limits import read_body
 from eagleserve.server.metrics import Metrics
 from eagleserve.server.protocol import (
     ChatCompletionRequest,
@@ -29,6 +30,7 @@ from eagleserve.server.serving import ApiError, Serving
 from eagleserve.server.validation import check_request
 
 M = TypeVar("M", bound=BaseModel)
+R = TypeVar("R", CompletionRequest, ChatCompletionRequest)
 
 
 def validation_error(errors: list[dict]) -> ApiError:
@@ -89,26 +91,33 @@ def create_app(args: ServerArgs, client: EngineClient) -> FastAPI:
     async def request_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         return validation_error(list(exc.errors())).response()
 
+    async def read_request(request: Request, model: type[R]) -> R | Response:
+        """The parsed and checked body, or the error response (413, 400, 404) to send."""
+        raw = await read_body(request, args.max_request_body_bytes)
+        if isinstance(raw, ApiError):
+            resp = raw.response()
+            resp.headers["connection"] = "close"  # the rest of the body is not read
+            return resp
+        body = parse_body(model, raw)
+        if isinstance(body, ApiError):
+            return body.response()
+        err = serving.check_model(body.model) or check_request(body)
+        return err.response() if err is not None else body
+
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_key)])
 
     @v1.post("/completions")
     async def completions(request: Request) -> Response:
-        body = parse_body(CompletionRequest, await request.body())
-        if isinstance(body, ApiError):
-            return body.response()
-        err = serving.check_model(body.model) or check_request(body)
-        if err is not None:
-            return err.response()
+        body = await read_request(request, CompletionRequest)
+        if isinstance(body, Response):
+            return body
         return unavailable() or await create_completion(serving, body, request)
 
     @v1.post("/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        body = parse_body(ChatCompletionRequest, await request.body())
-        if isinstance(body, ApiError):
-            return body.response()
-        err = serving.check_model(body.model) or check_request(body)
-        if err is not None:
-            return err.response()
+        body = await read_request(request, ChatCompletionRequest)
+        if isinstance(body, Response):
+            return body
         return unavailable() or await create_chat(serving, body, request)
 
     @v1.get("/models", response_model=ModelList)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -71,7 +72,9 @@ def completion_prompts(serving: Serving, prompt: Any) -> list[list[int]] | ApiEr
 async def create_completion(
     serving: Serving, body: CompletionRequest, request: Request
 ) -> Response:
-    prompts = completion_prompts(serving, body.prompt)
+    # Tokenizing (and echo's decoding) run in a thread: a multi-MB prompt takes seconds, and on
+    # the event loop it would stall /health and every stream (the tokenizer releases the GIL).
+    prompts = await asyncio.to_thread(completion_prompts, serving, body.prompt)
     if isinstance(prompts, ApiError):
         return prompts.response()
     params = []
@@ -81,7 +84,9 @@ async def create_completion(
             return p.response()
         params.append(p)
     tok = serving.tokenizer
-    echoes = [tok.decode(ids) if body.echo and tok is not None else "" for ids in prompts]
+    echoes = ["" for _ in prompts]
+    if body.echo and tok is not None:
+        echoes = await asyncio.to_thread(lambda: [tok.decode(ids) for ids in prompts])
     reqs = serving.make_reqs(prompts, params, body.n, body.stream)
 
     def make_choice(i: int, pi: int) -> ChoiceState:
@@ -157,7 +162,7 @@ def chat_prompt(serving: Serving, body: ChatCompletionRequest) -> list[int] | Ap
 
 
 async def create_chat(serving: Serving, body: ChatCompletionRequest, request: Request) -> Response:
-    ids = chat_prompt(serving, body)
+    ids = await asyncio.to_thread(chat_prompt, serving, body)  # off the loop: see completions
     if isinstance(ids, ApiError):
         return ids.response()
     max_tokens = body.max_completion_tokens

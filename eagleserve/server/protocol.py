@@ -279,6 +279,7 @@ def add_api_bodies(schema: dict[str, Any]) -> dict[str, Any]:
             "200": {"description": "the completion (or an event stream)", "content": ok},
             **{code: {"description": text, **err} for code, text in (
                 ("400", "invalid request"), ("401", "bad API key"), ("404", "unknown model"),
+                ("413", "request body over --max-request-body-bytes"),
                 ("500", "engine error"), ("503", "engine down or shutting down"))},
         }  # fmt: skip
     return schema
