@@ -19,6 +19,7 @@ from eagleserve.server.engine_client import EngineClient
 from eagleserve.server.handlers import create_chat, create_completion
 from eagleserve.server.limits import read_body
 from eagleserve.server.metrics import Metrics
+from eagleserve.server.middleware import HttpStats, HttpTrackerMiddleware
 from eagleserve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -52,8 +53,9 @@ def parse_body(model: type[M], raw: bytes) -> M | ApiError:
         return validation_error(exc.errors(include_url=False))
 
 
-def create_app(args: ServerArgs, client: EngineClient) -> FastAPI:
+def create_app(args: ServerArgs, client: EngineClient, http: HttpStats | None = None) -> FastAPI:
     metrics = Metrics()
+    http = http or HttpStats()
     client.on_stats = metrics.update_engine_stats
     serving = Serving(args, client, metrics)
 
@@ -66,6 +68,7 @@ def create_app(args: ServerArgs, client: EngineClient) -> FastAPI:
         await client.shutdown()
 
     app = FastAPI(title="eagleserve", lifespan=lifespan)
+    app.add_middleware(HttpTrackerMiddleware, stats=http)
     app.state.serving = serving
 
     async def require_key(request: Request) -> None:

@@ -12,6 +12,7 @@ import logging
 import multiprocessing as mp
 import os
 import shutil
+import signal
 import tempfile
 import time
 from collections.abc import Callable
@@ -42,10 +43,21 @@ class EngineStartupFailed(RuntimeError):
     """The engine process could not start (its message says why)."""
 
 
-def _dead_output(rid: str) -> TokenOutput:
-    return TokenOutput(
-        rid, [], True, "error", error="the engine process is not running", error_code=503
-    )
+DEAD = "the engine process is not running"
+
+
+def _error_output(rid: str, message: str, reason: str = "error") -> TokenOutput:
+    return TokenOutput(rid, [], True, reason, error=message, error_code=503)
+
+
+def engine_main(args: ServerArgs, in_addr: str, out_addr: str) -> None:
+    """The engine process. It ignores SIGTERM and SIGINT: a signal to the whole process group
+    (systemd's default KillMode, Ctrl-C in a terminal) must not kill it while the server drains;
+    the server stops it after the drain (ShutdownReq, then SIGKILL if it does not exit), and it
+    exits by itself when the server process is gone."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    run_engine(args, in_addr, out_addr)
 
 
 class RequestStream:
@@ -91,6 +103,7 @@ class EngineClient:
         self.healthy = False
         self.draining = False  # shutting down: no new requests (503), in-flight ones finish
         self.died_at: float | None = None  # time.monotonic() when the engine process was lost
+        self.closing: str | None = None  # set by cut_all: why every request now ends at once
         self.queues: dict[str, asyncio.Queue[TokenOutput]] = {}
         self.last_stats = EngineStats()
         self.on_stats: Callable[[EngineStats], None] | None = None
@@ -119,7 +132,7 @@ class EngineClient:
         self._recv.bind(out_addr)
         spawn = mp.get_context("spawn")
         self._proc = spawn.Process(
-            target=run_engine,
+            target=engine_main,
             args=(self.args, in_addr, out_addr),
             name="eagleserve-engine",
             daemon=True,
@@ -167,7 +180,7 @@ class EngineClient:
         self.healthy = False
         self.died_at = time.monotonic()
         for rid, queue in list(self.queues.items()):
-            queue.put_nowait(_dead_output(rid))
+            queue.put_nowait(_error_output(rid, DEAD))
         for fut in self._stats_waiters:
             if not fut.done():
                 fut.set_result(self.last_stats)
@@ -178,11 +191,23 @@ class EngineClient:
         stream = RequestStream(self, reqs)
         for req in reqs:
             self.queues[req.rid] = stream.queue
-            if self.healthy:
-                self._send.send_pyobj(req)
+            if not self.healthy:
+                stream.queue.put_nowait(_error_output(req.rid, DEAD))
+            elif self.closing is not None:
+                stream.queue.put_nowait(_error_output(req.rid, self.closing, "abort"))
             else:
-                stream.queue.put_nowait(_dead_output(req.rid))
+                self._send.send_pyobj(req)
         return stream
+
+    def cut_all(self, message: str) -> int:
+        """Ends every request in flight now, and any sent later: each gets a final 503 error
+        output (its handler answers 503, or sends an error event and [DONE]) and is aborted in
+        the engine. Returns how many were cut."""
+        self.closing = message
+        for rid, queue in list(self.queues.items()):
+            queue.put_nowait(_error_output(rid, message, "abort"))
+            self.abort(rid)
+        return len(self.queues)
 
     def abort(self, rid: str) -> None:
         if self.healthy:
@@ -208,7 +233,8 @@ class EngineClient:
                 self._send.send_pyobj(ShutdownReq(timeout_s=min(5.0, timeout / 2)))
             await asyncio.to_thread(self._proc.join, timeout)
             if self._proc.is_alive():
-                self._proc.terminate()
+                logger.warning("the engine did not stop in %.0f s: killing it", timeout)
+                self._proc.kill()  # SIGKILL: it ignores SIGTERM (see engine_main)
                 await asyncio.to_thread(self._proc.join, 5)
         if self._tmpdir is not None:
             self._send.close(linger=0)

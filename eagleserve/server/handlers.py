@@ -129,8 +129,9 @@ async def create_completion(
                 yield sse(CompletionResponse(id=rid, model=model, choices=[choice]))
         async for out in stream:
             c, delta = tracker.feed(out)
-            if tracker.error is not None:
+            if tracker.error is not None:  # engine fault, engine gone, or cut at the drain
                 yield sse(tracker.error.response_body())
+                yield "data: [DONE]\n\n"
                 return
             if delta or c.finished or (want_lp and out.new_token_ids):
                 yield sse(chunk(c, delta, c.finished))
@@ -214,8 +215,9 @@ async def create_chat(serving: Serving, body: ChatCompletionRequest, request: Re
             )
         async for out in stream:
             c, delta = tracker.feed(out)
-            if tracker.error is not None:
+            if tracker.error is not None:  # engine fault, engine gone, or cut at the drain
                 yield sse(tracker.error.response_body())
+                yield "data: [DONE]\n\n"
                 return
             lp = c.chat_logprobs(only_new=True) if body.logprobs else None
             if delta or c.finished or (lp is not None and lp.content):
