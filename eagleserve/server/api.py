@@ -54,8 +54,9 @@ def parse_body(model: type[M], raw: bytes) -> M | ApiError:
 
 
 def create_app(args: ServerArgs, client: EngineClient, http: HttpStats | None = None) -> FastAPI:
-    metrics = Metrics()
+    metrics = Metrics(args.served_model_name or args.model)
     http = http or HttpStats()
+    http.on_status = metrics.http_response
     client.on_stats = metrics.update_engine_stats
     serving = Serving(args, client, metrics)
 
@@ -144,6 +145,7 @@ def create_app(args: ServerArgs, client: EngineClient, http: HttpStats | None = 
     @app.get("/metrics")
     async def metrics_route() -> Response:
         metrics.update_engine_stats(await client.get_stats())
+        metrics.engine_alive.set(1 if client.healthy else 0)
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     return app

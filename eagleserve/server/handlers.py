@@ -141,7 +141,7 @@ async def create_completion(
             yield sse(CompletionResponse(id=rid, model=model, choices=[], usage=usage))
         yield "data: [DONE]\n\n"
 
-    return AbortingStreamingResponse(events(), stream.close)
+    return AbortingStreamingResponse(events(), lambda: tracker.close(stream))
 
 
 def chat_prompt(serving: Serving, body: ChatCompletionRequest) -> list[int] | ApiError:
@@ -234,4 +234,4 @@ async def create_chat(serving: Serving, body: ChatCompletionRequest, request: Re
             yield chunk([], usage_of(tracker.ordered))
         yield "data: [DONE]\n\n"
 
-    return AbortingStreamingResponse(events(), stream.close)
+    return AbortingStreamingResponse(events(), lambda: tracker.close(stream))
