@@ -40,7 +40,12 @@ POLL_MS = 250
 
 
 class EngineStartupFailed(RuntimeError):
-    """The engine process could not start (its message says why)."""
+    """The engine process could not start: the message says why in one line; `traceback` is
+    the engine's, for --log-level debug."""
+
+    def __init__(self, message: str, traceback: str = "") -> None:
+        super().__init__(message)
+        self.traceback = traceback
 
 
 DEAD = "the engine process is not running"
@@ -145,7 +150,7 @@ class EngineClient:
                     self.ready = msg
                 elif isinstance(msg, EngineStartupError):
                     self._proc.join(10)
-                    raise EngineStartupFailed(f"{msg.message}\n{msg.traceback}".rstrip())
+                    raise EngineStartupFailed(msg.message, msg.traceback)
             elif not self._proc.is_alive():
                 raise EngineStartupFailed(f"the engine exited with code {self._proc.exitcode}")
         self.tokenizer = await asyncio.to_thread(_load_tokenizer, self.ready.model_path)
@@ -231,6 +236,8 @@ class EngineClient:
         if self._proc is not None:
             if was_healthy and self._proc.is_alive():
                 self._send.send_pyobj(ShutdownReq(timeout_s=min(5.0, timeout / 2)))
+            elif self._proc.is_alive():  # never became ready (start-up interrupted): nothing
+                self._proc.kill()  # to drain, and it ignores SIGTERM (see engine_main)
             await asyncio.to_thread(self._proc.join, timeout)
             if self._proc.is_alive():
                 logger.warning("the engine did not stop in %.0f s: killing it", timeout)

@@ -26,8 +26,9 @@ import uvicorn
 
 from eagleserve.config import ServerArgs
 from eagleserve.server.api import create_app
-from eagleserve.server.engine_client import EngineClient, EngineStartupFailed
+from eagleserve.server.engine_client import EngineClient
 from eagleserve.server.middleware import HttpStats
+from eagleserve.server.startup import StartupError, bind_socket, check_paths, fail, start_engine
 
 DRAIN_TIMEOUT_ENV = "EAGLESERVE_DRAIN_TIMEOUT_S"
 ENGINE_DEATH_GRACE_S = 5.0
@@ -104,28 +105,36 @@ class _Server(uvicorn.Server):
 
 
 async def serve(args: ServerArgs) -> int:
+    """Runs the server until it is stopped; the process exit code (see the module docstring
+    and startup.py: 2 for any start-up failure)."""
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    debug = args.log_level.lower() == "debug"
     client = EngineClient(args)
     try:
-        try:
-            await client.start()
-        except EngineStartupFailed as exc:
-            print(f"eagleserve: the engine failed to start: {exc}", file=sys.stderr, flush=True)
-            return 1
+        sock = bind_socket(args.host, args.port)
+        check_paths(args)
+        if not await start_engine(client):
+            print("eagleserve: stopped while starting", file=sys.stderr, flush=True)
+            return 0  # stopping was asked for and done
+    except StartupError as exc:
+        cause = exc.__cause__
+        return fail(str(exc), getattr(cause, "traceback", ""), debug)
+    finally:
+        if not client.healthy:
+            await client.shutdown()
+    try:
         http = HttpStats()
-        app = create_app(args, client, http)
         config = uvicorn.Config(
-            app,
-            host=args.host,
-            port=args.port,
+            create_app(args, client, http),
             log_level=args.log_level.lower(),
-            access_log=args.log_level.lower() == "debug",
+            access_log=debug,
             timeout_graceful_shutdown=5,
         )
         server = _Server(config, args, client, http)
-        await server.serve()
+        await server.serve(sockets=[sock])
         return 1 if client.died_at is not None else 0  # a drain, cut or not, is a clean exit
     finally:
+        sock.close()
         await client.shutdown()
