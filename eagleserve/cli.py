@@ -11,10 +11,11 @@ import argparse
 import asyncio
 import dataclasses
 import os
+import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from eagleserve.config import ServerArgs
 
@@ -32,6 +33,7 @@ FIELD_HELP: dict[str, str] = {
     "max_context_len": "most tokens per request, prompt + output (default: the model's limit)",
     "served_model_name": "model name the API reports and accepts (default: --model)",
     "api_key": "require 'Authorization: Bearer KEY' on /v1/* (default: $EAGLESERVE_API_KEY)",
+    "max_request_body_bytes": "larger request bodies get a 413 before they are read",
     "seed": "random seed of the engine",
     "speculative_algorithm": "EAGLE or EAGLE3 to turn on speculative decoding",
     "speculative_draft_model_path": "EAGLE draft head folder",
@@ -51,6 +53,42 @@ FIELD_HELP: dict[str, str] = {
     "log_level": "debug | info | warning | error",
 }
 _TYPES: dict[str, Callable[[str], Any]] = {"int": int, "float": float, "str": str}
+# Values checked before anything loads (from flags and from --config files alike), so a typo
+# is one line and exit code 2, not a traceback from the engine minutes later.
+FIELD_CHOICES: dict[str, tuple[str, ...]] = {
+    "dtype": ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16"),
+    "load_format": ("auto", "dummy"),
+    "quantization": ("auto", "none", "gguf"),
+    "attention_backend": ("auto", "torch", "triton"),
+    "log_level": ("debug", "info", "warning", "error", "critical"),
+}
+DEVICE_RE = re.compile(r"auto|cpu|cuda(:\d+)?")  # HIP builds of torch call their GPUs cuda too
+POSITIVE = ("max_running_requests", "kv_cache_tokens", "max_context_len",
+            "max_request_body_bytes", "cuda_graph_max_bs")  # fmt: skip
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """Reports a bad flag in one line (argparse's default prints the whole usage first)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"eagleserve: error: {message} (see `{self.prog} --help`)\n")
+
+
+def check_values(args: ServerArgs) -> str | None:
+    """The first field whose value cannot work, as a message; None when all can."""
+    for name, choices in FIELD_CHOICES.items():
+        value = getattr(args, name)
+        if str(value).lower() not in choices:
+            return f"--{name.replace('_', '-')} {value!r}: choose from {', '.join(choices)}"
+    if DEVICE_RE.fullmatch(args.device) is None:
+        return f"--device {args.device!r}: choose auto, cpu, cuda or cuda:N"
+    if not 0 <= args.port <= 65535:
+        return f"--port {args.port}: a port is between 0 and 65535"
+    for name in POSITIVE:
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            return f"--{name.replace('_', '-')} {value}: must be at least 1"
+    return None
 
 
 def _field_type(f: dataclasses.Field) -> tuple[str, bool]:
@@ -141,7 +179,7 @@ def build_server_args(ns: argparse.Namespace) -> ServerArgs | str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="eagleserve", description=__doc__.split("\n")[0])
+    parser = OneLineParser(prog="eagleserve", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     serve = sub.add_parser(
         "serve",
@@ -159,6 +197,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def cmd_serve(ns: argparse.Namespace) -> int:
     args = build_server_args(ns)
+    if isinstance(args, ServerArgs):
+        args = check_values(args) or args
     if isinstance(args, str):
         print(f"eagleserve: error: {args}", file=sys.stderr)
         return 2

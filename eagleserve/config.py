@@ -142,6 +142,9 @@ class ServerArgs:
     max_context_len: int | None = None  # default: the model's max_position_embeddings, capped
     served_model_name: str | None = None
     api_key: str | None = None
+    # 16 MiB: over 10x the JSON of a 128k-token prompt (~0.5 MB of text, up to 6x for \u
+    # escapes), so only abuse or mistakes hit it; tokenizing 16 MB takes ~15 s of a core.
+    max_request_body_bytes: int = 16 * 2**20
     seed: int = 0
     speculative_algorithm: str | None = None
     speculative_draft_model_path: str | None = None

@@ -17,7 +17,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from eagleserve.config import ServerArgs
 from eagleserve.server.engine_client import EngineClient
 from eagleserve.server.handlers import create_chat, create_completion
+from eagleserve.server.limits import read_body
 from eagleserve.server.metrics import Metrics
+from eagleserve.server.middleware import HttpStats, HttpTrackerMiddleware
 from eagleserve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -26,8 +28,10 @@ from eagleserve.server.protocol import (
     add_api_bodies,
 )
 from eagleserve.server.serving import ApiError, Serving
+from eagleserve.server.validation import check_request
 
 M = TypeVar("M", bound=BaseModel)
+R = TypeVar("R", CompletionRequest, ChatCompletionRequest)
 
 
 def validation_error(errors: list[dict]) -> ApiError:
@@ -49,8 +53,10 @@ def parse_body(model: type[M], raw: bytes) -> M | ApiError:
         return validation_error(exc.errors(include_url=False))
 
 
-def create_app(args: ServerArgs, client: EngineClient) -> FastAPI:
-    metrics = Metrics()
+def create_app(args: ServerArgs, client: EngineClient, http: HttpStats | None = None) -> FastAPI:
+    metrics = Metrics(args.served_model_name or args.model)
+    http = http or HttpStats()
+    http.on_status = metrics.http_response
     client.on_stats = metrics.update_engine_stats
     serving = Serving(args, client, metrics)
 
@@ -63,6 +69,7 @@ def create_app(args: ServerArgs, client: EngineClient) -> FastAPI:
         await client.shutdown()
 
     app = FastAPI(title="eagleserve", lifespan=lifespan)
+    app.add_middleware(HttpTrackerMiddleware, stats=http)
     app.state.serving = serving
 
     async def require_key(request: Request) -> None:
@@ -88,26 +95,33 @@ def create_app(args: ServerArgs, client: EngineClient) -> FastAPI:
     async def request_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         return validation_error(list(exc.errors())).response()
 
+    async def read_request(request: Request, model: type[R]) -> R | Response:
+        """The parsed and checked body, or the error response (413, 400, 404) to send."""
+        raw = await read_body(request, args.max_request_body_bytes)
+        if isinstance(raw, ApiError):
+            resp = raw.response()
+            resp.headers["connection"] = "close"  # the rest of the body is not read
+            return resp
+        body = parse_body(model, raw)
+        if isinstance(body, ApiError):
+            return body.response()
+        err = serving.check_model(body.model) or check_request(body)
+        return err.response() if err is not None else body
+
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_key)])
 
     @v1.post("/completions")
     async def completions(request: Request) -> Response:
-        body = parse_body(CompletionRequest, await request.body())
-        if isinstance(body, ApiError):
-            return body.response()
-        err = serving.check_model(body.model)
-        if err is not None:
-            return err.response()
+        body = await read_request(request, CompletionRequest)
+        if isinstance(body, Response):
+            return body
         return unavailable() or await create_completion(serving, body, request)
 
     @v1.post("/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        body = parse_body(ChatCompletionRequest, await request.body())
-        if isinstance(body, ApiError):
-            return body.response()
-        err = serving.check_model(body.model)
-        if err is not None:
-            return err.response()
+        body = await read_request(request, ChatCompletionRequest)
+        if isinstance(body, Response):
+            return body
         return unavailable() or await create_chat(serving, body, request)
 
     @v1.get("/models", response_model=ModelList)
@@ -131,6 +145,7 @@ def create_app(args: ServerArgs, client: EngineClient) -> FastAPI:
     @app.get("/metrics")
     async def metrics_route() -> Response:
         metrics.update_engine_stats(await client.get_stats())
+        metrics.engine_alive.set(1 if client.healthy else 0)
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     return app

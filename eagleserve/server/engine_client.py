@@ -12,6 +12,7 @@ import logging
 import multiprocessing as mp
 import os
 import shutil
+import signal
 import tempfile
 import time
 from collections.abc import Callable
@@ -39,13 +40,29 @@ POLL_MS = 250
 
 
 class EngineStartupFailed(RuntimeError):
-    """The engine process could not start (its message says why)."""
+    """The engine process could not start: the message says why in one line; `traceback` is
+    the engine's, for --log-level debug."""
+
+    def __init__(self, message: str, traceback: str = "") -> None:
+        super().__init__(message)
+        self.traceback = traceback
 
 
-def _dead_output(rid: str) -> TokenOutput:
-    return TokenOutput(
-        rid, [], True, "error", error="the engine process is not running", error_code=503
-    )
+DEAD = "the engine process is not running"
+
+
+def _error_output(rid: str, message: str, reason: str = "error") -> TokenOutput:
+    return TokenOutput(rid, [], True, reason, error=message, error_code=503)
+
+
+def engine_main(args: ServerArgs, in_addr: str, out_addr: str) -> None:
+    """The engine process. It ignores SIGTERM and SIGINT: a signal to the whole process group
+    (systemd's default KillMode, Ctrl-C in a terminal) must not kill it while the server drains;
+    the server stops it after the drain (ShutdownReq, then SIGKILL if it does not exit), and it
+    exits by itself when the server process is gone."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    run_engine(args, in_addr, out_addr)
 
 
 class RequestStream:
@@ -91,6 +108,7 @@ class EngineClient:
         self.healthy = False
         self.draining = False  # shutting down: no new requests (503), in-flight ones finish
         self.died_at: float | None = None  # time.monotonic() when the engine process was lost
+        self.closing: str | None = None  # set by cut_all: why every request now ends at once
         self.queues: dict[str, asyncio.Queue[TokenOutput]] = {}
         self.last_stats = EngineStats()
         self.on_stats: Callable[[EngineStats], None] | None = None
@@ -119,7 +137,7 @@ class EngineClient:
         self._recv.bind(out_addr)
         spawn = mp.get_context("spawn")
         self._proc = spawn.Process(
-            target=run_engine,
+            target=engine_main,
             args=(self.args, in_addr, out_addr),
             name="eagleserve-engine",
             daemon=True,
@@ -132,7 +150,7 @@ class EngineClient:
                     self.ready = msg
                 elif isinstance(msg, EngineStartupError):
                     self._proc.join(10)
-                    raise EngineStartupFailed(f"{msg.message}\n{msg.traceback}".rstrip())
+                    raise EngineStartupFailed(msg.message, msg.traceback)
             elif not self._proc.is_alive():
                 raise EngineStartupFailed(f"the engine exited with code {self._proc.exitcode}")
         self.tokenizer = await asyncio.to_thread(_load_tokenizer, self.ready.model_path)
@@ -167,7 +185,7 @@ class EngineClient:
         self.healthy = False
         self.died_at = time.monotonic()
         for rid, queue in list(self.queues.items()):
-            queue.put_nowait(_dead_output(rid))
+            queue.put_nowait(_error_output(rid, DEAD))
         for fut in self._stats_waiters:
             if not fut.done():
                 fut.set_result(self.last_stats)
@@ -178,11 +196,23 @@ class EngineClient:
         stream = RequestStream(self, reqs)
         for req in reqs:
             self.queues[req.rid] = stream.queue
-            if self.healthy:
-                self._send.send_pyobj(req)
+            if not self.healthy:
+                stream.queue.put_nowait(_error_output(req.rid, DEAD))
+            elif self.closing is not None:
+                stream.queue.put_nowait(_error_output(req.rid, self.closing, "abort"))
             else:
-                stream.queue.put_nowait(_dead_output(req.rid))
+                self._send.send_pyobj(req)
         return stream
+
+    def cut_all(self, message: str) -> int:
+        """Ends every request in flight now, and any sent later: each gets a final 503 error
+        output (its handler answers 503, or sends an error event and [DONE]) and is aborted in
+        the engine. Returns how many were cut."""
+        self.closing = message
+        for rid, queue in list(self.queues.items()):
+            queue.put_nowait(_error_output(rid, message, "abort"))
+            self.abort(rid)
+        return len(self.queues)
 
     def abort(self, rid: str) -> None:
         if self.healthy:
@@ -206,9 +236,12 @@ class EngineClient:
         if self._proc is not None:
             if was_healthy and self._proc.is_alive():
                 self._send.send_pyobj(ShutdownReq(timeout_s=min(5.0, timeout / 2)))
+            elif self._proc.is_alive():  # never became ready (start-up interrupted): nothing
+                self._proc.kill()  # to drain, and it ignores SIGTERM (see engine_main)
             await asyncio.to_thread(self._proc.join, timeout)
             if self._proc.is_alive():
-                self._proc.terminate()
+                logger.warning("the engine did not stop in %.0f s: killing it", timeout)
+                self._proc.kill()  # SIGKILL: it ignores SIGTERM (see engine_main)
                 await asyncio.to_thread(self._proc.join, 5)
         if self._tmpdir is not None:
             self._send.close(linger=0)

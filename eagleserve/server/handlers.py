@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -71,7 +72,9 @@ def completion_prompts(serving: Serving, prompt: Any) -> list[list[int]] | ApiEr
 async def create_completion(
     serving: Serving, body: CompletionRequest, request: Request
 ) -> Response:
-    prompts = completion_prompts(serving, body.prompt)
+    # Tokenizing (and echo's decoding) run in a thread: a multi-MB prompt takes seconds, and on
+    # the event loop it would stall /health and every stream (the tokenizer releases the GIL).
+    prompts = await asyncio.to_thread(completion_prompts, serving, body.prompt)
     if isinstance(prompts, ApiError):
         return prompts.response()
     params = []
@@ -81,7 +84,9 @@ async def create_completion(
             return p.response()
         params.append(p)
     tok = serving.tokenizer
-    echoes = [tok.decode(ids) if body.echo and tok is not None else "" for ids in prompts]
+    echoes = ["" for _ in prompts]
+    if body.echo and tok is not None:
+        echoes = await asyncio.to_thread(lambda: [tok.decode(ids) for ids in prompts])
     reqs = serving.make_reqs(prompts, params, body.n, body.stream)
 
     def make_choice(i: int, pi: int) -> ChoiceState:
@@ -124,8 +129,9 @@ async def create_completion(
                 yield sse(CompletionResponse(id=rid, model=model, choices=[choice]))
         async for out in stream:
             c, delta = tracker.feed(out)
-            if tracker.error is not None:
+            if tracker.error is not None:  # engine fault, engine gone, or cut at the drain
                 yield sse(tracker.error.response_body())
+                yield "data: [DONE]\n\n"
                 return
             if delta or c.finished or (want_lp and out.new_token_ids):
                 yield sse(chunk(c, delta, c.finished))
@@ -135,7 +141,7 @@ async def create_completion(
             yield sse(CompletionResponse(id=rid, model=model, choices=[], usage=usage))
         yield "data: [DONE]\n\n"
 
-    return AbortingStreamingResponse(events(), stream.close)
+    return AbortingStreamingResponse(events(), lambda: tracker.close(stream))
 
 
 def chat_prompt(serving: Serving, body: ChatCompletionRequest) -> list[int] | ApiError:
@@ -157,7 +163,7 @@ def chat_prompt(serving: Serving, body: ChatCompletionRequest) -> list[int] | Ap
 
 
 async def create_chat(serving: Serving, body: ChatCompletionRequest, request: Request) -> Response:
-    ids = chat_prompt(serving, body)
+    ids = await asyncio.to_thread(chat_prompt, serving, body)  # off the loop: see completions
     if isinstance(ids, ApiError):
         return ids.response()
     max_tokens = body.max_completion_tokens
@@ -209,8 +215,9 @@ async def create_chat(serving: Serving, body: ChatCompletionRequest, request: Re
             )
         async for out in stream:
             c, delta = tracker.feed(out)
-            if tracker.error is not None:
+            if tracker.error is not None:  # engine fault, engine gone, or cut at the drain
                 yield sse(tracker.error.response_body())
+                yield "data: [DONE]\n\n"
                 return
             lp = c.chat_logprobs(only_new=True) if body.logprobs else None
             if delta or c.finished or (lp is not None and lp.content):
@@ -227,4 +234,4 @@ async def create_chat(serving: Serving, body: ChatCompletionRequest, request: Re
             yield chunk([], usage_of(tracker.ordered))
         yield "data: [DONE]\n\n"
 
-    return AbortingStreamingResponse(events(), stream.close)
+    return AbortingStreamingResponse(events(), lambda: tracker.close(stream))

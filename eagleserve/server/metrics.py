@@ -1,71 +1,126 @@
-"""Prometheus metrics of one server (own registry, so several apps can live in one process)."""
+"""Prometheus metrics of one server (own registry, so several apps can live in one process).
+
+Every eagleserve_* series carries a `model_name` label (the served name), as vLLM's do, so one
+dashboard can tell servers apart; the registry also has the standard process_* / python_*
+collectors. Engine-side figures (KV use, running/waiting, speculative acceptance) come from
+`EngineStats`; request-level ones (latencies, lengths, outcomes, HTTP codes) from the server.
+"""
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import (
+    GC_COLLECTOR,
+    PLATFORM_COLLECTOR,
     CollectorRegistry,
     Counter,
     Gauge,
     Histogram,
+    ProcessCollector,
     generate_latest,
 )
 
 from eagleserve.messages import EngineStats
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+LENGTH_BUCKETS = tuple(float(m * 10**e) for e in range(6) for m in (1, 2, 5))  # 1 .. 500k
 P = "eagleserve_"
+# Routes whose responses are counted by path; anything else (404s of random paths) is "other",
+# so a scanner cannot grow the label set without bound.
+ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
 
 
 class Metrics:
-    def __init__(self) -> None:
+    def __init__(self, model_name: str = "") -> None:
         r = self.registry = CollectorRegistry()
-        self.requests = Counter(
-            P + "requests", "Finished requests", ["endpoint", "finish_reason"], registry=r
+        ProcessCollector(registry=r)
+        for collector in (PLATFORM_COLLECTOR, GC_COLLECTOR):
+            r.register(collector)
+        self.model_name = model_name
+
+        def one(kind: Any, name: str, doc: str, labels: tuple[str, ...] = (), **kw: Any) -> Any:
+            metric = kind(P + name, doc, ["model_name", *labels], registry=r, **kw)
+            return metric if labels else metric.labels(model_name=model_name)
+
+        self._requests = one(
+            Counter,
+            "requests",
+            "Finished requests (abort: client gone or cut at shutdown)",
+            ("endpoint", "finish_reason"),
         )
-        self.prompt_tokens = Counter(P + "prompt_tokens", "Prompt tokens processed", registry=r)
-        self.generation_tokens = Counter(P + "generation_tokens", "Tokens generated", registry=r)
-        self.num_running = Gauge(P + "num_requests_running", "Requests decoding", registry=r)
-        self.num_waiting = Gauge(P + "num_requests_waiting", "Requests queued", registry=r)
-        self.kv_used = Gauge(P + "kv_used_tokens", "KV cache slots in use", registry=r)
-        self.kv_total = Gauge(P + "kv_total_tokens", "KV cache slots in all", registry=r)
-        self.kv_usage = Gauge(P + "kv_cache_usage_ratio", "KV cache slots in use / all", registry=r)
-        self.num_retracted = Counter(
-            P + "num_retracted", "Requests retracted (KV pool full) to be re-prefilled", registry=r
+        self._aborted = one(
+            Counter,
+            "requests_aborted",
+            "Requests ended before they finished",
+            ("endpoint", "reason"),
         )
-        self.ttft = Histogram(
-            P + "time_to_first_token_seconds",
-            "Time to first token",
-            buckets=LATENCY_BUCKETS,
-            registry=r,
+        self._http = one(
+            Counter, "http_responses", "HTTP responses by route and status code", ("route", "code")
         )
-        self.itl = Histogram(
-            P + "inter_token_latency_seconds",
+        self.prompt_tokens = one(Counter, "prompt_tokens", "Prompt tokens processed")
+        self.generation_tokens = one(Counter, "generation_tokens", "Tokens generated")
+        self.prompt_len = one(
+            Histogram, "request_prompt_tokens", "Prompt length per request", buckets=LENGTH_BUCKETS
+        )
+        self.generation_len = one(
+            Histogram,
+            "request_generation_tokens",
+            "Generated tokens per request",
+            buckets=LENGTH_BUCKETS,
+        )
+        self.engine_alive = one(Gauge, "engine_alive", "1 while the engine process serves")
+        self.num_running = one(Gauge, "num_requests_running", "Requests decoding")
+        self.num_waiting = one(Gauge, "num_requests_waiting", "Requests queued")
+        self.kv_used = one(Gauge, "kv_used_tokens", "KV cache slots in use")
+        self.kv_total = one(Gauge, "kv_total_tokens", "KV cache slots in all")
+        self.kv_usage = one(Gauge, "kv_cache_usage_ratio", "KV cache slots in use / all")
+        self.num_retracted = one(
+            Counter, "num_retracted", "Requests retracted (KV pool full) to be re-prefilled"
+        )
+        self.ttft = one(
+            Histogram, "time_to_first_token_seconds", "Time to first token", buckets=LATENCY_BUCKETS
+        )
+        self.itl = one(
+            Histogram,
+            "inter_token_latency_seconds",
             "Time between output tokens",
             buckets=LATENCY_BUCKETS,
-            registry=r,
         )
-        self.e2e = Histogram(
-            P + "e2e_request_latency_seconds",
-            "Request latency",
-            buckets=LATENCY_BUCKETS,
-            registry=r,
+        self.e2e = one(
+            Histogram, "e2e_request_latency_seconds", "Request latency", buckets=LATENCY_BUCKETS
         )
-        self.spec_accept_length = Gauge(
-            P + "spec_accept_length", "Mean tokens committed per verify step", registry=r
+        self.spec_accept_length = one(
+            Gauge, "spec_accept_length", "Mean tokens committed per verify step"
         )
-        self.spec_verify_calls = Counter(
-            P + "spec_verify_calls", "Speculative verify steps (per request)", registry=r
+        self.spec_verify_calls = one(
+            Counter, "spec_verify_calls", "Speculative verify steps (per request)"
         )
-        self.spec_accepted_tokens = Counter(
-            P + "spec_accepted_tokens", "Tokens committed by verify steps", registry=r
+        self.spec_accepted_tokens = one(
+            Counter, "spec_accepted_tokens", "Tokens committed by verify steps"
         )
-        self.spec_accepted_per_position = Counter(
-            P + "spec_accepted_per_position",
+        self._accepted_per_position = one(
+            Counter,
+            "spec_accepted_per_position",
             "Accepted draft tokens at each draft depth",
-            ["position"],
-            registry=r,
+            ("position",),
         )
         self._last = EngineStats()
+
+    def request_finished(self, endpoint: str, reason: str, prompt: int, generated: int) -> None:
+        self._requests.labels(self.model_name, endpoint, reason).inc()
+        self.prompt_len.observe(prompt)
+        self.generation_len.observe(generated)
+
+    def request_aborted(self, endpoint: str, reason: str) -> None:
+        """`reason`: client_disconnected (the client hung up), shutdown (cut at the drain
+        timeout) or error (another choice of the same call failed)."""
+        self._requests.labels(self.model_name, endpoint, "abort").inc()
+        self._aborted.labels(self.model_name, endpoint, reason).inc()
+
+    def http_response(self, path: str, status: int) -> None:
+        route = path if path in ROUTES else "other"
+        self._http.labels(self.model_name, route, str(status)).inc()
 
     def update_engine_stats(self, s: EngineStats) -> None:
         self.num_running.set(s.num_running)
@@ -82,7 +137,8 @@ class Metrics:
         for pos, n in enumerate(s.spec_accepted_per_position):
             prev = last.spec_accepted_per_position
             before = prev[pos] if pos < len(prev) else 0
-            self.spec_accepted_per_position.labels(position=str(pos)).inc(max(0, n - before))
+            child = self._accepted_per_position.labels(self.model_name, str(pos))
+            child.inc(max(0, n - before))
         if s.spec_verify_calls_total:
             self.spec_accept_length.set(s.spec_accepted_tokens_total / s.spec_verify_calls_total)
         self._last = s

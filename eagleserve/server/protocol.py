@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer
 from pydantic.json_schema import models_json_schema
@@ -16,8 +16,18 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="allow")  # json_schema's payload; only "text" is served
+    type: Literal["text", "json_object", "json_schema"]
+
+
+Bias = Annotated[float, Field(ge=-100, le=100)]
+
+
 class _SamplingFields(BaseModel):
-    """Fields shared by both endpoints. Unknown fields (e.g. `user`) are accepted and ignored."""
+    """Fields shared by both endpoints. Unknown fields (e.g. `user`) are accepted and ignored;
+    the fields below that change the output are either honoured or rejected with a 400 by
+    `validation.check_request` (ranges here, as OpenAI's; supported values there)."""
 
     model_config = ConfigDict(extra="ignore")
 
@@ -34,8 +44,12 @@ class _SamplingFields(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, gt=0)  # vLLM's extension
+    min_tokens: int | None = Field(None, ge=0)  # vLLM's extension
+    logit_bias: dict[str, Bias] | None = None
+    response_format: ResponseFormat | None = None
 
     @property
     def stop_list(self) -> list[str]:
@@ -50,14 +64,17 @@ class _SamplingFields(BaseModel):
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
+    # 0 (score the prompt only) passes the schema and gets a 400 naming what is missing.
+    max_tokens: int | None = Field(16, ge=0)
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
+    best_of: int | None = Field(None, ge=1)
+    suffix: str | None = None
 
 
 class ChatContentPart(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    type: str = "text"
+    type: str = "text"  # anything but "text" is a 400 (validation.py): the models read text
     text: str = ""
 
 
@@ -80,6 +97,10 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    functions: list[dict[str, Any]] | None = None  # the deprecated form of tools
+    function_call: str | dict[str, Any] | None = None
 
 
 # ---- responses -------------------------------------------------------------------------------
@@ -258,6 +279,7 @@ def add_api_bodies(schema: dict[str, Any]) -> dict[str, Any]:
             "200": {"description": "the completion (or an event stream)", "content": ok},
             **{code: {"description": text, **err} for code, text in (
                 ("400", "invalid request"), ("401", "bad API key"), ("404", "unknown model"),
+                ("413", "request body over --max-request-body-bytes"),
                 ("500", "engine error"), ("503", "engine down or shutting down"))},
         }  # fmt: skip
     return schema

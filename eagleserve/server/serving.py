@@ -157,9 +157,26 @@ class Tracker:
         if choice.prompt_tokens == 0 and out.prompt_tokens:
             m.prompt_tokens.inc(out.prompt_tokens)
         delta = choice.feed(out)
-        if out.finished:
-            m.requests.labels(self.endpoint, choice.finish_reason or "unknown").inc()
+        if out.finished and out.finish_reason == "abort":  # cut by the server's shutdown
+            m.request_aborted(self.endpoint, "shutdown")
+        elif out.finished:
+            reason = choice.finish_reason or "unknown"
+            m.request_finished(
+                self.endpoint, reason, choice.prompt_tokens, choice.completion_tokens
+            )
         return choice, delta
+
+    def close(self, stream: RequestStream) -> None:
+        """Ends the API call however it ended (idempotent): choices that had not finished were
+        aborted, because the client went away or a sibling choice failed; the engine is told
+        to drop them."""
+        if stream.closed:
+            return
+        reason = "client_disconnected" if self.error is None else "error"
+        for c in self.choices.values():
+            if not c.finished:
+                self.serving.metrics.request_aborted(self.endpoint, reason)
+        stream.close()
 
     def done(self) -> None:
         self.serving.metrics.e2e.observe(time.monotonic() - self.start)
@@ -186,7 +203,7 @@ async def run_to_end(request: Request, stream: RequestStream, tracker: Tracker) 
         gone.cancel()
         if not work.done():
             work.cancel()
-        stream.close()
+        tracker.close(stream)
         await asyncio.gather(work, gone, return_exceptions=True)
     tracker.done()
     return work.done() and not work.cancelled()

@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
+import tempfile
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -124,3 +127,31 @@ def wait_kv_free(url: str, timeout: float = 30.0) -> dict[str, float]:
 def completion(url: str, prompt: Any, max_tokens: int, **kw: Any) -> httpx.Response:
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **kw}
     return httpx.post(url + "/v1/completions", json=body, timeout=120)
+
+
+class GroupServer(Server):
+    """`Server` as systemd or a terminal runs it: in a process group of its own (with its engine
+    process), so a test can signal the whole group."""
+
+    def __init__(self, flags: list[str], env: dict[str, str] | None = None) -> None:
+        cmd = [sys.executable, "-m", "eagleserve", "serve", "--host", "127.0.0.1", "--port", "0",
+               "--log-level", "warning", *flags]  # fmt: skip
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="eagleserve-group-", suffix=".log")
+        self.proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=self.log, text=True, start_new_session=True,
+            env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+        )  # fmt: skip
+        self.url = self._wait_ready(300.0)
+
+
+def sse_events(url: str, body: dict[str, Any], first: threading.Event | None = None) -> list[str]:
+    """The `data:` payloads of a streamed completion, in order; sets `first` at the first one."""
+    events: list[str] = []
+    with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True},
+                      timeout=120) as resp:  # fmt: skip
+        for line in resp.iter_lines():
+            if line.startswith("data: "):
+                events.append(line.removeprefix("data: "))
+                if first is not None:
+                    first.set()
+    return events

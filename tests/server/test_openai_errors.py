@@ -165,6 +165,8 @@ def test_engine_death_gives_503() -> None:
         assert results and results[0].status_code == 503, results
         assert results[0].json()["error"]["type"] == "service_unavailable"
         assert httpx.get(srv.url + "/health").status_code == 503
+        with httpx.Client(base_url=srv.url) as http:
+            assert metric(http, "eagleserve_engine_alive") == 0
         again = httpx.post(srv.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2})
         assert again.status_code == 503
     finally:

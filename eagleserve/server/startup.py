@@ -1,0 +1,91 @@
+"""Start-up checks of `eagleserve serve`, done before the model loads where they can be.
+
+Invariant: every way start-up can fail ends in one line on stderr, `eagleserve: error: ...`,
+and exit code 2 (the traceback only with `--log-level debug`). Order: the listening socket is
+bound first (a port in use is reported in a second, not after the model loaded), then the model
+and draft paths are checked, then the engine starts; SIGTERM/SIGINT while it loads stop it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import os
+import signal
+import socket
+import sys
+
+from eagleserve.config import ServerArgs
+from eagleserve.server.engine_client import EngineClient, EngineStartupFailed
+
+EXIT_CONFIG = 2
+
+
+class StartupError(Exception):
+    """A start-up failure, with the one line to print."""
+
+
+def fail(message: str, detail: str = "", debug: bool = False) -> int:
+    print(f"eagleserve: error: {message}", file=sys.stderr, flush=True)
+    if debug and detail:
+        print(detail, file=sys.stderr, flush=True)
+    return EXIT_CONFIG
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """The server's listening socket, bound now (uvicorn listens on it once the engine is up;
+    until then connections are refused)."""
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+    except socket.gaierror as exc:
+        raise StartupError(f"--host {host!r}: {exc.strerror}") from None
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does
+    try:
+        sock.bind(addr)
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise StartupError(f"port {port} on {host} is already in use (--port)") from None
+        raise StartupError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+    return sock
+
+
+def check_paths(args: ServerArgs) -> None:
+    """The model and draft paths exist and look like what the loader reads (no side effects:
+    'default' and .gguf models are converted by the engine, not here)."""
+    from eagleserve.model.loader import resolve_draft_path, resolve_model_path
+
+    try:
+        if args.model.endswith(".gguf"):
+            if not os.path.isfile(args.model):
+                raise FileNotFoundError(f"GGUF file not found: {args.model}")
+        elif args.model != "default":
+            resolve_model_path(args.model)
+        if args.speculative_algorithm and args.speculative_draft_model_path:
+            resolve_draft_path(args.speculative_draft_model_path)
+    except FileNotFoundError as exc:
+        raise StartupError(str(exc)) from None
+
+
+async def start_engine(client: EngineClient) -> bool:
+    """Starts the engine; False when SIGTERM/SIGINT came first (the caller stops it)."""
+    loop = asyncio.get_running_loop()
+    task = asyncio.ensure_future(client.start())
+    sigs = (signal.SIGTERM, signal.SIGINT)
+    for sig in sigs:
+        loop.add_signal_handler(sig, task.cancel)
+    try:
+        await task
+    except asyncio.CancelledError:
+        if not task.cancelled():
+            raise
+        return False
+    except EngineStartupFailed as exc:
+        raise StartupError(f"the engine failed to start: {exc}") from exc
+    finally:
+        for sig in sigs:
+            loop.remove_signal_handler(sig)
+    return True

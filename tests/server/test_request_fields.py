@@ -1,0 +1,96 @@
+"""Request fields the engine cannot honour yet are a 400 naming them, never silently ignored
+(issue #20 item 2); their neutral values (what many clients always send) still work."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from server_fixtures import (  # noqa: F401 (fixtures)
+    MODEL,
+    base_url_fixture,
+    http_fixture,
+    server_fixture,
+)
+
+CMPL = {"prompt": "Hello", "max_tokens": 2, "temperature": 0}
+CHAT = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "temperature": 0}
+IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+
+# (path, extra fields, the `param` the 400 must name, whether it is "not supported")
+REJECTED: list[tuple[str, dict[str, Any], str, bool]] = [
+    ("/v1/completions", {"presence_penalty": 0.5}, "presence_penalty", True),
+    ("/v1/completions", {"frequency_penalty": -1}, "frequency_penalty", True),
+    ("/v1/completions", {"frequency_penalty": 5.0}, "frequency_penalty", False),  # OpenAI: -2..2
+    ("/v1/chat/completions", {"presence_penalty": -2.5}, "presence_penalty", False),
+    ("/v1/completions", {"repetition_penalty": 1.2}, "repetition_penalty", True),
+    ("/v1/completions", {"repetition_penalty": 0}, "repetition_penalty", False),
+    ("/v1/completions", {"min_tokens": 3}, "min_tokens", True),
+    ("/v1/completions", {"logit_bias": {"11": -100}}, "logit_bias", True),
+    ("/v1/completions", {"logit_bias": {"11": -101}}, "logit_bias.11", False),
+    ("/v1/completions", {"logit_bias": {"comma": 1}}, "logit_bias", False),
+    ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format",
+     True),
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {}}},
+     "response_format", True),
+    ("/v1/chat/completions", {"tools": [TOOL]}, "tools", True),
+    ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice", True),
+    ("/v1/chat/completions", {"functions": [TOOL["function"]]}, "functions", True),
+    ("/v1/completions", {"best_of": 3}, "best_of", True),
+    ("/v1/completions", {"best_of": 1, "n": 2}, "best_of", False),
+    ("/v1/completions", {"suffix": " world"}, "suffix", True),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [IMAGE]}]},
+     "messages.0.content.0.type", True),
+    ("/v1/chat/completions", {"top_logprobs": 3}, "top_logprobs", False),
+    ("/v1/completions", {"echo": True, "logprobs": 1}, "echo", True),
+    ("/v1/completions", {"max_tokens": 0}, "max_tokens", True),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("path", "extra", "param", "unsupported"), REJECTED)
+def test_field_the_server_cannot_honour_is_400_naming_it(
+    http: httpx.Client, path: str, extra: dict[str, Any], param: str, unsupported: bool
+) -> None:
+    base = CHAT if "chat" in path else CMPL
+    resp = http.post(path, json={**base, **extra})
+    assert resp.status_code == 400, resp.text
+    err = resp.json()["error"]
+    assert err["type"] == "invalid_request_error"
+    assert err["param"] == param and param.split(".")[0] in err["message"]
+    assert (err["code"] == "unsupported_parameter") == unsupported, err
+
+
+NEUTRAL: list[tuple[str, dict[str, Any]]] = [
+    ("/v1/completions", {"presence_penalty": 0, "frequency_penalty": 0.0,
+                         "repetition_penalty": 1.0, "min_tokens": 0, "logit_bias": {}}),
+    ("/v1/completions", {"best_of": 2, "n": 2, "suffix": ""}),
+    ("/v1/completions", {"best_of": 1, "echo": True}),
+    ("/v1/chat/completions", {"response_format": {"type": "text"}, "tool_choice": "none",
+                              "tools": [], "top_logprobs": 0}),
+    ("/v1/chat/completions", {"messages": [{"role": "user",
+                                            "content": [{"type": "text", "text": "Hi"}]}]}),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("path", "extra"), NEUTRAL)
+def test_neutral_values_are_accepted(http: httpx.Client, path: str, extra: dict[str, Any]) -> None:
+    base = CHAT if "chat" in path else CMPL
+    resp = http.post(path, json={**base, **extra})
+    assert resp.status_code == 200, resp.text
+    assert all(c["finish_reason"] for c in resp.json()["choices"])
+
+
+def test_openai_client_gets_bad_request(base_url: str) -> None:
+    client = openai.OpenAI(base_url=base_url, api_key="x", max_retries=0)
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.completions.create(model=MODEL, prompt="1, 2,", max_tokens=4,
+                                  logit_bias={"11": -100})  # fmt: skip
+    assert "logit_bias" in str(exc.value)
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "x"}], tools=[TOOL], max_tokens=2
+        )
+    assert "tools" in str(exc.value)
