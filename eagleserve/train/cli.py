@@ -25,6 +25,7 @@ from eagleserve.train.features import (
     label_map,
     target_features,
 )
+from eagleserve.train.tf_cli import add_tf_args, run_teacher_forced
 from eagleserve.train.trainer import Data, TrainConfig, train_head, train_step
 
 
@@ -65,6 +66,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         default=None,
         help="torch intra-op threads (1 avoids OpenMP stalls on a CPU shared with other jobs)",
     )
+    add_tf_args(p)
     p.set_defaults(func=run)
     return p
 
@@ -105,6 +107,8 @@ def evaluate(head: object, data: Data, idx: list[int], cfg: TrainConfig) -> dict
 
 
 def run(ns: argparse.Namespace) -> int:
+    if ns.data_source == "teacher-forced":
+        return run_teacher_forced(ns)
     from eagleserve import Engine
     from eagleserve.spec.head_loader import init_eagle_head, save_eagle_head
 
