@@ -106,10 +106,13 @@ def run_teacher_forced(ns: argparse.Namespace) -> int:
         torch.set_num_threads(ns.threads)
     torch.manual_seed(ns.seed)
     os.makedirs(ns.out, exist_ok=True)
-    target, tok = load_target(ns.model, ns.extract_dtype, max(ns.max_seq_len, ns.max_len))
-    stats = extract_data(ns, target, tok) if ns.shards is None else {}
+    stats = {}
+    if ns.shards is None:
+        target, tok = load_target(ns.model, ns.extract_dtype, ns.max_seq_len)
+        stats = extract_data(ns, target, tok)
+        del target
     if ns.extract_only:
         return 0
     from eagleserve.train.tf_train import train_on_shards
 
-    return train_on_shards(ns, target, stats)
+    return train_on_shards(ns, stats)
