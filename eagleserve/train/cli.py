@@ -25,7 +25,15 @@ from eagleserve.train.features import (
     label_map,
     target_features,
 )
-from eagleserve.train.trainer import Data, TrainConfig, train_head, train_step
+from eagleserve.train.tf_cli import add_tf_args, run_teacher_forced
+from eagleserve.train.trainer import (
+    Data,
+    MemorySource,
+    TrainConfig,
+    memory_batch,
+    train_head,
+    train_step,
+)
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -46,7 +54,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--max-new-tokens", type=int, default=128, help="answer length")
     p.add_argument("--max-prompt-tokens", type=int, default=256)
     p.add_argument("--gen-batch-size", type=int, default=48)
-    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--epochs", type=float, default=2, help="passes over the data (may be fractional)")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--max-len", type=int, default=384)
@@ -65,6 +73,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         default=None,
         help="torch intra-op threads (1 avoids OpenMP stalls on a CPU shared with other jobs)",
     )
+    add_tf_args(p)
     p.set_defaults(func=run)
     return p
 
@@ -98,13 +107,15 @@ def evaluate(head: object, data: Data, idx: list[int], cfg: TrainConfig) -> dict
     """Per-depth top-1 accuracy on held-out sequences (mean over batches)."""
     sums: dict[str, float] = {}
     for i in range(0, len(idx), cfg.batch_size):
-        _, m = train_step(head, data, idx[i : i + cfg.batch_size], cfg, 0)
+        _, m = train_step(head, memory_batch(data, idx[i : i + cfg.batch_size], cfg), cfg, 0)
         for k, v in m.items():
             sums[k] = sums.get(k, 0.0) + v / max(1, -(-len(idx) // cfg.batch_size))
     return sums
 
 
 def run(ns: argparse.Namespace) -> int:
+    if ns.data_source == "teacher-forced":
+        return run_teacher_forced(ns)
     from eagleserve import Engine
     from eagleserve.spec.head_loader import init_eagle_head, save_eagle_head
 
@@ -165,7 +176,7 @@ def run(ns: argparse.Namespace) -> int:
         max_steps=ns.max_steps,
     )
     head.train()
-    metrics = train_head(head, train, cfg, state)
+    metrics = train_head(head, MemorySource(train, cfg), cfg, state)
     head.eval()
     t_train = time.time()
     val = evaluate(head, data, val_idx, cfg) if val_idx else {}

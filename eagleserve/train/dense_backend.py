@@ -32,18 +32,19 @@ class DenseCausalBackend:
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, fb: ForwardBatch
     ) -> torch.Tensor:
-        # q [T, H, D]; k, v [T, Hkv, D] -> [T, H, D]
+        # q [T, H, D]; k, v [T, Hkv, D] -> [T, H, D]. Inputs are 4-D [1, H, T, D]: on CPU only
+        # 4-D inputs reach the fused flash kernel (3-D ones take the O(T^2)-memory math path).
         mask = fb.attn_metadata
         o = F.scaled_dot_product_attention(
-            q.transpose(0, 1),
-            k.transpose(0, 1),
-            v.transpose(0, 1),
+            q.transpose(0, 1)[None],
+            k.transpose(0, 1)[None],
+            v.transpose(0, 1)[None],
             attn_mask=mask,
             is_causal=mask is None,
             scale=self.sm_scale,
             enable_gqa=q.shape[1] != k.shape[1],
         )
-        return o.transpose(0, 1)
+        return o[0].transpose(0, 1)
 
 
 def dense_forward_batch(ids: list[torch.Tensor], backend: DenseCausalBackend) -> ForwardBatch:
@@ -70,16 +71,34 @@ def hidden_states_entering(
     """[T, len(layer_ids) * h]: the residual entering each layer in `layer_ids`, concatenated;
     layer id == num_layers means the final *normed* state (what EAGLE-1 reads). Stops after the
     deepest layer needed, and never computes logits."""
+    return _run_layers(model, ids, layer_ids, max(layer_ids))[0]
+
+
+@torch.inference_mode()
+def features_and_final(
+    model: LlamaForCausalLM, ids: list[torch.Tensor], layer_ids: tuple[int, ...]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(features as `hidden_states_entering`, final normed hidden [T, h]) of one full forward:
+    the features are computed by exactly the same ops as `hidden_states_entering`'s."""
+    n = model.config.num_hidden_layers
+    out, final = _run_layers(model, ids, layer_ids, n)
+    return out, final
+
+
+def _run_layers(
+    model: LlamaForCausalLM, ids: list[torch.Tensor], layer_ids: tuple[int, ...], stop: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     n_layers = model.config.num_hidden_layers
     backend = DenseCausalBackend(model.config.head_dim**-0.5)
     fb = dense_forward_batch(ids, backend)
     out: dict[int, torch.Tensor] = {}
     with forward_context(fb):
         h = model.model.embed_tokens(fb.input_ids)
-        for i in range(max(layer_ids)):
+        for i in range(stop):
             if i in layer_ids:
                 out[i] = h
             h = model.model.layers[i](h, fb.positions, model.model.rotary_emb)
-        last = max(layer_ids)
-        out[last] = model.model.norm(h) if last == n_layers else h
-    return torch.cat([out[i] for i in sorted(layer_ids)], dim=-1)
+        if stop == n_layers:
+            h = model.model.norm(h)
+        out[stop] = h
+    return torch.cat([out[i] for i in sorted(layer_ids)], dim=-1), h

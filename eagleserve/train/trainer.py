@@ -15,6 +15,7 @@ import os
 import random
 import time
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +23,7 @@ from tqdm import tqdm
 
 from eagleserve.spec.eagle_head import EagleHead
 from eagleserve.spec.head_loader import save_eagle_head
+from eagleserve.train.batches import Batch, label_loss, sequence_batch
 from eagleserve.train.features import IGNORE
 from eagleserve.train.ttt import head_step, lm_head_weight
 
@@ -32,7 +34,7 @@ class TrainConfig:
     lr: float = 1e-3
     batch_size: int = 8
     max_len: int = 384
-    epochs: int = 2
+    epochs: float = 2  # fractional: the schedule ends part-way through the last epoch
     max_minutes: float = 60.0
     depths: int = 3  # unrolled draft depths per batch (1 = no training-time test)
     depth_decay: float = 0.8
@@ -42,6 +44,7 @@ class TrainConfig:
     save_every: int = 100
     seed: int = 0
     max_steps: int | None = None  # stop early; --resume continues the same schedule
+    soft_labels: bool = False  # CE against the target's top-k where a batch carries it
 
 
 @dataclass
@@ -66,31 +69,41 @@ def _order(n: int, bsz: int, seed: int, epoch: int, lens: list[int]) -> list[lis
     return batches
 
 
-def _batch(data: Data, idx: list[int], max_len: int, depths: int) -> tuple[torch.Tensor, ...]:
-    """Ids X [B, N+depths], features [B, N, W], labels Y [B, N+depths] (Y[t] = draft id of
-    x[t+1] where x[t+1] is an answer token, else IGNORE), feature mask [B, N+depths]."""
-    n = min(max(len(data.seqs[i]) for i in idx), max_len)
-    bsz, w = len(idx), data.feats[idx[0]].shape[-1]
-    x = torch.zeros(bsz, n + depths, dtype=torch.long)
-    f = torch.zeros(bsz, n + depths, w)
-    y = torch.full((bsz, n + depths), IGNORE, dtype=torch.long)
-    fmask = torch.zeros(bsz, n + depths, dtype=torch.bool)
-    for b, i in enumerate(idx):
-        s = torch.tensor(data.seqs[i][:n])
-        m, p = len(s), data.prompt_lens[i]
-        x[b, :m] = s
-        f[b, :m] = data.feats[i][:m].float()
-        lab = data.label_map[s[1:]]
-        lab[: max(0, p - 1)] = IGNORE
-        y[b, : m - 1] = lab
-        fmask[b, :m] = True
-    return x, f, y, fmask
+class BatchSource(Protocol):
+    """Batches of an epoch-based schedule: a pure function of (epoch, index within epoch)."""
+
+    per_epoch: int
+
+    def batch(self, epoch: int, within: int) -> Batch: ...
+
+
+@dataclass
+class MemorySource:
+    """In-memory sequences (self-distilled data), batched as `_order` says."""
+
+    data: Data
+    cfg: TrainConfig
+
+    def __post_init__(self) -> None:
+        self.lens = [min(len(s), self.cfg.max_len) for s in self.data.seqs]
+        self.per_epoch = math.ceil(len(self.lens) / self.cfg.batch_size)
+
+    def batch(self, epoch: int, within: int) -> Batch:
+        idx = _order(len(self.lens), self.cfg.batch_size, self.cfg.seed, epoch, self.lens)[within]
+        return memory_batch(self.data, idx, self.cfg)
+
+
+def memory_batch(data: Data, idx: list[int], cfg: TrainConfig) -> Batch:
+    d = data
+    return sequence_batch(
+        d.seqs, d.prompt_lens, d.feats, d.label_map, idx, cfg.max_len, cfg.depths
+    )
 
 
 def train_step(
-    head: EagleHead, data: Data, idx: list[int], cfg: TrainConfig, step: int
+    head: EagleHead, batch: Batch, cfg: TrainConfig, step: int
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    x, f, y, fmask = _batch(data, idx, cfg.max_len, cfg.depths)
+    x, f, y, fmask = batch.x, batch.f, batch.y, batch.fmask
     t = f.shape[1] - cfg.depths - 1  # rows j: depth 0 needs x[j+1]
     w = lm_head_weight(head)
     gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
@@ -103,13 +116,13 @@ def train_step(
         pos = (torch.arange(t) + s).expand(x.shape[0], t)
         hid, out, kv = head_step(head, ids, feats, pos, past)
         past.append(kv)
-        lab = y[:, s + 1 : s + 1 + t]
+        cols = slice(s + 1, s + 1 + t)
+        lab = y[:, cols]
         sel = lab != IGNORE
         if head.algorithm == "EAGLE":
             sel &= torch.rand(sel.shape, generator=gen) < cfg.ce_fraction
         logits = F.linear(hid[sel], w).float()
-        ce = F.cross_entropy(logits, lab[sel]) if sel.any() else logits.sum()
-        term = ce
+        term = label_loss(logits, batch, sel, lab[sel], cols, cfg.soft_labels)
         if head.algorithm == "EAGLE":
             fm = fmask[:, s + 1 : s + 1 + t]
             nxt = f[:, s + 1 : s + 1 + t]
@@ -123,15 +136,14 @@ def train_step(
 
 
 def train_head(
-    head: EagleHead, data: Data, cfg: TrainConfig, start_state: dict | None = None
+    head: EagleHead, source: BatchSource, cfg: TrainConfig, start_state: dict | None = None
 ) -> dict[str, float]:
     """Trains in place, checkpointing to cfg.out_dir; returns the last metrics (EMA)."""
     torch.manual_seed(cfg.seed)
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0, betas=(0.9, 0.95))
-    lens = [min(len(s), cfg.max_len) for s in data.seqs]
-    per_epoch = math.ceil(len(lens) / cfg.batch_size)
-    total = per_epoch * cfg.epochs
+    per_epoch = source.per_epoch
+    total = math.ceil(per_epoch * cfg.epochs)
     warm = max(1, min(50, total // 20))
     step, ema = 0, {}
     if start_state is not None:
@@ -143,12 +155,13 @@ def train_head(
 
     autocast = torch.autocast("cpu", torch.bfloat16, enabled=cfg.compute_dtype == "bfloat16")
     t0 = time.time()
+    rows = 0  # real (non-padding) rows trained, times depths: token-depths
     bar = tqdm(total=total, initial=step, desc="Training head", unit="step")
     while step < total:
         epoch, within = divmod(step, per_epoch)
-        idx = _order(len(lens), cfg.batch_size, cfg.seed, epoch, lens)[within]
+        batch = source.batch(epoch, within)
         with autocast:
-            loss, m = train_step(head, data, idx, cfg, step)
+            loss, m = train_step(head, batch, cfg, step)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 0.5)
@@ -156,6 +169,7 @@ def train_head(
             g["lr"] = lr_at(step)
         opt.step()
         step += 1
+        rows += int(batch.fmask.sum()) * cfg.depths
         m["loss"] = loss.item()
         ema = {k: v if k not in ema else 0.95 * ema[k] + 0.05 * v for k, v in m.items()}
         bar.set_postfix({k: f"{v:.3f}" for k, v in ema.items()})
@@ -166,7 +180,8 @@ def train_head(
         if stop:
             break
     bar.close()
-    return {**ema, "steps": step, "total_steps": total}
+    speed = rows / max(1e-9, time.time() - t0)
+    return {**ema, "steps": step, "total_steps": total, "token_depths_per_s": speed}
 
 
 def save_checkpoint(

@@ -1,0 +1,118 @@
+"""`train-draft --data-source teacher-forced`: extract shards, then train on soft labels.
+
+The target runs once over whole ShareGPT conversations (all turns; MT-bench and HumanEval
+prompts kept out) plus any self-distilled `--data` files; features and top-k distributions go
+to `OUT/shards` (held-out conversations to `OUT/val_shards`). Training streams the shards.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+
+from eagleserve.spec.eagle_head import eagle3_aux_layer_ids
+from eagleserve.train.conversations import (
+    conversation_order,
+    held_out_prompts,
+    leaks,
+    probe_keys,
+    sharegpt_conversations,
+    tokenize_conversation,
+)
+from eagleserve.train.data import load_sequences, sharegpt_path
+from eagleserve.train.extract import Source, extract, mixed_order, self_distilled_items
+from eagleserve.train.features import feature_layers
+from eagleserve.train.shards import ShardWriter
+
+
+def add_tf_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("teacher-forced data (--data-source teacher-forced)")
+    g.add_argument("--data-source", default="self-distilled",
+                   choices=["self-distilled", "teacher-forced"])  # fmt: skip
+    g.add_argument("--max-tokens", type=int, default=2_000_000, help="training tokens to extract")
+    g.add_argument("--val-tokens", type=int, default=40_000, help="held-out tokens to extract")
+    g.add_argument("--extract-minutes", type=float, default=60.0, help="extraction time budget")
+    g.add_argument("--max-seq-len", type=int, default=2048, help="conversation cut (tokens)")
+    g.add_argument("--top-k", type=int, default=32, help="target probabilities kept per token")
+    g.add_argument("--shard-tokens", type=int, default=65536)
+    g.add_argument("--extract-dtype", default="bfloat16", choices=["bfloat16", "float32", "served"],
+                   help="target form for extraction ('served': the engine's default, e.g. packed "
+                   "int4 for a GGUF)")  # fmt: skip
+    g.add_argument("--shards", nargs="*", default=None, help="train on these shard folders "
+                   "(default OUT/shards)")  # fmt: skip
+    g.add_argument("--extract-only", action="store_true", help="stop after extraction")
+    g.add_argument("--loss", default="soft", choices=["soft", "hard"],
+                   help="soft: CE against the target's top-k; hard: its argmax")  # fmt: skip
+
+
+def load_target(model: str, extract_dtype: str, max_len: int) -> tuple[object, object]:
+    """(target LlamaForCausalLM, tokenizer), frozen, in the form extraction runs it; its rotary
+    tables cover `max_len` positions (they are sized by the KV pool)."""
+    from eagleserve import Engine
+
+    kw = {} if extract_dtype == "served" else {"dtype": extract_dtype}
+    eng = Engine(model=model, device="cpu", disable_overlap_schedule=True,
+                 max_running_requests=1, kv_cache_tokens=max_len + 16, **kw)  # fmt: skip
+    target = eng.scheduler.worker.runner.model
+    for p in target.parameters():
+        p.requires_grad_(False)
+    return target, eng.tokenizer
+
+
+def target_layer_ids(algorithm: str, n_layers: int) -> tuple[int, ...]:
+    aux = tuple(eagle3_aux_layer_ids({}, n_layers)) if algorithm == "EAGLE3" else ()
+    return feature_layers(algorithm, aux, n_layers)
+
+
+def extract_data(ns: argparse.Namespace, target: object, tok: object) -> dict:
+    """Extracts (or resumes extracting) OUT/val_shards and OUT/shards; returns their stats."""
+    layers = target_layer_ids(ns.algorithm, target.config.num_hidden_layers)
+    convs = sharegpt_conversations(sharegpt_path())
+    train_i, val_i = conversation_order(len(convs), ns.seed, ns.val_fraction)
+    keys = probe_keys(held_out_prompts())
+
+    def conv(i: int) -> Source:
+        return lambda: None if leaks(convs[i], keys) else tokenize_conversation(
+            tok, convs[i], ns.max_seq_len
+        )
+
+    distilled: list[Source] = []
+    for path in ns.data:
+        seqs, lens, _ = load_sequences(path)
+        distilled += self_distilled_items([s[: ns.max_seq_len] for s in seqs], lens)
+    meta = {
+        "layer_ids": list(layers),
+        "k": ns.top_k,
+        "extract_dtype": ns.extract_dtype,
+        "sources": f"ShareGPT_V3 all turns ({len(train_i)} train / {len(val_i)} held-out "
+        f"conversations, seed {ns.seed})" + (f" + self-distilled {list(ns.data)}" if ns.data else ""),
+    }
+    stats = {}
+    for name, items, budget, minutes in (
+        ("val_shards", [conv(i) for i in val_i], ns.val_tokens, float("inf")),
+        ("shards", mixed_order([[conv(i) for i in train_i], distilled], ns.seed),
+         ns.max_tokens, ns.extract_minutes),
+    ):  # fmt: skip
+        writer = ShardWriter(os.path.join(ns.out, name), ns.shard_tokens, meta)
+        stats[name] = extract(target, items, writer, layers, ns.top_k, budget, minutes, name)
+        print(name, stats[name], flush=True)
+    return stats
+
+
+def run_teacher_forced(ns: argparse.Namespace) -> int:
+    if ns.threads:
+        torch.set_num_threads(ns.threads)
+    torch.manual_seed(ns.seed)
+    os.makedirs(ns.out, exist_ok=True)
+    stats = {}
+    if ns.shards is None:
+        target, tok = load_target(ns.model, ns.extract_dtype, ns.max_seq_len)
+        stats = extract_data(ns, target, tok)
+        del target
+    if ns.extract_only:
+        return 0
+    from eagleserve.train.tf_train import train_on_shards
+
+    return train_on_shards(ns, stats)

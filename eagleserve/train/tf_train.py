@@ -1,0 +1,113 @@
+"""Training a head on teacher-forced shards (the second half of `--data-source teacher-forced`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from collections import Counter
+
+import torch
+
+from eagleserve.train.features import IGNORE, label_map
+from eagleserve.train.shard_data import ShardSource, answer_token_counts, shard_entries
+from eagleserve.train.trainer import TrainConfig, train_head, train_step
+
+
+def vocab_from_counts(counts: Counter, size: int, vocab_size: int) -> torch.Tensor:
+    """The `size` most frequent answer tokens, topped up with the lowest unused ids; sorted."""
+    chosen = [t for t, _ in counts.most_common(size)]
+    seen = set(chosen)
+    chosen += [t for t in range(vocab_size) if t not in seen][: size - len(chosen)]
+    return torch.tensor(sorted(chosen), dtype=torch.long)
+
+
+@torch.no_grad()
+def evaluate_shards(head: object, source: ShardSource, cfg: TrainConfig) -> dict[str, float]:
+    """Per-depth top-1 accuracy against the target's argmax, weighted by labelled rows, plus
+    the share of answer rows whose target argmax falls outside the draft vocabulary."""
+    hits: dict[str, float] = {}
+    rows: dict[str, float] = {}
+    outside = answer_rows = 0
+    for within in range(source.per_epoch):
+        batch = source.batch(0, within)
+        n = [int((batch.y[:, s + 1 :] != IGNORE).sum()) for s in range(cfg.depths)]
+        _, m = train_step(head, batch, cfg, 0)
+        for s in range(cfg.depths):
+            hits[f"acc{s}"] = hits.get(f"acc{s}", 0.0) + m[f"acc{s}"] * n[s]
+            rows[f"acc{s}"] = rows.get(f"acc{s}", 0.0) + n[s]
+        labelled = batch.soft_p[..., 0] > 0  # rows whose next token is an answer token
+        answer_rows += int(labelled.sum())
+        outside += int((labelled & (batch.y == IGNORE)).sum())
+    out = {k: hits[k] / max(1.0, rows[k]) for k in hits}
+    out["argmax_outside_draft_vocab"] = outside / max(1, answer_rows)
+    return out
+
+
+def train_on_shards(ns: argparse.Namespace, extract_stats: dict) -> int:
+    from eagleserve.spec.head_loader import init_eagle_head, save_eagle_head
+    from eagleserve.train.tf_cli import load_target
+
+    t0 = time.time()
+    # The head trains in fp32 next to an fp32 target (it reads the target's embeddings).
+    target, _ = load_target(ns.model, "float32", ns.max_len + 16)
+    vocab = target.config.vocab_size
+    entries = shard_entries(ns.shards or [os.path.join(ns.out, "shards")])
+    vocab_path = os.path.join(ns.out, "draft_vocab.pt")
+    draft_ids = None
+    if ns.algorithm == "EAGLE3":
+        if os.path.exists(vocab_path):  # fixed on the first run: --resume must not change it
+            draft_ids = torch.load(vocab_path)
+        else:
+            size = min(ns.draft_vocab_size, vocab)
+            draft_ids = vocab_from_counts(answer_token_counts(entries), size, vocab)
+            torch.save(draft_ids, vocab_path)
+    head = init_eagle_head(ns.algorithm, target, seed=ns.seed, draft_token_ids=draft_ids)
+    ckpt = os.path.join(ns.out, "trainer_state.pt")
+    state = torch.load(ckpt, weights_only=False) if ns.resume and os.path.exists(ckpt) else None
+    if state is not None:
+        head.load_state_dict(state["head"])
+    cfg = TrainConfig(
+        out_dir=ns.out, lr=ns.lr, batch_size=ns.batch_size, max_len=ns.max_len,
+        epochs=ns.epochs, max_minutes=ns.max_minutes, depths=ns.ttt_steps,
+        compute_dtype=ns.compute_dtype, save_every=ns.save_every, seed=ns.seed,
+        max_steps=ns.max_steps, soft_labels=ns.loss == "soft",
+    )  # fmt: skip
+    lmap = label_map(draft_ids, vocab)
+    source = ShardSource(entries, lmap, ns.batch_size, ns.max_len, ns.ttt_steps, ns.seed)
+    t_setup = time.time()
+    head.train()
+    metrics = train_head(head, source, cfg, state)
+    head.eval()
+    t_train = time.time()
+    val_dir = os.path.join(ns.out, "val_shards")
+    val = {}
+    if os.path.exists(os.path.join(val_dir, "index.json")):
+        vsrc = ShardSource(shard_entries([val_dir]), lmap, ns.batch_size, ns.max_len,
+                           ns.ttt_steps, ns.seed)  # fmt: skip
+        val = evaluate_shards(head, vsrc, cfg)
+    if ns.dtype == "bfloat16":
+        head = head.to(torch.bfloat16)
+    save_eagle_head(head, ns.out)
+    tokens = sum(sum(e["seq_lens"]) for _, e in entries)
+    log = {
+        "model": ns.model,
+        "algorithm": ns.algorithm,
+        "source": "teacher-forced shards " + ", ".join(sorted({d for d, _ in entries})),
+        "tokens": tokens,
+        "answer_tokens": sum(e["answer_tokens"] for _, e in entries),
+        "shards": len(entries),
+        "draft_vocab_size": head.draft_vocab_size,
+        "loss": ns.loss,
+        "extract": extract_stats,
+        "minutes": {"setup": (t_setup - t0) / 60, "train": (t_train - t_setup) / 60},
+        "token_depths_per_s": metrics.get("token_depths_per_s"),
+        "train_metrics_ema": metrics,
+        "val_accuracy_by_depth": val,
+        "args": {k: v for k, v in vars(ns).items() if k != "func"},
+    }
+    with open(os.path.join(ns.out, "training_log.json"), "w") as f:
+        json.dump(log, f, indent=2)
+    print(json.dumps({k: log[k] for k in ("tokens", "val_accuracy_by_depth")}))
+    return 0
