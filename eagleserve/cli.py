@@ -40,8 +40,8 @@ FIELD_HELP: dict[str, str] = {
     "speculative_num_steps": "draft steps per speculative iteration",
     "speculative_eagle_topk": "draft branches per step (1: a chain)",
     "speculative_num_draft_tokens": "tokens verified per iteration (chain: num_steps + 1)",
-    "speculative_adaptive": "choose the chain length (0..num_steps) per iteration from live "
-    "acceptance and measured cost (chains only)",
+    "speculative_adaptive": "choose the draft depth per iteration from live acceptance and "
+    "measured cost (a chain: 0..num_steps; a tree: all or nothing)",
     "speculative_adaptive_probe_interval": "with --speculative-adaptive: draft the full chain "
     "every N iterations to keep acceptance figures current",
     "disable_overlap_schedule": (

@@ -105,8 +105,6 @@ class SpecConfig:
                 "a chain (--speculative-eagle-topk 1) needs --speculative-num-draft-tokens == "
                 f"--speculative-num-steps + 1 = {self.num_steps + 1}, got {self.num_draft_tokens}"
             )
-        if self.adaptive and self.eagle_topk != 1:
-            raise ValueError("--speculative-adaptive chooses a chain length: it needs topk 1")
         if self.adaptive and self.adaptive_probe_interval < 1:
             raise ValueError("--speculative-adaptive-probe-interval must be at least 1")
         max_nodes = self.eagle_topk + (self.num_steps - 1) * self.eagle_topk**2

@@ -136,13 +136,16 @@ class ScheduleBatch:
     seq_lens_cpu: torch.Tensor | None = None
     seq_lens_sum: int | None = None
     # Speculative relay state (EagleDraftInput) carried between iterations; None without spec.
-    spec_info: Any = None
+    spec_info: EagleDraftInput | None = None
     # Overlap: FutureMap slots whose values this batch's inputs will resolve from.
     future_indices: torch.Tensor | None = None
     # Adaptive speculation, set per decode iteration before launch: the chain length, and how
     # many held head inputs each request has (None: the configured chain, nothing held).
     num_drafts: int | None = None
     draft_lags: list[int] | None = None
+    # (ids of `reqs`, SamplingInfo) built by the scheduler before launch, reused while the
+    # batch's membership is unchanged (model/sampler.py SamplingInfo.of_batch).
+    sampling_info: tuple[tuple[int, ...], Any] | None = None
 
     @property
     def batch_size(self) -> int:

@@ -30,6 +30,3 @@ def synchronize(device: torch.device) -> None:
     if device.type != "cpu":
         device_module(device).synchronize()
 
-
-def is_hip() -> bool:
-    return torch.version.hip is not None

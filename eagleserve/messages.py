@@ -76,6 +76,8 @@ class EngineStats:
     # speculation picks k per iteration, k = 0 being a plain decode).
     spec_proposed_tokens_total: int = 0
     spec_iterations_per_num_drafts: list[int] = field(default_factory=list)
+    # Engine-wide acceptance at each depth given the earlier ones were accepted (an EMA).
+    spec_acceptance_ema: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -85,7 +87,6 @@ class EngineReady:
     model_path: str
     max_context_len: int
     kv_total_tokens: int = 0
-    num_retracted_total: int = 0
     vocab_size: int = 0
 
 

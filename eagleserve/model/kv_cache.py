@@ -68,9 +68,3 @@ class TokenToKVPool:
     def set_kv(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         self.k_buffer[layer][loc] = k.to(self.k_buffer[layer].dtype)
         self.v_buffer[layer][loc] = v.to(self.v_buffer[layer].dtype)
-
-    def move_kv(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Copies K/V of slots `src` into slots `dst` in every layer (tree commit)."""
-        for k_buf, v_buf in zip(self.k_buffer, self.v_buffer):
-            k_buf[dst] = k_buf[src]
-            v_buf[dst] = v_buf[src]

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from eagleserve.core import GenerationBatchResult, Req
+from eagleserve.core import GenerationBatchResult, Req, ScheduleBatch
 
 
 @dataclass
@@ -21,10 +21,24 @@ class SamplingInfo:
     min_ps: torch.Tensor  # [bs]
     is_greedy: list[bool]
     generators: list[torch.Generator | None]
+    # Host-side: whether any row filters by top-k / top-p / min-p (no device read to find out).
+    needs_top_k: bool = True
+    needs_top_p: bool = True
+    needs_min_p: bool = True
 
     @property
     def all_greedy(self) -> bool:
         return all(self.is_greedy)
+
+    @classmethod
+    def of_batch(cls, batch: ScheduleBatch, vocab_size: int) -> SamplingInfo:
+        """The batch's sampling info, rebuilt only when its requests changed (a membership
+        change: admission, finish, retraction); every forward in between reuses it."""
+        key = tuple(id(r) for r in batch.reqs)
+        cached = batch.sampling_info
+        if cached is None or cached[0] != key:
+            batch.sampling_info = (key, cls.from_reqs(batch.reqs, vocab_size, batch.device))
+        return batch.sampling_info[1]
 
     @classmethod
     def from_reqs(cls, reqs: list[Req], vocab_size: int, device: torch.device) -> SamplingInfo:
@@ -42,6 +56,24 @@ class SamplingInfo:
             min_ps=torch.tensor([p.min_p for p in ps], device=device),
             is_greedy=greedy,
             generators=[r.generator for r in reqs],
+            needs_top_k=any(0 < p.top_k < vocab_size for p, g in zip(ps, greedy) if not g),
+            needs_top_p=any(p.top_p < 1.0 for p, g in zip(ps, greedy) if not g),
+            needs_min_p=any(p.min_p > 0 for p, g in zip(ps, greedy) if not g),
+        )
+
+    def rows(self, rows: list[int]) -> SamplingInfo:
+        """The info of a subset of the batch's rows, in the order given."""
+        idx = torch.tensor(rows, dtype=torch.long, device=self.top_ps.device)
+        return SamplingInfo(
+            self.temperatures[idx],
+            self.top_ps[idx],
+            self.top_ks[idx],
+            self.min_ps[idx],
+            [self.is_greedy[i] for i in rows],
+            [self.generators[i] for i in rows],
+            self.needs_top_k,
+            self.needs_top_p,
+            self.needs_min_p,
         )
 
     def repeat_interleave(self, n: int) -> SamplingInfo:
@@ -53,6 +85,9 @@ class SamplingInfo:
             self.min_ps.repeat_interleave(n),
             [g for g in self.is_greedy for _ in range(n)],
             [g for g in self.generators for _ in range(n)],
+            self.needs_top_k,
+            self.needs_top_p,
+            self.needs_min_p,
         )
 
 
@@ -60,9 +95,7 @@ def logits_to_probs(logits: torch.Tensor, info: SamplingInfo) -> torch.Tensor:
     """The target distribution a sampled request draws from. logits [n, V] -> probs [n, V]."""
     probs = torch.softmax(logits.float() / info.temperatures, dim=-1)
     vocab = probs.shape[-1]
-    needs_topk = bool((info.top_ks < vocab).any())
-    needs_topp = bool((info.top_ps < 1.0).any())
-    if needs_topk or needs_topp:
+    if info.needs_top_k or info.needs_top_p:
         sorted_p, sorted_idx = probs.sort(dim=-1, descending=True)
         rank = torch.arange(vocab, device=probs.device)[None, :]
         drop = rank >= info.top_ks[:, None]
@@ -71,7 +104,7 @@ def logits_to_probs(logits: torch.Tensor, info: SamplingInfo) -> torch.Tensor:
         drop |= (cum_before >= info.top_ps[:, None]) & (rank > 0)
         sorted_p = sorted_p.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(-1, sorted_idx, sorted_p)
-    if bool((info.min_ps > 0).any()):
+    if info.needs_min_p:
         max_p = probs.max(dim=-1, keepdim=True).values
         probs = probs.masked_fill(probs < info.min_ps[:, None] * max_p, 0.0)
     return probs / probs.sum(dim=-1, keepdim=True)
@@ -100,9 +133,10 @@ def top_logprobs(
     return chosen, vals, ids
 
 
-def sample_with_logprobs(logits: torch.Tensor, reqs: list[Req]) -> GenerationBatchResult:
+def sample_with_logprobs(
+    logits: torch.Tensor, reqs: list[Req], info: SamplingInfo
+) -> GenerationBatchResult:
     """One next token per row of `logits` (row i for reqs[i]), with logprobs when any asks."""
-    info = SamplingInfo.from_reqs(reqs, logits.shape[-1], logits.device)
     next_ids = sample(logits, info)
     if all(r.sampling_params.logprobs is None for r in reqs):
         return GenerationBatchResult(next_ids)

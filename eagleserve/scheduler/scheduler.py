@@ -15,6 +15,7 @@ from eagleserve.device import pick_device
 from eagleserve.messages import EngineStats, GenerateReqInput, TokenOutput
 from eagleserve.model.loader import load_tokenizer, resolve_model_path
 from eagleserve.model.runner import ModelRunner
+from eagleserve.model.sampler import SamplingInfo
 from eagleserve.scheduler.future_map import FutureMap
 from eagleserve.scheduler.output_processor import (
     StopChecker,
@@ -87,6 +88,7 @@ class Scheduler:
         self.stats_accepted_per_position = [0] * num_steps
         self.stats_proposed_tokens = 0
         self.stats_iterations_per_num_drafts = [0] * (num_steps + 1 if num_steps else 0)
+        self.stats_acceptance_ema = [0.5] * num_steps
 
     # ---- admission -------------------------------------------------------------------------
     def add_request(self, msg: GenerateReqInput) -> None:
@@ -249,6 +251,8 @@ class Scheduler:
             batch.refresh_seq_lens_cpu(sync=False)
         if batch.mode == "decode" and isinstance(self.worker, EagleWorker):
             self.worker.plan_decode(batch)
+        # Built here, on the host batch, so the overlap forward's snapshot shares the cache.
+        SamplingInfo.of_batch(batch, self.model_config.vocab_size)
         if self.forwarder is not None:
             return self.forwarder.launch(batch)
         return self.worker.forward_batch_generation(batch)
@@ -311,11 +315,14 @@ class Scheduler:
             return
         if req.spec_alphas:
             update_acceptance(req.spec_alphas, k, accepted - 1)
+        update_acceptance(self.stats_acceptance_ema, k, accepted - 1)
         req.spec_verify_ct += 1
         req.spec_accepted_tokens += accepted
         self.stats_verify_calls += 1
         self.stats_accepted_tokens += accepted
-        self.stats_proposed_tokens += k
+        spec = self.spec_config
+        assert spec is not None
+        self.stats_proposed_tokens += k if spec.is_chain else spec.num_draft_tokens - 1
         for d in range(min(accepted - 1, len(self.stats_accepted_per_position))):
             self.stats_accepted_per_position[d] += 1
 
@@ -371,4 +378,5 @@ class Scheduler:
             spec_accepted_per_position=list(self.stats_accepted_per_position),
             spec_proposed_tokens_total=self.stats_proposed_tokens,
             spec_iterations_per_num_drafts=list(self.stats_iterations_per_num_drafts),
+            spec_acceptance_ema=list(self.stats_acceptance_ema),
         )

@@ -5,7 +5,7 @@ from __future__ import annotations
 from eagleserve.config import ServerArgs
 from eagleserve.core import GenerationBatchResult, ScheduleBatch
 from eagleserve.model.runner import ModelRunner
-from eagleserve.model.sampler import sample_with_logprobs
+from eagleserve.model.sampler import SamplingInfo, sample_with_logprobs
 
 
 class TargetWorker:
@@ -23,7 +23,8 @@ class TargetWorker:
 
     def forward_batch_generation(self, batch: ScheduleBatch) -> GenerationBatchResult:
         out = self.runner.forward_batch(batch)
-        result = sample_with_logprobs(out.logits, batch.reqs)
+        info = SamplingInfo.of_batch(batch, self.runner.config.vocab_size)
+        result = sample_with_logprobs(out.logits, batch.reqs, info)
         # The sampled tokens are the next decode step's inputs.
         batch.input_ids = result.next_token_ids
         return result

@@ -33,6 +33,7 @@ from eagleserve.messages import (
     StatsReq,
     TokenOutput,
 )
+from eagleserve.model.loader import load_tokenizer
 from eagleserve.scheduler.engine_loop import run_engine
 
 logger = logging.getLogger("eagleserve.server")
@@ -153,7 +154,7 @@ class EngineClient:
                     raise EngineStartupFailed(msg.message, msg.traceback)
             elif not self._proc.is_alive():
                 raise EngineStartupFailed(f"the engine exited with code {self._proc.exitcode}")
-        self.tokenizer = await asyncio.to_thread(_load_tokenizer, self.ready.model_path)
+        self.tokenizer = await asyncio.to_thread(load_tokenizer, self.ready.model_path)
         self.last_stats = EngineStats(kv_total_tokens=self.ready.kv_total_tokens)
         self.healthy = True
         self._recv_task = asyncio.create_task(self._recv_loop())
@@ -249,13 +250,3 @@ class EngineClient:
             self._ctx.term()
             shutil.rmtree(self._tmpdir, ignore_errors=True)
             self._tmpdir = None
-
-
-def _load_tokenizer(path: str) -> Any:
-    if not any(
-        os.path.exists(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer.model")
-    ):
-        return None
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(path)

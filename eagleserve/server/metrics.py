@@ -105,6 +105,21 @@ class Metrics:
             "Accepted draft tokens at each draft depth",
             ("position",),
         )
+        self.spec_proposed_tokens = one(
+            Counter, "spec_proposed_tokens", "Draft tokens verified (accepted / proposed = rate)"
+        )
+        self._iterations_per_num_drafts = one(
+            Counter,
+            "spec_iterations",
+            "Speculative decode iterations by draft depth (adaptive; 0 = a plain decode)",
+            ("num_drafts",),
+        )
+        self._acceptance_ema = one(
+            Gauge,
+            "spec_acceptance_ema",
+            "Acceptance rate at each draft depth, given the earlier ones were accepted (EMA)",
+            ("depth",),
+        )
         self._last = EngineStats()
 
     def request_finished(self, endpoint: str, reason: str, prompt: int, generated: int) -> None:
@@ -134,14 +149,30 @@ class Metrics:
         self.spec_accepted_tokens.inc(
             max(0, s.spec_accepted_tokens_total - last.spec_accepted_tokens_total)
         )
-        for pos, n in enumerate(s.spec_accepted_per_position):
-            prev = last.spec_accepted_per_position
-            before = prev[pos] if pos < len(prev) else 0
-            child = self._accepted_per_position.labels(self.model_name, str(pos))
-            child.inc(max(0, n - before))
+        self.spec_proposed_tokens.inc(
+            max(0, s.spec_proposed_tokens_total - last.spec_proposed_tokens_total)
+        )
+        self._inc_each(
+            self._accepted_per_position,
+            s.spec_accepted_per_position,
+            last.spec_accepted_per_position,
+        )
+        self._inc_each(
+            self._iterations_per_num_drafts,
+            s.spec_iterations_per_num_drafts,
+            last.spec_iterations_per_num_drafts,
+        )
+        for depth, rate in enumerate(s.spec_acceptance_ema):
+            self._acceptance_ema.labels(self.model_name, str(depth)).set(rate)
         if s.spec_verify_calls_total:
             self.spec_accept_length.set(s.spec_accepted_tokens_total / s.spec_verify_calls_total)
         self._last = s
+
+    def _inc_each(self, counter: Any, totals: list[int], before: list[int]) -> None:
+        """Counter child i (label str(i)) grows by totals[i] - before[i]."""
+        for i, n in enumerate(totals):
+            prev = before[i] if i < len(before) else 0
+            counter.labels(self.model_name, str(i)).inc(max(0, n - prev))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

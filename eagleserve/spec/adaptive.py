@@ -1,10 +1,12 @@
-"""Adaptive speculation: per decode iteration, the chain length k in {0, 1, ..., num_steps} that
-maximises expected committed tokens per second, from live acceptance and measured cost.
+"""Adaptive speculation: per decode iteration, the draft depth k that maximises expected committed
+tokens per second, from live acceptance and measured cost: a chain stops at any k in 0..num_steps,
+a tree is drafted whole (k = num_steps) or not at all (k = 0, a plain decode).
 
 - Acceptance, per request: `alphas[d]` = P(draft at depth d+1 accepted | drafts before it were),
   an EMA updated from every verify the request takes part in (`update_acceptance`).
 - Expected committed tokens of one request with a k-chain (the bonus token always counts):
-  E[k] = 1 + sum_{j=1..k} prod_{d<j} alphas[d]  (`expected_tokens`).
+  E[k] = 1 + sum_{j=1..k} prod_{d<j} alphas[d]  (`expected_tokens`); for a tree the same sum
+  over its per-depth acceptance (the accepted path is a chain through the tree).
 - Cost: `CostTable` holds the seconds of one decode iteration per batch-size bucket and k,
   measured at start-up and refreshed by an EMA of measured iterations.
 - `choose_num_drafts`: argmax_k sum_r E_r[k] / cost(bs, k); k = 0 is a plain target decode.
@@ -65,13 +67,13 @@ class CostTable:
 
 
 def choose_num_drafts(
-    alphas_per_req: Sequence[Sequence[float]], costs: CostTable, max_k: int
+    alphas_per_req: Sequence[Sequence[float]], costs: CostTable, choices: Sequence[int]
 ) -> int:
-    """The k in 0..max_k with the most expected committed tokens per second for this batch;
-    ties go to the shorter chain."""
+    """The draft depth k among `choices` (increasing; 0 = no drafts) with the most expected
+    committed tokens per second for this batch; ties go to the shorter one."""
     bs = len(alphas_per_req)
     best_k, best_rate = 0, -1.0
-    for k in range(max_k + 1):
+    for k in choices:
         tokens = sum(expected_tokens(a, k) for a in alphas_per_req)
         rate = tokens / costs.cost(bs, k)
         if rate > best_rate * (1 + 1e-9):
@@ -79,17 +81,23 @@ def choose_num_drafts(
     return best_k
 
 
+def depth_choices(num_steps: int, is_chain: bool) -> tuple[int, ...]:
+    """A chain may stop at any depth; a tree is drafted whole or not at all."""
+    return tuple(range(num_steps + 1)) if is_chain else (0, num_steps)
+
+
 @dataclass
 class AdaptiveController:
-    """Picks k per iteration; `probe_interval` forces a full chain now and then (see module)."""
+    """Picks k per iteration; `probe_interval` forces the deepest draft now and then (see
+    module)."""
 
     costs: CostTable
-    max_k: int
+    choices: tuple[int, ...]
     probe_interval: int
     iterations: int = 0
 
     def choose(self, alphas_per_req: Sequence[Sequence[float]]) -> int:
         self.iterations += 1
         if self.probe_interval > 0 and self.iterations % self.probe_interval == 0:
-            return self.max_k
-        return choose_num_drafts(alphas_per_req, self.costs, self.max_k)
+            return self.choices[-1]
+        return choose_num_drafts(alphas_per_req, self.costs, self.choices)

@@ -3,7 +3,8 @@
 For each batch-size bucket and chain length k, one iteration is
 - k = 0: a target decode (one token per request);
 - k >= 1: (k - 1) head draft steps (the first draft comes from the last extend's seed), a
-  target verify of k + 1 tokens per request, and a head extend over up to k + 1 tokens.
+  target verify of k + 1 tokens per request (a tree: num_draft_tokens), and a head extend over
+  up to k + 1 tokens.
 Each part is timed on dummy requests (a context of up to CONTEXT tokens of scratch KV slots,
 freed afterwards) through the same forwards serving uses, synchronized, best of a few repetitions.
 The sum misses sampling and accept bookkeeping, which `CostTable.observe` refines online.
@@ -39,15 +40,21 @@ def _best_seconds(fn: Callable[[], object], device: torch.device) -> float:
 
 
 def measure_costs(
-    runner: ModelRunner, drafter: EagleDraftWorker, buckets: tuple[int, ...], max_k: int
+    runner: ModelRunner,
+    drafter: EagleDraftWorker,
+    buckets: tuple[int, ...],
+    choices: tuple[int, ...],
 ) -> CostTable:
-    """Times every (bucket, k) on scratch slots; the pools are as before afterwards."""
+    """Times every (bucket, k in choices) on scratch slots; the pools are as before afterwards.
+    A tree (topk > 1) verifies num_draft_tokens per request and drafts topk per step."""
+    spec = drafter.spec
     table = CostTable(buckets)
     r2t_pool, kv_pool = runner.req_to_token_pool, runner.token_to_kv_pool
     bs_max = max(buckets)
+    max_new = max(spec.num_draft_tokens, spec.num_steps * spec.eagle_topk, spec.num_steps + 1)
     # A shorter context where the KV pool is small (it only shifts attention's share).
-    width = min(CONTEXT + max_k + 1, kv_pool.available_size() // bs_max)
-    context = width - max_k - 1
+    width = min(CONTEXT + max_new, kv_pool.available_size() // bs_max)
+    context = width - max_new
     if context < 1:
         raise ValueError(
             f"--kv-cache-tokens {kv_pool.size} is too small to measure speculation costs "
@@ -60,12 +67,13 @@ def measure_costs(
         rpi_all = torch.tensor(rows, dtype=torch.long, device=runner.device)
         r2t_pool.req_to_token[rpi_all, :width] = loc.view(bs_max, width)
         for bs in buckets:
-            times = _part_times(runner, drafter, rpi_all[:bs], max_k, context)
-            for k in range(max_k + 1):
+            times = _part_times(runner, drafter, rpi_all[:bs], choices, context)
+            for k in choices:
+                verify = k + 1 if spec.is_chain else spec.num_draft_tokens
                 table.seconds[(bs, k)] = (
                     times["verify", 1]
                     if k == 0
-                    else times["verify", k + 1] + (k - 1) * times["draft"] + times["extend", k + 1]
+                    else times["verify", verify] + (k - 1) * times["draft"] + times["extend", k + 1]
                 )
     finally:
         kv_pool.free(loc)
@@ -76,7 +84,11 @@ def measure_costs(
 
 
 def _part_times(
-    runner: ModelRunner, drafter: EagleDraftWorker, rpi: torch.Tensor, max_k: int, context: int
+    runner: ModelRunner,
+    drafter: EagleDraftWorker,
+    rpi: torch.Tensor,
+    choices: tuple[int, ...],
+    context: int,
 ) -> dict[tuple[str, int] | str, float]:
     dev = runner.device
     bs = rpi.shape[0]
@@ -109,8 +121,10 @@ def _part_times(
 
         return run
 
+    spec = drafter.spec
+    verify_sizes = {1} | {k + 1 if spec.is_chain else spec.num_draft_tokens for k in choices if k}
     times: dict[tuple[str, int] | str, float] = {}
-    for n in range(1, max_k + 2):
+    for n in sorted(verify_sizes):
         target_mode = "decode" if n == 1 else "verify"
         times["verify", n] = _best_seconds(
             lambda n=n, m=target_mode: runner.forward(
@@ -118,6 +132,10 @@ def _part_times(
             ),
             dev,
         )
-        times["extend", n] = _best_seconds(head(n, "extend", feature), dev)
-    times["draft"] = _best_seconds(head(1, "draft", hidden), dev)
+    for k in choices:
+        if k:
+            times["extend", k + 1] = _best_seconds(head(k + 1, "extend", feature), dev)
+    # Tree branches run side by side (topk rows per request; the causal mask of this timing
+    # costs about what the region mask does).
+    times["draft"] = _best_seconds(head(spec.eagle_topk, "draft", hidden), dev)
     return times

@@ -28,7 +28,7 @@ from eagleserve.model.sampler import (
     top_logprobs,
 )
 from eagleserve.spec.accept import AcceptResult, commit_tree_path, verify_greedy, verify_sampling
-from eagleserve.spec.adaptive import AdaptiveController
+from eagleserve.spec.adaptive import AdaptiveController, depth_choices
 from eagleserve.spec.cost_model import measure_costs
 from eagleserve.spec.draft_worker import EagleDraftWorker
 from eagleserve.spec.tree import build_tree
@@ -49,9 +49,10 @@ class EagleWorker:
         # one-iteration lag of the host's committed length.
         overlap = args.overlap_schedule(self.device.type)
         self.decode_slots_per_req = spec.alloc_len_per_decode * (2 if overlap else 1)
+        choices = depth_choices(spec.num_steps, spec.is_chain) if spec.adaptive else ()
         verify_sizes = (
-            tuple(k + 1 for k in range(1, spec.num_steps + 1))
-            if spec.adaptive
+            tuple(k + 1 for k in choices if k)
+            if spec.adaptive and spec.is_chain
             else (spec.num_draft_tokens,)
         )
         if runner.graphs_enabled(args):
@@ -61,11 +62,9 @@ class EagleWorker:
         if spec.adaptive:
             buckets = tuple(b for b in BUCKETS if b < args.max_running_requests)
             costs = measure_costs(
-                runner, self.drafter, (*buckets, args.max_running_requests), spec.num_steps
+                runner, self.drafter, (*buckets, args.max_running_requests), choices
             )
-            self.controller = AdaptiveController(
-                costs, spec.num_steps, spec.adaptive_probe_interval
-            )
+            self.controller = AdaptiveController(costs, choices, spec.adaptive_probe_interval)
 
     def plan_decode(self, batch: ScheduleBatch) -> None:
         """Scheduler thread, before a decode launches: picks this iteration's chain length from
@@ -80,7 +79,7 @@ class EagleWorker:
         lags = [r.draft_lag for r in batch.reqs]
         assert self.drafter.lag is not None
         if k == 0 and max(lags) + 1 >= self.drafter.lag.max_lag:
-            k = 1  # the ring is full: draft (and catch up) now
+            k = self.controller.choices[1]  # the ring is full: draft (and catch up) now
         batch.num_drafts, batch.draft_lags = k, lags
         for req in batch.reqs:
             req.draft_lag = req.draft_lag + 1 if k == 0 else 0
@@ -108,6 +107,9 @@ class EagleWorker:
             return self._forward_prefill(batch, on_verified)
         return self._forward_decode(batch, on_verified)
 
+    def _sampling_info(self, batch: ScheduleBatch) -> SamplingInfo:
+        return SamplingInfo.of_batch(batch, self.runner.config.vocab_size)
+
     def _features(self, out: ModelOutput) -> torch.Tensor:
         aux = out.aux_hidden_states
         return aux if self.spec.algorithm == "EAGLE3" else out.hidden_states
@@ -118,7 +120,7 @@ class EagleWorker:
     ) -> GenerationBatchResult:
         fb = ForwardBatch.init_new(batch, self.token_to_kv_pool, self.runner.attn_backend)
         out = self.runner.forward(fb)
-        result = sample_with_logprobs(out.logits, batch.reqs)
+        result = sample_with_logprobs(out.logits, batch.reqs, self._sampling_info(batch))
         # Head pairs token t[j+1] with feature f[j]: shift ids left, append the sampled token.
         last = fb.logits_indices
         assert last is not None
@@ -171,7 +173,7 @@ class EagleWorker:
                 attn_backend=self.runner.attn_backend,
             )
         )
-        sampled = sample_with_logprobs(out.logits, batch.reqs)
+        sampled = sample_with_logprobs(out.logits, batch.reqs, self._sampling_info(batch))
         next_ids = sampled.next_token_ids
         assert self.drafter.lag is not None
         self.drafter.lag.hold(
@@ -229,7 +231,7 @@ class EagleWorker:
             )
         )
         logits = out.logits.view(bs, n, -1)
-        acc = accept(batch, t.draft_tokens, t.parents, logits)
+        acc = accept(self._sampling_info(batch), t.draft_tokens, t.parents, logits)
         if not spec.is_chain:
             commit_tree_path(r2t, batch.req_pool_indices, L, acc.accept_index, n)
         # Draft extend over the accepted path: token after node k with the feature of node k.
@@ -261,7 +263,7 @@ class EagleWorker:
         if on_verified is not None:
             on_verified(batch)
         batch.spec_info = self.drafter.extend(extend_fb, feats, torch.cumsum(a, 0) - 1)
-        result = GenerationBatchResult(acc.output_tokens, a, num_drafts=n - 1)
+        result = GenerationBatchResult(acc.output_tokens, a, num_drafts=k)
         if any(r.sampling_params.logprobs is not None for r in batch.reqs):
             k = max((r.sampling_params.logprobs or 0) for r in batch.reqs)
             row_logits = logits.reshape(bs * n, -1)[rows.reshape(-1)]
@@ -275,19 +277,16 @@ class EagleWorker:
 
 
 def accept(
-    batch: ScheduleBatch, tokens: torch.Tensor, parents: torch.Tensor, logits: torch.Tensor
+    info: SamplingInfo, tokens: torch.Tensor, parents: torch.Tensor, logits: torch.Tensor
 ) -> AcceptResult:
     """Greedy rows accept the target's argmax path; sampled rows the lossless stochastic walk."""
     n = logits.shape[1]
     greedy = verify_greedy(tokens, parents, logits.argmax(dim=-1))
-    info = SamplingInfo.from_reqs(batch.reqs, logits.shape[-1], logits.device)
     if info.all_greedy:
         return greedy
     sampled_rows = [i for i, g in enumerate(info.is_greedy) if not g]
     idx = torch.tensor(sampled_rows, device=logits.device)
-    sub = SamplingInfo.from_reqs(
-        [batch.reqs[i] for i in sampled_rows], logits.shape[-1], logits.device
-    )
+    sub = info.rows(sampled_rows)
     probs = logits_to_probs(
         logits[idx].reshape(len(sampled_rows) * n, -1), sub.repeat_interleave(n)
     ).view(len(sampled_rows), n, -1)

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
+from eagleserve.core import Req, SamplingParams, ScheduleBatch
 from eagleserve.model.sampler import SamplingInfo, logits_to_probs, sample
 
 
@@ -47,3 +50,44 @@ def test_filters_keep_the_promised_mass() -> None:
             mass_before, mass = full[row][order[: n - 1]].sum(), full[row][order[:n]].sum()
             assert n == top_k or mass_before < top_p <= mass + 1e-6
             assert torch.isclose(probs[row].sum(), torch.tensor(1.0))
+
+
+def _reqs(params: list[SamplingParams]) -> list[Req]:
+    return [Req(f"r{i}", [1, 2, 3], p) for i, p in enumerate(params)]
+
+
+def test_host_flags_give_the_distribution_of_always_filtering() -> None:
+    """from_reqs decides on the host which filters run; skipping the others changes nothing."""
+    gen = torch.Generator().manual_seed(5)
+    for trial in range(8):
+        params = [
+            SamplingParams(
+                temperature=0.0 if i == 0 else 0.5 + float(torch.rand(1, generator=gen)),
+                top_p=1.0 if trial % 2 else 0.8,
+                top_k=-1 if trial % 3 else 7,
+                min_p=0.0 if trial % 4 else 0.05,
+            )
+            for i in range(3)
+        ]
+        info = SamplingInfo.from_reqs(_reqs(params), 40, torch.device("cpu"))
+        assert info.needs_top_p == (trial % 2 == 0) and info.needs_top_k == (trial % 3 == 0)
+        assert info.needs_min_p == (trial % 4 == 0)
+        always = dataclasses.replace(info, needs_top_k=True, needs_top_p=True, needs_min_p=True)
+        logits = torch.randn(3, 40, generator=gen) * 3
+        sampled = [i for i, g in enumerate(info.is_greedy) if not g]
+        torch.testing.assert_close(
+            logits_to_probs(logits, info)[sampled], logits_to_probs(logits, always)[sampled]
+        )
+
+
+def test_sampling_info_is_built_once_per_batch_membership() -> None:
+    reqs = _reqs([SamplingParams(temperature=0.9, top_p=0.5), SamplingParams(temperature=0.0)])
+    batch = ScheduleBatch(reqs=list(reqs), mode="decode", device=torch.device("cpu"))
+    batch.req_pool_indices = torch.tensor([0, 1])
+    batch.seq_lens = batch.input_ids = torch.tensor([4, 4])
+    first = SamplingInfo.of_batch(batch, 40)
+    assert SamplingInfo.of_batch(batch, 40) is first
+    batch.filter_batch([1])
+    second = SamplingInfo.of_batch(batch, 40)
+    assert second is not first and second.is_greedy == [True]
+    assert torch.equal(first.rows([0]).top_ps, torch.tensor([0.5]))

@@ -50,8 +50,6 @@ def test_flags_map_one_to_one(monkeypatch: pytest.MonkeyPatch) -> None:
         flag = "--" + f.name.replace("_", "-")
         value = getattr(defaults, f.name)
         kind = str(f.type)
-        if f.name == "speculative_adaptive":
-            continue  # needs topk 1, which the +3 below changes: test_speculative_flags has it
         if kind.startswith("bool"):
             argv.append(flag if not value else "--no-" + flag[2:])
             expected[f.name] = not value
@@ -85,10 +83,9 @@ def test_speculative_flags(monkeypatch: pytest.MonkeyPatch) -> None:
         True,
         9,
     )
-    tree = ["--speculative-eagle-topk", "2", "--speculative-num-draft-tokens", "5"]
-    err = parse(["--speculative-algorithm", "EAGLE", "--speculative-draft-model-path", "/d",
-                 "--speculative-adaptive", *tree])  # fmt: skip
-    assert "needs topk 1" in str(err)
+    spec = ["--speculative-algorithm", "EAGLE", "--speculative-draft-model-path", "/d"]
+    bad = parse([*spec, "--speculative-adaptive", "--speculative-adaptive-probe-interval", "0"])
+    assert "probe-interval must be at least 1" in str(bad)
 
 
 def test_config_file_and_flag_precedence(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -74,3 +74,31 @@ def test_client_disconnect_is_counted_as_aborted(server: ServerProcess, http: ht
     assert aborted() == before + 1
     abort = metric(http, "eagleserve_requests_total", finish_reason="abort")
     assert abort >= 1
+
+
+def test_speculative_depth_series_follow_engine_stats() -> None:
+    """Chosen draft depths, proposed tokens and the acceptance EMA, from two stats snapshots."""
+    from eagleserve.messages import EngineStats
+    from eagleserve.server.metrics import Metrics
+
+    m = Metrics("m")
+    m.update_engine_stats(
+        EngineStats(spec_proposed_tokens_total=9, spec_iterations_per_num_drafts=[4, 1, 0, 2],
+                    spec_acceptance_ema=[0.7, 0.4, 0.1])
+    )  # fmt: skip
+    m.update_engine_stats(
+        EngineStats(spec_proposed_tokens_total=15, spec_iterations_per_num_drafts=[10, 1, 3, 2],
+                    spec_acceptance_ema=[0.6, 0.3, 0.2])
+    )  # fmt: skip
+    got = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for fam in text_string_to_metric_families(m.render().decode())
+        for s in fam.samples
+        if s.name.startswith("eagleserve_spec")
+    }
+    it = "eagleserve_spec_iterations_total"
+    assert got[(it, (("model_name", "m"), ("num_drafts", "0")))] == 10
+    assert got[(it, (("model_name", "m"), ("num_drafts", "2")))] == 3
+    assert got[("eagleserve_spec_proposed_tokens_total", (("model_name", "m"),))] == 15
+    ema = "eagleserve_spec_acceptance_ema"
+    assert got[(ema, (("depth", "1"), ("model_name", "m")))] == 0.3

@@ -11,9 +11,12 @@ from eagleserve.spec.adaptive import (
     AdaptiveController,
     CostTable,
     choose_num_drafts,
+    depth_choices,
     expected_tokens,
     update_acceptance,
 )
+
+CHAIN = depth_choices(3, is_chain=True)
 
 
 def simulate_tokens(alphas: list[float], k: int, rng: random.Random, n: int) -> float:
@@ -77,16 +80,16 @@ def table(costs: list[float]) -> CostTable:
 def test_choice_follows_acceptance_and_cost() -> None:
     costs = table([1.0, 1.3, 1.6, 1.9])
     # Drafts that are rarely right do not pay for their cost: plain decode.
-    assert choose_num_drafts([[0.1] * 3] * 4, costs, 3) == 0
+    assert choose_num_drafts([[0.1] * 3] * 4, costs, CHAIN) == 0
     # Drafts that are nearly always right: the full chain (E[3] = 3.7 in 1.9 time).
-    assert choose_num_drafts([[0.95] * 3] * 4, costs, 3) == 3
+    assert choose_num_drafts([[0.95] * 3] * 4, costs, CHAIN) == 3
     # Acceptance that falls with depth: a short chain.
-    assert choose_num_drafts([[0.9, 0.2, 0.1]] * 4, costs, 3) == 1
+    assert choose_num_drafts([[0.9, 0.2, 0.1]] * 4, costs, CHAIN) == 1
     # Free drafting: any acceptance at all makes the full chain best.
     free = table([1.0, 1.0, 1.0, 1.0])
-    assert choose_num_drafts([[0.2] * 3], free, 3) == 3
+    assert choose_num_drafts([[0.2] * 3], free, CHAIN) == 3
     # A tie (E[1] / cost(1) == E[0] / cost(0)) goes to the shorter chain.
-    assert choose_num_drafts([[0.3] * 3], costs, 3) == 0
+    assert choose_num_drafts([[0.3] * 3], costs, CHAIN) == 0
 
 
 def test_choice_is_the_argmax_on_random_inputs() -> None:
@@ -94,7 +97,7 @@ def test_choice_is_the_argmax_on_random_inputs() -> None:
     for _ in range(200):
         costs = table(sorted(rng.uniform(0.5, 3.0) for _ in range(4)))
         alphas = [[rng.random() for _ in range(3)] for _ in range(rng.randint(1, 4))]
-        k = choose_num_drafts(alphas, costs, 3)
+        k = choose_num_drafts(alphas, costs, CHAIN)
         rates = [
             sum(expected_tokens(a, j) for a in alphas) / costs.cost(len(alphas), j)
             for j in range(4)
@@ -103,7 +106,7 @@ def test_choice_is_the_argmax_on_random_inputs() -> None:
 
 
 def test_controller_probes_the_full_chain() -> None:
-    ctl = AdaptiveController(table([1.0, 1.3, 1.6, 1.9]), max_k=3, probe_interval=5)
+    ctl = AdaptiveController(table([1.0, 1.3, 1.6, 1.9]), CHAIN, probe_interval=5)
     picks = [ctl.choose([[0.05] * 3]) for _ in range(20)]
     assert picks == [3 if (i + 1) % 5 == 0 else 0 for i in range(20)]
 
@@ -114,3 +117,14 @@ def test_cost_table_buckets_and_ema() -> None:
     assert t.bucket(3) == 4 and t.bucket(8) == 8 and t.bucket(50) == 8
     t.observe(3, 1, 2.0)
     assert t.cost(4, 1) == pytest.approx(1.1)
+
+
+def test_a_tree_is_drafted_whole_or_not_at_all() -> None:
+    assert CHAIN == (0, 1, 2, 3)
+    tree = depth_choices(3, is_chain=False)
+    assert tree == (0, 3)
+    costs = table([1.0, 1.1, 1.2, 1.3])
+    # Acceptance that would make a 1-deep chain best: a tree can only go all the way.
+    assert choose_num_drafts([[0.9, 0.05, 0.05]], costs, CHAIN) == 1
+    assert choose_num_drafts([[0.9, 0.05, 0.05]], costs, tree) == 3
+    assert choose_num_drafts([[0.1, 0.05, 0.05]], costs, tree) == 0

@@ -237,7 +237,9 @@ def test_small_kv_pool_waits_and_retracts(
     assert eng.stats().num_retracted_total > 0, "the pool was meant to force retraction"
 
 
-def adaptive_engine(target_dir: str, head_dir: str, overlap: bool, **kw: object) -> Engine:
+def adaptive_engine(
+    target_dir: str, head_dir: str, overlap: bool, tree: bool = False, **kw: object
+) -> Engine:
     return Engine(
         model=target_dir,
         device="cpu",
@@ -247,8 +249,8 @@ def adaptive_engine(target_dir: str, head_dir: str, overlap: bool, **kw: object)
         speculative_algorithm="EAGLE",
         speculative_draft_model_path=head_dir,
         speculative_num_steps=3,
-        speculative_eagle_topk=1,
-        speculative_num_draft_tokens=4,
+        speculative_eagle_topk=2 if tree else 1,
+        speculative_num_draft_tokens=6 if tree else 4,
         speculative_adaptive=True,
         speculative_adaptive_probe_interval=8,
         **kw,
@@ -265,16 +267,24 @@ def script_choices(engine: Engine, choices: list[int]) -> None:
 
 
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
-@pytest.mark.parametrize("head", ["EAGLE", "EAGLE-random"])
+@pytest.mark.parametrize(
+    ("head", "tree"), [("EAGLE", False), ("EAGLE-random", False), ("EAGLE", True)]
+)
 def test_adaptive_greedy_lossless(
-    target_dir: str, heads: dict[str, str], reference: list[list[int]], head: str, overlap: bool
+    target_dir: str,
+    heads: dict[str, str],
+    reference: list[list[int]],
+    head: str,
+    tree: bool,
+    overlap: bool,
 ) -> None:
-    scripted = adaptive_engine(target_dir, heads[head], overlap)
-    script_choices(scripted, [0, 0, 3, 1, 0, 0, 0, 0, 2, 3, 0, 1])
+    scripted = adaptive_engine(target_dir, heads[head], overlap, tree)
+    cycle = [0, 0, 3, 0, 3, 3, 0, 0, 0, 3] if tree else [0, 0, 3, 1, 0, 0, 0, 0, 2, 3, 0, 1]
+    script_choices(scripted, cycle)
     assert run_staggered(scripted, _prompts(0), _params()) == reference
     hist = scripted.stats().spec_iterations_per_num_drafts
-    assert all(n > 0 for n in hist), hist  # every k, 0 included, really ran
-    real = adaptive_engine(target_dir, heads[head], overlap)
+    assert all(hist[k] > 0 for k in set(cycle)), hist  # every k, 0 included, really ran
+    real = adaptive_engine(target_dir, heads[head], overlap, tree)
     assert run_staggered(real, _prompts(0), _params()) == reference
 
 
@@ -288,20 +298,21 @@ def test_adaptive_retraction_keeps_tokens(
 
 
 def test_adaptive_controller_follows_acceptance(target_dir: str, heads: dict[str, str]) -> None:
-    """With drafting priced like a decode, a head that is mostly right drafts long chains and
-    a random head mostly does not draft at all."""
+    """On an injected cost model: a random head (acceptance near 0) against drafts that cost
+    a third of a decode each gets k = 0; the crafted head (acceptance near 1) against nearly
+    free drafts gets the longest chain."""
     chosen = {}
-    for head in ("EAGLE", "EAGLE-random"):
+    for head, per_draft in (("EAGLE-random", 0.35), ("EAGLE", 0.02)):
         eng = adaptive_engine(target_dir, heads[head], False)
         costs = eng.scheduler.worker.controller.costs
         for key in costs.seconds:
-            costs.seconds[key] = 1.0 + 0.35 * key[1]  # a draft step and verify token: +35 %
+            costs.seconds[key] = 1.0 + per_draft * key[1]
         costs.observe = lambda *a: None  # type: ignore[method-assign]
         eng.generate(_prompts(1), SamplingParams(max_new_tokens=40, temperature=0.0))
         chosen[head] = eng.stats().spec_iterations_per_num_drafts
-    good, rand = chosen["EAGLE"], chosen["EAGLE-random"]
-    assert good[0] < sum(good[1:]), good
-    assert rand[0] > sum(rand[1:]), rand
+    rand, good = chosen["EAGLE-random"], chosen["EAGLE"]
+    assert rand[0] > 3 * sum(rand[1:]), rand
+    assert good[3] > 3 * sum(good[:3]), good
 
 
 def head_kv(engine: Engine, req_pool_idx: int, length: int) -> torch.Tensor:

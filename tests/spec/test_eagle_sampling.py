@@ -103,10 +103,17 @@ def empirical_joint(engine: Engine, params: SamplingParams) -> np.ndarray:
 
 
 @pytest.mark.parametrize(
-    ("steps", "topk", "ndt", "temperature", "top_k"),
-    [(3, 1, 4, 1.0, -1), (2, 2, 4, 0.8, -1), (3, 1, 4, 1.3, 4)],
+    ("steps", "topk", "ndt", "temperature", "top_k", "adaptive"),
+    [
+        (3, 1, 4, 1.0, -1, False),
+        (2, 2, 4, 0.8, -1, False),
+        (3, 1, 4, 1.3, 4, False),
+        (3, 1, 4, 1.0, -1, True),
+    ],
 )
-def test_sampling_matches_target(small_target, head_dir, steps, topk, ndt, temperature, top_k):
+def test_sampling_matches_target(
+    small_target, head_dir, steps, topk, ndt, temperature, top_k, adaptive
+):
     path, model = small_target
     params = SamplingParams(max_new_tokens=3, temperature=temperature, top_k=top_k, ignore_eos=True)
     joint = exact_joint(model, params)
@@ -120,7 +127,11 @@ def test_sampling_matches_target(small_target, head_dir, steps, topk, ndt, tempe
         speculative_num_steps=steps,
         speculative_eagle_topk=topk,
         speculative_num_draft_tokens=ndt,
+        speculative_adaptive=adaptive,
     )
+    if adaptive:  # every draft depth, a plain decode included, within each 3-token answer
+        picks = iter([0, 1, 3, 2, 0, 3] * 100)
+        eng.scheduler.worker.controller.choose = lambda alphas: next(picks)
     emp = empirical_joint(eng, params)
     stats = eng.stats()
     assert stats.spec_accepted_tokens_total / stats.spec_verify_calls_total > 1.3

@@ -44,6 +44,24 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "tree": dict(
         HEAD, speculative_num_steps=3, speculative_eagle_topk=2, speculative_num_draft_tokens=6
     ),
+    # Adaptive speculation (added after the recording; the ids must not change either).
+    "adaptive_chain3": dict(
+        HEAD,
+        speculative_num_steps=3,
+        speculative_eagle_topk=1,
+        speculative_num_draft_tokens=4,
+        speculative_adaptive=True,
+        speculative_adaptive_probe_interval=4,
+    ),
+    "adaptive_tree_overlap": dict(
+        HEAD,
+        speculative_num_steps=3,
+        speculative_eagle_topk=2,
+        speculative_num_draft_tokens=6,
+        speculative_adaptive=True,
+        speculative_adaptive_probe_interval=4,
+        disable_overlap_schedule=False,
+    ),
 }
 
 
