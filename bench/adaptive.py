@@ -10,8 +10,9 @@ ignored). Reports tok/s (median over rounds), the ratio to target-only from the 
 acceptance by depth, the chain lengths adaptive chose, and whether every setting's tokens equal
 target-only's. Writes bench/results/adaptive.json.
 
-Prompt sets: MT-bench first turns, HumanEval, and "copy": passages the answer must repeat
-(acceptance is high there, so longer chains pay).
+Prompt sets: MT-bench first turns, HumanEval, "copy" (passages the answer must repeat:
+acceptance is high there, so longer chains pay), and "mixed" (the three interleaved in one
+batch). Also writes a PNG of the ratios to target-only.
 """
 
 from __future__ import annotations
@@ -57,6 +58,9 @@ def prompt_set(name: str, n: int) -> list[str]:
         return human_eval(n)
     if name == "copy":
         return [f"Repeat this text exactly, twice:\n\n{t}" for t in COPY_TEXT][:n]
+    if name == "mixed":  # one batch holds all three kinds of request
+        parts = [prompt_set(s, n) for s in ("mtbench", "humaneval", "copy")]
+        return [p for group in zip(*parts) for p in group][:n]
     raise SystemExit(f"unknown prompt set {name!r}")
 
 
@@ -99,7 +103,7 @@ def run(engine: Engine, prompts: list[list[int]], batch: int, new: int) -> dict[
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--batches", default="1,4,16")
-    ap.add_argument("--sets", default="mtbench,humaneval,copy")
+    ap.add_argument("--sets", default="mtbench,humaneval,copy,mixed")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--new-tokens", type=int, default=48)
     ap.add_argument("--overlap", action="store_true", help="overlap scheduler on (CPU: off)")
@@ -164,8 +168,34 @@ def main() -> None:
         title,
     )  # fmt: skip
     name = "adaptive_overlap.json" if args.overlap else "adaptive.json"
-    print(write_json(name, {"machine": machine(), "new_tokens": args.new_tokens,
-                            "rounds": args.rounds, "rows": rows}))  # fmt: skip
+    meta = {"machine": machine(), "new_tokens": args.new_tokens, "rounds": args.rounds}
+    path = write_json(name, {**meta, "overlap": args.overlap, "rows": rows})
+    plot(rows, path.replace(".json", ".png"), title)
+    print(path)
+
+
+def plot(rows: list[dict[str, Any]], path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cells = sorted({(r["set"], r["batch"]) for r in rows}, key=lambda c: (c[0], c[1]))
+    names = [n for n in SETTINGS if n != "target-only"]
+    fig, ax = plt.subplots(figsize=(max(8, len(cells) * 0.9), 4))
+    width = 0.8 / len(names)
+    for j, name in enumerate(names):
+        by = {(r["set"], r["batch"]): r["x_target"] for r in rows if r["setting"] == name}
+        xs = [i + (j - (len(names) - 1) / 2) * width for i in range(len(cells))]
+        ax.bar(xs, [by[c] for c in cells], width, label=name)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.axhline(0.98, color="gray", linewidth=0.6, linestyle="--")
+    ax.set_xticks(range(len(cells)), [f"{s}\nbs {b}" for s, b in cells], fontsize=8)
+    ax.set_ylabel("tok/s / target-only")
+    ax.set_title(title, fontsize=8)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":

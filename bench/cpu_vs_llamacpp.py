@@ -219,6 +219,7 @@ def main() -> None:
     ap.add_argument("--algorithm", default="EAGLE3", help="EAGLE or EAGLE3 (the head's kind)")
     ap.add_argument("--chains", default="1,2,3", help="EAGLE chain lengths (num_steps) to run")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds; median reported")
+    ap.add_argument("--adaptive", action="store_true", help="also EAGLE with adaptive depth 0..3")
     ap.add_argument("--no-fp32", action="store_true", help="skip the fp32 target-only row")
     ap.add_argument("--eagle-fp32", action="store_true", help="also EAGLE on fp32 weights")
     ap.add_argument("--gemv", action="store_true", help="also time the lm_head GEMV")
@@ -269,6 +270,11 @@ def main() -> None:
             settings[f"EAGLE int4 chain {steps}"] = {**spec, **chain}
             if args.eagle_fp32:
                 settings[f"EAGLE fp32 chain {steps}"] = {**spec, **chain}
+        if args.adaptive:
+            adaptive = dict(
+                speculative_num_steps=3, speculative_num_draft_tokens=4, speculative_adaptive=True
+            )
+            settings["EAGLE int4 adaptive 0..3"] = {**spec, **adaptive}
     engines = {name: make_engine(name, prompt_ids, args, **kw) for name, kw in settings.items()}
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in [*engines, "llama.cpp"]}
     for i in range(args.rounds):
