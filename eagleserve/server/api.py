@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -17,7 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from eagleserve.config import ServerArgs
 from eagleserve.server.engine_client import EngineClient
 from eagleserve.server.handlers import create_chat, create_completion
-from eagleserve.server.limits import read_body
+from eagleserve.server.limits import gc_paused, read_body
 from eagleserve.server.metrics import Metrics
 from eagleserve.server.middleware import HttpStats, HttpTrackerMiddleware
 from eagleserve.server.protocol import (
@@ -64,7 +65,8 @@ def validation_error(errors: list[dict]) -> ApiError:
 
 def parse_body(model: type[M], raw: bytes) -> M | ApiError:
     try:
-        return model.model_validate_json(raw)
+        with gc_paused:  # see GcPause: keeps the event loop responsive during big bodies
+            return model.model_validate_json(raw)
     except ValidationError as exc:  # pydantic reports bad input only by raising
         return validation_error(exc.errors(include_url=False))
 
@@ -119,7 +121,8 @@ def create_app(args: ServerArgs, client: EngineClient, http: HttpStats | None = 
             resp = raw.response()
             resp.headers["connection"] = "close"  # the rest of the body is not read
             return resp
-        body = parse_body(model, raw)
+        # In a thread: validating a 16 MB body of token ids or messages takes 1-3 s.
+        body = await asyncio.to_thread(parse_body, model, raw)
         if isinstance(body, ApiError):
             return body.response()
         err = serving.check_model(body.model) or check_request(body)
