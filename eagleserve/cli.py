@@ -160,14 +160,35 @@ def load_config(name: str) -> dict[str, Any] | str:
     path = find_config(name)
     if path is None:
         return f"config file not found: {name}"
-    data = yaml.safe_load(path.read_text()) or {}
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        return f"{path}: not valid YAML ({' '.join(str(exc).split())})"
     if not isinstance(data, dict):
         return f"{path}: expected a mapping of ServerArgs fields"
     known = {f.name for f in dataclasses.fields(ServerArgs)}
     unknown = sorted(set(data) - known)
     if unknown:
         return f"{path}: unknown fields {unknown} (known: {sorted(known)})"
+    for f in serve_fields():
+        if f.name in data and not value_fits(f, data[f.name]):
+            kind, _ = _field_type(f)
+            return f"{path}: {f.name} must be {kind}, not {data[f.name]!r}"
     return data
+
+
+def value_fits(f: dataclasses.Field, value: Any) -> bool:
+    """Whether a YAML value has the field's type (flags are converted by argparse instead)."""
+    kind, optional = _field_type(f)
+    if value is None:
+        return optional
+    if kind == "bool":
+        return isinstance(value, bool)
+    if kind == "int":
+        return isinstance(value, int) and not isinstance(value, bool)
+    if kind == "float":
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return isinstance(value, str)
 
 
 def build_server_args(ns: argparse.Namespace) -> ServerArgs | str:
