@@ -84,6 +84,7 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ChatContentPart] | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # a 400 while tools are not served
 
     def text(self) -> str:
         if self.content is None:
