@@ -103,27 +103,44 @@ def serve_fields() -> list[dataclasses.Field]:
     return [f for f in dataclasses.fields(ServerArgs) if f.name != "extra"]
 
 
+# --help shows the flags in these groups, in this order (every ServerArgs field in one).
+FIELD_GROUPS: dict[str, tuple[str, ...]] = {
+    "model": ("model", "dtype", "load_format", "quantization", "max_context_len",
+              "served_model_name"),
+    "server": ("host", "port", "api_key", "max_request_body_bytes", "log_level"),
+    "scheduler": ("max_running_requests", "kv_cache_tokens", "seed", "disable_overlap_schedule"),
+    "speculative decoding": ("speculative_algorithm", "speculative_draft_model_path",
+                             "speculative_num_steps", "speculative_eagle_topk",
+                             "speculative_num_draft_tokens"),
+    "GPU": ("device", "attention_backend", "disable_cuda_graph", "cuda_graph_max_bs"),
+}  # fmt: skip
+
+
+def flag_help(f: dataclasses.Field) -> str:
+    """The field's help with its default once (a help text that names its default keeps it)."""
+    text = FIELD_HELP.get(f.name, f.name.replace("_", " "))
+    if "(default" in text or f.default is None:
+        return text
+    return f"{text} (default: {f.default})"
+
+
 def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--config", metavar="YAML", help="YAML file (or name under configs/) of ServerArgs fields"
     )
-    for f in serve_fields():
-        flag = "--" + f.name.replace("_", "-")
-        kind, optional = _field_type(f)
-        default = f.default if f.default is not dataclasses.MISSING else None
-        text = f"{FIELD_HELP.get(f.name, f.name.replace('_', ' '))} (default: {default})"
-        if kind == "bool":
-            parser.add_argument(
-                flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=text
-            )
-        else:
-            parser.add_argument(
-                flag,
-                type=_TYPES.get(kind, str),
-                default=argparse.SUPPRESS,
-                metavar=kind.upper(),
-                help=text,
-            )
+    by_name = {f.name: f for f in serve_fields()}
+    for title, names in FIELD_GROUPS.items():
+        group = parser.add_argument_group(title)
+        for name in names:
+            f = by_name[name]
+            flag = "--" + name.replace("_", "-")
+            kind, _ = _field_type(f)
+            if kind == "bool":
+                group.add_argument(flag, action=argparse.BooleanOptionalAction,
+                                   default=argparse.SUPPRESS, help=flag_help(f))  # fmt: skip
+            else:
+                group.add_argument(flag, type=_TYPES.get(kind, str), default=argparse.SUPPRESS,
+                                   metavar=kind.upper(), help=flag_help(f))  # fmt: skip
 
 
 def find_config(name: str) -> Path | None:
@@ -147,14 +164,35 @@ def load_config(name: str) -> dict[str, Any] | str:
     path = find_config(name)
     if path is None:
         return f"config file not found: {name}"
-    data = yaml.safe_load(path.read_text()) or {}
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        return f"{path}: not valid YAML ({' '.join(str(exc).split())})"
     if not isinstance(data, dict):
         return f"{path}: expected a mapping of ServerArgs fields"
     known = {f.name for f in dataclasses.fields(ServerArgs)}
     unknown = sorted(set(data) - known)
     if unknown:
         return f"{path}: unknown fields {unknown} (known: {sorted(known)})"
+    for f in serve_fields():
+        if f.name in data and not value_fits(f, data[f.name]):
+            kind, _ = _field_type(f)
+            return f"{path}: {f.name} must be {kind}, not {data[f.name]!r}"
     return data
+
+
+def value_fits(f: dataclasses.Field, value: Any) -> bool:
+    """Whether a YAML value has the field's type (flags are converted by argparse instead)."""
+    kind, optional = _field_type(f)
+    if value is None:
+        return optional
+    if kind == "bool":
+        return isinstance(value, bool)
+    if kind == "int":
+        return isinstance(value, int) and not isinstance(value, bool)
+    if kind == "float":
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return isinstance(value, str)
 
 
 def build_server_args(ns: argparse.Namespace) -> ServerArgs | str:

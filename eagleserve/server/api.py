@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -17,7 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from eagleserve.config import ServerArgs
 from eagleserve.server.engine_client import EngineClient
 from eagleserve.server.handlers import create_chat, create_completion
-from eagleserve.server.limits import read_body
+from eagleserve.server.limits import gc_paused, read_body
 from eagleserve.server.metrics import Metrics
 from eagleserve.server.middleware import HttpStats, HttpTrackerMiddleware
 from eagleserve.server.protocol import (
@@ -34,12 +35,28 @@ M = TypeVar("M", bound=BaseModel)
 R = TypeVar("R", CompletionRequest, ChatCompletionRequest)
 
 
+def is_union_branch(part: object) -> bool:
+    """pydantic names the member of a union that failed in `loc` ('str', 'list[int]',
+    'ChatContentPart', 'function-after[...]'); a client's `param` names only fields."""
+    if not isinstance(part, str):
+        return False
+    return part in ("str", "int", "float", "bool") or "[" in part or part[:1].isupper()
+
+
+def error_fields(err: dict) -> list[str]:
+    return [str(x) for x in err.get("loc", ()) if x != "body" and not is_union_branch(x)]
+
+
 def validation_error(errors: list[dict]) -> ApiError:
-    """The first pydantic / FastAPI validation error as a 400."""
+    """The first pydantic / FastAPI validation error as a 400 naming its field."""
     if not errors:
         return ApiError(400, "invalid request body")
-    err = errors[0]
-    loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+    # A union reports one error per member; of those about the first bad field, the deepest
+    # names what the client got wrong ([{"text": 3}]: messages.0.content.0.text).
+    top = error_fields(errors[0])[:1]
+    same = [e for e in errors if error_fields(e)[:1] == top]
+    err = max(same, key=lambda e: len(error_fields(e)))
+    loc = error_fields(err)
     if err.get("type") == "json_invalid":
         return ApiError(400, f"malformed JSON body: {err.get('msg', '')}")
     param = ".".join(loc) or None
@@ -48,7 +65,8 @@ def validation_error(errors: list[dict]) -> ApiError:
 
 def parse_body(model: type[M], raw: bytes) -> M | ApiError:
     try:
-        return model.model_validate_json(raw)
+        with gc_paused:  # see GcPause: keeps the event loop responsive during big bodies
+            return model.model_validate_json(raw)
     except ValidationError as exc:  # pydantic reports bad input only by raising
         return validation_error(exc.errors(include_url=False))
 
@@ -75,8 +93,9 @@ def create_app(args: ServerArgs, client: EngineClient, http: HttpStats | None = 
     async def require_key(request: Request) -> None:
         if args.api_key is None:
             return
-        given = request.headers.get("authorization", "").encode()
-        if not secrets.compare_digest(given, f"Bearer {args.api_key}".encode()):
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        good = secrets.compare_digest(token.strip().encode(), args.api_key.encode())
+        if scheme.lower() != "bearer" or not good:  # the scheme is case-insensitive (RFC 9110)
             raise StarletteHTTPException(401, "invalid or missing API key")
 
     def unavailable() -> Response | None:
@@ -102,7 +121,8 @@ def create_app(args: ServerArgs, client: EngineClient, http: HttpStats | None = 
             resp = raw.response()
             resp.headers["connection"] = "close"  # the rest of the body is not read
             return resp
-        body = parse_body(model, raw)
+        # In a thread: validating a 16 MB body of token ids or messages takes 1-3 s.
+        body = await asyncio.to_thread(parse_body, model, raw)
         if isinstance(body, ApiError):
             return body.response()
         err = serving.check_model(body.model) or check_request(body)

@@ -94,14 +94,18 @@ async def create_completion(
 
     tracker = Tracker(serving, "completions", reqs, make_choice, body.n)
     stream = serving.client.generate(reqs)
-    rid, model = new_id("cmpl"), serving.model_name
+    rid, model, created = new_id("cmpl"), serving.model_name, now()  # one `created` per call
     want_lp = body.logprobs is not None
+
+    def response(choices: list[CompletionChoice], usage: Any = None) -> CompletionResponse:
+        return CompletionResponse(id=rid, created=created, model=model, choices=choices,
+                                  usage=usage)  # fmt: skip
 
     def chunk(c: ChoiceState, text: str, final: bool) -> CompletionResponse:
         lp = c.completion_logprobs(only_new=True) if want_lp else None
         fr = c.finish_reason if final else None
         choice = CompletionChoice(index=c.index, text=text, logprobs=lp, finish_reason=fr)
-        return CompletionResponse(id=rid, model=model, choices=[choice])
+        return response([choice])
 
     if not body.stream:
         if not await run_to_end(request, stream, tracker):
@@ -117,16 +121,13 @@ async def create_completion(
             )
             for c in tracker.ordered
         ]
-        usage = usage_of(tracker.ordered)
-        return JSONResponse(
-            CompletionResponse(id=rid, model=model, choices=choices, usage=usage).model_dump()
-        )
+        return JSONResponse(response(choices, usage_of(tracker.ordered)).model_dump())
 
     async def events() -> AsyncIterator[str]:
         for c in tracker.ordered:
             if echoes[c.prompt_index]:
                 choice = CompletionChoice(index=c.index, text=echoes[c.prompt_index])
-                yield sse(CompletionResponse(id=rid, model=model, choices=[choice]))
+                yield sse(response([choice]))
         async for out in stream:
             c, delta = tracker.feed(out)
             if tracker.error is not None:  # engine fault, engine gone, or cut at the drain
@@ -137,8 +138,7 @@ async def create_completion(
                 yield sse(chunk(c, delta, c.finished))
         tracker.done()
         if body.include_usage:
-            usage = usage_of(tracker.ordered)
-            yield sse(CompletionResponse(id=rid, model=model, choices=[], usage=usage))
+            yield sse(response([], usage_of(tracker.ordered)))
         yield "data: [DONE]\n\n"
 
     return AbortingStreamingResponse(events(), lambda: tracker.close(stream))

@@ -33,7 +33,7 @@ from eagleserve.server.startup import StartupError, bind_socket, check_paths, fa
 DRAIN_TIMEOUT_ENV = "EAGLESERVE_DRAIN_TIMEOUT_S"
 ENGINE_DEATH_GRACE_S = 5.0
 CUT_GRACE_S = 5.0  # after the cut: time for handlers to send their error events
-CUT_MESSAGE = "the server is shutting down: the request was cut at the drain timeout"
+CUT_MESSAGE = "the server is shutting down: the request was cut (drain timeout or a second signal)"
 logger = logging.getLogger("eagleserve.server")
 
 

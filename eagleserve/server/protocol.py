@@ -29,10 +29,12 @@ class _SamplingFields(BaseModel):
     the fields below that change the output are either honoured or rejected with a 400 by
     `validation.check_request` (ranges here, as OpenAI's; supported values there)."""
 
-    model_config = ConfigDict(extra="ignore")
+    # No NaN / Infinity (Python's json writes them; 1e400 parses as inf): none may reach the
+    # engine's sampling tensors.
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
     model: str | None = None
-    # Bounds are in the schema (clients and fuzzers see them); top_k 0 is still rejected later.
+    # Bounds are in the schema (clients and fuzzers see them); top_k 0 and -1 both mean off.
     temperature: float | None = Field(None, ge=0)
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1)
@@ -82,6 +84,7 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ChatContentPart] | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # a 400 while tools are not served
 
     def text(self) -> str:
         if self.content is None:

@@ -96,7 +96,7 @@ class Serving:
             max_new_tokens=new,
             temperature=1.0 if body.temperature is None else body.temperature,
             top_p=1.0 if body.top_p is None else body.top_p,
-            top_k=-1 if body.top_k is None else body.top_k,
+            top_k=-1 if body.top_k in (None, 0) else body.top_k,  # 0: off, as in vLLM
             min_p=0.0 if body.min_p is None else body.min_p,
             seed=body.seed,
             stop=body.stop_list,

@@ -78,6 +78,8 @@ def check_chat(body: ChatCompletionRequest) -> ApiError | None:
         if getattr(body, name) not in (None, "none", "auto"):
             return not_supported(name, '"none" (no tools are served)')
     for i, msg in enumerate(body.messages):
+        if msg.tool_calls:  # the template would drop them: the model would not see the calls
+            return not_supported(f"messages.{i}.tool_calls", "none (no tools are served)")
         for j, part in enumerate(msg.content if isinstance(msg.content, list) else []):
             if part.type != "text":
                 param = f"messages.{i}.content.{j}.type"

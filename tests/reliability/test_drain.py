@@ -99,3 +99,32 @@ def test_engine_death_during_drain_exits_nonzero(tiny_dirs: tuple[str, str]) -> 
     assert rc == 1, srv.log_tail()
     events = got["s"]
     assert events[-1] == "[DONE]" and "engine process is not running" in events[-2], events[-3:]
+
+
+def test_second_signal_cuts_at_once(tiny_dirs: tuple[str, str]) -> None:
+    """SIGINT to the server alone, then again (an impatient Ctrl-C): the second one cuts the
+    running streams at once (error event + [DONE]) instead of waiting out the 60 s drain."""
+    srv = GroupServer(
+        ["--model", tiny_dirs[0], "--device", "cpu", "--dtype", "float32",
+         "--kv-cache-tokens", "8192"],
+        {"EAGLESERVE_DRAIN_TIMEOUT_S": "60"},
+    )  # fmt: skip
+    try:
+        got: dict[str, list[str]] = {}
+        started = [stream_in_thread(srv.url, got, f"s{i}") for i in range(16)]
+        assert all(ev.wait(60) for ev in started)
+        t0 = time.monotonic()
+        srv.proc.send_signal(signal.SIGINT)
+        time.sleep(0.2)
+        srv.proc.send_signal(signal.SIGINT)
+        rc = srv.proc.wait(30)
+        took = time.monotonic() - t0
+        deadline = time.monotonic() + 10
+        while len(got) < 16 and time.monotonic() < deadline:
+            time.sleep(0.1)
+    finally:
+        srv.stop()
+    assert rc == 0 and took < 15, (rc, took, srv.log_tail())
+    assert len(got) == 16 and all(events[-1] == "[DONE]" for events in got.values())
+    assert any("drain timeout" in events[-2] for events in got.values())
+    assert_no_traceback(srv)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -141,3 +142,21 @@ def test_overlap_schedule_defaults_to_off_on_cpu_only() -> None:
     assert ServerArgs(disable_overlap_schedule=False).overlap_schedule("cpu") is True
     assert ServerArgs(disable_overlap_schedule=True).overlap_schedule("cuda") is False
     assert parse(["--no-disable-overlap-schedule"]).disable_overlap_schedule is False
+
+
+def test_help_is_grouped_with_each_default_once() -> None:
+    from eagleserve.cli import FIELD_GROUPS
+
+    grouped = [name for names in FIELD_GROUPS.values() for name in names]
+    assert sorted(grouped) == sorted(f.name for f in serve_fields()), "a field has no group"
+    out = subprocess.run(
+        [sys.executable, "-m", "eagleserve", "serve", "--help"],
+        capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    titles = [f"\n{title}:\n" for title in FIELD_GROUPS]
+    positions = [out.find(t) for t in titles]
+    assert -1 not in positions and positions == sorted(positions), positions
+    entries = re.split(r"\n  (?=--)", out)  # one per flag, wrapped lines joined
+    for entry in entries:
+        assert entry.count("(default") <= 1, entry
+    assert "(default: 16777216)" in out and "(default: None)" not in out

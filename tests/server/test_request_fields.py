@@ -45,6 +45,11 @@ REJECTED: list[tuple[str, dict[str, Any], str, bool]] = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [IMAGE]}]},
      "messages.0.content.0.type", True),
     ("/v1/chat/completions", {"top_logprobs": 3}, "top_logprobs", False),
+    ("/v1/chat/completions", {"messages": [
+        {"role": "user", "content": "x"},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function",
+                                                               "function": TOOL["function"]}]},
+        {"role": "tool", "content": "1"}]}, "messages.1.tool_calls", True),
     ("/v1/completions", {"echo": True, "logprobs": 1}, "echo", True),
     ("/v1/completions", {"max_tokens": 0}, "max_tokens", True),
 ]  # fmt: skip

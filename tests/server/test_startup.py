@@ -71,10 +71,16 @@ def test_configuration_error_is_one_line_exit_2(argv: list[str], words: list[str
     assert time.monotonic() - t0 < 30  # found before any model loads
 
 
-def test_bad_value_in_config_file_is_one_line_exit_2(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("text", "word"),
+    [("dtype: float8\n", "--dtype"), ("port: abc\n", "port must be int"),
+     ("disable_cuda_graph: 3\n", "must be bool"), ("a: [\n", "not valid YAML"),
+     ("- 1\n", "expected a mapping"), ("no_such: 1\n", "unknown fields")],
+)  # fmt: skip
+def test_bad_config_file_is_one_line_exit_2(tmp_path: Path, text: str, word: str) -> None:
     cfg = tmp_path / "c.yaml"
-    cfg.write_text("dtype: float8\n")
-    assert_one_line_exit_2(run_serve(["--config", str(cfg)]), "--dtype")
+    cfg.write_text(text)
+    assert_one_line_exit_2(run_serve(["--config", str(cfg)]), word)
 
 
 def test_engine_failure_is_one_line_exit_2(broken_model: str) -> None:

@@ -1,0 +1,63 @@
+"""Small things clients trip over (issue #20 item 9): top_k 0 means off, one `created` per
+completions stream, the Bearer scheme in any case, and `param` naming fields only."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+from server_fixtures import (  # noqa: F401 (fixtures)
+    API_KEY,
+    ServerProcess,
+    http_fixture,
+    key_server_fixture,
+    server_fixture,
+)
+
+
+def test_top_k_0_is_off_like_minus_1(http: httpx.Client) -> None:
+    body = {"prompt": "Once upon a time", "max_tokens": 12, "temperature": 1.0, "seed": 7}
+    texts = []
+    for top_k in (0, -1, None):
+        resp = http.post("/v1/completions", json={**body, "top_k": top_k})
+        assert resp.status_code == 200, resp.text
+        texts.append(resp.json()["choices"][0]["text"])
+    assert texts[0] == texts[1] == texts[2]
+
+
+def test_one_created_per_completions_stream(http: httpx.Client) -> None:
+    """The stream lasts over a second, so a `created` taken per chunk would change."""
+    body = {"prompt": "Count:", "max_tokens": 120, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}  # fmt: skip
+    with http.stream("POST", "/v1/completions", json=body) as resp:
+        chunks = [json.loads(line[6:]) for line in resp.iter_lines()
+                  if line.startswith("data: {")]  # fmt: skip
+    assert len(chunks) > 100
+    assert len({c["created"] for c in chunks}) == 1
+    assert len({c["id"] for c in chunks}) == 1
+
+
+@pytest.mark.parametrize("scheme", ["Bearer", "bearer", "BEARER"])
+def test_bearer_scheme_is_case_insensitive(key_server: ServerProcess, scheme: str) -> None:
+    headers = {"Authorization": f"{scheme} {API_KEY}"}
+    assert httpx.get(key_server.url + "/v1/models", headers=headers).status_code == 200
+    wrong = {"Authorization": f"{scheme} not-the-key"}
+    assert httpx.get(key_server.url + "/v1/models", headers=wrong).status_code == 401
+    basic = {"Authorization": f"Basic {API_KEY}"}
+    assert httpx.get(key_server.url + "/v1/models", headers=basic).status_code == 401
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"messages": [{"role": "user", "content": 5}]}, "messages.0.content"),
+        ({"messages": [{"role": "user", "content": [{"type": "text", "text": 3}]}]},
+         "messages.0.content.0.text"),
+        ({"messages": [{"role": "user", "content": "x"}], "stop": 5}, "stop"),
+    ],
+)  # fmt: skip
+def test_param_names_fields_not_union_branches(http: httpx.Client, body: dict, param: str) -> None:
+    resp = http.post("/v1/chat/completions", json=body)
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["param"] == param
