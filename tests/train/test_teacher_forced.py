@@ -4,6 +4,7 @@ shards resumes bit for bit."""
 
 from __future__ import annotations
 
+import json
 import math
 import os
 
@@ -158,6 +159,9 @@ def test_train_on_shards_resumes_bit_for_bit(tmp_path, tiny_model_dir: str, targ
             "--ttt-steps", "3", "--draft-vocab-size", "128", "--dtype", "float32",
             "--save-every", "2", "--lr", "3e-3"]  # fmt: skip
     whole, split = str(tmp_path / "whole"), str(tmp_path / "split")
+    vseqs, vplens = _seqs(6, 4)
+    extract(target, self_distilled_items(vseqs, vplens), ShardWriter(f"{whole}/val_shards", 200,
+            {"k": 8}), layers, 8, max_tokens=10**6, max_minutes=1e9)  # fmt: skip
     assert main([*args, "--out", whole]) == 0
     assert main([*args, "--out", split, "--max-steps", "3"]) == 0
     assert torch.load(os.path.join(split, "trainer_state.pt"), weights_only=False)["step"] == 3
@@ -167,3 +171,11 @@ def test_train_on_shards_resumes_bit_for_bit(tmp_path, tiny_model_dir: str, targ
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     s = torch.load(os.path.join(whole, "trainer_state.pt"), weights_only=False)
     assert s["step"] > 3 and s["metrics"]["loss"] > 0
+
+    # --eval-head on the held-out shards reproduces the end-of-training evaluation
+    val = json.load(open(os.path.join(whole, "training_log.json")))["val_accuracy_by_depth"]
+    ev = [*args[:-6], "--out", whole, "--eval-head", whole, "--shards", f"{whole}/val_shards"]
+    assert main(ev) == 0
+    got = json.load(open(os.path.join(whole, "eval_whole.json")))
+    assert val["acc0"] > 0 and set(val) <= set(got)
+    assert all(abs(val[k] - got[k]) < 1e-6 for k in val), (val, got)
