@@ -43,6 +43,8 @@ def add_tf_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--shards", nargs="*", default=None, help="train on these shard folders "
                    "(default OUT/shards)")  # fmt: skip
     g.add_argument("--extract-only", action="store_true", help="stop after extraction")
+    g.add_argument("--eval-head", default=None, help="only evaluate this head on --shards "
+                   "(default OUT/val_shards): per-depth accuracy")  # fmt: skip
     g.add_argument("--loss", default="soft", choices=["soft", "hard"],
                    help="soft: CE against the target's top-k; hard: its argmax")  # fmt: skip
 
@@ -105,6 +107,10 @@ def run_teacher_forced(ns: argparse.Namespace) -> int:
     if ns.threads:
         torch.set_num_threads(ns.threads)
     torch.manual_seed(ns.seed)
+    if ns.eval_head:
+        from eagleserve.train.tf_train import eval_head_on_shards
+
+        return eval_head_on_shards(ns)
     os.makedirs(ns.out, exist_ok=True)
     stats = {}
     if ns.shards is None:

@@ -45,6 +45,31 @@ def evaluate_shards(head: object, source: ShardSource, cfg: TrainConfig) -> dict
     return out
 
 
+def eval_head_on_shards(ns: argparse.Namespace) -> int:
+    """`--eval-head PATH`: per-depth accuracy of a saved head on held-out shards (the same
+    measure as the end-of-training one), written to OUT/eval_<name>.json."""
+    from eagleserve.spec.head_loader import load_eagle_head
+    from eagleserve.train.tf_cli import load_target
+    from eagleserve.train.assets import resolve_head_path
+
+    target, _ = load_target(ns.model, "float32", ns.max_len + 16)
+    path = resolve_head_path(ns.eval_head)
+    head = load_eagle_head(path, ns.algorithm, target, torch.device("cpu"), torch.float32).eval()
+    draft_ids = head.to_target_ids(torch.arange(head.draft_vocab_size))
+    lmap = label_map(draft_ids, target.config.vocab_size)
+    dirs = ns.shards or [os.path.join(ns.out, "val_shards")]
+    src = ShardSource(shard_entries(dirs), lmap, ns.batch_size, ns.max_len, ns.ttt_steps, ns.seed)
+    cfg = TrainConfig(out_dir=ns.out, batch_size=ns.batch_size, max_len=ns.max_len,
+                      depths=ns.ttt_steps, seed=ns.seed, soft_labels=True)  # fmt: skip
+    res = {"head": ns.eval_head, "shards": dirs, **evaluate_shards(head, src, cfg)}
+    name = os.path.basename(os.path.normpath(path))
+    os.makedirs(ns.out, exist_ok=True)
+    with open(os.path.join(ns.out, f"eval_{name}.json"), "w") as f:
+        json.dump(res, f, indent=2)
+    print(json.dumps(res))
+    return 0
+
+
 def train_on_shards(ns: argparse.Namespace, extract_stats: dict) -> int:
     from eagleserve.spec.head_loader import init_eagle_head, save_eagle_head
     from eagleserve.train.tf_cli import load_target

@@ -4,6 +4,7 @@ shards resumes bit for bit."""
 
 from __future__ import annotations
 
+import json
 import math
 import os
 
@@ -158,6 +159,9 @@ def test_train_on_shards_resumes_bit_for_bit(tmp_path, tiny_model_dir: str, targ
             "--ttt-steps", "3", "--draft-vocab-size", "128", "--dtype", "float32",
             "--save-every", "2", "--lr", "3e-3"]  # fmt: skip
     whole, split = str(tmp_path / "whole"), str(tmp_path / "split")
+    vseqs, vplens = _seqs(6, 4)
+    extract(target, self_distilled_items(vseqs, vplens), ShardWriter(f"{whole}/val_shards", 200,
+            {"k": 8}), layers, 8, max_tokens=10**6, max_minutes=1e9)  # fmt: skip
     assert main([*args, "--out", whole]) == 0
     assert main([*args, "--out", split, "--max-steps", "3"]) == 0
     assert torch.load(os.path.join(split, "trainer_state.pt"), weights_only=False)["step"] == 3
@@ -167,3 +171,36 @@ def test_train_on_shards_resumes_bit_for_bit(tmp_path, tiny_model_dir: str, targ
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     s = torch.load(os.path.join(whole, "trainer_state.pt"), weights_only=False)
     assert s["step"] > 3 and s["metrics"]["loss"] > 0
+
+    # --eval-head on the held-out shards reproduces the end-of-training evaluation
+    val = json.load(open(os.path.join(whole, "training_log.json")))["val_accuracy_by_depth"]
+    ev = [*args[:-6], "--out", whole, "--eval-head", whole, "--shards", f"{whole}/val_shards"]
+    assert main(ev) == 0
+    got = json.load(open(os.path.join(whole, "eval_whole.json")))
+    assert val["acc0"] > 0 and set(val) <= set(got)
+    assert all(abs(val[k] - got[k]) < 1e-6 for k in val), (val, got)
+
+
+def test_window_batch_aligns_labels_with_rows() -> None:
+    """Row t of a window at a: token ids[a+t], label = the stored top-k at a+t where token
+    a+t+1 is an answer and the argmax is in the draft vocab; padding rows are ignored."""
+    from eagleserve.train.features import IGNORE, label_map
+    from eagleserve.train.shard_data import window_batch, windows
+
+    n, k = 9, 3
+    ids = torch.arange(10, 10 + n, dtype=torch.int32)
+    answer = torch.tensor([0, 0, 0, 1, 1, 1, 0, 1, 1], dtype=torch.bool)
+    top_ids = torch.stack([ids + 1, ids + 2, torch.full((n,), 99, dtype=torch.int32)], 1)
+    top_ids[1, 0] = 50  # an argmax outside the draft vocabulary
+    seq = Seq(ids, answer, torch.randn(n, 4).to(torch.bfloat16), top_ids, torch.rand(n, k).half())
+    draft = torch.tensor(sorted({*range(10, 25)} - {17}))  # 17 = ids[6] + 1 left out
+    lmap = label_map(draft, 128)
+    assert windows([n], 4) == [(0, 0, 4), (0, 4, 4), (0, 8, 1)]
+    b = window_batch([seq], [(0, 0, 4), (0, 4, 4), (0, 8, 1)], lmap, depths=2)
+    assert b.x.shape == (3, 6) and b.x[1, :4].tolist() == [14, 15, 16, 17]
+    want = [[IGNORE, IGNORE, lmap[13], lmap[14]], [lmap[15], IGNORE, IGNORE, lmap[18]]]
+    assert b.y[0, :4].tolist() == want[0] and b.y[1, :4].tolist() == want[1]
+    assert (b.y[2] == IGNORE).all() and (b.y[:, 4:] == IGNORE).all()  # sequence end, padding
+    assert b.soft_ids[0, 2].tolist() == [lmap[13], lmap[14], -1]  # 99 is outside: -1
+    assert torch.equal(b.soft_p[1, :4], seq.top_p[4:8].float())
+    assert torch.equal(b.f[1, :4], seq.feats[4:8].float()) and not b.fmask[2, 1:].any()
