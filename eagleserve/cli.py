@@ -42,8 +42,8 @@ FIELD_HELP: dict[str, str] = {
     "speculative_num_draft_tokens": "tokens verified per iteration (chain: num_steps + 1)",
     "speculative_adaptive": "choose the draft depth per iteration from live acceptance and "
     "measured cost (a chain: 0..num_steps; a tree: all or nothing)",
-    "speculative_adaptive_probe_interval": "with --speculative-adaptive: draft the full chain "
-    "every N iterations to keep acceptance figures current",
+    "speculative_adaptive_probe_interval": "with --speculative-adaptive: draft (at the "
+    "shallowest depth) at least every N iterations to keep acceptance figures current",
     "disable_overlap_schedule": (
         "run scheduling and the forward pass one after the other (default: on a CPU only)"
     ),
@@ -111,7 +111,8 @@ FIELD_GROUPS: dict[str, tuple[str, ...]] = {
     "scheduler": ("max_running_requests", "kv_cache_tokens", "seed", "disable_overlap_schedule"),
     "speculative decoding": ("speculative_algorithm", "speculative_draft_model_path",
                              "speculative_num_steps", "speculative_eagle_topk",
-                             "speculative_num_draft_tokens"),
+                             "speculative_num_draft_tokens", "speculative_adaptive",
+                             "speculative_adaptive_probe_interval"),
     "GPU": ("device", "attention_backend", "disable_cuda_graph", "cuda_graph_max_bs"),
 }  # fmt: skip
 
@@ -129,7 +130,10 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
         "--config", metavar="YAML", help="YAML file (or name under configs/) of ServerArgs fields"
     )
     by_name = {f.name: f for f in serve_fields()}
-    for title, names in FIELD_GROUPS.items():
+    grouped = {n for names in FIELD_GROUPS.values() for n in names}
+    # A field left out of FIELD_GROUPS still gets its flag (one flag per field, always).
+    other = tuple(n for n in by_name if n not in grouped)
+    for title, names in {**FIELD_GROUPS, "other": other}.items():
         group = parser.add_argument_group(title)
         for name in names:
             f = by_name[name]

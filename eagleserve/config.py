@@ -89,7 +89,7 @@ class SpecConfig:
     num_draft_tokens: int = 4
     # Choose the chain length per iteration (spec/adaptive.py); num_steps is the longest.
     adaptive: bool = False
-    adaptive_probe_interval: int = 32
+    adaptive_probe_interval: int = 64
 
     def __post_init__(self) -> None:
         if self.algorithm not in ("EAGLE", "EAGLE3"):
@@ -150,7 +150,7 @@ class ServerArgs:
     speculative_eagle_topk: int = 1
     speculative_num_draft_tokens: int = 4
     speculative_adaptive: bool = False
-    speculative_adaptive_probe_interval: int = 32
+    speculative_adaptive_probe_interval: int = 64
     # None: decided by the device (see overlap_schedule); True/False force it off/on.
     disable_overlap_schedule: bool | None = None
     attention_backend: str = "auto"  # auto | torch | triton

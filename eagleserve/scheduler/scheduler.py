@@ -24,7 +24,7 @@ from eagleserve.scheduler.output_processor import (
 )
 from eagleserve.scheduler.overlap import OverlapForwarder
 from eagleserve.scheduler.target_worker import TargetWorker
-from eagleserve.spec.adaptive import update_acceptance
+from eagleserve.spec.adaptive import ACCEPT_PRIOR, update_acceptance
 from eagleserve.spec.eagle_worker import EagleWorker
 
 logger = logging.getLogger(__name__)
@@ -88,7 +88,8 @@ class Scheduler:
         self.stats_accepted_per_position = [0] * num_steps
         self.stats_proposed_tokens = 0
         self.stats_iterations_per_num_drafts = [0] * (num_steps + 1 if num_steps else 0)
-        self.stats_acceptance_ema = [0.5] * num_steps
+        # Engine-wide acceptance by depth: /metrics, and where a new request's own EMA starts.
+        self.stats_acceptance_ema = [ACCEPT_PRIOR] * num_steps
 
     # ---- admission -------------------------------------------------------------------------
     def add_request(self, msg: GenerateReqInput) -> None:
@@ -250,7 +251,7 @@ class Scheduler:
         if batch.seq_lens_sum is None:
             batch.refresh_seq_lens_cpu(sync=False)
         if batch.mode == "decode" and isinstance(self.worker, EagleWorker):
-            self.worker.plan_decode(batch)
+            self.worker.plan_decode(batch, self.stats_acceptance_ema)
         # Built here, on the host batch, so the overlap forward's snapshot shares the cache.
         SamplingInfo.of_batch(batch, self.model_config.vocab_size)
         if self.forwarder is not None:

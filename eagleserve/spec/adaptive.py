@@ -3,7 +3,8 @@ tokens per second, from live acceptance and measured cost: a chain stops at any 
 a tree is drafted whole (k = num_steps) or not at all (k = 0, a plain decode).
 
 - Acceptance, per request: `alphas[d]` = P(draft at depth d+1 accepted | drafts before it were),
-  an EMA updated from every verify the request takes part in (`update_acceptance`).
+  an EMA updated from every verify the request takes part in (`update_acceptance`), starting
+  from the engine-wide EMA (what the head achieved on recent requests).
 - Expected committed tokens of one request with a k-chain (the bonus token always counts):
   E[k] = 1 + sum_{j=1..k} prod_{d<j} alphas[d]  (`expected_tokens`); for a tree the same sum
   over its per-depth acceptance (the accepted path is a chain through the tree).
@@ -12,7 +13,8 @@ a tree is drafted whole (k = num_steps) or not at all (k = 0, a plain decode).
 - `choose_num_drafts`: argmax_k sum_r E_r[k] / cost(bs, k); k = 0 is a plain target decode.
 
 A request that never drafts never updates its acceptance, so every `probe_interval`-th iteration
-drafts the full chain regardless (the price of noticing that acceptance went up).
+drafts regardless, at the shallowest depth (the price of noticing that acceptance went up; once
+the first depth pays, the controller goes deeper by itself where the deeper EMAs say so).
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from dataclasses import dataclass, field
 
 # Weight of the newest verify in a request's acceptance EMA.
 ACCEPT_EMA = 0.2
+# Acceptance assumed at every depth before the engine has verified anything.
+ACCEPT_PRIOR = 0.5
 # Weight of the newest measured iteration in a cost EMA.
 COST_EMA = 0.1
 
@@ -51,31 +55,46 @@ class CostTable:
 
     buckets: tuple[int, ...]  # increasing batch sizes; a batch uses the smallest bucket >= bs
     seconds: dict[tuple[int, int], float] = field(default_factory=dict)
+    # Per bucket: the head extend that catches up held inputs before drafting resumes.
+    catch_up: dict[int, float] = field(default_factory=dict)
 
     def bucket(self, bs: int) -> int:
         i = bisect.bisect_left(self.buckets, bs)
         return self.buckets[min(i, len(self.buckets) - 1)]
 
-    def cost(self, bs: int, k: int) -> float:
-        return self.seconds[(self.bucket(bs), k)]
+    def cost(self, bs: int, k: int, catching_up: bool = False) -> float:
+        """One iteration of depth k; drafting after a stretch without pays the catch-up too."""
+        extra = self.catch_up.get(self.bucket(bs), 0.0) if catching_up and k else 0.0
+        return self.seconds[(self.bucket(bs), k)] + extra
 
     def observe(self, bs: int, k: int, seconds: float) -> None:
-        """Folds one measured iteration into the EMA of its bucket."""
-        key = (self.bucket(bs), k)
-        old = self.seconds.get(key)
-        self.seconds[key] = seconds if old is None else old + COST_EMA * (seconds - old)
+        """Folds one measured iteration (catch-up excluded) into the EMA of its bucket."""
+        _ema(self.seconds, (self.bucket(bs), k), seconds)
+
+    def observe_catch_up(self, bs: int, seconds: float) -> None:
+        _ema(self.catch_up, self.bucket(bs), seconds)
+
+
+def _ema(table: dict, key: object, value: float) -> None:
+    old = table.get(key)
+    table[key] = value if old is None else old + COST_EMA * (value - old)
 
 
 def choose_num_drafts(
-    alphas_per_req: Sequence[Sequence[float]], costs: CostTable, choices: Sequence[int]
+    alphas_per_req: Sequence[Sequence[float]],
+    costs: CostTable,
+    choices: Sequence[int],
+    catching_up: bool = False,
 ) -> int:
     """The draft depth k among `choices` (increasing; 0 = no drafts) with the most expected
-    committed tokens per second for this batch; ties go to the shorter one."""
+    committed tokens per second for this batch; ties go to the shorter one. `catching_up`:
+    some request holds head inputs, so drafting now also pays their catch-up (which makes
+    a stretch without drafts end only when drafting clearly pays)."""
     bs = len(alphas_per_req)
     best_k, best_rate = 0, -1.0
     for k in choices:
         tokens = sum(expected_tokens(a, k) for a in alphas_per_req)
-        rate = tokens / costs.cost(bs, k)
+        rate = tokens / costs.cost(bs, k, catching_up)
         if rate > best_rate * (1 + 1e-9):
             best_k, best_rate = k, rate
     return best_k
@@ -88,7 +107,7 @@ def depth_choices(num_steps: int, is_chain: bool) -> tuple[int, ...]:
 
 @dataclass
 class AdaptiveController:
-    """Picks k per iteration; `probe_interval` forces the deepest draft now and then (see
+    """Picks k per iteration; `probe_interval` forces the shallowest draft now and then (see
     module)."""
 
     costs: CostTable
@@ -96,8 +115,8 @@ class AdaptiveController:
     probe_interval: int
     iterations: int = 0
 
-    def choose(self, alphas_per_req: Sequence[Sequence[float]]) -> int:
+    def choose(self, alphas_per_req: Sequence[Sequence[float]], catching_up: bool = False) -> int:
         self.iterations += 1
         if self.probe_interval > 0 and self.iterations % self.probe_interval == 0:
-            return self.choices[-1]
-        return choose_num_drafts(alphas_per_req, self.costs, self.choices)
+            return self.choices[1]
+        return choose_num_drafts(alphas_per_req, self.costs, self.choices, catching_up)

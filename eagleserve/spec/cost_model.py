@@ -75,6 +75,8 @@ def measure_costs(
                     if k == 0
                     else times["verify", verify] + (k - 1) * times["draft"] + times["extend", k + 1]
                 )
+            # A catch-up extends a few held tokens per request: about the longest extend.
+            table.catch_up[bs] = times["extend", max(choices) + 1]
     finally:
         kv_pool.free(loc)
         for r in rows:

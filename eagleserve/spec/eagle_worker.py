@@ -33,9 +33,6 @@ from eagleserve.spec.cost_model import measure_costs
 from eagleserve.spec.draft_worker import EagleDraftWorker
 from eagleserve.spec.tree import build_tree
 
-# Acceptance a request starts from before its first verify (adaptive speculation).
-ACCEPT_PRIOR = 0.5
-
 
 class EagleWorker:
     def __init__(self, runner: ModelRunner, spec: SpecConfig, args: ServerArgs) -> None:
@@ -66,17 +63,17 @@ class EagleWorker:
             )
             self.controller = AdaptiveController(costs, choices, spec.adaptive_probe_interval)
 
-    def plan_decode(self, batch: ScheduleBatch) -> None:
+    def plan_decode(self, batch: ScheduleBatch, prior: list[float]) -> None:
         """Scheduler thread, before a decode launches: picks this iteration's chain length from
         the last known acceptance (with overlap, one iteration old) and books the held head
         inputs (a k = 0 iteration holds one more per request; k > 0 catches all up)."""
         if self.controller is None:
             return
         for req in batch.reqs:
-            if not req.spec_alphas:
-                req.spec_alphas = [ACCEPT_PRIOR] * self.spec.num_steps
-        k = self.controller.choose([r.spec_alphas for r in batch.reqs])
+            if not req.spec_alphas:  # a new request starts from the engine-wide acceptance
+                req.spec_alphas = list(prior)
         lags = [r.draft_lag for r in batch.reqs]
+        k = self.controller.choose([r.spec_alphas for r in batch.reqs], max(lags) > 0)
         assert self.drafter.lag is not None
         if k == 0 and max(lags) + 1 >= self.drafter.lag.max_lag:
             k = self.controller.choices[1]  # the ring is full: draft (and catch up) now
@@ -139,15 +136,20 @@ class EagleWorker:
     ) -> GenerationBatchResult:
         k = self.spec.num_steps if batch.num_drafts is None else batch.num_drafts
         t0 = time.perf_counter()
+        catch_up = 0.0
         if k == 0:
             result = self._decode_without_drafts(batch, on_verified)
         else:
             if batch.draft_lags is not None and any(batch.draft_lags):
                 batch.spec_info = self.drafter.catch_up(batch, batch.spec_info)
+                catch_up = time.perf_counter() - t0
             result = self._draft_verify(batch, on_verified, k)
         if self.controller is not None and self.device.type == "cpu":
-            # On a CPU the forward ran synchronously: its wall time is the iteration's cost.
-            self.controller.costs.observe(batch.batch_size, k, time.perf_counter() - t0)
+            # On a CPU the forward ran synchronously: wall time is what the iteration cost.
+            costs, bs = self.controller.costs, batch.batch_size
+            costs.observe(bs, k, time.perf_counter() - t0 - catch_up)
+            if catch_up:
+                costs.observe_catch_up(bs, catch_up)
         return result
 
     def _decode_without_drafts(

@@ -105,10 +105,10 @@ def test_choice_is_the_argmax_on_random_inputs() -> None:
         assert rates[k] >= max(rates) * (1 - 1e-9)
 
 
-def test_controller_probes_the_full_chain() -> None:
+def test_controller_probes_the_shallowest_depth() -> None:
     ctl = AdaptiveController(table([1.0, 1.3, 1.6, 1.9]), CHAIN, probe_interval=5)
     picks = [ctl.choose([[0.05] * 3]) for _ in range(20)]
-    assert picks == [3 if (i + 1) % 5 == 0 else 0 for i in range(20)]
+    assert picks == [1 if (i + 1) % 5 == 0 else 0 for i in range(20)]
 
 
 def test_cost_table_buckets_and_ema() -> None:
@@ -128,3 +128,15 @@ def test_a_tree_is_drafted_whole_or_not_at_all() -> None:
     assert choose_num_drafts([[0.9, 0.05, 0.05]], costs, CHAIN) == 1
     assert choose_num_drafts([[0.9, 0.05, 0.05]], costs, tree) == 3
     assert choose_num_drafts([[0.1, 0.05, 0.05]], costs, tree) == 0
+
+
+def test_catch_up_cost_keeps_a_stretch_without_drafts_going() -> None:
+    costs = table([1.0, 1.2, 1.4, 1.6])
+    costs.catch_up = {1: 0.3, 4: 1.2}
+    alphas = [[0.3, 0.1, 0.1]]  # E[1] = 1.3 in 1.2: drafting pays a little
+    assert choose_num_drafts(alphas, costs, CHAIN) == 1
+    # ...but not when it first has to catch up held inputs (1.3 in 1.5).
+    assert choose_num_drafts(alphas, costs, CHAIN, catching_up=True) == 0
+    assert costs.cost(1, 0, catching_up=True) == 1.0  # a plain decode never catches up
+    costs.observe_catch_up(1, 0.5)
+    assert costs.catch_up[1] == pytest.approx(0.32)

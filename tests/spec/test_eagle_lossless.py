@@ -263,7 +263,7 @@ def script_choices(engine: Engine, choices: list[int]) -> None:
     controller = engine.scheduler.worker.controller
     assert controller is not None
     picks = iter(choices * 1000)
-    controller.choose = lambda alphas: next(picks)  # type: ignore[method-assign]
+    controller.choose = lambda alphas, catching_up=False: next(picks)  # type: ignore[method-assign]
 
 
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])

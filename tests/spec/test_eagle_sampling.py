@@ -131,7 +131,7 @@ def test_sampling_matches_target(
     )
     if adaptive:  # every draft depth, a plain decode included, within each 3-token answer
         picks = iter([0, 1, 3, 2, 0, 3] * 100)
-        eng.scheduler.worker.controller.choose = lambda alphas: next(picks)
+        eng.scheduler.worker.controller.choose = lambda alphas, catching_up=False: next(picks)
     emp = empirical_joint(eng, params)
     stats = eng.stats()
     assert stats.spec_accepted_tokens_total / stats.spec_verify_calls_total > 1.3
