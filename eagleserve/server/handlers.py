@@ -5,12 +5,14 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from eagleserve.messages import GenerateReqInput, TokenOutput
 from eagleserve.server.choices import ChoiceState, usage_of
 from eagleserve.server.protocol import (
     ChatChoice,
@@ -93,7 +95,6 @@ async def create_completion(
         return ChoiceState(i, pi, tok, params[pi].stop, text_offset=len(echoes[pi]))
 
     tracker = Tracker(serving, "completions", reqs, make_choice, body.n)
-    stream = serving.client.generate(reqs)
     rid, model, created = new_id("cmpl"), serving.model_name, now()  # one `created` per call
     want_lp = body.logprobs is not None
 
@@ -101,17 +102,22 @@ async def create_completion(
         return CompletionResponse(id=rid, created=created, model=model, choices=choices,
                                   usage=usage)  # fmt: skip
 
-    def chunk(c: ChoiceState, text: str, final: bool) -> CompletionResponse:
-        lp = c.completion_logprobs(only_new=True) if want_lp else None
-        fr = c.finish_reason if final else None
-        choice = CompletionChoice(index=c.index, text=text, logprobs=lp, finish_reason=fr)
-        return response([choice])
+    def prelude() -> list[str]:
+        return [
+            sse(response([CompletionChoice(index=c.index, text=echoes[c.prompt_index])]))
+            for c in tracker.ordered
+            if echoes[c.prompt_index]
+        ]
 
-    if not body.stream:
-        if not await run_to_end(request, stream, tracker):
-            return Response(status_code=CLIENT_CLOSED)
-        if tracker.error is not None:
-            return tracker.error.response()
+    def delta(c: ChoiceState, text: str, out: TokenOutput) -> str | None:
+        if not (text or c.finished or (want_lp and out.new_token_ids)):
+            return None
+        lp = c.completion_logprobs(only_new=True) if want_lp else None
+        fr = c.finish_reason if c.finished else None
+        return sse(response([CompletionChoice(index=c.index, text=text, logprobs=lp,
+                                              finish_reason=fr)]))  # fmt: skip
+
+    def whole() -> CompletionResponse:
         choices = [
             CompletionChoice(
                 index=c.index,
@@ -121,27 +127,10 @@ async def create_completion(
             )
             for c in tracker.ordered
         ]
-        return JSONResponse(response(choices, usage_of(tracker.ordered)).model_dump())
+        return response(choices, usage_of(tracker.ordered))
 
-    async def events() -> AsyncIterator[str]:
-        for c in tracker.ordered:
-            if echoes[c.prompt_index]:
-                choice = CompletionChoice(index=c.index, text=echoes[c.prompt_index])
-                yield sse(response([choice]))
-        async for out in stream:
-            c, delta = tracker.feed(out)
-            if tracker.error is not None:  # engine fault, engine gone, or cut at the drain
-                yield sse(tracker.error.response_body())
-                yield "data: [DONE]\n\n"
-                return
-            if delta or c.finished or (want_lp and out.new_token_ids):
-                yield sse(chunk(c, delta, c.finished))
-        tracker.done()
-        if body.include_usage:
-            yield sse(response([], usage_of(tracker.ordered)))
-        yield "data: [DONE]\n\n"
-
-    return AbortingStreamingResponse(events(), lambda: tracker.close(stream))
+    endpoint = Endpoint(prelude, delta, lambda usage: sse(response([], usage)), whole)
+    return await respond(serving, request, reqs, tracker, body, endpoint)
 
 
 def chat_prompt(serving: Serving, body: ChatCompletionRequest) -> list[int] | ApiError:
@@ -180,15 +169,27 @@ async def create_chat(serving: Serving, body: ChatCompletionRequest, request: Re
         return ChoiceState(i, pi, tok, params.stop)
 
     tracker = Tracker(serving, "chat", reqs, make_choice, body.n)
-    stream = serving.client.generate(reqs)
     rid, model = new_id("chatcmpl"), serving.model_name
     created = now()
 
-    if not body.stream:
-        if not await run_to_end(request, stream, tracker):
-            return Response(status_code=CLIENT_CLOSED)
-        if tracker.error is not None:
-            return tracker.error.response()
+    def chunk(choices: list[ChatStreamChoice], usage: Any = None) -> str:
+        return sse(
+            ChatCompletionChunk(id=rid, created=created, model=model, choices=choices, usage=usage)
+        )
+
+    def prelude() -> list[str]:
+        role = ChatDelta(role="assistant", content="")
+        return [chunk([ChatStreamChoice(index=c.index, delta=role)]) for c in tracker.ordered]
+
+    def delta(c: ChoiceState, text: str, out: TokenOutput) -> str | None:
+        lp = c.chat_logprobs(only_new=True) if body.logprobs else None
+        if not (text or c.finished or (lp is not None and lp.content)):
+            return None
+        d = ChatDelta(content=text or None)
+        return chunk([ChatStreamChoice(index=c.index, delta=d, logprobs=lp,
+                                       finish_reason=c.finish_reason)])  # fmt: skip
+
+    def whole() -> ChatCompletionResponse:
         choices = [
             ChatChoice(
                 index=c.index,
@@ -198,40 +199,57 @@ async def create_chat(serving: Serving, body: ChatCompletionRequest, request: Re
             )
             for c in tracker.ordered
         ]
-        resp = ChatCompletionResponse(
+        return ChatCompletionResponse(
             id=rid, created=created, model=model, choices=choices, usage=usage_of(tracker.ordered)
         )
-        return JSONResponse(resp.model_dump())
 
-    def chunk(choices: list[ChatStreamChoice], usage: Any = None) -> str:
-        return sse(
-            ChatCompletionChunk(id=rid, created=created, model=model, choices=choices, usage=usage)
-        )
+    endpoint = Endpoint(prelude, delta, lambda usage: chunk([], usage), whole)
+    return await respond(serving, request, reqs, tracker, body, endpoint)
+
+
+@dataclass
+class Endpoint:
+    """What differs between the two OpenAI handlers; `respond` is the path they share."""
+
+    prelude: Callable[[], list[str]]  # SSE events before any token (echo, the role)
+    delta: Callable[[ChoiceState, str, TokenOutput], str | None]  # new text -> an SSE event
+    usage_event: Callable[[Any], str]  # the usage chunk of `stream_options.include_usage`
+    whole: Callable[[], Any]  # the non-streamed response body (a pydantic model)
+
+
+async def respond(
+    serving: Serving,
+    request: Request,
+    reqs: list[GenerateReqInput],
+    tracker: Tracker,
+    body: CompletionRequest | ChatCompletionRequest,
+    endpoint: Endpoint,
+) -> Response:
+    """Runs the requests; answers one JSON body, or a stream of chunks ending in [DONE] (an
+    engine fault or a cut at shutdown ends it with an error event first)."""
+    stream = serving.client.generate(reqs)
+    if not body.stream:
+        if not await run_to_end(request, stream, tracker):
+            return Response(status_code=CLIENT_CLOSED)
+        if tracker.error is not None:
+            return tracker.error.response()
+        return JSONResponse(endpoint.whole().model_dump())
 
     async def events() -> AsyncIterator[str]:
-        for c in tracker.ordered:
-            yield chunk(
-                [ChatStreamChoice(index=c.index, delta=ChatDelta(role="assistant", content=""))]
-            )
+        for event in endpoint.prelude():
+            yield event
         async for out in stream:
-            c, delta = tracker.feed(out)
+            c, text = tracker.feed(out)
             if tracker.error is not None:  # engine fault, engine gone, or cut at the drain
                 yield sse(tracker.error.response_body())
                 yield "data: [DONE]\n\n"
                 return
-            lp = c.chat_logprobs(only_new=True) if body.logprobs else None
-            if delta or c.finished or (lp is not None and lp.content):
-                d = ChatDelta(content=delta or None)
-                yield chunk(
-                    [
-                        ChatStreamChoice(
-                            index=c.index, delta=d, logprobs=lp, finish_reason=c.finish_reason
-                        )
-                    ]
-                )
+            event = endpoint.delta(c, text, out)
+            if event is not None:
+                yield event
         tracker.done()
         if body.include_usage:
-            yield chunk([], usage_of(tracker.ordered))
+            yield endpoint.usage_event(usage_of(tracker.ordered))
         yield "data: [DONE]\n\n"
 
     return AbortingStreamingResponse(events(), lambda: tracker.close(stream))
