@@ -11,7 +11,7 @@ Who fills what:
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -60,6 +60,57 @@ class SamplingParams:
         if self.seed is not None and not (0 <= self.seed < SEED_BOUND):
             return f"seed must be in [0, {SEED_BOUND})"
         return None
+
+
+@dataclass(frozen=True)
+class RequestError:
+    """Why a request cannot run: the message, the OpenAI request field it is about, a code."""
+
+    message: str
+    param: str | None = None
+    code: str | None = None
+
+
+def check_prompt(
+    input_ids: Sequence[int], max_context_len: int, vocab_size: int, param: str = "prompt"
+) -> RequestError | None:
+    """The prompt alone: not empty, shorter than the context, token ids in the vocabulary."""
+    n = len(input_ids)
+    if n == 0:
+        return RequestError("the prompt is empty", param)
+    if n >= max_context_len:
+        msg = (
+            f"This model's maximum context length is {max_context_len} tokens; the prompt has {n}."
+        )
+        return RequestError(msg, param, "context_length_exceeded")
+    if vocab_size and any(t < 0 or t >= vocab_size for t in input_ids):
+        return RequestError(f"token ids must be in [0, {vocab_size})", param)
+    return None
+
+
+def check_budget(prompt_len: int, max_new_tokens: int, max_context_len: int) -> RequestError | None:
+    """Prompt plus every token asked for must fit the context (no request is cut short)."""
+    if prompt_len + max_new_tokens <= max_context_len:
+        return None
+    msg = (
+        f"This model's maximum context length is {max_context_len} tokens; the prompt has "
+        f"{prompt_len} and max_tokens is {max_new_tokens}."
+    )
+    return RequestError(msg, "max_tokens", "context_length_exceeded")
+
+
+def check_request(
+    input_ids: Sequence[int], params: SamplingParams, max_context_len: int, vocab_size: int
+) -> RequestError | None:
+    """The one validation of a request. The HTTP server runs these checks (as 400s) before the
+    engine sees a request; the scheduler runs them again for the offline Engine and every other
+    caller, so nothing invalid reaches a forward."""
+    err = params.validate()
+    if err is not None:
+        return RequestError(err)
+    return check_prompt(input_ids, max_context_len, vocab_size) or check_budget(
+        len(input_ids), params.max_new_tokens, max_context_len
+    )
 
 
 class FinishReason(str, enum.Enum):

@@ -384,9 +384,9 @@ def test_largest_seed_samples(tiny: Engine) -> None:
 
 
 def test_out_of_vocab_token_raises(tiny: Engine) -> None:
-    with pytest.raises(ValueError, match="vocab"):
+    with pytest.raises(ValueError, match=r"token ids must be in \[0, 256\)"):
         tiny.generate([[5, 6, 256]], greedy(4))
-    with pytest.raises(ValueError, match="vocab"):
+    with pytest.raises(ValueError, match=r"token ids must be in \[0, 256\)"):
         tiny.generate([[5, -1, 7]], greedy(4))
 
 
@@ -401,3 +401,19 @@ def test_bad_request_in_a_batch_leaves_engine_usable(
         tiny.generate([good[0], good[1]], [greedy(12, ignore_eos=True), SamplingParams(top_p=2)])
     got = [o["token_ids"] for o in tiny.generate(good, greedy(12, ignore_eos=True))]
     assert got == want
+
+
+def test_server_and_engine_share_one_request_validation() -> None:
+    """The checks the HTTP server answers as 400s are the ones the scheduler runs (core.py)."""
+    from eagleserve.core import check_request
+
+    ok = SamplingParams(max_new_tokens=8)
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 50, (int(torch.randint(1, 20, (1,), generator=gen)),), generator=gen)
+    prompt = ids.tolist()
+    assert check_request(prompt, ok, 64, 50) is None
+    assert check_request([], ok, 64, 50).message == "the prompt is empty"
+    too_long = check_request(prompt, SamplingParams(max_new_tokens=64), 64, 50)
+    assert too_long.param == "max_tokens" and too_long.code == "context_length_exceeded"
+    assert check_request(prompt + [50], ok, 64, 50).message == "token ids must be in [0, 50)"
+    assert check_request(prompt, SamplingParams(seed=-1), 64, 50).message.startswith("seed")

@@ -10,7 +10,13 @@ from concurrent.futures import Future
 import torch
 
 from eagleserve.config import ModelConfig, ServerArgs
-from eagleserve.core import FinishReason, GenerationBatchResult, Req, ScheduleBatch
+from eagleserve.core import (
+    FinishReason,
+    GenerationBatchResult,
+    Req,
+    ScheduleBatch,
+    check_request,
+)
 from eagleserve.device import pick_device
 from eagleserve.messages import EngineStats, GenerateReqInput, TokenOutput
 from eagleserve.model.loader import load_tokenizer, resolve_model_path
@@ -94,17 +100,10 @@ class Scheduler:
     # ---- admission -------------------------------------------------------------------------
     def add_request(self, msg: GenerateReqInput) -> None:
         params = msg.sampling_params
-        err = params.validate()
-        n_in = len(msg.input_ids)
-        if err is None and n_in == 0:
-            err = "the prompt is empty"
-        if err is None and n_in + params.max_new_tokens > self.max_context_len:
-            err = (
-                f"this model's maximum context length is {self.max_context_len} tokens; the "
-                f"prompt has {n_in} and max_tokens is {params.max_new_tokens}"
-            )
-        if err is None and any(t < 0 or t >= self.model_config.vocab_size for t in msg.input_ids):
-            err = "prompt token ids must be in [0, vocab_size)"
+        bad = check_request(
+            msg.input_ids, params, self.max_context_len, self.model_config.vocab_size
+        )
+        err = None if bad is None else bad.message
         if err is None and params.stop and self.tokenizer is None:
             err = "stop strings need a model with a tokenizer"
         if err is not None:

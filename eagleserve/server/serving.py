@@ -13,7 +13,13 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from eagleserve.config import ServerArgs
-from eagleserve.core import SEED_BOUND, SamplingParams
+from eagleserve.core import (
+    SEED_BOUND,
+    RequestError,
+    SamplingParams,
+    check_budget,
+    check_prompt,
+)
 from eagleserve.messages import GenerateReqInput, TokenOutput
 from eagleserve.server.choices import ChoiceState
 from eagleserve.server.engine_client import EngineClient, RequestStream
@@ -33,6 +39,11 @@ class ApiError:
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.response_body(), status_code=self.status)
+
+
+def api_error(err: RequestError | None) -> ApiError | None:
+    """A failed core check as the 400 the API answers."""
+    return None if err is None else ApiError(400, err.message, err.param, err.code)
 
 
 async def wait_disconnect(request: Request) -> None:
@@ -66,16 +77,8 @@ class Serving:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def check_prompt(self, ids: list[int], param: str) -> ApiError | None:
-        ctx = self.client.max_context_len
-        if not ids:
-            return ApiError(400, "the prompt is empty", param)
-        if len(ids) >= ctx:
-            msg = f"This model's maximum context length is {ctx} tokens; the prompt has {len(ids)}."
-            return ApiError(400, msg, param, "context_length_exceeded")
         vocab = self.client.ready.vocab_size if self.client.ready else 0
-        if vocab and any(t < 0 or t >= vocab for t in ids):
-            return ApiError(400, f"token ids must be in [0, {vocab})", param)
-        return None
+        return api_error(check_prompt(ids, self.client.max_context_len, vocab, param))
 
     def sampling_params(
         self, body: _SamplingFields, max_tokens: int | None, prompt_len: int, logprobs: int | None
@@ -86,12 +89,9 @@ class Serving:
         if max_tokens is not None and max_tokens <= 0:
             return ApiError(400, "max_tokens must be at least 1", "max_tokens")
         new = max_tokens if max_tokens is not None else ctx - prompt_len
-        if prompt_len + new > ctx:
-            msg = (
-                f"This model's maximum context length is {ctx} tokens; the prompt has "
-                f"{prompt_len} and max_tokens is {new}."
-            )
-            return ApiError(400, msg, "max_tokens", "context_length_exceeded")
+        over = api_error(check_budget(prompt_len, new, ctx))
+        if over is not None:
+            return over
         params = SamplingParams(
             max_new_tokens=new,
             temperature=1.0 if body.temperature is None else body.temperature,
