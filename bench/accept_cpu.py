@@ -33,11 +33,13 @@ def main() -> None:
     ap.add_argument("--prompts-per-set", type=int, default=4)
     ap.add_argument("--new-tokens", type=int, default=96)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--dtype", default=None, help="e.g. float32: a dense target, not packed")
+    ap.add_argument("--tag", default="", help="suffix of the results file name")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     model = resolve_model_path("default")
     kw = dict(model=model, device="cpu", kv_cache_tokens=4096, max_running_requests=2,
-              disable_overlap_schedule=True)  # fmt: skip
+              disable_overlap_schedule=True, **({"dtype": args.dtype} if args.dtype else {}))  # fmt: skip
     engines = {"target-only": Engine(**kw)}
     for h in args.heads:
         path = resolve_draft_path(h)
@@ -67,7 +69,7 @@ def main() -> None:
             for r in rows
         ],
     )  # fmt: skip
-    write_json("accept_cpu", {"args": vars(args), "rows": rows})
+    write_json(f"accept_cpu{args.tag}.json", {"args": vars(args), "rows": rows})
 
 
 if __name__ == "__main__":
