@@ -49,8 +49,8 @@ def eval_head_on_shards(ns: argparse.Namespace) -> int:
     """`--eval-head PATH`: per-depth accuracy of a saved head on held-out shards (the same
     measure as the end-of-training one), written to OUT/eval_<name>.json."""
     from eagleserve.spec.head_loader import load_eagle_head
-    from eagleserve.train.tf_cli import load_target
     from eagleserve.train.assets import resolve_head_path
+    from eagleserve.train.tf_cli import load_target
 
     target, _ = load_target(ns.model, "float32", ns.max_len + 16)
     path = resolve_head_path(ns.eval_head)
