@@ -39,7 +39,9 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     model = resolve_model_path("default")
     kw = dict(model=model, device="cpu", kv_cache_tokens=4096, max_running_requests=2,
-              disable_overlap_schedule=True, **({"dtype": args.dtype} if args.dtype else {}))  # fmt: skip
+              disable_overlap_schedule=True)  # fmt: skip
+    if args.dtype:
+        kw["dtype"] = args.dtype
     engines = {"target-only": Engine(**kw)}
     for h in args.heads:
         path = resolve_draft_path(h)

@@ -40,7 +40,12 @@ def soft_cross_entropy(
 
 
 def label_loss(
-    logits: torch.Tensor, batch: Batch, sel: torch.Tensor, lab: torch.Tensor, cols: slice, soft: bool
+    logits: torch.Tensor,
+    batch: Batch,
+    sel: torch.Tensor,
+    lab: torch.Tensor,
+    cols: slice,
+    soft: bool,
 ) -> torch.Tensor:
     """CE of `logits` (rows `sel` of the label columns `cols`) against the soft labels when
     `soft` and the batch has them, else against the hard labels `lab`."""

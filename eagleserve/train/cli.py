@@ -54,7 +54,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--max-new-tokens", type=int, default=128, help="answer length")
     p.add_argument("--max-prompt-tokens", type=int, default=256)
     p.add_argument("--gen-batch-size", type=int, default=48)
-    p.add_argument("--epochs", type=float, default=2, help="passes over the data (may be fractional)")
+    p.add_argument(
+        "--epochs", type=float, default=2, help="passes over the data (may be fractional)"
+    )
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--max-len", type=int, default=384)

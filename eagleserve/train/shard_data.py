@@ -37,7 +37,9 @@ def shard_entries(dirs: list[str]) -> list[tuple[str, dict]]:
 
 def windows(seq_lens: list[int], max_len: int) -> list[Window]:
     """Consecutive windows of at most `max_len` rows covering every sequence."""
-    return [(i, a, min(max_len, n - a)) for i, n in enumerate(seq_lens) for a in range(0, n, max_len)]
+    return [
+        (i, a, min(max_len, n - a)) for i, n in enumerate(seq_lens) for a in range(0, n, max_len)
+    ]
 
 
 def answer_token_counts(entries: list[tuple[str, dict]]) -> Counter:
@@ -112,7 +114,9 @@ class ShardSource:
                 batches = []
                 for c in range(0, len(wins), chunk):
                     part = sorted(wins[c : c + chunk], key=lambda w: w[2])
-                    batches += [part[i : i + self.batch_size] for i in range(0, len(part), self.batch_size)]
+                    batches += [
+                        part[i : i + self.batch_size] for i in range(0, len(part), self.batch_size)
+                    ]
                 rng.shuffle(batches)
                 out += [(sh, b) for b in batches]
             self._plans = {epoch: out}  # keep one epoch's plan

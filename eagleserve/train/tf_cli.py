@@ -76,8 +76,8 @@ def extract_data(ns: argparse.Namespace, target: object, tok: object) -> dict:
     keys = probe_keys(held_out_prompts())
 
     def conv(i: int) -> Source:
-        return lambda: None if leaks(convs[i], keys) else tokenize_conversation(
-            tok, convs[i], ns.max_seq_len
+        return lambda: (
+            None if leaks(convs[i], keys) else tokenize_conversation(tok, convs[i], ns.max_seq_len)
         )
 
     distilled: list[Source] = []
@@ -89,7 +89,8 @@ def extract_data(ns: argparse.Namespace, target: object, tok: object) -> dict:
         "k": ns.top_k,
         "extract_dtype": ns.extract_dtype,
         "sources": f"ShareGPT_V3 all turns ({len(train_i)} train / {len(val_i)} held-out "
-        f"conversations, seed {ns.seed})" + (f" + self-distilled {list(ns.data)}" if ns.data else ""),
+        f"conversations, seed {ns.seed})"
+        + (f" + self-distilled {list(ns.data)}" if ns.data else ""),
     }
     stats = {}
     for name, items, budget, minutes in (

@@ -95,9 +95,7 @@ class MemorySource:
 
 def memory_batch(data: Data, idx: list[int], cfg: TrainConfig) -> Batch:
     d = data
-    return sequence_batch(
-        d.seqs, d.prompt_lens, d.feats, d.label_map, idx, cfg.max_len, cfg.depths
-    )
+    return sequence_batch(d.seqs, d.prompt_lens, d.feats, d.label_map, idx, cfg.max_len, cfg.depths)
 
 
 def train_step(

@@ -140,7 +140,9 @@ def test_conversation_flags_mark_exactly_the_answers(tiny_model_dir: str) -> Non
         {"role": "assistant", "content": "sure"},
     ]
     ids, flags = tokenize_conversation(tok, msgs, 10**6)
-    assert ids == tok.encode(tok.apply_chat_template(msgs, tokenize=False), add_special_tokens=False)
+    assert ids == tok.encode(
+        tok.apply_chat_template(msgs, tokenize=False), add_special_tokens=False
+    )
     answer = "".join(tok.decode([t]) for t, f in zip(ids, flags) if f)
     assert answer == "yo<|im_end|>\nsure<|im_end|>\n"
     assert tokenize_conversation(tok, msgs, 50) is None  # cut before any answer token
