@@ -63,6 +63,7 @@ class EagleWorker:
             )
             self.controller = AdaptiveController(costs, choices, spec.adaptive_probe_interval)
 
+    # ---- scheduler interface ---------------------------------------------------------------
     def plan_decode(self, batch: ScheduleBatch, prior: list[float]) -> None:
         """Scheduler thread, before a decode launches: picks this iteration's chain length from
         the last known acceptance (with overlap, one iteration old) and books the held head
@@ -81,7 +82,6 @@ class EagleWorker:
         for req in batch.reqs:
             req.draft_lag = req.draft_lag + 1 if k == 0 else 0
 
-    # ---- scheduler interface ---------------------------------------------------------------
     def prepare_for_decode(self, batch: ScheduleBatch) -> None:
         """Reserves slots up to the host's view of L plus decode_slots_per_req per request."""
         batch.mode = "decode"
