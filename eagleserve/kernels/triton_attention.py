@@ -255,12 +255,11 @@ def extend_attention(
     prefix_lens: torch.Tensor,
     extend_lens: torch.Tensor,
     sm_scale: float,
+    max_extend: int,  # host int >= max(extend_lens): the grid size, never read off the device
 ) -> torch.Tensor:
     _check_index("prefix_lens", prefix_lens, 1, q.device)
     _check_index("extend_lens", extend_lens, 1, q.device)
     q_start = torch.cumsum(extend_lens, 0) - extend_lens
-    # One host sync for the grid size; the backend computes it once per forward instead.
-    max_extend = int(extend_lens.max()) if extend_lens.numel() else 0
     return _prefill_attention(
         q,
         k_buffer,

@@ -145,7 +145,7 @@ def test_extend_matches_reference(
     q = torch.randn(sum(extend_lens), num_heads, head_dim, generator=gen)
     pl, el = torch.tensor(prefix_lens), torch.tensor(extend_lens)
     args = (q, pg.k, pg.v, pg.req_to_token, pg.req_pool_indices, pl, el, head_dim**-0.5)
-    out = tri.extend_attention(*args)
+    out = tri.extend_attention(*args, max(extend_lens))
     torch.testing.assert_close(out, ref.extend_attention_ref(*args), atol=ATOL, rtol=RTOL)
 
 
@@ -186,7 +186,8 @@ def test_chain_tree_equals_causal_extend() -> None:
     pl, el = torch.tensor([4, 20]), torch.tensor([n, n])
     common = (q, pg.k, pg.v, pg.req_to_token, pg.req_pool_indices, pl)
     tree = tri.tree_verify_attention(*common, random_tree_masks(2, n, "chain", gen), 0.2)
-    torch.testing.assert_close(tree, tri.extend_attention(*common, el, 0.2), atol=ATOL, rtol=RTOL)
+    causal = tri.extend_attention(*common, el, 0.2, n)
+    torch.testing.assert_close(tree, causal, atol=ATOL, rtol=RTOL)
 
 
 def test_non_contiguous_tree_mask() -> None:
@@ -214,7 +215,7 @@ def test_half_precision_inputs(dtype: torch.dtype) -> None:
     common = (pg.req_to_token, pg.req_pool_indices)
 
     q = torch.randn(int(el.sum()), 8, 64, generator=gen).to(dtype)
-    out = tri.extend_attention(q, pg.k, pg.v, *common, pl, el, 0.125)
+    out = tri.extend_attention(q, pg.k, pg.v, *common, pl, el, 0.125, 8)
     assert out.dtype == dtype
     want = ref.extend_attention_ref(q.float(), k32, v32, *common, pl, el, 0.125)
     torch.testing.assert_close(out.float(), want, **tol)
