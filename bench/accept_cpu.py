@@ -22,7 +22,7 @@ from bench import data  # noqa: E402
 from bench.common import machine, print_table, write_json  # noqa: E402
 from bench.spec_cpu import chat_ids, run_engine  # noqa: E402
 from eagleserve import Engine  # noqa: E402
-from eagleserve.model.loader import resolve_draft_path, resolve_model_path  # noqa: E402
+from eagleserve.model.loader import resolve_draft_path  # noqa: E402
 
 CHAIN = dict(speculative_num_steps=3, speculative_eagle_topk=1, speculative_num_draft_tokens=4)
 
@@ -37,8 +37,8 @@ def main() -> None:
     ap.add_argument("--tag", default="", help="suffix of the results file name")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    model = resolve_model_path("default")
-    kw = dict(model=model, device="cpu", kv_cache_tokens=4096, max_running_requests=2,
+    # "default" (not its converted folder): the GGUF's packed weights, as the server runs them.
+    kw = dict(model="default", device="cpu", kv_cache_tokens=4096, max_running_requests=2,
               disable_overlap_schedule=True)  # fmt: skip
     if args.dtype:
         kw["dtype"] = args.dtype

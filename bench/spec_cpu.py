@@ -2,7 +2,8 @@
 
     python bench/spec_cpu.py [--prompts-per-set 4] [--new-tokens 128] [--batches 1,4] [--quick]
 
-In one run, greedy, `--new-tokens` new tokens (EOS ignored): transformers `generate`; eagleserve
+In one run, greedy, `--new-tokens` new tokens (EOS ignored), the default packed target (or
+`--target-dtype float32`): transformers `generate`; eagleserve
 without speculation; chains with 3 and 5 steps; a tree (top-k 2). For each prompt set (MT-bench
 first, then HumanEval and math; bench/data.py; none seen in training) and batch size: tokens/s,
 speedup over each baseline, mean accepted length tau (bonus token included), acceptance by
@@ -117,12 +118,15 @@ def run_hf(model: Any, prompts: list[list[int]], bs: int, new: int, pad: int) ->
     return len(prompts) * new / (time.perf_counter() - t0)
 
 
-def build_engines(path: str, draft: str, algorithm: str) -> tuple[dict[str, Engine], dict]:
+def build_engines(draft: str, algorithm: str, target_dtype: str) -> tuple[dict[str, Engine], dict]:
+    """`target_dtype` "auto" is the default model as served (the GGUF's packed 4-bit weights on
+    a CPU); "float32" the same weights de-quantized."""
     engines, timers = {}, {}
     for name, kw in SETTINGS:
         spec = dict(speculative_algorithm=algorithm, speculative_draft_model_path=draft, **kw)
         eng = Engine(
-            model=path,
+            model="default",
+            dtype=target_dtype,
             device="cpu",
             kv_cache_tokens=8192,
             max_running_requests=8,
@@ -150,6 +154,12 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
     ap.add_argument("--quick", action="store_true", help="2 prompts per set, 48 tokens, batch 1")
+    ap.add_argument(
+        "--target-dtype",
+        default="auto",
+        choices=["auto", "float32"],
+        help="auto: the packed GGUF target as served; float32: de-quantized",
+    )
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -160,7 +170,7 @@ def main() -> None:
     draft = resolve_draft_path(args.draft)
     with open(os.path.join(draft, "config.json")) as f:
         algorithm = "EAGLE3" if "Eagle3" in json.load(f)["architectures"][0] else "EAGLE"
-    engines, timers = build_engines(path, draft, algorithm)
+    engines, timers = build_engines(draft, algorithm, args.target_dtype)
     tok = engines["eagleserve"].tokenizer
     hf = None
     if not args.no_hf:
