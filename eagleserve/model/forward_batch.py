@@ -139,3 +139,8 @@ def get_forward_batch() -> ForwardBatch:
     if _current is None:
         raise RuntimeError("no forward_context is active")
     return _current
+
+
+def in_per_token_forward() -> bool:
+    """A decode, verify or draft step is running (a few rows per request, not a prefill)."""
+    return _current is not None and _current.mode != "extend"

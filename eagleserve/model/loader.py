@@ -179,3 +179,29 @@ def load_weights(module: nn.Module, path: str, strict: bool = True, desc: str = 
         raise KeyError(
             f"missing tensors in {path}: {missing[:8]}{'...' if len(missing) > 8 else ''}"
         )
+
+
+QUANTIZATIONS = ("auto", "none", "gguf")
+
+
+def packed_gguf_path(quantization: str, model: str, dtype: str, device: torch.device) -> str | None:
+    """The GGUF whose packed weights the target runs with, or None for plain fp weights.
+
+    "gguf" insists (a GGUF model on CPU); "auto" picks it for a GGUF model on CPU unless a
+    dtype was asked for, since that is the model the GGUF describes, at 1/4-1/8 of the bytes.
+    """
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"unknown quantization {quantization!r}: {' | '.join(QUANTIZATIONS)}")
+    if quantization == "none":
+        return None
+    source = gguf_source(model)
+    if quantization == "auto":
+        native = source is not None and device.type == "cpu" and dtype == "auto"
+        return source if native else None
+    if source is None:
+        raise ValueError("--quantization gguf needs a .gguf model (or 'default')")
+    if device.type != "cpu":
+        raise ValueError("--quantization gguf runs on CPU only (use --quantization none)")
+    if dtype not in ("auto", "float32"):
+        raise ValueError("--quantization gguf keeps activations in float32: use --dtype auto")
+    return source

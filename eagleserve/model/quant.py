@@ -10,6 +10,10 @@
 - `Int8Linear`: `torch._weight_int8pack_mm` takes one scale per output channel, not per
   32-block, so Q8_0 is de-quantized and re-quantized per channel (symmetric, absmax / 127):
   NOT bit-exact to the GGUF. A block-exact bmm over bf16 q was 7x slower than this (measured).
+- Per-token forwards (decode, verify, draft steps) of Int4Linear / Q8Int4Linear run
+  `kernels/cpu_gemv` where the CPU has AVX2 + FMA: the exact block weights, fp32 activations,
+  and a per-row result that does not depend on the number of rows, so a k-token verify gives
+  each row what a decode would. Prefill keeps torch's kernel, built for many rows.
 """
 
 from __future__ import annotations
@@ -21,11 +25,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from eagleserve.kernels import cpu_gemv
+from eagleserve.model.forward_batch import in_per_token_forward
 from eagleserve.model.gguf_weights import BLOCK, QuantTensor, iter_gguf
 from eagleserve.model.llama import LlamaForCausalLM
-from eagleserve.model.loader import gguf_source
-
-QUANTIZATIONS = ("auto", "none", "gguf")
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +61,12 @@ class Int4Linear(nn.Module):
         self.register_buffer("scales_and_zeros", sz)
         self.register_buffer("sz_compute", sz.to(compute_dtype), persistent=False)
         self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
+        self.blocked: tuple[torch.Tensor, ...] | None = None
+        if cpu_gemv.load():  # ggml's nibble layout, w = d*q + m (exact: zero - 8d is m)
+            qb = q[:n].to(torch.uint8).view(n, k // BLOCK, BLOCK)
+            nibbles = (qb[..., :16] | (qb[..., 16:] << 4)).reshape(n, k // 2).contiguous()
+            d = scale[:n].float().contiguous()
+            self.blocked = (nibbles, d, (zero[:n].float() - 8 * d).contiguous())
 
     @classmethod
     def from_quant(
@@ -84,14 +93,21 @@ class Int4Linear(nn.Module):
         # x [..., K] any float dtype -> [..., N] in x.dtype; the matmul runs in compute_dtype.
         # (Few ops on purpose: at batch 1 each costs as much as a small layer's matmul.)
         x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
-        sz = self.sz_compute if self.compute_dtype != torch.float32 else self.scales_and_zeros
-        y = self._mm(self._kernel_input(x2.to(self.compute_dtype)), sz).to(x.dtype)
+        if self.blocked is not None and in_per_token_forward():
+            y = self._blocked_mm(x2.float()).to(x.dtype)
+        else:
+            sz = self.sz_compute if self.compute_dtype != torch.float32 else self.scales_and_zeros
+            y = self._mm(self._kernel_input(x2.to(self.compute_dtype)), sz).to(x.dtype)
         if x.dim() != 2:
             y = y.reshape(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
     def _kernel_input(self, x2: torch.Tensor) -> torch.Tensor:
         return x2  # [M, K] as the packed weight reads it
+
+    def _blocked_mm(self, x2: torch.Tensor) -> torch.Tensor:
+        assert self.blocked is not None
+        return cpu_gemv.q4_matmul(x2, *self.blocked)
 
     @torch.no_grad()
     def dequantize(self) -> torch.Tensor:
@@ -121,6 +137,7 @@ class Q8Int4Linear(Int4Linear):
         bias: torch.Tensor | None = None,
         compute_dtype: torch.dtype = torch.bfloat16,
     ) -> None:
+        q8 = q
         q = q.to(torch.int16)
         hi, lo = (q >> 4) + 8, q & 15  # both in 0..15
         super().__init__(
@@ -131,6 +148,12 @@ class Q8Int4Linear(Int4Linear):
             compute_dtype,
         )
         self.in_features = q.shape[1]
+        if self.blocked is not None:
+            self.blocked = (q8.to(torch.int8).contiguous(), d.float().contiguous())
+
+    def _blocked_mm(self, x2: torch.Tensor) -> torch.Tensor:
+        assert self.blocked is not None
+        return cpu_gemv.q8_matmul(x2, *self.blocked)
 
     @classmethod
     def from_quant(
@@ -359,26 +382,3 @@ def quantize_model_from_gguf(
     if tied and isinstance(getattr(model, "lm_head", None), PackedLinear):
         model.compute_logits = types.MethodType(_packed_compute_logits, model)  # type: ignore
     logger.info("packed GGUF linears: %s", counts)
-
-
-def packed_gguf_path(quantization: str, model: str, dtype: str, device: torch.device) -> str | None:
-    """The GGUF whose packed weights the target runs with, or None for plain fp weights.
-
-    "gguf" insists (a GGUF model on CPU); "auto" picks it for a GGUF model on CPU unless a
-    dtype was asked for, since that is the model the GGUF describes, at 1/4-1/8 of the bytes.
-    """
-    if quantization not in QUANTIZATIONS:
-        raise ValueError(f"unknown quantization {quantization!r}: {' | '.join(QUANTIZATIONS)}")
-    if quantization == "none":
-        return None
-    source = gguf_source(model)
-    if quantization == "auto":
-        native = source is not None and device.type == "cpu" and dtype == "auto"
-        return source if native else None
-    if source is None:
-        raise ValueError("--quantization gguf needs a .gguf model (or 'default')")
-    if device.type != "cpu":
-        raise ValueError("--quantization gguf runs on CPU only (use --quantization none)")
-    if dtype not in ("auto", "float32"):
-        raise ValueError("--quantization gguf keeps activations in float32: use --dtype auto")
-    return source

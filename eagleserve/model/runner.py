@@ -106,7 +106,7 @@ class ModelRunner:
         max_context_len: int,
     ) -> ModelRunner:
         """The served target as `args` ask for it (dtype, pools, backend, packed GGUF weights)."""
-        from eagleserve.model.quant import packed_gguf_path
+        from eagleserve.model.loader import packed_gguf_path
 
         return cls(
             model_config,
