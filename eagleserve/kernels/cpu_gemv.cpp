@@ -1,13 +1,16 @@
-// y = x @ W.T for GGUF-blocked weights on x86 CPUs with AVX2 + FMA, fp32 activations.
+// y = x @ W.T for GGUF-blocked weights on x86 CPUs with AVX2 + FMA, as llama.cpp computes it:
+// each 32-block of a row of x is quantized to int8 (scale max|x| / 127), block dot products
+// run in integers (maddubs), and each block's sum is scaled by d_w * d_x in fp32.
 //
 // W [N, K] in blocks of 32 along K (ggml's layout, see model/gguf_weights.py):
 // - q4: uint8 [N, K/2], byte j of a block = weight j (low nibble), weight j + 16 (high);
-//       w = d * q + m, q in 0..15 (Q4_0 is m = -8d);
+//       w = d * q + m, q in 0..15 (Q4_0 is m = -8d); the m terms use the exact fp32 block
+//       sums of x;
 // - q8: int8 [N, K]; w = d * q.
 // d, m: fp32 [N, K/32].
 //
-// Invariant: every output y[r, n] is computed by the same sequence of fp32 operations whatever
-// M is, whichever row chunk holds r and whichever thread runs n. So a row's result does not
+// Invariant: every output y[r, n] is computed by the same sequence of operations whatever M
+// is, whichever row chunk holds r and whichever thread runs n. So a row's result does not
 // depend on the batch it is computed in: a k-token verify reproduces k decodes bit for bit.
 // (Build without -ffast-math: the order of the adds is part of the contract.)
 
@@ -33,50 +36,36 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-inline void unpack_q4(const uint8_t* p, __m256 f[4]) {
-  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  const __m128i mask = _mm_set1_epi8(0x0F);
-  const __m128i lo = _mm_and_si128(b, mask);
-  const __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
-  f[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
-  f[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
-  f[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
-  f[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
-}
-
-inline void unpack_q8(const int8_t* p, __m256 f[4]) {
-  for (int i = 0; i < 4; ++i) {
-    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * i));
-    f[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
-  }
-}
-
-// Rows [0, R) of x (row stride K) against weight rows [n0, n1); y row stride ldy.
+// Rows [0, R) of the quantized x (qx int8, row stride K; dx, xsum per block) against weight
+// rows [n0, n1); y row stride ldy.
 template <int R, bool Q4>
-void tile(const float* x, const float* xsum, int64_t K, const uint8_t* w, const float* d,
-          const float* m, float* y, int64_t ldy, int64_t n0, int64_t n1) {
+void tile(const int8_t* qx, const float* dx, const float* xsum, int64_t K, const uint8_t* w,
+          const float* d, const float* m, float* y, int64_t ldy, int64_t n0, int64_t n1) {
   const int64_t groups = K / kBlock;
   const int64_t row_bytes = Q4 ? K / 2 : K;
+  const __m256i ones = _mm256_set1_epi16(1);
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* wn = w + n * row_bytes;
     const float* dn = d + n * groups;
     __m256 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
     for (int64_t g = 0; g < groups; ++g) {
-      __m256 f[4];
+      __m256i wq;  // u8 (q4) or |w| (q8), weights 0..31 of the block in order
+      __m256i wsign;
       if constexpr (Q4) {
-        unpack_q4(wn + g * 16, f);
+        const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wn + g * 16));
+        wq = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(b, 4), b), low4);
       } else {
-        unpack_q8(reinterpret_cast<const int8_t*>(wn) + g * kBlock, f);
+        wsign = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wn + g * kBlock));
+        wq = _mm256_sign_epi8(wsign, wsign);
       }
-      const __m256 dg = _mm256_set1_ps(dn[g]);
       for (int r = 0; r < R; ++r) {
-        const float* xr = x + r * K + g * kBlock;
-        __m256 s = _mm256_mul_ps(f[0], _mm256_loadu_ps(xr));
-        s = _mm256_fmadd_ps(f[1], _mm256_loadu_ps(xr + 8), s);
-        s = _mm256_fmadd_ps(f[2], _mm256_loadu_ps(xr + 16), s);
-        s = _mm256_fmadd_ps(f[3], _mm256_loadu_ps(xr + 24), s);
-        acc[r] = _mm256_fmadd_ps(s, dg, acc[r]);
+        __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx + r * K + g * kBlock));
+        if constexpr (!Q4) xq = _mm256_sign_epi8(xq, wsign);
+        const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(wq, xq), ones);
+        const __m256 scale = _mm256_set1_ps(dn[g] * dx[r * groups + g]);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), scale, acc[r]);
       }
     }
     for (int r = 0; r < R; ++r) {
@@ -94,13 +83,34 @@ void tile(const float* x, const float* xsum, int64_t K, const uint8_t* w, const 
 }
 
 template <bool Q4>
-void rows_pass(int rows, const float* x, const float* xsum, int64_t K, const uint8_t* w,
-               const float* d, const float* m, float* y, int64_t ldy, int64_t n0, int64_t n1) {
+void rows_pass(int rows, const int8_t* qx, const float* dx, const float* xsum, int64_t K,
+               const uint8_t* w, const float* d, const float* m, float* y, int64_t ldy,
+               int64_t n0, int64_t n1) {
   switch (rows) {
-    case 4: return tile<4, Q4>(x, xsum, K, w, d, m, y, ldy, n0, n1);
-    case 3: return tile<3, Q4>(x, xsum, K, w, d, m, y, ldy, n0, n1);
-    case 2: return tile<2, Q4>(x, xsum, K, w, d, m, y, ldy, n0, n1);
-    default: return tile<1, Q4>(x, xsum, K, w, d, m, y, ldy, n0, n1);
+    case 4: return tile<4, Q4>(qx, dx, xsum, K, w, d, m, y, ldy, n0, n1);
+    case 3: return tile<3, Q4>(qx, dx, xsum, K, w, d, m, y, ldy, n0, n1);
+    case 2: return tile<2, Q4>(qx, dx, xsum, K, w, d, m, y, ldy, n0, n1);
+    default: return tile<1, Q4>(qx, dx, xsum, K, w, d, m, y, ldy, n0, n1);
+  }
+}
+
+// Per 32-block of each row: q = round(x / dx) in -127..127 with dx = max|x| / 127, and the
+// block's fp32 sum (summed in order) for the q4 offsets.
+void quantize_rows(const float* x, int64_t blocks, int8_t* qx, float* dx, float* xsum) {
+  for (int64_t b = 0; b < blocks; ++b) {
+    const float* xb = x + b * kBlock;
+    float amax = 0.f, s = 0.f;
+    for (int64_t j = 0; j < kBlock; ++j) {
+      amax = std::max(amax, std::fabs(xb[j]));
+      s += xb[j];
+    }
+    const float scale = amax / 127.f;
+    const float inv = scale > 0.f ? 1.f / scale : 0.f;
+    for (int64_t j = 0; j < kBlock; ++j) {
+      qx[b * kBlock + j] = static_cast<int8_t>(std::nearbyint(xb[j] * inv));
+    }
+    dx[b] = scale;
+    xsum[b] = s;
   }
 }
 
@@ -114,19 +124,14 @@ at::Tensor blocked_matmul(const at::Tensor& x_in, const at::Tensor& w, const at:
   TORCH_CHECK(w.is_contiguous() && w.size(1) == (Q4 ? K / 2 : K), "weight shape");
   TORCH_CHECK(d.is_contiguous() && d.size(0) == N && d.size(1) == K / kBlock, "scale shape");
   const int64_t groups = K / kBlock;
-  const float* xp = x.data_ptr<float>();
-  std::vector<float> xsum;
   const float* mp = nullptr;
   if constexpr (Q4) {
     TORCH_CHECK(m_opt.has_value() && m_opt->is_contiguous(), "q4 needs m");
     mp = m_opt->data_ptr<float>();
-    xsum.resize(M * groups);
-    for (int64_t i = 0; i < M * groups; ++i) {
-      float s = 0.f;  // sequential: the same order for every row
-      for (int64_t j = 0; j < kBlock; ++j) s += xp[i * kBlock + j];
-      xsum[i] = s;
-    }
   }
+  std::vector<int8_t> qx(M * K);
+  std::vector<float> dx(M * groups), xsum(M * groups);
+  quantize_rows(x.data_ptr<float>(), M * groups, qx.data(), dx.data(), xsum.data());
   at::Tensor y = at::empty({M, N}, x.options());
   float* yp = y.data_ptr<float>();
   const uint8_t* wp = reinterpret_cast<const uint8_t*>(w.data_ptr());
@@ -136,8 +141,8 @@ at::Tensor blocked_matmul(const at::Tensor& x_in, const at::Tensor& w, const at:
       const int64_t n0 = t * kColsPerTile, n1 = std::min(N, n0 + kColsPerTile);
       for (int64_t r0 = 0; r0 < M; r0 += kRowsPerPass) {
         const int rows = static_cast<int>(std::min<int64_t>(kRowsPerPass, M - r0));
-        rows_pass<Q4>(rows, xp + r0 * K, Q4 ? xsum.data() + r0 * groups : nullptr, K, wp, dp,
-                      mp, yp + r0 * N, N, n0, n1);
+        rows_pass<Q4>(rows, qx.data() + r0 * K, dx.data() + r0 * groups,
+                      xsum.data() + r0 * groups, K, wp, dp, mp, yp + r0 * N, N, n0, n1);
       }
     }
   });

@@ -1,5 +1,7 @@
 """Blocked 4-/8-bit GEMV/GEMM for x86 CPUs with AVX2 + FMA (`cpu_gemv.cpp`), built on first use.
 
+Activations are quantized to int8 per 32-block, as llama.cpp does for these weight types.
+
 The C++ source is compiled once per (source, torch version, compiler flags) into the eagleserve
 cache with the system C++ compiler and loaded as the torch ops `eagleserve_cpu::q4_matmul` and
 `eagleserve_cpu::q8_matmul`. Where the CPU lacks AVX2/FMA or no compiler is found, `load()`
@@ -88,10 +90,12 @@ def load() -> bool:
 
 
 def q4_matmul(x: torch.Tensor, w: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    """x [M, K] fp32 @ W.T, W from nibbles w [N, K/2] (ggml block layout), w = d*q + m."""
+    """x [M, K] fp32 (int8 per block inside) @ W.T, W from nibbles w [N, K/2] (ggml block
+    layout), w = d*q + m."""
     return torch.ops.eagleserve_cpu.q4_matmul(x, w, d, m)
 
 
 def q8_matmul(x: torch.Tensor, w: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
-    """x [M, K] fp32 @ W.T, W int8 [N, K] with one scale per 32-block, w = d*q."""
+    """x [M, K] fp32 (int8 per block inside) @ W.T, W int8 [N, K] with one scale per 32-block,
+    w = d*q."""
     return torch.ops.eagleserve_cpu.q8_matmul(x, w, d)

@@ -1,8 +1,9 @@
 """The AVX2 blocked kernel (eagleserve.kernels.cpu_gemv) against llama.cpp's de-quantized weights.
 
-What serving relies on: exact block weights with fp32 activations (close to x @ W.T in fp64),
-and a row's result that does not depend on the rows computed beside it — the property that
-makes a k-token verify reproduce k decodes bit for bit.
+What serving relies on: the exact block weights against x quantized to int8 per 32-block (within
+the bound that rounding implies of x @ W.T in fp64), and a row's result that does not depend on
+the rows computed beside it — the property that makes a k-token verify reproduce k decodes bit
+for bit.
 """
 
 from __future__ import annotations
@@ -40,9 +41,13 @@ def test_close_to_the_exact_product(qtype: str, shape: tuple[int, int]) -> None:
     x = torch.randn(7, k)
     ref = x.double() @ w.t()
     err = (_matmul(lin, x).double() - ref).abs()
-    # fp32 accumulation over k terms: a few ulps of the sum of magnitudes.
-    bound = k * 2.0**-23 * (x.double().abs() @ w.abs().t()) + 1e-6
-    assert bool((err <= bound).all()), float((err / bound).max())
+    # x rounded to multiples of d_x = max|x_block| / 127 (error <= d_x / 2 per element), plus
+    # fp32 accumulation: a few ulps of the sum of magnitudes.
+    xb = x.double().view(7, k // 32, 32)
+    half_step = (xb.abs().amax(-1, keepdim=True) / 254).expand_as(xb).reshape(7, k)
+    bound = 1.001 * half_step @ w.abs().t() + k * 2.0**-23 * (x.double().abs() @ w.abs().t())
+    assert bool((err <= bound + 1e-6).all()), float((err / bound).max())
+    assert float(err.mean()) < 0.25 * float(bound.mean())  # rounding errors mostly cancel
 
 
 @pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
@@ -65,8 +70,8 @@ def test_a_row_does_not_depend_on_its_batch(qtype: str) -> None:
 
 
 def test_smollm2_decodes_through_it_prefill_does_not(smollm2_dir: str) -> None:
-    """The served model: decode rows go through the kernel (exact weights, fp32 activations),
-    a prefill through torch's int4 kernel; both close to the de-quantized fp32 model."""
+    """The served model: decode rows go through the kernel (int8 activations), a prefill through
+    torch's int4 kernel (bf16 activations); both close to the de-quantized fp32 model."""
     from eagleserve.config import ModelConfig
     from eagleserve.model.loader import default_gguf_path
     from eagleserve.model.quant import quantize_model_from_gguf
@@ -107,7 +112,7 @@ def test_smollm2_decodes_through_it_prefill_does_not(smollm2_dir: str) -> None:
     finally:
         cpu_gemv.q4_matmul = original
         runner.token_to_kv_pool.free(loc)
-    # The decode reads K/V the bf16-activation prefill wrote, so it inherits that error
-    # (observed max |diff| 0.19-0.23 for the decode, 0.26-0.31 for the prefill's last row).
+    # The same bound as the bf16 path's over whole prompts (tests/model/test_quant.py); the
+    # decode's int8 activations were observed at max |diff| ~0.9 on random-token contexts.
     for logits in (prefill, decode):
-        assert float((logits - ref).abs().max()) < 0.6
+        assert float((logits - ref).abs().max()) < 1.5
