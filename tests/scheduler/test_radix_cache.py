@@ -51,7 +51,8 @@ def test_match_and_insert_agree_with_a_reference(seed: int) -> None:
     inserted: list[tuple[list[int], list[int]]] = []  # key, its slot per position (the tree's)
     for _ in range(60):
         base = rng.choice(inserted)[0] if inserted and rng.random() < 0.7 else []
-        key = base[: rng.randint(0, len(base))] + [rng.randrange(4) for _ in range(rng.randint(0, 8))]
+        tail = [rng.randrange(4) for _ in range(rng.randint(0, 8))]
+        key = base[: rng.randint(0, len(base))] + tail
         # The reference: the longest prefix shared with any inserted key, and its slots.
         best, best_slots = 0, []
         for k, s in inserted:
