@@ -31,8 +31,8 @@ from eagleserve.scheduler.output_processor import (
 from eagleserve.scheduler.overlap import OverlapForwarder
 from eagleserve.scheduler.prefill_adder import plan_prefill
 from eagleserve.scheduler.prefix_cache import PrefixCache
+from eagleserve.scheduler.spec_stats import SpecStats
 from eagleserve.scheduler.target_worker import TargetWorker
-from eagleserve.spec.adaptive import ACCEPT_PRIOR, update_acceptance
 from eagleserve.spec.eagle_worker import EagleWorker
 
 logger = logging.getLogger(__name__)
@@ -101,14 +101,7 @@ class Scheduler:
         self.inflight: tuple[list[Req], Future[GenerationBatchResult], Req | None] | None = None
         self.deferred_release: list[tuple[Req, bool]] = []
         self.num_retracted = 0
-        self.stats_verify_calls = 0
-        self.stats_accepted_tokens = 0
-        num_steps = self.spec_config.num_steps if self.spec_config else 0
-        self.stats_accepted_per_position = [0] * num_steps
-        self.stats_proposed_tokens = 0
-        self.stats_iterations_per_num_drafts = [0] * (num_steps + 1 if num_steps else 0)
-        # Engine-wide acceptance by depth: /metrics, and where a new request's own EMA starts.
-        self.stats_acceptance_ema = [ACCEPT_PRIOR] * num_steps
+        self.spec_stats = SpecStats(self.spec_config)
 
     # ---- admission -------------------------------------------------------------------------
     def add_request(self, msg: GenerateReqInput) -> None:
@@ -277,7 +270,7 @@ class Scheduler:
         if batch.seq_lens_sum is None:
             batch.refresh_seq_lens_cpu(sync=False)
         if batch.mode == "decode" and isinstance(self.worker, EagleWorker):
-            self.worker.plan_decode(batch, self.stats_acceptance_ema)
+            self.worker.plan_decode(batch, self.spec_stats.acceptance_ema)
         # Built here, on the host batch, so the overlap forward's snapshot shares the cache.
         info = SamplingInfo.of_batch(batch, self.model_config.vocab_size)
         if partial is not None:
@@ -333,7 +326,7 @@ class Scheduler:
                 toks = next_ids[i][:n]
                 lp = lps[i][:n] if lps is not None else None
                 top = [list(zip(tids[i][j], tvals[i][j])) for j in range(n)] if tids else None
-                self._count_verify(req, result.num_drafts, n)
+                self.spec_stats.count_verify(req, result.num_drafts, n)
             want_lp = req.sampling_params.logprobs is not None
             append_tokens(req, toks, self.stop_checker, lp if want_lp else None, top)
             # The newest token is the next step's input: its KV is not written yet.
@@ -342,27 +335,6 @@ class Scheduler:
             if req.finished:
                 self._release(req)
         self._drop_finished_from_running()
-
-    def _count_verify(self, req: Req, num_drafts: int | None, accepted: int) -> None:
-        """Speculative statistics of one request's iteration; a k = 0 iteration (adaptive) is
-        a plain decode and no verify."""
-        k = len(self.stats_accepted_per_position) if num_drafts is None else num_drafts
-        if self.stats_iterations_per_num_drafts:
-            self.stats_iterations_per_num_drafts[k] += 1
-        if k == 0:
-            return
-        if req.spec_alphas:
-            update_acceptance(req.spec_alphas, k, accepted - 1)
-        update_acceptance(self.stats_acceptance_ema, k, accepted - 1)
-        req.spec_verify_ct += 1
-        req.spec_accepted_tokens += accepted
-        self.stats_verify_calls += 1
-        self.stats_accepted_tokens += accepted
-        spec = self.spec_config
-        assert spec is not None
-        self.stats_proposed_tokens += k if spec.is_chain else spec.num_draft_tokens - 1
-        for d in range(min(accepted - 1, len(self.stats_accepted_per_position))):
-            self.stats_accepted_per_position[d] += 1
 
     def _fail_requests(self, reqs: list[Req], exc: BaseException) -> None:
         logger.error("forward failed for requests %s: %r", [r.rid for r in reqs], exc, exc_info=exc)
@@ -400,6 +372,7 @@ class Scheduler:
         self.deferred_release = []
 
     def stats(self) -> EngineStats:
+        spec = self.spec_stats
         return EngineStats(
             num_running=self.running_batch.batch_size if self.running_batch else 0,
             num_waiting=len(self.waiting),
@@ -410,10 +383,10 @@ class Scheduler:
             prefix_cache_queried_tokens_total=self.prefix_cache.queried_tokens,
             prefix_cache_evicted_tokens_total=self.prefix_cache.evicted_tokens,
             num_retracted_total=self.num_retracted,
-            spec_verify_calls_total=self.stats_verify_calls,
-            spec_accepted_tokens_total=self.stats_accepted_tokens,
-            spec_accepted_per_position=list(self.stats_accepted_per_position),
-            spec_proposed_tokens_total=self.stats_proposed_tokens,
-            spec_iterations_per_num_drafts=list(self.stats_iterations_per_num_drafts),
-            spec_acceptance_ema=list(self.stats_acceptance_ema),
+            spec_verify_calls_total=spec.verify_calls,
+            spec_accepted_tokens_total=spec.accepted_tokens,
+            spec_accepted_per_position=list(spec.accepted_per_position),
+            spec_proposed_tokens_total=spec.proposed_tokens,
+            spec_iterations_per_num_drafts=list(spec.iterations_per_num_drafts),
+            spec_acceptance_ema=list(spec.acceptance_ema),
         )
