@@ -66,7 +66,7 @@ def test_load_bench_multi_turn(tiny_dirs: tuple[str, str], tmp_path: os.PathLike
     assert proc.returncode == 0 and s["ok"], detail
     assert s["lost"] == 0 and s["errors"] == 0, detail
     assert s["completed_greedy"] > 10 and s["greedy_exact"] == s["completed_greedy"], detail
-    assert s["prefix_cache_hit_rate"] > 0.3, detail
+    assert s["prefix_cache_hit_rate"] > 0.15, detail  # 0 without the cache
     assert s["kv_used_tokens_end"] == 0, detail
 
 
