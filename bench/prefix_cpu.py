@@ -3,7 +3,7 @@ times are the engine's, without HTTP):
 
 1. A 4-turn conversation whose first turn is ~1,500 tokens, each turn re-sending the whole
    conversation: time to first token of every turn, radix cache on vs off.
-2. 32 requests sharing a ~600-token system prompt, in 4 waves of 8: throughput on vs off.
+2. 16 requests sharing a ~600-token system prompt, in 2 waves of 8: throughput on vs off.
 3. A ~1,500-token prompt arriving while 8 streams decode: the streams' inter-token times while
    it is prefilled (p99) against their median, chunked prefill on vs off.
 
@@ -94,7 +94,7 @@ def shared_system_prompt(args: argparse.Namespace, cache: bool) -> dict[str, flo
     engine.generate([tokens_of(engine, "Warm up.", 8)], params)
     t0 = time.perf_counter()
     tokens = 0
-    for wave in range(4):
+    for wave in range(2):
         prompts = [system + engine.tokenizer.encode(f" ({wave}.{i}) {q}")
                    for i, q in enumerate(QUESTIONS)]  # fmt: skip
         tokens += sum(len(o["token_ids"]) for o in engine.generate(prompts, params))
@@ -105,7 +105,7 @@ def shared_system_prompt(args: argparse.Namespace, cache: bool) -> dict[str, flo
 def long_prompt_during_decode(args: argparse.Namespace, chunk: int | None) -> dict[str, Any]:
     engine = make_engine(args, chunked_prefill_size=chunk)
     sched = engine.scheduler
-    params = SamplingParams(max_new_tokens=160, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_new_tokens=96, temperature=0.0, ignore_eos=True)
     engine.generate([tokens_of(engine, "Warm up.", 8)], params)
     for i, q in enumerate(QUESTIONS):
         sched.add_request(GenerateReqInput(f"s{i}", engine.tokenizer.encode(q), params))
@@ -114,7 +114,7 @@ def long_prompt_during_decode(args: argparse.Namespace, chunk: int | None) -> di
     steps, arrival, first = 0, None, None
     long_prompt = tokens_of(engine, TEXT, 1500)
     while sched.has_work():
-        if steps == 40:
+        if steps == 24:
             arrival = time.perf_counter()
             sched.add_request(
                 GenerateReqInput("long", long_prompt, SamplingParams(max_new_tokens=4))
@@ -148,7 +148,9 @@ def main() -> int:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     turns = {cache: conversation(args, cache) for cache in (False, True)}
+    print("TTFT per turn (s), cache off / on:", turns, flush=True)
     shared = {cache: shared_system_prompt(args, cache) for cache in (False, True)}
+    print("shared system prompt, cache off / on:", shared, flush=True)
     chunk_on = long_prompt_during_decode(args, args.chunk)
     chunk_off = long_prompt_during_decode(args, 0)
     speedup = statistics.mean(turns[False][1:]) / statistics.mean(turns[True][1:])
