@@ -1,6 +1,6 @@
 """Load test: N concurrent clients drive a real server; every greedy answer is checked offline.
 
-    python bench/load.py [--clients 64] [--duration 60] [--spec] [--url URL]
+    python bench/load.py [--clients 64] [--duration 60] [--spec] [--multi-turn] [--url URL]
 
 Starts `eagleserve serve` on 127.0.0.1 with a small KV pool (unless --url), then runs clients
 for `--duration` seconds: completions and chat, streamed and not, greedy and sampled, short and
@@ -9,6 +9,11 @@ long `ignore_eos` requests together overflow the KV pool (waiting / retraction).
 every completed greedy response is recomputed with the offline `Engine` (same model and flags)
 and must match exactly, and the server's KV pool must be empty. Writes bench/results/load*.json
 and exits non-zero on any lost request, inexact greedy text or KV left in use.
+
+--multi-turn: every client holds chat conversations (one of two system prompts, up to
+--turns turns, each request sending the whole conversation so far), as chat clients do; the
+server's prefix cache then serves most of each prompt. A turn that does not complete ends the
+conversation.
 """
 
 from __future__ import annotations
@@ -75,12 +80,15 @@ class Job:
     disconnect_after: int | None = None  # stream only: hang up after this many chunks
     never_fits: bool = False  # prompt + max_tokens > context: must get a 400
     seed: int | None = None
+    history: list[dict[str, str]] = field(default_factory=list)  # chat: messages before prompt
 
 
 @dataclass
 class Outcome:
     job: Job
-    status: str  # completed | aborted | rejected (expected 400) | error | lost
+    # completed | aborted | rejected (expected 400) | context_full (a conversation outgrew the
+    # context: a 400 that ends it) | error | lost
+    status: str
     text: str = ""
     finish_reason: str | None = None
     completion_tokens: int = 0
@@ -126,10 +134,28 @@ def request_body(job: Job, model: str) -> tuple[str, dict[str, Any]]:
     if job.stream:
         body["stream_options"] = {"include_usage": True}
     if job.kind == "chat":
-        body["messages"] = [{"role": "user", "content": job.prompt}]
+        body["messages"] = messages_of(job)
         return "/v1/chat/completions", body
     body["prompt"] = job.prompt
     return "/v1/completions", body
+
+
+def messages_of(job: Job) -> list[dict[str, str]]:
+    return [*job.history, {"role": "user", "content": job.prompt}]
+
+
+SYSTEM_PROMPTS = [
+    "You are a careful assistant. Answer in plain words and keep answers short.",
+    "You are a poet who answers every question with a few lines of verse.",
+]
+
+
+def next_turn(rng: random.Random, args: argparse.Namespace, ctx: int, history: list) -> Job:
+    """The next chat turn of a conversation (a new one when `history` is empty)."""
+    job = make_job(rng, args, ctx)
+    job.kind = "chat"
+    job.history = history or [{"role": "system", "content": rng.choice(SYSTEM_PROMPTS)}]
+    return job
 
 
 def chunk_text(kind: str, choice: dict[str, Any]) -> str:
@@ -157,6 +183,8 @@ async def run_job(http: httpx.AsyncClient, job: Job, model: str, timeout: float)
 def finish_plain(job: Job, resp: httpx.Response) -> Outcome:
     if resp.status_code == 400 and job.never_fits:
         return Outcome(job, "rejected")
+    if resp.status_code == 400 and len(job.history) > 1 and "context_length" in resp.text:
+        return Outcome(job, "context_full")
     if resp.status_code != 200:
         return Outcome(job, "error", detail=f"HTTP {resp.status_code}: {resp.text[:300]}")
     data = resp.json()
@@ -215,9 +243,15 @@ async def client_loop(
 ) -> list[Outcome]:
     rng = random.Random(args.seed * 100_003 + cid)
     outcomes = []
+    history: list[dict[str, str]] = []
     while time.monotonic() < deadline:
-        job = make_job(rng, args, ctx)
-        outcomes.append(await run_job(http, job, args.model_name, args.request_timeout))
+        job = next_turn(rng, args, ctx, history) if args.multi_turn else make_job(rng, args, ctx)
+        out = await run_job(http, job, args.model_name, args.request_timeout)
+        outcomes.append(out)
+        history = []
+        turns = sum(m["role"] == "user" for m in job.history) + 1
+        if args.multi_turn and out.status == "completed" and turns < args.turns:
+            history = [*messages_of(job), {"role": "assistant", "content": out.text}]
     return outcomes
 
 
@@ -265,13 +299,12 @@ def verify_greedy(args: argparse.Namespace, outcomes: list[Outcome]) -> list[dic
     tok = engine.tokenizer
     keys: dict[tuple[str, str, int, bool], list[Outcome]] = {}
     for o in todo:
-        keys.setdefault((o.job.kind, o.job.prompt, o.job.max_tokens, o.job.ignore_eos), []).append(
-            o
-        )
+        text = json.dumps(messages_of(o.job)) if o.job.kind == "chat" else o.job.prompt
+        keys.setdefault((o.job.kind, text, o.job.max_tokens, o.job.ignore_eos), []).append(o)
     prompts, params = [], []
     for kind, prompt, max_tokens, ignore_eos in keys:
         if kind == "chat":
-            msgs = [{"role": "user", "content": prompt}]
+            msgs = json.loads(prompt)
             prompt = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
         prompts.append(tok.encode(prompt, add_special_tokens=False))
         params.append(
@@ -318,7 +351,7 @@ def ms(x: float | None) -> float | None:
 def summarize(outcomes: list[Outcome], elapsed: float) -> dict[str, Any]:
     by = {
         s: [o for o in outcomes if o.status == s]
-        for s in ("completed", "aborted", "rejected", "error", "lost")
+        for s in ("completed", "aborted", "rejected", "context_full", "error", "lost")
     }
     done = by["completed"]
     tokens = sum(o.completion_tokens for o in done)
@@ -329,6 +362,7 @@ def summarize(outcomes: list[Outcome], elapsed: float) -> dict[str, Any]:
         "completed_greedy": sum(o.job.greedy for o in done),
         "aborted_by_client": len(by["aborted"]),
         "rejected_400_expected": len(by["rejected"]),
+        "conversations_at_context_limit": len(by["context_full"]),
         "errors": len(by["error"]),
         "lost": len(by["lost"]),
         "completion_tokens": tokens,
@@ -353,6 +387,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--clients", type=int, default=64)
     p.add_argument("--duration", type=float, default=60.0, help="seconds of load")
     p.add_argument("--spec", action="store_true", help="speculative decoding on (EAGLE)")
+    p.add_argument("--multi-turn", action="store_true", help="chat conversations (see above)")
+    p.add_argument("--turns", type=int, default=4, help="--multi-turn: turns per conversation")
     p.add_argument("--draft", default=DEFAULT_DRAFT, help="EAGLE head for --spec")
     p.add_argument("--algorithm", default="EAGLE3", help="the head's kind: EAGLE or EAGLE3")
     p.add_argument("--model", default="default")
@@ -395,6 +431,7 @@ def main(argv: list[str] | None = None) -> int:
         kv_used_tokens_end=kv_used,
         kv_total_tokens=final.get("eagleserve_kv_total_tokens"),
         retracted_total=final.get("eagleserve_num_retracted_total"),
+        prefix_cache_hit_rate=final.get("eagleserve_prefix_cache_hit_rate"),
         server_exit_code=rc,
         max_context_len=ctx,
         elapsed_s=round(elapsed, 2),
@@ -410,7 +447,8 @@ def main(argv: list[str] | None = None) -> int:
         "machine": machine_info(),
         "summary": summary,
     }
-    name = args.out or os.path.join("bench", "results", f"load{'_spec' if args.spec else ''}.json")
+    tag = ("_spec" if args.spec else "") + ("_multi_turn" if args.multi_turn else "")
+    name = args.out or os.path.join("bench", "results", f"load{tag}.json")
     os.makedirs(os.path.dirname(os.path.abspath(name)), exist_ok=True)
     with open(name, "w") as f:
         json.dump(payload, f, indent=2, default=lambda o: asdict(o))
@@ -429,6 +467,7 @@ def main(argv: list[str] | None = None) -> int:
         "itl_ms",
         "chunk_gap_ms",
         "retracted_total",
+        "prefix_cache_hit_rate",
         "kv_used_tokens_end",
         "ok",
     ]

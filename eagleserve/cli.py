@@ -47,6 +47,9 @@ FIELD_HELP: dict[str, str] = {
     "disable_overlap_schedule": (
         "run scheduling and the forward pass one after the other (default: on a CPU only)"
     ),
+    "disable_radix_cache": "do not reuse the KV of cached prompt prefixes (radix tree)",
+    "chunked_prefill_size": "most tokens one prefill computes: longer prompts are prefilled "
+    "in chunks between decode steps (default: 256 on a CPU, 8192 on a GPU; 0 or -1: off)",
     "attention_backend": "auto | torch | triton",
     "disable_cuda_graph": "do not capture CUDA graphs for decode",
     "cuda_graph_max_bs": "largest batch size captured in a CUDA graph",
@@ -108,7 +111,8 @@ FIELD_GROUPS: dict[str, tuple[str, ...]] = {
     "model": ("model", "dtype", "load_format", "quantization", "max_context_len",
               "served_model_name"),
     "server": ("host", "port", "api_key", "max_request_body_bytes", "log_level"),
-    "scheduler": ("max_running_requests", "kv_cache_tokens", "seed", "disable_overlap_schedule"),
+    "scheduler": ("max_running_requests", "kv_cache_tokens", "seed", "disable_overlap_schedule",
+                  "disable_radix_cache", "chunked_prefill_size"),
     "speculative decoding": ("speculative_algorithm", "speculative_draft_model_path",
                              "speculative_num_steps", "speculative_eagle_topk",
                              "speculative_num_draft_tokens", "speculative_adaptive",

@@ -124,6 +124,10 @@ class SpecConfig:
         return max(self.num_steps * self.eagle_topk, self.num_draft_tokens)
 
 
+CPU_PREFILL_CHUNK = 256
+GPU_PREFILL_CHUNK = 8192
+
+
 @dataclass(frozen=True)
 class ServerArgs:
     """Every CLI flag of `eagleserve serve` maps onto one field here."""
@@ -153,6 +157,10 @@ class ServerArgs:
     speculative_adaptive_probe_interval: int = 64
     # None: decided by the device (see overlap_schedule); True/False force it off/on.
     disable_overlap_schedule: bool | None = None
+    disable_radix_cache: bool = False
+    # Most tokens one prefill computes; a longer prompt is prefilled in chunks between decode
+    # steps. None: by device (prefill_chunk_size); 0 or less: no chunking.
+    chunked_prefill_size: int | None = None
     attention_backend: str = "auto"  # auto | torch | triton
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int = 32
@@ -181,6 +189,16 @@ class ServerArgs:
         if self.disable_overlap_schedule is None:
             return device_type != "cpu"
         return not self.disable_overlap_schedule
+
+    def prefill_chunk_size(self, device_type: str) -> int | None:
+        """Chunk size of chunked prefill, None when off. On a CPU a chunk costs about as much as
+        a decode step of a full batch, so streams decoding next to a long prefill wait at most
+        about twice their usual inter-token time (bench/prefix_cpu.py); on a GPU, SGLang's
+        default."""
+        size = self.chunked_prefill_size
+        if size is None:
+            size = CPU_PREFILL_CHUNK if device_type == "cpu" else GPU_PREFILL_CHUNK
+        return size if size > 0 else None
 
     @classmethod
     def field_names(cls) -> list[str]:

@@ -147,6 +147,8 @@ class Req:
     # Tokens already handed to the output stream (streaming sends the rest).
     num_sent_tokens: int = 0
     retract_count: int = 0
+    # Prompt tokens whose KV came from the prefix cache at admission (usage.cached_tokens).
+    cached_tokens: int = 0
 
     @property
     def fill_ids(self) -> list[int]:
@@ -183,6 +185,10 @@ class ScheduleBatch:
     # Extend only: tokens already cached and tokens computed now, per request (host lists).
     prefix_lens: list[int] | None = None
     extend_lens: list[int] | None = None
+    # Extend only, [bs] int64: the prompt token after this forward's last one for a request
+    # whose prefill goes on in a later chunk (the EAGLE head pairs it with the last feature),
+    # -1 for one whose prefill ends here. None when every prefill ends here.
+    next_prompt_ids: torch.Tensor | None = None
     # Host mirror of seq_lens. Only refresh_seq_lens_cpu recomputes these two.
     seq_lens_cpu: torch.Tensor | None = None
     seq_lens_sum: int | None = None
@@ -213,34 +219,47 @@ class ScheduleBatch:
             self.seq_lens_cpu = self.seq_lens.to("cpu")
         self.seq_lens_sum = int(self.seq_lens_cpu.sum())
 
-    def prepare_for_extend(self, req_to_token_pool: ReqToTokenPool, kv_pool: TokenToKVPool) -> None:
-        """Gives every request a request slot and KV slots for all its tokens (no prefix cache).
+    def prepare_for_extend(
+        self, req_to_token_pool: ReqToTokenPool, kv_pool: TokenToKVPool, extend_lens: list[int]
+    ) -> None:
+        """Request i computes extend_lens[i] tokens after its first kv_committed_len ones (a
+        cached prefix, earlier chunks), reading those through req_to_token.
 
-        The caller checked that enough slots are free.
+        Every request already has a request slot. A request whose positions lack KV slots gets
+        them all now, also those of later chunks. The caller checked that enough are free.
         """
         assert self.mode == "extend"
         fills = [r.fill_ids for r in self.reqs]
-        self.extend_lens = [len(f) for f in fills]
-        self.prefix_lens = [0] * len(fills)
-        loc = kv_pool.alloc(sum(self.extend_lens))
+        starts = [r.kv_committed_len for r in self.reqs]
+        r2t = req_to_token_pool.req_to_token
+        missing = [len(f) - r.kv_allocated_len for f, r in zip(fills, self.reqs)]
+        loc = kv_pool.alloc(sum(missing))
         assert loc is not None, "prepare_for_extend: KV pool exhausted (caller must check)"
-        start = 0
-        for req, n in zip(self.reqs, self.extend_lens):
-            if req.req_pool_idx is None:
-                req.req_pool_idx = req_to_token_pool.alloc()
-                assert req.req_pool_idx is not None
-            req_to_token_pool.req_to_token[req.req_pool_idx, :n] = loc[start : start + n]
-            req.kv_allocated_len = n
-            req.kv_committed_len = n
+        at = 0
+        for req, fill, n in zip(self.reqs, fills, missing):
+            assert req.req_pool_idx is not None and n >= 0
+            if n:
+                r2t[req.req_pool_idx, req.kv_allocated_len : len(fill)] = loc[at : at + n]
+                req.kv_allocated_len = len(fill)
+                at += n
+        ends = [s + n for s, n in zip(starts, extend_lens)]
+        self.out_cache_loc = torch.cat(
+            [r2t[r.req_pool_idx, s:e] for r, s, e in zip(self.reqs, starts, ends)]
+        )
+        for req, end in zip(self.reqs, ends):
+            req.kv_committed_len = end
             req.draft_lag = 0  # a prefill runs the head over every token
-            start += n
+        self.prefix_lens, self.extend_lens = starts, list(extend_lens)
         dev = self.device
-        self.input_ids = torch.tensor([t for f in fills for t in f], dtype=torch.long, device=dev)
-        self.out_cache_loc = loc
+        ids = [t for f, s, e in zip(fills, starts, ends) for t in f[s:e]]
+        self.input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
+        if any(e < len(f) for f, e in zip(fills, ends)):
+            nxt = [f[e] if e < len(f) else -1 for f, e in zip(fills, ends)]
+            self.next_prompt_ids = torch.tensor(nxt, dtype=torch.long, device=dev)
         self.req_pool_indices = torch.tensor(
             [r.req_pool_idx for r in self.reqs], dtype=torch.long, device=dev
         )
-        self.seq_lens_cpu = torch.tensor(self.extend_lens, dtype=torch.long)
+        self.seq_lens_cpu = torch.tensor(ends, dtype=torch.long)
         self.seq_lens = self.seq_lens_cpu.to(dev)
         self.refresh_seq_lens_cpu(sync=False)
 
@@ -265,6 +284,7 @@ class ScheduleBatch:
         """A prefilled batch becomes a decode batch: its next inputs are already set."""
         self.mode = "decode"
         self.prefix_lens = self.extend_lens = None
+        self.next_prompt_ids = None
 
     def filter_batch(self, keep: list[int]) -> None:
         """Keeps the requests at positions `keep` (a running batch between decode steps)."""

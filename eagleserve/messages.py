@@ -47,6 +47,7 @@ class TokenOutput:
     matched_stop: int | str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     # Per new token, when logprobs were asked for: its logprob and the top alternatives.
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
@@ -65,8 +66,13 @@ class BatchTokenOutput:
 class EngineStats:
     num_running: int = 0
     num_waiting: int = 0
-    kv_used_tokens: int = 0
+    kv_used_tokens: int = 0  # held by requests (not free, not an unlocked cached prefix)
     kv_total_tokens: int = 0
+    kv_cached_tokens: int = 0  # held by the prefix cache (radix tree)
+    # Prompt tokens admitted, those of them found in the prefix cache, and slots evicted.
+    prefix_cache_queried_tokens_total: int = 0
+    prefix_cache_hit_tokens_total: int = 0
+    prefix_cache_evicted_tokens_total: int = 0
     num_retracted_total: int = 0
     spec_verify_calls_total: int = 0
     spec_accepted_tokens_total: int = 0

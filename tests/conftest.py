@@ -2,8 +2,9 @@
 pool check every engine test runs after it finishes.
 
 Engines and schedulers made through `make_engine` / `make_scheduler` (or passed to `track`) are
-checked after *every* test that used them: no KV slot and no request slot may still be held, and
-nothing may be left waiting, running or in flight.
+checked after *every* test that used them: every KV slot is free or in the prefix cache (and no
+cached prefix is locked), no request slot is held, and nothing is left waiting, running, part-way
+through its prefill or in flight.
 """
 
 from __future__ import annotations
@@ -35,24 +36,42 @@ def _scheduler_of(obj: Engine | Scheduler) -> Scheduler:
     return obj.scheduler if isinstance(obj, Engine) else obj
 
 
+def assert_kv_accounted(sched: Scheduler) -> None:
+    """Every KV slot is either in the free list or in the radix cache (once, unlocked), and
+    every request slot is free."""
+    pool = sched.kv_pool
+    free = pool._free[: pool.available_size()].tolist()
+    cached: list[int] = []
+    tree = sched.prefix_cache.tree
+    stack = list(tree.root.children.values()) if tree is not None else []
+    while stack:
+        node = stack.pop()
+        assert node.lock_ref == 0, f"a cached prefix is still locked ({node.lock_ref})"
+        cached += node.value.tolist()
+        stack.extend(node.children.values())
+    held = pool.size - len(free) - len(cached)
+    assert held == 0, f"{held} KV slots still held"
+    assert sorted(free + cached) == list(range(1, pool.size + 1)), "a KV slot is lost or doubled"
+    assert sched.prefix_cache.evictable_size == len(cached)
+    free_reqs = sched.req_to_token_pool.available_size()
+    assert free_reqs == sched.req_to_token_pool.size, (
+        f"{sched.req_to_token_pool.size - free_reqs} request slots still held"
+    )
+
+
 def assert_pools_free(obj: Engine | Scheduler) -> None:
-    """Every KV slot and request slot is back in its pool and the scheduler is idle."""
+    """Every KV slot is free or cached, every request slot free, and the scheduler idle."""
     sched = _scheduler_of(obj)
     if isinstance(obj, Engine):
         stats = obj.stats()
         assert stats.kv_used_tokens == 0, f"{stats.kv_used_tokens} KV slots still held"
         assert stats.num_running == 0 and stats.num_waiting == 0, stats
-    assert sched.kv_pool.available_size() == sched.kv_pool.size, (
-        f"{sched.kv_pool.size - sched.kv_pool.available_size()} KV slots still held"
-    )
-    free_reqs = sched.req_to_token_pool.available_size()
-    assert free_reqs == sched.args.max_running_requests, (
-        f"{sched.args.max_running_requests - free_reqs} request slots still held"
-    )
+    assert_kv_accounted(sched)
     assert not sched.waiting, [r.rid for r in sched.waiting]
     assert sched.running_batch is None, [r.rid for r in sched.running_batch.reqs]
+    assert sched.chunked_req is None, sched.chunked_req.rid
     assert sched.inflight is None, "a forward is still in flight"
-    assert not sched.deferred_release, [r.rid for r in sched.deferred_release]
+    assert not sched.deferred_release, [r.rid for r, _ in sched.deferred_release]
     assert not sched.pending_outputs, sched.pending_outputs
 
 

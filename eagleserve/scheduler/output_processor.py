@@ -73,6 +73,7 @@ def make_output(req: Req) -> TokenOutput:
         matched_stop=req.matched_stop,
         prompt_tokens=len(req.origin_input_ids),
         completion_tokens=len(req.output_ids),
+        cached_tokens=req.cached_tokens,
         logprobs=req.output_logprobs[req.num_sent_tokens :] if want_lp else None,
         top_logprobs=req.output_top_logprobs[req.num_sent_tokens :] if want_lp else None,
         spec_accept_length=(

@@ -29,12 +29,15 @@ from eagleserve.scheduler.output_processor import (
     make_output,
 )
 from eagleserve.scheduler.overlap import OverlapForwarder
+from eagleserve.scheduler.prefill_adder import plan_prefill
+from eagleserve.scheduler.prefix_cache import PrefixCache
+from eagleserve.scheduler.spec_stats import SpecStats
 from eagleserve.scheduler.target_worker import TargetWorker
-from eagleserve.spec.adaptive import ACCEPT_PRIOR, update_acceptance
 from eagleserve.spec.eagle_worker import EagleWorker
 
 logger = logging.getLogger(__name__)
 
+# Most tokens one prefill computes when chunking is off (a longer prompt runs alone).
 MAX_PREFILL_TOKENS = 8192
 
 
@@ -62,6 +65,14 @@ class Scheduler:
         )
         self.req_to_token_pool = self.worker.req_to_token_pool
         self.kv_pool = self.worker.token_to_kv_pool
+        self.prefix_cache = PrefixCache(
+            self.req_to_token_pool, self.kv_pool, cfg.vocab_size, not args.disable_radix_cache
+        )
+        self.chunk_size = args.prefill_chunk_size(self.device.type)
+        # The request whose prefill goes on in the next prefill (chunked), and whether a decode
+        # step runs before that chunk (decodes and chunks alternate).
+        self.chunked_req: Req | None = None
+        self.decode_turn = False
         self.stop_checker = StopChecker(self.tokenizer)
         eos = set(cfg.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
@@ -85,17 +96,12 @@ class Scheduler:
                     self.worker.drafter.head.hidden_size,
                     self.worker.runner.dtype,
                 )
-        self.inflight: tuple[list[Req], Future[GenerationBatchResult]] | None = None
-        self.deferred_release: list[Req] = []
+        # The launched batch's requests, its result, and its request whose prefill goes on
+        # (no token of that one is kept).
+        self.inflight: tuple[list[Req], Future[GenerationBatchResult], Req | None] | None = None
+        self.deferred_release: list[tuple[Req, bool]] = []
         self.num_retracted = 0
-        self.stats_verify_calls = 0
-        self.stats_accepted_tokens = 0
-        num_steps = self.spec_config.num_steps if self.spec_config else 0
-        self.stats_accepted_per_position = [0] * num_steps
-        self.stats_proposed_tokens = 0
-        self.stats_iterations_per_num_drafts = [0] * (num_steps + 1 if num_steps else 0)
-        # Engine-wide acceptance by depth: /metrics, and where a new request's own EMA starts.
-        self.stats_acceptance_ema = [ACCEPT_PRIOR] * num_steps
+        self.spec_stats = SpecStats(self.spec_config)
 
     # ---- admission -------------------------------------------------------------------------
     def add_request(self, msg: GenerateReqInput) -> None:
@@ -130,6 +136,13 @@ class Scheduler:
                 req.finish_reason = FinishReason.ABORT
                 self.pending_outputs.append(make_output(req))
                 return
+        req = self.chunked_req
+        if req is not None and req.rid == rid:  # part-way through its prefill
+            self.chunked_req = None
+            req.finish_reason = FinishReason.ABORT
+            self._release(req)
+            self.pending_outputs.append(make_output(req))
+            return
         batch = self.running_batch
         if batch is None:
             return
@@ -149,6 +162,7 @@ class Scheduler:
             or self.pending_outputs
             or self.inflight
             or self.deferred_release
+            or self.chunked_req
         )
 
     def step(self) -> list[TokenOutput]:
@@ -157,17 +171,18 @@ class Scheduler:
         prev, self.inflight = self.inflight, None
         if batch is not None:
             reqs = list(batch.reqs)  # the batch object changes (merge/filter) after launch
+            partial = self.chunked_req if batch.mode == "extend" else None
             try:
-                handle = self.run_batch(batch)
+                handle = self.run_batch(batch, partial)
             except Exception as exc:  # a faulty forward fails its own requests, nothing else
                 self._fail_requests(reqs, exc)
                 handle = None
             if handle is not None and batch.mode == "extend":
-                self._merge_into_running(batch)
+                self._merge_into_running(batch, partial)
             if isinstance(handle, Future):
-                self.inflight = (reqs, handle)
+                self.inflight = (reqs, handle, partial)
             elif handle is not None:
-                self.process_batch_result(reqs, handle)
+                self.process_batch_result(reqs, handle, partial)
         if prev is not None:
             self._process_finished_forward(prev)
         if self.inflight is None:
@@ -176,73 +191,78 @@ class Scheduler:
         return outputs
 
     def _process_finished_forward(
-        self, launched: tuple[list[Req], Future[GenerationBatchResult]]
+        self, launched: tuple[list[Req], Future[GenerationBatchResult], Req | None]
     ) -> None:
-        reqs, fut = launched
+        reqs, fut, partial = launched
         exc = fut.exception()
-        # Requests released while that forward ran may now give their slots back.
-        self._flush_deferred_release()
         if exc is not None:
             self._fail_requests(reqs, exc)
-        else:
-            self.process_batch_result(reqs, fut.result())
+        # Requests released while that forward ran may now give their slots back.
+        self._flush_deferred_release()
+        if exc is None:
+            self.process_batch_result(reqs, fut.result(), partial)
 
     def _finish_inflight(self) -> None:
         launched, self.inflight = self.inflight, None
         self._process_finished_forward(launched)
 
     def get_next_batch_to_run(self) -> ScheduleBatch | None:
-        batch = self.get_new_batch_prefill()
-        if batch is not None:
-            return batch
+        # Between two chunks of a long prefill the running requests decode once.
+        if not (self.decode_turn and self.running_batch is not None):
+            batch = self.get_new_batch_prefill()
+            if batch is not None:
+                self.decode_turn = self.chunked_req is not None
+                return batch
+        self.decode_turn = False
         if self.running_batch is None:
             return None
         self.update_running_batch()
         return self.running_batch
 
     def get_new_batch_prefill(self) -> ScheduleBatch | None:
-        running = self.running_batch.batch_size if self.running_batch else 0
-        # Keep room for one step of every running request so admission never forces a retract.
-        free = self.kv_pool.available_size() - running * self.worker.decode_slots_per_req
-        picked: list[Req] = []
-        tokens = 0
-        while self.waiting and running + len(picked) < self.args.max_running_requests:
-            req = self.waiting[0]
-            need = req.seq_len + self.worker.decode_slots_per_req
-            if need > free or (picked and tokens + req.seq_len > MAX_PREFILL_TOKENS):
-                break
-            if self.req_to_token_pool.available_size() <= len(picked):
-                break
-            picked.append(self.waiting.popleft())
-            free -= need
-            tokens += req.seq_len
-        if not picked:
+        plan = plan_prefill(
+            self.waiting,
+            self.chunked_req,
+            self.running_batch.batch_size if self.running_batch else 0,
+            self.args.max_running_requests,
+            self.chunk_size or MAX_PREFILL_TOKENS,
+            self.chunk_size is not None,
+            self.worker.decode_slots_per_req,
+            self.prefix_cache,
+        )
+        if plan is None:
             return None
-        batch = ScheduleBatch(reqs=picked, mode="extend", device=self.device)
-        batch.prepare_for_extend(self.req_to_token_pool, self.kv_pool)
+        self.chunked_req = plan.chunked_req
+        batch = ScheduleBatch(reqs=plan.reqs, mode="extend", device=self.device)
+        batch.prepare_for_extend(self.req_to_token_pool, self.kv_pool, plan.extend_lens)
         return batch
 
     def update_running_batch(self) -> None:
         batch = self.running_batch
         assert batch is not None
         per_req = self.worker.decode_slots_per_req
-        if self.kv_pool.available_size() < batch.batch_size * per_req and self.inflight:
+        # Cached prefixes go first (make_room evicts them), then requests are retracted.
+        if not self.prefix_cache.make_room(batch.batch_size * per_req) and self.inflight:
             # Retraction needs exact host state: let the in-flight batch land first.
             self._finish_inflight()
             batch = self.running_batch
             if batch is None:
                 return
-        while self.kv_pool.available_size() < batch.batch_size * per_req and batch.batch_size > 1:
+        while not self.prefix_cache.make_room(batch.batch_size * per_req) and batch.batch_size > 1:
             req = batch.reqs[-1]
             logger.info("KV pool full: retracting request %s", req.rid)
-            self._release(req)
+            self._release(req, cache=False)
             req.retract_count += 1
             self.num_retracted += 1
             batch.filter_batch(list(range(batch.batch_size - 1)))
             self.waiting.appendleft(req)
         self.worker.prepare_for_decode(batch)
 
-    def run_batch(self, batch: ScheduleBatch) -> GenerationBatchResult | Future:
+    def run_batch(
+        self, batch: ScheduleBatch, partial: Req | None = None
+    ) -> GenerationBatchResult | Future:
+        """Launches `batch`; `partial` is its request whose prefill goes on (its token is
+        thrown away, so it samples greedily: a seeded request's generator does not advance)."""
         # The one refresh point of seq_lens_cpu/seq_lens_sum before a forward. With overlap and
         # EAGLE the new lengths come from the previous verify's publish.
         if self.future_map is not None:
@@ -250,15 +270,23 @@ class Scheduler:
         if batch.seq_lens_sum is None:
             batch.refresh_seq_lens_cpu(sync=False)
         if batch.mode == "decode" and isinstance(self.worker, EagleWorker):
-            self.worker.plan_decode(batch, self.stats_acceptance_ema)
+            self.worker.plan_decode(batch, self.spec_stats.acceptance_ema)
         # Built here, on the host batch, so the overlap forward's snapshot shares the cache.
-        SamplingInfo.of_batch(batch, self.model_config.vocab_size)
+        info = SamplingInfo.of_batch(batch, self.model_config.vocab_size)
+        if partial is not None:
+            row = batch.reqs.index(partial)
+            info.is_greedy[row], info.generators[row] = True, None
         if self.forwarder is not None:
             return self.forwarder.launch(batch)
         return self.worker.forward_batch_generation(batch)
 
-    def _merge_into_running(self, batch: ScheduleBatch) -> None:
-        """A prefilled batch joins the running batch; its next inputs are already set."""
+    def _merge_into_running(self, batch: ScheduleBatch, partial: Req | None) -> None:
+        """A prefilled batch joins the running batch; its next inputs are already set. A
+        request whose prefill goes on stays out."""
+        if partial is not None:
+            batch.filter_batch([i for i, r in enumerate(batch.reqs) if r is not partial])
+            if batch.batch_size == 0:
+                return
         batch.extend_to_decode()
         if self.running_batch is None:
             self.running_batch = batch
@@ -276,7 +304,9 @@ class Scheduler:
             self.running_batch = None
 
     # ---- results ---------------------------------------------------------------------------
-    def process_batch_result(self, reqs: list[Req], result: GenerationBatchResult) -> None:
+    def process_batch_result(
+        self, reqs: list[Req], result: GenerationBatchResult, partial: Req | None = None
+    ) -> None:
         outputs = self.pending_outputs
         next_ids = result.next_token_ids.tolist()
         accept = result.accept_lens.tolist() if result.accept_lens is not None else None
@@ -284,7 +314,8 @@ class Scheduler:
         tvals = result.top_logprob_vals.tolist() if result.top_logprob_vals is not None else None
         tids = result.top_logprob_ids.tolist() if result.top_logprob_ids is not None else None
         for i, req in enumerate(reqs):
-            if req.finished:  # finished or aborted while this batch ran: drop its tokens
+            # Finished or aborted while this batch ran, or part-way through its prefill.
+            if req.finished or req is partial:
                 continue
             if accept is None:
                 toks, n = [next_ids[i]], 1
@@ -295,7 +326,7 @@ class Scheduler:
                 toks = next_ids[i][:n]
                 lp = lps[i][:n] if lps is not None else None
                 top = [list(zip(tids[i][j], tvals[i][j])) for j in range(n)] if tids else None
-                self._count_verify(req, result.num_drafts, n)
+                self.spec_stats.count_verify(req, result.num_drafts, n)
             want_lp = req.sampling_params.logprobs is not None
             append_tokens(req, toks, self.stop_checker, lp if want_lp else None, top)
             # The newest token is the next step's input: its KV is not written yet.
@@ -305,32 +336,14 @@ class Scheduler:
                 self._release(req)
         self._drop_finished_from_running()
 
-    def _count_verify(self, req: Req, num_drafts: int | None, accepted: int) -> None:
-        """Speculative statistics of one request's iteration; a k = 0 iteration (adaptive) is
-        a plain decode and no verify."""
-        k = len(self.stats_accepted_per_position) if num_drafts is None else num_drafts
-        if self.stats_iterations_per_num_drafts:
-            self.stats_iterations_per_num_drafts[k] += 1
-        if k == 0:
-            return
-        if req.spec_alphas:
-            update_acceptance(req.spec_alphas, k, accepted - 1)
-        update_acceptance(self.stats_acceptance_ema, k, accepted - 1)
-        req.spec_verify_ct += 1
-        req.spec_accepted_tokens += accepted
-        self.stats_verify_calls += 1
-        self.stats_accepted_tokens += accepted
-        spec = self.spec_config
-        assert spec is not None
-        self.stats_proposed_tokens += k if spec.is_chain else spec.num_draft_tokens - 1
-        for d in range(min(accepted - 1, len(self.stats_accepted_per_position))):
-            self.stats_accepted_per_position[d] += 1
-
     def _fail_requests(self, reqs: list[Req], exc: BaseException) -> None:
         logger.error("forward failed for requests %s: %r", [r.rid for r in reqs], exc, exc_info=exc)
         for req in reqs:
+            req.kv_committed_len = 0  # what the forward wrote is not to be cached
             if req.finished:
                 continue
+            if req is self.chunked_req:
+                self.chunked_req = None
             req.finish_reason = FinishReason.ERROR
             out = make_output(req)
             out.error, out.error_code = f"internal error in the engine: {exc!r}", 500
@@ -338,8 +351,9 @@ class Scheduler:
             self._release(req)
         self._drop_finished_from_running()
 
-    def _release(self, req: Req) -> None:
-        """Frees every KV slot and the request slot of `req`.
+    def _release(self, req: Req, cache: bool = True) -> None:
+        """Frees every KV slot and the request slot of `req`; with `cache`, its cacheable
+        prefix goes into the radix cache first (a retracted request's does not).
 
         With a forward in flight that may still read or write this request's slots, the
         release waits until that forward has finished.
@@ -347,36 +361,32 @@ class Scheduler:
         if req.req_pool_idx is None:
             return
         if self.inflight is not None:
-            self.deferred_release.append(req)
+            self.deferred_release.append((req, cache))
             return
-        self._free_slots(req)
+        self.prefix_cache.release(req, cache)
 
     def _flush_deferred_release(self) -> None:
-        for req in self.deferred_release:
-            self._free_slots(req)
+        for req, cache in self.deferred_release:
+            if req.req_pool_idx is not None:
+                self.prefix_cache.release(req, cache)
         self.deferred_release = []
 
-    def _free_slots(self, req: Req) -> None:
-        if req.req_pool_idx is None:
-            return
-        slots = self.req_to_token_pool.req_to_token[req.req_pool_idx, : req.kv_allocated_len]
-        self.kv_pool.free(slots)
-        self.req_to_token_pool.free(req.req_pool_idx)
-        req.req_pool_idx = None
-        req.kv_allocated_len = 0
-        req.kv_committed_len = 0
-
     def stats(self) -> EngineStats:
+        spec = self.spec_stats
         return EngineStats(
             num_running=self.running_batch.batch_size if self.running_batch else 0,
             num_waiting=len(self.waiting),
-            kv_used_tokens=self.kv_pool.size - self.kv_pool.available_size(),
+            kv_used_tokens=self.kv_pool.size - self.prefix_cache.available_size(),
             kv_total_tokens=self.kv_pool.size,
+            kv_cached_tokens=self.prefix_cache.cached_size,
+            prefix_cache_hit_tokens_total=self.prefix_cache.hit_tokens,
+            prefix_cache_queried_tokens_total=self.prefix_cache.queried_tokens,
+            prefix_cache_evicted_tokens_total=self.prefix_cache.evicted_tokens,
             num_retracted_total=self.num_retracted,
-            spec_verify_calls_total=self.stats_verify_calls,
-            spec_accepted_tokens_total=self.stats_accepted_tokens,
-            spec_accepted_per_position=list(self.stats_accepted_per_position),
-            spec_proposed_tokens_total=self.stats_proposed_tokens,
-            spec_iterations_per_num_drafts=list(self.stats_iterations_per_num_drafts),
-            spec_acceptance_ema=list(self.stats_acceptance_ema),
+            spec_verify_calls_total=spec.verify_calls,
+            spec_accepted_tokens_total=spec.accepted_tokens,
+            spec_accepted_per_position=list(spec.accepted_per_position),
+            spec_proposed_tokens_total=spec.proposed_tokens,
+            spec_iterations_per_num_drafts=list(spec.iterations_per_num_drafts),
+            spec_acceptance_ema=list(spec.acceptance_ema),
         )

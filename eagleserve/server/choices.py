@@ -10,6 +10,7 @@ from eagleserve.server.protocol import (
     ChatLogprobs,
     ChatTokenLogprob,
     CompletionLogprobs,
+    PromptTokensDetails,
     TopLogprob,
     UsageInfo,
 )
@@ -28,6 +29,7 @@ class ChoiceState:
         self.text = ""
         self.finish_reason: str | None = None
         self.prompt_tokens = 0
+        self.cached_tokens = 0
         self.completion_tokens = 0
         self.spec_accept_length: float | None = None
         # Logprobs: (token string, logprob, top alternatives as (string, logprob)).
@@ -45,6 +47,7 @@ class ChoiceState:
                 alts = [(s, v) for s, (_, v) in zip(alt_names, top, strict=True)]
                 self.lp.append((name, value, alts))
         self.prompt_tokens = out.prompt_tokens or self.prompt_tokens
+        self.cached_tokens = out.cached_tokens or self.cached_tokens
         self.completion_tokens = out.completion_tokens or self.completion_tokens
         if out.spec_accept_length is not None:
             self.spec_accept_length = out.spec_accept_length
@@ -93,8 +96,10 @@ class ChoiceState:
 def usage_of(choices: list[ChoiceState]) -> UsageInfo:
     """Prompt tokens once per prompt (n choices share it); completion tokens of every choice."""
     prompts: dict[int, int] = {}
+    cached: dict[int, int] = {}
     for c in choices:
         prompts[c.prompt_index] = max(prompts.get(c.prompt_index, 0), c.prompt_tokens)
+        cached[c.prompt_index] = max(cached.get(c.prompt_index, 0), c.cached_tokens)
     prompt = sum(prompts.values())
     completion = sum(c.completion_tokens for c in choices)
     spec = [c.spec_accept_length for c in choices if c.spec_accept_length is not None]
@@ -102,5 +107,6 @@ def usage_of(choices: list[ChoiceState]) -> UsageInfo:
         prompt_tokens=prompt,
         completion_tokens=completion,
         total_tokens=prompt + completion,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(cached.values())),
         spec_accept_length=sum(spec) / len(spec) if spec else None,
     )

@@ -78,6 +78,19 @@ class Metrics:
         self.num_retracted = one(
             Counter, "num_retracted", "Requests retracted (KV pool full) to be re-prefilled"
         )
+        self.kv_cached = one(Gauge, "kv_cached_tokens", "KV cache slots held by cached prefixes")
+        self.cache_queried = one(
+            Counter, "prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix cache"
+        )
+        self.cache_hits = one(
+            Counter, "prefix_cache_hit_tokens", "Prompt tokens whose KV came from the cache"
+        )
+        self.cache_hit_rate = one(
+            Gauge, "prefix_cache_hit_rate", "Cached / looked-up prompt tokens since start-up"
+        )
+        self.cache_evicted = one(
+            Counter, "prefix_cache_evicted_tokens", "Cached KV slots evicted for new requests"
+        )
         self.ttft = one(
             Histogram, "time_to_first_token_seconds", "Time to first token", buckets=LATENCY_BUCKETS
         )
@@ -143,8 +156,18 @@ class Metrics:
         self.kv_used.set(s.kv_used_tokens)
         self.kv_total.set(s.kv_total_tokens)
         self.kv_usage.set(s.kv_used_tokens / s.kv_total_tokens if s.kv_total_tokens else 0.0)
+        self.kv_cached.set(s.kv_cached_tokens)
         last = self._last
         self.num_retracted.inc(max(0, s.num_retracted_total - last.num_retracted_total))
+        queried = s.prefix_cache_queried_tokens_total
+        self.cache_queried.inc(max(0, queried - last.prefix_cache_queried_tokens_total))
+        self.cache_hits.inc(
+            max(0, s.prefix_cache_hit_tokens_total - last.prefix_cache_hit_tokens_total)
+        )
+        self.cache_hit_rate.set(s.prefix_cache_hit_tokens_total / queried if queried else 0.0)
+        self.cache_evicted.inc(
+            max(0, s.prefix_cache_evicted_tokens_total - last.prefix_cache_evicted_tokens_total)
+        )
         self.spec_verify_calls.inc(max(0, s.spec_verify_calls_total - last.spec_verify_calls_total))
         self.spec_accepted_tokens.inc(
             max(0, s.spec_accepted_tokens_total - last.spec_accepted_tokens_total)

@@ -117,10 +117,15 @@ def now() -> int:
     return int(time.time())
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
     spec_accept_length: float | None = None  # mean accepted tokens per verify step
 
     @model_serializer(mode="wrap")

@@ -118,11 +118,14 @@ class EagleWorker:
         fb = ForwardBatch.init_new(batch, self.token_to_kv_pool, self.runner.attn_backend)
         out = self.runner.forward(fb)
         result = sample_with_logprobs(out.logits, batch.reqs, self._sampling_info(batch))
-        # Head pairs token t[j+1] with feature f[j]: shift ids left, append the sampled token.
+        # Head pairs token t[j+1] with feature f[j]: shift ids left, append the sampled token
+        # (the next prompt token where the prefill goes on in a later chunk).
         last = fb.logits_indices
         assert last is not None
         shifted = torch.roll(batch.input_ids, -1)
-        shifted[last] = result.next_token_ids
+        nxt = batch.next_prompt_ids
+        sampled = result.next_token_ids
+        shifted[last] = sampled if nxt is None else torch.where(nxt >= 0, nxt, sampled)
         batch.input_ids = result.next_token_ids
         if on_verified is not None:
             on_verified(batch)

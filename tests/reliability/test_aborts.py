@@ -16,6 +16,7 @@ from typing import Any
 
 import httpx
 import pytest
+from conftest import assert_kv_accounted
 from rel_fixtures import (  # noqa: F401 (fixtures)
     SPEC_FLAGS,
     Server,
@@ -102,8 +103,7 @@ def test_abort_frees_slots(
     sched.add_request(GenerateReqInput("new", NEWCOMER, PARAMS))
     drain(sched, toks, reasons)
     assert reasons["victim"] == "abort"
-    assert sched.kv_pool.available_size() == sched.kv_pool.size
-    assert sched.req_to_token_pool.available_size() == sched.req_to_token_pool.size
+    assert_kv_accounted(sched)
     for rid in [*PROMPTS, "new"]:
         assert toks[rid] == want[rid], rid  # exact, including the slot reuser "new"
         assert reasons[rid] == "length"

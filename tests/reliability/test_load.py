@@ -46,6 +46,30 @@ def test_load_bench_with_spec(tiny_dirs: tuple[str, str], tmp_path: os.PathLike)
     assert s["server_exit_code"] == 0, detail
 
 
+def test_load_bench_multi_turn(tiny_dirs: tuple[str, str], tmp_path: os.PathLike) -> None:
+    """Chat conversations re-sending their history: the prefix cache serves most prompt tokens,
+    and every greedy answer is still exact."""
+    target, head = tiny_dirs
+    out = os.path.join(tmp_path, "load_multi_turn.json")
+    cmd = [sys.executable, os.path.join(REPO, "bench", "load.py"), "--model", target,
+           "--dtype", "float32", "--spec", "--algorithm", "EAGLE", "--draft", head,
+           "--multi-turn", "--turns", "3", "--clients", "8", "--duration", "15",
+           "--kv-cache-tokens", str(SMALL_KV), "--max-running-requests", "16", "--max-tokens",
+           "16", "--long-max-tokens", "32", "--long-share", "0.1", "--long-repeats", "1,1",
+           "--disconnect-share", "0.05", "--out", out]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+    assert os.path.exists(out), proc.stdout[-3000:] + proc.stderr[-3000:]
+    with open(out) as f:
+        s = json.load(f)["summary"]
+    detail = json.dumps(s, indent=1)[:4000]
+    assert proc.returncode == 0 and s["ok"], detail
+    assert s["lost"] == 0 and s["errors"] == 0, detail
+    assert s["completed_greedy"] > 10 and s["greedy_exact"] == s["completed_greedy"], detail
+    assert s["prefix_cache_hit_rate"] > 0.15, detail  # 0 without the cache
+    assert s["kv_used_tokens_end"] == 0, detail
+
+
 def test_never_fits_is_400(spec_server: Server) -> None:
     url = spec_server.url
     ctx = httpx.get(url + "/v1/models").json()["data"][0]["max_model_len"]

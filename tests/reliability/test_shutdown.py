@@ -9,6 +9,7 @@ import time
 from typing import Any
 
 import httpx
+from conftest import assert_kv_accounted
 from rel_fixtures import (  # noqa: F401 (fixtures)
     FAULT_TOKEN,
     Server,
@@ -174,5 +175,4 @@ def test_spec_overlap_fault_does_not_hang(tiny_dirs: tuple[str, str]) -> None:
     assert not worker.is_alive(), "the scheduler hangs after a failed EAGLE forward (overlap)"
     assert errors == {"bad": 500}
     assert tokens["good"] == 12
-    assert sched.kv_pool.available_size() == sched.kv_pool.size
-    assert sched.req_to_token_pool.available_size() == sched.req_to_token_pool.size
+    assert_kv_accounted(sched)

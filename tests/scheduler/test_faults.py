@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import assert_kv_accounted
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from eagleserve import Engine, SamplingParams
@@ -68,8 +69,7 @@ def test_forward_exception_fails_only_its_batch(model_dir: str, overlap: bool) -
                 errors[o.rid] = o.error_code
             outs[o.rid].extend(o.new_token_ids)
     assert errors == {"bad": 500}
-    assert sched.kv_pool.available_size() == sched.kv_pool.size
-    assert sched.req_to_token_pool.available_size() == sched.req_to_token_pool.size
+    assert_kv_accounted(sched)
     # The engine keeps serving, with exact tokens, after the fault.
     worker.forward_batch_generation = real
     again = [o["token_ids"] for o in eng.generate(prompts, params)]

@@ -12,6 +12,7 @@ import os
 
 import pytest
 import torch
+from conftest import assert_kv_accounted
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from eagleserve import Engine, SamplingParams
@@ -121,8 +122,7 @@ def run_staggered(
         assert steps < 5000
     while sched.has_work():
         assert not sched.step()
-    assert sched.kv_pool.available_size() == sched.kv_pool.size
-    assert sched.req_to_token_pool.available_size() == sched.req_to_token_pool.size
+    assert_kv_accounted(sched)
     return [tokens[f"r{i}"] for i in range(len(prompts))]
 
 
