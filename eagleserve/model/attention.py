@@ -10,6 +10,7 @@ from typing import Protocol
 
 import torch
 
+from eagleserve.kernels import cpu_ext
 from eagleserve.kernels.torch_attention import build_padded_metadata, padded_attention
 from eagleserve.model.forward_batch import ForwardBatch
 
@@ -29,17 +30,30 @@ class TorchAttnBackend:
     n, other requests' lengths). When the linears round their inputs to bf16 (packed GGUF
     weights), such a bit can flip a rounding and so a greedy token: speculative output would
     then differ from target-only output. compute_dtype=float64 removes that: the fp64 results
-    differ by ~1e-16, which rounding back to fp32 erases.
+    differ by ~1e-16, which rounding back to fp32 erases. With `row_kernel`, decode and verify
+    forwards (fp32) run kernels/cpu_attention.cpp instead, whose per-row result does not depend
+    on the batch at all; a prefill keeps the padded path.
     """
 
     def __init__(
-        self, req_to_token: torch.Tensor, sm_scale: float, compute_dtype: torch.dtype | None = None
+        self,
+        req_to_token: torch.Tensor,
+        sm_scale: float,
+        compute_dtype: torch.dtype | None = None,
+        row_kernel: bool = False,
     ) -> None:
         self.req_to_token = req_to_token
         self.sm_scale = sm_scale
         self.compute_dtype = compute_dtype
+        self.row_kernel = row_kernel
+
+    def _uses_row_kernel(self, fb: ForwardBatch) -> bool:
+        return self.row_kernel and fb.mode != "extend" and fb.kv_pool.dtype == torch.float32
 
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
+        if self._uses_row_kernel(fb):
+            fb.attn_metadata = fb.prefix_lens + fb.extend_lens if fb.kv_lens is None else fb.kv_lens
+            return
         fb.attn_metadata = build_padded_metadata(
             self.req_to_token,
             fb.req_pool_indices,
@@ -58,6 +72,12 @@ class TorchAttnBackend:
         # q [T, H, D]; k, v [T, Hkv, D]
         pool = fb.kv_pool
         pool.set_kv(layer_id, fb.out_cache_loc, k, v)
+        if self._uses_row_kernel(fb):
+            return cpu_ext.paged_attention(
+                q.float().contiguous(), pool.k_buffer[layer_id], pool.v_buffer[layer_id],
+                self.req_to_token, fb.req_pool_indices, fb.prefix_lens, fb.extend_lens,
+                fb.attn_metadata, fb.tree_mask, self.sm_scale,
+            ).to(q.dtype)  # fmt: skip
         return padded_attention(
             q,
             pool.k_buffer[layer_id],
@@ -84,7 +104,8 @@ def create_attn_backend(
         compute = torch.float64 if shape_invariant else None
         if compute is None and device.type == "cpu":
             compute = torch.float32
-        return TorchAttnBackend(req_to_token, sm_scale, compute)
+        row_kernel = shape_invariant and device.type == "cpu" and cpu_ext.load()
+        return TorchAttnBackend(req_to_token, sm_scale, compute, row_kernel)
     if shape_invariant:
         raise ValueError(f"the {name} attention backend cannot guarantee shape invariance")
     if name == "triton":

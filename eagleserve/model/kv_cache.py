@@ -39,6 +39,7 @@ class TokenToKVPool:
     ) -> None:
         self.size = size
         self.device = device
+        self.dtype = dtype
         shape = (size + 1, num_kv_heads, head_dim)
         self.k_buffer = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v_buffer = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]

@@ -11,9 +11,10 @@
   32-block, so Q8_0 is de-quantized and re-quantized per channel (symmetric, absmax / 127):
   NOT bit-exact to the GGUF. A block-exact bmm over bf16 q was 7x slower than this (measured).
 - Per-token forwards (decode, verify, draft steps) of Int4Linear / Q8Int4Linear run
-  `kernels/cpu_gemv` where the CPU has AVX2 + FMA: the exact block weights, fp32 activations,
-  and a per-row result that does not depend on the number of rows, so a k-token verify gives
-  each row what a decode would. Prefill keeps torch's kernel, built for many rows.
+  `kernels/cpu_gemv.cpp` where the CPU has AVX2 + FMA: the exact block weights against
+  activations quantized to int8 per block (llama.cpp's computation), and a per-row result that
+  does not depend on the number of rows, so a k-token verify gives each row what a decode
+  would. Prefill keeps torch's kernel, built for many rows.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from eagleserve.kernels import cpu_gemv
+from eagleserve.kernels import cpu_ext
 from eagleserve.model.forward_batch import in_per_token_forward
 from eagleserve.model.gguf_weights import BLOCK, QuantTensor, iter_gguf
 from eagleserve.model.llama import LlamaForCausalLM
@@ -62,7 +63,7 @@ class Int4Linear(nn.Module):
         self.register_buffer("sz_compute", sz.to(compute_dtype), persistent=False)
         self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
         self.blocked: tuple[torch.Tensor, ...] | None = None
-        if cpu_gemv.load():  # ggml's nibble layout, w = d*q + m (exact: zero - 8d is m)
+        if cpu_ext.load():  # ggml's nibble layout, w = d*q + m (exact: zero - 8d is m)
             qb = q[:n].to(torch.uint8).view(n, k // BLOCK, BLOCK)
             nibbles = (qb[..., :16] | (qb[..., 16:] << 4)).reshape(n, k // 2).contiguous()
             d = scale[:n].float().contiguous()
@@ -107,7 +108,7 @@ class Int4Linear(nn.Module):
 
     def _blocked_mm(self, x2: torch.Tensor) -> torch.Tensor:
         assert self.blocked is not None
-        return cpu_gemv.q4_matmul(x2, *self.blocked)
+        return cpu_ext.q4_matmul(x2, *self.blocked)
 
     @torch.no_grad()
     def dequantize(self) -> torch.Tensor:
@@ -153,7 +154,7 @@ class Q8Int4Linear(Int4Linear):
 
     def _blocked_mm(self, x2: torch.Tensor) -> torch.Tensor:
         assert self.blocked is not None
-        return cpu_gemv.q8_matmul(x2, *self.blocked)
+        return cpu_ext.q8_matmul(x2, *self.blocked)
 
     @classmethod
     def from_quant(

@@ -1,4 +1,4 @@
-"""The AVX2 blocked kernel (eagleserve.kernels.cpu_gemv) against llama.cpp's de-quantized weights.
+"""The AVX2 blocked kernel (kernels/cpu_gemv.cpp) against llama.cpp's de-quantized weights.
 
 What serving relies on: the exact block weights against x quantized to int8 per 32-block (within
 the bound that rounding implies of x @ W.T in fp64), and a row's result that does not depend on
@@ -12,13 +12,13 @@ import pytest
 import torch
 from conftest import forward_tokens
 
-from eagleserve.kernels import cpu_gemv
+from eagleserve.kernels import cpu_ext
 from eagleserve.model.gguf_weights import unpack_blocks
 from eagleserve.model.quant import Int4Linear, Q8Int4Linear, pack_quant
 from tests.model.test_quant import gguf_reference, random_blocks
 
 pytestmark = pytest.mark.skipif(
-    not cpu_gemv.load(), reason="the AVX2 kernel does not run here (no AVX2/FMA or compiler)"
+    not cpu_ext.load(), reason="the AVX2 kernel does not run here (no AVX2/FMA or compiler)"
 )
 
 SHAPES = [(16, 32), (37, 96), (576, 1536), (1000, 576)]
@@ -97,20 +97,20 @@ def test_smollm2_decodes_through_it_prefill_does_not(smollm2_dir: str) -> None:
     ref = run("decode")  # dense fp32 weights, as transformers de-quantizes them
     quantize_model_from_gguf(runner.model, default_gguf_path())
     rows: list[int] = []
-    original = cpu_gemv.q4_matmul
+    original = cpu_ext.q4_matmul
 
     def counting(*args: torch.Tensor) -> torch.Tensor:
         rows.append(args[0].shape[0])
         return original(*args)
 
-    cpu_gemv.q4_matmul = counting
+    cpu_ext.q4_matmul = counting
     try:
         prefill = run("extend")
         assert rows == [], "a prefill must keep torch's kernel"
         decode = run("decode")
         assert rows and set(rows) == {1}
     finally:
-        cpu_gemv.q4_matmul = original
+        cpu_ext.q4_matmul = original
         runner.token_to_kv_pool.free(loc)
     # The same bound as the bf16 path's over whole prompts (tests/model/test_quant.py); the
     # decode's int8 activations were observed at max |diff| ~0.9 on random-token contexts.

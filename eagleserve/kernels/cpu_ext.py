@@ -1,11 +1,14 @@
-"""Blocked 4-/8-bit GEMV/GEMM for x86 CPUs with AVX2 + FMA (`cpu_gemv.cpp`), built on first use.
+"""eagleserve's CPU kernels for x86 with AVX2 + FMA, built on first use:
 
-Activations are quantized to int8 per 32-block, as llama.cpp does for these weight types.
+- `cpu_gemv.cpp`: blocked 4-/8-bit GEMV/GEMM (`q4_matmul`, `q8_matmul`); activations are
+  quantized to int8 per 32-block, as llama.cpp does for these weight types;
+- `cpu_attention.cpp`: paged attention for decode/verify rows (`paged_attention`), fp32.
 
-The C++ source is compiled once per (source, torch version, compiler flags) into the eagleserve
-cache with the system C++ compiler and loaded as the torch ops `eagleserve_cpu::q4_matmul` and
-`eagleserve_cpu::q8_matmul`. Where the CPU lacks AVX2/FMA or no compiler is found, `load()`
-returns False and the caller keeps torch's own int4 kernel.
+Both keep a row's result independent of the rows beside it (what makes a verify reproduce the
+decodes bit for bit). The sources are compiled once per (sources, torch version, flags) into
+the eagleserve cache with the system C++ compiler and loaded as `torch.ops.eagleserve_cpu`.
+Where the CPU lacks AVX2/FMA or no compiler is found, `load()` returns False and callers keep
+torch's own kernels.
 """
 
 from __future__ import annotations
@@ -23,7 +26,10 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_gemv.cpp")
+_SOURCES = [
+    os.path.join(os.path.dirname(os.path.abspath(__file__)), name)
+    for name in ("cpu_gemv.cpp", "cpu_attention.cpp")
+]
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared", "-std=c++17"]
 _lock = threading.Lock()
 _loaded: bool | None = None
@@ -58,10 +64,10 @@ def _build(out: str) -> None:
     abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
     with tempfile.TemporaryDirectory(dir=os.path.dirname(out)) as tmp:
         tmp_out = os.path.join(tmp, "lib.so")
-        cmd = [cxx, *_FLAGS, abi, *inc, _SOURCE, "-o", tmp_out, *libs, "-lc10", "-ltorch_cpu"]
+        cmd = [cxx, *_FLAGS, abi, *inc, *_SOURCES, "-o", tmp_out, *libs, "-lc10", "-ltorch_cpu"]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
-            raise RuntimeError(f"compiling {_SOURCE} failed:\n{proc.stderr[-2000:]}")
+            raise RuntimeError(f"compiling the CPU kernels failed:\n{proc.stderr[-2000:]}")
         os.replace(tmp_out, out)  # atomic: a concurrent process sees all of it or nothing
 
 
@@ -74,18 +80,20 @@ def load() -> bool:
         _loaded = False
         if not cpu_supported():
             return False
-        with open(_SOURCE, "rb") as f:
-            key = hashlib.sha256(f.read() + " ".join(_FLAGS).encode() + torch.__version__.encode())
-        out = os.path.join(_cache_dir(), f"cpu_gemv_{key.hexdigest()[:16]}.so")
+        key = hashlib.sha256(" ".join(_FLAGS).encode() + torch.__version__.encode())
+        for path in _SOURCES:
+            with open(path, "rb") as f:
+                key.update(f.read())
+        out = os.path.join(_cache_dir(), f"cpu_kernels_{key.hexdigest()[:16]}.so")
         try:
             if not os.path.exists(out):
                 os.makedirs(os.path.dirname(out), exist_ok=True)
-                logger.info("building the AVX2 int4/int8 CPU kernel (once): %s", out)
+                logger.info("building the AVX2 CPU kernels (once): %s", out)
                 _build(out)
             torch.ops.load_library(out)
             _loaded = True
         except (RuntimeError, OSError) as e:
-            logger.warning("AVX2 CPU kernel unavailable, using torch's int4 kernel: %s", e)
+            logger.warning("AVX2 CPU kernels unavailable, using torch's: %s", e)
         return _loaded
 
 
@@ -99,3 +107,22 @@ def q8_matmul(x: torch.Tensor, w: torch.Tensor, d: torch.Tensor) -> torch.Tensor
     """x [M, K] fp32 (int8 per block inside) @ W.T, W int8 [N, K] with one scale per 32-block,
     w = d*q."""
     return torch.ops.eagleserve_cpu.q8_matmul(x, w, d)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    extend_lens: torch.Tensor,
+    kv_lens: torch.Tensor,
+    tree_mask: torch.Tensor | None,
+    sm_scale: float,
+) -> torch.Tensor:
+    """q [T, H, D] fp32 over the paged K/V (kernels/torch_attention.py's layout) -> [T, H, D]."""
+    return torch.ops.eagleserve_cpu.paged_attention(
+        q, k_buffer, v_buffer, req_to_token, req_pool_indices, prefix_lens, extend_lens,
+        kv_lens, tree_mask, sm_scale,
+    )  # fmt: skip

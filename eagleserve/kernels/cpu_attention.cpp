@@ -1,0 +1,174 @@
+// Paged attention for per-token forwards (decode, verify) on x86 CPUs with AVX2 + FMA, fp32.
+//
+// Layout as kernels/torch_attention.py: K/V buffers [slots, kv_heads, head_dim] already hold
+// every key a query may see; request b reads slots req_to_token[req_pool_indices[b], j] for
+// j < kv_lens[b]; its extend_lens[b] queries (flattened request by request) are the last ones
+// of that range. Query i sees key j when j <= its position (causal), or, with a tree_mask
+// [bs, n_q, n_new], when j < prefix_lens[b] or tree_mask[b, i, j - prefix_lens[b]].
+//
+// Invariant: a query's result depends only on the keys it sees, in slot-position order. Its
+// visible keys are compacted, scored, soft-maxed and summed by the same sequence of fp32
+// operations whatever else is in the batch — so a verify row that sees the keys a decode
+// would see (a chain, or a tree path in depth order) gets the decode's result bit for bit,
+// without the fp64 the padded SDPA path needs for that. (No -ffast-math: order is the contract.)
+
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <torch/library.h>
+#include <torch/torch.h>
+
+#include <limits>
+#include <vector>
+
+namespace {
+
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+inline float hmax8(__m256 v) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_max_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// exp(x) for x <= 0: 2^n * e^r with n = round(x / ln 2), |r| <= ln(2) / 2, e^r by its Taylor
+// series to r^7 (truncation below fp32 rounding there); 0 below -87 (and for -inf).
+inline __m256 exp_nonpositive(__m256 x) {
+  const __m256 floor_x = _mm256_set1_ps(-87.f);
+  const __m256 xc = _mm256_max_ps(x, floor_x);
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(xc, _mm256_set1_ps(1.4426950408889634f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), xc);  // ln 2, high part
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187e-06f), r);     // ln 2, low part
+  __m256 p = _mm256_set1_ps(1.f / 5040.f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 720.f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120.f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24.f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6.f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+  const __m256i e = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  const __m256 out = _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+  return _mm256_and_ps(out, _mm256_cmp_ps(x, floor_x, _CMP_GT_OQ));
+}
+
+// One query row and head over its visible keys `slots[0, n)`; writes out[0, D).
+void attend(const float* q, const float* k_buf, const float* v_buf, int64_t slot_stride,
+            const int64_t* slots, int64_t n, int64_t D, float scale, float* scores,
+            float* out) {
+  const int64_t padded = (n + 7) / 8 * 8;
+  for (int64_t j = 0; j < n; ++j) {
+    const float* k = k_buf + slots[j] * slot_stride;
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; d += 8) {
+      acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(k + d), acc);
+    }
+    scores[j] = hsum8(acc) * scale;
+  }
+  for (int64_t j = n; j < padded; ++j) scores[j] = -std::numeric_limits<float>::infinity();
+  __m256 vmax = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t j = 0; j < padded; j += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(scores + j));
+  const __m256 mx = _mm256_set1_ps(hmax8(vmax));
+  __m256 vsum = _mm256_setzero_ps();
+  for (int64_t j = 0; j < padded; j += 8) {
+    const __m256 p = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(scores + j), mx));
+    _mm256_storeu_ps(scores + j, p);
+    vsum = _mm256_add_ps(vsum, p);
+  }
+  const float inv = 1.f / hsum8(vsum);
+  for (int64_t d = 0; d < D; d += 8) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t j = 0; j < n; ++j) {
+      const float* v = v_buf + slots[j] * slot_stride + d;
+      acc = _mm256_fmadd_ps(_mm256_set1_ps(scores[j]), _mm256_loadu_ps(v), acc);
+    }
+    _mm256_storeu_ps(out + d, _mm256_mul_ps(acc, _mm256_set1_ps(inv)));
+  }
+}
+
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf,
+                           const at::Tensor& req_to_token, const at::Tensor& req_pool_indices,
+                           const at::Tensor& prefix_lens, const at::Tensor& extend_lens,
+                           const at::Tensor& kv_lens, const c10::optional<at::Tensor>& tree_mask,
+                           double sm_scale) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(), "q [T, H, D]");
+  TORCH_CHECK(k_buf.scalar_type() == at::kFloat && k_buf.is_contiguous() &&
+                  v_buf.is_contiguous() && k_buf.sizes() == v_buf.sizes(),
+              "k/v buffers [slots, kv_heads, D] float32");
+  const int64_t T = q.size(0), H = q.size(1), D = q.size(2), Hkv = k_buf.size(1);
+  TORCH_CHECK(D % 8 == 0 && H % Hkv == 0 && k_buf.size(2) == D, "head shapes");
+  const at::Tensor r2t = req_to_token.to(at::kLong);
+  const at::Tensor rpi = req_pool_indices.to(at::kLong).contiguous();
+  const at::Tensor pre = prefix_lens.to(at::kLong).contiguous();
+  const at::Tensor ext = extend_lens.to(at::kLong).contiguous();
+  const at::Tensor kvl = kv_lens.to(at::kLong).contiguous();
+  const int64_t bs = rpi.size(0);
+  // Host-side row bookkeeping: which request and which query index each row is.
+  std::vector<int64_t> row_req(T), row_idx(T);
+  int64_t t = 0;
+  for (int64_t b = 0; b < bs; ++b) {
+    for (int64_t i = 0; i < ext.data_ptr<int64_t>()[b]; ++i, ++t) {
+      TORCH_CHECK(t < T, "extend_lens sum past the queries");
+      row_req[t] = b;
+      row_idx[t] = i;
+    }
+  }
+  TORCH_CHECK(t == T, "extend_lens must sum to the number of queries");
+  const bool tree = tree_mask.has_value() && tree_mask->defined();
+  at::Tensor mask;
+  if (tree) mask = tree_mask->to(at::kBool).contiguous();
+  at::Tensor out = at::empty_like(q);
+  const float* qp = q.data_ptr<float>();
+  const float* kp = k_buf.data_ptr<float>();
+  const float* vp = v_buf.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t group = H / Hkv, slot_stride = Hkv * D;
+  const auto r2t_a = r2t.accessor<int64_t, 2>();
+  at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<int64_t> slots;
+    std::vector<float> scores;
+    for (int64_t row = t0; row < t1; ++row) {
+      const int64_t b = row_req[row], i = row_idx[row];
+      const int64_t kv_len = kvl.data_ptr<int64_t>()[b];
+      const int64_t q_abs = kv_len - ext.data_ptr<int64_t>()[b] + i;
+      const int64_t req = rpi.data_ptr<int64_t>()[b];
+      slots.clear();
+      if (!tree) {
+        for (int64_t j = 0; j <= q_abs && j < kv_len; ++j) slots.push_back(r2t_a[req][j]);
+      } else {
+        const int64_t prefix = pre.data_ptr<int64_t>()[b];
+        const int64_t nq = mask.size(1), nnew = mask.size(2);
+        const bool* m = mask.data_ptr<bool>() + (b * nq + std::min(i, nq - 1)) * nnew;
+        for (int64_t j = 0; j < kv_len; ++j) {
+          if (j < prefix || (j - prefix < nnew && m[j - prefix])) slots.push_back(r2t_a[req][j]);
+        }
+      }
+      const int64_t n = static_cast<int64_t>(slots.size());
+      TORCH_CHECK(n > 0, "a query sees no key");
+      scores.resize((n + 7) / 8 * 8);
+      for (int64_t h = 0; h < H; ++h) {
+        const int64_t kvh = h / group;
+        attend(qp + (row * H + h) * D, kp + kvh * D, vp + kvh * D, slot_stride, slots.data(), n,
+               D, static_cast<float>(sm_scale), scores.data(), op + (row * H + h) * D);
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(eagleserve_cpu, lib) {
+  lib.def(
+      "paged_attention(Tensor q, Tensor k_buf, Tensor v_buf, Tensor req_to_token, "
+      "Tensor req_pool_indices, Tensor prefix_lens, Tensor extend_lens, Tensor kv_lens, "
+      "Tensor? tree_mask, float sm_scale) -> Tensor",
+      &paged_attention);
+}

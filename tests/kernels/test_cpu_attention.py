@@ -1,0 +1,85 @@
+"""The AVX2 paged attention (kernels/cpu_attention.cpp) for decode and verify rows.
+
+What serving relies on: the result of the fp64 reference within fp32 rounding, for causal
+(chain) and tree-masked queries; and a query's result bitwise independent of its batch — a
+verify row equals the decode of the same token, a tree node equals the decode along its path.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from attention_refs import padded_metadata
+
+from eagleserve.kernels import cpu_ext
+from eagleserve.kernels.torch_attention import padded_attention
+
+pytestmark = pytest.mark.skipif(not cpu_ext.load(), reason="the AVX2 kernels do not run here")
+
+H, HKV, D = 9, 3, 64  # SmolLM2's heads
+
+
+def setup(gen: torch.Generator, lens: list[int]) -> tuple[torch.Tensor, ...]:
+    k = torch.randn(4096, HKV, D, generator=gen)
+    v = torch.randn(4096, HKV, D, generator=gen)
+    r2t = torch.zeros(len(lens) + 1, 1024, dtype=torch.long)
+    for b, n in enumerate(lens):
+        r2t[b + 1, :n] = torch.randperm(4095, generator=gen)[:n] + 1
+    return k, v, r2t
+
+
+def kernel(q, k, v, r2t, rpi, prefix, ext, tree=None, kv_lens=None) -> torch.Tensor:
+    kv = prefix + ext if kv_lens is None else kv_lens
+    return cpu_ext.paged_attention(q, k, v, r2t, rpi, prefix, ext, kv, tree, D**-0.5)
+
+
+def reference(q, k, v, r2t, rpi, prefix, ext, tree=None) -> torch.Tensor:
+    md = padded_metadata(r2t, rpi, prefix, ext, tree)
+    return padded_attention(q.double(), k.double(), v.double(), md, D**-0.5)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_chain_rows_match_reference_and_their_decodes(seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed + int(torch.randint(0, 1000, ())))
+    n = [4, 1, 3]
+    prefix = [int(torch.randint(1, 700, (), generator=gen)) for _ in n]
+    k, v, r2t = setup(gen, [p + e for p, e in zip(prefix, n)])
+    rpi, pre, ext = torch.tensor([1, 2, 3]), torch.tensor(prefix), torch.tensor(n)
+    q = torch.randn(sum(n), H, D, generator=gen)
+    out = kernel(q, k, v, r2t, rpi, pre, ext)
+    torch.testing.assert_close(out.double(), reference(q, k, v, r2t, rpi, pre, ext),
+                               rtol=1e-5, atol=1e-5)  # fmt: skip
+    row = 0
+    for b in range(3):  # each row alone, as a decode at its own position
+        for i in range(n[b]):
+            one = kernel(q[row : row + 1].clone(), k, v, r2t, rpi[b : b + 1],
+                         torch.tensor([prefix[b] + i]), torch.tensor([1]))  # fmt: skip
+            assert torch.equal(one[0], out[row]), (b, i)
+            row += 1
+
+
+def test_tree_node_equals_the_decode_along_its_path() -> None:
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    prefix, n = int(torch.randint(1, 500, (), generator=gen)), 6
+    # parents: 0 <- 1, 0 <- 2, 1 <- 3, 2 <- 4, 3 <- 5 (nodes in depth order)
+    parents = [-1, 0, 0, 1, 2, 3]
+    tree = torch.zeros(1, n, n, dtype=torch.bool)
+    for i in range(n):
+        j = i
+        while j >= 0:
+            tree[0, i, j] = True
+            j = parents[j]
+    k, v, r2t = setup(gen, [prefix + n])
+    rpi, pre, ext = torch.tensor([1]), torch.tensor([prefix]), torch.tensor([n])
+    q = torch.randn(n, H, D, generator=gen)
+    out = kernel(q, k, v, r2t, rpi, pre, ext, tree)
+    torch.testing.assert_close(out.double(), reference(q, k, v, r2t, rpi, pre, ext, tree),
+                               rtol=1e-5, atol=1e-5)  # fmt: skip
+    # Node 5's path is 0, 1, 3, 5: lay those slots out as a plain sequence and decode there.
+    path = [0, 1, 3, 5]
+    seq = torch.zeros(2, 1024, dtype=torch.long)
+    seq[1, :prefix] = r2t[1, :prefix]
+    seq[1, prefix : prefix + len(path)] = r2t[1, [prefix + p for p in path]]
+    one = kernel(q[5:6].clone(), k, v, seq, torch.tensor([1]),
+                 torch.tensor([prefix + len(path) - 1]), torch.tensor([1]))  # fmt: skip
+    assert torch.equal(one[0], out[5])
