@@ -16,7 +16,11 @@ class StopChecker:
     def check(self, req: Req) -> None:
         params = req.sampling_params
         last = req.output_ids[-1]
-        if not params.ignore_eos and last in req.eos_token_ids:
+        if len(req.output_ids) <= params.min_tokens:
+            # The sampler masks EOS and stop ids below min_tokens; stop strings wait too.
+            if len(req.output_ids) >= params.max_new_tokens:
+                req.finish_reason = FinishReason.LENGTH
+        elif not params.ignore_eos and last in req.eos_token_ids:
             req.finish_reason, req.matched_stop = FinishReason.STOP, last
         elif last in params.stop_token_ids:
             req.finish_reason, req.matched_stop = FinishReason.STOP, last
