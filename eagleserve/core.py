@@ -1,7 +1,7 @@
-"""Shared nouns: sampling parameters, requests, and the schedule batch.
+"""Shared nouns: requests and the schedule batch (sampling parameters: sampling_params.py).
 
 Who fills what:
-- `SamplingParams`: the caller (server or offline `Engine`), validated once by `validate()`.
+- `SamplingParams`: the caller (server or offline `Engine`), validated by `check_request`.
 - `Req`: created by the scheduler from a `GenerateReqInput`; the scheduler owns its KV fields
   (`req_pool_idx`, `kv_committed_len`, `kv_allocated_len`); `output_ids` grow in result processing.
 - `ScheduleBatch`: built by the scheduler; `seq_lens_cpu`/`seq_lens_sum` are recomputed only by
@@ -11,149 +11,18 @@ Who fills what:
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
+from eagleserve.sampling_params import SamplingParams
+
 if TYPE_CHECKING:
     from eagleserve.model.kv_cache import ReqToTokenPool, TokenToKVPool
 
 ForwardMode = Literal["extend", "decode", "draft", "verify"]
-
-# torch.Generator.manual_seed takes a signed 64-bit value; seeds live in [0, 2^63).
-SEED_BOUND = 2**63
-# vLLM takes any positive repetition penalty. These bounds keep logit / penalty finite in fp32
-# (a subnormal penalty rounds to 0 there); past them the effect is the same anyway.
-MAX_REPETITION_PENALTY = 1e6
-MIN_REPETITION_PENALTY = 1e-6
-
-
-@dataclass
-class SamplingParams:
-    max_new_tokens: int = 128
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1  # -1: whole vocabulary
-    min_p: float = 0.0
-    seed: int | None = None
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
-    ignore_eos: bool = False
-    logprobs: int | None = None  # None: no logprobs; k >= 0: chosen token plus top-k
-    # Logprobs of the prompt tokens (each given the ones before it) with the top-k, when set;
-    # with max_new_tokens 0 the request only scores its prompt.
-    prompt_logprobs: int | None = None
-    # Penalties and bias (model/penalties.py): OpenAI's ranges; repetition as vLLM's.
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    min_tokens: int = 0  # EOS and stop ids are masked, stop strings ignored, below this
-    logit_bias: dict[int, float] = field(default_factory=dict)
-
-    @property
-    def is_greedy(self) -> bool:
-        return self.temperature < 1e-5 or self.top_k == 1
-
-    @property
-    def has_penalties(self) -> bool:
-        """Whether the sampler needs this request's token counts."""
-        return (
-            self.presence_penalty != 0
-            or self.frequency_penalty != 0
-            or self.repetition_penalty != 1
-            or self.min_tokens > 0
-        )
-
-    def validate(self, vocab_size: int = 0) -> str | None:
-        """Returns an error message, or None when the parameters are usable (logit_bias keys
-        are checked against `vocab_size` when it is known)."""
-        scoring = self.prompt_logprobs is not None
-        if self.max_new_tokens < 0 or (self.max_new_tokens == 0 and not scoring):
-            return "max_tokens must be at least 1 (0 only to score the prompt)"
-        if self.temperature < 0:
-            return "temperature must be non-negative"
-        if not (0.0 < self.top_p <= 1.0):
-            return "top_p must be in (0, 1]"
-        if self.top_k == 0 or self.top_k < -1:
-            return "top_k must be -1 (disabled) or a positive integer"
-        if not (0.0 <= self.min_p <= 1.0):
-            return "min_p must be in [0, 1]"
-        if self.logprobs is not None and not (0 <= self.logprobs <= 20):
-            return "logprobs must be between 0 and 20"
-        if self.seed is not None and not (0 <= self.seed < SEED_BOUND):
-            return f"seed must be in [0, {SEED_BOUND})"
-        if scoring and not (0 <= self.prompt_logprobs <= 20):
-            return "prompt logprobs must be between 0 and 20"
-        return self._validate_penalties(vocab_size)
-
-    def _validate_penalties(self, vocab_size: int) -> str | None:
-        for name in ("presence_penalty", "frequency_penalty"):
-            if not (-2.0 <= getattr(self, name) <= 2.0):
-                return f"{name} must be between -2 and 2"
-        if not (MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY):
-            return (f"repetition_penalty must be in [{MIN_REPETITION_PENALTY}, "
-                    f"{MAX_REPETITION_PENALTY}]")  # fmt: skip
-        if not (0 <= self.min_tokens <= self.max_new_tokens):
-            return "min_tokens must be between 0 and max_tokens"
-        for token, bias in self.logit_bias.items():
-            if token < 0 or (vocab_size and token >= vocab_size):
-                return f"logit_bias keys must be token ids in [0, {vocab_size}), got {token}"
-            if not (-100.0 <= bias <= 100.0):
-                return "logit_bias values must be between -100 and 100"
-        return None
-
-
-@dataclass(frozen=True)
-class RequestError:
-    """Why a request cannot run: the message, the OpenAI request field it is about, a code."""
-
-    message: str
-    param: str | None = None
-    code: str | None = None
-
-
-def check_prompt(
-    input_ids: Sequence[int], max_context_len: int, vocab_size: int, param: str = "prompt"
-) -> RequestError | None:
-    """The prompt alone: not empty, shorter than the context, token ids in the vocabulary."""
-    n = len(input_ids)
-    if n == 0:
-        return RequestError("the prompt is empty", param)
-    if n >= max_context_len:
-        msg = (
-            f"This model's maximum context length is {max_context_len} tokens; the prompt has {n}."
-        )
-        return RequestError(msg, param, "context_length_exceeded")
-    if vocab_size and any(t < 0 or t >= vocab_size for t in input_ids):
-        return RequestError(f"token ids must be in [0, {vocab_size})", param)
-    return None
-
-
-def check_budget(prompt_len: int, max_new_tokens: int, max_context_len: int) -> RequestError | None:
-    """Prompt plus every token asked for must fit the context (no request is cut short)."""
-    if prompt_len + max_new_tokens <= max_context_len:
-        return None
-    msg = (
-        f"This model's maximum context length is {max_context_len} tokens; the prompt has "
-        f"{prompt_len} and max_tokens is {max_new_tokens}."
-    )
-    return RequestError(msg, "max_tokens", "context_length_exceeded")
-
-
-def check_request(
-    input_ids: Sequence[int], params: SamplingParams, max_context_len: int, vocab_size: int
-) -> RequestError | None:
-    """The one validation of a request. The HTTP server runs these checks (as 400s) before the
-    engine sees a request; the scheduler runs them again for the offline Engine and every other
-    caller, so nothing invalid reaches a forward."""
-    err = params.validate(vocab_size)
-    if err is not None:
-        return RequestError(err)
-    return check_prompt(input_ids, max_context_len, vocab_size) or check_budget(
-        len(input_ids), params.max_new_tokens, max_context_len
-    )
 
 
 class FinishReason(str, enum.Enum):

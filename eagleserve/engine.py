@@ -7,8 +7,8 @@ from dataclasses import fields, replace
 from typing import Any
 
 from eagleserve.config import ServerArgs
-from eagleserve.core import SamplingParams
 from eagleserve.messages import EngineStats, GenerateReqInput, TokenOutput
+from eagleserve.sampling_params import SamplingParams
 from eagleserve.scheduler.scheduler import Scheduler
 
 

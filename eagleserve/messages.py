@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from eagleserve.core import SamplingParams
+from eagleserve.sampling_params import SamplingParams
 
 
 @dataclass

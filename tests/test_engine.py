@@ -405,7 +405,7 @@ def test_bad_request_in_a_batch_leaves_engine_usable(
 
 def test_server_and_engine_share_one_request_validation() -> None:
     """The checks the HTTP server answers as 400s are the ones the scheduler runs (core.py)."""
-    from eagleserve.core import check_request
+    from eagleserve.sampling_params import check_request
 
     ok = SamplingParams(max_new_tokens=8)
     gen = torch.Generator().manual_seed(3)

@@ -10,18 +10,13 @@ from concurrent.futures import Future
 import torch
 
 from eagleserve.config import ModelConfig, ServerArgs
-from eagleserve.core import (
-    FinishReason,
-    GenerationBatchResult,
-    Req,
-    ScheduleBatch,
-    check_request,
-)
+from eagleserve.core import FinishReason, GenerationBatchResult, Req, ScheduleBatch
 from eagleserve.device import pick_device
 from eagleserve.messages import EngineStats, GenerateReqInput, TokenOutput
 from eagleserve.model.loader import load_tokenizer, resolve_model_path
 from eagleserve.model.runner import ModelRunner
 from eagleserve.model.sampler import SamplingInfo
+from eagleserve.sampling_params import check_request
 from eagleserve.scheduler.future_map import FutureMap
 from eagleserve.scheduler.output_processor import (
     StopChecker,

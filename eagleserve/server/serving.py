@@ -13,14 +13,14 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from eagleserve.config import ServerArgs
-from eagleserve.core import (
+from eagleserve.messages import GenerateReqInput, TokenOutput
+from eagleserve.sampling_params import (
     SEED_BOUND,
     RequestError,
     SamplingParams,
     check_budget,
     check_prompt,
 )
-from eagleserve.messages import GenerateReqInput, TokenOutput
 from eagleserve.server.choices import ChoiceState
 from eagleserve.server.engine_client import EngineClient, RequestStream
 from eagleserve.server.metrics import Metrics
