@@ -42,6 +42,8 @@ class Req:
     # Logprob of each output token and its top alternatives, when asked for.
     output_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    # Prompt logprobs and their top alternatives, from the prefill until the next output.
+    prompt_logprobs: tuple[list[float | None], list[list[tuple[int, float]]]] | None = None
     finish_reason: FinishReason | None = None
     matched_stop: int | str | None = None
     # KV bookkeeping (scheduler-owned). req_pool_idx is None while the request holds no slot.
@@ -248,6 +250,7 @@ class GenerationBatchResult:
     top_logprob_vals: torch.Tensor | None = None  # [..., k]
     top_logprob_ids: torch.Tensor | None = None  # [..., k]
     num_drafts: int | None = None  # spec: draft tokens per request this iteration
+    prompt_logprobs: Any = None  # a prefill's model/prompt_logprobs.py PromptLogprobs, if any
 
     def to_host(self) -> GenerationBatchResult:
         """Copies the tensors to the host (waits for the forward that made them)."""
@@ -259,4 +262,5 @@ class GenerationBatchResult:
             cpu(self.top_logprob_vals),
             cpu(self.top_logprob_ids),
             self.num_drafts,
+            None if self.prompt_logprobs is None else self.prompt_logprobs.to_host(),
         )

@@ -50,6 +50,10 @@ class TokenOutput:
     # Per new token, when logprobs were asked for: its logprob and the top alternatives.
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    # Once, with the first output after the prefill, when asked for: the prompt tokens'
+    # logprobs (None for the first token) and their top alternatives.
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
     # Mean accepted tokens per verify step so far (speculative decoding), else None.
     spec_accept_length: float | None = None
     error: str | None = None

@@ -30,8 +30,8 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # None: no logprobs; k >= 0: chosen token plus top-k
-    # Logprobs of the prompt tokens (each given the ones before it) with the top-k, when set;
-    # with max_new_tokens 0 the request only scores its prompt.
+    # Logprobs of the prompt tokens (each given the ones before it) with the top-k, when set.
+    # max_new_tokens 0: the request is prefilled and ends (it scores its prompt).
     prompt_logprobs: int | None = None
     # Penalties and bias (model/penalties.py): OpenAI's ranges; repetition as vLLM's.
     presence_penalty: float = 0.0
@@ -57,10 +57,8 @@ class SamplingParams:
     def validate(self, vocab_size: int = 0) -> RequestError | None:
         """The first unusable parameter (its message names the API field), or None. logit_bias
         keys are checked against `vocab_size` when it is known."""
-        scoring = self.prompt_logprobs is not None
         checks: list[tuple[bool, str, str]] = [
-            (self.max_new_tokens >= 1 or (self.max_new_tokens == 0 and scoring),
-             "max_tokens must be at least 1 (0 only with echo, to score the prompt)", "max_tokens"),
+            (self.max_new_tokens >= 0, "max_tokens must be non-negative", "max_tokens"),
             (self.temperature >= 0, "temperature must be non-negative", "temperature"),
             (0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]", "top_p"),
             (self.top_k == -1 or self.top_k > 0,
@@ -70,7 +68,7 @@ class SamplingParams:
              "logprobs must be between 0 and 20", "logprobs"),
             (self.seed is None or 0 <= self.seed < SEED_BOUND,
              f"seed must be in [0, {SEED_BOUND})", "seed"),
-            (not scoring or 0 <= self.prompt_logprobs <= 20,  # type: ignore[operator]
+            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20,
              "logprobs must be between 0 and 20", "logprobs"),
             (-2.0 <= self.presence_penalty <= 2.0,
              "presence_penalty must be between -2 and 2", "presence_penalty"),

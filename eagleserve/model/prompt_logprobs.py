@@ -27,13 +27,14 @@ class PromptLogprobs:
     rows: list[int]  # batch rows that asked
     counts: list[int]  # tokens scored per such row
     first: list[bool]  # whether the row's scores start at the prompt's first token (None)
+    ks: list[int]  # top alternatives each row asked for (the tensors hold the largest k)
     chosen: torch.Tensor  # [T] logprob of each scored prompt token
     top_vals: torch.Tensor  # [T, k]
     top_ids: torch.Tensor  # [T, k]
 
     def to_host(self) -> PromptLogprobs:
         cpu = lambda t: t.to("cpu")
-        return PromptLogprobs(self.rows, self.counts, self.first, cpu(self.chosen),
+        return PromptLogprobs(self.rows, self.counts, self.first, self.ks, cpu(self.chosen),
                               cpu(self.top_vals), cpu(self.top_ids))  # fmt: skip
 
     def per_row(self) -> list[tuple[int, list[float | None], list[list[tuple[int, float]]]]]:
@@ -42,11 +43,11 @@ class PromptLogprobs:
         chosen, vals, ids = self.chosen.tolist(), self.top_vals.tolist(), self.top_ids.tolist()
         out = []
         start = 0
-        for row, n, first in zip(self.rows, self.counts, self.first):
+        for row, n, first, k in zip(self.rows, self.counts, self.first, self.ks):
             lps: list[float | None] = [None] if first else []
             tops: list[list[tuple[int, float]]] = [[]] if first else []
             lps += chosen[start : start + n]
-            tops += [list(zip(ids[j], vals[j])) for j in range(start, start + n)]
+            tops += [list(zip(ids[j][:k], vals[j][:k])) for j in range(start, start + n)]
             out.append((row, lps, tops))
             start += n
         return out
@@ -81,7 +82,8 @@ def score_prompts(
         flat += [starts[i] + p - pre for p in scored]
         targets += [prompt[p + 1] for p in scored]
         counts.append(len(scored))
-    k = max(batch.reqs[i].sampling_params.prompt_logprobs or 0 for i in rows)
+    ks = [batch.reqs[i].sampling_params.prompt_logprobs or 0 for i in rows]
+    k = max(ks)
     dev = hidden.device
     idx = torch.tensor(flat, dtype=torch.long, device=dev)
     tgt = torch.tensor(targets, dtype=torch.long, device=dev)
@@ -95,5 +97,5 @@ def score_prompts(
         top = logp.topk(k, dim=-1)
         vals.append(top.values)
         ids.append(top.indices)
-    return PromptLogprobs(rows, counts, first, torch.cat(chosen).float(), torch.cat(vals).float(),
-                          torch.cat(ids))  # fmt: skip
+    return PromptLogprobs(rows, counts, first, ks, torch.cat(chosen).float(),
+                          torch.cat(vals).float(), torch.cat(ids))  # fmt: skip

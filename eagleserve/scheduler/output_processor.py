@@ -83,5 +83,8 @@ def make_output(req: Req) -> TokenOutput:
             req.spec_accepted_tokens / req.spec_verify_ct if req.spec_verify_ct else None
         ),
     )
+    if req.prompt_logprobs is not None:
+        out.prompt_logprobs, out.prompt_top_logprobs = req.prompt_logprobs
+        req.prompt_logprobs = None
     req.num_sent_tokens = len(req.output_ids)
     return out

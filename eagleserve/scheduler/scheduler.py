@@ -278,8 +278,17 @@ class Scheduler:
         lps = result.logprobs.tolist() if result.logprobs is not None else None
         tvals = result.top_logprob_vals.tolist() if result.top_logprob_vals is not None else None
         tids = result.top_logprob_ids.tolist() if result.top_logprob_ids is not None else None
+        scored = {} if result.prompt_logprobs is None else {
+            row: (lps, tops) for row, lps, tops in result.prompt_logprobs.per_row()
+        }  # fmt: skip
         for i, req in enumerate(reqs):
             if req.finished:  # finished or aborted while this batch ran: drop its tokens
+                continue
+            req.prompt_logprobs = scored.get(i, req.prompt_logprobs)
+            if req.sampling_params.max_new_tokens == 0:  # scored its prompt: nothing to add
+                req.finish_reason = FinishReason.LENGTH
+                outputs.append(make_output(req))
+                self._release(req)
                 continue
             if accept is None:
                 toks, n = [next_ids[i]], 1

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from eagleserve.config import ServerArgs
 from eagleserve.core import GenerationBatchResult, ScheduleBatch
+from eagleserve.model.prompt_logprobs import score_prompts, wants_prompt_logprobs
 from eagleserve.model.runner import ModelRunner
 from eagleserve.model.sampler import SamplingInfo, sample_next
 
@@ -32,6 +33,12 @@ class TargetWorker:
             batch.req_pool_indices,
             prefill=batch.mode == "extend",
         )
+        scored = wants_prompt_logprobs(batch) if batch.mode == "extend" else []
+        if scored:
+            model = self.runner.model
+            result.prompt_logprobs = score_prompts(
+                model.compute_logits, out.hidden_states, batch, scored
+            )
         # The sampled tokens are the next decode step's inputs.
         batch.input_ids = result.next_token_ids
         return result

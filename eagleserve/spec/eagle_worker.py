@@ -20,6 +20,7 @@ from eagleserve.core import GenerationBatchResult, OnVerified, ScheduleBatch
 from eagleserve.model.cuda_graph import BUCKETS
 from eagleserve.model.forward_batch import ForwardBatch, HostLens
 from eagleserve.model.llama import ModelOutput
+from eagleserve.model.prompt_logprobs import score_prompts, wants_prompt_logprobs
 from eagleserve.model.runner import ModelRunner
 from eagleserve.model.sampler import (
     SamplingInfo,
@@ -125,6 +126,10 @@ class EagleWorker:
         fb = ForwardBatch.init_new(batch, self.token_to_kv_pool, self.runner.attn_backend)
         out = self.runner.forward(fb)
         result = self._sample_next(out.logits, batch, prefill=True)
+        scored = wants_prompt_logprobs(batch)
+        if scored:
+            logits_of = self.runner.model.compute_logits
+            result.prompt_logprobs = score_prompts(logits_of, out.hidden_states, batch, scored)
         # Head pairs token t[j+1] with feature f[j]: shift ids left, append the sampled token.
         last = fb.logits_indices
         assert last is not None
