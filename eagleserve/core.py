@@ -11,6 +11,7 @@ Who fills what:
 from __future__ import annotations
 
 import enum
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
@@ -61,6 +62,9 @@ class Req:
     # Tokens already handed to the output stream (streaming sends the rest).
     num_sent_tokens: int = 0
     retract_count: int = 0
+    # Monotonic times (engine process): arrival, first scheduled for a prefill (metrics).
+    arrival_time: float = field(default_factory=time.monotonic)
+    prefill_start_time: float | None = None
 
     @property
     def fill_ids(self) -> list[int]:

@@ -58,6 +58,10 @@ class TokenOutput:
     spec_accept_length: float | None = None
     error: str | None = None
     error_code: int | None = None  # HTTP status to use when error is set
+    # With the first output after the prefill: seconds waiting for it, and from its start to
+    # this output (the prefill forward with its sampling).
+    queue_time_s: float | None = None
+    prefill_time_s: float | None = None
 
 
 @dataclass

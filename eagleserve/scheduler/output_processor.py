@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from eagleserve.core import FinishReason, Req
 from eagleserve.messages import TokenOutput
 
@@ -86,5 +88,9 @@ def make_output(req: Req) -> TokenOutput:
     if req.prompt_logprobs is not None:
         out.prompt_logprobs, out.prompt_top_logprobs = req.prompt_logprobs
         req.prompt_logprobs = None
+    start = req.prefill_start_time
+    if req.num_sent_tokens == 0 and start is not None and (new or req.finished):
+        out.queue_time_s = start - req.arrival_time
+        out.prefill_time_s = time.monotonic() - start
     req.num_sent_tokens = len(req.output_ids)
     return out

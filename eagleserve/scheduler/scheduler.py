@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections import deque
 from concurrent.futures import Future
 
@@ -213,6 +214,9 @@ class Scheduler:
             tokens += req.seq_len
         if not picked:
             return None
+        now = time.monotonic()
+        for req in picked:  # queue time ends at the first prefill (a retraction keeps it)
+            req.prefill_start_time = req.prefill_start_time or now
         batch = ScheduleBatch(reqs=picked, mode="extend", device=self.device)
         batch.prepare_for_extend(self.req_to_token_pool, self.kv_pool)
         return batch

@@ -166,6 +166,9 @@ class Tracker:
             m.generation_tokens.inc(n_new)
         if choice.prompt_tokens == 0 and out.prompt_tokens:
             m.prompt_tokens.inc(out.prompt_tokens)
+        if out.queue_time_s is not None and out.prefill_time_s is not None:
+            m.queue_time.observe(out.queue_time_s)
+            m.prefill_time.observe(out.prefill_time_s)
         delta = choice.feed(out)
         if out.finished and out.finish_reason == "abort":  # cut by the server's shutdown
             m.request_aborted(self.endpoint, "shutdown")
