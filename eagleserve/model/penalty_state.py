@@ -191,7 +191,7 @@ class BatchPenalties:
 
 def stop_tokens(req: Req, vocab_size: int) -> list[int]:
     """Tokens masked while `req` is below min_tokens: EOS (unless ignored) and its stop ids, in
-    the vocabulary. None when they would be the whole vocabulary (no token left to sample)."""
+    the vocabulary; none when they would be the whole vocabulary (no token left to sample)."""
     p = req.sampling_params
     if p.min_tokens <= 0:
         return []
