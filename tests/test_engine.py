@@ -345,7 +345,13 @@ def test_max_new_tokens_gives_length(tiny: Engine) -> None:
         (300, greedy(4), "maximum context length"),
         (100, greedy(200), "maximum context length"),
         (0, greedy(4), "empty"),
-        (10, greedy(0), "max_tokens"),
+        (10, greedy(-1), "max_tokens"),  # 0 is valid: the prompt is prefilled (scored) only
+        (10, SamplingParams(presence_penalty=2.5), "presence_penalty"),
+        (10, SamplingParams(frequency_penalty=-3), "frequency_penalty"),
+        (10, SamplingParams(repetition_penalty=0.0), "repetition_penalty"),
+        (10, SamplingParams(max_new_tokens=4, min_tokens=5), "min_tokens"),
+        (10, SamplingParams(logit_bias={256: 1.0}), "logit_bias"),  # the tiny vocab is 256
+        (10, SamplingParams(logit_bias={5: -101.0}), "logit_bias"),
         (10, SamplingParams(temperature=-0.5), "temperature"),
         (10, SamplingParams(top_p=0.0), "top_p"),
         (10, SamplingParams(top_p=1.5), "top_p"),
