@@ -4,11 +4,14 @@
 
 Starts `eagleserve serve` on 127.0.0.1 with a small KV pool (unless --url), then runs clients
 for `--duration` seconds: completions and chat, streamed and not, greedy and sampled, short and
-long prompts; some clients hang up mid-stream, some send requests that can never fit (400), and
-long `ignore_eos` requests together overflow the KV pool (waiting / retraction). After the load,
-every completed greedy response is recomputed with the offline `Engine` (same model and flags)
-and must match exactly, and the server's KV pool must be empty. Writes bench/results/load*.json
-and exits non-zero on any lost request, inexact greedy text or KV left in use.
+long prompts, some with penalties, min_tokens and logit_bias, some completions with echo +
+logprobs (max_tokens 0 among them: prompt scoring); some clients hang up mid-stream, some send
+requests that can never fit (400), and long `ignore_eos` requests together overflow the KV pool
+(waiting / retraction). After the load, every completed greedy response is recomputed with the
+offline `Engine` (same model, flags and fields) and must match exactly (text, finish reason,
+and the prompt logprobs of echo requests), and the server's KV pool must be empty. Writes
+bench/results/load*.json and exits non-zero on any lost request, inexact greedy text or KV
+left in use.
 
 --multi-turn: every client holds chat conversations (one of two system prompts, up to
 --turns turns, each request sending the whole conversation so far), as chat clients do; the
@@ -81,6 +84,9 @@ class Job:
     never_fits: bool = False  # prompt + max_tokens > context: must get a 400
     seed: int | None = None
     history: list[dict[str, str]] = field(default_factory=list)  # chat: messages before prompt
+    # Penalties, min_tokens, logit_bias (API names and values), sent as they are.
+    fields: dict[str, Any] = field(default_factory=dict)
+    echo_logprobs: bool = False  # completion with echo + logprobs: the prompt is scored too
 
 
 @dataclass
@@ -96,6 +102,7 @@ class Outcome:
     tpot: float | None = None  # mean time per output token after the first (streams)
     chunk_gaps: list[float] = field(default_factory=list)
     detail: str = ""
+    token_logprobs: list[float | None] = field(default_factory=list)  # echo jobs: all entries
 
 
 def make_job(rng: random.Random, args: argparse.Namespace, ctx: int) -> Job:
@@ -116,12 +123,32 @@ def make_job(rng: random.Random, args: argparse.Namespace, ctx: int) -> Job:
         ignore_eos=long,
         seed=rng.randrange(1 << 16) if rng.random() < 0.5 else None,
     )
+    if rng.random() < args.penalty_share:
+        job.fields = penalty_fields(rng, job.max_tokens)
     if rng.random() < args.disconnect_share:
         job.stream, job.disconnect_after = True, rng.randint(1, 3)
         job.max_tokens = max(job.max_tokens, 32)
     elif rng.random() < 0.03:
         job.never_fits, job.max_tokens = True, ctx  # any prompt + ctx tokens > ctx
+    elif rng.random() < args.echo_share:
+        job.kind, job.greedy, job.echo_logprobs = "completion", True, True
+        job.max_tokens = rng.choice([0, 0, 1, 4, 8])
+        job.fields.pop("min_tokens", None)
     return job
+
+
+def penalty_fields(rng: random.Random, max_tokens: int) -> dict[str, Any]:
+    """A random subset of the penalty fields (OpenAI's ranges); bias keys are low token ids,
+    inside any vocabulary."""
+    every = {
+        "presence_penalty": round(rng.uniform(-2, 2), 3),
+        "frequency_penalty": round(rng.uniform(-2, 2), 3),
+        "repetition_penalty": round(rng.uniform(0.7, 1.8), 3),
+        "min_tokens": rng.randint(0, max_tokens),
+        "logit_bias": {str(rng.randrange(200)): round(rng.uniform(-100, 100), 1)
+                       for _ in range(rng.randint(1, 4))},
+    }  # fmt: skip
+    return {k: v for k, v in every.items() if rng.random() < 0.6}
 
 
 def request_body(job: Job, model: str) -> tuple[str, dict[str, Any]]:
@@ -133,6 +160,9 @@ def request_body(job: Job, model: str) -> tuple[str, dict[str, Any]]:
         body["ignore_eos"] = True
     if job.stream:
         body["stream_options"] = {"include_usage": True}
+    body.update(job.fields)
+    if job.echo_logprobs:
+        body.update(echo=True, logprobs=1)
     if job.kind == "chat":
         body["messages"] = messages_of(job)
         return "/v1/chat/completions", body
@@ -191,9 +221,12 @@ def finish_plain(job: Job, resp: httpx.Response) -> Outcome:
     choice = data["choices"][0]
     text = choice["message"]["content"] if job.kind == "chat" else choice["text"]
     usage = data.get("usage") or {}
-    return Outcome(
+    out = Outcome(
         job, "completed", text or "", choice["finish_reason"], usage.get("completion_tokens", 0)
     )
+    if job.echo_logprobs:
+        out.token_logprobs = choice["logprobs"]["token_logprobs"]
+    return out
 
 
 async def read_stream(job: Job, resp: httpx.Response, t0: float) -> Outcome:
@@ -217,6 +250,8 @@ async def read_stream(job: Job, resp: httpx.Response, t0: float) -> Outcome:
         for choice in data.get("choices", []):
             text = chunk_text(job.kind, choice)
             out.finish_reason = choice.get("finish_reason") or out.finish_reason
+            if job.echo_logprobs and choice.get("logprobs"):
+                out.token_logprobs += choice["logprobs"]["token_logprobs"]
             if text:
                 now = time.monotonic()
                 if first is None:
@@ -297,28 +332,35 @@ def verify_greedy(args: argparse.Namespace, outcomes: list[Outcome]) -> list[dic
         )
     engine = Engine(model=args.model, **kw)
     tok = engine.tokenizer
-    keys: dict[tuple[str, str, int, bool], list[Outcome]] = {}
+    keys: dict[tuple[str, str, int, bool, str, bool], list[Outcome]] = {}
     for o in todo:
-        text = json.dumps(messages_of(o.job)) if o.job.kind == "chat" else o.job.prompt
-        keys.setdefault((o.job.kind, text, o.job.max_tokens, o.job.ignore_eos), []).append(o)
+        j = o.job
+        text = json.dumps(messages_of(j)) if j.kind == "chat" else j.prompt
+        fields = json.dumps(j.fields, sort_keys=True)
+        key = (j.kind, text, j.max_tokens, j.ignore_eos, fields, j.echo_logprobs)
+        keys.setdefault(key, []).append(o)
     prompts, params = [], []
-    for kind, prompt, max_tokens, ignore_eos in keys:
+    for kind, prompt, max_tokens, ignore_eos, fields, echo in keys:
         if kind == "chat":
             msgs = json.loads(prompt)
             prompt = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
         prompts.append(tok.encode(prompt, add_special_tokens=False))
-        params.append(
-            SamplingParams(max_new_tokens=max_tokens, temperature=0.0, ignore_eos=ignore_eos)
-        )
+        p = SamplingParams(max_new_tokens=max_tokens, temperature=0.0, ignore_eos=ignore_eos,
+                           prompt_logprobs=1 if echo else None, **json.loads(fields))  # fmt: skip
+        p.logit_bias = {int(t): b for t, b in p.logit_bias.items()}
+        params.append(p)
     want = []
     for i in range(0, len(prompts), args.max_running_requests):
         want += engine.generate(
             prompts[i : i + args.max_running_requests], params[i : i + args.max_running_requests]
         )
     bad = []
-    for (key, outs), w in zip(keys.items(), want, strict=True):
+    for (key, outs), w, ids in zip(keys.items(), want, prompts, strict=True):
+        if key[5]:  # echo: the prompt, then the completion; the prompt's logprobs first
+            w = {**w, "text": tok.decode(ids) + w["text"]}
         for o in outs:
-            if o.text != w["text"] or o.finish_reason != w["finish_reason"]:
+            scores_ok = not key[5] or prompt_scores_match(o.token_logprobs, w, len(ids))
+            if o.text != w["text"] or o.finish_reason != w["finish_reason"] or not scores_ok:
                 bad.append(
                     {
                         "kind": key[0],
@@ -332,6 +374,15 @@ def verify_greedy(args: argparse.Namespace, outcomes: list[Outcome]) -> list[dic
                     }
                 )
     return bad
+
+
+def prompt_scores_match(got: list[float | None], want: dict[str, Any], n: int) -> bool:
+    """The server's prompt entries equal the offline engine's (None first; within 1e-4: the
+    two computed them in different batches) and one entry follows per generated token."""
+    ref = want["prompt_logprobs"]
+    if len(got) != n + len(want["token_ids"]) or got[0] is not None or ref[0] is not None:
+        return False
+    return all(abs(a - b) <= 1e-4 for a, b in zip(got[1:n], ref[1:], strict=True))
 
 
 # ---- report -----------------------------------------------------------------------------------
@@ -360,6 +411,8 @@ def summarize(outcomes: list[Outcome], elapsed: float) -> dict[str, Any]:
         "sent": len(outcomes),
         "completed": len(done),
         "completed_greedy": sum(o.job.greedy for o in done),
+        "completed_with_penalties": sum(bool(o.job.fields) for o in done),
+        "completed_echo_logprobs": sum(o.job.echo_logprobs for o in done),
         "aborted_by_client": len(by["aborted"]),
         "rejected_400_expected": len(by["rejected"]),
         "conversations_at_context_limit": len(by["context_full"]),
@@ -406,6 +459,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--dtype", default="auto")
     p.add_argument("--disconnect-share", type=float, default=0.1)
+    p.add_argument("--penalty-share", type=float, default=0.3,
+                   help="requests with penalties / min_tokens / logit_bias")  # fmt: skip
+    p.add_argument("--echo-share", type=float, default=0.1,
+                   help="completions with echo + logprobs (max_tokens 0 among them)")  # fmt: skip
     p.add_argument("--request-timeout", type=float, default=300.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-verify", action="store_true", help="skip the offline greedy check")
@@ -458,6 +515,8 @@ def main(argv: list[str] | None = None) -> int:
         "completed",
         "greedy_exact",
         "completed_greedy",
+        "completed_with_penalties",
+        "completed_echo_logprobs",
         "aborted_by_client",
         "rejected_400_expected",
         "errors",

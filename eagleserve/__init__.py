@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from eagleserve.core import SamplingParams
+from eagleserve.sampling_params import SamplingParams
 
 __all__ = ["Engine", "SamplingParams"]
 

@@ -1,7 +1,7 @@
-"""Shared nouns: sampling parameters, requests, and the schedule batch.
+"""Shared nouns: requests and the schedule batch (sampling parameters: sampling_params.py).
 
 Who fills what:
-- `SamplingParams`: the caller (server or offline `Engine`), validated once by `validate()`.
+- `SamplingParams`: the caller (server or offline `Engine`), validated by `check_request`.
 - `Req`: created by the scheduler from a `GenerateReqInput`; the scheduler owns its KV fields
   (`req_pool_idx`, `kv_committed_len`, `kv_allocated_len`); `output_ids` grow in result processing.
 - `ScheduleBatch`: built by the scheduler; `seq_lens_cpu`/`seq_lens_sum` are recomputed only by
@@ -11,106 +11,19 @@ Who fills what:
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
+from eagleserve.sampling_params import SamplingParams
+
 if TYPE_CHECKING:
     from eagleserve.model.kv_cache import ReqToTokenPool, TokenToKVPool
 
 ForwardMode = Literal["extend", "decode", "draft", "verify"]
-
-# torch.Generator.manual_seed takes a signed 64-bit value; seeds live in [0, 2^63).
-SEED_BOUND = 2**63
-
-
-@dataclass
-class SamplingParams:
-    max_new_tokens: int = 128
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1  # -1: whole vocabulary
-    min_p: float = 0.0
-    seed: int | None = None
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
-    ignore_eos: bool = False
-    logprobs: int | None = None  # None: no logprobs; k >= 0: chosen token plus top-k
-
-    @property
-    def is_greedy(self) -> bool:
-        return self.temperature < 1e-5 or self.top_k == 1
-
-    def validate(self) -> str | None:
-        """Returns an error message, or None when the parameters are usable."""
-        if self.max_new_tokens <= 0:
-            return "max_tokens must be at least 1"
-        if self.temperature < 0:
-            return "temperature must be non-negative"
-        if not (0.0 < self.top_p <= 1.0):
-            return "top_p must be in (0, 1]"
-        if self.top_k == 0 or self.top_k < -1:
-            return "top_k must be -1 (disabled) or a positive integer"
-        if not (0.0 <= self.min_p <= 1.0):
-            return "min_p must be in [0, 1]"
-        if self.logprobs is not None and not (0 <= self.logprobs <= 20):
-            return "logprobs must be between 0 and 20"
-        if self.seed is not None and not (0 <= self.seed < SEED_BOUND):
-            return f"seed must be in [0, {SEED_BOUND})"
-        return None
-
-
-@dataclass(frozen=True)
-class RequestError:
-    """Why a request cannot run: the message, the OpenAI request field it is about, a code."""
-
-    message: str
-    param: str | None = None
-    code: str | None = None
-
-
-def check_prompt(
-    input_ids: Sequence[int], max_context_len: int, vocab_size: int, param: str = "prompt"
-) -> RequestError | None:
-    """The prompt alone: not empty, shorter than the context, token ids in the vocabulary."""
-    n = len(input_ids)
-    if n == 0:
-        return RequestError("the prompt is empty", param)
-    if n >= max_context_len:
-        msg = (
-            f"This model's maximum context length is {max_context_len} tokens; the prompt has {n}."
-        )
-        return RequestError(msg, param, "context_length_exceeded")
-    if vocab_size and any(t < 0 or t >= vocab_size for t in input_ids):
-        return RequestError(f"token ids must be in [0, {vocab_size})", param)
-    return None
-
-
-def check_budget(prompt_len: int, max_new_tokens: int, max_context_len: int) -> RequestError | None:
-    """Prompt plus every token asked for must fit the context (no request is cut short)."""
-    if prompt_len + max_new_tokens <= max_context_len:
-        return None
-    msg = (
-        f"This model's maximum context length is {max_context_len} tokens; the prompt has "
-        f"{prompt_len} and max_tokens is {max_new_tokens}."
-    )
-    return RequestError(msg, "max_tokens", "context_length_exceeded")
-
-
-def check_request(
-    input_ids: Sequence[int], params: SamplingParams, max_context_len: int, vocab_size: int
-) -> RequestError | None:
-    """The one validation of a request. The HTTP server runs these checks (as 400s) before the
-    engine sees a request; the scheduler runs them again for the offline Engine and every other
-    caller, so nothing invalid reaches a forward."""
-    err = params.validate()
-    if err is not None:
-        return RequestError(err)
-    return check_prompt(input_ids, max_context_len, vocab_size) or check_budget(
-        len(input_ids), params.max_new_tokens, max_context_len
-    )
 
 
 class FinishReason(str, enum.Enum):
@@ -130,6 +43,8 @@ class Req:
     # Logprob of each output token and its top alternatives, when asked for.
     output_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    # Prompt logprobs and their top alternatives, from the prefill until the next output.
+    prompt_logprobs: tuple[list[float | None], list[list[tuple[int, float]]]] | None = None
     finish_reason: FinishReason | None = None
     matched_stop: int | str | None = None
     # KV bookkeeping (scheduler-owned). req_pool_idx is None while the request holds no slot.
@@ -149,6 +64,9 @@ class Req:
     retract_count: int = 0
     # Prompt tokens whose KV came from the prefix cache at admission (usage.cached_tokens).
     cached_tokens: int = 0
+    # Monotonic times (engine process): arrival, first scheduled for a prefill (metrics).
+    arrival_time: float = field(default_factory=time.monotonic)
+    prefill_start_time: float | None = None
 
     @property
     def fill_ids(self) -> list[int]:
@@ -356,6 +274,7 @@ class GenerationBatchResult:
     top_logprob_vals: torch.Tensor | None = None  # [..., k]
     top_logprob_ids: torch.Tensor | None = None  # [..., k]
     num_drafts: int | None = None  # spec: draft tokens per request this iteration
+    prompt_logprobs: Any = None  # a prefill's model/prompt_logprobs.py PromptLogprobs, if any
 
     def to_host(self) -> GenerationBatchResult:
         """Copies the tensors to the host (waits for the forward that made them)."""
@@ -367,4 +286,5 @@ class GenerationBatchResult:
             cpu(self.top_logprob_vals),
             cpu(self.top_logprob_ids),
             self.num_drafts,
+            None if self.prompt_logprobs is None else self.prompt_logprobs.to_host(),
         )

@@ -7,8 +7,8 @@ from dataclasses import fields, replace
 from typing import Any
 
 from eagleserve.config import ServerArgs
-from eagleserve.core import SamplingParams
 from eagleserve.messages import EngineStats, GenerateReqInput, TokenOutput
+from eagleserve.sampling_params import SamplingParams
 from eagleserve.scheduler.scheduler import Scheduler
 
 
@@ -30,7 +30,8 @@ class Engine:
         prompts: list[str] | list[list[int]] | str,
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
     ) -> list[dict[str, Any]]:
-        """Returns, per prompt, {"text", "token_ids", "finish_reason", "spec_accept_length"}."""
+        """Returns, per prompt, {"text", "token_ids", "finish_reason", "spec_accept_length"},
+        and "prompt_logprobs" (None first) where `prompt_logprobs` was asked for."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         params = sampling_params or SamplingParams()
@@ -43,6 +44,7 @@ class Engine:
             self.scheduler.add_request(GenerateReqInput(rid, ids, replace(p)))
         done: dict[str, TokenOutput] = {}
         tokens: dict[str, list[int]] = {rid: [] for rid in rids}
+        scores: dict[str, list[float | None]] = {}
         error: str | None = None
         while len(done) < len(rids):
             for out in self.scheduler.step():
@@ -55,6 +57,8 @@ class Engine:
                         if rid not in done and rid != out.rid:
                             self.scheduler.abort_request(rid)
                 tokens[out.rid].extend(out.new_token_ids)
+                if out.prompt_logprobs is not None:
+                    scores[out.rid] = out.prompt_logprobs
                 if out.finished:
                     done[out.rid] = out
         # Let a forward still in flight land so every slot is back in the pool.
@@ -65,14 +69,15 @@ class Engine:
         results = []
         for rid, p in zip(rids, plist):
             out = done[rid]
-            results.append(
-                {
-                    "token_ids": tokens[rid],
-                    "text": self._decode(tokens[rid], out.matched_stop, p),
-                    "finish_reason": out.finish_reason,
-                    "spec_accept_length": out.spec_accept_length,
-                }
-            )
+            result: dict[str, Any] = {
+                "token_ids": tokens[rid],
+                "text": self._decode(tokens[rid], out.matched_stop, p),
+                "finish_reason": out.finish_reason,
+                "spec_accept_length": out.spec_accept_length,
+            }
+            if p.prompt_logprobs is not None:
+                result["prompt_logprobs"] = scores.get(rid)
+            results.append(result)
         return results
 
     def stats(self) -> EngineStats:

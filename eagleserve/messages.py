@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from eagleserve.core import SamplingParams
+from eagleserve.sampling_params import SamplingParams
 
 
 @dataclass
@@ -51,10 +51,18 @@ class TokenOutput:
     # Per new token, when logprobs were asked for: its logprob and the top alternatives.
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    # Once, with the first output after the prefill, when asked for: the prompt tokens'
+    # logprobs (None for the first token) and their top alternatives.
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
     # Mean accepted tokens per verify step so far (speculative decoding), else None.
     spec_accept_length: float | None = None
     error: str | None = None
     error_code: int | None = None  # HTTP status to use when error is set
+    # With the first output after the prefill: seconds waiting for it, and from its start to
+    # this output (the prefill forward with its sampling).
+    queue_time_s: float | None = None
+    prefill_time_s: float | None = None
 
 
 @dataclass

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from eagleserve.config import ServerArgs
-from eagleserve.core import ForwardMode
+from eagleserve.core import ForwardMode, SamplingParams
 from eagleserve.engine import Engine
 from eagleserve.model.forward_batch import ForwardBatch, HostLens
 from eagleserve.model.llama import ModelOutput
@@ -304,3 +304,20 @@ def forward_tokens(
             **extra,
         )
     )
+
+
+def reference_penalize(
+    logits: list[float], prompt: list[int], output: list[int], p: SamplingParams
+) -> list[float]:
+    """One row, element by element, straight from the definitions."""
+    out = list(logits)
+    for tok, bias in p.logit_bias.items():
+        out[tok] += bias
+    for t in range(len(out)):
+        seen = t in prompt or t in output
+        if seen:
+            r = p.repetition_penalty
+            out[t] = out[t] / r if out[t] > 0 else out[t] * r
+        c = output.count(t)
+        out[t] -= p.frequency_penalty * c + p.presence_penalty * (c > 0)
+    return out

@@ -345,7 +345,13 @@ def test_max_new_tokens_gives_length(tiny: Engine) -> None:
         (300, greedy(4), "maximum context length"),
         (100, greedy(200), "maximum context length"),
         (0, greedy(4), "empty"),
-        (10, greedy(0), "max_tokens"),
+        (10, greedy(-1), "max_tokens"),  # 0 is valid: the prompt is prefilled (scored) only
+        (10, SamplingParams(presence_penalty=2.5), "presence_penalty"),
+        (10, SamplingParams(frequency_penalty=-3), "frequency_penalty"),
+        (10, SamplingParams(repetition_penalty=0.0), "repetition_penalty"),
+        (10, SamplingParams(max_new_tokens=4, min_tokens=5), "min_tokens"),
+        (10, SamplingParams(logit_bias={256: 1.0}), "logit_bias"),  # the tiny vocab is 256
+        (10, SamplingParams(logit_bias={5: -101.0}), "logit_bias"),
         (10, SamplingParams(temperature=-0.5), "temperature"),
         (10, SamplingParams(top_p=0.0), "top_p"),
         (10, SamplingParams(top_p=1.5), "top_p"),
@@ -405,7 +411,7 @@ def test_bad_request_in_a_batch_leaves_engine_usable(
 
 def test_server_and_engine_share_one_request_validation() -> None:
     """The checks the HTTP server answers as 400s are the ones the scheduler runs (core.py)."""
-    from eagleserve.core import check_request
+    from eagleserve.sampling_params import check_request
 
     ok = SamplingParams(max_new_tokens=8)
     gen = torch.Generator().manual_seed(3)

@@ -12,6 +12,7 @@ from eagleserve.model.forward_batch import ForwardBatch, forward_context
 from eagleserve.model.kv_cache import ReqToTokenPool, TokenToKVPool
 from eagleserve.model.llama import LlamaForCausalLM, ModelOutput
 from eagleserve.model.loader import load_weights
+from eagleserve.model.penalty_state import PenaltyState
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
@@ -78,6 +79,8 @@ class ModelRunner:
                 quantize_model_from_gguf(model, gguf_path)
         self.model = model.eval()
         self.req_to_token_pool = ReqToTokenPool(max_running_requests, max_context_len, device)
+        # Penalty counts per request slot (allocated at the first request with penalties).
+        self.penalty_state = PenaltyState(max_running_requests, model_config.vocab_size, device)
         self.token_to_kv_pool = TokenToKVPool(
             kv_cache_tokens,
             model_config.num_hidden_layers,

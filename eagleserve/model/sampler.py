@@ -1,7 +1,9 @@
-"""Sampling: logits -> target distribution (temperature, top-k, top-p, min-p) -> tokens.
+"""Sampling: logits -> penalties and bias -> target distribution (temperature, top-k, top-p,
+min-p) -> tokens.
 
 Each sampled request draws from its own `torch.Generator`, so a seed gives the same tokens
-whatever else is in the batch.
+whatever else is in the batch. Penalties and bias change the logits before anything else
+(model/penalty_state.py), greedy rows included; logprobs stay those of the raw model, as vLLM's.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from eagleserve.core import GenerationBatchResult, Req, ScheduleBatch
+from eagleserve.model.penalty_state import BatchPenalties, PenaltyState
 
 
 @dataclass
@@ -25,6 +28,8 @@ class SamplingInfo:
     needs_top_k: bool = True
     needs_top_p: bool = True
     needs_min_p: bool = True
+    # Rows with penalties or logit_bias (None: no row has any).
+    penalties: BatchPenalties | None = None
 
     @property
     def all_greedy(self) -> bool:
@@ -37,11 +42,16 @@ class SamplingInfo:
         key = tuple(id(r) for r in batch.reqs)
         cached = batch.sampling_info
         if cached is None or cached[0] != key:
-            batch.sampling_info = (key, cls.from_reqs(batch.reqs, vocab_size, batch.device))
+            prefill = batch.mode == "extend"
+            info = cls.from_reqs(batch.reqs, vocab_size, batch.device, prefill)
+            batch.sampling_info = (key, info)
         return batch.sampling_info[1]
 
     @classmethod
-    def from_reqs(cls, reqs: list[Req], vocab_size: int, device: torch.device) -> SamplingInfo:
+    def from_reqs(
+        cls, reqs: list[Req], vocab_size: int, device: torch.device, prefill: bool = False
+    ) -> SamplingInfo:
+        """`prefill`: the requests are being prefilled (their penalty rows are reset)."""
         ps = [r.sampling_params for r in reqs]
         greedy = [p.is_greedy for p in ps]
         return cls(
@@ -59,10 +69,12 @@ class SamplingInfo:
             needs_top_k=any(0 < p.top_k < vocab_size for p, g in zip(ps, greedy) if not g),
             needs_top_p=any(p.top_p < 1.0 for p, g in zip(ps, greedy) if not g),
             needs_min_p=any(p.min_p > 0 for p, g in zip(ps, greedy) if not g),
+            penalties=BatchPenalties.of_reqs(reqs, vocab_size, device, prefill),
         )
 
     def rows(self, rows: list[int]) -> SamplingInfo:
-        """The info of a subset of the batch's rows, in the order given."""
+        """The info of a subset of the batch's rows, in the order given, for logits that are
+        already penalized (no penalties)."""
         idx = torch.tensor(rows, dtype=torch.long, device=self.top_ps.device)
         return SamplingInfo(
             self.temperatures[idx],
@@ -77,7 +89,8 @@ class SamplingInfo:
         )
 
     def repeat_interleave(self, n: int) -> SamplingInfo:
-        """One row per draft node (verify): each request's parameters repeated n times."""
+        """One row per draft node (verify): each request's parameters repeated n times, for
+        logits that are already penalized (no penalties)."""
         return SamplingInfo(
             self.temperatures.repeat_interleave(n, 0),
             self.top_ps.repeat_interleave(n),
@@ -134,12 +147,36 @@ def top_logprobs(
 
 
 def sample_with_logprobs(
-    logits: torch.Tensor, reqs: list[Req], info: SamplingInfo
+    logits: torch.Tensor,
+    reqs: list[Req],
+    info: SamplingInfo,
+    penalized: torch.Tensor | None = None,
 ) -> GenerationBatchResult:
-    """One next token per row of `logits` (row i for reqs[i]), with logprobs when any asks."""
-    next_ids = sample(logits, info)
+    """One next token per row of `logits` (row i for reqs[i]), with logprobs when any asks.
+    Tokens come from `penalized` when given; logprobs always from the raw `logits`."""
+    next_ids = sample(logits if penalized is None else penalized, info)
     if all(r.sampling_params.logprobs is None for r in reqs):
         return GenerationBatchResult(next_ids)
     k = max((r.sampling_params.logprobs or 0) for r in reqs)
     chosen, vals, ids = top_logprobs(logits, next_ids, k)
     return GenerationBatchResult(next_ids, None, chosen, vals, ids)
+
+
+def sample_next(
+    logits: torch.Tensor,
+    reqs: list[Req],
+    info: SamplingInfo,
+    state: PenaltyState,
+    slots: torch.Tensor,
+    prefill: bool,
+) -> GenerationBatchResult:
+    """A prefill's or decode's next tokens with penalties: a prefill first resets its requests'
+    penalty rows; the sampled tokens are committed to them."""
+    pen = info.penalties
+    if pen is None:
+        return sample_with_logprobs(logits, reqs, info)
+    if prefill:
+        pen.reset(state)
+    result = sample_with_logprobs(logits, reqs, info, pen.next_logits(logits, state, slots))
+    pen.commit(state, slots, result.next_token_ids[:, None])
+    return result

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from eagleserve.core import FinishReason, Req
 from eagleserve.messages import TokenOutput
 
@@ -16,7 +18,11 @@ class StopChecker:
     def check(self, req: Req) -> None:
         params = req.sampling_params
         last = req.output_ids[-1]
-        if not params.ignore_eos and last in req.eos_token_ids:
+        if len(req.output_ids) <= params.min_tokens:
+            # The sampler masks EOS and stop ids below min_tokens; stop strings wait too.
+            if len(req.output_ids) >= params.max_new_tokens:
+                req.finish_reason = FinishReason.LENGTH
+        elif not params.ignore_eos and last in req.eos_token_ids:
             req.finish_reason, req.matched_stop = FinishReason.STOP, last
         elif last in params.stop_token_ids:
             req.finish_reason, req.matched_stop = FinishReason.STOP, last
@@ -80,5 +86,12 @@ def make_output(req: Req) -> TokenOutput:
             req.spec_accepted_tokens / req.spec_verify_ct if req.spec_verify_ct else None
         ),
     )
+    if req.prompt_logprobs is not None:
+        out.prompt_logprobs, out.prompt_top_logprobs = req.prompt_logprobs
+        req.prompt_logprobs = None
+    start = req.prefill_start_time
+    if req.num_sent_tokens == 0 and start is not None and (new or req.finished):
+        out.queue_time_s = start - req.arrival_time
+        out.prefill_time_s = time.monotonic() - start
     req.num_sent_tokens = len(req.output_ids)
     return out

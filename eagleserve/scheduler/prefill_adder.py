@@ -59,7 +59,9 @@ def plan_prefill(
         if prefix_len is None:
             break
         remaining = len(req.fill_ids) - prefix_len
-        too_big = not chunking and bool(reqs) and remaining > budget
+        # Prompt logprobs are scored in one prefill: such a request is never chunked.
+        whole = not chunking or req.sampling_params.prompt_logprobs is not None
+        too_big = whole and bool(reqs) and remaining > budget
         if too_big or not cache.make_room(to_alloc + remaining + reserve + decode_slots_per_req):
             cache.release(req, cache=False)
             break
@@ -67,7 +69,7 @@ def plan_prefill(
         cache.count_admitted(prefix_len, len(req.fill_ids))
         if not req.output_ids:  # a first admission, not a retracted request coming back
             req.cached_tokens = prefix_len
-        n = min(remaining, budget) if chunking else remaining
+        n = remaining if whole else min(remaining, budget)
         reqs.append(req)
         lens.append(n)
         budget -= n

@@ -88,7 +88,10 @@ class PrefixCache:
         fill = req.fill_ids
         node, prefix_len = None, 0
         if self.tree is not None:
-            slots, node = self.tree.match_prefix(pair_keys(fill, self.vocab_size))
+            # Prompt logprobs need every prompt position computed: such a request matches
+            # nothing (it still caches its positions when it finishes).
+            scored = req.sampling_params.prompt_logprobs is not None
+            slots, node = self.tree.match_prefix([] if scored else pair_keys(fill, self.vocab_size))
             prefix_len = slots.numel()
             self.tree.lock(node)
             if prefix_len:

@@ -4,24 +4,20 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections import deque
 from concurrent.futures import Future
 
 import torch
 
 from eagleserve.config import ModelConfig, ServerArgs
-from eagleserve.core import (
-    FinishReason,
-    GenerationBatchResult,
-    Req,
-    ScheduleBatch,
-    check_request,
-)
+from eagleserve.core import FinishReason, GenerationBatchResult, Req, ScheduleBatch
 from eagleserve.device import pick_device
 from eagleserve.messages import EngineStats, GenerateReqInput, TokenOutput
 from eagleserve.model.loader import load_tokenizer, resolve_model_path
 from eagleserve.model.runner import ModelRunner
 from eagleserve.model.sampler import SamplingInfo
+from eagleserve.sampling_params import check_request
 from eagleserve.scheduler.future_map import FutureMap
 from eagleserve.scheduler.output_processor import (
     StopChecker,
@@ -233,6 +229,9 @@ class Scheduler:
         if plan is None:
             return None
         self.chunked_req = plan.chunked_req
+        now = time.monotonic()
+        for req in plan.reqs:  # queue time ends at the first prefill (a retraction keeps it)
+            req.prefill_start_time = req.prefill_start_time or now
         batch = ScheduleBatch(reqs=plan.reqs, mode="extend", device=self.device)
         batch.prepare_for_extend(self.req_to_token_pool, self.kv_pool, plan.extend_lens)
         return batch
@@ -313,9 +312,18 @@ class Scheduler:
         lps = result.logprobs.tolist() if result.logprobs is not None else None
         tvals = result.top_logprob_vals.tolist() if result.top_logprob_vals is not None else None
         tids = result.top_logprob_ids.tolist() if result.top_logprob_ids is not None else None
+        scored = {} if result.prompt_logprobs is None else {
+            row: (lps, tops) for row, lps, tops in result.prompt_logprobs.per_row()
+        }  # fmt: skip
         for i, req in enumerate(reqs):
             # Finished or aborted while this batch ran, or part-way through its prefill.
             if req.finished or req is partial:
+                continue
+            req.prompt_logprobs = scored.get(i, req.prompt_logprobs)
+            if req.sampling_params.max_new_tokens == 0:  # scored its prompt: nothing to add
+                req.finish_reason = FinishReason.LENGTH
+                outputs.append(make_output(req))
+                self._release(req)
                 continue
             if accept is None:
                 toks, n = [next_ids[i]], 1

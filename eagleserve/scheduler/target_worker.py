@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from eagleserve.config import ServerArgs
 from eagleserve.core import GenerationBatchResult, ScheduleBatch
+from eagleserve.model.prompt_logprobs import score_prompts, wants_prompt_logprobs
 from eagleserve.model.runner import ModelRunner
-from eagleserve.model.sampler import SamplingInfo, sample_with_logprobs
+from eagleserve.model.sampler import SamplingInfo, sample_next
 
 
 class TargetWorker:
@@ -24,7 +25,20 @@ class TargetWorker:
     def forward_batch_generation(self, batch: ScheduleBatch) -> GenerationBatchResult:
         out = self.runner.forward_batch(batch)
         info = SamplingInfo.of_batch(batch, self.runner.config.vocab_size)
-        result = sample_with_logprobs(out.logits, batch.reqs, info)
+        result = sample_next(
+            out.logits,
+            batch.reqs,
+            info,
+            self.runner.penalty_state,
+            batch.req_pool_indices,
+            prefill=batch.mode == "extend",
+        )
+        scored = wants_prompt_logprobs(batch) if batch.mode == "extend" else []
+        if scored:
+            model = self.runner.model
+            result.prompt_logprobs = score_prompts(
+                model.compute_logits, out.hidden_states, batch, scored
+            )
         # The sampled tokens are the next decode step's inputs.
         batch.input_ids = result.next_token_ids
         return result

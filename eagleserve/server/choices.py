@@ -20,12 +20,20 @@ class ChoiceState:
     """One generated sequence. `feed` takes its TokenOutputs and returns the new text."""
 
     def __init__(
-        self, index: int, prompt_index: int, tokenizer: Any, stop: list[str], text_offset: int = 0
+        self,
+        index: int,
+        prompt_index: int,
+        tokenizer: Any,
+        stop: list[str],
+        text_offset: int = 0,
+        min_tokens: int = 0,
+        prompt_ids: list[int] | None = None,
     ) -> None:
+        """`prompt_ids`: the prompt whose logprobs come with the first output (echo)."""
         self.index = index
         self.prompt_index = prompt_index
         self.tokenizer = tokenizer
-        self.detok = IncrementalDetokenizer(tokenizer, stop)
+        self.detok = IncrementalDetokenizer(tokenizer, stop, min_tokens=min_tokens)
         self.text = ""
         self.finish_reason: str | None = None
         self.prompt_tokens = 0
@@ -36,16 +44,24 @@ class ChoiceState:
         self.lp: list[tuple[str, float, list[tuple[str, float]]]] = []
         self.lp_sent = 0  # entries of `lp` already streamed
         self.text_offset = text_offset  # completion logprobs: offset of the first token
+        self.prompt_ids = prompt_ids
+        # Prompt logprobs (echo): (token string, logprob or None for the first, alternatives);
+        # handed out once, before the generated tokens' entries.
+        self.prompt_lp: list[tuple[str, float | None, list[tuple[str, float]]]] = []
+        self.prompt_lp_sent = False
 
     def feed(self, out: TokenOutput) -> str:
+        if out.prompt_logprobs is not None and self.prompt_ids is not None:
+            names = token_strings(self.tokenizer, self.prompt_ids)
+            tops = out.prompt_top_logprobs or [[] for _ in names]
+            for name, value, top in zip(names, out.prompt_logprobs, tops, strict=True):
+                self.prompt_lp.append((name, value, self._alternatives(top)))
         delta = self.detok.add(out.new_token_ids)
         if out.logprobs is not None:
             names = token_strings(self.tokenizer, out.new_token_ids)
             tops = out.top_logprobs or [[] for _ in names]
             for name, value, top in zip(names, out.logprobs, tops, strict=False):
-                alt_names = token_strings(self.tokenizer, [t for t, _ in top])
-                alts = [(s, v) for s, (_, v) in zip(alt_names, top, strict=True)]
-                self.lp.append((name, value, alts))
+                self.lp.append((name, value, self._alternatives(top)))
         self.prompt_tokens = out.prompt_tokens or self.prompt_tokens
         self.cached_tokens = out.cached_tokens or self.cached_tokens
         self.completion_tokens = out.completion_tokens or self.completion_tokens
@@ -57,6 +73,10 @@ class ChoiceState:
         self.text += delta
         return delta
 
+    def _alternatives(self, top: list[tuple[int, float]]) -> list[tuple[str, float]]:
+        alt_names = token_strings(self.tokenizer, [t for t, _ in top])
+        return [(s, v) for s, (_, v) in zip(alt_names, top, strict=True)]
+
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
@@ -67,9 +87,20 @@ class ChoiceState:
         return self.lp[start:]
 
     def completion_logprobs(self, only_new: bool = False) -> CompletionLogprobs:
+        """The prompt's entries first (echo; the first token has no logprob and no
+        alternatives, as in OpenAI's answers), then the generated tokens'."""
+        out = CompletionLogprobs()
+        if not (only_new and self.prompt_lp_sent):
+            prompt_offset = 0
+            for name, value, alts in self.prompt_lp:
+                out.tokens.append(name)
+                out.token_logprobs.append(value)
+                out.top_logprobs.append(None if value is None else dict(alts))
+                out.text_offset.append(prompt_offset)
+                prompt_offset += len(name)
+            self.prompt_lp_sent = bool(self.prompt_lp)
         start = self.lp_sent if only_new else 0
         offset = self.text_offset + sum(len(name) for name, _, _ in self.lp[:start])
-        out = CompletionLogprobs()
         for name, value, alts in self._take_lp(only_new):
             out.tokens.append(name)
             out.token_logprobs.append(value)

@@ -3,7 +3,9 @@
 `IncrementalDetokenizer.add(ids)` returns only text that is final: it never ends inside a
 multi-byte UTF-8 character (a byte-level token may carry half an emoji), never repeats or drops
 text, and holds back a tail that could be the start of a stop string. `finish()` flushes the
-rest. Text is cut before the first stop string, as OpenAI does.
+rest. Text is cut before the first stop string, as OpenAI does; with `min_tokens`, only a stop
+string that ends after the text of the first min_tokens tokens counts (the engine ignores
+earlier ones too: scheduler/output_processor.py).
 """
 
 from __future__ import annotations
@@ -15,10 +17,17 @@ REPLACEMENT_CHAR = "\ufffd"
 
 class IncrementalDetokenizer:
     def __init__(
-        self, tokenizer: Any, stop: list[str] | None = None, skip_special_tokens: bool = True
+        self,
+        tokenizer: Any,
+        stop: list[str] | None = None,
+        skip_special_tokens: bool = True,
+        min_tokens: int = 0,
     ) -> None:
         self.tokenizer = tokenizer
         self.stop = [s for s in (stop or []) if s]
+        self.min_tokens = min_tokens
+        # Characters of `text` a stop string must end beyond (None: min_tokens not reached).
+        self.stop_from: int | None = 0 if min_tokens <= 0 else None
         self.skip_special_tokens = skip_special_tokens
         self.ids: list[int] = []
         # ids[prefix_offset:read_offset] were decoded already; decoding from prefix_offset keeps
@@ -61,8 +70,8 @@ class IncrementalDetokenizer:
         if self.stopped:
             return ""
         end = len(self.text)
-        for s in self.stop:
-            i = self.text.find(s, self.sent)
+        for s in self.stop if self.stop_from is not None else ():
+            i = self.text.find(s, max(self.sent, self.stop_from - len(s) + 1))
             if i >= 0 and i < end:
                 end = i
                 self.stopped = True
@@ -74,6 +83,11 @@ class IncrementalDetokenizer:
 
     def add(self, new_ids: list[int]) -> str:
         """Takes the newest token ids; returns the text that became final (maybe "")."""
+        if self.stop_from is None and len(self.ids) + len(new_ids) >= self.min_tokens:
+            head = self.min_tokens - len(self.ids)
+            self.ids.extend(new_ids[:head])
+            self._advance(final=False)
+            self.stop_from, new_ids = len(self.text), new_ids[head:]
         self.ids.extend(new_ids)
         self._advance(final=False)
         return self._release(final=False)

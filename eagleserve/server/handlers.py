@@ -79,9 +79,13 @@ async def create_completion(
     prompts = await asyncio.to_thread(completion_prompts, serving, body.prompt)
     if isinstance(prompts, ApiError):
         return prompts.response()
+    want_lp = body.logprobs is not None
+    # echo + logprobs: the prompt tokens' logprobs too (OpenAI's legacy scoring API).
+    scored = body.echo and want_lp
     params = []
     for ids in prompts:
-        p = serving.sampling_params(body, body.max_tokens, len(ids), body.logprobs)
+        p = serving.sampling_params(body, body.max_tokens, len(ids), body.logprobs,
+                                    body.logprobs if scored else None)  # fmt: skip
         if isinstance(p, ApiError):
             return p.response()
         params.append(p)
@@ -92,25 +96,31 @@ async def create_completion(
     reqs = serving.make_reqs(prompts, params, body.n, body.stream)
 
     def make_choice(i: int, pi: int) -> ChoiceState:
-        return ChoiceState(i, pi, tok, params[pi].stop, text_offset=len(echoes[pi]))
+        return ChoiceState(i, pi, tok, params[pi].stop, text_offset=len(echoes[pi]),
+                           min_tokens=params[pi].min_tokens,
+                           prompt_ids=prompts[pi] if scored else None)  # fmt: skip
 
     tracker = Tracker(serving, "completions", reqs, make_choice, body.n)
     rid, model, created = new_id("cmpl"), serving.model_name, now()  # one `created` per call
-    want_lp = body.logprobs is not None
+    echo_pending = {c.index for c in tracker.ordered if scored}
 
     def response(choices: list[CompletionChoice], usage: Any = None) -> CompletionResponse:
         return CompletionResponse(id=rid, created=created, model=model, choices=choices,
                                   usage=usage)  # fmt: skip
 
     def prelude() -> list[str]:
+        # With prompt logprobs the echo waits for them: it goes with the choice's first event.
         return [
             sse(response([CompletionChoice(index=c.index, text=echoes[c.prompt_index])]))
             for c in tracker.ordered
-            if echoes[c.prompt_index]
+            if echoes[c.prompt_index] and not scored
         ]
 
     def delta(c: ChoiceState, text: str, out: TokenOutput) -> str | None:
-        if not (text or c.finished or (want_lp and out.new_token_ids)):
+        if c.index in echo_pending and (out.prompt_logprobs is not None or c.finished):
+            echo_pending.discard(c.index)
+            text = echoes[c.prompt_index] + text
+        elif not (text or c.finished or (want_lp and out.new_token_ids)):
             return None
         lp = c.completion_logprobs(only_new=True) if want_lp else None
         fr = c.finish_reason if c.finished else None
@@ -166,7 +176,7 @@ async def create_chat(serving: Serving, body: ChatCompletionRequest, request: Re
     tok = serving.tokenizer
 
     def make_choice(i: int, pi: int) -> ChoiceState:
-        return ChoiceState(i, pi, tok, params.stop)
+        return ChoiceState(i, pi, tok, params.stop, min_tokens=params.min_tokens)
 
     tracker = Tracker(serving, "chat", reqs, make_choice, body.n)
     rid, model = new_id("chatcmpl"), serving.model_name

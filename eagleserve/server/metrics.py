@@ -103,6 +103,18 @@ class Metrics:
         self.e2e = one(
             Histogram, "e2e_request_latency_seconds", "Request latency", buckets=LATENCY_BUCKETS
         )
+        self.queue_time = one(
+            Histogram,
+            "request_queue_time_seconds",
+            "Time from arrival at the engine to the start of the prefill",
+            buckets=LATENCY_BUCKETS,
+        )
+        self.prefill_time = one(
+            Histogram,
+            "request_prefill_time_seconds",
+            "Time from the start of the prefill to the first output",
+            buckets=LATENCY_BUCKETS,
+        )
         self.spec_accept_length = one(
             Gauge, "spec_accept_length", "Mean tokens committed per verify step"
         )

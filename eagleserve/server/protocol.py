@@ -64,10 +64,28 @@ class _SamplingFields(BaseModel):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
+# Request examples in the OpenAPI document: clients see the fields used together, and the
+# schema fuzzer (tests/reliability/test_fuzz.py) sends each of them first.
+COMPLETION_EXAMPLES = [
+    {"prompt": "1, 2, 3,", "max_tokens": 8, "temperature": 0, "logit_bias": {"11": -100},
+     "presence_penalty": 0.5, "frequency_penalty": 1.0, "repetition_penalty": 1.2,
+     "min_tokens": 4},
+    {"prompt": "The capital of France is Paris.", "max_tokens": 0, "echo": True, "logprobs": 2},
+    {"prompt": [5, 6, 7], "max_tokens": 3, "echo": True, "logprobs": 1, "temperature": 0.8,
+     "seed": 7, "frequency_penalty": -2, "logit_bias": {"5": 100}},
+]  # fmt: skip
+CHAT_EXAMPLES = [
+    {"messages": [{"role": "user", "content": "Count to five."}], "max_tokens": 12,
+     "presence_penalty": 2, "repetition_penalty": 0.8, "logit_bias": {"0": -5}, "min_tokens": 3,
+     "logprobs": True, "top_logprobs": 2},
+]  # fmt: skip
+
+
 class CompletionRequest(_SamplingFields):
+    model_config = ConfigDict(json_schema_extra={"examples": COMPLETION_EXAMPLES})
+
     prompt: str | list[str] | list[int] | list[list[int]]
-    # 0 (score the prompt only) passes the schema and gets a 400 naming what is missing.
-    max_tokens: int | None = Field(16, ge=0)
+    max_tokens: int | None = Field(16, ge=0)  # 0 with echo: score the prompt (else a 400)
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
     best_of: int | None = Field(None, ge=1)
@@ -95,6 +113,8 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(_SamplingFields):
+    model_config = ConfigDict(json_schema_extra={"examples": CHAT_EXAMPLES})
+
     messages: list[ChatMessage] = Field(min_length=1)  # in the schema, so fuzzers know too
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)

@@ -13,14 +13,14 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from eagleserve.config import ServerArgs
-from eagleserve.core import (
+from eagleserve.messages import GenerateReqInput, TokenOutput
+from eagleserve.sampling_params import (
     SEED_BOUND,
     RequestError,
     SamplingParams,
     check_budget,
     check_prompt,
 )
-from eagleserve.messages import GenerateReqInput, TokenOutput
 from eagleserve.server.choices import ChoiceState
 from eagleserve.server.engine_client import EngineClient, RequestStream
 from eagleserve.server.metrics import Metrics
@@ -81,13 +81,16 @@ class Serving:
         return api_error(check_prompt(ids, self.client.max_context_len, vocab, param))
 
     def sampling_params(
-        self, body: _SamplingFields, max_tokens: int | None, prompt_len: int, logprobs: int | None
+        self,
+        body: _SamplingFields,
+        max_tokens: int | None,
+        prompt_len: int,
+        logprobs: int | None,
+        prompt_logprobs: int | None = None,
     ) -> SamplingParams | ApiError:
         if not 1 <= body.n <= MAX_N:
             return ApiError(400, f"n must be between 1 and {MAX_N}", "n")
         ctx = self.client.max_context_len
-        if max_tokens is not None and max_tokens <= 0:
-            return ApiError(400, "max_tokens must be at least 1", "max_tokens")
         new = max_tokens if max_tokens is not None else ctx - prompt_len
         over = api_error(check_budget(prompt_len, new, ctx))
         if over is not None:
@@ -103,9 +106,16 @@ class Serving:
             stop_token_ids=list(body.stop_token_ids or []),
             ignore_eos=body.ignore_eos,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            presence_penalty=body.presence_penalty or 0.0,
+            frequency_penalty=body.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+            min_tokens=body.min_tokens or 0,
+            # Keys are token ids (validation.py checked their form).
+            logit_bias={int(k): v for k, v in (body.logit_bias or {}).items()},
         )
-        err = params.validate()
-        return ApiError(400, err) if err is not None else params
+        vocab = self.client.ready.vocab_size if self.client.ready else 0
+        return api_error(params.validate(vocab)) or params
 
     def make_reqs(
         self, prompts: list[list[int]], params: list[SamplingParams], n: int, stream: bool
@@ -156,6 +166,9 @@ class Tracker:
             m.generation_tokens.inc(n_new)
         if choice.prompt_tokens == 0 and out.prompt_tokens:
             m.prompt_tokens.inc(out.prompt_tokens)
+        if out.queue_time_s is not None and out.prefill_time_s is not None:
+            m.queue_time.observe(out.queue_time_s)
+            m.prefill_time.observe(out.prefill_time_s)
         delta = choice.feed(out)
         if out.finished and out.finish_reason == "abort":  # cut by the server's shutdown
             m.request_aborted(self.endpoint, "shutdown")

@@ -2,10 +2,10 @@
 
 Invariant (issue #20): every field that would change the output is either used or answered with
 a 400 whose `param` names it; none is dropped silently. Ranges are checked by pydantic in
-protocol.py (so they show in the OpenAPI schema, as OpenAI's are); this module rejects in-range
-values the engine does not implement: penalties, `logit_bias`, structured output, tools,
-`best_of` > n, `suffix`, non-text content, prompt logprobs. Each is accepted at its neutral
-value, so clients that always send the defaults (e.g. `frequency_penalty: 0`) keep working.
+protocol.py (so they show in the OpenAPI schema, as OpenAI's are) and by
+`SamplingParams.validate`; this module rejects in-range values the engine does not implement:
+structured output, tools, `best_of` > n, `suffix`, non-text content. Each is accepted at its
+neutral value, so clients that always send the defaults (e.g. `tools: []`) keep working.
 """
 
 from __future__ import annotations
@@ -20,13 +20,9 @@ UNSUPPORTED = "unsupported_parameter"
 
 # (field, is-neutral test, what is accepted) for fields both endpoints share.
 NEUTRAL: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
-    ("presence_penalty", lambda v: v is None or v == 0, "0"),
-    ("frequency_penalty", lambda v: v is None or v == 0, "0"),
-    ("repetition_penalty", lambda v: v is None or v == 1, "1.0"),
-    ("min_tokens", lambda v: v is None or v == 0, "0"),
-    ("logit_bias", lambda v: not v, "an empty map"),
     ("response_format", lambda v: v is None or v.type == "text", '{"type": "text"}'),
 )
+MAX_TOKEN_ID_DIGITS = 12  # longer keys are no token id (and int() of 4300+ digits raises)
 
 
 def not_supported(param: str, accepted: str) -> ApiError:
@@ -42,22 +38,19 @@ def check_shared(body: _SamplingFields) -> ApiError | None:
 
 
 def check_logit_bias_keys(body: _SamplingFields) -> ApiError | None:
-    """OpenAI's keys are token ids as strings; anything else is a 400 before 'unsupported'."""
+    """OpenAI's keys are token ids as strings (decimal digits); the vocabulary bound is checked
+    with the other sampling parameters."""
     for key in body.logit_bias or {}:
-        if not key.lstrip("-").isdigit() or int(key) < 0:
-            return ApiError(400, f"logit_bias keys must be token ids, got {key!r}", "logit_bias")
+        if not (key.isascii() and key.isdigit() and len(key) <= MAX_TOKEN_ID_DIGITS):
+            shown = key if len(key) <= 20 else key[:20] + "..."
+            return ApiError(400, f"logit_bias keys must be token ids, got {shown!r}", "logit_bias")
     return None
 
 
 def check_completion(body: CompletionRequest) -> ApiError | None:
-    if body.max_tokens == 0:
-        msg = ("max_tokens 0 (scoring the prompt without generating) is not supported yet: "
-               "it needs prompt logprobs; use max_tokens >= 1")  # fmt: skip
-        return ApiError(400, msg, "max_tokens", UNSUPPORTED)
-    if body.echo and body.logprobs is not None:
-        msg = ("echo with logprobs (logprobs of the prompt tokens) is not supported yet; "
-               "send logprobs without echo for the generated tokens' logprobs")  # fmt: skip
-        return ApiError(400, msg, "echo", UNSUPPORTED)
+    if body.max_tokens == 0 and not body.echo:
+        msg = "max_tokens 0 needs echo: it returns the prompt (with logprobs, its scores) only"
+        return ApiError(400, msg, "max_tokens")
     if body.best_of is not None and body.best_of < body.n:
         return ApiError(400, f"best_of ({body.best_of}) must be at least n ({body.n})", "best_of")
     if body.best_of not in (None, 1, body.n):

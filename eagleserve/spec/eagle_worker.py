@@ -20,11 +20,12 @@ from eagleserve.core import GenerationBatchResult, OnVerified, ScheduleBatch
 from eagleserve.model.cuda_graph import BUCKETS
 from eagleserve.model.forward_batch import ForwardBatch, HostLens
 from eagleserve.model.llama import ModelOutput
+from eagleserve.model.prompt_logprobs import score_prompts, wants_prompt_logprobs
 from eagleserve.model.runner import ModelRunner
 from eagleserve.model.sampler import (
     SamplingInfo,
     logits_to_probs,
-    sample_with_logprobs,
+    sample_next,
     top_logprobs,
 )
 from eagleserve.spec.accept import AcceptResult, commit_tree_path, verify_greedy, verify_sampling
@@ -107,6 +108,13 @@ class EagleWorker:
     def _sampling_info(self, batch: ScheduleBatch) -> SamplingInfo:
         return SamplingInfo.of_batch(batch, self.runner.config.vocab_size)
 
+    def _sample_next(
+        self, logits: torch.Tensor, batch: ScheduleBatch, prefill: bool
+    ) -> GenerationBatchResult:
+        info = self._sampling_info(batch)
+        state = self.runner.penalty_state
+        return sample_next(logits, batch.reqs, info, state, batch.req_pool_indices, prefill)
+
     def _features(self, out: ModelOutput) -> torch.Tensor:
         aux = out.aux_hidden_states
         return aux if self.spec.algorithm == "EAGLE3" else out.hidden_states
@@ -117,7 +125,11 @@ class EagleWorker:
     ) -> GenerationBatchResult:
         fb = ForwardBatch.init_new(batch, self.token_to_kv_pool, self.runner.attn_backend)
         out = self.runner.forward(fb)
-        result = sample_with_logprobs(out.logits, batch.reqs, self._sampling_info(batch))
+        result = self._sample_next(out.logits, batch, prefill=True)
+        scored = wants_prompt_logprobs(batch)
+        if scored:
+            logits_of = self.runner.model.compute_logits
+            result.prompt_logprobs = score_prompts(logits_of, out.hidden_states, batch, scored)
         # Head pairs token t[j+1] with feature f[j]: shift ids left, append the sampled token
         # (the next prompt token where the prefill goes on in a later chunk).
         last = fb.logits_indices
@@ -178,7 +190,7 @@ class EagleWorker:
                 attn_backend=self.runner.attn_backend,
             )
         )
-        sampled = sample_with_logprobs(out.logits, batch.reqs, self._sampling_info(batch))
+        sampled = self._sample_next(out.logits, batch, prefill=False)
         next_ids = sampled.next_token_ids
         assert self.drafter.lag is not None
         self.drafter.lag.hold(
@@ -236,7 +248,16 @@ class EagleWorker:
             )
         )
         logits = out.logits.view(bs, n, -1)
-        acc = accept(self._sampling_info(batch), t.draft_tokens, t.parents, logits)
+        info = self._sampling_info(batch)
+        pen, state = info.penalties, self.runner.penalty_state
+        # Greedy and sampled acceptance both judge the penalized logits: node i sees the counts
+        # of its own path, so the walk accepts exactly what target-only decoding would emit.
+        scored = logits if pen is None else pen.verify_logits(
+            logits, state, batch.req_pool_indices, t.draft_tokens, t.tree_mask, t.depths
+        )  # fmt: skip
+        acc = accept(info, t.draft_tokens, t.parents, scored)
+        if pen is not None:
+            pen.commit(state, batch.req_pool_indices, acc.output_tokens, acc.output_tokens >= 0)
         if not spec.is_chain:
             commit_tree_path(r2t, batch.req_pool_indices, L, acc.accept_index, n)
         # Draft extend over the accepted path: token after node k with the feature of node k.

@@ -42,6 +42,26 @@ def cases() -> list[tuple[str, dict[str, Any]]]:
         out.append(("/v1/chat/completions", {**BASE_CHAT, "temperature": v, "top_p": 0.5,
                                              "min_p": 0.1, "top_k": 3, "logprobs": True,
                                              "top_logprobs": 2}))  # fmt: skip
+        # Penalties and bias reach the sampler (greedy and sampled, chat too); prompt logprobs.
+        key = str(int(v)) if isinstance(v, int) else repr(v)
+        out.append(("/v1/completions", {**BASE_CMPL, "logit_bias": {key: 50}}))
+        out.append(("/v1/completions", {**BASE_CMPL, "temperature": 1.0, "seed": 3,
+                                        "repetition_penalty": v, "presence_penalty": 2,
+                                        "frequency_penalty": -2, "min_tokens": 2,
+                                        "logit_bias": {"5": -100, "6": 100}}))  # fmt: skip
+        out.append(("/v1/chat/completions", {**BASE_CHAT, "repetition_penalty": v,
+                                             "frequency_penalty": 2, "min_tokens": 3,
+                                             "logit_bias": {"7": v}}))  # fmt: skip
+        out.append(("/v1/completions", {**BASE_CMPL, "echo": True, "logprobs": v}))
+        out.append(("/v1/completions", {**BASE_CMPL, "echo": True, "logprobs": 2,
+                                        "max_tokens": v}))  # fmt: skip
+        out.append(("/v1/completions", {**BASE_CMPL, "echo": True, "max_tokens": 0,
+                                        "logprobs": 5, "min_tokens": v}))  # fmt: skip
+    # min_tokens with every token a stop token: nothing would be left to sample.
+    out.append(("/v1/completions", {**BASE_CMPL, "min_tokens": 2, "temperature": 1.0,
+                                    "stop_token_ids": list(range(256))}))  # fmt: skip
+    out.append(("/v1/completions", {**BASE_CMPL, "min_tokens": 3, "temperature": 0,
+                                    "stop_token_ids": list(range(256)), "n": 2}))  # fmt: skip
     return out
 
 
@@ -69,7 +89,8 @@ def test_extreme_numbers_never_5xx_and_the_server_keeps_serving(spec_server: Ser
 @pytest.mark.parametrize("literal", ["NaN", "Infinity", "-Infinity", "1e400"])
 def test_non_finite_numbers_are_400(spec_server: Server, literal: str) -> None:
     """Python's json writes NaN/Infinity; 1e400 overflows a double. None may reach the engine."""
-    for field in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty"):
+    for field in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                  "repetition_penalty"):
         raw = f'{{"prompt": [5, 6], "max_tokens": 2, "{field}": {literal}}}'
         resp = httpx.post(spec_server.url + "/v1/completions", content=raw,
                           headers={"content-type": "application/json"}, timeout=60)  # fmt: skip

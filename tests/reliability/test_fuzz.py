@@ -15,11 +15,14 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from rel_fixtures import Server, spec_server_fixture, tiny_dirs_fixture  # noqa: F401 (fixtures)
 
+from eagleserve.server.protocol import CHAT_EXAMPLES, COMPLETION_EXAMPLES
+
 schemathesis = pytest.importorskip("schemathesis")
 
 OPERATIONS = [("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
               ("GET", "/v1/models"), ("GET", "/health")]  # fmt: skip
 MAX_EXAMPLES = 60
+EXAMPLES = {"/v1/completions": COMPLETION_EXAMPLES, "/v1/chat/completions": CHAT_EXAMPLES}
 CAP = 4
 
 
@@ -58,6 +61,7 @@ def test_schema_fuzz(spec_server: Server, method: str, path: str) -> None:
     ]
 
     statuses: list[int] = []
+    sent: list[tuple[Any, int]] = []
 
     @settings(
         max_examples=MAX_EXAMPLES,
@@ -75,9 +79,16 @@ def test_schema_fuzz(spec_server: Server, method: str, path: str) -> None:
             raise AssertionError(f"{type(exc).__name__} on {case.method} {case.path} "
                                  f"body={case.body!r}") from exc
         statuses.append(response.status_code)
+        sent.append((case.body, response.status_code))
         case.validate_response(response, checks=checks)
 
     run()
+    # The schema's request examples (penalties, logit_bias, min_tokens, echo + logprobs,
+    # max_tokens 0) went first, capped, and were served.
+    for example in EXAMPLES.get(path, []):
+        served = [status for body, status in sent if isinstance(body, dict)
+                  and all(body.get(k) == v for k, v in example.items() if k != "max_tokens")]
+        assert 200 in served, (example, served)
     # Not only rejections: the schema must lead the fuzzer to requests the server accepts.
     assert 200 in statuses, sorted(set(statuses))
     assert method == "GET" or len(statuses) >= 10, len(statuses)  # GETs have no parameters

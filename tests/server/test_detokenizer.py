@@ -94,3 +94,20 @@ def test_finish_flushes_held_back_prefix(tokenizer: Any) -> None:
     detok = IncrementalDetokenizer(tokenizer, stop=["END"])
     ids = tokenizer.encode("ok EN", add_special_tokens=False)
     assert detok.add(ids) + detok.finish() == "ok EN"
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_min_tokens_ignores_stop_strings_in_the_first_tokens(tokenizer: Any, seed: int) -> None:
+    """A stop string ending within the first min_tokens tokens does not count (the engine keeps
+    generating there too); the first one ending later cuts, however the tokens arrive."""
+    rng = random.Random(seed)
+    words = [" one,", " two,", " three,", " four,", " five", ",", " six,", " seven"]
+    text = "".join(words)
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    min_tokens = rng.randint(1, len(ids) - 3)
+    head = tokenizer.decode(ids[:min_tokens])
+    want = text[: text.find(",", len(head))]
+    detok = IncrementalDetokenizer(tokenizer, [","], min_tokens=min_tokens)
+    assert "".join(stream(detok, ids, rng)) == want
+    plain = IncrementalDetokenizer(tokenizer, [","])
+    assert "".join(stream(plain, ids, rng)) == " one"

@@ -1,6 +1,6 @@
 """/metrics series a Prometheus user relies on (issue #20 item 6): a model_name label on every
-eagleserve_* series, HTTP codes, aborted requests, length histograms, engine liveness, and the
-standard process_* metrics."""
+eagleserve_* series, HTTP codes, aborted requests, length, queue-time and prefill-time
+histograms, engine liveness, and the standard process_* metrics."""
 
 from __future__ import annotations
 
@@ -55,6 +55,21 @@ def test_length_histograms(http: httpx.Client) -> None:
     assert metric(http, gen + "_sum") == sum0 + 8
     prompt = metric(http, "eagleserve_request_prompt_tokens_sum") - prompt0
     assert prompt == 2 * resp["usage"]["prompt_tokens"]
+
+
+def test_queue_and_prefill_time_histograms(http: httpx.Client) -> None:
+    """One observation of each per request (n choices: n requests), each within the call."""
+    names = ("eagleserve_request_queue_time_seconds", "eagleserve_request_prefill_time_seconds")
+    before = [(metric(http, n + "_count"), metric(http, n + "_sum")) for n in names]
+    t0 = time.monotonic()
+    body = {**GOOD, "prompt": "Hello " * 200, "n": 3, "temperature": 1.0}
+    assert http.post("/v1/completions", json=body).status_code == 200
+    wall = time.monotonic() - t0
+    for name, (count, total) in zip(names, before, strict=True):
+        assert metric(http, name + "_count") == count + 3, name
+        added = metric(http, name + "_sum") - total
+        assert 0 <= added < 3 * wall, name
+    assert metric(http, names[1] + "_sum") > before[1][1]  # a 200-word prefill takes time
 
 
 def test_client_disconnect_is_counted_as_aborted(server: ServerProcess, http: httpx.Client) -> None:

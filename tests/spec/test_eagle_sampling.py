@@ -14,6 +14,7 @@ import os
 import numpy as np
 import pytest
 import torch
+from conftest import reference_penalize
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from eagleserve import Engine, SamplingParams
@@ -66,13 +67,15 @@ def head_dir(small_target: tuple[str, LlamaForCausalLM], tmp_path_factory) -> st
 
 
 def exact_joint(model: LlamaForCausalLM, params: SamplingParams) -> np.ndarray:
-    """P(t1, t2, t3 | PROMPT) under temperature/top-k, from the target's own conditionals."""
+    """P(t1, t2, t3 | PROMPT) under penalties, bias, temperature and top-k, from the target's
+    own conditionals."""
     joint = np.zeros((VOCAB,) * 3)
     with torch.no_grad():
 
         def cond(prefix: list[int]) -> np.ndarray:
-            logits = model(torch.tensor([PROMPT + prefix])).logits[0, -1].double()
-            logits = logits / params.temperature
+            raw = model(torch.tensor([PROMPT + prefix])).logits[0, -1].double()
+            logits = torch.tensor(reference_penalize(raw.tolist(), PROMPT, prefix, params))
+            logits = logits.double() / params.temperature
             if params.top_k > 0:
                 kth = logits.topk(params.top_k).values[-1]
                 logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -139,6 +142,32 @@ def test_sampling_matches_target(
     threshold = tv_threshold(joint, N_SAMPLES, np.random.default_rng(0))
     assert tv < threshold, f"TV {tv:.4f} >= {threshold:.4f}"
     assert stats.kv_used_tokens == 0
+
+
+PENALTIES = dict(presence_penalty=1.5, frequency_penalty=2.0, repetition_penalty=2.0,
+                 logit_bias={3: 2.0, 5: -1.5})  # fmt: skip
+
+
+@pytest.mark.parametrize(("steps", "topk", "ndt"), [(3, 1, 4), (3, 2, 6)], ids=["chain", "tree"])
+def test_sampling_with_penalties_matches_target(small_target, head_dir, steps, topk, ndt):
+    """Seeded sampling with penalties and logit_bias: the joint of the first three tokens is the
+    target's under the same fields (each draft node is judged with its own path's counts)."""
+    path, model = small_target
+    params = SamplingParams(max_new_tokens=3, temperature=1.0, ignore_eos=True, **PENALTIES)
+    joint = exact_joint(model, params)
+    plain = exact_joint(model, dataclasses.replace(params, **{k: SamplingParams().__dict__[k]
+                                                              for k in PENALTIES}))  # fmt: skip
+    eng = Engine(model=path, device="cpu", kv_cache_tokens=32768, max_running_requests=2048,
+                 speculative_algorithm="EAGLE", speculative_draft_model_path=head_dir,
+                 speculative_num_steps=steps, speculative_eagle_topk=topk,
+                 speculative_num_draft_tokens=ndt)  # fmt: skip
+    emp = empirical_joint(eng, params)
+    stats = eng.stats()
+    assert stats.spec_accepted_tokens_total / stats.spec_verify_calls_total > 1.2
+    threshold = tv_threshold(joint, N_SAMPLES, np.random.default_rng(0))
+    assert 0.5 * np.abs(plain - joint).sum() > 4 * threshold, "the penalties change too little"
+    tv = 0.5 * np.abs(emp - joint).sum()
+    assert tv < threshold, f"TV {tv:.4f} >= {threshold:.4f}"
 
 
 def test_threshold_detects_bias(small_target):

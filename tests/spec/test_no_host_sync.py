@@ -119,3 +119,36 @@ def test_forwards_read_no_device_values(
     params = [SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)] * 3
     out = engine.generate(prompts, params)
     assert [len(o["token_ids"]) for o in out] == [12, 12, 12]
+
+
+def test_penalties_read_no_device_values() -> None:
+    """The penalty glue a verify runs (path counts, bias, min_tokens, penalties, the commit of
+    accepted tokens) and a decode's sampling with penalties stay on the device."""
+    from eagleserve.core import Req
+    from eagleserve.model.penalty_state import BatchPenalties, PenaltyState
+    from eagleserve.model.sampler import SamplingInfo, sample_next
+
+    vocab, bs, n = 32, 3, 5
+    params = [SamplingParams(presence_penalty=0.5, frequency_penalty=1.0, repetition_penalty=1.3,
+                             min_tokens=4, logit_bias={3: -5.0}, max_new_tokens=8),
+              SamplingParams(temperature=0.7, logit_bias={1: 2.0}),
+              SamplingParams(temperature=0.0, repetition_penalty=0.8)]  # fmt: skip
+    reqs = [Req(f"r{i}", torch.randint(0, vocab, (6,)).tolist(), p, frozenset({2}),
+                generator=torch.Generator().manual_seed(i))
+            for i, p in enumerate(params)]  # fmt: skip
+    for i, r in enumerate(reqs):
+        r.req_pool_idx = 2 - i
+    slots = torch.tensor([2, 1, 0])
+    state = PenaltyState(3, vocab, torch.device("cpu"))
+    info = SamplingInfo.from_reqs(reqs, vocab, torch.device("cpu"), prefill=True)
+    pen = info.penalties
+    assert isinstance(pen, BatchPenalties)
+    tokens = torch.randint(0, vocab, (bs, n))
+    chain = torch.ones(n, n, dtype=torch.bool).tril().expand(bs, n, n)
+    with no_host_reads():
+        sample_next(torch.randn(bs, vocab), reqs, info, state, slots, prefill=True)
+        out = pen.verify_logits(torch.randn(bs, n, vocab), state, slots, tokens, chain,
+                                torch.arange(n).expand(bs, n))  # fmt: skip
+        pen.commit(state, slots, tokens, tokens > 3)
+        sample_next(torch.randn(bs, vocab), reqs, info, state, slots, prefill=False)
+    assert out.shape == (bs, n, vocab)
