@@ -183,6 +183,8 @@ SYSTEM_PROMPTS = [
 def next_turn(rng: random.Random, args: argparse.Namespace, ctx: int, history: list) -> Job:
     """The next chat turn of a conversation (a new one when `history` is empty)."""
     job = make_job(rng, args, ctx)
+    if job.echo_logprobs:  # prompt scoring is a completions feature: a plain turn instead
+        job.echo_logprobs, job.max_tokens = False, max(job.max_tokens, 4)
     job.kind = "chat"
     job.history = history or [{"role": "system", "content": rng.choice(SYSTEM_PROMPTS)}]
     return job

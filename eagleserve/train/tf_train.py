@@ -45,9 +45,9 @@ def evaluate_shards(head: object, source: ShardSource, cfg: TrainConfig) -> dict
     return out
 
 
-def eval_head_on_shards(ns: argparse.Namespace) -> int:
-    """`--eval-head PATH`: per-depth accuracy of a saved head on held-out shards (the same
-    measure as the end-of-training one), written to OUT/eval_<name>.json."""
+def head_accuracy(ns: argparse.Namespace) -> dict:
+    """Per-depth accuracy of the saved head `ns.eval_head` on `ns.shards` (default
+    OUT/val_shards): the same measure as the end-of-training one."""
     from eagleserve.spec.head_loader import load_eagle_head
     from eagleserve.train.assets import resolve_head_path
     from eagleserve.train.tf_cli import load_target
@@ -61,8 +61,15 @@ def eval_head_on_shards(ns: argparse.Namespace) -> int:
     src = ShardSource(shard_entries(dirs), lmap, ns.batch_size, ns.max_len, ns.ttt_steps, ns.seed)
     cfg = TrainConfig(out_dir=ns.out, batch_size=ns.batch_size, max_len=ns.max_len,
                       depths=ns.ttt_steps, seed=ns.seed, soft_labels=True)  # fmt: skip
-    res = {"head": ns.eval_head, "shards": dirs, **evaluate_shards(head, src, cfg)}
-    name = os.path.basename(os.path.normpath(path))
+    return {"head": ns.eval_head, "shards": dirs, **evaluate_shards(head, src, cfg)}
+
+
+def eval_head_on_shards(ns: argparse.Namespace) -> int:
+    """`--eval-head PATH`: head_accuracy, written to OUT/eval_<name>.json."""
+    from eagleserve.train.assets import resolve_head_path
+
+    res = head_accuracy(ns)
+    name = os.path.basename(os.path.normpath(resolve_head_path(ns.eval_head)))
     os.makedirs(ns.out, exist_ok=True)
     with open(os.path.join(ns.out, f"eval_{name}.json"), "w") as f:
         json.dump(res, f, indent=2)

@@ -1,0 +1,92 @@
+"""Served acceptance next to teacher-forced head accuracy on the very same token sequences.
+
+For each held-out set (MT-bench first turns, HumanEval, math; never trained on): the served
+target (packed GGUF) answers greedily (`--new-tokens`, EOS ignored); the EAGLE engine (chain of 3)
+produces the same tokens and reports P(accept >= d) per verify; then the target runs teacher-
+forced over prompt + answer (train-draft's extraction) and the head is scored position by
+position on the answer (train-draft --eval-head: depth d given correct earlier tokens, the
+head's own features fed back). If the two agree, the head's quality on this text, not the
+serving path, sets the acceptance.
+
+    python bench/accept_gap.py [--prompts-per-set 8] [--new-tokens 96] [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+from types import SimpleNamespace
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench import data  # noqa: E402
+from bench.common import machine, print_table, write_json  # noqa: E402
+from bench.spec_cpu import chat_ids, run_engine  # noqa: E402
+from eagleserve import Engine  # noqa: E402
+from eagleserve.train.extract import extract, self_distilled_items  # noqa: E402
+from eagleserve.train.shards import ShardWriter  # noqa: E402
+from eagleserve.train.tf_cli import load_target, target_layer_ids  # noqa: E402
+from eagleserve.train.tf_train import head_accuracy  # noqa: E402
+
+CHAIN = dict(speculative_num_steps=3, speculative_eagle_topk=1, speculative_num_draft_tokens=4)
+DEPTHS = 3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--head", default="builtin:smollm2-135m-eagle")
+    ap.add_argument("--prompts-per-set", type=int, default=8)
+    ap.add_argument("--new-tokens", type=int, default=96)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    kw = dict(model="default", device="cpu", kv_cache_tokens=4096, max_running_requests=2,
+              disable_overlap_schedule=True)  # fmt: skip
+    base = Engine(**kw)
+    eagle = Engine(**kw, speculative_algorithm="EAGLE3", speculative_draft_model_path=args.head,
+                   **CHAIN)  # fmt: skip
+    n = args.prompts_per_set
+    sets = {"MT-bench": data.mt_bench(n), "HumanEval": data.human_eval(n), "math": data.math(n)}
+    served, sequences = {}, {}
+    for name, prompts in sets.items():
+        ids = [chat_ids(base.tokenizer, p) for p in prompts]
+        b = run_engine(base, ids, 1, args.new_tokens)
+        e = run_engine(eagle, ids, 1, args.new_tokens)
+        served[name] = dict(tau=e["tau"], accept=e["accept_by_depth"],
+                            lossless=e["tokens"] == b["tokens"])  # fmt: skip
+        sequences[name] = ([i + t for i, t in zip(ids, b["tokens"])], [len(i) for i in ids])
+    del base, eagle
+    target, _ = load_target("default", "float32", 2048)
+    layers = target_layer_ids("EAGLE3", target.config.num_hidden_layers)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, (seqs, lens) in sequences.items():
+            shard_dir = os.path.join(tmp, name)
+            meta = {"layer_ids": list(layers), "k": 32, "extract_dtype": "float32", "sources": name}
+            writer = ShardWriter(shard_dir, 65536, meta)
+            extract(target, self_distilled_items(seqs, lens), writer, layers, 32, 10**9, 1e9, name)
+            ns = SimpleNamespace(model="default", eval_head=args.head, algorithm="EAGLE3",
+                                 shards=[shard_dir], out=os.path.join(tmp, f"eval_{name}"),
+                                 max_len=512, batch_size=8, ttt_steps=DEPTHS, seed=0)  # fmt: skip
+            tf = head_accuracy(ns)
+            rows.append(dict(set=name, **served[name],
+                             teacher_forced=[tf[f"acc{d}"] for d in range(DEPTHS)],
+                             outside_draft_vocab=tf["argmax_outside_draft_vocab"]))  # fmt: skip
+    print(f"machine: {machine()}; head {args.head}; chain 3, batch 1, greedy, "
+          f"{args.new_tokens} new tokens, {n} prompts per set")  # fmt: skip
+    print_table(
+        ["set", "tau", "served P(accept >= d)", "teacher-forced acc by depth", "outside vocab",
+         "lossless"],
+        [[r["set"], f"{r['tau']:.2f}", " ".join(f"{a:.3f}" for a in r["accept"]),
+          " ".join(f"{a:.3f}" for a in r["teacher_forced"]), f"{r['outside_draft_vocab']:.1%}",
+          str(r["lossless"])] for r in rows],
+    )  # fmt: skip
+    write_json("accept_gap.json", {"args": vars(args), "machine": machine(), "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
