@@ -8,8 +8,9 @@ budget (greedy, EOS ignored), 2 threads each, default scheduling (no overlap on 
 setting runs once per round, rounds interleaved so that load from other jobs hits all alike;
 tok/s is the median over rounds (all prompts of a round, prefill included). Prints tok/s,
 ratios, EAGLE's tau and whether EAGLE's tokens equal eagleserve's own target-only greedy tokens
-on the same weights; writes bench/results/cpu_vs_llamacpp.json. llama.cpp is optional
-(`make bench-llamacpp` builds it).
+on the same weights; then the cost of one target forward over 1 (a decode), 2, 3 and 4 new
+tokens at `--cost-context` tokens of context (median, interleaved); writes
+bench/results/cpu_vs_llamacpp.json. llama.cpp is optional (`make bench-llamacpp` builds it).
 """
 
 from __future__ import annotations
@@ -118,6 +119,44 @@ def run_setting(
     )  # fmt: skip
 
 
+def verify_costs(engine: Any, context: int, reps: int) -> dict[str, float]:
+    """Median ms of one target forward over n = 1 (a decode) .. 4 new tokens of one request
+    after `context` tokens of (scratch) KV, n interleaved; through the serving forward."""
+    from eagleserve.model.forward_batch import ForwardBatch, HostLens
+
+    runner = engine.scheduler.worker.runner
+    r2t_pool, kv_pool = runner.req_to_token_pool, runner.token_to_kv_pool
+    row, loc = r2t_pool.alloc(), kv_pool.alloc(context + 4)
+    r2t_pool.req_to_token[row, : context + 4] = loc
+    rpi = torch.tensor([row])
+    times: dict[int, list[float]] = {n: [] for n in range(1, 5)}
+    try:
+        with torch.inference_mode():
+            for _ in range(reps):
+                for n in times:
+                    cols = context + torch.arange(n)
+                    fb = ForwardBatch(
+                        mode="decode" if n == 1 else "verify",
+                        input_ids=torch.randint(0, runner.config.vocab_size, (n,)),
+                        positions=cols,
+                        out_cache_loc=r2t_pool.req_to_token[row, cols],
+                        req_pool_indices=rpi,
+                        prefix_lens=torch.tensor([context]),
+                        extend_lens=torch.tensor([n]),
+                        host=HostLens.per_request(n, context, 1),
+                        kv_pool=kv_pool,
+                        attn_backend=runner.attn_backend,
+                    )
+                    t0 = time.perf_counter()
+                    runner.forward(fb)
+                    times[n].append(time.perf_counter() - t0)
+    finally:
+        kv_pool.free(loc)
+        r2t_pool.free(row)
+    return {f"{'decode' if n == 1 else f'verify{n}'}_ms": 1e3 * statistics.median(t)
+            for n, t in times.items()}  # fmt: skip
+
+
 def merge_rounds(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """One row from a setting's rounds: median tok/s; the tokens must not change between rounds."""
     row = dict(runs[0])
@@ -223,6 +262,8 @@ def main() -> None:
     ap.add_argument("--no-fp32", action="store_true", help="skip the fp32 target-only row")
     ap.add_argument("--eagle-fp32", action="store_true", help="also EAGLE on fp32 weights")
     ap.add_argument("--gemv", action="store_true", help="also time the lm_head GEMV")
+    ap.add_argument("--cost-context", type=int, default=256,
+                    help="context of the decode / verify cost timings")  # fmt: skip
     ap.add_argument(
         "--llama-python",
         default=os.path.join(ROOT, ".venv-llamacpp/bin/python"),
@@ -285,6 +326,11 @@ def main() -> None:
         if llama_run is not None:
             runs["llama.cpp"].append(llama_run)
             print(f"round {i + 1}: {llama_run['setting']:<22} {llama_run['tok_s']:6.1f} tok/s")
+    costs = verify_costs(engines["eagleserve int4"], args.cost_context, 9 * args.rounds)
+    result["target_forward_ms"] = {"context": args.cost_context, **costs}
+    print(f"target forward at {args.cost_context} tokens of context (median ms): "
+          + ", ".join(f"{k[:-3]} {v:.1f} ({v / costs['decode_ms']:.2f}x)"
+                      for k, v in costs.items()))  # fmt: skip
     if runs["llama.cpp"]:
         print(f"llama.cpp build flags: {runs['llama.cpp'][0]['build_flags']}")
     if not runs["llama.cpp"]:
