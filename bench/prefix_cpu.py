@@ -145,8 +145,29 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--spec", action="store_true", help="the shipped EAGLE3 head (adaptive)")
     p.add_argument("--chunk", type=int, default=None, help="chunk size (default: the CPU's)")
+    p.add_argument(
+        "--only-chunking",
+        type=str,
+        default=None,
+        metavar="SIZES",
+        help="only part 3, for these chunk sizes (comma-separated; 0 = one shot)",
+    )
     args = p.parse_args()
     torch.set_num_threads(args.threads)
+    if args.only_chunking is not None:
+        sizes = [int(c) for c in args.only_chunking.split(",")]
+        runs = {size: long_prompt_during_decode(args, size) for size in sizes}
+        print(f"machine: {machine_info()['description']}")
+        for size, r in runs.items():
+            print(
+                f"long prompt during 8 decodes, chunk {size:>5}: ITL median "
+                f"{r['itl_median_ms']:.1f} ms, p99 while prefilling "
+                f"{r['itl_p99_during_prefill_ms']:.1f} ms ({r['ratio']:.2f}x; goal <= 2x), "
+                f"its TTFT {r['long_prompt_ttft_s']:.2f} s"
+            )
+        write_json("prefix_cpu_chunking.json", {"args": vars(args), "machine": machine_info(),
+                                                "long_prompt_during_decode": runs})  # fmt: skip
+        return 0
     turns = {cache: conversation(args, cache) for cache in (False, True)}
     print("TTFT per turn (s), cache off / on:", turns, flush=True)
     shared = {cache: shared_system_prompt(args, cache) for cache in (False, True)}
