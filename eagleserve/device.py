@@ -29,4 +29,3 @@ def device_module(device: torch.device) -> Any:
 def synchronize(device: torch.device) -> None:
     if device.type != "cpu":
         device_module(device).synchronize()
-

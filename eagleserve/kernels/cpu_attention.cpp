@@ -131,33 +131,35 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_buf, const a
   float* op = out.data_ptr<float>();
   const int64_t group = H / Hkv, slot_stride = Hkv * D;
   const auto r2t_a = r2t.accessor<int64_t, 2>();
-  at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<int64_t> slots;
+  // Visible slots per row, gathered once; then (row, head) pairs run in parallel (a decode of
+  // one request still spreads over the heads).
+  std::vector<std::vector<int64_t>> slots(T);
+  for (int64_t row = 0; row < T; ++row) {
+    const int64_t b = row_req[row], i = row_idx[row];
+    const int64_t kv_len = kvl.data_ptr<int64_t>()[b];
+    const int64_t q_abs = kv_len - ext.data_ptr<int64_t>()[b] + i;
+    const int64_t req = rpi.data_ptr<int64_t>()[b];
+    std::vector<int64_t>& s = slots[row];
+    if (!tree) {
+      for (int64_t j = 0; j <= q_abs && j < kv_len; ++j) s.push_back(r2t_a[req][j]);
+    } else {
+      const int64_t prefix = pre.data_ptr<int64_t>()[b];
+      const int64_t nq = mask.size(1), nnew = mask.size(2);
+      const bool* m = mask.data_ptr<bool>() + (b * nq + std::min(i, nq - 1)) * nnew;
+      for (int64_t j = 0; j < kv_len; ++j) {
+        if (j < prefix || (j - prefix < nnew && m[j - prefix])) s.push_back(r2t_a[req][j]);
+      }
+    }
+    TORCH_CHECK(!s.empty(), "a query sees no key");
+  }
+  at::parallel_for(0, T * H, 1, [&](int64_t w0, int64_t w1) {
     std::vector<float> scores;
-    for (int64_t row = t0; row < t1; ++row) {
-      const int64_t b = row_req[row], i = row_idx[row];
-      const int64_t kv_len = kvl.data_ptr<int64_t>()[b];
-      const int64_t q_abs = kv_len - ext.data_ptr<int64_t>()[b] + i;
-      const int64_t req = rpi.data_ptr<int64_t>()[b];
-      slots.clear();
-      if (!tree) {
-        for (int64_t j = 0; j <= q_abs && j < kv_len; ++j) slots.push_back(r2t_a[req][j]);
-      } else {
-        const int64_t prefix = pre.data_ptr<int64_t>()[b];
-        const int64_t nq = mask.size(1), nnew = mask.size(2);
-        const bool* m = mask.data_ptr<bool>() + (b * nq + std::min(i, nq - 1)) * nnew;
-        for (int64_t j = 0; j < kv_len; ++j) {
-          if (j < prefix || (j - prefix < nnew && m[j - prefix])) slots.push_back(r2t_a[req][j]);
-        }
-      }
-      const int64_t n = static_cast<int64_t>(slots.size());
-      TORCH_CHECK(n > 0, "a query sees no key");
+    for (int64_t w = w0; w < w1; ++w) {
+      const int64_t row = w / H, h = w % H;
+      const int64_t n = static_cast<int64_t>(slots[row].size());
       scores.resize((n + 7) / 8 * 8);
-      for (int64_t h = 0; h < H; ++h) {
-        const int64_t kvh = h / group;
-        attend(qp + (row * H + h) * D, kp + kvh * D, vp + kvh * D, slot_stride, slots.data(), n,
-               D, static_cast<float>(sm_scale), scores.data(), op + (row * H + h) * D);
-      }
+      attend(qp + w * D, kp + (h / group) * D, vp + (h / group) * D, slot_stride,
+             slots[row].data(), n, D, static_cast<float>(sm_scale), scores.data(), op + w * D);
     }
   });
   return out;

@@ -2,7 +2,8 @@
 
 - `cpu_gemv.cpp`: blocked 4-/8-bit GEMV/GEMM (`q4_matmul`, `q8_matmul`); activations are
   quantized to int8 per 32-block, as llama.cpp does for these weight types;
-- `cpu_attention.cpp`: paged attention for decode/verify rows (`paged_attention`), fp32.
+- `cpu_attention.cpp`: paged attention for decode/verify rows (`paged_attention`), fp32;
+- `cpu_norm.cpp`: RMSNorm of fp32 rows in one call (`rms_norm`).
 
 Both keep a row's result independent of the rows beside it (what makes a verify reproduce the
 decodes bit for bit). The sources are compiled once per (sources, torch version, flags) into
@@ -28,7 +29,7 @@ logger = logging.getLogger(__name__)
 
 _SOURCES = [
     os.path.join(os.path.dirname(os.path.abspath(__file__)), name)
-    for name in ("cpu_gemv.cpp", "cpu_attention.cpp")
+    for name in ("cpu_gemv.cpp", "cpu_attention.cpp", "cpu_norm.cpp")
 ]
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared", "-std=c++17"]
 _lock = threading.Lock()
@@ -126,3 +127,8 @@ def paged_attention(
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, prefix_lens, extend_lens,
         kv_lens, tree_mask, sm_scale,
     )  # fmt: skip
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * (x / sqrt(mean(x^2, -1) + eps)) for fp32 x [..., K]."""
+    return torch.ops.eagleserve_cpu.rms_norm(x, weight, eps)

@@ -14,7 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from eagleserve.config import ModelConfig
-from eagleserve.model.forward_batch import get_forward_batch
+from eagleserve.kernels import cpu_ext
+from eagleserve.model.forward_batch import get_forward_batch, in_per_token_forward
 
 
 class RMSNorm(nn.Module):
@@ -22,8 +23,12 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
+        self.row_kernel = False  # kernels/cpu_norm.cpp: set for a packed CPU target (quant.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.row_kernel and x.dtype == torch.float32 and in_per_token_forward():
+            # A few rows (decode, verify): one call instead of the composite's five ops.
+            return cpu_ext.rms_norm(x, self.weight, self.eps)
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
             # One fused op, bit-identical to the lines below for fp32 (checked in tests).
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)

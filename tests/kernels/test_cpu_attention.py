@@ -1,4 +1,4 @@
-"""The AVX2 paged attention (kernels/cpu_attention.cpp) for decode and verify rows.
+"""The AVX2 paged attention (kernels/cpu_attention.cpp) and RMSNorm (cpu_norm.cpp), per-token rows.
 
 What serving relies on: the result of the fp64 reference within fp32 rounding, for causal
 (chain) and tree-masked queries; and a query's result bitwise independent of its batch — a
@@ -83,3 +83,13 @@ def test_tree_node_equals_the_decode_along_its_path() -> None:
     one = kernel(q[5:6].clone(), k, v, seq, torch.tensor([1]),
                  torch.tensor([prefix + len(path) - 1]), torch.tensor([1]))  # fmt: skip
     assert torch.equal(one[0], out[5])
+
+
+def test_rms_norm_matches_the_composite_and_keeps_rows_apart() -> None:
+    x = torch.randn(7, 576) * torch.rand(7, 1) * 10
+    w = torch.randn(576)
+    y = cpu_ext.rms_norm(x, w, 1e-5)
+    ref = w.double() * (x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-5))
+    torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-6)
+    for i in range(7):
+        assert torch.equal(cpu_ext.rms_norm(x[i : i + 1].clone(), w, 1e-5)[0], y[i])
