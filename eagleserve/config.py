@@ -124,7 +124,10 @@ class SpecConfig:
         return max(self.num_steps * self.eagle_topk, self.num_draft_tokens)
 
 
-CPU_PREFILL_CHUNK = 256
+# On a CPU a chunk of a few dozen tokens already costs several decode steps, so running streams
+# stall in proportion to it; smaller chunks cost the long prompt's first token more
+# (bench/prefix_cpu.py --only-chunking). SGLang's GPU default for the GPU.
+CPU_PREFILL_CHUNK = 64
 GPU_PREFILL_CHUNK = 8192
 
 
