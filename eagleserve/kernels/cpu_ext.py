@@ -49,9 +49,10 @@ def cpu_supported() -> bool:
 
 
 def _cache_dir() -> str:
-    root = os.environ.get("EAGLESERVE_CACHE", os.path.join(os.path.expanduser("~"), ".cache"))
-    base = root if "EAGLESERVE_CACHE" in os.environ else os.path.join(root, "eagleserve")
-    return os.path.join(base, "kernels")
+    root = os.environ.get("EAGLESERVE_CACHE") or os.path.join(
+        os.path.expanduser("~"), ".cache", "eagleserve"
+    )  # the model cache's root (model/loader.py)
+    return os.path.join(root, "kernels")
 
 
 def _build(out: str) -> None:

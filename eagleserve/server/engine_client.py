@@ -56,6 +56,9 @@ def _error_output(rid: str, message: str, reason: str = "error") -> TokenOutput:
     return TokenOutput(rid, [], True, reason, error=message, error_code=503)
 
 
+STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
+
+
 def engine_main(args: ServerArgs, in_addr: str, out_addr: str) -> None:
     """The engine process. It ignores SIGTERM and SIGINT: a signal to the whole process group
     (systemd's default KillMode, Ctrl-C in a terminal) must not kill it while the server drains;
@@ -143,7 +146,18 @@ class EngineClient:
             name="eagleserve-engine",
             daemon=True,
         )
-        self._proc.start()
+        # The engine is born ignoring the group's stop signals (an ignored disposition survives
+        # the spawn's exec; a mask does not): one arriving while it still imports would kill it
+        # with a traceback. Here they are blocked meanwhile, so none meant for the server is
+        # lost (Linux keeps a blocked signal pending even while it is ignored).
+        old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+        old_handlers = {sig: signal.signal(sig, signal.SIG_IGN) for sig in STOP_SIGNALS}
+        try:
+            self._proc.start()
+        finally:
+            for sig, handler in old_handlers.items():
+                signal.signal(sig, handler)
+            signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
         while self.ready is None:
             if await self._recv.poll(POLL_MS):
                 msg = await self._recv.recv_pyobj()
