@@ -89,8 +89,14 @@ def test_extreme_numbers_never_5xx_and_the_server_keeps_serving(spec_server: Ser
 @pytest.mark.parametrize("literal", ["NaN", "Infinity", "-Infinity", "1e400"])
 def test_non_finite_numbers_are_400(spec_server: Server, literal: str) -> None:
     """Python's json writes NaN/Infinity; 1e400 overflows a double. None may reach the engine."""
-    for field in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
-                  "repetition_penalty"):
+    for field in (
+        "temperature",
+        "top_p",
+        "min_p",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+    ):
         raw = f'{{"prompt": [5, 6], "max_tokens": 2, "{field}": {literal}}}'
         resp = httpx.post(spec_server.url + "/v1/completions", content=raw,
                           headers={"content-type": "application/json"}, timeout=60)  # fmt: skip

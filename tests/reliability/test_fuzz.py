@@ -75,8 +75,9 @@ def test_schema_fuzz(spec_server: Server, method: str, path: str) -> None:
         try:
             response = case.call(base_url=spec_server.url, timeout=30)
         except Exception as exc:  # a hang or a dropped connection: show the request that did it
-            raise AssertionError(f"{type(exc).__name__} on {case.method} {case.path} "
-                                 f"body={case.body!r}") from exc
+            raise AssertionError(
+                f"{type(exc).__name__} on {case.method} {case.path} body={case.body!r}"
+            ) from exc
         statuses.append(response.status_code)
         case.validate_response(response, checks=checks)
 

@@ -107,9 +107,7 @@ def test_min_tokens_defers_stop_strings(client: openai.OpenAI, tokenizer: Any) -
     assert full.choices[0].text.startswith(text)
 
 
-def test_echo_logprobs_score_the_prompt(
-    client: openai.OpenAI, tokenizer: Any, engine: Any
-) -> None:
+def test_echo_logprobs_score_the_prompt(client: openai.OpenAI, tokenizer: Any, engine: Any) -> None:
     prompt = random.choice(PROMPTS)
     ids = tokenizer.encode(prompt, add_special_tokens=False)
     ref = prompt_scores(engine, ids)
