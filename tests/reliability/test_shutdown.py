@@ -15,6 +15,7 @@ from rel_fixtures import (  # noqa: F401 (fixtures)
     Server,
     completion,
     fault_server_fixture,
+    sse_events,
     start_server,
     tiny_dirs_fixture,
     wait_kv_free,
@@ -77,6 +78,8 @@ def test_sigterm_drains_then_exits_0(tiny_dirs: tuple[str, str]) -> None:
     longs = [f"long{i}" for i in range(16)]  # 16 x 508 tokens fit the 8192-token pool
     try:
         results: dict[str, httpx.Response | Exception] = {}
+        short_events: list[str] = []
+        streaming = threading.Event()
 
         def run(name: str, max_tokens: int) -> None:
             try:
@@ -84,14 +87,19 @@ def test_sigterm_drains_then_exits_0(tiny_dirs: tuple[str, str]) -> None:
             except httpx.HTTPError as exc:
                 results[name] = exc
 
-        # "short" finishes within the drain; the long ones (near the context, sharing the
-        # engine) keep it busy past the SIGTERM and may be cut off by the drain timeout. (With
-        # fewer, the tiny model finished them all before the probe and the server had exited.)
-        threads = [threading.Thread(target=run, args=("short", 24))]
-        threads += [threading.Thread(target=run, args=(name, 500)) for name in longs]
+        def run_short() -> None:
+            body = {"prompt": [5] * 8, "max_tokens": 48, "temperature": 0, "ignore_eos": True}
+            short_events.extend(sse_events(url, body, streaming))
+
+        # "short" is streaming when the SIGTERM comes (it waits for its first event, so a slow
+        # machine cannot send the signal before the request arrived) and finishes within the
+        # drain; the long ones (near the context, sharing the engine) keep it busy past the
+        # SIGTERM and may be cut off by the drain timeout.
+        threads = [threading.Thread(target=run, args=(name, 500)) for name in longs]
+        threads.append(threading.Thread(target=run_short))
         for t in threads:
             t.start()
-        time.sleep(0.3)
+        assert streaming.wait(60), "the short request never streamed"
         t0 = time.monotonic()
         srv.proc.send_signal(signal.SIGTERM)
         time.sleep(0.1)
@@ -107,7 +115,8 @@ def test_sigterm_drains_then_exits_0(tiny_dirs: tuple[str, str]) -> None:
         srv.stop()
     assert rc == 0, srv.log_tail()
     assert took < 4 + 5 + 5, took  # drain timeout + uvicorn's graceful timeout + slack
-    assert isinstance(results["short"], httpx.Response) and results["short"].status_code == 200
+    assert short_events[-1] == "[DONE]" and not any('"error"' in e for e in short_events)
+    assert len(short_events) > 2, short_events  # it streamed tokens, then finished
     assert all(name in results for name in longs)  # answered or cut off, not left hanging
 
 

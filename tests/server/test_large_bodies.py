@@ -120,4 +120,4 @@ def test_health_answers_while_a_huge_prompt_is_processed(
     assert result and result[0].status_code == 400, result
     assert result[0].json()["error"]["code"] == "context_length_exceeded"
     assert busy and probes == 8, probes
-    assert worst < 0.5, worst  # was the whole processing time (seconds) before
+    assert worst < 1.0, worst  # was the whole processing time (seconds) before
