@@ -18,14 +18,15 @@ SEED_BOUND = 2**63
 MAX_REPETITION_PENALTY = 1e6
 MIN_REPETITION_PENALTY = 1e-6
 
-GrammarKind = Literal["json_object", "json_schema", "regex", "ebnf"]
+GrammarKind = Literal["json_object", "json_schema", "regex", "ebnf", "structural_tag"]
 
 
 @dataclass(frozen=True)
 class GrammarSpec:
     """A constraint on the output (model/grammar.py compiles it): `json_object` (any JSON
     object; `value` unused), `json_schema` (`value`: the schema as JSON text), `regex`, `ebnf`
-    (xgrammar's EBNF, rule `root`)."""
+    (xgrammar's EBNF, rule `root`), `structural_tag` (xgrammar's structural tag as JSON text:
+    tool calls)."""
 
     kind: GrammarKind
     value: str = ""

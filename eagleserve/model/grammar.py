@@ -70,7 +70,7 @@ class GrammarBackend:
                 self.stats.cache_hits += 1
                 return hit
             t0 = time.perf_counter()
-            compiled = _compile(self._get_compiler(), spec)
+            compiled = self._get_compiler().compile_grammar(build_grammar(spec))
             self.stats.compiles += 1
             self.stats.compile_seconds += time.perf_counter() - t0
             self.cache[spec] = compiled
@@ -94,23 +94,38 @@ def request_grammar(
         return None, str(exc)
 
 
-def _compile(compiler: Any, spec: GrammarSpec) -> Any:
+def build_grammar(spec: GrammarSpec) -> Any:
+    """The spec as an xgrammar `Grammar` (no tokenizer needed: the HTTP server checks specs with
+    it before a request reaches the engine). Raises GrammarError naming the problem."""
+    import xgrammar as xgr
+
     # Compact JSON (no free whitespace): a small model otherwise tends to emit blank runs.
     try:
         if spec.kind == "json_object":
-            return compiler.compile_json_schema(
+            return xgr.Grammar.from_json_schema(
                 '{"type": "object"}', any_whitespace=False, strict_mode=False
             )
         if spec.kind == "json_schema":
-            return compiler.compile_json_schema(spec.value, any_whitespace=False)
+            return xgr.Grammar.from_json_schema(spec.value, any_whitespace=False)
         if spec.kind == "regex":
-            return compiler.compile_regex(spec.value)
+            return xgr.Grammar.from_regex(spec.value)
         if spec.kind == "ebnf":
-            return compiler.compile_grammar(spec.value)
+            return xgr.Grammar.from_ebnf(spec.value)
+        if spec.kind == "structural_tag":
+            return xgr.Grammar.from_structural_tag(spec.value)
     except Exception as exc:  # xgrammar raises RuntimeError / ValueError / its own types
-        text = _LOCATION.sub("", str(exc).strip().splitlines()[0] if str(exc).strip() else "")
-        raise GrammarError(f"invalid {spec.kind}: {text or type(exc).__name__}") from exc
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise GrammarError(f"invalid {spec.kind}: {_LOCATION.sub('', first)}") from exc
     raise GrammarError(f"unknown grammar kind {spec.kind!r}")
+
+
+def check_grammar(spec: GrammarSpec) -> str | None:
+    """Why `spec` cannot be served, or None."""
+    try:
+        build_grammar(spec)
+    except GrammarError as exc:
+        return str(exc)
+    return None
 
 
 class RequestGrammar:
