@@ -94,6 +94,9 @@ class SamplingParams:
              f"{MAX_REPETITION_PENALTY}]", "repetition_penalty"),
             (0 <= self.min_tokens <= self.max_new_tokens,
              "min_tokens must be between 0 and max_tokens", "min_tokens"),
+            # A completed grammar allows only EOS, which min_tokens would forbid.
+            (self.grammar is None or self.min_tokens == 0,
+             "min_tokens cannot be combined with structured output", "min_tokens"),
         ]  # fmt: skip
         for ok, message, param in checks:
             if not ok:

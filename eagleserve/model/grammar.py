@@ -140,7 +140,7 @@ class RequestGrammar:
         """Commits `tokens`. A token the grammar rejects (only past a finish, in an iteration
         whose output the scheduler drops) stops the walk."""
         for t in tokens:
-            if not self.matcher.accept_token(t):
+            if self.matcher.is_terminated() or not self.matcher.accept_token(t):
                 return
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
@@ -157,7 +157,7 @@ class RequestGrammar:
         for i, path in enumerate(paths):
             n = 0
             for t in path:
-                if not m.accept_token(t):
+                if m.is_terminated() or not m.accept_token(t):
                     break
                 n += 1
             if n == len(path):

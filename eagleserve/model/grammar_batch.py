@@ -14,7 +14,12 @@ import torch
 
 from eagleserve.core import Req
 from eagleserve.model.grammar import RequestGrammar
-from eagleserve.model.grammar_mask import BITS, node_paths, unpack_bitmask
+from eagleserve.model.grammar_mask import (
+    BITS,
+    allow_all_where_empty,
+    node_paths,
+    unpack_bitmask,
+)
 
 
 @dataclass
@@ -36,12 +41,15 @@ class BatchGrammar:
     def _bitmask(self, n: int) -> torch.Tensor:
         return torch.full((n, (self.vocab_size + BITS - 1) // BITS), -1, dtype=torch.int32)
 
+    def _unpack(self, bitmask: torch.Tensor, device: torch.device) -> torch.Tensor:
+        return unpack_bitmask(allow_all_where_empty(bitmask).to(device), self.vocab_size)
+
     def next_allowed(self, device: torch.device) -> torch.Tensor:
         """[bs, V] bool: each row's next-token mask at its committed state."""
         bm = self._bitmask(self.batch_size)
         for row, g in zip(self.rows, self.grammars):
             g.fill(bm, row)
-        return unpack_bitmask(bm.to(device), self.vocab_size)
+        return self._unpack(bm, device)
 
     def advance(self, tokens: torch.Tensor, lens: torch.Tensor | None = None) -> None:
         """Commits tokens [bs] (one per row) or [bs, w] with lens [bs] valid per row."""
@@ -63,7 +71,7 @@ class BatchGrammar:
         for k, (row, g) in enumerate(zip(self.rows, self.grammars)):
             paths = [[toks[k][j] for j in p] for p in node_paths(pars[k])]
             g.fill_paths(paths, bm, row * n)
-        return unpack_bitmask(bm.to(device), self.vocab_size).view(bs, n, -1)
+        return self._unpack(bm, device).view(bs, n, -1)
 
     def branch_allowed(self, paths: torch.Tensor, device: torch.device) -> torch.Tensor:
         """paths [bs, b, d]: draft tokens of each branch -> [bs * b, V] masks after them."""
@@ -73,4 +81,4 @@ class BatchGrammar:
         host = paths[idx].tolist()
         for k, (row, g) in enumerate(zip(self.rows, self.grammars)):
             g.fill_paths(host[k], bm, row * b)
-        return unpack_bitmask(bm.to(device), self.vocab_size)
+        return self._unpack(bm, device)

@@ -20,12 +20,19 @@ def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return bits.reshape(*bitmask.shape[:-1], -1)[..., :vocab_size].bool()
 
 
+def allow_all_where_empty(bitmask: torch.Tensor) -> torch.Tensor:
+    """Rows of bitmask [n, W] that allow no token allow every token instead (in place; returned).
+    Such a row belongs to a path the target never accepts (a draft token the grammar rejects) or
+    to a request that already finished, so its values reach no output; masked, it would be all
+    -inf and NaN in a softmax."""
+    bitmask[~bitmask.ne(0).any(dim=-1)] = -1
+    return bitmask
+
+
 def mask_logits(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
-    """Disallowed tokens get -inf. A row with no allowed token is returned unchanged: it belongs
-    to a path the target never accepts (a draft token the grammar rejects) or to a request that
-    already finished, so its values reach no output, and it must not become NaN in a softmax."""
-    keep = allowed | ~allowed.any(dim=-1, keepdim=True)
-    return logits.masked_fill(~keep, float("-inf"))
+    """Disallowed tokens get -inf (rows of `allowed` must allow some token)."""
+    return torch.where(allowed, logits, torch.tensor(float("-inf"), dtype=logits.dtype,
+                                                     device=logits.device))  # fmt: skip
 
 
 def to_draft_vocab(allowed: torch.Tensor, draft_to_target: torch.Tensor) -> torch.Tensor:

@@ -99,7 +99,10 @@ class EagleDraftWorker:
         top-k drafts only tokens the grammar allows."""
         if allowed is None:
             return logits
-        return mask_logits(logits, to_draft_vocab(allowed, self.draft_to_target))
+        draft = to_draft_vocab(allowed, self.draft_to_target)
+        # A reduced draft vocabulary may hold none of the allowed tokens: draft freely there
+        # (the verify masks every node; an all -inf row would be NaN in the softmax).
+        return mask_logits(logits, draft | ~draft.any(dim=-1, keepdim=True))
 
     def extend(
         self,

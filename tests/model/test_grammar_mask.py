@@ -6,7 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eagleserve.model.grammar_mask import mask_logits, node_paths, to_draft_vocab, unpack_bitmask
+from eagleserve.model.grammar_mask import (
+    allow_all_where_empty,
+    mask_logits,
+    node_paths,
+    to_draft_vocab,
+    unpack_bitmask,
+)
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -29,13 +35,25 @@ def test_mask_logits_forbids_exactly_the_disallowed(seed: int) -> None:
     g = torch.Generator().manual_seed(seed)
     logits = torch.randn(6, 11, generator=g)
     allowed = torch.rand(6, 11, generator=g) < 0.3
-    allowed[2] = False  # a row with nothing allowed comes back unchanged (no NaN softmax)
+    allowed[:, 0] = True
     out = mask_logits(logits, allowed)
     for r in range(6):
         for t in range(11):
-            want = logits[r, t] if allowed[r, t] or not allowed[r].any() else float("-inf")
-            assert out[r, t] == want
-    assert not torch.softmax(out, -1).isnan().any()
+            assert out[r, t] == (logits[r, t] if allowed[r, t] else float("-inf"))
+
+
+def test_empty_rows_allow_everything() -> None:
+    """A row that allows nothing (a rejected draft path, a finished request) is left unmasked,
+    never all -inf (NaN in a softmax); other rows are untouched."""
+    g = torch.Generator().manual_seed(0)
+    bm = torch.randint(-(2**31), 2**31, (5, 3), generator=g, dtype=torch.int64).to(torch.int32)
+    bm[1] = 0
+    bm[3, :2] = 0
+    before = bm.clone()
+    allow_all_where_empty(bm)
+    assert (bm[1] == -1).all() and torch.equal(bm[[0, 2, 3, 4]], before[[0, 2, 3, 4]])
+    allowed = unpack_bitmask(bm, 70)
+    assert not torch.softmax(mask_logits(torch.randn(5, 70), allowed), -1).isnan().any()
 
 
 def test_to_draft_vocab_follows_the_mapping() -> None:

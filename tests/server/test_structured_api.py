@@ -171,3 +171,9 @@ def test_grammar_metrics(client: openai.OpenAI, http: httpx.Client) -> None:
     assert metric(http, "eagleserve_grammar_compiles_total") >= compiles + 1
     assert metric(http, "eagleserve_grammar_cache_hits_total") >= before + 1
     assert metric(http, "eagleserve_grammar_compile_seconds_total") > 0
+
+
+def test_min_tokens_with_a_grammar_is_a_400(http: httpx.Client) -> None:
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 8, "min_tokens": 2, "regex": "a+"}
+    r = http.post("/v1/completions", json=body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "min_tokens", r.text
