@@ -56,8 +56,10 @@ class GrammarBackend:
         if self._compiler is None:
             import xgrammar as xgr
 
-            info = xgr.TokenizerInfo.from_huggingface(
-                self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids
+            info = xgr.TokenizerInfo.from_huggingface(  # no EOS known: xgrammar guesses
+                self.tokenizer,
+                vocab_size=self.vocab_size,
+                stop_token_ids=self.stop_token_ids or None,
             )
             self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
         return self._compiler
@@ -92,6 +94,8 @@ def request_grammar(
         return backend.new_matcher(spec), None
     except GrammarError as exc:
         return None, str(exc)
+    except Exception as exc:  # the tokenizer's vocabulary is unusable for xgrammar
+        return None, f"structured output is not available for this model: {exc}"
 
 
 def build_grammar(spec: GrammarSpec) -> Any:
