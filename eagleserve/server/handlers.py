@@ -249,13 +249,13 @@ async def create_chat(serving: Serving, body: ChatCompletionRequest, request: Re
         return content, calls, "tool_calls" if calls else c.finish_reason
 
     def delta(c: ChoiceState, text: str, out: TokenOutput) -> str | None:
-        lp = c.chat_logprobs(only_new=True) if body.logprobs else None
         calls: list[dict[str, Any]] = []
         reason = c.finish_reason
         if tools is not None:  # with tools the text is parsed whole: one delta at the end
             if not c.finished:
                 return None
             text, calls, reason = answer(c)  # type: ignore[assignment]
+        lp = c.chat_logprobs(only_new=True) if body.logprobs else None
         if not (text or c.finished or (lp is not None and lp.content)):
             return None
         d = ChatDelta(
