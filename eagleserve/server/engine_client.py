@@ -35,6 +35,7 @@ from eagleserve.messages import (
 )
 from eagleserve.model.loader import load_tokenizer
 from eagleserve.scheduler.engine_loop import run_engine
+from eagleserve.scheduler.tp_engine import rendezvous_port, spawn_followers
 
 logger = logging.getLogger("eagleserve.server")
 POLL_MS = 250
@@ -56,14 +57,14 @@ def _error_output(rid: str, message: str, reason: str = "error") -> TokenOutput:
     return TokenOutput(rid, [], True, reason, error=message, error_code=503)
 
 
-def engine_main(args: ServerArgs, in_addr: str, out_addr: str) -> None:
+def engine_main(args: ServerArgs, in_addr: str, out_addr: str, tp_port: int | None) -> None:
     """The engine process. It ignores SIGTERM and SIGINT: a signal to the whole process group
     (systemd's default KillMode, Ctrl-C in a terminal) must not kill it while the server drains;
     the server stops it after the drain (ShutdownReq, then SIGKILL if it does not exit), and it
     exits by itself when the server process is gone."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    run_engine(args, in_addr, out_addr)
+    run_engine(args, in_addr, out_addr, tp_port)
 
 
 class RequestStream:
@@ -115,6 +116,7 @@ class EngineClient:
         self.on_stats: Callable[[EngineStats], None] | None = None
         self._stats_waiters: list[asyncio.Future[EngineStats]] = []
         self._proc: Any = None
+        self._followers: list[Any] = []  # tensor-parallel ranks 1.. (tp_engine.py)
         self._tmpdir: str | None = None
         self._recv_task: asyncio.Task[None] | None = None
 
@@ -137,13 +139,20 @@ class EngineClient:
         self._recv = self._ctx.socket(zmq.PULL)
         self._recv.bind(out_addr)
         spawn = mp.get_context("spawn")
+        # --tp-size > 1: the engine process is rank 0, the followers are started here too, so
+        # that this process sees any rank die (tp_engine.py).
+        try:
+            tp_port = rendezvous_port() if self.args.tp_size > 1 else None
+        except RuntimeError as exc:
+            raise EngineStartupFailed(str(exc)) from None
         self._proc = spawn.Process(
             target=engine_main,
-            args=(self.args, in_addr, out_addr),
+            args=(self.args, in_addr, out_addr, tp_port),
             name="eagleserve-engine",
             daemon=True,
         )
         self._proc.start()
+        self._followers = [] if tp_port is None else spawn_followers(self.args, tp_port)
         while self.ready is None:
             if await self._recv.poll(POLL_MS):
                 msg = await self._recv.recv_pyobj()
@@ -152,8 +161,8 @@ class EngineClient:
                 elif isinstance(msg, EngineStartupError):
                     self._proc.join(10)
                     raise EngineStartupFailed(msg.message, msg.traceback)
-            elif not self._proc.is_alive():
-                raise EngineStartupFailed(f"the engine exited with code {self._proc.exitcode}")
+            elif self._dead_process() is not None:
+                raise EngineStartupFailed(f"{self._dead_process()} exited before it was ready")
         self.tokenizer = await asyncio.to_thread(load_tokenizer, self.ready.model_path)
         self.last_stats = EngineStats(kv_total_tokens=self.ready.kv_total_tokens)
         self.healthy = True
@@ -163,9 +172,17 @@ class EngineClient:
         while self.healthy:
             if await self._recv.poll(POLL_MS):
                 self._dispatch(await self._recv.recv_pyobj())
-            elif not self._proc.is_alive():
-                logger.error("the engine process died (exit code %s)", self._proc.exitcode)
+            elif self._dead_process() is not None:
+                logger.error("%s died", self._dead_process())
                 self._engine_died()
+
+    def _dead_process(self) -> str | None:
+        """Which process of the engine has exited (rank 0 or a tensor-parallel follower)."""
+        for rank, proc in enumerate([self._proc, *self._followers]):
+            if not proc.is_alive():
+                name = "the engine process" if rank == 0 else f"tensor-parallel rank {rank}"
+                return f"{name} (exit code {proc.exitcode})"
+        return None
 
     def _dispatch(self, msg: object) -> None:
         if isinstance(msg, BatchTokenOutput):
@@ -244,6 +261,12 @@ class EngineClient:
                 logger.warning("the engine did not stop in %.0f s: killing it", timeout)
                 self._proc.kill()  # SIGKILL: it ignores SIGTERM (see engine_main)
                 await asyncio.to_thread(self._proc.join, 5)
+        told_to_exit = self._proc is not None and self._proc.exitcode == 0
+        for proc in self._followers:  # rank 0 tells them to exit when it stops cleanly
+            await asyncio.to_thread(proc.join, 5 if told_to_exit else 0)
+            if proc.is_alive():
+                proc.kill()
+                await asyncio.to_thread(proc.join, 5)
         if self._tmpdir is not None:
             self._send.close(linger=0)
             self._recv.close(linger=0)

@@ -20,6 +20,7 @@ from eagleserve.core import GenerationBatchResult, OnVerified, ScheduleBatch
 from eagleserve.model.cuda_graph import BUCKETS
 from eagleserve.model.forward_batch import ForwardBatch, HostLens
 from eagleserve.model.llama import ModelOutput
+from eagleserve.model.parallel import broadcast_from_first
 from eagleserve.model.runner import ModelRunner
 from eagleserve.model.sampler import (
     SamplingInfo,
@@ -279,6 +280,16 @@ class EagleWorker:
 
 
 def accept(
+    info: SamplingInfo, tokens: torch.Tensor, parents: torch.Tensor, logits: torch.Tensor
+) -> AcceptResult:
+    """`decide_acceptance` on rank 0, and under tensor parallelism the same on every rank: the
+    ranks then commit the same tokens and KV paths."""
+    acc = decide_acceptance(info, tokens, parents, logits)
+    broadcast_from_first(acc.accept_index, acc.accept_lens, acc.output_tokens, acc.bonus_tokens)
+    return acc
+
+
+def decide_acceptance(
     info: SamplingInfo, tokens: torch.Tensor, parents: torch.Tensor, logits: torch.Tensor
 ) -> AcceptResult:
     """Greedy rows accept the target's argmax path; sampled rows the lossless stochastic walk."""
