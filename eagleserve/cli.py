@@ -252,6 +252,10 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     if isinstance(args, str):
         print(f"eagleserve: error: {args}", file=sys.stderr)
         return 2
+    if args.dp_size > 1:
+        from eagleserve.server.dp import run_replicas
+
+        return run_replicas(args)
     from eagleserve.server.launch import serve
 
     return asyncio.run(serve(args))
