@@ -83,6 +83,7 @@ def spawn_followers(args: ServerArgs, port: int) -> list[BaseProcess]:
             target=follower_main, args=(args, rank, port), name=f"eagleserve-tp{rank}", daemon=True
         )
         proc.start()
+        logger.info("tensor-parallel rank %d: pid %d", rank, proc.pid)
         procs.append(proc)
     return procs
 

@@ -39,6 +39,7 @@ from eagleserve.scheduler.tp_engine import rendezvous_port, spawn_followers
 
 logger = logging.getLogger("eagleserve.server")
 POLL_MS = 250
+FOLLOWER_REPORT_S = 10.0  # how long rank 0 may take to report a follower's start-up failure
 
 
 class EngineStartupFailed(RuntimeError):
@@ -153,6 +154,7 @@ class EngineClient:
         )
         self._proc.start()
         self._followers = [] if tp_port is None else spawn_followers(self.args, tp_port)
+        dead_since: float | None = None
         while self.ready is None:
             if await self._recv.poll(POLL_MS):
                 msg = await self._recv.recv_pyobj()
@@ -161,8 +163,11 @@ class EngineClient:
                 elif isinstance(msg, EngineStartupError):
                     self._proc.join(10)
                     raise EngineStartupFailed(msg.message, msg.traceback)
-            elif self._dead_process() is not None:
-                raise EngineStartupFailed(f"{self._dead_process()} exited before it was ready")
+            elif (dead := self._dead_process()) is not None:
+                # A follower that failed to start has told rank 0 why: prefer rank 0's report.
+                dead_since = dead_since or time.monotonic()
+                if not self._proc.is_alive() or time.monotonic() - dead_since > FOLLOWER_REPORT_S:
+                    raise EngineStartupFailed(f"{dead} exited before it was ready")
         self.tokenizer = await asyncio.to_thread(load_tokenizer, self.ready.model_path)
         self.last_stats = EngineStats(kv_total_tokens=self.ready.kv_total_tokens)
         self.healthy = True
