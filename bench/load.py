@@ -352,10 +352,16 @@ def summarize(outcomes: list[Outcome], elapsed: float) -> dict[str, Any]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--url", help="drive this server instead of starting one (127.0.0.1 only; "
-                   "e.g. nginx in front of --dp-size replicas: deploy/nginx.conf)")  # fmt: skip
-    p.add_argument("--api-key", default=os.environ.get("EAGLESERVE_API_KEY"),
-                   help="sent as 'Authorization: Bearer KEY' (default: $EAGLESERVE_API_KEY)")  # fmt: skip
+    p.add_argument(
+        "--url",
+        help="drive this server instead of starting one (127.0.0.1 only; e.g. nginx in front "
+        "of --dp-size replicas: deploy/nginx.conf)",
+    )
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("EAGLESERVE_API_KEY"),
+        help="sent as 'Authorization: Bearer KEY' (default: $EAGLESERVE_API_KEY)",
+    )
     p.add_argument("--clients", type=int, default=64)
     p.add_argument("--duration", type=float, default=60.0, help="seconds of load")
     p.add_argument("--spec", action="store_true", help="speculative decoding on (EAGLE)")
