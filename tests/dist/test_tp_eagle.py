@@ -91,8 +91,10 @@ def test_tp2_eagle_greedy_equals_tp2_target_only(target_dir: str, heads: dict[st
                              ignore_eos=True)  # fmt: skip
     runs = {
         "EAGLE chain": _spec("EAGLE", heads["EAGLE"], 3, 1, 4),
-        "EAGLE chain, overlap": {**_spec("EAGLE", heads["EAGLE"], 3, 1, 4),
-                                 "disable_overlap_schedule": False},  # fmt: skip
+        "EAGLE chain, overlap": {
+            **_spec("EAGLE", heads["EAGLE"], 3, 1, 4),
+            "disable_overlap_schedule": False,
+        },  # fmt: skip
         "EAGLE tree": _spec("EAGLE", heads["EAGLE"], 3, 2, 6),
         "EAGLE-3 chain": _spec("EAGLE3", heads["EAGLE3"], 2, 1, 3),
     }
