@@ -56,12 +56,14 @@ def check_devices(args: ServerArgs) -> str | None:
     return None
 
 
-def _replica_main(args: ServerArgs) -> None:
+def _replica_main(args: ServerArgs, threads: int | None) -> None:
     from eagleserve.server.launch import serve
 
     # Its own process group: a Ctrl-C or a group-wide SIGTERM reaches the supervisor only, which
     # passes it on once (a second signal would cut the replica's drain short).
     os.setpgid(0, 0)
+    if threads is not None:  # read by torch in the engine process this replica starts
+        os.environ["OMP_NUM_THREADS"] = str(threads)
 
     sys.exit(asyncio.run(serve(args)))
 
@@ -73,9 +75,18 @@ def run_replicas(args: ServerArgs) -> int:
         print(f"eagleserve: error: {problem}", file=sys.stderr, flush=True)
         return 2
     ctx = mp.get_context("spawn")
+    # On a CPU the replicas share the cores: each gets its part unless OMP_NUM_THREADS says.
+    on_cpu = pick_device(args.device).type == "cpu"
+    threads = (
+        max(1, (os.cpu_count() or 1) // args.dp_size)
+        if on_cpu and "OMP_NUM_THREADS" not in os.environ
+        else None
+    )
     # Not daemonic: each replica starts its own engine process.
     procs: list[BaseProcess] = [
-        ctx.Process(target=_replica_main, args=(replica_args(args, i),), name=f"eagleserve-dp{i}")
+        ctx.Process(
+            target=_replica_main, args=(replica_args(args, i), threads), name=f"eagleserve-dp{i}"
+        )
         for i in range(args.dp_size)
     ]
 
