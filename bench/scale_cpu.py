@@ -119,6 +119,40 @@ def per_token_ms(tp: int, args: argparse.Namespace) -> dict[str, Any]:
     return {"tp_size": tp, "ms_per_token": ms, "tokens_per_s": 1000 / ms}
 
 
+def _allreduce_rank(rank: int, port: int, out: Any) -> None:
+    from eagleserve.model.parallel import all_reduce, destroy_tensor_parallel, init_tensor_parallel
+
+    torch.set_num_threads(1)
+    init_tensor_parallel(rank, 2, port, torch.device("cpu"))
+    x = torch.randn(1, 576)  # one token's hidden state (SmolLM2)
+    for _ in range(50):
+        all_reduce(x)
+    t0 = time.perf_counter()
+    for _ in range(500):
+        all_reduce(x)
+    if rank == 0:
+        out.put((time.perf_counter() - t0) / 500 * 1e6)
+    destroy_tensor_parallel()
+
+
+def allreduce_us() -> float:
+    """Microseconds of one gloo all-reduce of one token's hidden state between 2 ranks: what
+    each of the 2 per layer costs a TP=2 decode step here."""
+    import torch.multiprocessing as tmp
+
+    from bench.nginx_proc import free_port
+
+    ctx = tmp.get_context("spawn")
+    out, port = ctx.Queue(), free_port()
+    procs = [ctx.Process(target=_allreduce_rank, args=(r, port, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    us = float(out.get(timeout=300))
+    for p in procs:
+        p.join()
+    return us
+
+
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="default")
@@ -144,6 +178,7 @@ def main() -> int:
         else:
             dp_rows = [bench_replicas(int(n), nginx_bin, args) for n in args.replicas.split(",")]
     tp_rows = [per_token_ms(int(t), args) for t in args.tp.split(",")] if args.tp else []
+    collective = allreduce_us() if args.tp else None
     info = {**machine_info(), "load_average_1min_before": load_before}
     if dp_rows:
         base = dp_rows[0]["tokens_per_s"]
@@ -168,9 +203,11 @@ def main() -> int:
             [[r["tp_size"], r["ms_per_token"], r["tokens_per_s"]] for r in tp_rows],
             f"tensor parallelism, batch 1, {args.new_tokens} greedy tokens",
         )
+        print(f"one gloo all-reduce of a [1, 576] fp32 hidden state, 2 ranks: {collective:.0f} us")
     path = write_json("scale_cpu.json", {"benchmark": "scale_cpu", "args": vars(args),
                                           "machine": info, "replicas": dp_rows,
-                                          "tensor_parallel": tp_rows})  # fmt: skip
+                                          "tensor_parallel": tp_rows,
+                                          "allreduce_us": collective})  # fmt: skip
     print(f"{info['description']}; load average {load_before} -> {load_average()}")
     print(f"wrote {path}")
     return 0
