@@ -168,6 +168,10 @@ class ServerArgs:
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int = 32
     log_level: str = "info"
+    # Tensor-parallel ranks of one engine (processes; one GPU each on GPUs), and data-parallel
+    # replicas, each a whole server on its own port (server/dp.py).
+    tp_size: int = 1
+    dp_size: int = 1
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from eagleserve.core import GenerationBatchResult, Req, ScheduleBatch
+from eagleserve.model.parallel import broadcast_from_first
 from eagleserve.model.penalty_state import BatchPenalties, PenaltyState
 
 
@@ -155,6 +156,7 @@ def sample_with_logprobs(
     """One next token per row of `logits` (row i for reqs[i]), with logprobs when any asks.
     Tokens come from `penalized` when given; logprobs always from the raw `logits`."""
     next_ids = sample(logits if penalized is None else penalized, info)
+    broadcast_from_first(next_ids)  # tensor parallelism: rank 0's draw is every rank's
     if all(r.sampling_params.logprobs is None for r in reqs):
         return GenerationBatchResult(next_ids)
     k = max((r.sampling_params.logprobs or 0) for r in reqs)
