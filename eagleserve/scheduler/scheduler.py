@@ -97,7 +97,8 @@ class Scheduler:
         self.inflight: tuple[list[Req], Future[GenerationBatchResult], Req | None] | None = None
         self.deferred_release: list[tuple[Req, bool]] = []
         self.num_retracted = 0
-        self.spec_stats = SpecStats(self.spec_config)
+        eagle = self.worker if isinstance(self.worker, EagleWorker) else None
+        self.spec_stats = SpecStats(self.spec_config, eagle and eagle.drafter.acceptance_prior)
 
     # ---- admission -------------------------------------------------------------------------
     def add_request(self, msg: GenerateReqInput) -> None:

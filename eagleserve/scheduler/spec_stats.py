@@ -8,7 +8,7 @@ from eagleserve.spec.adaptive import ACCEPT_PRIOR, update_acceptance
 
 
 class SpecStats:
-    def __init__(self, spec: SpecConfig | None) -> None:
+    def __init__(self, spec: SpecConfig | None, acceptance_prior: list[float] | None) -> None:
         self.spec = spec
         num_steps = spec.num_steps if spec else 0
         self.verify_calls = 0
@@ -17,7 +17,7 @@ class SpecStats:
         self.proposed_tokens = 0
         self.iterations_per_num_drafts = [0] * (num_steps + 1 if num_steps else 0)
         # Engine-wide acceptance by depth: /metrics, and where a new request's own EMA starts.
-        self.acceptance_ema = [ACCEPT_PRIOR] * num_steps
+        self.acceptance_ema = list(acceptance_prior or [ACCEPT_PRIOR] * num_steps)
 
     def count_verify(self, req: Req, num_drafts: int | None, accepted: int) -> None:
         """Speculative statistics of one request's iteration; a k = 0 iteration (adaptive) is
