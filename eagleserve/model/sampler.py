@@ -8,6 +8,7 @@ whatever else is in the batch. Penalties and bias change the logits before anyth
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -103,6 +104,13 @@ class SamplingInfo:
             self.needs_top_p,
             self.needs_min_p,
         )
+
+
+def request_generator(seed: int | None, device: torch.device) -> torch.Generator:
+    """A sampled request's own generator: seeded (reproducible) or from the OS's entropy."""
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed if seed is not None else int.from_bytes(os.urandom(8), "little") >> 1)
+    return gen
 
 
 def logits_to_probs(logits: torch.Tensor, info: SamplingInfo) -> torch.Tensor:

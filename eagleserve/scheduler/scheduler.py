@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections import deque
 from concurrent.futures import Future
-
-import torch
 
 from eagleserve.config import ModelConfig, ServerArgs
 from eagleserve.core import FinishReason, GenerationBatchResult, Req, ScheduleBatch
@@ -16,8 +13,9 @@ from eagleserve.device import pick_device
 from eagleserve.messages import EngineStats, GenerateReqInput, TokenOutput
 from eagleserve.model.loader import load_tokenizer, resolve_model_path
 from eagleserve.model.runner import ModelRunner
-from eagleserve.model.sampler import SamplingInfo
+from eagleserve.model.sampler import SamplingInfo, request_generator
 from eagleserve.sampling_params import check_request
+from eagleserve.scheduler.chunk_budget import ChunkBudget
 from eagleserve.scheduler.future_map import FutureMap
 from eagleserve.scheduler.output_processor import (
     StopChecker,
@@ -64,7 +62,9 @@ class Scheduler:
         self.prefix_cache = PrefixCache(
             self.req_to_token_pool, self.kv_pool, cfg.vocab_size, not args.disable_radix_cache
         )
-        self.chunk_size = args.prefill_chunk_size(self.device.type)
+        self.chunk_budget = ChunkBudget(
+            args.prefill_chunk_size(self.device.type), args.dynamic_chunking(self.device.type)
+        )
         # The request whose prefill goes on in the next prefill (chunked), and whether a decode
         # step runs before that chunk (decodes and chunks alternate).
         self.chunked_req: Req | None = None
@@ -114,14 +114,7 @@ class Scheduler:
                 TokenOutput(msg.rid, [], True, "error", error=err, error_code=400)
             )
             return
-        gen = None
-        if not params.is_greedy:
-            gen = torch.Generator(device=self.device)
-            gen.manual_seed(
-                params.seed
-                if params.seed is not None
-                else int.from_bytes(os.urandom(8), "little") >> 1
-            )
+        gen = None if params.is_greedy else request_generator(params.seed, self.device)
         self.waiting.append(
             Req(msg.rid, list(msg.input_ids), params, self.eos_token_ids, generator=gen)
         )
@@ -169,6 +162,7 @@ class Scheduler:
         if batch is not None:
             reqs = list(batch.reqs)  # the batch object changes (merge/filter) after launch
             partial = self.chunked_req if batch.mode == "extend" else None
+            mode, tokens, t0 = batch.mode, sum(batch.extend_lens or ()), time.perf_counter()
             try:
                 handle = self.run_batch(batch, partial)
             except Exception as exc:  # a faulty forward fails its own requests, nothing else
@@ -178,7 +172,8 @@ class Scheduler:
                 self._merge_into_running(batch, partial)
             if isinstance(handle, Future):
                 self.inflight = (reqs, handle, partial)
-            elif handle is not None:
+            elif handle is not None:  # it ran synchronously: its time is its cost
+                self.chunk_budget.observe(mode, tokens, time.perf_counter() - t0)
                 self.process_batch_result(reqs, handle, partial)
         if prev is not None:
             self._process_finished_forward(prev)
@@ -222,8 +217,8 @@ class Scheduler:
             self.chunked_req,
             self.running_batch.batch_size if self.running_batch else 0,
             self.args.max_running_requests,
-            self.chunk_size or MAX_PREFILL_TOKENS,
-            self.chunk_size is not None,
+            self.chunk_budget.tokens(self.running_batch is not None, MAX_PREFILL_TOKENS),
+            self.chunk_budget.max_tokens is not None,
             self.worker.decode_slots_per_req,
             self.prefix_cache,
         )
