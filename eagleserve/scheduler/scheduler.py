@@ -12,6 +12,7 @@ from eagleserve.core import FinishReason, GenerationBatchResult, Req, ScheduleBa
 from eagleserve.device import pick_device
 from eagleserve.messages import EngineStats, GenerateReqInput, TokenOutput
 from eagleserve.model.loader import load_tokenizer, resolve_model_path
+from eagleserve.model.parallel import broadcast_object
 from eagleserve.model.runner import ModelRunner
 from eagleserve.model.sampler import SamplingInfo, request_generator
 from eagleserve.sampling_params import check_request
@@ -212,12 +213,17 @@ class Scheduler:
         return self.running_batch
 
     def get_new_batch_prefill(self) -> ScheduleBatch | None:
+        if not self.waiting and self.chunked_req is None:
+            return None
+        budget = self.chunk_budget.tokens(self.running_batch is not None, MAX_PREFILL_TOKENS)
+        if self.chunk_budget.dynamic:  # timed per rank under TP: rank 0's is every rank's
+            budget = broadcast_object(budget)
         plan = plan_prefill(
             self.waiting,
             self.chunked_req,
             self.running_batch.batch_size if self.running_batch else 0,
             self.args.max_running_requests,
-            self.chunk_budget.tokens(self.running_batch is not None, MAX_PREFILL_TOKENS),
+            budget,
             self.chunk_budget.max_tokens is not None,
             self.worker.decode_slots_per_req,
             self.prefix_cache,
@@ -376,8 +382,7 @@ class Scheduler:
         self.deferred_release = []
 
     def stats(self) -> EngineStats:
-        spec = self.spec_stats
-        return EngineStats(
+        engine = EngineStats(
             num_running=self.running_batch.batch_size if self.running_batch else 0,
             num_waiting=len(self.waiting),
             kv_used_tokens=self.kv_pool.size - self.prefix_cache.available_size(),
@@ -387,10 +392,5 @@ class Scheduler:
             prefix_cache_queried_tokens_total=self.prefix_cache.queried_tokens,
             prefix_cache_evicted_tokens_total=self.prefix_cache.evicted_tokens,
             num_retracted_total=self.num_retracted,
-            spec_verify_calls_total=spec.verify_calls,
-            spec_accepted_tokens_total=spec.accepted_tokens,
-            spec_accepted_per_position=list(spec.accepted_per_position),
-            spec_proposed_tokens_total=spec.proposed_tokens,
-            spec_iterations_per_num_drafts=list(spec.iterations_per_num_drafts),
-            spec_acceptance_ema=list(spec.acceptance_ema),
         )
+        return self.spec_stats.with_spec_fields(engine)

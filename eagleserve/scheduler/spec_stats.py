@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from eagleserve.config import SpecConfig
 from eagleserve.core import Req
+from eagleserve.messages import EngineStats
 from eagleserve.spec.adaptive import ACCEPT_PRIOR, update_acceptance
 
 
@@ -39,3 +42,15 @@ class SpecStats:
         self.proposed_tokens += k if spec.is_chain else spec.num_draft_tokens - 1
         for d in range(min(accepted - 1, len(self.accepted_per_position))):
             self.accepted_per_position[d] += 1
+
+    def with_spec_fields(self, stats: EngineStats) -> EngineStats:
+        """`stats` with its speculative fields from these counts."""
+        return dataclasses.replace(
+            stats,
+            spec_verify_calls_total=self.verify_calls,
+            spec_accepted_tokens_total=self.accepted_tokens,
+            spec_accepted_per_position=list(self.accepted_per_position),
+            spec_proposed_tokens_total=self.proposed_tokens,
+            spec_iterations_per_num_drafts=list(self.iterations_per_num_drafts),
+            spec_acceptance_ema=list(self.acceptance_ema),
+        )
