@@ -11,6 +11,7 @@ whatever else is in the batch. Penalties and bias change the logits before anyth
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +19,7 @@ import torch
 from eagleserve.core import GenerationBatchResult, Req, ScheduleBatch
 from eagleserve.model.grammar_batch import BatchGrammar
 from eagleserve.model.grammar_mask import mask_logits
+from eagleserve.model.parallel import broadcast_from_first
 from eagleserve.model.penalty_state import BatchPenalties, PenaltyState
 
 
@@ -109,6 +111,13 @@ class SamplingInfo:
         )
 
 
+def request_generator(seed: int | None, device: torch.device) -> torch.Generator:
+    """A sampled request's own generator: seeded (reproducible) or from the OS's entropy."""
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed if seed is not None else int.from_bytes(os.urandom(8), "little") >> 1)
+    return gen
+
+
 def logits_to_probs(logits: torch.Tensor, info: SamplingInfo) -> torch.Tensor:
     """The target distribution a sampled request draws from. logits [n, V] -> probs [n, V]."""
     probs = torch.softmax(logits.float() / info.temperatures, dim=-1)
@@ -160,6 +169,7 @@ def sample_with_logprobs(
     """One next token per row of `logits` (row i for reqs[i]), with logprobs when any asks.
     Tokens come from `penalized` when given; logprobs always from the raw `logits`."""
     next_ids = sample(logits if penalized is None else penalized, info)
+    broadcast_from_first(next_ids)  # tensor parallelism: rank 0's draw is every rank's
     if all(r.sampling_params.logprobs is None for r in reqs):
         return GenerationBatchResult(next_ids)
     k = max((r.sampling_params.logprobs or 0) for r in reqs)

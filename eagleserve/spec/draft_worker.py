@@ -25,9 +25,11 @@ from eagleserve.model.grammar_mask import mask_logits, to_draft_vocab
 from eagleserve.model.kv_cache import TokenToKVPool
 from eagleserve.model.loader import resolve_draft_path
 from eagleserve.model.runner import ModelRunner
+from eagleserve.spec.adaptive import acceptance_prior
 from eagleserve.spec.draft_lag import DraftLag, catch_up_batch
 from eagleserve.spec.draft_tree import DraftTree, draft_chain, draft_tree
 from eagleserve.spec.eagle_head import load_eagle_head
+from eagleserve.spec.head_loader import measured_acceptance
 from eagleserve.spec.tree import Topk1ChainBuffers
 
 
@@ -36,10 +38,10 @@ class EagleDraftWorker:
         self.spec = spec
         self.device = device = target.device
         self.req_to_token = target.req_to_token_pool.req_to_token
-        self.head = load_eagle_head(
-            resolve_draft_path(spec.draft_model_path), spec.algorithm, target.model, device,
-            target.dtype,
-        )  # fmt: skip
+        head_path = resolve_draft_path(spec.draft_model_path)
+        self.head = load_eagle_head(head_path, spec.algorithm, target.model, device, target.dtype)
+        # Where the engine-wide acceptance by depth starts (spec/adaptive.py).
+        self.acceptance_prior = acceptance_prior(measured_acceptance(head_path), spec.num_steps)
         if target.gguf_path is not None:  # a packed target on CPU: the head's matmuls in int8
             from eagleserve.model.quant import linears_to_int8
 

@@ -21,6 +21,7 @@ from eagleserve.model.cuda_graph import BUCKETS
 from eagleserve.model.forward_batch import ForwardBatch, HostLens
 from eagleserve.model.grammar_mask import mask_logits
 from eagleserve.model.llama import ModelOutput
+from eagleserve.model.parallel import broadcast_from_first, broadcast_object
 from eagleserve.model.prompt_logprobs import score_prompts, wants_prompt_logprobs
 from eagleserve.model.runner import ModelRunner
 from eagleserve.model.sampler import (
@@ -77,6 +78,9 @@ class EagleWorker:
                 req.spec_alphas = list(prior)
         lags = [r.draft_lag for r in batch.reqs]
         k = self.controller.choose([r.spec_alphas for r in batch.reqs], max(lags) > 0)
+        # Under tensor parallelism each rank times its own iterations: rank 0's choice is every
+        # rank's, or their batches' shapes (and collectives) would differ.
+        k = broadcast_object(k)
         assert self.drafter.lag is not None
         if k == 0 and max(lags) + 1 >= self.drafter.lag.max_lag:
             k = self.controller.choices[1]  # the ring is full: draft (and catch up) now
@@ -318,6 +322,16 @@ class EagleWorker:
 
 
 def accept(
+    info: SamplingInfo, tokens: torch.Tensor, parents: torch.Tensor, logits: torch.Tensor
+) -> AcceptResult:
+    """`decide_acceptance` on rank 0, and under tensor parallelism the same on every rank: the
+    ranks then commit the same tokens and KV paths."""
+    acc = decide_acceptance(info, tokens, parents, logits)
+    broadcast_from_first(acc.accept_index, acc.accept_lens, acc.output_tokens, acc.bonus_tokens)
+    return acc
+
+
+def decide_acceptance(
     info: SamplingInfo, tokens: torch.Tensor, parents: torch.Tensor, logits: torch.Tensor
 ) -> AcceptResult:
     """Greedy rows accept the target's argmax path; sampled rows the lossless stochastic walk."""
