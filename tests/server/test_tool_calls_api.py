@@ -1,7 +1,7 @@
-"""Tool calls through the HTTP API (SmolLM2, the `openai` client): `required`, a named function
-and parallel calls give `tool_calls` whose arguments validate against the tool's parameter
-schema, streamed and not; `none` gives text; bad tool fields are 400s; an earlier call in the
-conversation is accepted. The parsing itself: tests/server/test_tool_calls.py."""
+"""Tool calls through the HTTP API (SmolLM2, the `openai` client): `required` and a named
+function (one call) and parallel calls (streamed) give `tool_calls` whose arguments validate
+against the tool's parameter schema; `none` gives text; bad tool fields are 400s; an earlier
+call in the conversation is accepted. The parsing itself: tests/server/test_tool_calls.py."""
 
 from __future__ import annotations
 
@@ -57,12 +57,15 @@ def check_calls(calls: list[Any], names: set[str]) -> None:
 
 @pytest.mark.parametrize("choice", ["required", "named"])
 def test_tool_calls_validate(client: openai.OpenAI, choice: str) -> None:
+    """One call (parallel calls off), its arguments valid for the chosen tool."""
     tc: Any = "required" if choice == "required" else {
         "type": "function", "function": {"name": "get_time"}}  # fmt: skip
     out = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=tc,
-                                         max_tokens=120, temperature=0)  # fmt: skip
+                                         parallel_tool_calls=False, max_tokens=80,
+                                         temperature=0)  # fmt: skip
     c = out.choices[0]
     assert c.finish_reason == "tool_calls", c.message
+    assert len(c.message.tool_calls or []) == 1
     check_calls(c.message.tool_calls or [], {"get_time"} if choice == "named" else set(SCHEMAS))
     assert c.message.content is None
 
@@ -84,13 +87,6 @@ def test_streamed_tool_calls_validate(client: openai.OpenAI) -> None:
     assert reasons[-1] == "tool_calls" and calls
     for entry in calls.values():
         jsonschema.validate(json.loads(entry["arguments"]), SCHEMAS[entry["name"]])
-
-
-def test_single_call_when_parallel_calls_are_off(client: openai.OpenAI) -> None:
-    out = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS,
-                                         tool_choice="required", parallel_tool_calls=False,
-                                         max_tokens=200, temperature=0)  # fmt: skip
-    assert len(out.choices[0].message.tool_calls or []) == 1
 
 
 def test_tool_choice_none_is_text_and_history_is_accepted(client: openai.OpenAI) -> None:

@@ -172,3 +172,20 @@ def test_seeded_constrained_sampling_repeats(target_dir: str, heads: dict[str, s
         together = run_staggered(eng, prompts, params)
         alone = [eng.generate([p], [sp])[0]["token_ids"] for p, sp in zip(prompts[:2], params)]
         assert together[:2] == alone
+
+
+@pytest.mark.parametrize("head", [None, "EAGLE"], ids=["target-only", "eagle-chain"])
+def test_constrained_greedy_survives_retraction_and_chunks(
+    target_dir: str, heads: dict[str, str], reference: list[list[int]], head: str | None
+) -> None:
+    """A KV pool too small for the batch retracts requests (re-prefilled with their outputs:
+    their matchers keep the committed state), and 4-token prefill chunks leave requests
+    part-way through their prompt (no token committed, matchers untouched): same tokens."""
+    spec = {} if head is None else dict(speculative_num_steps=3, speculative_eagle_topk=1,
+                                        speculative_num_draft_tokens=4)  # fmt: skip
+    eng = Engine(model=target_dir, device="cpu", kv_cache_tokens=120, max_running_requests=8,
+                 chunked_prefill_size=4, disable_overlap_schedule=False,
+                 **({} if head is None else dict(speculative_algorithm="EAGLE",
+                    speculative_draft_model_path=heads[head], **spec)))  # fmt: skip
+    assert run_staggered(eng, *cases()) == reference
+    assert eng.stats().num_retracted_total > 0
