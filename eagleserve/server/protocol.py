@@ -202,6 +202,13 @@ class ChatResponseMessage(BaseModel):
     content: str | None = None
     tool_calls: list[dict[str, Any]] | None = None  # OpenAI's: id, type, function
 
+    @model_serializer(mode="wrap")
+    def _drop_no_calls(self, handler: Any) -> dict[str, Any]:
+        data = handler(self)
+        if data.get("tool_calls") is None:  # as OpenAI: the key only when there are calls
+            data.pop("tool_calls", None)
+        return data
+
 
 class ChatChoice(BaseModel):
     index: int

@@ -121,7 +121,8 @@ def render_calls(calls: list[dict[str, Any]]) -> str:
     """An assistant message's earlier tool_calls, in the format, for the prompt."""
     out = []
     for call in calls:
-        fn = call.get("function") or {}
+        fn = call.get("function")
+        fn = fn if isinstance(fn, dict) else {}
         try:
             args = json.loads(fn.get("arguments") or "{}")
         except (TypeError, ValueError):
