@@ -179,12 +179,12 @@ def test_constrained_greedy_survives_retraction_and_chunks(
     target_dir: str, heads: dict[str, str], reference: list[list[int]], head: str | None
 ) -> None:
     """A KV pool too small for the batch retracts requests (re-prefilled with their outputs:
-    their matchers keep the committed state), and 4-token prefill chunks leave requests
+    their matchers keep the committed state), and 8-token prefill chunks leave requests
     part-way through their prompt (no token committed, matchers untouched): same tokens."""
     spec = {} if head is None else dict(speculative_num_steps=3, speculative_eagle_topk=1,
                                         speculative_num_draft_tokens=4)  # fmt: skip
     eng = Engine(model=target_dir, device="cpu", kv_cache_tokens=120, max_running_requests=8,
-                 chunked_prefill_size=4, disable_overlap_schedule=False,
+                 chunked_prefill_size=8, disable_overlap_schedule=False,
                  **({} if head is None else dict(speculative_algorithm="EAGLE",
                     speculative_draft_model_path=heads[head], **spec)))  # fmt: skip
     assert run_staggered(eng, *cases()) == reference

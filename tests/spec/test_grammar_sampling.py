@@ -26,7 +26,7 @@ pytestmark = pytest.mark.usefixtures("torch_threads")
 
 CHARS = "abcdefgh"  # token i is CHARS[i]
 REGEX = "[a-d]([a-f][b-h])*"  # never complete: no EOS needed (the target has none)
-N_SAMPLES = 6000
+N_SAMPLES = 3000
 
 
 def allowed_at(position: int) -> list[int]:
