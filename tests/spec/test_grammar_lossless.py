@@ -87,6 +87,8 @@ def cases(temperature: float = 0.0) -> tuple[list[list[int]], list[SamplingParam
                            seed=100 + i, grammar=GRAMMARS[i % len(GRAMMARS)])  # fmt: skip
         if i == 5:
             p.grammar = None  # free text next to constrained rows
+        if i == 3:  # penalties and bias, then the grammar mask, on every verify node
+            p.frequency_penalty, p.presence_penalty, p.logit_bias = 0.7, 0.3, {ord("c") - 29: 3.0}
         params.append(p)
     return prompts, params
 
