@@ -11,6 +11,7 @@ by batches that hold a grammar request.
 
 from __future__ import annotations
 
+import functools
 import re
 import threading
 import time
@@ -123,6 +124,7 @@ def build_grammar(spec: GrammarSpec) -> Any:
     raise GrammarError(f"unknown grammar kind {spec.kind!r}")
 
 
+@functools.lru_cache(maxsize=256)  # clients resend the same schemas
 def check_grammar(spec: GrammarSpec) -> str | None:
     """Why `spec` cannot be served, or None."""
     try:
