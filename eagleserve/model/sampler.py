@@ -1,5 +1,8 @@
-"""Sampling: logits -> penalties and bias -> target distribution (temperature, top-k, top-p,
-min-p) -> tokens.
+"""Sampling: logits -> penalties and bias -> grammar mask -> target distribution (temperature,
+top-k, top-p, min-p) -> tokens.
+
+The grammar mask (model/grammar_batch.py) comes after penalties and bias, so nothing can
+re-enable a token the grammar forbids; greedy argmax sees it too.
 
 Each sampled request draws from its own `torch.Generator`, so a seed gives the same tokens
 whatever else is in the batch. Penalties and bias change the logits before anything else
@@ -14,6 +17,8 @@ from dataclasses import dataclass
 import torch
 
 from eagleserve.core import GenerationBatchResult, Req, ScheduleBatch
+from eagleserve.model.grammar_batch import BatchGrammar
+from eagleserve.model.grammar_mask import mask_logits
 from eagleserve.model.parallel import broadcast_from_first
 from eagleserve.model.penalty_state import BatchPenalties, PenaltyState
 
@@ -179,14 +184,22 @@ def sample_next(
     state: PenaltyState,
     slots: torch.Tensor,
     prefill: bool,
+    grammar: BatchGrammar | None = None,
 ) -> GenerationBatchResult:
-    """A prefill's or decode's next tokens with penalties: a prefill first resets its requests'
-    penalty rows; the sampled tokens are committed to them."""
+    """A prefill's or decode's next tokens with penalties and grammar masks: a prefill first
+    resets its requests' penalty rows; the sampled tokens are committed to them and to the
+    grammar rows' matchers."""
     pen = info.penalties
-    if pen is None:
+    if pen is None and grammar is None:
         return sample_with_logprobs(logits, reqs, info)
-    if prefill:
+    if pen is not None and prefill:
         pen.reset(state)
-    result = sample_with_logprobs(logits, reqs, info, pen.next_logits(logits, state, slots))
-    pen.commit(state, slots, result.next_token_ids[:, None])
+    scored = logits if pen is None else pen.next_logits(logits, state, slots)
+    if grammar is not None:
+        scored = mask_logits(scored, grammar.next_allowed(logits.device))
+    result = sample_with_logprobs(logits, reqs, info, scored)
+    if pen is not None:
+        pen.commit(state, slots, result.next_token_ids[:, None])
+    if grammar is not None:
+        grammar.advance(result.next_token_ids)
     return result

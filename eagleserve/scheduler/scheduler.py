@@ -11,12 +11,15 @@ from eagleserve.config import ModelConfig, ServerArgs
 from eagleserve.core import FinishReason, GenerationBatchResult, Req, ScheduleBatch
 from eagleserve.device import pick_device
 from eagleserve.messages import EngineStats, GenerateReqInput, TokenOutput
+from eagleserve.model.grammar import GrammarBackend, request_grammar
+from eagleserve.model.grammar_batch import BatchGrammar
 from eagleserve.model.loader import load_tokenizer, resolve_model_path
 from eagleserve.model.parallel import broadcast_object
 from eagleserve.model.runner import ModelRunner
 from eagleserve.model.sampler import SamplingInfo, request_generator
 from eagleserve.sampling_params import check_request
 from eagleserve.scheduler.chunk_budget import ChunkBudget
+from eagleserve.scheduler.engine_stats import engine_stats
 from eagleserve.scheduler.future_map import FutureMap
 from eagleserve.scheduler.output_processor import (
     StopChecker,
@@ -75,6 +78,9 @@ class Scheduler:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
+        self.grammars = None if self.tokenizer is None else GrammarBackend(
+            self.tokenizer, cfg.vocab_size, sorted(eos)
+        )  # fmt: skip
         self.waiting: deque[Req] = deque()
         self.running_batch: ScheduleBatch | None = None
         self.pending_outputs: list[TokenOutput] = []
@@ -110,15 +116,18 @@ class Scheduler:
         err = None if bad is None else bad.message
         if err is None and params.stop and self.tokenizer is None:
             err = "stop strings need a model with a tokenizer"
+        grammar = None  # compiled here, on the scheduler thread (cached per spec)
+        if err is None and params.grammar is not None:
+            grammar, err = request_grammar(self.grammars, params.grammar)
         if err is not None:
             self.pending_outputs.append(
                 TokenOutput(msg.rid, [], True, "error", error=err, error_code=400)
             )
             return
         gen = None if params.is_greedy else request_generator(params.seed, self.device)
-        self.waiting.append(
-            Req(msg.rid, list(msg.input_ids), params, self.eos_token_ids, generator=gen)
-        )
+        req = Req(msg.rid, list(msg.input_ids), params, self.eos_token_ids, generator=gen)
+        req.grammar = grammar
+        self.waiting.append(req)
 
     def abort_request(self, rid: str) -> None:
         for req in list(self.waiting):
@@ -277,6 +286,8 @@ class Scheduler:
         if partial is not None:
             row = batch.reqs.index(partial)
             info.is_greedy[row], info.generators[row] = True, None
+        # Per launch: a request whose prefill goes on commits no token (its matcher waits).
+        batch.grammar = BatchGrammar.of_reqs(batch.reqs, self.model_config.vocab_size, partial)
         if self.forwarder is not None:
             return self.forwarder.launch(batch)
         return self.worker.forward_batch_generation(batch)
@@ -382,15 +393,4 @@ class Scheduler:
         self.deferred_release = []
 
     def stats(self) -> EngineStats:
-        engine = EngineStats(
-            num_running=self.running_batch.batch_size if self.running_batch else 0,
-            num_waiting=len(self.waiting),
-            kv_used_tokens=self.kv_pool.size - self.prefix_cache.available_size(),
-            kv_total_tokens=self.kv_pool.size,
-            kv_cached_tokens=self.prefix_cache.cached_size,
-            prefix_cache_hit_tokens_total=self.prefix_cache.hit_tokens,
-            prefix_cache_queried_tokens_total=self.prefix_cache.queried_tokens,
-            prefix_cache_evicted_tokens_total=self.prefix_cache.evicted_tokens,
-            num_retracted_total=self.num_retracted,
-        )
-        return self.spec_stats.with_spec_fields(engine)
+        return engine_stats(self)

@@ -19,6 +19,7 @@ from eagleserve.config import ServerArgs, SpecConfig
 from eagleserve.core import GenerationBatchResult, OnVerified, ScheduleBatch
 from eagleserve.model.cuda_graph import BUCKETS
 from eagleserve.model.forward_batch import ForwardBatch, HostLens
+from eagleserve.model.grammar_mask import mask_logits
 from eagleserve.model.llama import ModelOutput
 from eagleserve.model.parallel import broadcast_from_first, broadcast_object
 from eagleserve.model.prompt_logprobs import score_prompts, wants_prompt_logprobs
@@ -117,7 +118,12 @@ class EagleWorker:
     ) -> GenerationBatchResult:
         info = self._sampling_info(batch)
         state = self.runner.penalty_state
-        return sample_next(logits, batch.reqs, info, state, batch.req_pool_indices, prefill)
+        slots = batch.req_pool_indices
+        return sample_next(logits, batch.reqs, info, state, slots, prefill, batch.grammar)
+
+    def _next_allowed(self, batch: ScheduleBatch) -> torch.Tensor | None:
+        """Grammar masks [bs, V] after every committed token (seeds the next draft's top-k)."""
+        return None if batch.grammar is None else batch.grammar.next_allowed(self.device)
 
     def _features(self, out: ModelOutput) -> torch.Tensor:
         aux = out.aux_hidden_states
@@ -146,7 +152,8 @@ class EagleWorker:
         if on_verified is not None:
             on_verified(batch)
         draft_fb = dataclasses.replace(fb, input_ids=shifted)
-        batch.spec_info = self.drafter.extend(draft_fb, self._features(out), last)
+        allowed = self._next_allowed(batch)
+        batch.spec_info = self.drafter.extend(draft_fb, self._features(out), last, allowed)
         return result
 
     # ---- decode: draft -> verify -> accept -> draft extend ----------------------------------
@@ -160,7 +167,8 @@ class EagleWorker:
             result = self._decode_without_drafts(batch, on_verified)
         else:
             if batch.draft_lags is not None and any(batch.draft_lags):
-                batch.spec_info = self.drafter.catch_up(batch, batch.spec_info)
+                allowed = self._next_allowed(batch)
+                batch.spec_info = self.drafter.catch_up(batch, batch.spec_info, allowed)
                 catch_up = time.perf_counter() - t0
             result = self._draft_verify(batch, on_verified, k)
         if self.controller is not None and self.device.type == "cpu":
@@ -220,7 +228,8 @@ class EagleWorker:
         self, batch: ScheduleBatch, on_verified: OnVerified | None, k: int
     ) -> GenerationBatchResult:
         spec = self.spec
-        tree = self.drafter.draft(batch, batch.spec_info, k)
+        grammar = batch.grammar
+        tree = self.drafter.draft(batch, batch.spec_info, k, grammar)
         n = k + 1 if spec.is_chain else spec.num_draft_tokens
         t = build_tree(
             batch.input_ids,
@@ -259,9 +268,14 @@ class EagleWorker:
         scored = logits if pen is None else pen.verify_logits(
             logits, state, batch.req_pool_indices, t.draft_tokens, t.tree_mask, t.depths
         )  # fmt: skip
+        if grammar is not None:  # node i: the grammar after its own path (a host sync)
+            scored = mask_logits(scored, grammar.tree_allowed(t.draft_tokens, t.parents,
+                                                              self.device))  # fmt: skip
         acc = accept(info, t.draft_tokens, t.parents, scored)
         if pen is not None:
             pen.commit(state, batch.req_pool_indices, acc.output_tokens, acc.output_tokens >= 0)
+        if grammar is not None:
+            grammar.advance(acc.output_tokens, acc.accept_lens)
         if not spec.is_chain:
             commit_tree_path(r2t, batch.req_pool_indices, L, acc.accept_index, n)
         # Draft extend over the accepted path: token after node k with the feature of node k.
@@ -292,7 +306,8 @@ class EagleWorker:
         batch.input_ids = acc.bonus_tokens
         if on_verified is not None:
             on_verified(batch)
-        batch.spec_info = self.drafter.extend(extend_fb, feats, torch.cumsum(a, 0) - 1)
+        allowed = self._next_allowed(batch)
+        batch.spec_info = self.drafter.extend(extend_fb, feats, torch.cumsum(a, 0) - 1, allowed)
         result = GenerationBatchResult(acc.output_tokens, a, num_drafts=k)
         if any(r.sampling_params.logprobs is not None for r in batch.reqs):
             k = max((r.sampling_params.logprobs or 0) for r in batch.reqs)
