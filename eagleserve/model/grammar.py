@@ -31,6 +31,21 @@ class GrammarError(ValueError):
     """A spec that does not compile; the message names the problem (a 400 to the client)."""
 
 
+def xgrammar() -> Any:
+    """The xgrammar module, or a GrammarError saying how to install it. eagleserve installs it
+    without its dependencies (Makefile, Dockerfile): its metadata asks for PyPI's `triton` on
+    Linux, which on ROCm would replace torch's pytorch-triton-rocm; the rest it needs is
+    eagleserve's own."""
+    try:
+        import xgrammar as xgr
+    except ImportError:
+        raise GrammarError(
+            "structured output needs the xgrammar package, absent from this server's "
+            "environment: pip install --no-deps xgrammar==0.2.8"
+        ) from None
+    return xgr
+
+
 @dataclass
 class GrammarStats:
     compiles: int = 0
@@ -55,8 +70,7 @@ class GrammarBackend:
 
     def _get_compiler(self) -> Any:
         if self._compiler is None:
-            import xgrammar as xgr
-
+            xgr = xgrammar()
             info = xgr.TokenizerInfo.from_huggingface(  # no EOS known: xgrammar guesses
                 self.tokenizer,
                 vocab_size=self.vocab_size,
@@ -102,8 +116,7 @@ def request_grammar(
 def build_grammar(spec: GrammarSpec) -> Any:
     """The spec as an xgrammar `Grammar` (no tokenizer needed: the HTTP server checks specs with
     it before a request reaches the engine). Raises GrammarError naming the problem."""
-    import xgrammar as xgr
-
+    xgr = xgrammar()
     # Compact JSON (no free whitespace): a small model otherwise tends to emit blank runs.
     try:
         if spec.kind == "json_object":
@@ -138,8 +151,7 @@ class RequestGrammar:
     """One request's matcher. Only the worker running the request's forward touches it."""
 
     def __init__(self, compiled: Any) -> None:
-        import xgrammar as xgr
-
+        xgr = xgrammar()
         self.matcher = xgr.GrammarMatcher(compiled)
 
     def accept(self, tokens: list[int]) -> None:

@@ -5,13 +5,19 @@ along draft paths equal to a fresh matcher advanced along the same tokens, state
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 import torch
 from conftest import TINY_EOS, TINY_VOCAB
 
 from eagleserve.core import Req
-from eagleserve.model.grammar import GrammarBackend, GrammarError, RequestGrammar
+from eagleserve.model.grammar import (
+    GrammarBackend,
+    GrammarError,
+    RequestGrammar,
+    check_grammar,
+)
 from eagleserve.model.grammar_batch import BatchGrammar
 from eagleserve.model.grammar_mask import unpack_bitmask
 from eagleserve.sampling_params import GrammarSpec, SamplingParams
@@ -101,3 +107,11 @@ def test_batch_tree_masks_follow_each_nodes_path(backend: GrammarBackend) -> Non
     after = backend.new_matcher(SPEC)
     after.accept(ids('{"a": "xy', backend))
     assert torch.equal(mask_of(reqs[1].grammar), mask_of(after))
+
+
+def test_without_xgrammar_a_spec_gets_the_install_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    """xgrammar is installed --no-deps beside eagleserve: where it is missing, a structured
+    request is refused with the line that installs it (not a 500 from an ImportError)."""
+    monkeypatch.setitem(sys.modules, "xgrammar", None)  # `import xgrammar` raises ImportError
+    err = check_grammar(GrammarSpec("json_object"))
+    assert err is not None and "pip install --no-deps xgrammar" in err

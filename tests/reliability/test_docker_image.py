@@ -62,6 +62,9 @@ def test_triton_comes_with_a_gpu_torch_and_never_replaces_rocms() -> None:
     brought Triton."""
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     assert not any(re.match(r"triton\b", d) for d in project["dependencies"])
+    # xgrammar's metadata requires the PyPI triton on Linux: installed --no-deps, never a dep.
+    assert not any(re.match(r"xgrammar\b", d) for d in project["dependencies"])
+    assert any(re.search(r"pip install [^&]*--no-deps xgrammar==", cmd) for cmd in runs())
     assert any(re.match(r"triton\b.*linux", d) for d in project["optional-dependencies"]["cuda"])
     install = [cmd for cmd in runs() if re.search(r"pip install [^&]*\s\.(\s|$)", cmd)]
     assert install, "the image does not pip install eagleserve with its dependencies"

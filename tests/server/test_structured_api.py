@@ -113,6 +113,11 @@ def test_regex_and_ebnf_through_extra_body(client: openai.OpenAI) -> None:
     out = client.completions.create(model=MODEL, prompt="2 + 2 =", max_tokens=10,
                                     temperature=0, extra_body={"ebnf": ebnf})  # fmt: skip
     assert re.fullmatch(r"Answer: [0-9]{1,2}!", out.choices[0].text), out.choices[0].text
+    # ignore_eos cannot run the output past a completed grammar: it stops there.
+    out = client.completions.create(model=MODEL, prompt="2 + 2 =", max_tokens=30, temperature=0,
+                                    extra_body={"ebnf": ebnf, "ignore_eos": True})  # fmt: skip
+    assert re.fullmatch(r"Answer: [0-9]{1,2}!", out.choices[0].text), out.choices[0].text
+    assert out.choices[0].finish_reason == "stop"
 
 
 def test_unsatisfiable_within_max_tokens_finishes_with_length(client: openai.OpenAI) -> None:
