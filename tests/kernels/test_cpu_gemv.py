@@ -58,19 +58,20 @@ def test_close_to_the_exact_product(qtype: str, shape: tuple[int, int]) -> None:
 
 @pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
 def test_a_row_does_not_depend_on_its_batch(qtype: str) -> None:
-    n, k = 300, 576
+    # 333 columns: full 16-column tiles, then a part tile that ends in single columns.
+    n, k = 333, 576
     raw = random_blocks(qtype, n, k, int(torch.randint(0, 2**31, ())))
     lin = pack_quant(unpack_blocks(raw, qtype, n, k))
-    x = torch.randn(11, k)
-    whole = _matmul(lin, x)
-    for m in (1, 2, 3, 5, 11):  # every row-chunk size the kernel has (4 rows share a pass)
-        start = int(torch.randint(0, 11 - m + 1, ()))
+    x = torch.randn(64, k) * torch.rand(64, 1) * 4
+    alone = torch.cat([_matmul(lin, x[i : i + 1].clone()) for i in range(64)])
+    for m in (1, 2, 3, 4, 5, 17, 64):  # every pass size (4 rows share a pass) and remainders
+        start = int(torch.randint(0, 64 - m + 1, ()))
         part = _matmul(lin, x[start : start + m].clone())
-        assert torch.equal(part, whole[start : start + m]), m
+        assert torch.equal(part, alone[start : start + m]), m
     threads = torch.get_num_threads()
     torch.set_num_threads(1 if threads > 1 else 2)
-    try:
-        assert torch.equal(_matmul(lin, x), whole)  # nor on how columns split across threads
+    try:  # nor on how columns and rows split across threads
+        assert torch.equal(_matmul(lin, x), alone)
     finally:
         torch.set_num_threads(threads)
 
