@@ -6,9 +6,10 @@
 For every prompt set and batch size, one row per setting: target-only, fixed 1- and 3-chains
 (the shipped EAGLE3 head), and adaptive (chain lengths 0..3 chosen per iteration). Settings run
 interleaved, round by round, on the packed-int4 SmolLM2 as `make serve` runs it (greedy, EOS
-ignored). Reports tok/s (median over rounds), the ratio to target-only from the same run, tau,
-acceptance by depth, the chain lengths adaptive chose, and whether every setting's tokens equal
-target-only's. Writes bench/results/adaptive.json.
+ignored; the prefix cache off, so that every round prefills its prompts whole, the head's
+share of a prefill included). Reports tok/s (median over rounds), the ratio to target-only
+from the same run, tau, acceptance by depth, the chain lengths adaptive chose, and whether
+every setting's tokens equal target-only's. Writes bench/results/adaptive.json.
 
 Prompt sets: MT-bench first turns, HumanEval, "copy" (passages the answer must repeat:
 acceptance is high there, so longer chains pay), and "mixed" (the three interleaved in one
@@ -116,6 +117,7 @@ def main() -> None:
             kv_cache_tokens=16384,
             max_running_requests=max(batches),
             disable_overlap_schedule=not args.overlap,
+            disable_radix_cache=True,  # every round prefills its prompts whole, as fresh ones
             **kw,
         )
         for name, kw in SETTINGS.items()

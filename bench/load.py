@@ -294,7 +294,10 @@ async def client_loop(
 
 async def drive(args: argparse.Namespace, url: str) -> tuple[list[Outcome], float, int]:
     limits = httpx.Limits(max_connections=args.clients + 8, max_keepalive_connections=args.clients)
-    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=args.request_timeout) as http:
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    async with httpx.AsyncClient(
+        base_url=url, limits=limits, timeout=args.request_timeout, headers=headers
+    ) as http:
         models = (await http.get("/v1/models")).json()["data"][0]
         args.model_name = models["id"]
         ctx = models["max_model_len"]
@@ -438,7 +441,16 @@ def summarize(outcomes: list[Outcome], elapsed: float) -> dict[str, Any]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--url", help="drive this server instead of starting one (127.0.0.1 only)")
+    p.add_argument(
+        "--url",
+        help="drive this server instead of starting one (127.0.0.1 only; e.g. nginx in front "
+        "of --dp-size replicas: deploy/nginx.conf)",
+    )
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("EAGLESERVE_API_KEY"),
+        help="sent as 'Authorization: Bearer KEY' (default: $EAGLESERVE_API_KEY)",
+    )
     p.add_argument("--clients", type=int, default=64)
     p.add_argument("--duration", type=float, default=60.0, help="seconds of load")
     p.add_argument("--spec", action="store_true", help="speculative decoding on (EAGLE)")

@@ -103,8 +103,11 @@ def shared_system_prompt(args: argparse.Namespace, cache: bool) -> dict[str, flo
     return {"seconds": elapsed, "tokens_per_s": tokens / elapsed}
 
 
-def long_prompt_during_decode(args: argparse.Namespace, chunk: int | None) -> dict[str, Any]:
-    engine = make_engine(args, chunked_prefill_size=chunk)
+def long_prompt_during_decode(
+    args: argparse.Namespace, chunk: int | None, fixed: bool = False
+) -> dict[str, Any]:
+    """`fixed`: chunks of the chunk size even next to decodes (--disable-dynamic-chunking)."""
+    engine = make_engine(args, chunked_prefill_size=chunk, disable_dynamic_chunking=fixed)
     sched = engine.scheduler
     params = SamplingParams(max_new_tokens=96, temperature=0.0, ignore_eos=True)
     engine.generate([tokens_of(engine, "Warm up.", 8)], params)
@@ -139,7 +142,8 @@ def long_prompt_during_decode(args: argparse.Namespace, chunk: int | None) -> di
     during = [g for (_, g), o in zip(gaps, overlaps) if o] or [0.0]
     median = statistics.median(g for (_, g), o in zip(gaps, overlaps) if not o)
     p99 = sorted(during)[min(len(during) - 1, round(0.99 * (len(during) - 1)))]
-    return {"chunked_prefill_size": sched.chunk_size, "itl_median_ms": 1e3 * median,
+    return {"chunked_prefill_size": sched.chunk_budget.max_tokens,
+            "dynamic_chunking": sched.chunk_budget.dynamic, "itl_median_ms": 1e3 * median,
             "itl_p99_during_prefill_ms": 1e3 * p99, "ratio": p99 / median,
             "long_prompt_ttft_s": first - arrival}  # fmt: skip
 
@@ -154,17 +158,21 @@ def main() -> int:
         type=str,
         default=None,
         metavar="SIZES",
-        help="only part 3, for these chunk sizes (comma-separated; 0 = one shot)",
+        help="only part 3, for these chunk sizes (comma-separated; 0 = one shot; N:fixed = "
+        "chunks of N even next to decodes)",
     )
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     if args.only_chunking is not None:
-        sizes = [int(c) for c in args.only_chunking.split(",")]
-        runs = {size: long_prompt_during_decode(args, size) for size in sizes}
+        sizes = args.only_chunking.split(",")
+        runs = {
+            size: long_prompt_during_decode(args, int(size.split(":")[0]), size.endswith(":fixed"))
+            for size in sizes
+        }
         print(f"machine: {machine_info()['description']}")
         for size, r in runs.items():
             print(
-                f"long prompt during 8 decodes, chunk {size:>5}: ITL median "
+                f"long prompt during 8 decodes, chunk {size:>8}: ITL median "
                 f"{r['itl_median_ms']:.1f} ms, p99 while prefilling "
                 f"{r['itl_p99_during_prefill_ms']:.1f} ms ({r['ratio']:.2f}x; goal <= 2x), "
                 f"its TTFT {r['long_prompt_ttft_s']:.2f} s"

@@ -49,11 +49,17 @@ FIELD_HELP: dict[str, str] = {
     ),
     "disable_radix_cache": "do not reuse the KV of cached prompt prefixes (radix tree)",
     "chunked_prefill_size": "most tokens one prefill computes: longer prompts are prefilled "
-    "in chunks between decode steps (default: 256 on a CPU, 8192 on a GPU; 0 or -1: off)",
+    "in chunks between decode steps (default: 64 on a CPU, 8192 on a GPU; 0 or -1: off)",
+    "disable_dynamic_chunking": "on a CPU, keep chunks at --chunked-prefill-size while requests "
+    "decode (default: cut them to about one decode iteration's measured cost)",
     "attention_backend": "auto | torch | triton",
     "disable_cuda_graph": "do not capture CUDA graphs for decode",
     "cuda_graph_max_bs": "largest batch size captured in a CUDA graph",
     "log_level": "debug | info | warning | error",
+    "tp_size": "tensor parallelism: ranks (processes, one GPU each) that split the target's "
+    "heads, MLP and vocabulary (gloo on CPU, NCCL/RCCL on GPUs)",
+    "dp_size": "data parallelism: replicas, each a whole server on --port + i (put nginx in "
+    "front: deploy/nginx.conf)",
 }
 _TYPES: dict[str, Callable[[str], Any]] = {"int": int, "float": float, "str": str}
 # Values checked before anything loads (from flags and from --config files alike), so a typo
@@ -67,7 +73,7 @@ FIELD_CHOICES: dict[str, tuple[str, ...]] = {
 }
 DEVICE_RE = re.compile(r"auto|cpu|cuda(:\d+)?")  # HIP builds of torch call their GPUs cuda too
 POSITIVE = ("max_running_requests", "kv_cache_tokens", "max_context_len",
-            "max_request_body_bytes", "cuda_graph_max_bs")  # fmt: skip
+            "max_request_body_bytes", "cuda_graph_max_bs", "tp_size", "dp_size")  # fmt: skip
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -91,6 +97,9 @@ def check_values(args: ServerArgs) -> str | None:
         value = getattr(args, name)
         if value is not None and value < 1:
             return f"--{name.replace('_', '-')} {value}: must be at least 1"
+    if args.tp_size > 1 and args.speculative_adaptive:
+        # Its costs are timed per rank, and ranks must choose the same depth.
+        return "--speculative-adaptive does not run with --tp-size > 1 yet"
     return None
 
 
@@ -112,12 +121,13 @@ FIELD_GROUPS: dict[str, tuple[str, ...]] = {
               "served_model_name"),
     "server": ("host", "port", "api_key", "max_request_body_bytes", "log_level"),
     "scheduler": ("max_running_requests", "kv_cache_tokens", "seed", "disable_overlap_schedule",
-                  "disable_radix_cache", "chunked_prefill_size"),
+                  "disable_radix_cache", "chunked_prefill_size", "disable_dynamic_chunking"),
     "speculative decoding": ("speculative_algorithm", "speculative_draft_model_path",
                              "speculative_num_steps", "speculative_eagle_topk",
                              "speculative_num_draft_tokens", "speculative_adaptive",
                              "speculative_adaptive_probe_interval"),
     "GPU": ("device", "attention_backend", "disable_cuda_graph", "cuda_graph_max_bs"),
+    "scaling out": ("tp_size", "dp_size"),
 }  # fmt: skip
 
 
@@ -248,6 +258,10 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     if isinstance(args, str):
         print(f"eagleserve: error: {args}", file=sys.stderr)
         return 2
+    if args.dp_size > 1:
+        from eagleserve.server.dp import run_replicas
+
+        return run_replicas(args)
     from eagleserve.server.launch import serve
 
     return asyncio.run(serve(args))

@@ -164,10 +164,16 @@ class ServerArgs:
     # Most tokens one prefill computes; a longer prompt is prefilled in chunks between decode
     # steps. None: by device (prefill_chunk_size); 0 or less: no chunking.
     chunked_prefill_size: int | None = None
+    # CPU: next to decodes, a chunk costs about one decode iteration (scheduler/chunk_budget.py).
+    disable_dynamic_chunking: bool = False
     attention_backend: str = "auto"  # auto | torch | triton
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int = 32
     log_level: str = "info"
+    # Tensor-parallel ranks of one engine (processes; one GPU each on GPUs), and data-parallel
+    # replicas, each a whole server on its own port (server/dp.py).
+    tp_size: int = 1
+    dp_size: int = 1
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -202,6 +208,11 @@ class ServerArgs:
         if size is None:
             size = CPU_PREFILL_CHUNK if device_type == "cpu" else GPU_PREFILL_CHUNK
         return size if size > 0 else None
+
+    def dynamic_chunking(self, device_type: str) -> bool:
+        """Chunks cut to one decode iteration's cost while requests decode: on a CPU, where
+        forwards are synchronous and timed by the host."""
+        return device_type == "cpu" and not self.disable_dynamic_chunking
 
     @classmethod
     def field_names(cls) -> list[str]:

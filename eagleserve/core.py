@@ -59,6 +59,8 @@ class Req:
     spec_alphas: list[float] = field(default_factory=list)
     draft_lag: int = 0
     generator: torch.Generator | None = None
+    # Structured output: the model/grammar.py RequestGrammar (None: free text).
+    grammar: Any = None
     # Tokens already handed to the output stream (streaming sends the rest).
     num_sent_tokens: int = 0
     retract_count: int = 0
@@ -121,6 +123,9 @@ class ScheduleBatch:
     # (ids of `reqs`, SamplingInfo) built by the scheduler before launch, reused while the
     # batch's membership is unchanged (model/sampler.py SamplingInfo.of_batch).
     sampling_info: tuple[tuple[int, ...], Any] | None = None
+    # The model/grammar_batch.py BatchGrammar of this launch (None: no grammar row), built by
+    # the scheduler before each launch.
+    grammar: Any = None
 
     @property
     def batch_size(self) -> int:

@@ -10,6 +10,7 @@ from eagleserve.config import ServerArgs
 from eagleserve.messages import EngineStats, GenerateReqInput, TokenOutput
 from eagleserve.sampling_params import SamplingParams
 from eagleserve.scheduler.scheduler import Scheduler
+from eagleserve.scheduler.tp_engine import ReplicatedScheduler, build_scheduler
 
 
 class Engine:
@@ -21,7 +22,8 @@ class Engine:
         if unknown:
             raise TypeError(f"unknown Engine arguments: {sorted(unknown)}")
         self.args = ServerArgs(model=model, **kwargs)
-        self.scheduler = Scheduler(self.args)
+        # --tp-size > 1: this process is rank 0 and starts the other ranks (close() stops them).
+        self.scheduler: Scheduler | ReplicatedScheduler = build_scheduler(self.args)
         self.tokenizer = self.scheduler.tokenizer
         self._ids = itertools.count()
 
@@ -79,6 +81,11 @@ class Engine:
                 result["prompt_logprobs"] = scores.get(rid)
             results.append(result)
         return results
+
+    def close(self) -> None:
+        """Stops the tensor-parallel ranks this engine started (nothing to do without)."""
+        if isinstance(self.scheduler, ReplicatedScheduler):
+            self.scheduler.close()
 
     def stats(self) -> EngineStats:
         return self.scheduler.stats()

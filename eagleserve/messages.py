@@ -92,6 +92,10 @@ class EngineStats:
     spec_iterations_per_num_drafts: list[int] = field(default_factory=list)
     # Engine-wide acceptance at each depth given the earlier ones were accepted (an EMA).
     spec_acceptance_ema: list[float] = field(default_factory=list)
+    # Structured output: grammars compiled (cache misses), their compile time, cache hits.
+    grammar_compiles_total: int = 0
+    grammar_compile_seconds_total: float = 0.0
+    grammar_cache_hits_total: int = 0
 
 
 @dataclass

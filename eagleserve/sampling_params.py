@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Literal
 
 # torch.Generator.manual_seed takes a signed 64-bit value; seeds live in [0, 2^63).
 SEED_BOUND = 2**63
@@ -16,6 +17,19 @@ SEED_BOUND = 2**63
 # (a subnormal penalty rounds to 0 there); past them the effect is the same anyway.
 MAX_REPETITION_PENALTY = 1e6
 MIN_REPETITION_PENALTY = 1e-6
+
+GrammarKind = Literal["json_object", "json_schema", "regex", "ebnf", "structural_tag"]
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """A constraint on the output (model/grammar.py compiles it): `json_object` (any JSON
+    object; `value` unused), `json_schema` (`value`: the schema as JSON text), `regex`, `ebnf`
+    (xgrammar's EBNF, rule `root`), `structural_tag` (xgrammar's structural tag as JSON text:
+    tool calls)."""
+
+    kind: GrammarKind
+    value: str = ""
 
 
 @dataclass
@@ -39,6 +53,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     min_tokens: int = 0  # EOS and stop ids are masked, stop strings ignored, below this
     logit_bias: dict[int, float] = field(default_factory=dict)
+    grammar: GrammarSpec | None = None  # structured output (None: free text)
 
     @property
     def is_greedy(self) -> bool:
@@ -79,6 +94,9 @@ class SamplingParams:
              f"{MAX_REPETITION_PENALTY}]", "repetition_penalty"),
             (0 <= self.min_tokens <= self.max_new_tokens,
              "min_tokens must be between 0 and max_tokens", "min_tokens"),
+            # A completed grammar allows only EOS, which min_tokens would forbid.
+            (self.grammar is None or self.min_tokens == 0,
+             "min_tokens cannot be combined with structured output", "min_tokens"),
         ]  # fmt: skip
         for ok, message, param in checks:
             if not ok:

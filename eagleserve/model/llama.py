@@ -16,6 +16,7 @@ from torch import nn
 from eagleserve.config import ModelConfig
 from eagleserve.kernels import cpu_ext
 from eagleserve.model.forward_batch import get_forward_batch, in_forward
+from eagleserve.model.parallel import all_reduce
 
 
 class RMSNorm(nn.Module):
@@ -127,12 +128,16 @@ class LlamaAttention(nn.Module):
         # Set by model/quant.py when packed GGUF weights fuse q/k/v into one matmul.
         self.qkv_proj: nn.Module | None = None
         self.qkv_sizes = [cfg.q_size, cfg.kv_size, cfg.kv_size]
+        # Set by model/tp_shard.py on a tensor-parallel target: this rank holds some heads, and
+        # o_proj's output is its share of the sum over ranks (a replicated draft head's is not).
+        self.row_parallel = False
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary) -> torch.Tensor:
         fb = get_forward_batch()
         q, k, v = self.project(x, positions, rotary)
         out = fb.attn_backend.forward(q, k, v, self.layer_id, fb)  # [T, H, D]
-        return self.o_proj(out.reshape(x.shape[0], -1))
+        out = self.o_proj(out.reshape(x.shape[0], -1))
+        return all_reduce(out) if self.row_parallel else out
 
     def project(
         self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary
@@ -163,13 +168,15 @@ class LlamaMLP(nn.Module):
         self.up_proj = nn.Linear(hidden, inter, bias=False)
         self.down_proj = nn.Linear(inter, hidden, bias=False)
         self.gate_up_proj: nn.Module | None = None  # fused gate/up (model/quant.py)
+        self.row_parallel = False  # as LlamaAttention's
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj is not None:
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(F.silu(gate) * up)
+        out = self.down_proj(F.silu(gate) * up)
+        return all_reduce(out) if self.row_parallel else out
 
 
 class LlamaDecoderLayer(nn.Module):

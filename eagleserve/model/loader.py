@@ -9,7 +9,7 @@ import json
 import logging
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -151,8 +151,15 @@ def load_config_dict(path: str) -> dict:
         return json.load(f)
 
 
-def load_weights(module: nn.Module, path: str, strict: bool = True, desc: str = "weights") -> None:
-    """Copies a checkpoint with HF names into `module`; names must match one to one."""
+def load_weights(
+    module: nn.Module,
+    path: str,
+    strict: bool = True,
+    desc: str = "weights",
+    transform: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
+) -> None:
+    """Copies a checkpoint with HF names into `module`; names must match one to one.
+    `transform(name, tensor)` gives the part this module holds (a tensor-parallel shard)."""
     params = dict(module.named_parameters())
     seen: set[str] = set()
     items = list(iter_checkpoint(path))
@@ -166,6 +173,8 @@ def load_weights(module: nn.Module, path: str, strict: bool = True, desc: str = 
                 raise KeyError(f"unexpected tensor {name!r} in {path}")
             continue
         p = params[name]
+        if transform is not None:
+            tensor = transform(name, tensor)
         if tuple(p.shape) != tuple(tensor.shape):
             raise ValueError(
                 f"tensor {name!r} in {path} has shape {tuple(tensor.shape)}, "

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import types
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -336,10 +337,12 @@ def quantize_model_from_gguf(
     gguf_path: str,
     compute_dtype: torch.dtype = torch.bfloat16,
     q8_0: str = "int4x2",
+    shard: Callable[[str, QuantTensor], QuantTensor] | None = None,
 ) -> None:
     """Replaces, in place, every nn.Linear whose GGUF tensor is Q4_0 / Q4_1 / Q8_0 by a packed
     module under the same HF name. Other types (F32, F16, K-quants) keep their fp weights.
     q8_0: how Q8_0 tensors run: "int4x2" (Q8Int4Linear), "bf16" or "int8" (see pack_quant).
+    shard(module name, tensor): the blocks this module holds (a tensor-parallel rank's).
 
     Tied embeddings: the fp `embed_tokens` table stays for lookups; when `token_embd` is
     quantized (Q8_0 in SmolLM2's GGUF, which has no `output.weight`), the logits matmul uses
@@ -363,6 +366,8 @@ def quantize_model_from_gguf(
         elif not isinstance(modules.get(mod_name), nn.Linear):
             continue
         old = modules.get(mod_name)
+        if shard is not None:
+            value = shard(mod_name, value)
         if old is not None and tuple(old.weight.shape) != value.shape:
             raise ValueError(f"{name}: GGUF shape {value.shape} != {tuple(old.weight.shape)}")
         dev = (old.weight if old is not None else model.model.embed_tokens.weight).device

@@ -12,7 +12,9 @@ from eagleserve.model.forward_batch import ForwardBatch, forward_context
 from eagleserve.model.kv_cache import ReqToTokenPool, TokenToKVPool
 from eagleserve.model.llama import LlamaForCausalLM, ModelOutput
 from eagleserve.model.loader import load_weights
+from eagleserve.model.parallel import get_tp
 from eagleserve.model.penalty_state import PenaltyState
+from eagleserve.model.tp_shard import TpShard
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
@@ -65,18 +67,33 @@ class ModelRunner:
         self.max_context_len = max_context_len
         with torch.device("meta"):
             model = LlamaForCausalLM(model_config, max_context_len, aux_layer_ids)
+        tp = get_tp()
+        # Under tensor parallelism this process holds one rank's slice (model/tp_shard.py).
+        self.tp_shard = (
+            TpShard.plan(model_config, tp.rank, tp.size, gguf_path is not None)
+            if tp.enabled
+            else None
+        )
+        if self.tp_shard is not None:
+            self.tp_shard.shard_meta(model)
+        shard = self.tp_shard
         # Real parameters in the target dtype; rotary caches stay fp32 as in transformers.
         model = model.to(dtype).to_empty(device=device)
         model.model.rotary_emb.build(device)
         if load_format == "dummy":
             init_dummy_weights(model)
         elif model_path is not None:
-            load_weights(model, model_path, desc="target weights")
+            load_weights(model, model_path, desc="target weights",
+                         transform=shard.slice_tensor if shard else None)  # fmt: skip
             if gguf_path is not None:
                 # Linears whose GGUF tensors are Q4_0/Q4_1/Q8_0 run packed (model/quant.py).
                 from eagleserve.model.quant import quantize_model_from_gguf
 
-                quantize_model_from_gguf(model, gguf_path)
+                quantize_model_from_gguf(
+                    model, gguf_path, shard=shard.slice_quant if shard else None
+                )
+        if shard is not None:
+            shard.gather_logits(model)
         self.model = model.eval()
         self.req_to_token_pool = ReqToTokenPool(max_running_requests, max_context_len, device)
         # Penalty counts per request slot (allocated at the first request with penalties).
@@ -84,7 +101,7 @@ class ModelRunner:
         self.token_to_kv_pool = TokenToKVPool(
             kv_cache_tokens,
             model_config.num_hidden_layers,
-            model_config.num_key_value_heads,
+            len(shard.kv_heads) if shard else model_config.num_key_value_heads,
             model_config.head_dim,
             dtype,
             device,

@@ -1,5 +1,8 @@
-"""Sampling: logits -> penalties and bias -> target distribution (temperature, top-k, top-p,
-min-p) -> tokens.
+"""Sampling: logits -> penalties and bias -> grammar mask -> target distribution (temperature,
+top-k, top-p, min-p) -> tokens.
+
+The grammar mask (model/grammar_batch.py) comes after penalties and bias, so nothing can
+re-enable a token the grammar forbids; greedy argmax sees it too.
 
 Each sampled request draws from its own `torch.Generator`, so a seed gives the same tokens
 whatever else is in the batch. Penalties and bias change the logits before anything else
@@ -8,11 +11,15 @@ whatever else is in the batch. Penalties and bias change the logits before anyth
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
 
 from eagleserve.core import GenerationBatchResult, Req, ScheduleBatch
+from eagleserve.model.grammar_batch import BatchGrammar
+from eagleserve.model.grammar_mask import mask_logits
+from eagleserve.model.parallel import broadcast_from_first
 from eagleserve.model.penalty_state import BatchPenalties, PenaltyState
 
 
@@ -104,6 +111,13 @@ class SamplingInfo:
         )
 
 
+def request_generator(seed: int | None, device: torch.device) -> torch.Generator:
+    """A sampled request's own generator: seeded (reproducible) or from the OS's entropy."""
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed if seed is not None else int.from_bytes(os.urandom(8), "little") >> 1)
+    return gen
+
+
 def logits_to_probs(logits: torch.Tensor, info: SamplingInfo) -> torch.Tensor:
     """The target distribution a sampled request draws from. logits [n, V] -> probs [n, V]."""
     probs = torch.softmax(logits.float() / info.temperatures, dim=-1)
@@ -155,6 +169,7 @@ def sample_with_logprobs(
     """One next token per row of `logits` (row i for reqs[i]), with logprobs when any asks.
     Tokens come from `penalized` when given; logprobs always from the raw `logits`."""
     next_ids = sample(logits if penalized is None else penalized, info)
+    broadcast_from_first(next_ids)  # tensor parallelism: rank 0's draw is every rank's
     if all(r.sampling_params.logprobs is None for r in reqs):
         return GenerationBatchResult(next_ids)
     k = max((r.sampling_params.logprobs or 0) for r in reqs)
@@ -169,14 +184,22 @@ def sample_next(
     state: PenaltyState,
     slots: torch.Tensor,
     prefill: bool,
+    grammar: BatchGrammar | None = None,
 ) -> GenerationBatchResult:
-    """A prefill's or decode's next tokens with penalties: a prefill first resets its requests'
-    penalty rows; the sampled tokens are committed to them."""
+    """A prefill's or decode's next tokens with penalties and grammar masks: a prefill first
+    resets its requests' penalty rows; the sampled tokens are committed to them and to the
+    grammar rows' matchers."""
     pen = info.penalties
-    if pen is None:
+    if pen is None and grammar is None:
         return sample_with_logprobs(logits, reqs, info)
-    if prefill:
+    if pen is not None and prefill:
         pen.reset(state)
-    result = sample_with_logprobs(logits, reqs, info, pen.next_logits(logits, state, slots))
-    pen.commit(state, slots, result.next_token_ids[:, None])
+    scored = logits if pen is None else pen.next_logits(logits, state, slots)
+    if grammar is not None:
+        scored = mask_logits(scored, grammar.next_allowed(logits.device))
+    result = sample_with_logprobs(logits, reqs, info, scored)
+    if pen is not None:
+        pen.commit(state, slots, result.next_token_ids[:, None])
+    if grammar is not None:
+        grammar.advance(result.next_token_ids)
     return result

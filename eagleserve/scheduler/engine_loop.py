@@ -114,8 +114,9 @@ class EngineLoop:
                     self.send.send_pyobj(sched.stats())
 
 
-def run_engine(args: ServerArgs, in_addr: str, out_addr: str) -> None:
-    """Entry point of the engine process (multiprocessing spawn target)."""
+def run_engine(args: ServerArgs, in_addr: str, out_addr: str, tp_port: int | None = None) -> None:
+    """Entry point of the engine process (multiprocessing spawn target). With --tp-size > 1
+    it is rank 0, whose followers (started by the caller) join it at `tp_port`."""
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
@@ -127,9 +128,13 @@ def run_engine(args: ServerArgs, in_addr: str, out_addr: str) -> None:
     send.connect(out_addr)
     try:
         from eagleserve.scheduler.scheduler import Scheduler
+        from eagleserve.scheduler.tp_engine import start_rank0
 
-        scheduler = Scheduler(args)
-        install_fault_injection(scheduler)
+        if tp_port is None:
+            scheduler = Scheduler(args)
+            install_fault_injection(scheduler)
+        else:  # every rank installs its own fault injection (tp_engine.join)
+            scheduler = start_rank0(args, tp_port, [])
         stats = scheduler.stats()
         ready = EngineReady(
             model_path=scheduler.model_path,
@@ -144,6 +149,8 @@ def run_engine(args: ServerArgs, in_addr: str, out_addr: str) -> None:
         sys.exit(1)
     send.send_pyobj(ready)
     EngineLoop(scheduler, recv, send).run()
+    if tp_port is not None:
+        scheduler.close()
     send.close()
     recv.close(linger=0)
     ctx.term()

@@ -5,6 +5,11 @@ placeholders, and with EAGLE the relay state (bonus token, top-k, hidden state, 
 goes through the FutureMap. The forward runs on one forward thread (and, on an accelerator,
 on its own stream), so forwards execute in launch order and a batch's resolve always sees the
 previous batch's stash.
+
+Grammar masks are not futures: they need the committed tokens on the host, so a forward holding a
+grammar request reads its tokens back and advances the matchers before it returns; the next
+forward, prepared here before acceptance was known, computes its masks when it runs (after that
+one, in launch order). See model/grammar.py for the invariant.
 """
 
 from __future__ import annotations

@@ -3,21 +3,23 @@
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections import deque
 from concurrent.futures import Future
-
-import torch
 
 from eagleserve.config import ModelConfig, ServerArgs
 from eagleserve.core import FinishReason, GenerationBatchResult, Req, ScheduleBatch
 from eagleserve.device import pick_device
 from eagleserve.messages import EngineStats, GenerateReqInput, TokenOutput
+from eagleserve.model.grammar import GrammarBackend, request_grammar
+from eagleserve.model.grammar_batch import BatchGrammar
 from eagleserve.model.loader import load_tokenizer, resolve_model_path
+from eagleserve.model.parallel import broadcast_object
 from eagleserve.model.runner import ModelRunner
-from eagleserve.model.sampler import SamplingInfo
+from eagleserve.model.sampler import SamplingInfo, request_generator
 from eagleserve.sampling_params import check_request
+from eagleserve.scheduler.chunk_budget import ChunkBudget
+from eagleserve.scheduler.engine_stats import engine_stats
 from eagleserve.scheduler.future_map import FutureMap
 from eagleserve.scheduler.output_processor import (
     StopChecker,
@@ -64,7 +66,9 @@ class Scheduler:
         self.prefix_cache = PrefixCache(
             self.req_to_token_pool, self.kv_pool, cfg.vocab_size, not args.disable_radix_cache
         )
-        self.chunk_size = args.prefill_chunk_size(self.device.type)
+        self.chunk_budget = ChunkBudget(
+            args.prefill_chunk_size(self.device.type), args.dynamic_chunking(self.device.type)
+        )
         # The request whose prefill goes on in the next prefill (chunked), and whether a decode
         # step runs before that chunk (decodes and chunks alternate).
         self.chunked_req: Req | None = None
@@ -74,6 +78,9 @@ class Scheduler:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
+        self.grammars = None if self.tokenizer is None else GrammarBackend(
+            self.tokenizer, cfg.vocab_size, sorted(eos)
+        )  # fmt: skip
         self.waiting: deque[Req] = deque()
         self.running_batch: ScheduleBatch | None = None
         self.pending_outputs: list[TokenOutput] = []
@@ -97,7 +104,8 @@ class Scheduler:
         self.inflight: tuple[list[Req], Future[GenerationBatchResult], Req | None] | None = None
         self.deferred_release: list[tuple[Req, bool]] = []
         self.num_retracted = 0
-        self.spec_stats = SpecStats(self.spec_config)
+        eagle = self.worker if isinstance(self.worker, EagleWorker) else None
+        self.spec_stats = SpecStats(self.spec_config, eagle and eagle.drafter.acceptance_prior)
 
     # ---- admission -------------------------------------------------------------------------
     def add_request(self, msg: GenerateReqInput) -> None:
@@ -108,22 +116,18 @@ class Scheduler:
         err = None if bad is None else bad.message
         if err is None and params.stop and self.tokenizer is None:
             err = "stop strings need a model with a tokenizer"
+        grammar = None  # compiled here, on the scheduler thread (cached per spec)
+        if err is None and params.grammar is not None:
+            grammar, err = request_grammar(self.grammars, params.grammar)
         if err is not None:
             self.pending_outputs.append(
                 TokenOutput(msg.rid, [], True, "error", error=err, error_code=400)
             )
             return
-        gen = None
-        if not params.is_greedy:
-            gen = torch.Generator(device=self.device)
-            gen.manual_seed(
-                params.seed
-                if params.seed is not None
-                else int.from_bytes(os.urandom(8), "little") >> 1
-            )
-        self.waiting.append(
-            Req(msg.rid, list(msg.input_ids), params, self.eos_token_ids, generator=gen)
-        )
+        gen = None if params.is_greedy else request_generator(params.seed, self.device)
+        req = Req(msg.rid, list(msg.input_ids), params, self.eos_token_ids, generator=gen)
+        req.grammar = grammar
+        self.waiting.append(req)
 
     def abort_request(self, rid: str) -> None:
         for req in list(self.waiting):
@@ -168,6 +172,7 @@ class Scheduler:
         if batch is not None:
             reqs = list(batch.reqs)  # the batch object changes (merge/filter) after launch
             partial = self.chunked_req if batch.mode == "extend" else None
+            mode, tokens, t0 = batch.mode, sum(batch.extend_lens or ()), time.perf_counter()
             try:
                 handle = self.run_batch(batch, partial)
             except Exception as exc:  # a faulty forward fails its own requests, nothing else
@@ -177,7 +182,8 @@ class Scheduler:
                 self._merge_into_running(batch, partial)
             if isinstance(handle, Future):
                 self.inflight = (reqs, handle, partial)
-            elif handle is not None:
+            elif handle is not None:  # it ran synchronously: its time is its cost
+                self.chunk_budget.observe(mode, tokens, time.perf_counter() - t0)
                 self.process_batch_result(reqs, handle, partial)
         if prev is not None:
             self._process_finished_forward(prev)
@@ -216,13 +222,18 @@ class Scheduler:
         return self.running_batch
 
     def get_new_batch_prefill(self) -> ScheduleBatch | None:
+        if not self.waiting and self.chunked_req is None:
+            return None
+        budget = self.chunk_budget.tokens(self.running_batch is not None, MAX_PREFILL_TOKENS)
+        if self.chunk_budget.dynamic:  # timed per rank under TP: rank 0's is every rank's
+            budget = broadcast_object(budget)
         plan = plan_prefill(
             self.waiting,
             self.chunked_req,
             self.running_batch.batch_size if self.running_batch else 0,
             self.args.max_running_requests,
-            self.chunk_size or MAX_PREFILL_TOKENS,
-            self.chunk_size is not None,
+            budget,
+            self.chunk_budget.max_tokens is not None,
             self.worker.decode_slots_per_req,
             self.prefix_cache,
         )
@@ -275,6 +286,8 @@ class Scheduler:
         if partial is not None:
             row = batch.reqs.index(partial)
             info.is_greedy[row], info.generators[row] = True, None
+        # Per launch: a request whose prefill goes on commits no token (its matcher waits).
+        batch.grammar = BatchGrammar.of_reqs(batch.reqs, self.model_config.vocab_size, partial)
         if self.forwarder is not None:
             return self.forwarder.launch(batch)
         return self.worker.forward_batch_generation(batch)
@@ -380,21 +393,4 @@ class Scheduler:
         self.deferred_release = []
 
     def stats(self) -> EngineStats:
-        spec = self.spec_stats
-        return EngineStats(
-            num_running=self.running_batch.batch_size if self.running_batch else 0,
-            num_waiting=len(self.waiting),
-            kv_used_tokens=self.kv_pool.size - self.prefix_cache.available_size(),
-            kv_total_tokens=self.kv_pool.size,
-            kv_cached_tokens=self.prefix_cache.cached_size,
-            prefix_cache_hit_tokens_total=self.prefix_cache.hit_tokens,
-            prefix_cache_queried_tokens_total=self.prefix_cache.queried_tokens,
-            prefix_cache_evicted_tokens_total=self.prefix_cache.evicted_tokens,
-            num_retracted_total=self.num_retracted,
-            spec_verify_calls_total=spec.verify_calls,
-            spec_accepted_tokens_total=spec.accepted_tokens,
-            spec_accepted_per_position=list(spec.accepted_per_position),
-            spec_proposed_tokens_total=spec.proposed_tokens,
-            spec_iterations_per_num_drafts=list(spec.iterations_per_num_drafts),
-            spec_acceptance_ema=list(spec.acceptance_ema),
-        )
+        return engine_stats(self)

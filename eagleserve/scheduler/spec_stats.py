@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from eagleserve.config import SpecConfig
 from eagleserve.core import Req
+from eagleserve.messages import EngineStats
 from eagleserve.spec.adaptive import ACCEPT_PRIOR, update_acceptance
 
 
 class SpecStats:
-    def __init__(self, spec: SpecConfig | None) -> None:
+    def __init__(self, spec: SpecConfig | None, acceptance_prior: list[float] | None) -> None:
         self.spec = spec
         num_steps = spec.num_steps if spec else 0
         self.verify_calls = 0
@@ -17,7 +20,7 @@ class SpecStats:
         self.proposed_tokens = 0
         self.iterations_per_num_drafts = [0] * (num_steps + 1 if num_steps else 0)
         # Engine-wide acceptance by depth: /metrics, and where a new request's own EMA starts.
-        self.acceptance_ema = [ACCEPT_PRIOR] * num_steps
+        self.acceptance_ema = list(acceptance_prior or [ACCEPT_PRIOR] * num_steps)
 
     def count_verify(self, req: Req, num_drafts: int | None, accepted: int) -> None:
         """Speculative statistics of one request's iteration; a k = 0 iteration (adaptive) is
@@ -39,3 +42,15 @@ class SpecStats:
         self.proposed_tokens += k if spec.is_chain else spec.num_draft_tokens - 1
         for d in range(min(accepted - 1, len(self.accepted_per_position))):
             self.accepted_per_position[d] += 1
+
+    def with_spec_fields(self, stats: EngineStats) -> EngineStats:
+        """`stats` with its speculative fields from these counts."""
+        return dataclasses.replace(
+            stats,
+            spec_verify_calls_total=self.verify_calls,
+            spec_accepted_tokens_total=self.accepted_tokens,
+            spec_accepted_per_position=list(self.accepted_per_position),
+            spec_proposed_tokens_total=self.proposed_tokens,
+            spec_iterations_per_num_drafts=list(self.iterations_per_num_drafts),
+            spec_acceptance_ema=list(self.acceptance_ema),
+        )

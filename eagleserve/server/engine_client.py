@@ -35,9 +35,11 @@ from eagleserve.messages import (
 )
 from eagleserve.model.loader import load_tokenizer
 from eagleserve.scheduler.engine_loop import run_engine
+from eagleserve.scheduler.tp_engine import rendezvous_port, spawn_followers
 
 logger = logging.getLogger("eagleserve.server")
 POLL_MS = 250
+FOLLOWER_REPORT_S = 10.0  # how long rank 0 may take to report a follower's start-up failure
 
 
 class EngineStartupFailed(RuntimeError):
@@ -59,14 +61,14 @@ def _error_output(rid: str, message: str, reason: str = "error") -> TokenOutput:
 STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
 
 
-def engine_main(args: ServerArgs, in_addr: str, out_addr: str) -> None:
+def engine_main(args: ServerArgs, in_addr: str, out_addr: str, tp_port: int | None) -> None:
     """The engine process. It ignores SIGTERM and SIGINT: a signal to the whole process group
     (systemd's default KillMode, Ctrl-C in a terminal) must not kill it while the server drains;
     the server stops it after the drain (ShutdownReq, then SIGKILL if it does not exit), and it
     exits by itself when the server process is gone."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    run_engine(args, in_addr, out_addr)
+    run_engine(args, in_addr, out_addr, tp_port)
 
 
 class RequestStream:
@@ -118,6 +120,7 @@ class EngineClient:
         self.on_stats: Callable[[EngineStats], None] | None = None
         self._stats_waiters: list[asyncio.Future[EngineStats]] = []
         self._proc: Any = None
+        self._followers: list[Any] = []  # tensor-parallel ranks 1.. (tp_engine.py)
         self._tmpdir: str | None = None
         self._recv_task: asyncio.Task[None] | None = None
 
@@ -140,24 +143,33 @@ class EngineClient:
         self._recv = self._ctx.socket(zmq.PULL)
         self._recv.bind(out_addr)
         spawn = mp.get_context("spawn")
+        # --tp-size > 1: the engine process is rank 0, the followers are started here too, so
+        # that this process sees any rank die (tp_engine.py).
+        try:
+            tp_port = rendezvous_port() if self.args.tp_size > 1 else None
+        except RuntimeError as exc:
+            raise EngineStartupFailed(str(exc)) from None
         self._proc = spawn.Process(
             target=engine_main,
-            args=(self.args, in_addr, out_addr),
+            args=(self.args, in_addr, out_addr, tp_port),
             name="eagleserve-engine",
             daemon=True,
         )
-        # The engine is born ignoring the group's stop signals (an ignored disposition survives
-        # the spawn's exec; a mask does not): one arriving while it still imports would kill it
-        # with a traceback. Here they are blocked meanwhile, so none meant for the server is
-        # lost (Linux keeps a blocked signal pending even while it is ignored).
+        # The engine and its tensor-parallel followers are born ignoring the group's stop
+        # signals (an ignored disposition survives the spawn's exec; a mask does not): one
+        # arriving while they still import would kill them with a traceback. Here they are
+        # blocked meanwhile, so none meant for the server is lost (Linux keeps a blocked
+        # signal pending even while it is ignored).
         old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
         old_handlers = {sig: signal.signal(sig, signal.SIG_IGN) for sig in STOP_SIGNALS}
         try:
             self._proc.start()
+            self._followers = [] if tp_port is None else spawn_followers(self.args, tp_port)
         finally:
             for sig, handler in old_handlers.items():
                 signal.signal(sig, handler)
             signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+        dead_since: float | None = None
         while self.ready is None:
             if await self._recv.poll(POLL_MS):
                 msg = await self._recv.recv_pyobj()
@@ -166,8 +178,11 @@ class EngineClient:
                 elif isinstance(msg, EngineStartupError):
                     self._proc.join(10)
                     raise EngineStartupFailed(msg.message, msg.traceback)
-            elif not self._proc.is_alive():
-                raise EngineStartupFailed(f"the engine exited with code {self._proc.exitcode}")
+            elif (dead := self._dead_process()) is not None:
+                # A follower that failed to start has told rank 0 why: prefer rank 0's report.
+                dead_since = dead_since or time.monotonic()
+                if not self._proc.is_alive() or time.monotonic() - dead_since > FOLLOWER_REPORT_S:
+                    raise EngineStartupFailed(f"{dead} exited before it was ready")
         self.tokenizer = await asyncio.to_thread(load_tokenizer, self.ready.model_path)
         self.last_stats = EngineStats(kv_total_tokens=self.ready.kv_total_tokens)
         self.healthy = True
@@ -177,9 +192,17 @@ class EngineClient:
         while self.healthy:
             if await self._recv.poll(POLL_MS):
                 self._dispatch(await self._recv.recv_pyobj())
-            elif not self._proc.is_alive():
-                logger.error("the engine process died (exit code %s)", self._proc.exitcode)
+            elif self._dead_process() is not None:
+                logger.error("%s died", self._dead_process())
                 self._engine_died()
+
+    def _dead_process(self) -> str | None:
+        """Which process of the engine has exited (rank 0 or a tensor-parallel follower)."""
+        for rank, proc in enumerate([self._proc, *self._followers]):
+            if not proc.is_alive():
+                name = "the engine process" if rank == 0 else f"tensor-parallel rank {rank}"
+                return f"{name} (exit code {proc.exitcode})"
+        return None
 
     def _dispatch(self, msg: object) -> None:
         if isinstance(msg, BatchTokenOutput):
@@ -258,6 +281,12 @@ class EngineClient:
                 logger.warning("the engine did not stop in %.0f s: killing it", timeout)
                 self._proc.kill()  # SIGKILL: it ignores SIGTERM (see engine_main)
                 await asyncio.to_thread(self._proc.join, 5)
+        told_to_exit = self._proc is not None and self._proc.exitcode == 0
+        for proc in self._followers:  # rank 0 tells them to exit when it stops cleanly
+            await asyncio.to_thread(proc.join, 5 if told_to_exit else 0)
+            if proc.is_alive():
+                proc.kill()
+                await asyncio.to_thread(proc.join, 5)
         if self._tmpdir is not None:
             self._send.close(linger=0)
             self._recv.close(linger=0)

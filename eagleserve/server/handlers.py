@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from eagleserve.messages import GenerateReqInput, TokenOutput
+from eagleserve.sampling_params import GrammarSpec
 from eagleserve.server.choices import ChoiceState, usage_of
 from eagleserve.server.protocol import (
     ChatChoice,
@@ -29,6 +30,15 @@ from eagleserve.server.protocol import (
     now,
 )
 from eagleserve.server.serving import ApiError, Serving, Tracker, run_to_end
+from eagleserve.server.structured import checked, output_constraint
+from eagleserve.server.tool_calls import (
+    ToolSetup,
+    parse_tool_calls,
+    render_calls,
+    tool_grammar,
+    tool_prompt,
+    tool_setup,
+)
 
 CLIENT_CLOSED = 499
 
@@ -79,13 +89,16 @@ async def create_completion(
     prompts = await asyncio.to_thread(completion_prompts, serving, body.prompt)
     if isinstance(prompts, ApiError):
         return prompts.response()
+    grammar = await asyncio.to_thread(output_constraint, body)  # xgrammar parses: off the loop
+    if isinstance(grammar, ApiError):
+        return grammar.response()
     want_lp = body.logprobs is not None
     # echo + logprobs: the prompt tokens' logprobs too (OpenAI's legacy scoring API).
     scored = body.echo and want_lp
     params = []
     for ids in prompts:
         p = serving.sampling_params(body, body.max_tokens, len(ids), body.logprobs,
-                                    body.logprobs if scored else None)  # fmt: skip
+                                    body.logprobs if scored else None, grammar)  # fmt: skip
         if isinstance(p, ApiError):
             return p.response()
         params.append(p)
@@ -143,13 +156,32 @@ async def create_completion(
     return await respond(serving, request, reqs, tracker, body, endpoint)
 
 
-def chat_prompt(serving: Serving, body: ChatCompletionRequest) -> list[int] | ApiError:
+def chat_messages(body: ChatCompletionRequest, tools: ToolSetup | None) -> list[dict[str, str]]:
+    """The conversation as the template takes it: earlier tool calls written out in the
+    tool-call format, and the tools described in the system message."""
+    msgs = []
+    for m in body.messages:
+        text = m.text()
+        if m.tool_calls:
+            text = (text + "\n" if text else "") + render_calls(m.tool_calls)
+        msgs.append({"role": m.role, "content": text})
+    if tools is not None:
+        if msgs[0]["role"] in ("system", "developer"):
+            msgs[0]["content"] += "\n\n" + tool_prompt(tools)
+        else:
+            msgs.insert(0, {"role": "system", "content": tool_prompt(tools)})
+    return msgs
+
+
+def chat_prompt(
+    serving: Serving, body: ChatCompletionRequest, tools: ToolSetup | None = None
+) -> list[int] | ApiError:
     if not body.messages:
         return ApiError(400, "messages must not be empty", "messages")
     tok = serving.tokenizer
     if tok is None or not getattr(tok, "chat_template", None):
         return ApiError(400, "this model has no chat template: use /v1/completions", "messages")
-    msgs = [{"role": m.role, "content": m.text()} for m in body.messages]
+    msgs = chat_messages(body, tools)
     try:
         text = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
     except Exception as exc:  # a template may reject a conversation (e.g. role order)
@@ -161,15 +193,33 @@ def chat_prompt(serving: Serving, body: ChatCompletionRequest) -> list[int] | Ap
     return err if err is not None else ids
 
 
+def chat_constraint(
+    body: ChatCompletionRequest, tools: ToolSetup | None
+) -> GrammarSpec | ApiError | None:
+    grammar = output_constraint(body)
+    if tools is None or isinstance(grammar, ApiError):
+        return grammar
+    if grammar is not None:
+        return ApiError(400, "tools cannot be combined with another output constraint", "tools")
+    return checked(tool_grammar(tools), "tools")
+
+
 async def create_chat(serving: Serving, body: ChatCompletionRequest, request: Request) -> Response:
-    ids = await asyncio.to_thread(chat_prompt, serving, body)  # off the loop: see completions
+    tools = tool_setup(body)
+    if isinstance(tools, ApiError):
+        return tools.response()
+    ids = await asyncio.to_thread(chat_prompt, serving, body, tools)  # off the loop: as above
     if isinstance(ids, ApiError):
         return ids.response()
+    grammar = await asyncio.to_thread(chat_constraint, body, tools)
+    if isinstance(grammar, ApiError):
+        return grammar.response()
     max_tokens = body.max_completion_tokens
     if max_tokens is None:
         max_tokens = body.max_tokens
     top = body.top_logprobs or 0
-    params = serving.sampling_params(body, max_tokens, len(ids), top if body.logprobs else None)
+    params = serving.sampling_params(body, max_tokens, len(ids), top if body.logprobs else None,
+                                     grammar=grammar)  # fmt: skip
     if isinstance(params, ApiError):
         return params.response()
     reqs = serving.make_reqs([ids], [params], body.n, body.stream)
@@ -191,24 +241,38 @@ async def create_chat(serving: Serving, body: ChatCompletionRequest, request: Re
         role = ChatDelta(role="assistant", content="")
         return [chunk([ChatStreamChoice(index=c.index, delta=role)]) for c in tracker.ordered]
 
+    def answer(c: ChoiceState) -> tuple[str | None, list[dict[str, Any]], str | None]:
+        """(content, tool calls, finish reason) of a finished choice."""
+        if tools is None:
+            return c.text, [], c.finish_reason
+        content, calls = parse_tool_calls(c.text)
+        return content, calls, "tool_calls" if calls else c.finish_reason
+
     def delta(c: ChoiceState, text: str, out: TokenOutput) -> str | None:
+        calls: list[dict[str, Any]] = []
+        reason = c.finish_reason
+        if tools is not None:  # with tools the text is parsed whole: one delta at the end
+            if not c.finished:
+                return None
+            text, calls, reason = answer(c)  # type: ignore[assignment]
         lp = c.chat_logprobs(only_new=True) if body.logprobs else None
         if not (text or c.finished or (lp is not None and lp.content)):
             return None
-        d = ChatDelta(content=text or None)
+        d = ChatDelta(
+            content=text or None,
+            tool_calls=[{"index": k, **call} for k, call in enumerate(calls)] or None,
+        )
         return chunk([ChatStreamChoice(index=c.index, delta=d, logprobs=lp,
-                                       finish_reason=c.finish_reason)])  # fmt: skip
+                                       finish_reason=reason)])  # fmt: skip
 
     def whole() -> ChatCompletionResponse:
-        choices = [
-            ChatChoice(
-                index=c.index,
-                message=ChatResponseMessage(content=c.text),
-                logprobs=c.chat_logprobs() if body.logprobs else None,
-                finish_reason=c.finish_reason,
-            )
-            for c in tracker.ordered
-        ]
+        choices = []
+        for c in tracker.ordered:
+            content, calls, reason = answer(c)
+            message = ChatResponseMessage(content=content, tool_calls=calls or None)
+            lp = c.chat_logprobs() if body.logprobs else None
+            choices.append(ChatChoice(index=c.index, message=message, logprobs=lp,
+                                      finish_reason=reason))  # fmt: skip
         return ChatCompletionResponse(
             id=rid, created=created, model=model, choices=choices, usage=usage_of(tracker.ordered)
         )

@@ -145,6 +145,15 @@ class Metrics:
             "Acceptance rate at each draft depth, given the earlier ones were accepted (EMA)",
             ("depth",),
         )
+        self.grammar_compiles = one(
+            Counter, "grammar_compiles", "Grammars compiled for structured output (cache misses)"
+        )
+        self.grammar_compile_seconds = one(
+            Counter, "grammar_compile_seconds", "Time spent compiling grammars"
+        )
+        self.grammar_cache_hits = one(
+            Counter, "grammar_cache_hits", "Structured-output requests served a cached grammar"
+        )
         self._last = EngineStats()
 
     def request_finished(self, endpoint: str, reason: str, prompt: int, generated: int) -> None:
@@ -199,6 +208,13 @@ class Metrics:
         )
         for depth, rate in enumerate(s.spec_acceptance_ema):
             self._acceptance_ema.labels(self.model_name, str(depth)).set(rate)
+        self.grammar_compiles.inc(max(0, s.grammar_compiles_total - last.grammar_compiles_total))
+        self.grammar_compile_seconds.inc(
+            max(0.0, s.grammar_compile_seconds_total - last.grammar_compile_seconds_total)
+        )
+        self.grammar_cache_hits.inc(
+            max(0, s.grammar_cache_hits_total - last.grammar_cache_hits_total)
+        )
         if s.spec_verify_calls_total:
             self.spec_accept_length.set(s.spec_accepted_tokens_total / s.spec_verify_calls_total)
         self._last = s

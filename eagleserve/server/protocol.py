@@ -17,7 +17,7 @@ class StreamOptions(BaseModel):
 
 
 class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="allow")  # json_schema's payload; only "text" is served
+    model_config = ConfigDict(extra="allow")  # json_schema's payload (server/structured.py)
     type: Literal["text", "json_object", "json_schema"]
 
 
@@ -52,6 +52,9 @@ class _SamplingFields(BaseModel):
     min_tokens: int | None = Field(None, ge=0)  # vLLM's extension
     logit_bias: dict[str, Bias] | None = None
     response_format: ResponseFormat | None = None
+    # SGLang's structured-output extensions (extra_body): a regex, or an EBNF with rule `root`.
+    regex: str | None = None
+    ebnf: str | None = None
 
     @property
     def stop_list(self) -> list[str]:
@@ -102,7 +105,7 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ChatContentPart] | None = None
-    tool_calls: list[dict[str, Any]] | None = None  # a 400 while tools are not served
+    tool_calls: list[dict[str, Any]] | None = None  # earlier calls (server/tool_calls.py)
 
     def text(self) -> str:
         if self.content is None:
@@ -122,6 +125,7 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
     functions: list[dict[str, Any]] | None = None  # the deprecated form of tools
     function_call: str | dict[str, Any] | None = None
 
@@ -196,6 +200,14 @@ class ChatLogprobs(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # OpenAI's: id, type, function
+
+    @model_serializer(mode="wrap")
+    def _drop_no_calls(self, handler: Any) -> dict[str, Any]:
+        data = handler(self)
+        if data.get("tool_calls") is None:  # as OpenAI: the key only when there are calls
+            data.pop("tool_calls", None)
+        return data
 
 
 class ChatChoice(BaseModel):
@@ -217,6 +229,7 @@ class ChatCompletionResponse(BaseModel):
 class ChatDelta(BaseModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # each with its `index` among the calls
 
     @model_serializer(mode="wrap")
     def _drop_none(self, handler: Any) -> dict[str, Any]:

@@ -16,6 +16,7 @@ from eagleserve.config import ServerArgs
 from eagleserve.messages import GenerateReqInput, TokenOutput
 from eagleserve.sampling_params import (
     SEED_BOUND,
+    GrammarSpec,
     RequestError,
     SamplingParams,
     check_budget,
@@ -87,6 +88,7 @@ class Serving:
         prompt_len: int,
         logprobs: int | None,
         prompt_logprobs: int | None = None,
+        grammar: GrammarSpec | None = None,
     ) -> SamplingParams | ApiError:
         if not 1 <= body.n <= MAX_N:
             return ApiError(400, f"n must be between 1 and {MAX_N}", "n")
@@ -113,6 +115,7 @@ class Serving:
             min_tokens=body.min_tokens or 0,
             # Keys are token ids (validation.py checked their form).
             logit_bias={int(k): v for k, v in (body.logit_bias or {}).items()},
+            grammar=grammar,
         )
         vocab = self.client.ready.vocab_size if self.client.ready else 0
         return api_error(params.validate(vocab)) or params

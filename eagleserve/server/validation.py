@@ -4,7 +4,7 @@ Invariant (issue #20): every field that would change the output is either used o
 a 400 whose `param` names it; none is dropped silently. Ranges are checked by pydantic in
 protocol.py (so they show in the OpenAPI schema, as OpenAI's are) and by
 `SamplingParams.validate`; this module rejects in-range values the engine does not implement:
-structured output, tools, `best_of` > n, `suffix`, non-text content. Each is accepted at its
+the deprecated `functions`, `best_of` > n, `suffix`, non-text content. Each is accepted at its
 neutral value, so clients that always send the defaults (e.g. `tools: []`) keep working.
 """
 
@@ -18,10 +18,9 @@ from eagleserve.server.serving import ApiError
 
 UNSUPPORTED = "unsupported_parameter"
 
-# (field, is-neutral test, what is accepted) for fields both endpoints share.
-NEUTRAL: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
-    ("response_format", lambda v: v is None or v.type == "text", '{"type": "text"}'),
-)
+# (field, is-neutral test, what is accepted) for fields both endpoints share (none left:
+# response_format is served, server/structured.py).
+NEUTRAL: tuple[tuple[str, Callable[[Any], bool], str], ...] = ()
 MAX_TOKEN_ID_DIGITS = 12  # longer keys are no token id (and int() of 4300+ digits raises)
 
 
@@ -64,15 +63,11 @@ def check_chat(body: ChatCompletionRequest) -> ApiError | None:
     if body.top_logprobs and not body.logprobs:
         msg = "top_logprobs needs logprobs set to true"  # as vLLM and OpenAI answer
         return ApiError(400, msg, "top_logprobs")
-    for name in ("tools", "functions"):
-        if getattr(body, name):
-            return not_supported(name, "an empty list (structured output comes later)")
-    for name in ("tool_choice", "function_call"):
-        if getattr(body, name) not in (None, "none", "auto"):
-            return not_supported(name, '"none" (no tools are served)')
+    if body.functions:
+        return not_supported("functions", "an empty list (send tools instead)")
+    if body.function_call not in (None, "none", "auto"):
+        return not_supported("function_call", '"none" (send tools and tool_choice instead)')
     for i, msg in enumerate(body.messages):
-        if msg.tool_calls:  # the template would drop them: the model would not see the calls
-            return not_supported(f"messages.{i}.tool_calls", "none (no tools are served)")
         for j, part in enumerate(msg.content if isinstance(msg.content, list) else []):
             if part.type != "text":
                 param = f"messages.{i}.content.{j}.type"

@@ -4,7 +4,10 @@ a tree is drafted whole (k = num_steps) or not at all (k = 0, a plain decode).
 
 - Acceptance, per request: `alphas[d]` = P(draft at depth d+1 accepted | drafts before it were),
   an EMA updated from every verify the request takes part in (`update_acceptance`), starting
-  from the engine-wide EMA (what the head achieved on recent requests).
+  from the engine-wide EMA (what the head achieved on recent requests), which starts from the
+  head's own held-out accuracy by depth where its training log has it (`acceptance_prior`):
+  deep depths are judged only after every shallower draft was accepted, so their EMAs move
+  rarely and a made-up start would steer the controller for a long time.
 - Expected committed tokens of one request with a k-chain (the bonus token always counts):
   E[k] = 1 + sum_{j=1..k} prod_{d<j} alphas[d]  (`expected_tokens`); for a tree the same sum
   over its per-depth acceptance (the accepted path is a chain through the tree).
@@ -29,6 +32,16 @@ ACCEPT_EMA = 0.2
 ACCEPT_PRIOR = 0.5
 # Weight of the newest measured iteration in a cost EMA.
 COST_EMA = 0.1
+
+
+def acceptance_prior(measured: Sequence[float] | None, num_steps: int) -> list[float]:
+    """Where the engine-wide acceptance starts: the head's measured accuracy at each depth (a
+    depth deeper than measured takes the deepest measured: accuracy falls with depth), kept
+    inside (0, 1) so that no depth is written off or taken for granted; ACCEPT_PRIOR without
+    a measurement."""
+    if not measured:
+        return [ACCEPT_PRIOR] * num_steps
+    return [min(max(measured[min(d, len(measured) - 1)], 0.01), 0.99) for d in range(num_steps)]
 
 
 def expected_tokens(alphas: Sequence[float], k: int) -> float:

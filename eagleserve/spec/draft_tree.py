@@ -10,10 +10,12 @@ import torch
 from eagleserve.core import EagleDraftInput
 from eagleserve.spec.tree import Topk1ChainBuffers, organize_draft_results, select_top_k_tokens
 
-# step_fn(input_ids [bs*topk], features [bs*topk, h], depth, region_mask) ->
-#   (topk_p [bs*topk, topk], topk_index [bs*topk, topk], next_features [bs*topk, h])
+# step_fn(input_ids [bs*topk], features [bs*topk, h], depth, region_mask, paths) ->
+#   (topk_p [bs*topk, topk], topk_index [bs*topk, topk], next_features [bs*topk, h]);
+# paths [bs, topk, depth]: each branch's draft tokens so far, the newest being input_ids
+# (tracked only when asked for: grammar masks need them; None otherwise).
 StepFn = Callable[
-    [torch.Tensor, torch.Tensor, int, "torch.Tensor | None"],
+    [torch.Tensor, torch.Tensor, int, "torch.Tensor | None", "torch.Tensor | None"],
     tuple[torch.Tensor, torch.Tensor, torch.Tensor],
 ]
 
@@ -26,7 +28,7 @@ class DraftTree:
 
 
 def _run_steps(
-    info: EagleDraftInput, num_steps: int, topk: int, step_fn: StepFn
+    info: EagleDraftInput, num_steps: int, topk: int, step_fn: StepFn, track_paths: bool = False
 ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
     score_list: list[torch.Tensor] = []
     token_list: list[torch.Tensor] = []
@@ -34,6 +36,7 @@ def _run_steps(
     topk_p, topk_index, hidden = info.topk_p, info.topk_index, info.hidden_states
     scores = None
     region_mask = None  # [bs, topk, s * topk]: which draft-region nodes each branch sees
+    paths = None
     for i in range(num_steps):
         ids, feats, scores, (s_e, t_e, p_e) = select_top_k_tokens(
             i, topk_p, topk_index, hidden, scores, topk
@@ -45,8 +48,24 @@ def _run_steps(
             break
         if topk > 1:
             region_mask = _extend_region_mask(region_mask, p_e, i, topk)
-        topk_p, topk_index, hidden = step_fn(ids, feats, i + 1, region_mask)
+        if track_paths:
+            paths = extend_paths(paths, p_e, ids, i, topk)
+        topk_p, topk_index, hidden = step_fn(ids, feats, i + 1, region_mask, paths)
     return score_list, token_list, parents_list
+
+
+def extend_paths(
+    paths: torch.Tensor | None, parents_entry: torch.Tensor, ids: torch.Tensor, i: int, topk: int
+) -> torch.Tensor:
+    """The branches' token paths after step i: [bs, topk, i + 1]. Step i >= 1 picked candidate
+    `chosen` (flat in the step's topk * topk), which extends branch chosen // topk."""
+    bs = parents_entry.shape[0]
+    new = ids.view(bs, topk, 1)
+    if paths is None:
+        return new
+    branch = (parents_entry - (topk * topk * (i - 1) + topk)) // topk  # [bs, topk]
+    kept = torch.gather(paths, 1, branch[:, :, None].expand(-1, -1, paths.shape[2]))
+    return torch.cat([kept, new], dim=2)
 
 
 def _extend_region_mask(
@@ -64,9 +83,13 @@ def _extend_region_mask(
 
 
 def draft_chain(
-    info: EagleDraftInput, num_steps: int, step_fn: StepFn, buffers: Topk1ChainBuffers
+    info: EagleDraftInput,
+    num_steps: int,
+    step_fn: StepFn,
+    buffers: Topk1ChainBuffers,
+    track_paths: bool = False,
 ) -> DraftTree:
-    score_list, token_list, parents_list = _run_steps(info, num_steps, 1, step_fn)
+    score_list, token_list, parents_list = _run_steps(info, num_steps, 1, step_fn, track_paths)
     parent_list, top_scores_index, draft_tokens = buffers.organize(
         score_list, token_list, parents_list, num_steps + 1
     )
@@ -74,9 +97,14 @@ def draft_chain(
 
 
 def draft_tree(
-    info: EagleDraftInput, num_steps: int, topk: int, num_draft_tokens: int, step_fn: StepFn
+    info: EagleDraftInput,
+    num_steps: int,
+    topk: int,
+    num_draft_tokens: int,
+    step_fn: StepFn,
+    track_paths: bool = False,
 ) -> DraftTree:
-    score_list, token_list, parents_list = _run_steps(info, num_steps, topk, step_fn)
+    score_list, token_list, parents_list = _run_steps(info, num_steps, topk, step_fn, track_paths)
     parent_list, top_scores_index, draft_tokens = organize_draft_results(
         score_list, token_list, parents_list, num_draft_tokens
     )

@@ -20,12 +20,16 @@ from eagleserve.core import EagleDraftInput, ScheduleBatch
 from eagleserve.model.attention import create_attn_backend
 from eagleserve.model.cuda_graph import GraphedForward
 from eagleserve.model.forward_batch import ForwardBatch, HostLens, forward_context
+from eagleserve.model.grammar_batch import BatchGrammar
+from eagleserve.model.grammar_mask import mask_logits, to_draft_vocab
 from eagleserve.model.kv_cache import TokenToKVPool
 from eagleserve.model.loader import resolve_draft_path
 from eagleserve.model.runner import ModelRunner
+from eagleserve.spec.adaptive import acceptance_prior
 from eagleserve.spec.draft_lag import DraftLag, catch_up_batch
 from eagleserve.spec.draft_tree import DraftTree, draft_chain, draft_tree
 from eagleserve.spec.eagle_head import load_eagle_head
+from eagleserve.spec.head_loader import measured_acceptance
 from eagleserve.spec.tree import Topk1ChainBuffers
 
 
@@ -34,14 +38,17 @@ class EagleDraftWorker:
         self.spec = spec
         self.device = device = target.device
         self.req_to_token = target.req_to_token_pool.req_to_token
-        self.head = load_eagle_head(
-            resolve_draft_path(spec.draft_model_path), spec.algorithm, target.model, device,
-            target.dtype,
-        )  # fmt: skip
+        head_path = resolve_draft_path(spec.draft_model_path)
+        self.head = load_eagle_head(head_path, spec.algorithm, target.model, device, target.dtype)
+        # Where the engine-wide acceptance by depth starts (spec/adaptive.py).
+        self.acceptance_prior = acceptance_prior(measured_acceptance(head_path), spec.num_steps)
         if target.gguf_path is not None:  # a packed target on CPU: the head's matmuls in int8
             from eagleserve.model.quant import linears_to_int8
 
             linears_to_int8(self.head)
+        # The target id of every draft id: grammar masks (target vocabulary) onto head logits.
+        vd = self.head.draft_vocab_size
+        self.draft_to_target = self.head.to_target_ids(torch.arange(vd, device=device))
         # EAGLE-3 fuses hidden states entering three target layers; the head says which.
         target.model.aux_layer_ids = self.head.aux_layer_ids
         hc = self.head.config
@@ -89,11 +96,26 @@ class EagleDraftWorker:
             else None
         )
 
+    def _masked(self, logits: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
+        """Head logits [rows, Vd] with a grammar mask [rows, V] (target ids) applied, so the
+        top-k drafts only tokens the grammar allows."""
+        if allowed is None:
+            return logits
+        draft = to_draft_vocab(allowed, self.draft_to_target)
+        # A reduced draft vocabulary may hold none of the allowed tokens: draft freely there
+        # (the verify masks every node; an all -inf row would be NaN in the softmax).
+        return mask_logits(logits, draft | ~draft.any(dim=-1, keepdim=True))
+
     def extend(
-        self, fb: ForwardBatch, features: torch.Tensor, last_rows: torch.Tensor
+        self,
+        fb: ForwardBatch,
+        features: torch.Tensor,
+        last_rows: torch.Tensor,
+        allowed: torch.Tensor | None = None,
     ) -> EagleDraftInput:
         """Head forward over `fb`'s tokens (its layout, the head's KV): token j is paired with
-        the target feature of the token before it. Returns the seed of the next draft."""
+        the target feature of the token before it. Returns the seed of the next draft; its top-k
+        only among `allowed` [bs, V] (the grammar after the committed tokens) when given."""
         fb = dataclasses.replace(
             fb,
             mode="extend",
@@ -105,19 +127,22 @@ class EagleDraftWorker:
         )
         with forward_context(fb):
             logits, feats = self.head(fb.input_ids, features, fb.positions)
-        probs = torch.softmax(logits[last_rows], dim=-1)
+        probs = torch.softmax(self._masked(logits[last_rows], allowed), dim=-1)
         topk_p, topk_ids = probs.topk(self.spec.eagle_topk, dim=-1)
         return EagleDraftInput(topk_p, self.head.to_target_ids(topk_ids), feats[last_rows])
 
-    def catch_up(self, batch: ScheduleBatch, info: EagleDraftInput) -> EagleDraftInput:
+    def catch_up(
+        self, batch: ScheduleBatch, info: EagleDraftInput, allowed: torch.Tensor | None = None
+    ) -> EagleDraftInput:
         """Runs the head over every input held for the batch's requests (batch.draft_lags);
-        returns `info` with those requests' seeds replaced by the fresh ones."""
+        returns `info` with those requests' seeds replaced by the fresh ones (`allowed`
+        [bs, V]: grammar masks of the batch's rows)."""
         assert self.lag is not None and batch.draft_lags is not None
         fb, features, last_rows, rows = catch_up_batch(
             self.lag, batch, batch.draft_lags, self.req_to_token, self.kv_pool, self.attn_backend
         )
-        fresh = self.extend(fb, features, last_rows)
         idx = torch.tensor(rows, dtype=torch.long, device=self.device)
+        fresh = self.extend(fb, features, last_rows, None if allowed is None else allowed[idx])
         topk_p, topk_index, hidden = (
             info.topk_p.clone(), info.topk_index.clone(), info.hidden_states.clone()
         )  # fmt: skip
@@ -126,18 +151,36 @@ class EagleDraftWorker:
         )  # fmt: skip
         return EagleDraftInput(topk_p, topk_index, hidden)
 
-    def draft(self, batch: ScheduleBatch, info: EagleDraftInput, num_steps: int) -> DraftTree:
-        """`num_steps` head steps from `info`; batch.seq_lens are the committed lengths L."""
+    def draft(
+        self,
+        batch: ScheduleBatch,
+        info: EagleDraftInput,
+        num_steps: int,
+        grammar: BatchGrammar | None = None,
+    ) -> DraftTree:
+        """`num_steps` head steps from `info`; batch.seq_lens are the committed lengths L. With
+        `grammar`, each branch's top-k is masked by the grammar after its own path (host reads
+        of the paths: one sync per step)."""
         spec = self.spec
         assert batch.seq_lens_cpu is not None, "drafting needs the scheduler's host seq lens"
         max_len = int(batch.seq_lens_cpu.max())
 
-        def step(ids: torch.Tensor, feats: torch.Tensor, depth: int, mask: torch.Tensor | None):
-            return self._step(batch, max_len, ids, feats, depth, mask)
+        def step(
+            ids: torch.Tensor,
+            feats: torch.Tensor,
+            depth: int,
+            mask: torch.Tensor | None,
+            paths: torch.Tensor | None,
+        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            allowed = None
+            if grammar is not None and paths is not None:
+                allowed = grammar.branch_allowed(paths, self.device)
+            return self._step(batch, max_len, ids, feats, depth, mask, allowed)
 
+        track = grammar is not None
         if spec.is_chain:
-            return draft_chain(info, num_steps, step, self.chain_buffers[num_steps])
-        return draft_tree(info, num_steps, spec.eagle_topk, spec.num_draft_tokens, step)
+            return draft_chain(info, num_steps, step, self.chain_buffers[num_steps], track)
+        return draft_tree(info, num_steps, spec.eagle_topk, spec.num_draft_tokens, step, track)
 
     def _step(
         self,
@@ -147,6 +190,7 @@ class EagleDraftWorker:
         feats: torch.Tensor,
         depth: int,
         region_mask: torch.Tensor | None,
+        allowed: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Head forward for draft depth `depth` (1-based) of every branch; returns its top-k.
 
@@ -180,6 +224,6 @@ class EagleDraftWorker:
         else:
             with forward_context(fb):
                 logits, next_feats = self.head(input_ids, feats, positions)
-        probs = torch.softmax(logits, dim=-1)
+        probs = torch.softmax(self._masked(logits, allowed), dim=-1)
         topk_p, topk_ids = probs.topk(topk, dim=-1)  # [bs*topk, topk]
         return topk_p, self.head.to_target_ids(topk_ids), next_feats

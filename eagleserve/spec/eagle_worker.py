@@ -19,7 +19,9 @@ from eagleserve.config import ServerArgs, SpecConfig
 from eagleserve.core import GenerationBatchResult, OnVerified, ScheduleBatch
 from eagleserve.model.cuda_graph import BUCKETS
 from eagleserve.model.forward_batch import ForwardBatch, HostLens
+from eagleserve.model.grammar_mask import mask_logits
 from eagleserve.model.llama import ModelOutput
+from eagleserve.model.parallel import broadcast_from_first, broadcast_object
 from eagleserve.model.prompt_logprobs import score_prompts, wants_prompt_logprobs
 from eagleserve.model.runner import ModelRunner
 from eagleserve.model.sampler import (
@@ -76,6 +78,9 @@ class EagleWorker:
                 req.spec_alphas = list(prior)
         lags = [r.draft_lag for r in batch.reqs]
         k = self.controller.choose([r.spec_alphas for r in batch.reqs], max(lags) > 0)
+        # Under tensor parallelism each rank times its own iterations: rank 0's choice is every
+        # rank's, or their batches' shapes (and collectives) would differ.
+        k = broadcast_object(k)
         assert self.drafter.lag is not None
         if k == 0 and max(lags) + 1 >= self.drafter.lag.max_lag:
             k = self.controller.choices[1]  # the ring is full: draft (and catch up) now
@@ -113,7 +118,12 @@ class EagleWorker:
     ) -> GenerationBatchResult:
         info = self._sampling_info(batch)
         state = self.runner.penalty_state
-        return sample_next(logits, batch.reqs, info, state, batch.req_pool_indices, prefill)
+        slots = batch.req_pool_indices
+        return sample_next(logits, batch.reqs, info, state, slots, prefill, batch.grammar)
+
+    def _next_allowed(self, batch: ScheduleBatch) -> torch.Tensor | None:
+        """Grammar masks [bs, V] after every committed token (seeds the next draft's top-k)."""
+        return None if batch.grammar is None else batch.grammar.next_allowed(self.device)
 
     def _features(self, out: ModelOutput) -> torch.Tensor:
         aux = out.aux_hidden_states
@@ -142,7 +152,8 @@ class EagleWorker:
         if on_verified is not None:
             on_verified(batch)
         draft_fb = dataclasses.replace(fb, input_ids=shifted)
-        batch.spec_info = self.drafter.extend(draft_fb, self._features(out), last)
+        allowed = self._next_allowed(batch)
+        batch.spec_info = self.drafter.extend(draft_fb, self._features(out), last, allowed)
         return result
 
     # ---- decode: draft -> verify -> accept -> draft extend ----------------------------------
@@ -156,7 +167,8 @@ class EagleWorker:
             result = self._decode_without_drafts(batch, on_verified)
         else:
             if batch.draft_lags is not None and any(batch.draft_lags):
-                batch.spec_info = self.drafter.catch_up(batch, batch.spec_info)
+                allowed = self._next_allowed(batch)
+                batch.spec_info = self.drafter.catch_up(batch, batch.spec_info, allowed)
                 catch_up = time.perf_counter() - t0
             result = self._draft_verify(batch, on_verified, k)
         if self.controller is not None and self.device.type == "cpu":
@@ -216,7 +228,8 @@ class EagleWorker:
         self, batch: ScheduleBatch, on_verified: OnVerified | None, k: int
     ) -> GenerationBatchResult:
         spec = self.spec
-        tree = self.drafter.draft(batch, batch.spec_info, k)
+        grammar = batch.grammar
+        tree = self.drafter.draft(batch, batch.spec_info, k, grammar)
         n = k + 1 if spec.is_chain else spec.num_draft_tokens
         t = build_tree(
             batch.input_ids,
@@ -255,9 +268,14 @@ class EagleWorker:
         scored = logits if pen is None else pen.verify_logits(
             logits, state, batch.req_pool_indices, t.draft_tokens, t.tree_mask, t.depths
         )  # fmt: skip
+        if grammar is not None:  # node i: the grammar after its own path (a host sync)
+            scored = mask_logits(scored, grammar.tree_allowed(t.draft_tokens, t.parents,
+                                                              self.device))  # fmt: skip
         acc = accept(info, t.draft_tokens, t.parents, scored)
         if pen is not None:
             pen.commit(state, batch.req_pool_indices, acc.output_tokens, acc.output_tokens >= 0)
+        if grammar is not None:
+            grammar.advance(acc.output_tokens, acc.accept_lens)
         if not spec.is_chain:
             commit_tree_path(r2t, batch.req_pool_indices, L, acc.accept_index, n)
         # Draft extend over the accepted path: token after node k with the feature of node k.
@@ -288,7 +306,8 @@ class EagleWorker:
         batch.input_ids = acc.bonus_tokens
         if on_verified is not None:
             on_verified(batch)
-        batch.spec_info = self.drafter.extend(extend_fb, feats, torch.cumsum(a, 0) - 1)
+        allowed = self._next_allowed(batch)
+        batch.spec_info = self.drafter.extend(extend_fb, feats, torch.cumsum(a, 0) - 1, allowed)
         result = GenerationBatchResult(acc.output_tokens, a, num_drafts=k)
         if any(r.sampling_params.logprobs is not None for r in batch.reqs):
             k = max((r.sampling_params.logprobs or 0) for r in batch.reqs)
@@ -303,6 +322,16 @@ class EagleWorker:
 
 
 def accept(
+    info: SamplingInfo, tokens: torch.Tensor, parents: torch.Tensor, logits: torch.Tensor
+) -> AcceptResult:
+    """`decide_acceptance` on rank 0, and under tensor parallelism the same on every rank: the
+    ranks then commit the same tokens and KV paths."""
+    acc = decide_acceptance(info, tokens, parents, logits)
+    broadcast_from_first(acc.accept_index, acc.accept_lens, acc.output_tokens, acc.bonus_tokens)
+    return acc
+
+
+def decide_acceptance(
     info: SamplingInfo, tokens: torch.Tensor, parents: torch.Tensor, logits: torch.Tensor
 ) -> AcceptResult:
     """Greedy rows accept the target's argmax path; sampled rows the lossless stochastic walk."""

@@ -102,6 +102,20 @@ def load_eagle_head(
     return head.eval()
 
 
+def measured_acceptance(path: str) -> list[float] | None:
+    """The head's held-out accuracy by depth from the `training_log.json` that `eagleserve
+    train-draft` writes beside it (acc0, acc1, ...), or None when there is none."""
+    log_path = os.path.join(path, "training_log.json")
+    if not os.path.isfile(log_path):
+        return None
+    with open(log_path) as f:
+        by_depth = json.load(f).get("val_accuracy_by_depth") or {}
+    values: list[float] = []
+    while f"acc{len(values)}" in by_depth:
+        values.append(float(by_depth[f"acc{len(values)}"]))
+    return values or None
+
+
 def save_eagle_head(head: EagleHead, out_dir: str) -> None:
     """Writes config.json + model.safetensors in the published format of `head.algorithm`."""
     os.makedirs(out_dir, exist_ok=True)

@@ -2,19 +2,24 @@
 
 from __future__ import annotations
 
+import json
 import random
+from pathlib import Path
 
 import pytest
 
 from eagleserve.spec.adaptive import (
     ACCEPT_EMA,
+    ACCEPT_PRIOR,
     AdaptiveController,
     CostTable,
+    acceptance_prior,
     choose_num_drafts,
     depth_choices,
     expected_tokens,
     update_acceptance,
 )
+from eagleserve.spec.head_loader import measured_acceptance
 
 CHAIN = depth_choices(3, is_chain=True)
 
@@ -140,3 +145,23 @@ def test_catch_up_cost_keeps_a_stretch_without_drafts_going() -> None:
     assert costs.cost(1, 0, catching_up=True) == 1.0  # a plain decode never catches up
     costs.observe_catch_up(1, 0.5)
     assert costs.catch_up[1] == pytest.approx(0.32)
+
+
+def test_acceptance_prior_starts_from_the_measured_depths() -> None:
+    rng = random.Random()
+    measured = [rng.uniform(0.05, 0.9) for _ in range(rng.randrange(1, 4))]
+    steps = len(measured) + 2
+    prior = acceptance_prior(measured, steps)
+    assert prior[: len(measured)] == pytest.approx(measured)
+    assert prior[len(measured) :] == pytest.approx([measured[-1]] * 2)  # deepest measured
+    assert acceptance_prior([0.0, 1.0], 2) == [0.01, 0.99]  # no depth written off or certain
+    assert acceptance_prior(None, 3) == [ACCEPT_PRIOR] * 3
+
+
+def test_measured_acceptance_reads_the_training_log(tmp_path: Path) -> None:
+    assert measured_acceptance(str(tmp_path)) is None
+    rng = random.Random()
+    accs = [rng.uniform(0.05, 0.9) for _ in range(3)]
+    log = {"val_accuracy_by_depth": {f"acc{d}": a for d, a in enumerate(accs)} | {"other": 0.5}}
+    (tmp_path / "training_log.json").write_text(json.dumps(log))
+    assert measured_acceptance(str(tmp_path)) == pytest.approx(accs)

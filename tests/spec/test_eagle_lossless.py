@@ -8,7 +8,10 @@ and rejection. EAGLE-3 heads are random (mostly rejections) and use a reduced dr
 
 from __future__ import annotations
 
+import json
 import os
+import random
+import shutil
 
 import pytest
 import torch
@@ -313,6 +316,25 @@ def test_adaptive_controller_follows_acceptance(target_dir: str, heads: dict[str
     rand, good = chosen["EAGLE-random"], chosen["EAGLE"]
     assert rand[0] > 3 * sum(rand[1:]), rand
     assert good[3] > 3 * sum(good[:3]), good
+
+
+def test_acceptance_starts_from_the_heads_training_log(
+    target_dir: str, heads: dict[str, str], tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """A head trained by `eagleserve train-draft` carries its held-out accuracy by depth: the
+    engine's acceptance starts there, not at a made-up prior, and a new request's own EMA
+    starts from it."""
+    head = str(tmp_path_factory.mktemp("logged_head") / "head")
+    shutil.copytree(heads["EAGLE-random"], head)
+    rng = random.Random()
+    accs = [round(rng.uniform(0.05, 0.6), 4) for _ in range(2)]  # fewer depths than steps
+    log = {"val_accuracy_by_depth": {f"acc{d}": a for d, a in enumerate(accs)}}
+    with open(os.path.join(head, "training_log.json"), "w") as f:
+        json.dump(log, f)
+    eng = adaptive_engine(target_dir, head, False)
+    assert eng.stats().spec_acceptance_ema == pytest.approx([*accs, accs[-1]])
+    plain = adaptive_engine(target_dir, heads["EAGLE-random"], False)
+    assert plain.stats().spec_acceptance_ema == [0.5] * 3
 
 
 def head_kv(engine: Engine, req_pool_idx: int, length: int) -> torch.Tensor:

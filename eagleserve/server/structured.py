@@ -1,0 +1,61 @@
+"""A request's output constraint -> the engine's `GrammarSpec`, or a 400 naming the field.
+
+Fields: OpenAI's `response_format` (`json_object`, `json_schema` with `json_schema.schema`) and
+SGLang's `regex` and `ebnf` (extra_body), at most one of them; chat `tools` go through
+server/tool_calls.py. Each spec is parsed here with xgrammar (no tokenizer needed), so an invalid
+schema or an unsupported feature is a 400 before the request reaches the engine.
+"""
+
+from __future__ import annotations
+
+import json
+
+from eagleserve.model.grammar import check_grammar
+from eagleserve.sampling_params import GrammarSpec
+from eagleserve.server.protocol import _SamplingFields
+from eagleserve.server.serving import ApiError
+
+
+def _response_format_spec(body: _SamplingFields) -> GrammarSpec | ApiError | None:
+    rf = body.response_format
+    if rf is None or rf.type == "text":
+        return None
+    if rf.type == "json_object":
+        return GrammarSpec("json_object")
+    payload = (rf.model_extra or {}).get("json_schema")
+    schema = payload.get("schema") if isinstance(payload, dict) else None
+    if not isinstance(schema, dict | bool):
+        msg = "response_format.json_schema.schema must be a JSON schema (an object)"
+        return ApiError(400, msg, "response_format.json_schema.schema")
+    return GrammarSpec("json_schema", json.dumps(schema))
+
+
+def output_constraint(body: _SamplingFields) -> GrammarSpec | ApiError | None:
+    """The constraint `body` asks for (None: free text). Runs xgrammar's parser: call it off the
+    event loop."""
+    given = [name for name in ("response_format", "regex", "ebnf") if _is_set(body, name)]
+    if len(given) > 1:
+        msg = f"{given[0]} and {given[1]} cannot be combined: give one output constraint"
+        return ApiError(400, msg, given[1])
+    if not given:
+        return None
+    name = given[0]
+    if name == "response_format":
+        spec = _response_format_spec(body)
+        if spec is None or isinstance(spec, ApiError):
+            return spec
+    else:
+        spec = GrammarSpec(name, getattr(body, name))  # type: ignore[arg-type]
+    return checked(spec, name)
+
+
+def checked(spec: GrammarSpec, param: str) -> GrammarSpec | ApiError:
+    err = check_grammar(spec)
+    return spec if err is None else ApiError(400, err, param, "invalid_grammar")
+
+
+def _is_set(body: _SamplingFields, name: str) -> bool:
+    value = getattr(body, name)
+    if name == "response_format":
+        return value is not None and value.type != "text"
+    return value is not None

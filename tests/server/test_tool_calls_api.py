@@ -1,0 +1,121 @@
+"""Tool calls through the HTTP API (SmolLM2, the `openai` client): `required` and a named
+function (one call) and parallel calls (streamed) give `tool_calls` whose arguments validate
+against the tool's parameter schema; `none` gives text; bad tool fields are 400s; an earlier
+call in the conversation is accepted. The parsing itself: tests/server/test_tool_calls.py."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+import jsonschema
+import openai
+import pytest
+from server_fixtures import (  # noqa: F401 (fixtures)
+    MODEL,
+    base_url_fixture,
+    http_fixture,
+    server_fixture,
+)
+
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 24},
+        "unit": {"enum": ["celsius", "fahrenheit"]},
+    },
+    "required": ["city", "unit"],
+}
+TIME = {
+    "type": "object",
+    "properties": {"timezone": {"type": "string", "maxLength": 24}},
+    "required": ["timezone"],
+}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                      "parameters": WEATHER}},
+    {"type": "function", "function": {"name": "get_time", "description": "Time in a timezone",
+                                      "parameters": TIME}},
+]  # fmt: skip
+SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def client(base_url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=120)
+
+
+def check_calls(calls: list[Any], names: set[str]) -> None:
+    assert calls, "no tool call"
+    for call in calls:
+        assert call.type == "function" and call.id.startswith("call_")
+        assert call.function.name in names
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+
+
+@pytest.mark.parametrize("choice", ["required", "named"])
+def test_tool_calls_validate(client: openai.OpenAI, choice: str) -> None:
+    """One call (parallel calls off), its arguments valid for the chosen tool."""
+    tc: Any = "required" if choice == "required" else {
+        "type": "function", "function": {"name": "get_time"}}  # fmt: skip
+    out = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=tc,
+                                         parallel_tool_calls=False, max_tokens=80,
+                                         temperature=0)  # fmt: skip
+    c = out.choices[0]
+    assert c.finish_reason == "tool_calls", c.message
+    assert len(c.message.tool_calls or []) == 1
+    check_calls(c.message.tool_calls or [], {"get_time"} if choice == "named" else set(SCHEMAS))
+    assert c.message.content is None
+
+
+def test_streamed_tool_calls_validate(client: openai.OpenAI) -> None:
+    stream = client.chat.completions.create(
+        model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=200,
+        temperature=0.7, seed=1, stream=True, parallel_tool_calls=True,
+    )  # fmt: skip
+    calls: dict[int, dict[str, str]] = {}
+    reasons = []
+    for chunk in stream:
+        for c in chunk.choices:
+            reasons.append(c.finish_reason)
+            for d in c.delta.tool_calls or []:
+                entry = calls.setdefault(d.index, {"name": "", "arguments": ""})
+                entry["name"] += d.function.name or ""
+                entry["arguments"] += d.function.arguments or ""
+    assert reasons[-1] == "tool_calls" and calls
+    for entry in calls.values():
+        jsonschema.validate(json.loads(entry["arguments"]), SCHEMAS[entry["name"]])
+
+
+def test_tool_choice_none_is_text_and_history_is_accepted(client: openai.OpenAI) -> None:
+    args = '{"city": "Paris", "unit": "celsius"}'
+    history = ASK + [
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function",
+         "function": {"name": "get_weather", "arguments": args}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees, sunny"},
+    ]  # fmt: skip
+    out = client.chat.completions.create(model=MODEL, messages=history, tools=TOOLS,
+                                         tool_choice="none", max_tokens=12,
+                                         temperature=0)  # fmt: skip
+    assert out.choices[0].message.tool_calls is None and out.choices[0].message.content
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+        ({"tool_choice": "always"}, "tool_choice"),
+        ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]},
+         "tools.0.function.name"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+            "type": "objx"}}}], "tool_choice": "required"}, "tools"),
+        ({"response_format": {"type": "json_object"}, "tool_choice": "required"}, "tools"),
+    ],
+)  # fmt: skip
+def test_bad_tool_fields_are_400s(http: httpx.Client, extra: dict[str, Any], param: str) -> None:
+    body = {"model": MODEL, "messages": ASK, "max_tokens": 4, "tools": TOOLS, **extra}
+    r = http.post("/v1/chat/completions", json=body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param, r.json()
