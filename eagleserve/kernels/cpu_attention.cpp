@@ -1,4 +1,5 @@
-// Paged attention for per-token forwards (decode, verify) on x86 CPUs with AVX2 + FMA, fp32.
+// Paged attention on x86 CPUs with AVX2 + FMA, fp32: decode, verify and draft rows, and the
+// causal rows of a prefill (extend) of a packed CPU target.
 //
 // Layout as kernels/torch_attention.py: K/V buffers [slots, kv_heads, head_dim] already hold
 // every key a query may see; request b reads slots req_to_token[req_pool_indices[b], j] for
@@ -10,13 +11,16 @@
 // visible keys are compacted, scored, soft-maxed and summed by the same sequence of fp32
 // operations whatever else is in the batch — so a verify row that sees the keys a decode
 // would see (a chain, or a tree path in depth order) gets the decode's result bit for bit,
-// without the fp64 the padded SDPA path needs for that. (No -ffast-math: order is the contract.)
+// without the fp64 the padded SDPA path needs for that. A prefill row at position p computes
+// what a decode at p computes, so one-shot, chunked and prefix-cached prefills write the same
+// KV and give the same logits. (No -ffast-math: order is the contract.)
 
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <torch/library.h>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <limits>
 #include <vector>
 
@@ -104,7 +108,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_buf, const a
               "k/v buffers [slots, kv_heads, D] float32");
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2), Hkv = k_buf.size(1);
   TORCH_CHECK(D % 8 == 0 && H % Hkv == 0 && k_buf.size(2) == D, "head shapes");
-  const at::Tensor r2t = req_to_token.to(at::kLong);
+  const at::Tensor r2t = req_to_token.to(at::kLong).contiguous();
   const at::Tensor rpi = req_pool_indices.to(at::kLong).contiguous();
   const at::Tensor pre = prefix_lens.to(at::kLong).contiguous();
   const at::Tensor ext = extend_lens.to(at::kLong).contiguous();
@@ -130,36 +134,48 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_buf, const a
   const float* vp = v_buf.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t group = H / Hkv, slot_stride = Hkv * D;
-  const auto r2t_a = r2t.accessor<int64_t, 2>();
-  // Visible slots per row, gathered once; then (row, head) pairs run in parallel (a decode of
-  // one request still spreads over the heads).
-  std::vector<std::vector<int64_t>> slots(T);
+  const int64_t* r2t_p = r2t.data_ptr<int64_t>();
+  const int64_t r2t_stride = r2t.size(1);
+  // Visible slots per row: a causal row reads its request's slot row in place (the first
+  // q_abs + 1 entries: a prefill of T rows needs no T x kv copy); a tree row gathers its own.
+  std::vector<const int64_t*> row_slots(T);
+  std::vector<int64_t> row_n(T);
+  std::vector<std::vector<int64_t>> gathered(tree ? T : 0);
   for (int64_t row = 0; row < T; ++row) {
     const int64_t b = row_req[row], i = row_idx[row];
     const int64_t kv_len = kvl.data_ptr<int64_t>()[b];
     const int64_t q_abs = kv_len - ext.data_ptr<int64_t>()[b] + i;
-    const int64_t req = rpi.data_ptr<int64_t>()[b];
-    std::vector<int64_t>& s = slots[row];
+    const int64_t* req_slots = r2t_p + rpi.data_ptr<int64_t>()[b] * r2t_stride;
     if (!tree) {
-      for (int64_t j = 0; j <= q_abs && j < kv_len; ++j) s.push_back(r2t_a[req][j]);
+      row_slots[row] = req_slots;
+      row_n[row] = std::min(q_abs + 1, kv_len);
     } else {
+      std::vector<int64_t>& s = gathered[row];
       const int64_t prefix = pre.data_ptr<int64_t>()[b];
       const int64_t nq = mask.size(1), nnew = mask.size(2);
       const bool* m = mask.data_ptr<bool>() + (b * nq + std::min(i, nq - 1)) * nnew;
       for (int64_t j = 0; j < kv_len; ++j) {
-        if (j < prefix || (j - prefix < nnew && m[j - prefix])) s.push_back(r2t_a[req][j]);
+        if (j < prefix || (j - prefix < nnew && m[j - prefix])) s.push_back(req_slots[j]);
       }
+      row_slots[row] = s.data();
+      row_n[row] = static_cast<int64_t>(s.size());
     }
-    TORCH_CHECK(!s.empty(), "a query sees no key");
+    TORCH_CHECK(row_n[row] > 0, "a query sees no key");
   }
-  at::parallel_for(0, T * H, 1, [&](int64_t w0, int64_t w1) {
+  // (row, head) pairs dealt round-robin over the threads: a causal prefill's later rows see
+  // more keys, and contiguous ranges would leave the first thread idle. A decode of one
+  // request still spreads over the heads. Which thread runs a pair changes nothing in it.
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), T * H);
+  at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> scores;
-    for (int64_t w = w0; w < w1; ++w) {
-      const int64_t row = w / H, h = w % H;
-      const int64_t n = static_cast<int64_t>(slots[row].size());
-      scores.resize((n + 7) / 8 * 8);
-      attend(qp + w * D, kp + (h / group) * D, vp + (h / group) * D, slot_stride,
-             slots[row].data(), n, D, static_cast<float>(sm_scale), scores.data(), op + w * D);
+    for (int64_t t = t0; t < t1; ++t) {
+      for (int64_t w = t; w < T * H; w += threads) {
+        const int64_t row = w / H, h = w % H;
+        const int64_t n = row_n[row];
+        scores.resize((n + 7) / 8 * 8);
+        attend(qp + w * D, kp + (h / group) * D, vp + (h / group) * D, slot_stride,
+               row_slots[row], n, D, static_cast<float>(sm_scale), scores.data(), op + w * D);
+      }
     }
   });
   return out;

@@ -31,7 +31,11 @@ _SOURCES = [
     os.path.join(os.path.dirname(os.path.abspath(__file__)), name)
     for name in ("cpu_gemv.cpp", "cpu_attention.cpp", "cpu_norm.cpp")
 ]
-_FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared", "-std=c++17"]
+# -ffp-contract=off: g++ would otherwise fuse a written mul + add into one fma where it sees
+# fit (intrinsics included); the kernels' op order is their row-invariance contract.
+_FLAGS = [
+    "-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared", "-std=c++17",
+]  # fmt: skip
 _lock = threading.Lock()
 _loaded: bool | None = None
 

@@ -1,10 +1,11 @@
 // RMSNorm of fp32 rows on x86 CPUs with AVX2 + FMA: y = w * (x * 1 / sqrt(mean(x^2) + eps)).
 //
-// One call instead of the five ops the composite takes, for the per-token forwards where a
-// layer's rows are few and each op's dispatch costs more than its arithmetic. Each row is
+// One call instead of the five ops the composite takes, for the forwards of a packed CPU target
+// (at batch 1 each op's dispatch costs more than its arithmetic). Each row is
 // reduced in the same fixed order whatever the number of rows (the batch-invariance the other
 // kernels of this extension keep).
 
+#include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <torch/library.h>
 #include <torch/torch.h>
@@ -21,24 +22,27 @@ at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& w_in, double eps) 
   at::Tensor y = at::empty_like(x);
   const float *xp = x.data_ptr<float>(), *wp = w.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  for (int64_t r = 0; r < M; ++r) {
-    const float* xr = xp + r * K;
-    __m256 acc = _mm256_setzero_ps();
-    for (int64_t k = 0; k < K; k += 8) {
-      const __m256 v = _mm256_loadu_ps(xr + k);
-      acc = _mm256_fmadd_ps(v, v, acc);
+  // Rows split over threads (a prefill's many rows); each row alone decides its result.
+  at::parallel_for(0, M, 64, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* xr = xp + r * K;
+      __m256 acc = _mm256_setzero_ps();
+      for (int64_t k = 0; k < K; k += 8) {
+        const __m256 v = _mm256_loadu_ps(xr + k);
+        acc = _mm256_fmadd_ps(v, v, acc);
+      }
+      __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+      s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+      s = _mm_add_ss(s, _mm_movehdup_ps(s));
+      const float inv = 1.f / std::sqrt(_mm_cvtss_f32(s) / static_cast<float>(K) +
+                                        static_cast<float>(eps));
+      const __m256 vinv = _mm256_set1_ps(inv);
+      for (int64_t k = 0; k < K; k += 8) {
+        const __m256 n = _mm256_mul_ps(_mm256_loadu_ps(xr + k), vinv);
+        _mm256_storeu_ps(yp + r * K + k, _mm256_mul_ps(_mm256_loadu_ps(wp + k), n));
+      }
     }
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    const float inv = 1.f / std::sqrt(_mm_cvtss_f32(s) / static_cast<float>(K) +
-                                      static_cast<float>(eps));
-    const __m256 vinv = _mm256_set1_ps(inv);
-    for (int64_t k = 0; k < K; k += 8) {
-      const __m256 n = _mm256_mul_ps(_mm256_loadu_ps(xr + k), vinv);
-      _mm256_storeu_ps(yp + r * K + k, _mm256_mul_ps(_mm256_loadu_ps(wp + k), n));
-    }
-  }
+  });
   return y;
 }
 

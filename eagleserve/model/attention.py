@@ -30,9 +30,9 @@ class TorchAttnBackend:
     n, other requests' lengths). When the linears round their inputs to bf16 (packed GGUF
     weights), such a bit can flip a rounding and so a greedy token: speculative output would
     then differ from target-only output. compute_dtype=float64 removes that: the fp64 results
-    differ by ~1e-16, which rounding back to fp32 erases. With `row_kernel`, decode and verify
-    forwards (fp32) run kernels/cpu_attention.cpp instead, whose per-row result does not depend
-    on the batch at all; a prefill keeps the padded path.
+    differ by ~1e-16, which rounding back to fp32 erases. With `row_kernel`, every forward over
+    an fp32 pool (prefill, decode, verify) runs kernels/cpu_attention.cpp instead, whose per-row
+    result does not depend on the batch at all: a prefill row equals the decode at its position.
     """
 
     def __init__(
@@ -48,7 +48,7 @@ class TorchAttnBackend:
         self.row_kernel = row_kernel
 
     def _uses_row_kernel(self, fb: ForwardBatch) -> bool:
-        return self.row_kernel and fb.mode != "extend" and fb.kv_pool.dtype == torch.float32
+        return self.row_kernel and fb.kv_pool.dtype == torch.float32
 
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         if self._uses_row_kernel(fb):

@@ -141,6 +141,6 @@ def get_forward_batch() -> ForwardBatch:
     return _current
 
 
-def in_per_token_forward() -> bool:
-    """A decode, verify or draft step is running (a few rows per request, not a prefill)."""
-    return _current is not None and _current.mode != "extend"
+def in_forward() -> bool:
+    """A model forward (prefill, decode, verify or draft step) is running."""
+    return _current is not None

@@ -15,7 +15,7 @@ from torch import nn
 
 from eagleserve.config import ModelConfig
 from eagleserve.kernels import cpu_ext
-from eagleserve.model.forward_batch import get_forward_batch, in_per_token_forward
+from eagleserve.model.forward_batch import get_forward_batch, in_forward
 from eagleserve.model.parallel import all_reduce
 
 
@@ -27,8 +27,9 @@ class RMSNorm(nn.Module):
         self.row_kernel = False  # kernels/cpu_norm.cpp: set for a packed CPU target (quant.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.row_kernel and x.dtype == torch.float32 and in_per_token_forward():
-            # A few rows (decode, verify): one call instead of the composite's five ops.
+        if self.row_kernel and x.dtype == torch.float32 and in_forward():
+            # One call instead of the composite's five ops, and each row normed by the same
+            # ops whatever the batch (a prefill row as its decode would be).
             return cpu_ext.rms_norm(x, self.weight, self.eps)
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
             # One fused op, bit-identical to the lines below for fp32 (checked in tests).

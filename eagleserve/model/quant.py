@@ -10,11 +10,12 @@
 - `Int8Linear`: `torch._weight_int8pack_mm` takes one scale per output channel, not per
   32-block, so Q8_0 is de-quantized and re-quantized per channel (symmetric, absmax / 127):
   NOT bit-exact to the GGUF. A block-exact bmm over bf16 q was 7x slower than this (measured).
-- Per-token forwards (decode, verify, draft steps) of Int4Linear / Q8Int4Linear run
+- Model forwards (prefill, decode, verify, draft steps) of Int4Linear / Q8Int4Linear run
   `kernels/cpu_gemv.cpp` where the CPU has AVX2 + FMA: the exact block weights against
   activations quantized to int8 per block (llama.cpp's computation), and a per-row result that
   does not depend on the number of rows, so a k-token verify gives each row what a decode
-  would. Prefill keeps torch's kernel, built for many rows.
+  would, and a one-shot, chunked or prefix-cached prefill the same KV. Outside a forward
+  (direct calls) the modules keep torch's int4 kernel in their compute dtype.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from eagleserve.kernels import cpu_ext
-from eagleserve.model.forward_batch import in_per_token_forward
+from eagleserve.model.forward_batch import in_forward
 from eagleserve.model.gguf_weights import BLOCK, QuantTensor, iter_gguf
 from eagleserve.model.llama import LlamaForCausalLM, RMSNorm
 
@@ -95,7 +96,7 @@ class Int4Linear(nn.Module):
         # x [..., K] any float dtype -> [..., N] in x.dtype; the matmul runs in compute_dtype.
         # (Few ops on purpose: at batch 1 each costs as much as a small layer's matmul.)
         x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
-        if self.blocked is not None and in_per_token_forward():
+        if self.blocked is not None and in_forward():
             y = self._blocked_mm(x2.float()).to(x.dtype)
         else:
             sz = self.sz_compute if self.compute_dtype != torch.float32 else self.scales_and_zeros

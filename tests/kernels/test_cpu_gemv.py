@@ -58,29 +58,32 @@ def test_close_to_the_exact_product(qtype: str, shape: tuple[int, int]) -> None:
 
 @pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
 def test_a_row_does_not_depend_on_its_batch(qtype: str) -> None:
-    n, k = 300, 576
+    # 333 columns: full 16-column tiles, then a part tile that ends in single columns.
+    n, k = 333, 576
     raw = random_blocks(qtype, n, k, int(torch.randint(0, 2**31, ())))
     lin = pack_quant(unpack_blocks(raw, qtype, n, k))
-    x = torch.randn(11, k)
-    whole = _matmul(lin, x)
-    for m in (1, 2, 3, 5, 11):  # every row-chunk size the kernel has (4 rows share a pass)
-        start = int(torch.randint(0, 11 - m + 1, ()))
+    x = torch.randn(64, k) * torch.rand(64, 1) * 4
+    alone = torch.cat([_matmul(lin, x[i : i + 1].clone()) for i in range(64)])
+    for m in (1, 2, 3, 4, 5, 17, 64):  # every pass size (4 rows share a pass) and remainders
+        start = int(torch.randint(0, 64 - m + 1, ()))
         part = _matmul(lin, x[start : start + m].clone())
-        assert torch.equal(part, whole[start : start + m]), m
+        assert torch.equal(part, alone[start : start + m]), m
     threads = torch.get_num_threads()
     torch.set_num_threads(1 if threads > 1 else 2)
-    try:
-        assert torch.equal(_matmul(lin, x), whole)  # nor on how columns split across threads
+    try:  # nor on how columns and rows split across threads
+        assert torch.equal(_matmul(lin, x), alone)
     finally:
         torch.set_num_threads(threads)
 
 
-def test_smollm2_decodes_through_it_prefill_does_not(smollm2_dir: str) -> None:
-    """The served model: decode rows go through the kernel (int8 activations), a prefill through
-    torch's int4 kernel (bf16 activations); both close to the de-quantized fp32 model."""
+def test_smollm2_prefill_rows_equal_their_decodes(smollm2_dir: str) -> None:
+    """The served model: prefill and decode rows both go through the kernels (int8 activations,
+    fp32 row attention), close to the de-quantized fp32 model; the last row of a one-shot
+    prefill, of a chunked one and a decode at that position give the same logits bit for bit."""
     from transformers import AutoTokenizer
 
     from eagleserve.config import ModelConfig
+    from eagleserve.model.attention import create_attn_backend
     from eagleserve.model.loader import default_gguf_path
     from eagleserve.model.quant import quantize_model_from_gguf
     from eagleserve.model.runner import ModelRunner
@@ -95,17 +98,22 @@ def test_smollm2_decodes_through_it_prefill_does_not(smollm2_dir: str) -> None:
     runner.req_to_token_pool.req_to_token[0, : n + 1] = loc
     rpi = torch.tensor([0])
 
-    def run(mode: str) -> torch.Tensor:
-        if mode == "extend":
-            return forward_tokens(runner, "extend", ids, torch.arange(n + 1), loc, rpi,
-                                  torch.tensor([0]), torch.tensor([n + 1])).logits[-1]  # fmt: skip
-        forward_tokens(runner, "extend", ids[:n], torch.arange(n), loc[:n], rpi,
-                       torch.tensor([0]), torch.tensor([n]))  # fmt: skip
-        return forward_tokens(runner, "decode", ids[n:], torch.tensor([n]), loc[n:], rpi,
-                              torch.tensor([n]), torch.tensor([1])).logits[-1]  # fmt: skip
+    def extend(start: int, end: int) -> torch.Tensor:  # tokens [start, end) after a cached prefix
+        mode = "decode" if end - start == 1 else "extend"
+        return forward_tokens(runner, mode, ids[start:end], torch.arange(start, end),
+                              loc[start:end], rpi, torch.tensor([start]),
+                              torch.tensor([end - start])).logits[-1]  # fmt: skip
 
-    ref = run("decode")  # dense fp32 weights, as transformers de-quantizes them
+    def decode() -> torch.Tensor:
+        extend(0, n)
+        return extend(n, n + 1)
+
+    ref = decode()  # dense fp32 weights, as transformers de-quantizes them
     quantize_model_from_gguf(runner.model, default_gguf_path())
+    runner.attn_backend = create_attn_backend(
+        "torch", torch.device("cpu"), runner.req_to_token_pool.req_to_token,
+        cfg.head_dim**-0.5, shape_invariant=True,
+    )  # fmt: skip
     rows: list[int] = []
     original = cpu_ext.q4_matmul
 
@@ -115,14 +123,18 @@ def test_smollm2_decodes_through_it_prefill_does_not(smollm2_dir: str) -> None:
 
     cpu_ext.q4_matmul = counting
     try:
-        prefill = run("extend")
-        assert rows == [], "a prefill must keep torch's kernel"
-        decode = run("decode")
-        assert rows and set(rows) == {1}
+        one_shot = extend(0, n + 1)
+        assert set(rows) == {n + 1}, "a prefill runs the kernel on all its rows"
+        cut = int(torch.randint(1, n - 1, ()))
+        extend(0, cut)
+        chunked = extend(cut, n + 1)
+        one_step = decode()
     finally:
         cpu_ext.q4_matmul = original
         runner.token_to_kv_pool.free(loc)
-    # The same bound as the bf16 path's over whole prompts (tests/model/test_quant.py).
-    for logits in (prefill, decode):
-        assert float((logits - ref).abs().max()) < 1.5
-    assert decode.argmax() == ref.argmax()
+    assert torch.equal(one_shot, one_step) and torch.equal(chunked, one_step)
+    # int8 activations in every prompt row (llama.cpp's trade) against the fp32 model, observed
+    # over the four texts: max |diff| 1.6-2.5, mean 0.24-0.68 (bf16 activations: ~0.3, ~0.1).
+    diff = (one_step - ref).abs()
+    assert float(diff.max()) < 4.0 and float(diff.mean()) < 1.0, (diff.max(), diff.mean())
+    assert one_step.argmax() == ref.argmax()

@@ -11,6 +11,7 @@ import pytest
 import torch
 from conftest import forward_tokens
 
+from eagleserve.kernels import cpu_ext
 from eagleserve.model.gguf_weights import QuantTensor, unpack_blocks
 from eagleserve.model.quant import BF16Linear, Int4Linear, Int8Linear, Q8Int4Linear, pack_quant
 
@@ -170,10 +171,13 @@ def test_smollm2_quantized_close_to_fp32(smollm2_dir: str) -> None:
     for name, weight in expect.items():
         assert torch.equal(mods[name].dequantize(), weight), name
     out = _prefill_logits(runner, ids)
-    # Observed on SmolLM2-135M (bf16 activations/scales, bf16 lm_head): max |diff| 0.64-0.93,
-    # mean ~0.08, logits up to ~40; argmax agreed at every position of 3 prompts.
+    # Inside a forward the packed linears run the AVX2 kernels where they load (activations
+    # quantized to int8 per 32-block, as llama.cpp): observed over 4 prompts, max |diff|
+    # 2.8-3.6 and mean 0.45-0.53 at logits up to ~40, argmax agreeing at 82-100 % of the
+    # positions and at every last one (torch's bf16 path: max 0.64-0.93, mean ~0.08).
     diff = (out - ref).abs()
-    assert float(diff.max()) < 1.5, float(diff.max())
+    bound = 5.0 if cpu_ext.load() else 1.5
+    assert float(diff.max()) < bound and float(diff.mean()) < bound / 5, float(diff.max())
     agree = (out.argmax(-1) == ref.argmax(-1)).float().mean()
     assert float(agree) >= 0.8, float(agree)  # near-ties may flip
     assert out.argmax(-1)[-1] == ref.argmax(-1)[-1]
