@@ -5,10 +5,13 @@ beside a long prompt waits, between two of its tokens, one decode iteration plus
 On a GPU a chunk of `--chunked-prefill-size` tokens costs little next to a decode; on a CPU,
 where a forward's cost grows with its rows, a fixed chunk either stalls the streams (a large
 one) or slows every prefill (a small one). So on a CPU, while requests decode, a chunk is cut to
-the prompt tokens that cost about one decode iteration, from the measured times of recent
-decodes and prefills (forwards there are synchronous: the host's clock times them); no more
-than the chunk size, no fewer than MIN_CHUNK_TOKENS. With nothing decoding, and on a GPU, the
-whole chunk size.
+the prompt tokens that cost CHUNK_COST_SHARE of a decode iteration, from the measured times of
+recent decodes and prefills (forwards there are synchronous: the host's clock times them); no
+more than the chunk size, no fewer than MIN_CHUNK_TOKENS. The streams' gap is then about
+1 + CHUNK_COST_SHARE of their usual one, and the long prompt gets that share of the compute
+(its time to first token grows accordingly). A prefill slower per token than believed shrinks
+the next chunk at once; a faster one lets it grow slowly (an EMA), so a misestimate costs one
+long gap, not several. With nothing decoding, and on a GPU, the whole chunk size.
 """
 
 from __future__ import annotations
@@ -16,17 +19,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 # Fewest prompt tokens a chunk computes next to decodes (a prompt must still advance).
-MIN_CHUNK_TOKENS = 4
+MIN_CHUNK_TOKENS = 2
+# A chunk next to decodes costs this share of a decode iteration.
+CHUNK_COST_SHARE = 0.5
 # Weight of the newest measured forward in the EMAs.
 TIME_EMA = 0.25
 
 
 def chunk_tokens(decode_s: float | None, prefill_s_per_token: float | None, max_tokens: int) -> int:
-    """The prompt tokens whose prefill costs about one decode iteration, within
+    """The prompt tokens whose prefill costs CHUNK_COST_SHARE of a decode iteration, within
     [MIN_CHUNK_TOKENS, max_tokens]; `max_tokens` before both are measured."""
     if decode_s is None or prefill_s_per_token is None or prefill_s_per_token <= 0:
         return max_tokens
-    fits = int(decode_s / prefill_s_per_token)
+    fits = int(CHUNK_COST_SHARE * decode_s / prefill_s_per_token)
     return max(min(fits, max_tokens), min(MIN_CHUNK_TOKENS, max_tokens))
 
 
@@ -59,4 +64,7 @@ class ChunkBudget:
         if mode == "decode":
             self.decode_s = _ema(self.decode_s, seconds)
         elif mode == "extend" and tokens > 0:
-            self.prefill_s_per_token = _ema(self.prefill_s_per_token, seconds / tokens)
+            per_token, old = seconds / tokens, self.prefill_s_per_token
+            self.prefill_s_per_token = (
+                per_token if old is None or per_token > old else _ema(old, per_token)
+            )

@@ -12,7 +12,12 @@ from conftest import run_scheduler_to_completion
 from eagleserve import SamplingParams
 from eagleserve.core import ScheduleBatch
 from eagleserve.messages import GenerateReqInput
-from eagleserve.scheduler.chunk_budget import MIN_CHUNK_TOKENS, ChunkBudget, chunk_tokens
+from eagleserve.scheduler.chunk_budget import (
+    CHUNK_COST_SHARE,
+    MIN_CHUNK_TOKENS,
+    ChunkBudget,
+    chunk_tokens,
+)
 from eagleserve.scheduler.scheduler import Scheduler
 
 
@@ -25,7 +30,8 @@ def test_chunk_costs_about_one_decode() -> None:
         n = chunk_tokens(decode_s, per_token, size)
         assert min(MIN_CHUNK_TOKENS, size) <= n <= size
         if min(MIN_CHUNK_TOKENS, size) < n < size:  # not clamped: the largest that fits
-            assert n * per_token <= decode_s < (n + 1) * per_token
+            share = CHUNK_COST_SHARE * decode_s
+            assert n * per_token <= share < (n + 1) * per_token
     assert chunk_tokens(None, 0.01, 64) == 64  # nothing measured yet: the chunk size
     assert chunk_tokens(0.05, None, 64) == 64
 
@@ -36,9 +42,16 @@ def test_budget_cuts_only_next_to_decodes() -> None:
     budget = ChunkBudget(size, dynamic=True)
     per_token = rng.uniform(1e-3, 2e-3)
     budget.observe("extend", 100, 100 * per_token)
-    budget.observe("decode", 0, 8 * per_token)  # a decode costs about 8 prompt tokens
+    budget.observe("decode", 0, 16 * per_token)  # a decode costs about 16 prompt tokens
     assert budget.tokens(decoding=False, unchunked_limit=8192) == size
-    assert budget.tokens(decoding=True, unchunked_limit=8192) in (7, 8)
+    want = int(CHUNK_COST_SHARE * 16)
+    assert budget.tokens(decoding=True, unchunked_limit=8192) in (want - 1, want)
+    # A chunk found twice as slow per token halves the next one at once; a faster one lets
+    # it grow back only gradually.
+    budget.observe("extend", 10, 10 * 2 * per_token)
+    assert budget.tokens(decoding=True, unchunked_limit=8192) in (want // 2 - 1, want // 2)
+    budget.observe("extend", 10, 10 * per_token / 2)
+    assert budget.tokens(decoding=True, unchunked_limit=8192) < want
     fixed = ChunkBudget(size, dynamic=False)
     fixed.observe("decode", 0, 8 * per_token)
     assert fixed.tokens(decoding=True, unchunked_limit=8192) == size
@@ -84,7 +97,7 @@ def test_cpu_chunks_next_to_decodes(
         finished = any(out.rid == "long" and out.finished for out in sched.step())
     chunks = [n for mode, n in modes if mode == "extend"]
     assert sum(chunks) == len(long_ids)
-    assert max(chunks) == (8 if dynamic else 64), chunks
+    assert max(chunks) == (int(CHUNK_COST_SHARE * 8) if dynamic else 64), chunks
     for a, b in zip(modes, modes[1:]):  # a decode between two chunks
         assert not (a[0] == "extend" and b[0] == "extend"), modes
     run_scheduler_to_completion(sched)
