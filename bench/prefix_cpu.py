@@ -104,10 +104,10 @@ def shared_system_prompt(args: argparse.Namespace, cache: bool) -> dict[str, flo
 
 
 def long_prompt_during_decode(
-    args: argparse.Namespace, chunk: int | None, fixed: bool = False
+    args: argparse.Namespace, chunk: int | None, dynamic: bool = False
 ) -> dict[str, Any]:
-    """`fixed`: chunks of the chunk size even next to decodes (--disable-dynamic-chunking)."""
-    engine = make_engine(args, chunked_prefill_size=chunk, disable_dynamic_chunking=fixed)
+    """`dynamic`: chunks cut next to decodes (--enable-dynamic-chunking)."""
+    engine = make_engine(args, chunked_prefill_size=chunk, enable_dynamic_chunking=dynamic)
     sched = engine.scheduler
     params = SamplingParams(max_new_tokens=96, temperature=0.0, ignore_eos=True)
     engine.generate([tokens_of(engine, "Warm up.", 8)], params)
@@ -158,15 +158,17 @@ def main() -> int:
         type=str,
         default=None,
         metavar="SIZES",
-        help="only part 3, for these chunk sizes (comma-separated; 0 = one shot; N:fixed = "
-        "chunks of N even next to decodes)",
+        help="only part 3, for these chunk sizes (comma-separated; 0 = one shot; N:dynamic = "
+        "chunks of at most N, cut next to decodes: --enable-dynamic-chunking)",
     )
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     if args.only_chunking is not None:
         sizes = args.only_chunking.split(",")
         runs = {
-            size: long_prompt_during_decode(args, int(size.split(":")[0]), size.endswith(":fixed"))
+            size: long_prompt_during_decode(
+                args, int(size.split(":")[0]), dynamic=size.endswith(":dynamic")
+            )
             for size in sizes
         }
         print(f"machine: {machine_info()['description']}")

@@ -50,8 +50,8 @@ FIELD_HELP: dict[str, str] = {
     "disable_radix_cache": "do not reuse the KV of cached prompt prefixes (radix tree)",
     "chunked_prefill_size": "most tokens one prefill computes: longer prompts are prefilled "
     "in chunks between decode steps (default: 64 on a CPU, 8192 on a GPU; 0 or -1: off)",
-    "disable_dynamic_chunking": "on a CPU, keep chunks at --chunked-prefill-size while requests "
-    "decode (default: cut them to about one decode iteration's measured cost)",
+    "enable_dynamic_chunking": "on a CPU, while requests decode, cut prefill chunks to half a "
+    "decode iteration's measured cost (smoother streams next to a long prompt, slower prefills)",
     "attention_backend": "auto | torch | triton",
     "disable_cuda_graph": "do not capture CUDA graphs for decode",
     "cuda_graph_max_bs": "largest batch size captured in a CUDA graph",
@@ -121,7 +121,7 @@ FIELD_GROUPS: dict[str, tuple[str, ...]] = {
               "served_model_name"),
     "server": ("host", "port", "api_key", "max_request_body_bytes", "log_level"),
     "scheduler": ("max_running_requests", "kv_cache_tokens", "seed", "disable_overlap_schedule",
-                  "disable_radix_cache", "chunked_prefill_size", "disable_dynamic_chunking"),
+                  "disable_radix_cache", "chunked_prefill_size", "enable_dynamic_chunking"),
     "speculative decoding": ("speculative_algorithm", "speculative_draft_model_path",
                              "speculative_num_steps", "speculative_eagle_topk",
                              "speculative_num_draft_tokens", "speculative_adaptive",

@@ -164,8 +164,8 @@ class ServerArgs:
     # Most tokens one prefill computes; a longer prompt is prefilled in chunks between decode
     # steps. None: by device (prefill_chunk_size); 0 or less: no chunking.
     chunked_prefill_size: int | None = None
-    # CPU: next to decodes, a chunk costs about one decode iteration (scheduler/chunk_budget.py).
-    disable_dynamic_chunking: bool = False
+    # CPU: next to decodes, a chunk costs half a decode iteration (scheduler/chunk_budget.py).
+    enable_dynamic_chunking: bool = False
     attention_backend: str = "auto"  # auto | torch | triton
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int = 32
@@ -210,9 +210,9 @@ class ServerArgs:
         return size if size > 0 else None
 
     def dynamic_chunking(self, device_type: str) -> bool:
-        """Chunks cut to one decode iteration's cost while requests decode: on a CPU, where
-        forwards are synchronous and timed by the host."""
-        return device_type == "cpu" and not self.disable_dynamic_chunking
+        """Chunks cut to half a decode iteration's cost while requests decode (asked for; on a
+        CPU only, where forwards are synchronous and timed by the host)."""
+        return device_type == "cpu" and self.enable_dynamic_chunking
 
     @classmethod
     def field_names(cls) -> list[str]:

@@ -4,14 +4,17 @@ Decodes and prefill chunks alternate (`Scheduler.get_next_batch_to_run`), so a s
 beside a long prompt waits, between two of its tokens, one decode iteration plus one chunk.
 On a GPU a chunk of `--chunked-prefill-size` tokens costs little next to a decode; on a CPU,
 where a forward's cost grows with its rows, a fixed chunk either stalls the streams (a large
-one) or slows every prefill (a small one). So on a CPU, while requests decode, a chunk is cut to
-the prompt tokens that cost CHUNK_COST_SHARE of a decode iteration, from the measured times of
-recent decodes and prefills (forwards there are synchronous: the host's clock times them); no
-more than the chunk size, no fewer than MIN_CHUNK_TOKENS. The streams' gap is then about
+one) or slows every prefill (a small one). With `--enable-dynamic-chunking`, on a CPU, while
+requests decode, a chunk is cut to the prompt tokens that cost CHUNK_COST_SHARE of a decode
+iteration, from the measured times of recent decodes and prefills (forwards there are
+synchronous: the host's clock times them); no more than the chunk size, no fewer than
+MIN_CHUNK_TOKENS. The streams' gap is then about
 1 + CHUNK_COST_SHARE of their usual one, and the long prompt gets that share of the compute
 (its time to first token grows accordingly). A prefill slower per token than believed shrinks
 the next chunk at once; a faster one lets it grow slowly (an EMA), so a misestimate costs one
-long gap, not several. With nothing decoding, and on a GPU, the whole chunk size.
+long gap, not several. With nothing decoding, and on a GPU, the whole chunk size. It is not
+the default: prompts arriving together behind a running request are prefilled as slowly, which
+costs throughput and time to first token where streams' smoothness matters less.
 """
 
 from __future__ import annotations

@@ -67,7 +67,7 @@ def test_cpu_chunks_next_to_decodes(
     on this machine's speed; with it off they are the chunk size. Either way every chunk
     alternates with a decode and the long request completes."""
     sched = make_scheduler(
-        tiny_model_dir, device="cpu", chunked_prefill_size=64, disable_dynamic_chunking=not dynamic
+        tiny_model_dir, device="cpu", chunked_prefill_size=64, enable_dynamic_chunking=dynamic
     )
     budget = sched.chunk_budget
     budget.decode_s, budget.prefill_s_per_token = 8e-3, 1e-3  # a decode costs 8 prompt tokens
