@@ -78,6 +78,16 @@ class QuantTensor:
         return self.q.float() * d
 
 
+def quantize_q8_0(weight: torch.Tensor) -> QuantTensor:
+    """An fp weight [N, K] (K a multiple of 32) as Q8_0 blocks: per 32 weights, d = absmax/127
+    and q = round(w / d) (ggml's rounding; d kept in fp32, not fp16)."""
+    n, k = weight.shape
+    w = weight.float().reshape(n, k // BLOCK, BLOCK)
+    d = w.abs().amax(dim=-1).clamp(min=1e-12) / 127.0
+    q = torch.round(w / d[..., None]).clamp(-127, 127).to(torch.int8).reshape(n, k)
+    return QuantTensor("Q8_0", q, d.contiguous(), None)
+
+
 def unpack_blocks(raw: np.ndarray, qtype: str, n: int, k: int) -> QuantTensor:
     """`raw` [N, bytes_per_row] uint8 as stored by ggml -> QuantTensor with [N, K] fields."""
     if k % BLOCK:

@@ -30,7 +30,7 @@ from torch import nn
 
 from eagleserve.kernels import cpu_ext
 from eagleserve.model.forward_batch import in_forward
-from eagleserve.model.gguf_weights import BLOCK, QuantTensor, iter_gguf
+from eagleserve.model.gguf_weights import BLOCK, QuantTensor, iter_gguf, quantize_q8_0
 from eagleserve.model.llama import LlamaForCausalLM, RMSNorm
 
 logger = logging.getLogger(__name__)
@@ -314,17 +314,21 @@ def _fuse_siblings(
 
 @torch.no_grad()
 def linears_to_int8(module: nn.Module) -> None:
-    """Replaces every nn.Linear below `module` by an Int8Linear (per-channel, in place).
-
-    For the draft head next to a packed target: the draft's numerics do not affect the output
-    (verify decides), only its speed and acceptance. Its matmuls read memory, not compute: int8
-    halves bf16's bytes (SmolLM2 EAGLE3 head, ~10M weights: 2.2 -> ~1 ms of GEMVs per
-    iteration on 2 cores) and left the acceptance length unchanged (bench/cpu_vs_llamacpp.py)."""
+    """Replaces every nn.Linear below `module` by an 8-bit one, in place: Q8_0 blocks on the
+    CPU kernels where they load (the target's own GEMM, fast for a prefill's many rows as for
+    one), else per-channel Int8Linear. For the draft head next to a packed target: the draft's
+    numerics do not affect the output (verify decides), only its speed and acceptance."""
     names = [n for n, m in module.named_modules() if isinstance(m, nn.Linear)]
     for name in names:
         old = module.get_submodule(name)
         bias = None if old.bias is None else old.bias.detach()
-        _set_module(module, name, quantize_linear_int8(old.weight.detach(), bias))
+        w = old.weight.detach()
+        new: nn.Module = (
+            Q8Int4Linear.from_quant(quantize_q8_0(w), bias)
+            if cpu_ext.load() and w.shape[1] % BLOCK == 0
+            else quantize_linear_int8(w, bias)
+        )
+        _set_module(module, name, new)
 
 
 def _packed_compute_logits(self: LlamaForCausalLM, hidden: torch.Tensor) -> torch.Tensor:

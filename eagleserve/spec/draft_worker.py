@@ -126,8 +126,8 @@ class EagleDraftWorker:
             attn_metadata=None,
         )
         with forward_context(fb):
-            logits, feats = self.head(fb.input_ids, features, fb.positions)
-        probs = torch.softmax(self._masked(logits[last_rows], allowed), dim=-1)
+            logits, feats = self.head(fb.input_ids, features, fb.positions, last_rows)
+        probs = torch.softmax(self._masked(logits, allowed), dim=-1)
         topk_p, topk_ids = probs.topk(self.spec.eagle_topk, dim=-1)
         return EagleDraftInput(topk_p, self.head.to_target_ids(topk_ids), feats[last_rows])
 

@@ -144,10 +144,16 @@ class EagleHead(nn.Module):
         return self._target
 
     def forward(
-        self, input_ids: torch.Tensor, features: torch.Tensor, positions: torch.Tensor
+        self,
+        input_ids: torch.Tensor,
+        features: torch.Tensor,
+        positions: torch.Tensor,
+        logits_rows: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """input_ids [T] (token t[j+1]), features [T, feature_size or h] (aligned with t[j]),
-        positions [T]. Returns (logits [T, draft_vocab] fp32, next_features [T, h])."""
+        positions [T]. Returns (logits [T, draft_vocab] fp32, next_features [T, h]); with
+        `logits_rows`, the logits of those rows only (an extend drafts from its last rows: the
+        lm_head over every row of a prompt would cost as much as the rest of the head)."""
         width = features.shape[-1]
         if width not in (self.feature_size, self.hidden_size):
             raise ValueError(
@@ -162,14 +168,16 @@ class EagleHead(nn.Module):
             x = x + layer.self_attn(x, positions, self.rotary_emb)
             out = x + layer.mlp(layer.post_attention_layernorm(x))
             # No final norm: the target's lm_head reads the layer output directly.
-            return self.target.compute_logits(out), out
+            rows = out if logits_rows is None else out[logits_rows]
+            return self.target.compute_logits(rows), out
         # Target features (k*h) are fused by fc; later steps feed back the h-wide output.
         g = self.fc(features) if width != self.hidden_size else features  # [T, h]
         m = self.midlayer
         attn_in = torch.cat((m.input_layernorm(emb), m.hidden_norm(g)), dim=-1)  # [T, 2h]
         x = g + m.self_attn(attn_in, positions, self.rotary_emb)
         out = x + m.mlp(m.post_attention_layernorm(x))
-        logits = self.lm_head(self.norm(out)).float()
+        rows = out if logits_rows is None else out[logits_rows]
+        logits = self.lm_head(self.norm(rows)).float()
         return logits, out  # next_features are pre-norm
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:

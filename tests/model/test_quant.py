@@ -10,10 +10,18 @@ import numpy as np
 import pytest
 import torch
 from conftest import forward_tokens
+from torch import nn
 
 from eagleserve.kernels import cpu_ext
-from eagleserve.model.gguf_weights import QuantTensor, unpack_blocks
-from eagleserve.model.quant import BF16Linear, Int4Linear, Int8Linear, Q8Int4Linear, pack_quant
+from eagleserve.model.gguf_weights import QuantTensor, quantize_q8_0, unpack_blocks
+from eagleserve.model.quant import (
+    BF16Linear,
+    Int4Linear,
+    Int8Linear,
+    Q8Int4Linear,
+    linears_to_int8,
+    pack_quant,
+)
 
 gguf = pytest.importorskip("gguf")
 
@@ -181,3 +189,23 @@ def test_smollm2_quantized_close_to_fp32(smollm2_dir: str) -> None:
     agree = (out.argmax(-1) == ref.argmax(-1)).float().mean()
     assert float(agree) >= 0.8, float(agree)  # near-ties may flip
     assert out.argmax(-1)[-1] == ref.argmax(-1)[-1]
+
+
+def test_q8_0_blocks_of_a_float_weight() -> None:
+    """The draft head's weights as Q8_0 blocks: every weight within half a step of its block's
+    scale, the scale set by the block's largest weight."""
+    w = torch.randn(48, 96) * torch.rand(48, 1) * 3
+    t = quantize_q8_0(w)
+    d = t.d.repeat_interleave(32, dim=1)
+    assert t.qtype == "Q8_0" and t.q.dtype == torch.int8 and t.q.abs().max() == 127
+    assert ((t.dequantize() - w).abs() <= d / 2 + 1e-6).all()
+
+
+def test_linears_to_int8_keeps_a_head_close() -> None:
+    head = nn.Sequential(nn.Linear(96, 64), nn.SiLU(), nn.Linear(64, 160, bias=False)).eval()
+    x = torch.randn(5, 96)
+    want = head(x)
+    linears_to_int8(head)
+    kind = Q8Int4Linear if cpu_ext.load() else Int8Linear
+    assert isinstance(head[0], kind) and isinstance(head[2], kind)
+    assert (head(x).float() - want).abs().max() < 0.05 * want.abs().max()
