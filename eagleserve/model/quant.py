@@ -219,11 +219,6 @@ class Int8Linear(nn.Module):
         return f"in={self.in_features}, out={self.out_features}, compute={self.compute_dtype}"
 
 
-def quantize_linear_int8(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Int8Linear:
-    """An fp nn.Linear weight [N, K] -> Int8Linear (e.g. for an EAGLE head)."""
-    return Int8Linear.from_float(weight, bias)
-
-
 class BF16Linear(nn.Module):
     """y = x @ W.T (+ b) with W [N, K] in bf16; for Q8_0 this is the exact fp32 weight rounded
     once to bf16 (rel. error <= 2^-9, vs ~1% for the per-channel int8 requantization)."""
@@ -326,13 +321,16 @@ def linears_to_int8(module: nn.Module) -> None:
         new: nn.Module = (
             Q8Int4Linear.from_quant(quantize_q8_0(w), bias)
             if cpu_ext.load() and w.shape[1] % BLOCK == 0
-            else quantize_linear_int8(w, bias)
+            else Int8Linear.from_float(w, bias)
         )
         _set_module(module, name, new)
 
 
 def _packed_compute_logits(self: LlamaForCausalLM, hidden: torch.Tensor) -> torch.Tensor:
-    return self.lm_head(hidden).float()
+    head = self.lm_head  # the kernel in a forward or not: prompt scores = the sampled rows'
+    if getattr(head, "blocked", None) is not None and hidden.dim() == 2:
+        return head._blocked_mm(hidden.float())
+    return head(hidden).float()
 
 
 @torch.no_grad()

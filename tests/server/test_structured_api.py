@@ -92,7 +92,8 @@ def test_json_schema_answers_validate(client: openai.OpenAI, name: str, sampled:
 def test_json_object_and_streaming(client: openai.OpenAI) -> None:
     stream = client.chat.completions.create(
         model=MODEL, max_tokens=80, temperature=0, stream=True,
-        messages=[{"role": "user", "content": 'Reply {"answer": yes or no}. Is 2 > 1?'}],
+        messages=[{"role": "user", "content": 'Is 2 > 1? Reply in JSON with one key, "answer", '
+                   'whose value is "yes" or "no".'}],
         response_format={"type": "json_object"},
     )  # fmt: skip
     parts, reasons = [], []
