@@ -104,10 +104,12 @@ def shared_system_prompt(args: argparse.Namespace, cache: bool) -> dict[str, flo
 
 
 def long_prompt_during_decode(
-    args: argparse.Namespace, chunk: int | None, dynamic: bool = False
+    args: argparse.Namespace, chunk: int | None, dynamic: bool = False, mixed: bool = False
 ) -> dict[str, Any]:
-    """`dynamic`: chunks cut next to decodes (--enable-dynamic-chunking)."""
-    engine = make_engine(args, chunked_prefill_size=chunk, enable_dynamic_chunking=dynamic)
+    """`dynamic`: chunks cut next to decodes (--enable-dynamic-chunking); `mixed`: a chunk runs
+    in the decode step's forward (--enable-mixed-chunk)."""
+    engine = make_engine(args, chunked_prefill_size=chunk, enable_dynamic_chunking=dynamic,
+                         enable_mixed_chunk=mixed)  # fmt: skip
     sched = engine.scheduler
     params = SamplingParams(max_new_tokens=96, temperature=0.0, ignore_eos=True)
     engine.generate([tokens_of(engine, "Warm up.", 8)], params)
@@ -143,7 +145,8 @@ def long_prompt_during_decode(
     median = statistics.median(g for (_, g), o in zip(gaps, overlaps) if not o)
     p99 = sorted(during)[min(len(during) - 1, round(0.99 * (len(during) - 1)))]
     return {"chunked_prefill_size": sched.chunk_budget.max_tokens,
-            "dynamic_chunking": sched.chunk_budget.dynamic, "itl_median_ms": 1e3 * median,
+            "dynamic_chunking": sched.chunk_budget.dynamic, "mixed_chunk": sched.mixed_chunk,
+            "itl_median_ms": 1e3 * median,
             "itl_p99_during_prefill_ms": 1e3 * p99, "ratio": p99 / median,
             "long_prompt_ttft_s": first - arrival}  # fmt: skip
 
@@ -159,7 +162,8 @@ def main() -> int:
         default=None,
         metavar="SIZES",
         help="only part 3, for these chunk sizes (comma-separated; 0 = one shot; N:dynamic = "
-        "chunks of at most N, cut next to decodes: --enable-dynamic-chunking)",
+        "chunks of at most N, cut next to decodes: --enable-dynamic-chunking; N:mixed = chunks "
+        "inside the decode step: --enable-mixed-chunk; N:dynamic:mixed = both)",
     )
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -167,14 +171,17 @@ def main() -> int:
         sizes = args.only_chunking.split(",")
         runs = {
             size: long_prompt_during_decode(
-                args, int(size.split(":")[0]), dynamic=size.endswith(":dynamic")
+                args,
+                int(size.split(":")[0]),
+                dynamic="dynamic" in size.split(":"),
+                mixed="mixed" in size.split(":"),
             )
             for size in sizes
         }
         print(f"machine: {machine_info()['description']}")
         for size, r in runs.items():
             print(
-                f"long prompt during 8 decodes, chunk {size:>8}: ITL median "
+                f"long prompt during 8 decodes, chunk {size:>16}: ITL median "
                 f"{r['itl_median_ms']:.1f} ms, p99 while prefilling "
                 f"{r['itl_p99_during_prefill_ms']:.1f} ms ({r['ratio']:.2f}x; goal <= 2x), "
                 f"its TTFT {r['long_prompt_ttft_s']:.2f} s"

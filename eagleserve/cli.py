@@ -52,6 +52,8 @@ FIELD_HELP: dict[str, str] = {
     "in chunks between decode steps (default: 64 on a CPU, 8192 on a GPU; 0 or -1: off)",
     "enable_dynamic_chunking": "on a CPU, while requests decode, cut prefill chunks to half a "
     "decode iteration's measured cost (smoother streams next to a long prompt, slower prefills)",
+    "enable_mixed_chunk": "run each prefill chunk in the same forward as the running requests' "
+    "decode step (not with speculative decoding)",
     "attention_backend": "auto | torch | triton",
     "disable_cuda_graph": "do not capture CUDA graphs for decode",
     "cuda_graph_max_bs": "largest batch size captured in a CUDA graph",
@@ -97,9 +99,8 @@ def check_values(args: ServerArgs) -> str | None:
         value = getattr(args, name)
         if value is not None and value < 1:
             return f"--{name.replace('_', '-')} {value}: must be at least 1"
-    if args.tp_size > 1 and args.speculative_adaptive:
-        # Its costs are timed per rank, and ranks must choose the same depth.
-        return "--speculative-adaptive does not run with --tp-size > 1 yet"
+    if args.enable_mixed_chunk and args.speculative_algorithm:
+        return "--enable-mixed-chunk does not run with speculative decoding (requests verify)"
     return None
 
 
@@ -121,7 +122,8 @@ FIELD_GROUPS: dict[str, tuple[str, ...]] = {
               "served_model_name"),
     "server": ("host", "port", "api_key", "max_request_body_bytes", "log_level"),
     "scheduler": ("max_running_requests", "kv_cache_tokens", "seed", "disable_overlap_schedule",
-                  "disable_radix_cache", "chunked_prefill_size", "enable_dynamic_chunking"),
+                  "disable_radix_cache", "chunked_prefill_size", "enable_dynamic_chunking",
+                  "enable_mixed_chunk"),
     "speculative decoding": ("speculative_algorithm", "speculative_draft_model_path",
                              "speculative_num_steps", "speculative_eagle_topk",
                              "speculative_num_draft_tokens", "speculative_adaptive",

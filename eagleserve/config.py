@@ -166,6 +166,9 @@ class ServerArgs:
     chunked_prefill_size: int | None = None
     # CPU: next to decodes, a chunk costs half a decode iteration (scheduler/chunk_budget.py).
     enable_dynamic_chunking: bool = False
+    # A prefill chunk joins the running requests' decode in one forward (SGLang's name); not
+    # with speculation, whose running requests verify instead of decoding.
+    enable_mixed_chunk: bool = False
     attention_backend: str = "auto"  # auto | torch | triton
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int = 32
@@ -200,10 +203,9 @@ class ServerArgs:
         return not self.disable_overlap_schedule
 
     def prefill_chunk_size(self, device_type: str) -> int | None:
-        """Chunk size of chunked prefill, None when off. On a CPU a chunk costs about as much as
-        a decode step of a full batch, so streams decoding next to a long prefill wait at most
-        about twice their usual inter-token time (bench/prefix_cpu.py); on a GPU, SGLang's
-        default."""
+        """Chunk size of chunked prefill, None when off. On a CPU a forward's cost grows with its
+        rows, so a chunk still stalls the streams beside it (dynamic chunking and mixed chunks cut
+        that: bench/prefix_cpu.py); on a GPU, SGLang's default."""
         size = self.chunked_prefill_size
         if size is None:
             size = CPU_PREFILL_CHUNK if device_type == "cpu" else GPU_PREFILL_CHUNK

@@ -109,6 +109,9 @@ class ScheduleBatch:
     # whose prefill goes on in a later chunk (the EAGLE head pairs it with the last feature),
     # -1 for one whose prefill ends here. None when every prefill ends here.
     next_prompt_ids: torch.Tensor | None = None
+    # Extend only: the last `decode_rows` requests decode one token each (a mixed chunk, see
+    # mix_with_running); the rows before them are prefilled.
+    decode_rows: int = 0
     # Host mirror of seq_lens. Only refresh_seq_lens_cpu recomputes these two.
     seq_lens_cpu: torch.Tensor | None = None
     seq_lens_sum: int | None = None
@@ -203,11 +206,34 @@ class ScheduleBatch:
             self.seq_lens_cpu = self.seq_lens_cpu + 1
         self.seq_lens_sum = None
 
+    def mix_with_running(self, running: ScheduleBatch) -> None:
+        """This prefill batch takes in `running`, a decode batch already prepared for its step
+        (one new KV slot per request): each of its requests becomes one more extend row of one
+        token after a prefix of seq_len - 1, so a chunk and the decodes run in one forward."""
+        assert self.mode == "extend" and running.mode == "decode" and running.spec_info is None
+        assert self.prefix_lens is not None and self.extend_lens is not None
+        assert running.seq_lens_cpu is not None and self.seq_lens_cpu is not None
+        n = running.batch_size
+        self.reqs = self.reqs + running.reqs
+        self.input_ids = torch.cat([self.input_ids, running.input_ids])
+        self.out_cache_loc = torch.cat([self.out_cache_loc, running.out_cache_loc])
+        self.req_pool_indices = torch.cat([self.req_pool_indices, running.req_pool_indices])
+        self.prefix_lens = self.prefix_lens + (running.seq_lens_cpu - 1).tolist()
+        self.extend_lens = self.extend_lens + [1] * n
+        if self.next_prompt_ids is not None:
+            done = torch.full((n,), -1, dtype=torch.long, device=self.device)
+            self.next_prompt_ids = torch.cat([self.next_prompt_ids, done])
+        self.seq_lens = torch.cat([self.seq_lens, running.seq_lens])
+        self.seq_lens_cpu = torch.cat([self.seq_lens_cpu, running.seq_lens_cpu])
+        self.decode_rows = n
+        self.refresh_seq_lens_cpu(sync=False)
+
     def extend_to_decode(self) -> None:
         """A prefilled batch becomes a decode batch: its next inputs are already set."""
         self.mode = "decode"
         self.prefix_lens = self.extend_lens = None
         self.next_prompt_ids = None
+        self.decode_rows = 0
 
     def filter_batch(self, keep: list[int]) -> None:
         """Keeps the requests at positions `keep` (a running batch between decode steps)."""

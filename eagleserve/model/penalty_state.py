@@ -84,7 +84,7 @@ class PenaltyState:
 
 @dataclass(frozen=True)
 class BatchPenalties:
-    """The rows of a batch with penalties or bias, their parameters, and (prefill batches) the
+    """The rows of a batch with penalties or bias, their parameters, and (prefilled rows) the
     slots to reset with their host token lists."""
 
     rows: torch.Tensor  # [R] int64 batch rows
@@ -93,8 +93,10 @@ class BatchPenalties:
 
     @classmethod
     def of_reqs(
-        cls, reqs: list[Req], vocab_size: int, device: torch.device, prefill: bool
+        cls, reqs: list[Req], vocab_size: int, device: torch.device, prefill_rows: int
     ) -> BatchPenalties | None:
+        """`prefill_rows`: the first rows are prefilled, so their counts restart from their host
+        tokens; a decoding row's counts go on (under overlap its host tokens lag a step)."""
         rows = [i for i, r in enumerate(reqs)
                 if r.sampling_params.has_penalties or r.sampling_params.logit_bias]  # fmt: skip
         if not rows:
@@ -119,8 +121,8 @@ class BatchPenalties:
             uses_counts=any(p.has_penalties for p in ps),
         )
         resets = None
-        counted = [reqs[i] for i, p in zip(rows, ps) if p.has_penalties]
-        if prefill and counted:
+        counted = [reqs[i] for i, p in zip(rows, ps) if p.has_penalties and i < prefill_rows]
+        if counted:
             assert all(r.req_pool_idx is not None for r in counted)
             resets = (
                 [r.req_pool_idx for r in counted],  # type: ignore[misc]

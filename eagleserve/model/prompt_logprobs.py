@@ -55,8 +55,10 @@ class PromptLogprobs:
 
 def wants_prompt_logprobs(batch: ScheduleBatch) -> list[int]:
     """Rows of a prefill whose requests ask for prompt logprobs and have not had them (a
-    retracted request re-prefills after its first token: it had them)."""
-    return [i for i, r in enumerate(batch.reqs)
+    retracted request re-prefills after its first token: it had them). A mixed batch's decode
+    rows are not prefilled (under overlap their first token may not be on the host yet)."""
+    prefilled = batch.reqs[: batch.batch_size - batch.decode_rows]
+    return [i for i, r in enumerate(prefilled)
             if r.sampling_params.prompt_logprobs is not None and not r.output_ids]  # fmt: skip
 
 

@@ -49,16 +49,17 @@ class SamplingInfo:
         key = tuple(id(r) for r in batch.reqs)
         cached = batch.sampling_info
         if cached is None or cached[0] != key:
-            prefill = batch.mode == "extend"
-            info = cls.from_reqs(batch.reqs, vocab_size, batch.device, prefill)
+            prefilled = batch.batch_size - batch.decode_rows if batch.mode == "extend" else 0
+            info = cls.from_reqs(batch.reqs, vocab_size, batch.device, prefilled)
             batch.sampling_info = (key, info)
         return batch.sampling_info[1]
 
     @classmethod
     def from_reqs(
-        cls, reqs: list[Req], vocab_size: int, device: torch.device, prefill: bool = False
+        cls, reqs: list[Req], vocab_size: int, device: torch.device, prefill_rows: int = 0
     ) -> SamplingInfo:
-        """`prefill`: the requests are being prefilled (their penalty rows are reset)."""
+        """The first `prefill_rows` requests are being prefilled (their penalty rows are reset
+        from their host tokens); the others decode."""
         ps = [r.sampling_params for r in reqs]
         greedy = [p.is_greedy for p in ps]
         return cls(
@@ -76,7 +77,7 @@ class SamplingInfo:
             needs_top_k=any(0 < p.top_k < vocab_size for p, g in zip(ps, greedy) if not g),
             needs_top_p=any(p.top_p < 1.0 for p, g in zip(ps, greedy) if not g),
             needs_min_p=any(p.min_p > 0 for p, g in zip(ps, greedy) if not g),
-            penalties=BatchPenalties.of_reqs(reqs, vocab_size, device, prefill),
+            penalties=BatchPenalties.of_reqs(reqs, vocab_size, device, prefill_rows),
         )
 
     def rows(self, rows: list[int]) -> SamplingInfo:

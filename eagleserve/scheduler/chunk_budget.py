@@ -10,7 +10,9 @@ iteration, from the measured times of recent decodes and prefills (forwards ther
 synchronous: the host's clock times them); no more than the chunk size, no fewer than
 MIN_CHUNK_TOKENS. The streams' gap is then about
 1 + CHUNK_COST_SHARE of their usual one, and the long prompt gets that share of the compute
-(its time to first token grows accordingly). A prefill slower per token than believed shrinks
+(its time to first token grows accordingly). With --enable-mixed-chunk the chunk runs inside
+the decode step's forward, which saves a forward's fixed cost, so the gap comes closer to that
+bound and the prompt gets more of the compute. A prefill slower per token than believed shrinks
 the next chunk at once; a faster one lets it grow slowly (an EMA), so a misestimate costs one
 long gap, not several. With nothing decoding, and on a GPU, the whole chunk size. It is not
 the default: prompts arriving together behind a running request are prefilled as slowly, which
@@ -60,13 +62,19 @@ class ChunkBudget:
             return self.max_tokens
         return chunk_tokens(self.decode_s, self.prefill_s_per_token, self.max_tokens)
 
-    def observe(self, mode: str, tokens: int, seconds: float) -> None:
-        """One synchronous forward: a decode iteration, or a prefill of `tokens` tokens."""
+    def observe(self, mode: str, tokens: int, seconds: float, decode_rows: int = 0) -> None:
+        """One synchronous forward: a decode iteration, or a prefill of `tokens` rows of which
+        the last `decode_rows` were the running requests' decode step (a mixed chunk: the
+        prompt tokens cost what the forward took beyond a decode iteration)."""
         if not self.dynamic:
             return
         if mode == "decode":
             self.decode_s = _ema(self.decode_s, seconds)
-        elif mode == "extend" and tokens > 0:
+            return
+        if decode_rows and self.decode_s is not None:
+            seconds = max(seconds - self.decode_s, 0.0)
+        tokens -= decode_rows
+        if mode == "extend" and tokens > 0:
             per_token, old = seconds / tokens, self.prefill_s_per_token
             self.prefill_s_per_token = (
                 per_token if old is None or per_token > old else _ema(old, per_token)

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import time
 
-from eagleserve.core import FinishReason, Req
+from eagleserve.core import FinishReason, GenerationBatchResult, Req
 from eagleserve.messages import TokenOutput
+
+TopLogprobs = list[list[tuple[int, float]]]
 
 
 class StopChecker:
@@ -47,6 +49,31 @@ class StopChecker:
                 req.matched_stop = s
                 return True
         return False
+
+
+def committed_rows(
+    result: GenerationBatchResult,
+) -> list[tuple[list[int], list[float] | None, TopLogprobs | None]]:
+    """Per batch row, on the host: the tokens it committed (a decode's one, or a verify's
+    accepted drafts and bonus token), with their logprobs and top alternatives if computed."""
+    ids = result.next_token_ids.tolist()
+    accept = None if result.accept_lens is None else result.accept_lens.tolist()
+    lps = None if result.logprobs is None else result.logprobs.tolist()
+    tvals = None if result.top_logprob_vals is None else result.top_logprob_vals.tolist()
+    tids = None if result.top_logprob_ids is None else result.top_logprob_ids.tolist()
+    rows = []
+    for i in range(len(ids)):
+        if accept is None:  # one token per row: the same lists, one position deep
+            toks, lp = [ids[i]], None if lps is None else [lps[i]]
+            top = None if tids is None else [list(zip(tids[i], tvals[i]))]  # type: ignore[index]
+        else:
+            n = accept[i]
+            toks, lp = ids[i][:n], None if lps is None else lps[i][:n]
+            top = None if tids is None else [
+                list(zip(tids[i][j], tvals[i][j])) for j in range(n)  # type: ignore[index]
+            ]  # fmt: skip
+        rows.append((toks, lp, top))
+    return rows
 
 
 def append_tokens(

@@ -24,6 +24,7 @@ from eagleserve.scheduler.future_map import FutureMap
 from eagleserve.scheduler.output_processor import (
     StopChecker,
     append_tokens,
+    committed_rows,
     make_output,
 )
 from eagleserve.scheduler.overlap import OverlapForwarder
@@ -47,6 +48,9 @@ class Scheduler:
         self.model_config = ModelConfig.from_dir(self.model_path)
         self.tokenizer = load_tokenizer(self.model_path)
         self.spec_config = args.spec_config
+        self.mixed_chunk = args.enable_mixed_chunk
+        if self.mixed_chunk and self.spec_config is not None:  # its running requests verify
+            raise ValueError("--enable-mixed-chunk does not run with speculative decoding")
         cfg = self.model_config
         self.max_context_len = min(
             args.max_context_len or cfg.max_position_embeddings, args.kv_cache_tokens
@@ -173,6 +177,7 @@ class Scheduler:
             reqs = list(batch.reqs)  # the batch object changes (merge/filter) after launch
             partial = self.chunked_req if batch.mode == "extend" else None
             mode, tokens, t0 = batch.mode, sum(batch.extend_lens or ()), time.perf_counter()
+            decode_rows = batch.decode_rows
             try:
                 handle = self.run_batch(batch, partial)
             except Exception as exc:  # a faulty forward fails its own requests, nothing else
@@ -183,7 +188,7 @@ class Scheduler:
             if isinstance(handle, Future):
                 self.inflight = (reqs, handle, partial)
             elif handle is not None:  # it ran synchronously: its time is its cost
-                self.chunk_budget.observe(mode, tokens, time.perf_counter() - t0)
+                self.chunk_budget.observe(mode, tokens, time.perf_counter() - t0, decode_rows)
                 self.process_batch_result(reqs, handle, partial)
         if prev is not None:
             self._process_finished_forward(prev)
@@ -209,6 +214,8 @@ class Scheduler:
         self._process_finished_forward(launched)
 
     def get_next_batch_to_run(self) -> ScheduleBatch | None:
+        if self.mixed_chunk and self.running_batch is not None:
+            return self._get_mixed_batch()
         # Between two chunks of a long prefill the running requests decode once.
         if not (self.decode_turn and self.running_batch is not None):
             batch = self.get_new_batch_prefill()
@@ -220,6 +227,17 @@ class Scheduler:
             return None
         self.update_running_batch()
         return self.running_batch
+
+    def _get_mixed_batch(self) -> ScheduleBatch | None:
+        """The running requests' decode step, with the next prefill (a chunk or new prompts)
+        as more rows of the same forward when there is one."""
+        prefill = self.get_new_batch_prefill()  # reserves the running requests' decode slots
+        self.update_running_batch()
+        running = self.running_batch
+        if prefill is None or running is None:
+            return prefill or running
+        prefill.mix_with_running(running)
+        return prefill
 
     def get_new_batch_prefill(self) -> ScheduleBatch | None:
         if not self.waiting and self.chunked_req is None:
@@ -294,7 +312,10 @@ class Scheduler:
 
     def _merge_into_running(self, batch: ScheduleBatch, partial: Req | None) -> None:
         """A prefilled batch joins the running batch; its next inputs are already set. A
-        request whose prefill goes on stays out."""
+        request whose prefill goes on stays out. A mixed batch holds the running requests
+        too: it replaces the running batch."""
+        if batch.decode_rows:
+            self.running_batch = None
         if partial is not None:
             batch.filter_batch([i for i, r in enumerate(batch.reqs) if r is not partial])
             if batch.batch_size == 0:
@@ -320,11 +341,7 @@ class Scheduler:
         self, reqs: list[Req], result: GenerationBatchResult, partial: Req | None = None
     ) -> None:
         outputs = self.pending_outputs
-        next_ids = result.next_token_ids.tolist()
-        accept = result.accept_lens.tolist() if result.accept_lens is not None else None
-        lps = result.logprobs.tolist() if result.logprobs is not None else None
-        tvals = result.top_logprob_vals.tolist() if result.top_logprob_vals is not None else None
-        tids = result.top_logprob_ids.tolist() if result.top_logprob_ids is not None else None
+        rows = committed_rows(result)
         scored = {} if result.prompt_logprobs is None else {
             row: (lps, tops) for row, lps, tops in result.prompt_logprobs.per_row()
         }  # fmt: skip
@@ -338,16 +355,9 @@ class Scheduler:
                 outputs.append(make_output(req))
                 self._release(req)
                 continue
-            if accept is None:
-                toks, n = [next_ids[i]], 1
-                lp = [lps[i]] if lps is not None else None
-                top = [list(zip(tids[i], tvals[i]))] if tids is not None else None
-            else:
-                n = accept[i]
-                toks = next_ids[i][:n]
-                lp = lps[i][:n] if lps is not None else None
-                top = [list(zip(tids[i][j], tvals[i][j])) for j in range(n)] if tids else None
-                self.spec_stats.count_verify(req, result.num_drafts, n)
+            toks, lp, top = rows[i]
+            if result.accept_lens is not None:
+                self.spec_stats.count_verify(req, result.num_drafts, len(toks))
             want_lp = req.sampling_params.logprobs is not None
             append_tokens(req, toks, self.stop_checker, lp if want_lp else None, top)
             # The newest token is the next step's input: its KV is not written yet.

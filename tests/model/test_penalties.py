@@ -181,7 +181,7 @@ def test_verify_nodes_see_the_state_of_their_path(topk: int) -> None:
     anc = ancestors_of(parents)
     depths = anc.sum(-1) - 1
     logits = torch.randn(bs, n, V, generator=g) * 4
-    pen = BatchPenalties.of_reqs(reqs, V, torch.device("cpu"), prefill=True)
+    pen = BatchPenalties.of_reqs(reqs, V, torch.device("cpu"), prefill_rows=len(reqs))
     assert pen is not None and pen.rows.tolist() == [0, 2]
     state = PenaltyState(4, V, torch.device("cpu"))
     pen.reset(state)

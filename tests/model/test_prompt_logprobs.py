@@ -72,13 +72,15 @@ def test_prompt_logprobs_equal_a_plain_forward(
     sched = make_scheduler(tiny_model_dir, disable_overlap_schedule=not overlap, **extra)
     seed = int(torch.randint(0, 2**31, (1,)))
     prompts = random_prompts(5, [1, 9, 23, 4, 40], seed=seed)
-    params = [
+    params = [  # EOS ignored: the random model may pick it, and every request runs its length
         SamplingParams(max_new_tokens=0, temperature=0.0, prompt_logprobs=3),
         SamplingParams(max_new_tokens=0, temperature=0.0, prompt_logprobs=0),
-        SamplingParams(max_new_tokens=6, temperature=0.0, prompt_logprobs=5, logprobs=2),
-        SamplingParams(max_new_tokens=4, temperature=0.0),  # asks for none
-        SamplingParams(max_new_tokens=3, temperature=1.0, seed=seed, prompt_logprobs=1),
-    ]
+        SamplingParams(max_new_tokens=6, temperature=0.0, prompt_logprobs=5, logprobs=2,
+                       ignore_eos=True),
+        SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True),  # asks for none
+        SamplingParams(max_new_tokens=3, temperature=1.0, seed=seed, prompt_logprobs=1,
+                       ignore_eos=True),
+    ]  # fmt: skip
     got = run(sched, prompts, params)
     model = LlamaForCausalLM.from_pretrained(tiny_model_dir).float().eval()
     for (lps, tops, tokens, finish), prompt, p in zip(got, prompts, params):

@@ -58,6 +58,20 @@ def test_budget_cuts_only_next_to_decodes() -> None:
     assert ChunkBudget(None, dynamic=True).tokens(decoding=True, unchunked_limit=999) == 999
 
 
+def test_mixed_chunk_is_timed_beyond_its_decode() -> None:
+    """A mixed forward (a chunk and the decode step): its prompt tokens cost what it took
+    beyond a decode iteration, not its time spread over every row."""
+    rng = random.Random()
+    budget = ChunkBudget(256, dynamic=True)
+    decode_s, per_token = rng.uniform(0.02, 0.05), rng.uniform(1e-3, 2e-3)
+    budget.observe("decode", 0, decode_s)
+    chunk, rows = rng.randrange(4, 32), rng.randrange(2, 16)
+    budget.observe("extend", chunk + rows, decode_s + chunk * per_token, decode_rows=rows)
+    assert budget.prefill_s_per_token == pytest.approx(per_token)
+    want = int(CHUNK_COST_SHARE * decode_s / per_token)
+    assert budget.tokens(decoding=True, unchunked_limit=8192) in (want - 1, want, want + 1)
+
+
 @pytest.mark.parametrize("dynamic", [True, False])
 def test_cpu_chunks_next_to_decodes(
     tiny_model_dir: str, make_scheduler: Callable[..., Scheduler], dynamic: bool

@@ -140,7 +140,7 @@ def test_penalties_read_no_device_values() -> None:
         r.req_pool_idx = 2 - i
     slots = torch.tensor([2, 1, 0])
     state = PenaltyState(3, vocab, torch.device("cpu"))
-    info = SamplingInfo.from_reqs(reqs, vocab, torch.device("cpu"), prefill=True)
+    info = SamplingInfo.from_reqs(reqs, vocab, torch.device("cpu"), prefill_rows=len(reqs))
     pen = info.penalties
     assert isinstance(pen, BatchPenalties)
     tokens = torch.randint(0, vocab, (bs, n))
