@@ -143,11 +143,18 @@ def long_prompt_during_decode(
     overlaps = [t >= arrival and t - g <= first for t, g in gaps]
     during = [g for (_, g), o in zip(gaps, overlaps) if o] or [0.0]
     median = statistics.median(g for (_, g), o in zip(gaps, overlaps) if not o)
-    p99 = sorted(during)[min(len(during) - 1, round(0.99 * (len(during) - 1)))]
+    ranked = sorted(during)
+
+    def pct(q: float) -> float:
+        return ranked[min(len(ranked) - 1, round(q * (len(ranked) - 1)))]
+
+    p99 = pct(0.99)
     return {"chunked_prefill_size": sched.chunk_budget.max_tokens,
             "dynamic_chunking": sched.chunk_budget.dynamic, "mixed_chunk": sched.mixed_chunk,
             "itl_median_ms": 1e3 * median,
             "itl_p99_during_prefill_ms": 1e3 * p99, "ratio": p99 / median,
+            "itl_during_prefill_ms": {q: 1e3 * pct(q) for q in (0.5, 0.9, 0.95, 0.99, 1.0)},
+            "gaps_during_prefill": len(during),
             "long_prompt_ttft_s": first - arrival}  # fmt: skip
 
 

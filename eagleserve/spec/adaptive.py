@@ -13,7 +13,11 @@ a tree is drafted whole (k = num_steps) or not at all (k = 0, a plain decode).
   over its per-depth acceptance (the accepted path is a chain through the tree).
 - Cost: `CostTable` holds the seconds of one decode iteration per batch-size bucket and k,
   measured at start-up and refreshed by an EMA of measured iterations.
-- `choose_num_drafts`: argmax_k sum_r E_r[k] / cost(bs, k); k = 0 is a plain target decode.
+- `choose_num_drafts`: argmax_k sum_r E_r[k] / cost(bs, k); k = 0 is a plain target decode,
+  and a draft must beat it by DRAFT_MARGIN: acceptance is an estimate (the head's held-out
+  accuracy runs above what it achieves on live text, and deep depths are rarely judged), so
+  a draft predicted to pay by less is as likely to lose, and losing is what speculation must
+  not do. A plain decode given up for a draft that pays by less costs at most that margin.
 
 A request that never drafts never updates its acceptance, so every `probe_interval`-th iteration
 drafts regardless, at the shallowest depth (the price of noticing that acceptance went up; once
@@ -32,6 +36,8 @@ ACCEPT_EMA = 0.2
 ACCEPT_PRIOR = 0.5
 # Weight of the newest measured iteration in a cost EMA.
 COST_EMA = 0.1
+# How much more expected tokens per second a draft must promise than a plain decode.
+DRAFT_MARGIN = 0.05
 
 
 def acceptance_prior(measured: Sequence[float] | None, num_steps: int) -> list[float]:
@@ -100,14 +106,17 @@ def choose_num_drafts(
     catching_up: bool = False,
 ) -> int:
     """The draft depth k among `choices` (increasing; 0 = no drafts) with the most expected
-    committed tokens per second for this batch; ties go to the shorter one. `catching_up`:
-    some request holds head inputs, so drafting now also pays their catch-up (which makes
-    a stretch without drafts end only when drafting clearly pays)."""
+    committed tokens per second for this batch, where k > 0 must beat k = 0 by DRAFT_MARGIN;
+    ties go to the shorter one. `catching_up`: some request holds head inputs, so drafting
+    now also pays their catch-up (which makes a stretch without drafts end only when drafting
+    clearly pays)."""
     bs = len(alphas_per_req)
     best_k, best_rate = 0, -1.0
     for k in choices:
         tokens = sum(expected_tokens(a, k) for a in alphas_per_req)
         rate = tokens / costs.cost(bs, k, catching_up)
+        if k == 0:
+            rate *= 1 + DRAFT_MARGIN
         if rate > best_rate * (1 + 1e-9):
             best_k, best_rate = k, rate
     return best_k

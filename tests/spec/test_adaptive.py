@@ -11,6 +11,7 @@ import pytest
 from eagleserve.spec.adaptive import (
     ACCEPT_EMA,
     ACCEPT_PRIOR,
+    DRAFT_MARGIN,
     AdaptiveController,
     CostTable,
     acceptance_prior,
@@ -107,7 +108,22 @@ def test_choice_is_the_argmax_on_random_inputs() -> None:
             sum(expected_tokens(a, j) for a in alphas) / costs.cost(len(alphas), j)
             for j in range(4)
         ]
+        rates[0] *= 1 + DRAFT_MARGIN  # a draft must beat a plain decode by the margin
         assert rates[k] >= max(rates) * (1 - 1e-9)
+
+
+def test_a_draft_must_beat_a_plain_decode_by_the_margin() -> None:
+    """k = 1 promising r times the tokens per second of a plain decode is chosen only for
+    r > 1 + DRAFT_MARGIN (estimates that promise less are as likely to lose)."""
+    rng = random.Random()
+    for _ in range(100):
+        alpha = rng.uniform(0.05, 0.95)
+        r = rng.uniform(0.9, 1.2)
+        if abs(r - 1 - DRAFT_MARGIN) < 1e-6:
+            continue
+        costs = table([1.0, (1 + alpha) / r, 99.0, 99.0])  # E[1] / cost(1) = r * E[0] / cost(0)
+        k = choose_num_drafts([[alpha, 0.0, 0.0]], costs, CHAIN)
+        assert k == (1 if r > 1 + DRAFT_MARGIN else 0), (alpha, r)
 
 
 def test_controller_probes_the_shallowest_depth() -> None:
