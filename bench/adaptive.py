@@ -1,7 +1,7 @@
 """Adaptive speculation vs fixed chains vs target-only, on the default model, in one run.
 
     python bench/adaptive.py [--batches 1,4,16] [--sets mtbench,humaneval,copy] [--rounds 2]
-        [--new-tokens 48] [--overlap]
+        [--new-tokens 48] [--overlap] [--threads N]
 
 For every prompt set and batch size, one row per setting: target-only, fixed 1- and 3-chains
 (the shipped EAGLE3 head), and adaptive (chain lengths 0..3 chosen per iteration). Settings run
@@ -23,6 +23,8 @@ import os
 import sys
 import time
 from typing import Any
+
+import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
@@ -108,7 +110,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--new-tokens", type=int, default=48)
     ap.add_argument("--overlap", action="store_true", help="overlap scheduler on (CPU: off)")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     batches = [int(b) for b in args.batches.split(",")]
     engines = {
         name: Engine(
@@ -171,6 +176,13 @@ def main() -> None:
     )  # fmt: skip
     name = "adaptive_overlap.json" if args.overlap else "adaptive.json"
     meta = {"machine": machine(), "new_tokens": args.new_tokens, "rounds": args.rounds}
+    # What the controller decided from, at the end: its costs (ms per iteration, by batch
+    # bucket and k) and the engine-wide acceptance by depth.
+    adaptive = engines["adaptive 0..3"].scheduler
+    costs = adaptive.worker.controller.costs  # type: ignore[union-attr]
+    meta["adaptive_costs_ms"] = {f"{b},{k}": 1e3 * s for (b, k), s in sorted(costs.seconds.items())}
+    meta["adaptive_acceptance_ema"] = list(adaptive.spec_stats.acceptance_ema)
+    print("adaptive costs (ms by bucket,k):", meta["adaptive_costs_ms"])
     path = write_json(name, {**meta, "overlap": args.overlap, "rows": rows})
     plot(rows, path.replace(".json", ".png"), title)
     print(path)

@@ -138,6 +138,33 @@ def _save_char_tokenizer(path: str) -> None:
     fast.save_pretrained(path)
 
 
+SPEC_VOCAB = 96
+
+
+def save_spec_target(
+    path: str, seed: int, eos_token_id: int, bos_token_id: int, vocab_size: int = SPEC_VOCAB
+) -> str:
+    """Saves the target of the speculative tests into `path`: a random 8-layer Llama (EAGLE-3
+    fuses three layers; 4 query and 2 KV heads) with damped residual
+    branches and spread-out embeddings and head, so its greedy tokens win by clear margins."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128,
+                      num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=512, tie_word_embeddings=False,
+                      eos_token_id=eos_token_id, bos_token_id=bos_token_id)  # fmt: skip
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.mul_(0.3)
+            layer.mlp.down_proj.weight.mul_(0.3)
+        model.model.embed_tokens.weight.normal_(0, 1.0)
+        model.lm_head.weight.normal_(0, 1.0)
+    model.save_pretrained(path)
+    return path
+
+
 def save_tiny_model(path: str, seed: int = 0, qwen2: bool = False) -> Any:
     """Saves a tiny random model (GQA, untied head) into `path`; returns the HF model.
 

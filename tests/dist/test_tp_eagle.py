@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import SPEC_VOCAB, save_spec_target
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from eagleserve import Engine, SamplingParams
@@ -18,28 +19,14 @@ from eagleserve.model.runner import ModelRunner
 from eagleserve.spec.head_loader import init_eagle_head, save_eagle_head
 
 pytestmark = pytest.mark.usefixtures("torch_threads")
-VOCAB = 96
+VOCAB = SPEC_VOCAB
 NEW_TOKENS = 20
 
 
 @pytest.fixture(scope="module")
 def target_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     """8 layers (EAGLE-3 fuses three), 4 query and 2 KV heads: one KV head per rank."""
-    torch.manual_seed(4321)
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
-                      num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
-                      max_position_embeddings=512, tie_word_embeddings=False,
-                      eos_token_id=VOCAB - 1, bos_token_id=0)  # fmt: skip
-    model = LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.self_attn.o_proj.weight.mul_(0.3)
-            layer.mlp.down_proj.weight.mul_(0.3)
-        model.model.embed_tokens.weight.normal_(0, 1.0)
-        model.lm_head.weight.normal_(0, 1.0)
-    path = str(tmp_path_factory.mktemp("tp_target"))
-    model.save_pretrained(path)
-    return path
+    return save_spec_target(str(tmp_path_factory.mktemp("tp_target")), 4321, VOCAB - 1, 0)
 
 
 @pytest.fixture(scope="module")

@@ -15,8 +15,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import assert_kv_accounted
-from transformers import LlamaConfig, LlamaForCausalLM
+from conftest import SPEC_VOCAB, assert_kv_accounted, save_spec_target
 
 from eagleserve import Engine, SamplingParams
 from eagleserve.config import ModelConfig
@@ -24,34 +23,12 @@ from eagleserve.messages import GenerateReqInput
 from eagleserve.model.runner import ModelRunner
 from eagleserve.spec.head_loader import init_eagle_head, save_eagle_head
 
-VOCAB = 96
+VOCAB = SPEC_VOCAB
 
 
 @pytest.fixture(scope="module")
 def target_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    torch.manual_seed(1234)
-    cfg = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=8,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        tie_word_embeddings=False,
-        eos_token_id=VOCAB - 1,
-        bos_token_id=0,
-    )
-    model = LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.self_attn.o_proj.weight.mul_(0.3)
-            layer.mlp.down_proj.weight.mul_(0.3)
-        model.model.embed_tokens.weight.normal_(0, 1.0)
-        model.lm_head.weight.normal_(0, 1.0)
-    path = str(tmp_path_factory.mktemp("target"))
-    model.save_pretrained(path)
-    return path
+    return save_spec_target(str(tmp_path_factory.mktemp("target")), 1234, VOCAB - 1, 0)
 
 
 def _head_dir(target_dir: str, algorithm: str, tmp: str, quality: float, seed: int) -> str:

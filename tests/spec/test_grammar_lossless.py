@@ -11,9 +11,8 @@ import json
 
 import pytest
 import torch
-from conftest import _save_char_tokenizer
+from conftest import _save_char_tokenizer, save_spec_target
 from test_eagle_lossless import _head_dir, run_staggered
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from eagleserve import Engine, SamplingParams
 from eagleserve.sampling_params import GrammarSpec
@@ -42,28 +41,7 @@ GRAMMARS = [
 
 @pytest.fixture(scope="module")
 def target_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    torch.manual_seed(4321)
-    cfg = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=8,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        tie_word_embeddings=False,
-        eos_token_id=2,
-        bos_token_id=1,
-    )
-    model = LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.self_attn.o_proj.weight.mul_(0.3)
-            layer.mlp.down_proj.weight.mul_(0.3)
-        model.model.embed_tokens.weight.normal_(0, 1.0)
-        model.lm_head.weight.normal_(0, 1.0)
-    path = str(tmp_path_factory.mktemp("grammar_target"))
-    model.save_pretrained(path)
+    path = save_spec_target(str(tmp_path_factory.mktemp("grammar_target")), 4321, 2, 1, VOCAB)
     _save_char_tokenizer(path)
     return path
 
