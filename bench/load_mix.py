@@ -1,0 +1,144 @@
+"""The request mix of bench/load.py: what each simulated client sends (completions and chat,
+streamed and not, greedy and sampled, short and long prompts, penalties, echo + logprobs,
+hang-ups, requests that can never fit) and the chat turns of --multi-turn conversations."""
+
+from __future__ import annotations
+
+import argparse
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+TOPICS = [
+    "the sea",
+    "a lighthouse",
+    "prime numbers",
+    "bread",
+    "autumn",
+    "a robot",
+    "the moon",
+    "trains",
+    "chess",
+    "volcanoes",
+    "bees",
+    "a library",
+    "rain",
+    "mountains",
+    "jazz",
+]
+STARTS = [
+    "Write a short poem about",
+    "Explain in two sentences",
+    "Tell me a fact about",
+    "Describe",
+    "List three things about",
+    "Once upon a time, near",
+]
+FILLER = (
+    "The committee met on a grey morning to review the harbour plans, the budget for the "
+    "new bridge, the school timetable and the library's opening hours. "
+)
+
+
+@dataclass
+class Job:
+    """One request a client sends."""
+
+    kind: str  # "completion" | "chat"
+    stream: bool
+    greedy: bool
+    prompt: str
+    max_tokens: int
+    ignore_eos: bool = False
+    disconnect_after: int | None = None  # stream only: hang up after this many chunks
+    never_fits: bool = False  # prompt + max_tokens > context: must get a 400
+    seed: int | None = None
+    history: list[dict[str, str]] = field(default_factory=list)  # chat: messages before prompt
+    # Penalties, min_tokens, logit_bias (API names and values), sent as they are.
+    fields: dict[str, Any] = field(default_factory=dict)
+    echo_logprobs: bool = False  # completion with echo + logprobs: the prompt is scored too
+
+
+def make_job(rng: random.Random, args: argparse.Namespace, ctx: int) -> Job:
+    kind = "chat" if rng.random() < 0.4 else "completion"
+    long = rng.random() < args.long_share
+    topic = rng.choice(TOPICS)
+    prompt = f"{rng.choice(STARTS)} {topic} (#{rng.randrange(1000)})."
+    if long:
+        prompt = FILLER * rng.randint(*args.long_repeats) + prompt
+    job = Job(
+        kind=kind,
+        stream=rng.random() < 0.5,
+        greedy=rng.random() < 0.6,
+        prompt=prompt,
+        max_tokens=rng.randint(args.max_tokens // 2, args.long_max_tokens)
+        if long
+        else rng.randint(4, args.max_tokens),
+        ignore_eos=long,
+        seed=rng.randrange(1 << 16) if rng.random() < 0.5 else None,
+    )
+    if rng.random() < args.penalty_share:
+        job.fields = penalty_fields(rng, job.max_tokens)
+    if rng.random() < args.disconnect_share:
+        job.stream, job.disconnect_after = True, rng.randint(1, 3)
+        job.max_tokens = max(job.max_tokens, 32)
+    elif rng.random() < 0.03:
+        job.never_fits, job.max_tokens = True, ctx  # any prompt + ctx tokens > ctx
+    elif rng.random() < args.echo_share:
+        job.kind, job.greedy, job.echo_logprobs = "completion", True, True
+        job.max_tokens = rng.choice([0, 0, 1, 4, 8])
+        job.fields.pop("min_tokens", None)
+    return job
+
+
+def penalty_fields(rng: random.Random, max_tokens: int) -> dict[str, Any]:
+    """A random subset of the penalty fields (OpenAI's ranges); bias keys are low token ids,
+    inside any vocabulary."""
+    every = {
+        "presence_penalty": round(rng.uniform(-2, 2), 3),
+        "frequency_penalty": round(rng.uniform(-2, 2), 3),
+        "repetition_penalty": round(rng.uniform(0.7, 1.8), 3),
+        "min_tokens": rng.randint(0, max_tokens),
+        "logit_bias": {str(rng.randrange(200)): round(rng.uniform(-100, 100), 1)
+                       for _ in range(rng.randint(1, 4))},
+    }  # fmt: skip
+    return {k: v for k, v in every.items() if rng.random() < 0.6}
+
+
+def request_body(job: Job, model: str) -> tuple[str, dict[str, Any]]:
+    body: dict[str, Any] = {"model": model, "max_tokens": job.max_tokens, "stream": job.stream}
+    body["temperature"] = 0.0 if job.greedy else 0.8
+    if not job.greedy:
+        body.update(top_p=0.95, seed=job.seed)
+    if job.ignore_eos:
+        body["ignore_eos"] = True
+    if job.stream:
+        body["stream_options"] = {"include_usage": True}
+    body.update(job.fields)
+    if job.echo_logprobs:
+        body.update(echo=True, logprobs=1)
+    if job.kind == "chat":
+        body["messages"] = messages_of(job)
+        return "/v1/chat/completions", body
+    body["prompt"] = job.prompt
+    return "/v1/completions", body
+
+
+def messages_of(job: Job) -> list[dict[str, str]]:
+    return [*job.history, {"role": "user", "content": job.prompt}]
+
+
+SYSTEM_PROMPTS = [
+    "You are a careful assistant. Answer in plain words and keep answers short.",
+    "You are a poet who answers every question with a few lines of verse.",
+]
+
+
+def next_turn(rng: random.Random, args: argparse.Namespace, ctx: int, history: list) -> Job:
+    """The next chat turn of a conversation (a new one when `history` is empty)."""
+    job = make_job(rng, args, ctx)
+    if job.echo_logprobs:  # prompt scoring is a completions feature: a plain turn instead
+        job.echo_logprobs, job.max_tokens = False, max(job.max_tokens, 4)
+    job.kind = "chat"
+    job.history = history or [{"role": "system", "content": rng.choice(SYSTEM_PROMPTS)}]
+    return job
