@@ -63,19 +63,49 @@ inline __m256 exp_nonpositive(__m256 x) {
   return _mm256_and_ps(out, _mm256_cmp_ps(x, floor_x, _CMP_GT_OQ));
 }
 
+// Scores of keys [j, j + N): per key an fma chain over d in order, then hsum * scale. N keys in
+// flight keep the FMA units busy (one chain waits on its last fma); each key's ops are the
+// same whichever N computes it.
+template <int N>
+inline void score_keys(const float* q, const float* k_buf, int64_t slot_stride,
+                       const int64_t* slots, int64_t D, float scale, float* scores) {
+  __m256 acc[N];
+  const float* k[N];
+  for (int i = 0; i < N; ++i) {
+    acc[i] = _mm256_setzero_ps();
+    k[i] = k_buf + slots[i] * slot_stride;
+  }
+  for (int64_t d = 0; d < D; d += 8) {
+    const __m256 qd = _mm256_loadu_ps(q + d);
+    for (int i = 0; i < N; ++i) acc[i] = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k[i] + d), acc[i]);
+  }
+  for (int i = 0; i < N; ++i) scores[i] = hsum8(acc[i]) * scale;
+}
+
+// out[d0, d0 + 8C) = sum over keys j in order of p_j * v_j, one fma chain per lane; C chains
+// in flight, each lane's order the same whatever C is.
+template <int C>
+inline void weigh_values(const float* p, const float* v_buf, int64_t slot_stride,
+                         const int64_t* slots, int64_t n, int64_t d0, float inv, float* out) {
+  __m256 acc[C];
+  for (int c = 0; c < C; ++c) acc[c] = _mm256_setzero_ps();
+  for (int64_t j = 0; j < n; ++j) {
+    const __m256 pj = _mm256_set1_ps(p[j]);
+    const float* v = v_buf + slots[j] * slot_stride + d0;
+    for (int c = 0; c < C; ++c) acc[c] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + 8 * c), acc[c]);
+  }
+  for (int c = 0; c < C; ++c)
+    _mm256_storeu_ps(out + d0 + 8 * c, _mm256_mul_ps(acc[c], _mm256_set1_ps(inv)));
+}
+
 // One query row and head over its visible keys `slots[0, n)`; writes out[0, D).
 void attend(const float* q, const float* k_buf, const float* v_buf, int64_t slot_stride,
             const int64_t* slots, int64_t n, int64_t D, float scale, float* scores,
             float* out) {
   const int64_t padded = (n + 7) / 8 * 8;
-  for (int64_t j = 0; j < n; ++j) {
-    const float* k = k_buf + slots[j] * slot_stride;
-    __m256 acc = _mm256_setzero_ps();
-    for (int64_t d = 0; d < D; d += 8) {
-      acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(k + d), acc);
-    }
-    scores[j] = hsum8(acc) * scale;
-  }
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) score_keys<8>(q, k_buf, slot_stride, slots + j, D, scale, scores + j);
+  for (; j < n; ++j) score_keys<1>(q, k_buf, slot_stride, slots + j, D, scale, scores + j);
   for (int64_t j = n; j < padded; ++j) scores[j] = -std::numeric_limits<float>::infinity();
   __m256 vmax = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
   for (int64_t j = 0; j < padded; j += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(scores + j));
@@ -87,14 +117,9 @@ void attend(const float* q, const float* k_buf, const float* v_buf, int64_t slot
     vsum = _mm256_add_ps(vsum, p);
   }
   const float inv = 1.f / hsum8(vsum);
-  for (int64_t d = 0; d < D; d += 8) {
-    __m256 acc = _mm256_setzero_ps();
-    for (int64_t j = 0; j < n; ++j) {
-      const float* v = v_buf + slots[j] * slot_stride + d;
-      acc = _mm256_fmadd_ps(_mm256_set1_ps(scores[j]), _mm256_loadu_ps(v), acc);
-    }
-    _mm256_storeu_ps(out + d, _mm256_mul_ps(acc, _mm256_set1_ps(inv)));
-  }
+  int64_t d = 0;
+  for (; d + 64 <= D; d += 64) weigh_values<8>(scores, v_buf, slot_stride, slots, n, d, inv, out);
+  for (; d < D; d += 8) weigh_values<1>(scores, v_buf, slot_stride, slots, n, d, inv, out);
 }
 
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf,

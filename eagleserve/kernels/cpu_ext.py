@@ -1,7 +1,8 @@
 """eagleserve's CPU kernels for x86 with AVX2 + FMA, built on first use:
 
-- `cpu_gemv.cpp`: blocked 4-/8-bit GEMV/GEMM (`q4_matmul`, `q8_matmul`); activations are
-  quantized to int8 per 32-block, as llama.cpp does for these weight types;
+- `cpu_gemv.cpp`: blocked 4-/8-bit GEMV/GEMM (`q4_matmul`, `q8_matmul`) over weights in column
+  tiles (`pack_q4`, `pack_q8`), with `cpu_gemv_avx512.cpp` where the CPU has AVX-512 VNNI;
+  activations are quantized to int8 per 32-block, as llama.cpp does for these weight types;
 - `cpu_attention.cpp`: paged attention for decode/verify rows (`paged_attention`), fp32;
 - `cpu_norm.cpp`: RMSNorm of fp32 rows in one call (`rms_norm`).
 
@@ -24,12 +25,13 @@ import tempfile
 import threading
 
 import torch
+import torch.nn.functional as F
 
 logger = logging.getLogger(__name__)
 
 _SOURCES = [
     os.path.join(os.path.dirname(os.path.abspath(__file__)), name)
-    for name in ("cpu_gemv.cpp", "cpu_attention.cpp", "cpu_norm.cpp")
+    for name in ("cpu_gemv.cpp", "cpu_gemv_avx512.cpp", "cpu_attention.cpp", "cpu_norm.cpp")
 ]
 # -ffp-contract=off: g++ would otherwise fuse a written mul + add into one fma where it sees
 # fit (intrinsics included); the kernels' op order is their row-invariance contract.
@@ -103,16 +105,52 @@ def load() -> bool:
         return _loaded
 
 
-def q4_matmul(x: torch.Tensor, w: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    """x [M, K] fp32 (int8 per block inside) @ W.T, W from nibbles w [N, K/2] (ggml block
-    layout), w = d*q + m."""
-    return torch.ops.eagleserve_cpu.q4_matmul(x, w, d, m)
+def pack_q4(nibbles: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Column tiles of a 4-bit weight (cpu_gemv.cpp's layout) from ggml's nibbles
+    uint8 [N, K/2], w = d*q + m with d, m fp32 [N, K/32]: (weights, d, m), N padded to 16."""
+    n, g = d.shape
+    pad = -n % 16
+    t = (n + pad) // 16
+    w = F.pad(nibbles, (0, 0, 0, pad)).view(t, 16, g, 4, 4).permute(0, 2, 3, 1, 4)
+    return w.contiguous(), _scale_tiles(d, pad), _scale_tiles(m, pad)
 
 
-def q8_matmul(x: torch.Tensor, w: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
-    """x [M, K] fp32 (int8 per block inside) @ W.T, W int8 [N, K] with one scale per 32-block,
-    w = d*q."""
-    return torch.ops.eagleserve_cpu.q8_matmul(x, w, d)
+def pack_q8(q: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Column tiles of an 8-bit weight, q int8 [N, K], w = d*q with d fp32 [N, K/32]:
+    (weights, d, 128 * each block's weight sum as int32), N padded to 16."""
+    n, g = d.shape
+    pad = -n % 16
+    t = (n + pad) // 16
+    w = F.pad(q, (0, 0, 0, pad)).view(t, 16, g, 8, 4).permute(0, 2, 3, 1, 4)
+    wsum = 128 * q.view(n, g, 32).sum(-1, dtype=torch.int32)
+    return w.contiguous(), _scale_tiles(d, pad), _scale_tiles(wsum, pad)
+
+
+def _scale_tiles(s: torch.Tensor, pad: int) -> torch.Tensor:
+    """[N, G] per-block values -> [T, G, 16], a tile's 16 columns side by side."""
+    g = s.shape[1]
+    return F.pad(s, (0, 0, 0, pad)).view(-1, 16, g).transpose(1, 2).contiguous()
+
+
+def q4_matmul(
+    x: torch.Tensor, w: torch.Tensor, d: torch.Tensor, m: torch.Tensor, n: int
+) -> torch.Tensor:
+    """x [M, K] fp32 (int8 per block inside) @ W.T [K, n], W as pack_q4's tiles."""
+    return torch.ops.eagleserve_cpu.q4_matmul(x, w, d, m, n)
+
+
+def q8_matmul(
+    x: torch.Tensor, w: torch.Tensor, d: torch.Tensor, wsum: torch.Tensor, n: int
+) -> torch.Tensor:
+    """x [M, K] fp32 (int8 per block inside) @ W.T [K, n], W as pack_q8's tiles."""
+    return torch.ops.eagleserve_cpu.q8_matmul(x, w, d, wsum, n)
+
+
+def gemv_isa(isa: str = "") -> str:
+    """The instructions `q4_matmul`/`q8_matmul` run: "avx2" or "avx512_vnni" (the best the CPU
+    has, chosen at load; both give the same bits). Pass one of those, or "auto", to switch for
+    every later call (tests and A/B benchmarks)."""
+    return str(torch.ops.eagleserve_cpu.gemv_isa(isa))
 
 
 def paged_attention(

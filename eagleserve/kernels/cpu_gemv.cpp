@@ -1,22 +1,28 @@
-// y = x @ W.T for GGUF-blocked weights on x86 CPUs with AVX2 + FMA, as llama.cpp computes it:
-// each 32-block of a row of x is quantized to int8 (scale max|x| / 127), block dot products
-// run in integers (maddubs), and each block's sum is scaled by d_w * d_x in fp32.
+// y = x @ W.T for GGUF-blocked weights on x86 CPUs (AVX2 + FMA; AVX-512 VNNI in
+// cpu_gemv_avx512.cpp), as llama.cpp computes these types: each 32-block of a row of x is
+// quantized to int8 (scale max|x| / 127), block dot products run in integers, and each block's
+// sum is scaled by d_w * d_x in fp32.
 //
-// W [N, K] in blocks of 32 along K (ggml's layout, see model/gguf_weights.py):
-// - q4: uint8 [N, K/2], byte j of a block = weight j (low nibble), weight j + 16 (high);
-//       w = d * q + m, q in 0..15 (Q4_0 is m = -8d); the m terms use the exact fp32 block
-//       sums of x;
-// - q8: int8 [N, K]; w = d * q.
-// d, m: fp32 [N, K/32].
+// Weights come in column tiles (cpu_ext.pack_q4 / pack_q8 build them once at load): 16 output
+// columns per tile, N padded with zero columns to a multiple of 16, and per (tile, block) the
+// bytes of 4 consecutive weights of each of the 16 columns side by side, so that one vector
+// instruction computes a 4-weight dot product for 8 (AVX2) or 16 (AVX-512) columns at once and
+// a column's sums land in its own lane (no horizontal sums):
+// - q4: uint8 [T, G, 4, 16, 4]; [t, g, q, c, i] = ggml block byte 4q + i of column 16t + c:
+//       weight 4q + i in its low nibble, weight 16 + 4q + i in its high one; w = d * q + m,
+//       q in 0..15 (Q4_0 is m = -8d); the m terms use the exact fp32 block sums of x;
+// - q8: int8 [T, G, 8, 16, 4]; [t, g, q, c, i] = weight 4q + i of column 16t + c; w = d * q;
+//       with the block sums of the weights times 128, int32 [T, G, 16] (AVX-512 reads x + 128
+//       as unsigned bytes and takes them off);
+// - d (and m): fp32 [T, G, 16].
 //
 // Invariant: every output y[r, n] is computed by the same sequence of operations whatever M
-// is, whichever row chunk holds r and whichever thread runs n. So a row's result does not
-// depend on the batch it is computed in: a k-token verify reproduces k decodes bit for bit.
-// (Build without -ffast-math: the order of the adds is part of the contract.)
-//
-// Many rows (verify, prefill) share the weight reads: a tile of 16 weight rows stays in L1 while
-// passes of up to 4 rows run over it, and within a pass each weight block is unpacked once for
-// all its rows and several columns.
+// is, whichever row pass holds r and whichever thread runs its tile: the integer dots are
+// exact, d_w * d_x is one rounded product, the block terms are summed by an fma chain in block
+// order, the m terms by another, and the two are added. So a row's result does not depend on
+// the batch it is computed in: a k-token verify reproduces k decodes bit for bit. The ISA is
+// chosen once per process (the two sum their integer dots in different groupings but both
+// exactly, so they agree bit for bit too). (Build without -ffast-math.)
 
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -25,115 +31,106 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <string>
 #include <vector>
+
+namespace eagleserve_cpu {  // cpu_gemv_avx512.cpp
+bool avx512_vnni_supported();
+void tile_dots_avx512(bool q4, int rows, const int8_t* qx, int64_t K, const float* dx,
+                      const uint8_t* w, const float* d, const int32_t* wsum, float* out);
+}  // namespace eagleserve_cpu
 
 namespace {
 
 constexpr int64_t kBlock = 32;
+constexpr int64_t kTile = 16;  // columns per tile
 constexpr int kRowsPerPass = 4;  // rows sharing one unpack of each weight block
-constexpr int64_t kColsPerTile = 16;  // a tile's weights stay in L1 across row passes
+// The AVX-512 VNNI kernels where the CPU has them; switched only through gemv_isa.
+bool use_avx512 = eagleserve_cpu::avx512_vnni_supported();
 
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
+// x bytes [4q, 4q + 4) of a block, in every 32-bit lane.
+inline __m256i bcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
 }
 
-// Rows [0, R) of the quantized x (qx int8, row stride K; dx per block) against weight rows
-// [n, n + C): y[r, n + c] = hsum over lanes of the 8-lane sum, in group order, of
-// cvt(int32 block dot) * (d_w * d_x). Each weight block is unpacked once for the R rows.
-// Per (row, column) the fp32 operations are the same whatever R and C are: the integer dots
-// are exact, d_w * d_x is one rounded product, and each lane's fma chain runs g = 0, 1, ...
-template <int R, int C, bool Q4>
-void micro(const int8_t* qx, const float* dx, int64_t K, const uint8_t* w, const float* d,
-           float* y, int64_t ldy, int64_t n) {
+// Block sums of R rows against the 16 columns of one tile, lanes = columns: out[r * 16 + c] =
+// fma chain over blocks g of cvt(int32 dot) * (d_w * d_x). AVX2: 8 columns per vector, the
+// dots as maddubs pairs (summed in int16 for q4: at most 8 * 2 * 15 * 127 < 2^15) and madd.
+template <int R, bool Q4>
+void tile_dots_avx2(const int8_t* qx, int64_t K, const float* dx, const uint8_t* w,
+                    const float* d, float* out) {
   const int64_t groups = K / kBlock;
-  const int64_t row_bytes = Q4 ? K / 2 : K;
-  const __m256i ones = _mm256_set1_epi16(1);
-  __m256 acc[R][C];
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
-  for (int64_t g = 0; g < groups; ++g) {
-    __m256i wq[C];  // u8 (q4) or |w| (q8), weights 0..31 of the block in order
-    __m256i ws[C];  // q8: the signed weights (their signs move onto x)
-    for (int c = 0; c < C; ++c) {
-      const uint8_t* wb = w + (n + c) * row_bytes;
+  constexpr int64_t kTileBytes = Q4 ? 256 : 512;  // per block
+  const __m256i ones = _mm256_set1_epi16(1), lo4 = _mm256_set1_epi8(0x0F);
+  for (int half = 0; half < 2; ++half) {
+    __m256 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; ++g) {
+      const uint8_t* wb = w + g * kTileBytes + half * 32;
+      const __m256 dw = _mm256_loadu_ps(d + g * kTile + half * 8);
       if constexpr (Q4) {
-        const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wb + g * 16));
-        wq[c] = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(b, 4), b),
-                                 _mm256_set1_epi8(0x0F));
+        __m256i lo[4], hi[4];
+        for (int q = 0; q < 4; ++q) {
+          const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + q * 64));
+          lo[q] = _mm256_and_si256(b, lo4);
+          hi[q] = _mm256_and_si256(_mm256_srli_epi16(b, 4), lo4);
+        }
+        for (int r = 0; r < R; ++r) {
+          const int8_t* xb = qx + r * K + g * kBlock;
+          __m256i s = _mm256_maddubs_epi16(lo[0], bcast4(xb));
+          for (int q = 1; q < 4; ++q)
+            s = _mm256_add_epi16(s, _mm256_maddubs_epi16(lo[q], bcast4(xb + 4 * q)));
+          for (int q = 0; q < 4; ++q)
+            s = _mm256_add_epi16(s, _mm256_maddubs_epi16(hi[q], bcast4(xb + 16 + 4 * q)));
+          const __m256 p = _mm256_cvtepi32_ps(_mm256_madd_epi16(s, ones));
+          const __m256 scale = _mm256_mul_ps(dw, _mm256_set1_ps(dx[r * groups + g]));
+          acc[r] = _mm256_fmadd_ps(p, scale, acc[r]);
+        }
       } else {
-        ws[c] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + g * kBlock));
-        wq[c] = _mm256_sign_epi8(ws[c], ws[c]);
+        for (int r = 0; r < R; ++r) {
+          const int8_t* xb = qx + r * K + g * kBlock;
+          __m256i s = _mm256_setzero_si256();
+          for (int q = 0; q < 8; ++q) {  // |w| against x with w's sign (maddubs: u8 x s8)
+            const __m256i ws = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + q * 64));
+            const __m256i prod = _mm256_maddubs_epi16(_mm256_sign_epi8(ws, ws),
+                                                      _mm256_sign_epi8(bcast4(xb + 4 * q), ws));
+            s = _mm256_add_epi32(s, _mm256_madd_epi16(prod, ones));
+          }
+          const __m256 scale = _mm256_mul_ps(dw, _mm256_set1_ps(dx[r * groups + g]));
+          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale, acc[r]);
+        }
       }
     }
-    for (int r = 0; r < R; ++r) {
-      const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx + r * K + g * kBlock));
-      const __m256 dxr = _mm256_broadcast_ss(dx + r * groups + g);
-      for (int c = 0; c < C; ++c) {
-        const __m256i xs = Q4 ? xq : _mm256_sign_epi8(xq, ws[c]);
-        const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(wq[c], xs), ones);
-        const __m256 scale = _mm256_mul_ps(_mm256_broadcast_ss(d + (n + c) * groups + g), dxr);
-        acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), scale, acc[r][c]);
-      }
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) y[r * ldy + n + c] = hsum(acc[r][c]);
-}
-
-// Columns per micro-kernel call for R rows: as many accumulators as the 16 ymm registers hold
-// (q8 needs the signed weights too); chosen by timing the SmolLM2 shapes on an AVX2 Zen 3.
-template <int R, bool Q4>
-constexpr int cols_for() {
-  return R == 1 ? 4 : (R == 2 ? (Q4 ? 4 : 2) : (Q4 ? 2 : 1));
-}
-
-template <int R, bool Q4>
-void rows_tile(const int8_t* qx, const float* dx, int64_t K, const uint8_t* w, const float* d,
-               float* y, int64_t ldy, int64_t n0, int64_t n1) {
-  constexpr int C = cols_for<R, Q4>();
-  int64_t n = n0;
-  for (; n + C <= n1; n += C) micro<R, C, Q4>(qx, dx, K, w, d, y, ldy, n);
-  for (; n < n1; ++n) micro<R, 1, Q4>(qx, dx, K, w, d, y, ldy, n);
-}
-
-// q4 offsets: y[r, n] += sum_g m[n, g] * xsum[r, g], the sum an fma chain in group order
-// (fmaf per column, the same rounding in a vector lane); 8 columns per vector, m transposed
-// for the tile into mt [groups, 16].
-void add_offsets(const float* xsum, int64_t rows, int64_t groups, const float* m, float* mt,
-                 float* y, int64_t ldy, int64_t n0, int64_t n1) {
-  const int64_t width = n1 - n0;
-  for (int64_t c = 0; c < width; ++c)
-    for (int64_t g = 0; g < groups; ++g) mt[g * kColsPerTile + c] = m[(n0 + c) * groups + g];
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* xs = xsum + r * groups;
-    float* yr = y + r * ldy + n0;
-    int64_t c = 0;
-    for (; c + 8 <= width; c += 8) {
-      __m256 off = _mm256_setzero_ps();
-      for (int64_t g = 0; g < groups; ++g)
-        off = _mm256_fmadd_ps(_mm256_loadu_ps(mt + g * kColsPerTile + c), _mm256_set1_ps(xs[g]),
-                              off);
-      _mm256_storeu_ps(yr + c, _mm256_add_ps(_mm256_loadu_ps(yr + c), off));
-    }
-    for (; c < width; ++c) {
-      float off = 0.f;
-      for (int64_t g = 0; g < groups; ++g) off = std::fmaf(mt[g * kColsPerTile + c], xs[g], off);
-      yr[c] += off;
-    }
+    for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + r * kTile + half * 8, acc[r]);
   }
 }
 
 template <bool Q4>
-void rows_pass(int rows, const int8_t* qx, const float* dx, int64_t K, const uint8_t* w,
-               const float* d, float* y, int64_t ldy, int64_t n0, int64_t n1) {
+void tile_dots(bool wide, int rows, const int8_t* qx, int64_t K, const float* dx,
+               const uint8_t* w, const float* d, const int32_t* wsum, float* out) {
+  if (wide) return eagleserve_cpu::tile_dots_avx512(Q4, rows, qx, K, dx, w, d, wsum, out);
   switch (rows) {
-    case 4: return rows_tile<4, Q4>(qx, dx, K, w, d, y, ldy, n0, n1);
-    case 3: return rows_tile<3, Q4>(qx, dx, K, w, d, y, ldy, n0, n1);
-    case 2: return rows_tile<2, Q4>(qx, dx, K, w, d, y, ldy, n0, n1);
-    default: return rows_tile<1, Q4>(qx, dx, K, w, d, y, ldy, n0, n1);
+    case 4: return tile_dots_avx2<4, Q4>(qx, K, dx, w, d, out);
+    case 3: return tile_dots_avx2<3, Q4>(qx, K, dx, w, d, out);
+    case 2: return tile_dots_avx2<2, Q4>(qx, K, dx, w, d, out);
+    default: return tile_dots_avx2<1, Q4>(qx, K, dx, w, d, out);
+  }
+}
+
+// q4: adds to dots[r * 16 + c] the fma chain over blocks of m[c, g] * xsum[r, g].
+void add_offsets(const float* xsum, int rows, int64_t groups, const float* m, float* dots) {
+  for (int r = 0; r < rows; ++r) {
+    for (int half = 0; half < 2; ++half) {
+      __m256 off = _mm256_setzero_ps();
+      for (int64_t g = 0; g < groups; ++g)
+        off = _mm256_fmadd_ps(_mm256_loadu_ps(m + g * kTile + half * 8),
+                              _mm256_set1_ps(xsum[r * groups + g]), off);
+      float* o = dots + r * kTile + half * 8;
+      _mm256_storeu_ps(o, _mm256_add_ps(_mm256_loadu_ps(o), off));
+    }
   }
 }
 
@@ -158,20 +155,19 @@ void quantize_rows(const float* x, int64_t blocks, int8_t* qx, float* dx, float*
 }
 
 template <bool Q4>
-at::Tensor blocked_matmul(const at::Tensor& x_in, const at::Tensor& w, const at::Tensor& d,
-                          const c10::optional<at::Tensor>& m_opt) {
+at::Tensor tiled_matmul(const at::Tensor& x_in, const at::Tensor& w, const at::Tensor& d,
+                        const at::Tensor& extra, int64_t N) {
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "x: [M, K] float32");
   const at::Tensor x = x_in.contiguous();
-  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  const int64_t M = x.size(0), K = x.size(1), groups = K / kBlock;
+  const int64_t tiles = (N + kTile - 1) / kTile;
   TORCH_CHECK(K % kBlock == 0, "K must be a multiple of 32");
-  TORCH_CHECK(w.is_contiguous() && w.size(1) == (Q4 ? K / 2 : K), "weight shape");
-  TORCH_CHECK(d.is_contiguous() && d.size(0) == N && d.size(1) == K / kBlock, "scale shape");
-  const int64_t groups = K / kBlock;
-  const float* mp = nullptr;
-  if constexpr (Q4) {
-    TORCH_CHECK(m_opt.has_value() && m_opt->is_contiguous(), "q4 needs m");
-    mp = m_opt->data_ptr<float>();
-  }
+  TORCH_CHECK(w.is_contiguous() && w.dim() == 5 && w.size(0) == tiles && w.size(1) == groups &&
+                  w.size(2) == (Q4 ? 4 : 8),
+              "weight tiles: [T, K/32, ", Q4 ? 4 : 8, ", 16, 4] for T = ceil(N/16)");
+  TORCH_CHECK(d.is_contiguous() && d.numel() == tiles * groups * kTile, "scale tiles");
+  TORCH_CHECK(extra.is_contiguous() && extra.numel() == tiles * groups * kTile,
+              Q4 ? "m tiles" : "weight sum tiles");
   std::vector<int8_t> qx(M * K);
   std::vector<float> dx(M * groups), xsum(M * groups);
   const float* xp = x.data_ptr<float>();
@@ -181,39 +177,67 @@ at::Tensor blocked_matmul(const at::Tensor& x_in, const at::Tensor& w, const at:
     quantize_rows(xp + r0 * K, (r1 - r0) * groups, qx.data() + r0 * K, dx.data() + r0 * groups,
                   xsum.data() + r0 * groups);
   });
+  const bool wide = use_avx512;  // one ISA for the whole call
+  if (!Q4 && wide) {
+    for (int8_t& v : qx) v = static_cast<int8_t>(v ^ 0x80);  // AVX-512 q8 reads x + 128 as u8
+  }
   at::Tensor y = at::empty({M, N}, x.options());
   float* yp = y.data_ptr<float>();
   const uint8_t* wp = reinterpret_cast<const uint8_t*>(w.data_ptr());
   const float* dp = d.data_ptr<float>();
-  at::parallel_for(0, (N + kColsPerTile - 1) / kColsPerTile, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<float> mt(Q4 ? groups * kColsPerTile : 0);
+  const int64_t tile_bytes = groups * (Q4 ? 256 : 512), tile_scales = groups * kTile;
+  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+    float dots[kRowsPerPass * kTile];
     for (int64_t t = t0; t < t1; ++t) {
-      const int64_t n0 = t * kColsPerTile, n1 = std::min(N, n0 + kColsPerTile);
+      const int64_t n0 = t * kTile, cols = std::min(N, n0 + kTile) - n0;
       for (int64_t r0 = 0; r0 < M; r0 += kRowsPerPass) {
         const int rows = static_cast<int>(std::min<int64_t>(kRowsPerPass, M - r0));
-        rows_pass<Q4>(rows, qx.data() + r0 * K, dx.data() + r0 * groups, K, wp, dp, yp + r0 * N,
-                      N, n0, n1);
+        const int32_t* wsum = Q4 ? nullptr : extra.data_ptr<int32_t>() + t * tile_scales;
+        tile_dots<Q4>(wide, rows, qx.data() + r0 * K, K, dx.data() + r0 * groups,
+                      wp + t * tile_bytes, dp + t * tile_scales, wsum, dots);
+        if constexpr (Q4)
+          add_offsets(xsum.data() + r0 * groups, rows, groups,
+                      extra.data_ptr<float>() + t * tile_scales, dots);
+        for (int r = 0; r < rows; ++r)
+          std::copy(dots + r * kTile, dots + r * kTile + cols, yp + (r0 + r) * N + n0);
       }
-      if constexpr (Q4) add_offsets(xsum.data(), M, groups, mp, mt.data(), yp, N, n0, n1);
     }
   });
   return y;
 }
 
 at::Tensor q4_matmul(const at::Tensor& x, const at::Tensor& w, const at::Tensor& d,
-                     const at::Tensor& m) {
-  TORCH_CHECK(w.scalar_type() == at::kByte, "q4 weight: uint8");
-  return blocked_matmul<true>(x, w, d, m);
+                     const at::Tensor& m, int64_t n) {
+  TORCH_CHECK(w.scalar_type() == at::kByte && m.scalar_type() == at::kFloat, "q4 tiles");
+  return tiled_matmul<true>(x, w, d, m, n);
 }
 
-at::Tensor q8_matmul(const at::Tensor& x, const at::Tensor& w, const at::Tensor& d) {
-  TORCH_CHECK(w.scalar_type() == at::kChar, "q8 weight: int8");
-  return blocked_matmul<false>(x, w, d, c10::nullopt);
+at::Tensor q8_matmul(const at::Tensor& x, const at::Tensor& w, const at::Tensor& d,
+                     const at::Tensor& wsum, int64_t n) {
+  TORCH_CHECK(w.scalar_type() == at::kChar && wsum.scalar_type() == at::kInt, "q8 tiles");
+  return tiled_matmul<false>(x, w, d, wsum, n);
+}
+
+// "avx2" or "avx512_vnni" (where the CPU has it) for every later call, "auto" the best here,
+// "" to ask; returns the ISA now in use.
+std::string gemv_isa(const std::string& isa) {
+  if (isa == "auto") {
+    use_avx512 = eagleserve_cpu::avx512_vnni_supported();
+  } else if (isa == "avx2") {
+    use_avx512 = false;
+  } else if (isa == "avx512_vnni") {
+    TORCH_CHECK(eagleserve_cpu::avx512_vnni_supported(), "this CPU has no AVX-512 VNNI");
+    use_avx512 = true;
+  } else {
+    TORCH_CHECK(isa.empty(), "isa: auto, avx2 or avx512_vnni (or '' to ask), not ", isa);
+  }
+  return use_avx512 ? "avx512_vnni" : "avx2";
 }
 
 }  // namespace
 
 TORCH_LIBRARY(eagleserve_cpu, lib) {
-  lib.def("q4_matmul(Tensor x, Tensor w, Tensor d, Tensor m) -> Tensor", &q4_matmul);
-  lib.def("q8_matmul(Tensor x, Tensor w, Tensor d) -> Tensor", &q8_matmul);
+  lib.def("gemv_isa(str isa) -> str", &gemv_isa);
+  lib.def("q4_matmul(Tensor x, Tensor w, Tensor d, Tensor m, int n) -> Tensor", &q4_matmul);
+  lib.def("q8_matmul(Tensor x, Tensor w, Tensor d, Tensor wsum, int n) -> Tensor", &q8_matmul);
 }

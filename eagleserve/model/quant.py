@@ -68,8 +68,8 @@ class Int4Linear(nn.Module):
         if cpu_ext.load():  # ggml's nibble layout, w = d*q + m (exact: zero - 8d is m)
             qb = q[:n].to(torch.uint8).view(n, k // BLOCK, BLOCK)
             nibbles = (qb[..., :16] | (qb[..., 16:] << 4)).reshape(n, k // 2).contiguous()
-            d = scale[:n].float().contiguous()
-            self.blocked = (nibbles, d, (zero[:n].float() - 8 * d).contiguous())
+            d = scale[:n].float()
+            self.blocked = cpu_ext.pack_q4(nibbles, d, zero[:n].float() - 8 * d)
 
     @classmethod
     def from_quant(
@@ -110,7 +110,7 @@ class Int4Linear(nn.Module):
 
     def _blocked_mm(self, x2: torch.Tensor) -> torch.Tensor:
         assert self.blocked is not None
-        return cpu_ext.q4_matmul(x2, *self.blocked)
+        return cpu_ext.q4_matmul(x2, *self.blocked, self.out_features)
 
     @torch.no_grad()
     def dequantize(self) -> torch.Tensor:
@@ -152,11 +152,11 @@ class Q8Int4Linear(Int4Linear):
         )
         self.in_features = q.shape[1]
         if self.blocked is not None:
-            self.blocked = (q8.to(torch.int8).contiguous(), d.float().contiguous())
+            self.blocked = cpu_ext.pack_q8(q8.to(torch.int8), d.float())
 
     def _blocked_mm(self, x2: torch.Tensor) -> torch.Tensor:
         assert self.blocked is not None
-        return cpu_ext.q8_matmul(x2, *self.blocked)
+        return cpu_ext.q8_matmul(x2, *self.blocked, self.out_features)
 
     @classmethod
     def from_quant(

@@ -1,4 +1,5 @@
-"""The AVX2 blocked kernel (kernels/cpu_gemv.cpp) against llama.cpp's de-quantized weights.
+"""The blocked kernels (kernels/cpu_gemv.cpp; AVX2, and AVX-512 VNNI where the CPU has it)
+against llama.cpp's de-quantized weights.
 
 What serving relies on: the exact block weights against x quantized to int8 per 32-block (within
 the bound that rounding implies of x @ W.T in fp64), and a row's result that does not depend on
@@ -7,6 +8,8 @@ for bit.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -22,6 +25,21 @@ pytestmark = pytest.mark.skipif(
 )
 
 SHAPES = [(16, 32), (37, 96), (576, 1536), (1000, 576)]
+ISAS = ["avx2", "avx512_vnni"]
+
+
+@pytest.fixture(params=ISAS)
+def isa(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Each ISA's micro-kernels this CPU can run; the default restored after."""
+    if request.param == "avx512_vnni" and cpu_ext.gemv_isa("auto") != "avx512_vnni":
+        pytest.skip("this CPU has no AVX-512 VNNI")
+    cpu_ext.gemv_isa(request.param)
+    try:
+        yield request.param
+    finally:
+        cpu_ext.gemv_isa("auto")
+
+
 TEXTS = [
     "The capital of France is Paris. The capital of Germany is",
     "def fibonacci(n):\n    if n < 2:\n        return n\n    return",
@@ -37,7 +55,7 @@ def _matmul(lin: Int4Linear, x: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
 @pytest.mark.parametrize("shape", SHAPES)
-def test_close_to_the_exact_product(qtype: str, shape: tuple[int, int]) -> None:
+def test_close_to_the_exact_product(qtype: str, shape: tuple[int, int], isa: str) -> None:
     n, k = shape
     seed = int(torch.randint(0, 2**31, ()))
     raw = random_blocks(qtype, n, k, seed)
@@ -56,9 +74,27 @@ def test_close_to_the_exact_product(qtype: str, shape: tuple[int, int]) -> None:
     assert float(err.mean()) < 0.25 * float(bound.mean())  # rounding errors mostly cancel
 
 
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
+def test_both_isas_give_the_same_bits(qtype: str) -> None:
+    """AVX2 and AVX-512 VNNI group the exact integer dots differently and run the same fp32
+    operations, so a host's results do not depend on which of the two it has."""
+    if cpu_ext.gemv_isa("auto") != "avx512_vnni":
+        pytest.skip("this CPU has no AVX-512 VNNI")
+    n, k = 333, 1536
+    raw = random_blocks(qtype, n, k, int(torch.randint(0, 2**31, ())))
+    lin = pack_quant(unpack_blocks(raw, qtype, n, k))
+    x = torch.randn(9, k) * torch.rand(9, 1) * 4
+    try:
+        wide = _matmul(lin, x)
+        cpu_ext.gemv_isa("avx2")
+        assert torch.equal(_matmul(lin, x), wide)
+    finally:
+        cpu_ext.gemv_isa("auto")
+
+
 @pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
-def test_a_row_does_not_depend_on_its_batch(qtype: str) -> None:
-    # 333 columns: full 16-column tiles, then a part tile that ends in single columns.
+def test_a_row_does_not_depend_on_its_batch(qtype: str, isa: str) -> None:
+    # 333 columns: full 16-column tiles, then a part tile padded with zero columns.
     n, k = 333, 576
     raw = random_blocks(qtype, n, k, int(torch.randint(0, 2**31, ())))
     lin = pack_quant(unpack_blocks(raw, qtype, n, k))
@@ -76,7 +112,7 @@ def test_a_row_does_not_depend_on_its_batch(qtype: str) -> None:
         torch.set_num_threads(threads)
 
 
-def test_smollm2_prefill_rows_equal_their_decodes(smollm2_dir: str) -> None:
+def test_smollm2_prefill_rows_equal_their_decodes(smollm2_dir: str, isa: str) -> None:
     """The served model: prefill and decode rows both go through the kernels (int8 activations,
     fp32 row attention), close to the de-quantized fp32 model; the last row of a one-shot
     prefill, of a chunked one and a decode at that position give the same logits bit for bit."""
@@ -137,4 +173,9 @@ def test_smollm2_prefill_rows_equal_their_decodes(smollm2_dir: str) -> None:
     # over the four texts: max |diff| 1.6-2.5, mean 0.24-0.68 (bf16 activations: ~0.3, ~0.1).
     diff = (one_step - ref).abs()
     assert float(diff.max()) < 4.0 and float(diff.mean()) < 1.0, (diff.max(), diff.mean())
-    assert one_step.argmax() == ref.argmax()
+    # Two of the texts end where the fp32 model's top two logits lie 0.3-0.4 apart, inside that
+    # noise: there the pick must be one of the model's top 3, elsewhere its top 1.
+    top = ref.topk(3)
+    if float(top.values[0] - top.values[1]) > 2 * float(diff.mean()):
+        assert one_step.argmax() == top.indices[0]
+    assert one_step.argmax() in top.indices
