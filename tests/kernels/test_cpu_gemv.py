@@ -71,7 +71,8 @@ def test_close_to_the_exact_product(qtype: str, shape: tuple[int, int], isa: str
     half_step = (xb.abs().amax(-1, keepdim=True) / 254).expand_as(xb).reshape(7, k)
     bound = 1.001 * half_step @ w.abs().t() + k * 2.0**-23 * (x.double().abs() @ w.abs().t())
     assert bool((err <= bound + 1e-6).all()), float((err / bound).max())
-    assert float(err.mean()) < 0.25 * float(bound.mean())  # rounding errors mostly cancel
+    if k >= 96:  # rounding errors mostly cancel (a one-block row has too few to average)
+        assert float(err.mean()) < 0.25 * float(bound.mean())
 
 
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
