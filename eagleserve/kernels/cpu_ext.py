@@ -4,7 +4,8 @@
   tiles (`pack_q4`, `pack_q8`), with `cpu_gemv_avx512.cpp` where the CPU has AVX-512 VNNI;
   activations are quantized to int8 per 32-block, as llama.cpp does for these weight types;
 - `cpu_attention.cpp`: paged attention for decode/verify rows (`paged_attention`), fp32;
-- `cpu_norm.cpp`: RMSNorm of fp32 rows in one call (`rms_norm`).
+- `cpu_norm.cpp`: RMSNorm of fp32 rows in one call (`rms_norm`);
+- `cpu_pointwise.cpp`: rotary of the fused q/k heads in place (`rope_`) and `silu_mul`.
 
 Both keep a row's result independent of the rows beside it (what makes a verify reproduce the
 decodes bit for bit). The sources are compiled once per (sources, torch version, flags) into
@@ -31,8 +32,12 @@ logger = logging.getLogger(__name__)
 
 _SOURCES = [
     os.path.join(os.path.dirname(os.path.abspath(__file__)), name)
-    for name in ("cpu_gemv.cpp", "cpu_gemv_avx512.cpp", "cpu_attention.cpp", "cpu_norm.cpp")
-]
+    for name in (
+        "cpu_gemv.cpp", "cpu_gemv_avx512.cpp", "cpu_attention.cpp", "cpu_norm.cpp",
+        "cpu_pointwise.cpp",
+    )
+]  # fmt: skip
+_HEADERS = [os.path.join(os.path.dirname(_SOURCES[0]), "cpu_simd.h")]
 # -ffp-contract=off: g++ would otherwise fuse a written mul + add into one fma where it sees
 # fit (intrinsics included); the kernels' op order is their row-invariance contract.
 _FLAGS = [
@@ -89,7 +94,7 @@ def load() -> bool:
         if not cpu_supported():
             return False
         key = hashlib.sha256(" ".join(_FLAGS).encode() + torch.__version__.encode())
-        for path in _SOURCES:
+        for path in _SOURCES + _HEADERS:
             with open(path, "rb") as f:
                 key.update(f.read())
         out = os.path.join(_cache_dir(), f"cpu_kernels_{key.hexdigest()[:16]}.so")
@@ -170,6 +175,16 @@ def paged_attention(
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, prefix_lens, extend_lens,
         kv_lens, tree_mask, sm_scale,
     )  # fmt: skip
+
+
+def rope_(qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, heads: int) -> None:
+    """Rotates heads [0, heads) of qkv [T, H, D] in place (BoundRotary.apply's bits)."""
+    torch.ops.eagleserve_cpu.rope_(qkv, cos, signed_sin, heads)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for fp32 gate_up [..., 2I] = [gate | up] -> [..., I]."""
+    return torch.ops.eagleserve_cpu.silu_mul(gate_up)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -31,7 +31,7 @@ from torch import nn
 from eagleserve.kernels import cpu_ext
 from eagleserve.model.forward_batch import in_forward
 from eagleserve.model.gguf_weights import BLOCK, QuantTensor, iter_gguf, quantize_q8_0
-from eagleserve.model.llama import LlamaForCausalLM, RMSNorm
+from eagleserve.model.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, RMSNorm
 
 logger = logging.getLogger(__name__)
 
@@ -390,8 +390,8 @@ def quantize_model_from_gguf(
         counts[value.qtype] = counts.get(value.qtype, 0) + 1
     if tied and isinstance(getattr(model, "lm_head", None), PackedLinear):
         model.compute_logits = types.MethodType(_packed_compute_logits, model)  # type: ignore
-    if cpu_ext.load():  # its per-token forwards: the one-call norm as well
+    if cpu_ext.load():  # its forwards: the one-call norm, rotary and SiLU gate as well
         for module in model.modules():
-            if isinstance(module, RMSNorm):
+            if isinstance(module, (RMSNorm, LlamaAttention, LlamaMLP)):
                 module.row_kernel = True
     logger.info("packed GGUF linears: %s", counts)
