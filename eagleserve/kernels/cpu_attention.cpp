@@ -108,7 +108,10 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_buf, const a
                            const at::Tensor& prefix_lens, const at::Tensor& extend_lens,
                            const at::Tensor& kv_lens, const c10::optional<at::Tensor>& tree_mask,
                            double sm_scale) {
-  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(), "q [T, H, D]");
+  // q may be a view of a fused q/k/v projection: its heads contiguous, any row stride.
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.stride(2) == 1 &&
+                  q.stride(1) == q.size(2),
+              "q [T, H, D] float32, each row's heads contiguous");
   TORCH_CHECK(k_buf.scalar_type() == at::kFloat && k_buf.is_contiguous() &&
                   v_buf.is_contiguous() && k_buf.sizes() == v_buf.sizes(),
               "k/v buffers [slots, kv_heads, D] float32");
@@ -134,7 +137,8 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_buf, const a
   const bool tree = tree_mask.has_value() && tree_mask->defined();
   at::Tensor mask;
   if (tree) mask = tree_mask->to(at::kBool).contiguous();
-  at::Tensor out = at::empty_like(q);
+  at::Tensor out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
+  const int64_t q_row = q.stride(0);
   const float* qp = q.data_ptr<float>();
   const float* kp = k_buf.data_ptr<float>();
   const float* vp = v_buf.data_ptr<float>();
@@ -179,7 +183,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_buf, const a
         const int64_t row = w / H, h = w % H;
         const int64_t n = row_n[row];
         scores.resize((n + 7) / 8 * 8);
-        attend(qp + w * D, kp + (h / group) * D, vp + (h / group) * D, slot_stride,
+        attend(qp + row * q_row + h * D, kp + (h / group) * D, vp + (h / group) * D, slot_stride,
                row_slots[row], n, D, static_cast<float>(sm_scale), scores.data(), op + w * D);
       }
     }
@@ -187,9 +191,37 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_buf, const a
   return out;
 }
 
+// k_buf[loc[i]] = k[i] and v_buf[loc[i]] = v[i]: the new tokens' K/V into the fp32 pool in one
+// call (k and v may be views of a fused projection: heads contiguous, any row stride).
+void store_kv_(const at::Tensor& k_buf, const at::Tensor& v_buf, const at::Tensor& loc_in,
+               const at::Tensor& k, const at::Tensor& v) {
+  TORCH_CHECK(k_buf.scalar_type() == at::kFloat && k_buf.is_contiguous() &&
+                  v_buf.is_contiguous() && k_buf.sizes() == v_buf.sizes(),
+              "k/v buffers [slots, kv_heads, D] float32");
+  const int64_t T = k.size(0), width = k_buf.size(1) * k_buf.size(2), slots = k_buf.size(0);
+  for (const at::Tensor* x : {&k, &v}) {
+    TORCH_CHECK(x->scalar_type() == at::kFloat && x->dim() == 3 && x->size(0) == T &&
+                    x->size(1) * x->size(2) == width && x->stride(2) == 1 &&
+                    x->stride(1) == x->size(2),
+                "k, v [T, kv_heads, D] float32, each row's heads contiguous");
+  }
+  const at::Tensor loc = loc_in.to(at::kLong).contiguous();
+  TORCH_CHECK(loc.numel() == T, "one slot per new token");
+  const int64_t* lp = loc.data_ptr<int64_t>();
+  for (int64_t i = 0; i < T; ++i) {
+    TORCH_CHECK(lp[i] >= 0 && lp[i] < slots, "slot out of range");
+    std::copy_n(k.data_ptr<float>() + i * k.stride(0), width,
+                k_buf.data_ptr<float>() + lp[i] * width);
+    std::copy_n(v.data_ptr<float>() + i * v.stride(0), width,
+                v_buf.data_ptr<float>() + lp[i] * width);
+  }
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(eagleserve_cpu, lib) {
+  lib.def("store_kv_(Tensor(a!) k_buf, Tensor(b!) v_buf, Tensor loc, Tensor k, Tensor v) -> ()",
+          &store_kv_);
   lib.def(
       "paged_attention(Tensor q, Tensor k_buf, Tensor v_buf, Tensor req_to_token, "
       "Tensor req_pool_indices, Tensor prefix_lens, Tensor extend_lens, Tensor kv_lens, "

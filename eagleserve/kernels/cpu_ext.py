@@ -158,6 +158,18 @@ def gemv_isa(isa: str = "") -> str:
     return str(torch.ops.eagleserve_cpu.gemv_isa(isa))
 
 
+def store_kv_(
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    loc: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+) -> None:
+    """k_buffer[loc] = k and v_buffer[loc] = v in one call (fp32 pool; k, v [T, Hkv, D] with each
+    row's heads contiguous)."""
+    torch.ops.eagleserve_cpu.store_kv_(k_buffer, v_buffer, loc, k, v)
+
+
 def paged_attention(
     q: torch.Tensor,
     k_buffer: torch.Tensor,
@@ -170,7 +182,8 @@ def paged_attention(
     tree_mask: torch.Tensor | None,
     sm_scale: float,
 ) -> torch.Tensor:
-    """q [T, H, D] fp32 over the paged K/V (kernels/torch_attention.py's layout) -> [T, H, D]."""
+    """q [T, H, D] fp32 (each row's heads contiguous) over the paged K/V
+    (kernels/torch_attention.py's layout) -> [T, H, D]."""
     return torch.ops.eagleserve_cpu.paged_attention(
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, prefix_lens, extend_lens,
         kv_lens, tree_mask, sm_scale,

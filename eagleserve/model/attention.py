@@ -71,21 +71,25 @@ class TorchAttnBackend:
     ) -> torch.Tensor:
         # q [T, H, D]; k, v [T, Hkv, D]
         pool = fb.kv_pool
-        pool.set_kv(layer_id, fb.out_cache_loc, k, v)
-        if self._uses_row_kernel(fb):
-            return cpu_ext.paged_attention(
-                q.float().contiguous(), pool.k_buffer[layer_id], pool.v_buffer[layer_id],
-                self.req_to_token, fb.req_pool_indices, fb.prefix_lens, fb.extend_lens,
-                fb.attn_metadata, fb.tree_mask, self.sm_scale,
-            ).to(q.dtype)  # fmt: skip
-        return padded_attention(
-            q,
-            pool.k_buffer[layer_id],
-            pool.v_buffer[layer_id],
-            fb.attn_metadata,
-            self.sm_scale,
-            self.compute_dtype,
-        )
+        if not self._uses_row_kernel(fb):
+            pool.set_kv(layer_id, fb.out_cache_loc, k, v)
+            return padded_attention(
+                q,
+                pool.k_buffer[layer_id],
+                pool.v_buffer[layer_id],
+                fb.attn_metadata,
+                self.sm_scale,
+                self.compute_dtype,
+            )
+        kb, vb = pool.k_buffer[layer_id], pool.v_buffer[layer_id]
+        if k.dtype == torch.float32:  # one call, no index_put (views of a fused qkv are fine)
+            cpu_ext.store_kv_(kb, vb, fb.out_cache_loc, k, v)
+        else:
+            pool.set_kv(layer_id, fb.out_cache_loc, k, v)
+        return cpu_ext.paged_attention(
+            q.float(), kb, vb, self.req_to_token, fb.req_pool_indices, fb.prefix_lens,
+            fb.extend_lens, fb.attn_metadata, fb.tree_mask, self.sm_scale,
+        ).to(q.dtype)  # fmt: skip
 
 
 def create_attn_backend(

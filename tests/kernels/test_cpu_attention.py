@@ -98,3 +98,17 @@ def test_rms_norm_matches_the_composite_and_keeps_rows_apart() -> None:
     torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-6)
     for i in range(7):
         assert torch.equal(cpu_ext.rms_norm(x[i : i + 1].clone(), w, 1e-5)[0], y[i])
+
+
+def test_store_kv_writes_the_slots_as_index_assignment_does() -> None:
+    """The new tokens' K/V, views of a fused q/k/v projection, land in their slots and nowhere
+    else."""
+    t, nh, nkv, d = 5, 9, 3, 64
+    qkv = torch.randn(t, nh + 2 * nkv, d)
+    k, v = qkv[:, nh : nh + nkv], qkv[:, nh + nkv :]
+    kb, vb = torch.randn(40, nkv, d), torch.randn(40, nkv, d)
+    loc = torch.randperm(40)[:t]
+    ref_k, ref_v = kb.clone(), vb.clone()
+    ref_k[loc], ref_v[loc] = k, v
+    cpu_ext.store_kv_(kb, vb, loc, k, v)
+    assert torch.equal(kb, ref_k) and torch.equal(vb, ref_v)
