@@ -10,7 +10,10 @@ tok/s is the median over rounds (all prompts of a round, prefill included). Prin
 ratios, EAGLE's tau and whether EAGLE's tokens equal eagleserve's own target-only greedy tokens
 on the same weights; then the cost of one target forward over 1 (a decode), 2, 3 and 4 new
 tokens at `--cost-context` tokens of context (median, interleaved); writes
-bench/results/cpu_vs_llamacpp.json. llama.cpp is optional (`make bench-llamacpp` builds it).
+bench/results/cpu_vs_llamacpp.json. llama.cpp is optional (`make bench-llamacpp` builds it);
+it runs through llama-cpp-python, and its own timers (llama_perf_context: the time inside its
+prompt and token evals) give a second, stricter llama.cpp figure with no Python around it
+(column "x own").
 """
 
 from __future__ import annotations
@@ -164,6 +167,9 @@ def merge_rounds(runs: list[dict[str, Any]]) -> dict[str, Any]:
     row["tok_s"] = statistics.median(row["tok_s_rounds"])
     row["seconds"] = statistics.median(r["seconds"] for r in runs)
     row["same_tokens_every_round"] = all(r["tokens"] == runs[0]["tokens"] for r in runs)
+    for key in ("own_timers_tok_s", "own_timers_decode_ms"):  # llama.cpp's
+        if key in row:
+            row[key] = statistics.median(r[key] for r in runs)
     return row
 
 
@@ -184,12 +190,18 @@ def gen(ids, n_new):
             break
     return out
 gen(cfg["prompts"][0], 8)  # warm-up
-tokens, secs = [], []
+tokens, secs, own_secs, decode_ms = [], [], [], []
 for ids in cfg["prompts"]:
+    llama_cpp.llama_perf_context_reset(llm._ctx.ctx)
     t0 = time.perf_counter()
     tokens.append(gen(ids, cfg["new_tokens"]))
     secs.append(time.perf_counter() - t0)
-print(json.dumps(dict(tokens=tokens, secs=secs, version=llama_cpp.__version__)))
+    # llama.cpp's own timers: its prompt and token evals, without the Python around them
+    perf = llama_cpp.llama_perf_context(llm._ctx.ctx)
+    own_secs.append((perf.t_p_eval_ms + perf.t_eval_ms) / 1e3)
+    decode_ms.append(perf.t_eval_ms / max(perf.n_eval, 1))
+print(json.dumps(dict(tokens=tokens, secs=secs, own_secs=own_secs, decode_ms=decode_ms,
+                      version=llama_cpp.__version__)))
 """
 
 
@@ -221,6 +233,8 @@ def run_llamacpp(
         new_tokens=n,
         tau=None,
         tokens=out["tokens"],
+        own_timers_tok_s=n / sum(out["own_secs"]),
+        own_timers_decode_ms=statistics.median(out["decode_ms"]),
     )
 
 
@@ -333,6 +347,10 @@ def main() -> None:
                       for k, v in costs.items()))  # fmt: skip
     if runs["llama.cpp"]:
         print(f"llama.cpp build flags: {runs['llama.cpp'][0]['build_flags']}")
+        own = merge_rounds(runs["llama.cpp"])
+        print(f"llama.cpp's own timers (its evals, no Python around them): "
+              f"{own['own_timers_tok_s']:.1f} tok/s, a decode {own['own_timers_decode_ms']:.1f} ms "
+              f"(eagleserve's decode forward: {costs['decode_ms']:.1f} ms)")  # fmt: skip
     if not runs["llama.cpp"]:
         print("llama.cpp: not found (no llama_cpp here or in --llama-python); skipped")
     rows = [merge_rounds(r) for r in runs.values() if r]
@@ -342,6 +360,7 @@ def main() -> None:
         r["speedup_vs_int4_target"] = r["tok_s"] / by["eagleserve int4"]["tok_s"]
         if llama is not None:
             r["ratio_vs_llamacpp"] = r["tok_s"] / llama["tok_s"]
+            r["ratio_vs_llamacpp_own_timers"] = r["tok_s"] / llama["own_timers_tok_s"]
         if r["setting"].startswith("EAGLE"):
             base = by["eagleserve int4" if "int4" in r["setting"] else "eagleserve fp32"]
             r["first_divergence_vs_target"] = first_divergence(r["tokens"], base["tokens"])
@@ -355,13 +374,14 @@ def main() -> None:
             llama["tokens"], by["eagleserve int4"]["tokens"]
         )
     print(f"\nbatch 1, {args.new_tokens} new tokens, median of {args.rounds} rounds -- {machine()}")
-    print(f"{'setting':<22}{'tok/s':>8}{'x int4':>8}{'x llama':>9}{'tau':>6}  lossless")
+    print(f"{'setting':<22}{'tok/s':>8}{'x int4':>8}{'x llama':>9}{'x own':>7}{'tau':>6}  lossless")
     for r in rows:
         tau = f"{r['tau']:.2f}" if r["tau"] is not None else "-"
         lossless = str(r.get("lossless", "-"))
         print(
             f"{r['setting']:<22}{r['tok_s']:>8.1f}{r['speedup_vs_int4_target']:>8.2f}"
-            f"{r.get('ratio_vs_llamacpp', float('nan')):>9.2f}{tau:>6}  {lossless}"
+            f"{r.get('ratio_vs_llamacpp', float('nan')):>9.2f}"
+            f"{r.get('ratio_vs_llamacpp_own_timers', float('nan')):>7.2f}{tau:>6}  {lossless}"
         )
     for r in rows:
         if r.get("acceptance_by_depth"):
