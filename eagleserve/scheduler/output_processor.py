@@ -10,6 +10,12 @@ from eagleserve.messages import TokenOutput
 TopLogprobs = list[list[tuple[int, float]]]
 
 
+def eos_token_ids(config_eos: tuple[int, ...], tokenizer: object | None) -> frozenset[int]:
+    """The model config's EOS ids and the tokenizer's own."""
+    tokenizer_eos = getattr(tokenizer, "eos_token_id", None)
+    return frozenset(config_eos) | ({tokenizer_eos} if tokenizer_eos is not None else set())
+
+
 class StopChecker:
     """EOS, stop ids, max_new_tokens and stop strings; one token at a time so a run of accepted
     speculative tokens is cut exactly where target-only decoding would stop."""

@@ -25,6 +25,7 @@ from eagleserve.scheduler.output_processor import (
     StopChecker,
     append_tokens,
     committed_rows,
+    eos_token_ids,
     make_output,
 )
 from eagleserve.scheduler.overlap import OverlapForwarder
@@ -78,12 +79,9 @@ class Scheduler:
         self.chunked_req: Req | None = None
         self.decode_turn = False
         self.stop_checker = StopChecker(self.tokenizer)
-        eos = set(cfg.eos_token_ids)
-        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
-            eos.add(self.tokenizer.eos_token_id)
-        self.eos_token_ids = frozenset(eos)
+        self.eos_token_ids = eos_token_ids(cfg.eos_token_ids, self.tokenizer)
         self.grammars = None if self.tokenizer is None else GrammarBackend(
-            self.tokenizer, cfg.vocab_size, sorted(eos)
+            self.tokenizer, cfg.vocab_size, sorted(self.eos_token_ids)
         )  # fmt: skip
         self.waiting: deque[Req] = deque()
         self.running_batch: ScheduleBatch | None = None
@@ -98,11 +96,9 @@ class Scheduler:
                 self.worker, self.future_map, self.device, self.spec_config is not None
             )
             if isinstance(self.worker, EagleWorker):
-                self.future_map.warm_up(
-                    self.worker.spec.eagle_topk,
-                    self.worker.drafter.head.hidden_size,
-                    self.worker.runner.dtype,
-                )
+                w = self.worker
+                hidden = w.drafter.head.hidden_size
+                self.future_map.warm_up(w.spec.eagle_topk, hidden, w.runner.dtype)
         # The launched batch's requests, its result, and its request whose prefill goes on
         # (no token of that one is kept).
         self.inflight: tuple[list[Req], Future[GenerationBatchResult], Req | None] | None = None
@@ -383,12 +379,9 @@ class Scheduler:
         self._drop_finished_from_running()
 
     def _release(self, req: Req, cache: bool = True) -> None:
-        """Frees every KV slot and the request slot of `req`; with `cache`, its cacheable
-        prefix goes into the radix cache first (a retracted request's does not).
-
-        With a forward in flight that may still read or write this request's slots, the
-        release waits until that forward has finished.
-        """
+        """Frees `req`'s KV and request slots, its cacheable prefix into the radix cache first
+        with `cache` (not a retracted request's); after the in-flight forward, which may still
+        read or write them."""
         if req.req_pool_idx is None:
             return
         if self.inflight is not None:
