@@ -7,7 +7,7 @@
 - `cpu_norm.cpp`: RMSNorm of fp32 rows in one call (`rms_norm`);
 - `cpu_pointwise.cpp`: rotary of the fused q/k heads in place (`rope_`) and `silu_mul`.
 
-Both keep a row's result independent of the rows beside it (what makes a verify reproduce the
+All keep a row's result independent of the rows beside it (what makes a verify reproduce the
 decodes bit for bit). The sources are compiled once per (sources, torch version, flags) into
 the eagleserve cache with the system C++ compiler and loaded as `torch.ops.eagleserve_cpu`.
 Where the CPU lacks AVX2/FMA or no compiler is found, `load()` returns False and callers keep
