@@ -131,7 +131,8 @@ class LlamaAttention(nn.Module):
         # Set by model/tp_shard.py on a tensor-parallel target: this rank holds some heads, and
         # o_proj's output is its share of the sum over ranks (a replicated draft head's is not).
         self.row_parallel = False
-        self.row_kernel = False  # kernels/cpu_pointwise.cpp's rotary (set as RMSNorm's)
+        # kernels/cpu_pointwise.cpp's rotary (set as RMSNorm's, for head_dim % 16 == 0)
+        self.row_kernel = False
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary) -> torch.Tensor:
         fb = get_forward_batch()
@@ -148,12 +149,7 @@ class LlamaAttention(nn.Module):
         if self.qkv_proj is not None and isinstance(rotary, BoundRotary):
             # q and k heads are adjacent in the fused output: one rotation for both.
             qkv = self.qkv_proj(x).view(t, nh + 2 * nkv, self.head_dim)
-            if (
-                self.row_kernel
-                and qkv.dtype == torch.float32
-                and self.head_dim % 16 == 0
-                and in_forward()
-            ):
+            if self.row_kernel and qkv.dtype == torch.float32 and in_forward():
                 cpu_ext.rope_(qkv, rotary.cos, rotary.signed_sin, nh + nkv)  # same bits
                 return qkv[:, :nh], qkv[:, nh : nh + nkv], qkv[:, nh + nkv :]
             qk = rotary.apply(qkv[:, : nh + nkv])
@@ -181,15 +177,16 @@ class LlamaMLP(nn.Module):
         self.row_kernel = False  # kernels/cpu_pointwise.cpp's silu_mul (set as RMSNorm's)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gate_up_proj is not None:
+        if self.gate_up_proj is None:
+            act = F.silu(self.gate_proj(x)) * self.up_proj(x)
+        else:
             gate_up = self.gate_up_proj(x)
             if self.row_kernel and gate_up.dtype == torch.float32 and in_forward():
-                out = self.down_proj(cpu_ext.silu_mul(gate_up))
-                return all_reduce(out) if self.row_parallel else out
-            gate, up = gate_up.chunk(2, dim=-1)
-        else:
-            gate, up = self.gate_proj(x), self.up_proj(x)
-        out = self.down_proj(F.silu(gate) * up)
+                act = cpu_ext.silu_mul(gate_up)
+            else:
+                gate, up = gate_up.chunk(2, dim=-1)
+                act = F.silu(gate) * up
+        out = self.down_proj(act)
         return all_reduce(out) if self.row_parallel else out
 
 

@@ -392,6 +392,8 @@ def quantize_model_from_gguf(
         model.compute_logits = types.MethodType(_packed_compute_logits, model)  # type: ignore
     if cpu_ext.load():  # its forwards: the one-call norm, rotary and SiLU gate as well
         for module in model.modules():
-            if isinstance(module, (RMSNorm, LlamaAttention, LlamaMLP)):
+            if isinstance(module, (RMSNorm, LlamaMLP)):
                 module.row_kernel = True
+            elif isinstance(module, LlamaAttention):  # the rotary kernel's vector width
+                module.row_kernel = module.head_dim % 16 == 0
     logger.info("packed GGUF linears: %s", counts)

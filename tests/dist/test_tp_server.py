@@ -66,7 +66,6 @@ def test_killed_rank_gives_503_and_nonzero_exit(tiny_model_dir: str) -> None:
     [
         (["--tp-size", "0"], ["--tp-size 0", "at least 1"]),
         (["--tp-size", "3"], ["--tp-size 3 does not fit the model's 2 KV heads"]),
-        (["--tp-size", "2", "--speculative-adaptive"], ["--speculative-adaptive", "--tp-size"]),
     ],
 )
 def test_bad_tp_size_is_one_line_exit_2(tiny_model_dir: str, flags: list[str],
