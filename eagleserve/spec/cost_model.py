@@ -113,13 +113,24 @@ def _part_times(
             attn_backend=backend,  # type: ignore[arg-type]
         )
 
-    def head(n: int, mode: str, feats_dim: int) -> Callable[[], object]:
-        feats = torch.randn(bs * n, feats_dim, device=dev, dtype=runner.dtype)
+    def draft_step(n: int) -> Callable[[], object]:
+        feats = torch.randn(bs * n, hidden, device=dev, dtype=runner.dtype)
 
         def run() -> object:
-            f = fb(n, mode, drafter.kv_pool, drafter.attn_backend)
+            f = fb(n, "draft", drafter.kv_pool, drafter.attn_backend)
             with torch.inference_mode(), forward_context(f):
                 return drafter.head(f.input_ids, feats, f.positions)
+
+        return run
+
+    def extend(n: int) -> Callable[[], object]:
+        feats = torch.randn(bs * n, feature, device=dev, dtype=runner.dtype)
+        last_rows = torch.arange(1, bs + 1, device=dev) * n - 1
+
+        def run() -> object:
+            f = fb(n, "extend", drafter.kv_pool, drafter.attn_backend)
+            with torch.inference_mode():
+                return drafter.extend_forward(f, feats, last_rows)
 
         return run
 
@@ -136,8 +147,8 @@ def _part_times(
         )
     for k in choices:
         if k:
-            times["extend", k + 1] = _best_seconds(head(k + 1, "extend", feature), dev)
+            times["extend", k + 1] = _best_seconds(extend(k + 1), dev)
     # Tree branches run side by side (topk rows per request; the causal mask of this timing
     # costs about what the region mask does).
-    times["draft"] = _best_seconds(head(spec.eagle_topk, "draft", hidden), dev)
+    times["draft"] = _best_seconds(draft_step(spec.eagle_topk), dev)
     return times

@@ -28,7 +28,7 @@ from eagleserve.model.runner import ModelRunner
 from eagleserve.spec.adaptive import acceptance_prior
 from eagleserve.spec.draft_lag import DraftLag, catch_up_batch
 from eagleserve.spec.draft_tree import DraftTree, draft_chain, draft_tree
-from eagleserve.spec.eagle_head import load_eagle_head
+from eagleserve.spec.eagle_head import EagleHead, load_eagle_head
 from eagleserve.spec.head_loader import measured_acceptance
 from eagleserve.spec.tree import Topk1ChainBuffers
 
@@ -116,6 +116,15 @@ class EagleDraftWorker:
         """Head forward over `fb`'s tokens (its layout, the head's KV): token j is paired with
         the target feature of the token before it. Returns the seed of the next draft; its top-k
         only among `allowed` [bs, V] (the grammar after the committed tokens) when given."""
+        logits, feats = self.extend_forward(fb, features, last_rows)
+        probs = torch.softmax(self._masked(logits, allowed), dim=-1)
+        topk_p, topk_ids = probs.topk(self.spec.eagle_topk, dim=-1)
+        return EagleDraftInput(topk_p, self.head.to_target_ids(topk_ids), feats)
+
+    def extend_forward(
+        self, fb: ForwardBatch, features: torch.Tensor, last_rows: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`last_rows_forward` of the head over `fb`'s tokens, in the head's KV."""
         fb = dataclasses.replace(
             fb,
             mode="extend",
@@ -125,11 +134,7 @@ class EagleDraftWorker:
             tree_mask=None,
             attn_metadata=None,
         )
-        with forward_context(fb):
-            logits, feats = self.head(fb.input_ids, features, fb.positions, last_rows)
-        probs = torch.softmax(self._masked(logits, allowed), dim=-1)
-        topk_p, topk_ids = probs.topk(self.spec.eagle_topk, dim=-1)
-        return EagleDraftInput(topk_p, self.head.to_target_ids(topk_ids), feats[last_rows])
+        return last_rows_forward(self.head, fb, features, last_rows)
 
     def catch_up(
         self, batch: ScheduleBatch, info: EagleDraftInput, allowed: torch.Tensor | None = None
@@ -227,3 +232,27 @@ class EagleDraftWorker:
         probs = torch.softmax(self._masked(logits, allowed), dim=-1)
         topk_p, topk_ids = probs.topk(topk, dim=-1)  # [bs*topk, topk]
         return topk_p, self.head.to_target_ids(topk_ids), next_feats
+
+
+def last_rows_forward(
+    head: EagleHead, fb: ForwardBatch, features: torch.Tensor, last_rows: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logits, next features) of each request's last row of the extend `fb` (`last_rows`, one
+    per request), with every row's head KV written. Only the last rows run the whole layer
+    (attention, MLP, lm_head): a draft starts from them, and the other rows' K/V depend on their
+    own inputs alone, so they stop after the K/V projection."""
+    if fb.input_ids.shape[0] == fb.batch_size:  # one row per request: all are last rows
+        with forward_context(fb):
+            return head(fb.input_ids, features, fb.positions)
+    last = dataclasses.replace(
+        fb,
+        input_ids=fb.input_ids[last_rows],
+        positions=fb.positions[last_rows],
+        out_cache_loc=fb.out_cache_loc[last_rows],
+        prefix_lens=fb.prefix_lens + fb.extend_lens - 1,
+        extend_lens=torch.ones_like(fb.extend_lens),
+        host=HostLens(1, fb.host.max_kv, True),
+    )
+    with forward_context(last):
+        head.write_kv(fb.input_ids, features, fb.positions, fb.out_cache_loc)
+        return head(last.input_ids, features[last_rows], last.positions)

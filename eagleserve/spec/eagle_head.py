@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from eagleserve.config import ModelConfig
+from eagleserve.model.forward_batch import get_forward_batch
 from eagleserve.model.llama import (
     LlamaAttention,
     LlamaForCausalLM,
@@ -143,17 +144,15 @@ class EagleHead(nn.Module):
     def target(self) -> LlamaForCausalLM:
         return self._target
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        features: torch.Tensor,
-        positions: torch.Tensor,
-        logits_rows: torch.Tensor | None = None,
+    @property
+    def attn(self) -> LlamaAttention:
+        layer = self.layers[0] if self.algorithm == "EAGLE" else self.midlayer
+        return layer.self_attn
+
+    def _attention_input(
+        self, input_ids: torch.Tensor, features: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """input_ids [T] (token t[j+1]), features [T, feature_size or h] (aligned with t[j]),
-        positions [T]. Returns (logits [T, draft_vocab] fp32, next_features [T, h]); with
-        `logits_rows`, the logits of those rows only (an extend drafts from its last rows: the
-        lm_head over every row of a prompt would cost as much as the rest of the head)."""
+        """(the layer's attention input, its residual stream) of these rows."""
         width = features.shape[-1]
         if width not in (self.feature_size, self.hidden_size):
             raise ValueError(
@@ -163,22 +162,41 @@ class EagleHead(nn.Module):
         emb = self.target.model.embed_tokens(input_ids)  # [T, h]
         features = features.to(emb.dtype)
         if self.algorithm == "EAGLE":
-            layer = self.layers[0]
             x = self.fc(torch.cat((emb, features), dim=-1))  # [T, h]
-            x = x + layer.self_attn(x, positions, self.rotary_emb)
-            out = x + layer.mlp(layer.post_attention_layernorm(x))
-            # No final norm: the target's lm_head reads the layer output directly.
-            rows = out if logits_rows is None else out[logits_rows]
-            return self.target.compute_logits(rows), out
+            return x, x
         # Target features (k*h) are fused by fc; later steps feed back the h-wide output.
         g = self.fc(features) if width != self.hidden_size else features  # [T, h]
         m = self.midlayer
-        attn_in = torch.cat((m.input_layernorm(emb), m.hidden_norm(g)), dim=-1)  # [T, 2h]
-        x = g + m.self_attn(attn_in, positions, self.rotary_emb)
+        return torch.cat((m.input_layernorm(emb), m.hidden_norm(g)), dim=-1), g  # [T, 2h]
+
+    def forward(
+        self, input_ids: torch.Tensor, features: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """input_ids [T] (token t[j+1]), features [T, feature_size or h] (aligned with t[j]),
+        positions [T]. Returns (logits [T, draft_vocab] fp32, next_features [T, h])."""
+        attn_in, residual = self._attention_input(input_ids, features)
+        x = residual + self.attn(attn_in, positions, self.rotary_emb)
+        if self.algorithm == "EAGLE":
+            layer = self.layers[0]
+            out = x + layer.mlp(layer.post_attention_layernorm(x))
+            # No final norm: the target's lm_head reads the layer output directly.
+            return self.target.compute_logits(out), out
+        m = self.midlayer
         out = x + m.mlp(m.post_attention_layernorm(x))
-        rows = out if logits_rows is None else out[logits_rows]
-        logits = self.lm_head(self.norm(rows)).float()
-        return logits, out  # next_features are pre-norm
+        return self.lm_head(self.norm(out)).float(), out  # next_features are pre-norm
+
+    def write_kv(
+        self,
+        input_ids: torch.Tensor,
+        features: torch.Tensor,
+        positions: torch.Tensor,
+        out_cache_loc: torch.Tensor,
+    ) -> None:
+        """Writes these rows' K/V to `out_cache_loc` in the active forward's KV pool and
+        nothing else: the head is one layer, so a row's K/V depend on its own input alone."""
+        attn_in, _ = self._attention_input(input_ids, features)
+        _, k, v = self.attn.project(attn_in, positions, self.rotary_emb)
+        get_forward_batch().kv_pool.set_kv(self.attn.layer_id, out_cache_loc, k, v)
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         if self.algorithm == "EAGLE":

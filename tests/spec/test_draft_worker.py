@@ -1,0 +1,82 @@
+"""The head's extend runs the whole layer only on each request's last row: the KV it leaves and
+the seed it returns equal those of the whole layer over every row."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+import torch
+from conftest import SPEC_VOCAB, make_forward_batch, save_spec_target
+
+from eagleserve.config import ModelConfig
+from eagleserve.model.attention import TorchAttnBackend
+from eagleserve.model.forward_batch import ForwardBatch, forward_context
+from eagleserve.model.kv_cache import ReqToTokenPool, TokenToKVPool
+from eagleserve.model.runner import ModelRunner
+from eagleserve.spec.draft_worker import last_rows_forward
+from eagleserve.spec.eagle_head import EagleHead
+from eagleserve.spec.head_loader import init_eagle_head
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def runner(tmp_path_factory: pytest.TempPathFactory) -> ModelRunner:
+    path = save_spec_target(str(tmp_path_factory.mktemp("target")), 7, SPEC_VOCAB - 1, 0)
+    return ModelRunner(ModelConfig.from_dir(path), path, CPU, torch.float32, 64, 1, 512)
+
+
+def _extend(
+    head: EagleHead, pool: TokenToKVPool, r2t: ReqToTokenPool, prefix: list[int], extend: list[int]
+) -> tuple[ForwardBatch, torch.Tensor, torch.Tensor]:
+    """An extend after `prefix` cached positions per request, with random tokens and features."""
+    ids = torch.randint(0, SPEC_VOCAB, (sum(extend),))
+    feats = torch.randn(sum(extend), head.feature_size)
+    positions = torch.cat([torch.arange(p, p + n) for p, n in zip(prefix, extend, strict=True)])
+    rows = torch.arange(len(prefix)).repeat_interleave(torch.tensor(extend))
+    fb = make_forward_batch(
+        mode="extend",
+        input_ids=ids,
+        positions=positions,
+        out_cache_loc=r2t.req_to_token[rows, positions],
+        req_pool_indices=torch.arange(len(prefix)),
+        prefix_lens=torch.tensor(prefix),
+        extend_lens=torch.tensor(extend),
+        kv_pool=pool,
+        attn_backend=TorchAttnBackend(r2t.req_to_token, head.config.head_dim**-0.5),
+    )
+    return fb, feats, torch.cumsum(torch.tensor(extend), 0) - 1
+
+
+@pytest.mark.parametrize("algorithm", ["EAGLE", "EAGLE3"])
+def test_last_rows_forward_equals_the_whole_layer(runner: ModelRunner, algorithm: str) -> None:
+    head = init_eagle_head(algorithm, runner.model, seed=random.randrange(1000))
+    cfg = head.config
+    rng = random.Random()
+    bs = 3
+    prefix = [rng.randrange(1, 20) for _ in range(bs)]
+    extend = [rng.randrange(1, 6) for _ in range(bs - 1)] + [rng.randrange(2, 6)]  # not all 1
+    r2t = ReqToTokenPool(bs, 64, CPU)
+    shape = (256, 1, cfg.num_key_value_heads, cfg.head_dim, torch.float32, CPU)
+    pools = [TokenToKVPool(*shape), TokenToKVPool(*shape)]
+    loc = pools[0].alloc(bs * 32)
+    assert loc is not None and pools[1].alloc(bs * 32) is not None
+    r2t.req_to_token[:, :32] = loc.view(bs, 32)
+    cached = torch.randn(2, *pools[0].k_buffer[0].shape)
+    for pool in pools:  # the same cached prefix (and stale slots) in both pools
+        pool.k_buffer[0].copy_(cached[0])
+        pool.v_buffer[0].copy_(cached[1])
+    fb, feats, last = _extend(head, pools[0], r2t, prefix, extend)
+    with torch.no_grad():
+        with forward_context(fb):
+            whole_logits, whole_feats = head(fb.input_ids, feats, fb.positions)
+        other = dataclasses.replace(fb, kv_pool=pools[1], attn_metadata=None)
+        logits, next_feats = last_rows_forward(head, other, feats, last)
+    # fp32 matmuls round a row by the number of rows: the last rows' K/V (written again by
+    # their own forward) may differ in the last bits.
+    torch.testing.assert_close(pools[1].k_buffer[0], pools[0].k_buffer[0], atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(pools[1].v_buffer[0], pools[0].v_buffer[0], atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(logits, whole_logits[last], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(next_feats, whole_feats[last], atol=1e-5, rtol=1e-5)
