@@ -19,14 +19,18 @@ a tree is drafted whole (k = num_steps) or not at all (k = 0, a plain decode).
   a draft predicted to pay by less is as likely to lose, and losing is what speculation must
   not do. A plain decode given up for a draft that pays by less costs at most that margin.
 
-A request that never drafts never updates its acceptance, so every `probe_interval`-th iteration
-drafts regardless, at the shallowest depth (the price of noticing that acceptance went up; once
-the first depth pays, the controller goes deeper by itself where the deeper EMAs say so).
+A request that never drafts never updates its acceptance, so after a stretch without drafts one
+iteration drafts regardless, at the shallowest depth (the price of noticing that acceptance went
+up; once the first depth pays, the controller goes deeper by itself where the deeper EMAs say
+so). The stretch is `probe_interval` iterations, or longer where a probe costs more than
+PROBE_SHARE of the decodes between probes (`iterations_between_probes`): a probe drafts for the
+whole batch and catches up every request's held head inputs, which grows with the batch.
 """
 
 from __future__ import annotations
 
 import bisect
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -38,6 +42,8 @@ ACCEPT_PRIOR = 0.5
 COST_EMA = 0.1
 # How much more expected tokens per second a draft must promise than a plain decode.
 DRAFT_MARGIN = 0.05
+# Most of the decode time that probes may add (see module).
+PROBE_SHARE = 0.01
 
 
 def acceptance_prior(measured: Sequence[float] | None, num_steps: int) -> list[float]:
@@ -127,18 +133,33 @@ def depth_choices(num_steps: int, is_chain: bool) -> tuple[int, ...]:
     return tuple(range(num_steps + 1)) if is_chain else (0, num_steps)
 
 
+def iterations_between_probes(costs: CostTable, bs: int, probe_k: int, shortest: int) -> int:
+    """At least `shortest`, and enough plain decodes that a probe's extra cost (a depth-probe_k
+    iteration with a catch-up, less a plain decode) is at most PROBE_SHARE of their time."""
+    decode = costs.cost(bs, 0)
+    extra = costs.cost(bs, probe_k, catching_up=True) - decode
+    return max(shortest, math.ceil(extra / (PROBE_SHARE * decode)))
+
+
 @dataclass
 class AdaptiveController:
-    """Picks k per iteration; `probe_interval` forces the shallowest draft now and then (see
-    module)."""
+    """Picks k per iteration; probes with the shallowest draft after a stretch without drafts
+    (see module)."""
 
     costs: CostTable
     choices: tuple[int, ...]
     probe_interval: int
-    iterations: int = 0
+    since_draft: int = 0  # iterations since the last one that drafted
 
     def choose(self, alphas_per_req: Sequence[Sequence[float]], catching_up: bool = False) -> int:
-        self.iterations += 1
-        if self.probe_interval > 0 and self.iterations % self.probe_interval == 0:
-            return self.choices[1]
-        return choose_num_drafts(alphas_per_req, self.costs, self.choices, catching_up)
+        self.since_draft += 1
+        bs, probe_k = len(alphas_per_req), self.choices[1]
+        if self.since_draft >= iterations_between_probes(
+            self.costs, bs, probe_k, self.probe_interval
+        ):
+            k = probe_k
+        else:
+            k = choose_num_drafts(alphas_per_req, self.costs, self.choices, catching_up)
+        if k:
+            self.since_draft = 0
+        return k

@@ -5,7 +5,10 @@ commits one token per request without running the head; instead its head input (
 and the target feature of the position before it) is held in a ring indexed by request slot.
 When the request drafts again, one head extend over its held pairs (`catch_up_batch`) writes the
 missing head KV and yields the seed of the next draft: exactly what the skipped extends would
-have produced, at the cost of one extend instead of one per skipped token.
+have produced, at the cost of one extend instead of one per skipped token. A request whose ring
+is full and still does not draft has its held pairs flushed: their head KV written (the K/V
+projection only, `EagleHead.write_kv`), and the ring starts over; its next draft's catch-up then
+covers the pairs held since.
 
 How many pairs a request holds is host-side knowledge (the scheduler decided every k), so no
 device value is read to build the catch-up.

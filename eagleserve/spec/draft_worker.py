@@ -82,8 +82,7 @@ class EagleDraftWorker:
             k: Topk1ChainBuffers(max(graph_bs, args.max_running_requests), k, k + 1, device)
             for k in (chain_lengths if spec.is_chain else ())
         }
-        # Adaptive: head inputs held while requests do not draft; a request drafts at least
-        # every probe_interval iterations, which bounds how many it holds.
+        # Adaptive: head inputs held while requests do not draft (flushed when the ring is full).
         self.lag = (
             DraftLag(
                 args.max_running_requests,
@@ -155,6 +154,16 @@ class EagleDraftWorker:
             fresh.topk_p, fresh.topk_index, fresh.hidden_states
         )  # fmt: skip
         return EagleDraftInput(topk_p, topk_index, hidden)
+
+    def flush(self, batch: ScheduleBatch, rows: list[int]) -> None:
+        """Writes the head KV of every pair held for the batch's `rows` (spec/draft_lag.py)."""
+        assert self.lag is not None and batch.draft_lags is not None
+        lags = [m if i in rows else 0 for i, m in enumerate(batch.draft_lags)]
+        fb, features, _, _ = catch_up_batch(
+            self.lag, batch, lags, self.req_to_token, self.kv_pool, self.attn_backend
+        )
+        with forward_context(fb):
+            self.head.write_kv(fb.input_ids, features, fb.positions, fb.out_cache_loc)
 
     def draft(
         self,

@@ -70,7 +70,8 @@ class EagleWorker:
     def plan_decode(self, batch: ScheduleBatch, prior: list[float]) -> None:
         """Scheduler thread, before a decode launches: picks this iteration's chain length from
         the last known acceptance (with overlap, one iteration old) and books the held head
-        inputs (a k = 0 iteration holds one more per request; k > 0 catches all up)."""
+        inputs (a k = 0 iteration holds one more per request, after flushing a full ring; k > 0
+        catches all up)."""
         if self.controller is None:
             return
         for req in batch.reqs:
@@ -82,11 +83,11 @@ class EagleWorker:
         # rank's, or their batches' shapes (and collectives) would differ.
         k = broadcast_object(k)
         assert self.drafter.lag is not None
-        if k == 0 and max(lags) + 1 >= self.drafter.lag.max_lag:
-            k = self.controller.choices[1]  # the ring is full: draft (and catch up) now
-        batch.num_drafts, batch.draft_lags = k, lags
-        for req in batch.reqs:
-            req.draft_lag = req.draft_lag + 1 if k == 0 else 0
+        full = self.drafter.lag.max_lag
+        flush = [i for i, m in enumerate(lags) if m == full] if k == 0 else []
+        batch.num_drafts, batch.draft_lags, batch.flush_rows = k, lags, flush
+        for req, m in zip(batch.reqs, lags, strict=True):
+            req.draft_lag = 0 if k else (1 if m == full else m + 1)
 
     def prepare_for_decode(self, batch: ScheduleBatch) -> None:
         """Reserves slots up to the host's view of L plus decode_slots_per_req per request."""
@@ -164,6 +165,8 @@ class EagleWorker:
         t0 = time.perf_counter()
         catch_up = 0.0
         if k == 0:
+            if batch.flush_rows:
+                self.drafter.flush(batch, batch.flush_rows)
             result = self._decode_without_drafts(batch, on_verified)
         else:
             if batch.draft_lags is not None and any(batch.draft_lags):
@@ -205,9 +208,9 @@ class EagleWorker:
         sampled = self._sample_next(out.logits, batch, prefill=False)
         next_ids = sampled.next_token_ids
         assert self.drafter.lag is not None
-        self.drafter.lag.hold(
-            batch.req_pool_indices, batch.draft_lags, next_ids, self._features(out)
-        )
+        flushed = batch.flush_rows or ()
+        ring_index = [0 if i in flushed else m for i, m in enumerate(batch.draft_lags)]
+        self.drafter.lag.hold(batch.req_pool_indices, ring_index, next_ids, self._features(out))
         batch.seq_lens = L + 1
         batch.seq_lens_cpu = batch.seq_lens_cpu + 1  # known on the host: no refresh needed
         batch.seq_lens_sum = None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import random
 from pathlib import Path
 
@@ -12,6 +13,7 @@ from eagleserve.spec.adaptive import (
     ACCEPT_EMA,
     ACCEPT_PRIOR,
     DRAFT_MARGIN,
+    PROBE_SHARE,
     AdaptiveController,
     CostTable,
     acceptance_prior,
@@ -127,9 +129,27 @@ def test_a_draft_must_beat_a_plain_decode_by_the_margin() -> None:
 
 
 def test_controller_probes_the_shallowest_depth() -> None:
-    ctl = AdaptiveController(table([1.0, 1.3, 1.6, 1.9]), CHAIN, probe_interval=5)
-    picks = [ctl.choose([[0.05] * 3]) for _ in range(20)]
-    assert picks == [1 if (i + 1) % 5 == 0 else 0 for i in range(20)]
+    """With no acceptance to speak of, a draft at depth 1 every `probe_interval` iterations while
+    a probe is cheap; where a probe (depth 1 plus its catch-up) costs more, fewer probes, so that
+    together they add at most PROBE_SHARE to the decodes between them."""
+    rng = random.Random()
+    shortest = rng.randrange(3, 9)
+    cheap = table([1.0, 1.0 + PROBE_SHARE * shortest * rng.uniform(0.2, 0.9), 1.6, 1.9])
+    costly = table([1.0, rng.uniform(1.2, 1.5), 1.6, 1.9])
+    costly.catch_up = {1: rng.uniform(0.1, 0.4)}
+    for costs, every in (
+        (cheap, shortest),
+        (costly, math.ceil((costly.cost(1, 1, catching_up=True) - 1.0) / PROBE_SHARE)),
+    ):
+        ctl = AdaptiveController(costs, CHAIN, probe_interval=shortest)
+        picks = [ctl.choose([[0.05] * 3]) for _ in range(3 * every)]
+        assert picks == [1 if (i + 1) % every == 0 else 0 for i in range(3 * every)]
+    # A draft the controller chose counts as one: the stretch starts over from it.
+    ctl = AdaptiveController(cheap, CHAIN, probe_interval=shortest)
+    picks = [ctl.choose([[0.05] * 3]) for _ in range(shortest - 2)]
+    picks.append(ctl.choose([[0.99] * 3]))
+    picks += [ctl.choose([[0.05] * 3]) for _ in range(shortest)]
+    assert picks == [0] * (shortest - 2) + [3] + [0] * (shortest - 1) + [1]
 
 
 def test_cost_table_buckets_and_ema() -> None:

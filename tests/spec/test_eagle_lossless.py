@@ -232,7 +232,7 @@ def adaptive_engine(
         speculative_eagle_topk=2 if tree else 1,
         speculative_num_draft_tokens=6 if tree else 4,
         speculative_adaptive=True,
-        speculative_adaptive_probe_interval=8,
+        speculative_adaptive_probe_interval=kw.pop("speculative_adaptive_probe_interval", 8),
         **kw,
     )
 
@@ -320,14 +320,19 @@ def head_kv(engine: Engine, req_pool_idx: int, length: int) -> torch.Tensor:
     return drafter.kv_pool.k_buffer[0][slots].clone()
 
 
-def test_head_kv_after_a_stretch_without_drafting(target_dir: str, heads: dict[str, str]) -> None:
+@pytest.mark.parametrize("without", [5, 11], ids=["catch-up", "flushed-rings"])
+def test_head_kv_after_a_stretch_without_drafting(
+    target_dir: str, heads: dict[str, str], without: int
+) -> None:
     """After k = 0 iterations and the catch-up, the head's KV equals that of a run that ran the
-    head after every token (here: a fixed 1-chain), position by position."""
+    head after every token (here: a fixed 1-chain), position by position; also where the
+    stretch outlasts the ring of held inputs (4 here), which is flushed twice on the way."""
     prompt = _prompts(3)[3]
     runs = {}
     for name in ("lagged", "always"):
         eng = (
-            adaptive_engine(target_dir, heads["EAGLE-random"], False)
+            adaptive_engine(target_dir, heads["EAGLE-random"], False,
+                            speculative_adaptive_probe_interval=4 if without > 8 else 8)
             if name == "lagged"
             else Engine(model=target_dir, device="cpu", kv_cache_tokens=2048,
                         max_running_requests=8, speculative_algorithm="EAGLE",
@@ -336,17 +341,17 @@ def test_head_kv_after_a_stretch_without_drafting(target_dir: str, heads: dict[s
                         speculative_num_draft_tokens=2)
         )  # fmt: skip
         if name == "lagged":
-            script_choices(eng, [0, 0, 0, 0, 0, 1])
+            script_choices(eng, [0] * without + [1])
         sched = eng.scheduler
         sched.add_request(
             GenerateReqInput("r", prompt, SamplingParams(max_new_tokens=30, temperature=0.0))
         )
-        for _ in range(7):  # prefill + six decodes: the sixth catches up five held inputs
+        for _ in range(without + 2):  # prefill, the stretch, and the decode that catches up
             sched.step()
         req = sched.running_batch.reqs[0]
         runs[name] = (eng, req.req_pool_idx, req.kv_committed_len)
     n = min(length for _, _, length in runs.values())
-    assert n > len(prompt) + 5
+    assert n > len(prompt) + without
     lagged, always = (head_kv(e, idx, n) for e, idx, _ in runs.values())
     torch.testing.assert_close(lagged, always, atol=1e-5, rtol=1e-5)
     for eng, _, _ in runs.values():
