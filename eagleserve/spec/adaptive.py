@@ -24,7 +24,9 @@ iteration drafts regardless, at the shallowest depth (the price of noticing that
 up; once the first depth pays, the controller goes deeper by itself where the deeper EMAs say
 so). The stretch is `probe_interval` iterations, or longer where a probe costs more than
 PROBE_SHARE of the decodes between probes (`iterations_between_probes`): a probe drafts for the
-whole batch and catches up every request's held head inputs, which grows with the batch.
+whole batch and catches up every request's held head inputs, which grows with the batch. Each
+probe after which the controller still does not draft by itself doubles the stretch, up to
+MAX_PROBE_BACKOFF times: where drafting keeps not paying, probing less is what is left to gain.
 """
 
 from __future__ import annotations
@@ -42,8 +44,10 @@ ACCEPT_PRIOR = 0.5
 COST_EMA = 0.1
 # How much more expected tokens per second a draft must promise than a plain decode.
 DRAFT_MARGIN = 0.05
-# Most of the decode time that probes may add (see module).
+# Most of the decode time that probes may add, and how far failed probes stretch the time
+# between them (see module).
 PROBE_SHARE = 0.01
+MAX_PROBE_BACKOFF = 8
 
 
 def acceptance_prior(measured: Sequence[float] | None, num_steps: int) -> list[float]:
@@ -150,16 +154,17 @@ class AdaptiveController:
     choices: tuple[int, ...]
     probe_interval: int
     since_draft: int = 0  # iterations since the last one that drafted
+    backoff: int = 1  # the stretch between probes is this many times the base one
 
     def choose(self, alphas_per_req: Sequence[Sequence[float]], catching_up: bool = False) -> int:
         self.since_draft += 1
         bs, probe_k = len(alphas_per_req), self.choices[1]
-        if self.since_draft >= iterations_between_probes(
-            self.costs, bs, probe_k, self.probe_interval
-        ):
-            k = probe_k
-        else:
-            k = choose_num_drafts(alphas_per_req, self.costs, self.choices, catching_up)
-        if k:
+        every = iterations_between_probes(self.costs, bs, probe_k, self.probe_interval)
+        if self.since_draft >= every * self.backoff:
             self.since_draft = 0
+            self.backoff = min(2 * self.backoff, MAX_PROBE_BACKOFF)
+            return probe_k
+        k = choose_num_drafts(alphas_per_req, self.costs, self.choices, catching_up)
+        if k:  # drafting pays by itself: acceptance is current, and probes start over
+            self.since_draft, self.backoff = 0, 1
         return k

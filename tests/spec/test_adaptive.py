@@ -13,6 +13,7 @@ from eagleserve.spec.adaptive import (
     ACCEPT_EMA,
     ACCEPT_PRIOR,
     DRAFT_MARGIN,
+    MAX_PROBE_BACKOFF,
     PROBE_SHARE,
     AdaptiveController,
     CostTable,
@@ -128,28 +129,46 @@ def test_a_draft_must_beat_a_plain_decode_by_the_margin() -> None:
         assert k == (1 if r > 1 + DRAFT_MARGIN else 0), (alpha, r)
 
 
+def probe_gaps(ctl: AdaptiveController, alphas: list[float], n: int) -> list[int]:
+    """Iterations from one probe (or start) to the next, over n choices at `alphas`."""
+    gaps, last = [], 0
+    for i in range(1, n + 1):
+        k = ctl.choose([alphas])
+        assert k in (0, 1), k
+        if k:
+            gaps.append(i - last)
+            last = i
+    return gaps
+
+
 def test_controller_probes_the_shallowest_depth() -> None:
-    """With no acceptance to speak of, a draft at depth 1 every `probe_interval` iterations while
-    a probe is cheap; where a probe (depth 1 plus its catch-up) costs more, fewer probes, so that
-    together they add at most PROBE_SHARE to the decodes between them."""
+    """With no acceptance to speak of, a draft at depth 1 after `probe_interval` iterations
+    while a probe is cheap; where a probe (depth 1 plus its catch-up) costs more, after more, so
+    that probes add at most PROBE_SHARE to the decodes between them; and each probe that does
+    not end the stretch doubles it, up to MAX_PROBE_BACKOFF times."""
     rng = random.Random()
     shortest = rng.randrange(3, 9)
     cheap = table([1.0, 1.0 + PROBE_SHARE * shortest * rng.uniform(0.2, 0.9), 1.6, 1.9])
     costly = table([1.0, rng.uniform(1.2, 1.5), 1.6, 1.9])
     costly.catch_up = {1: rng.uniform(0.1, 0.4)}
+    stretches = [2**i for i in range(MAX_PROBE_BACKOFF.bit_length())]  # 1, 2, ..., the most
+    stretches += [MAX_PROBE_BACKOFF] * 2  # ...and no further
     for costs, every in (
         (cheap, shortest),
         (costly, math.ceil((costly.cost(1, 1, catching_up=True) - 1.0) / PROBE_SHARE)),
     ):
         ctl = AdaptiveController(costs, CHAIN, probe_interval=shortest)
-        picks = [ctl.choose([[0.05] * 3]) for _ in range(3 * every)]
-        assert picks == [1 if (i + 1) % every == 0 else 0 for i in range(3 * every)]
-    # A draft the controller chose counts as one: the stretch starts over from it.
-    ctl = AdaptiveController(cheap, CHAIN, probe_interval=shortest)
-    picks = [ctl.choose([[0.05] * 3]) for _ in range(shortest - 2)]
-    picks.append(ctl.choose([[0.99] * 3]))
-    picks += [ctl.choose([[0.05] * 3]) for _ in range(shortest)]
-    assert picks == [0] * (shortest - 2) + [3] + [0] * (shortest - 1) + [1]
+        gaps = probe_gaps(ctl, [0.05] * 3, every * sum(stretches))
+        assert gaps == [every * s for s in stretches]
+
+
+def test_a_draft_by_choice_restarts_the_probes() -> None:
+    ctl = AdaptiveController(table([1.0, 1.01, 1.6, 1.9]), CHAIN, probe_interval=4)
+    assert probe_gaps(ctl, [0.05] * 3, 4 + 8 + 16) == [4, 8, 16]
+    assert ctl.choose([[0.99] * 3]) == 3  # pays by itself: the stretch starts over, unstretched
+    assert probe_gaps(ctl, [0.05] * 3, 4) == [4]
+    picks = [ctl.choose([[0.05] * 3]) for _ in range(3)] + [ctl.choose([[0.99] * 3])]
+    assert picks == [0, 0, 0, 3]  # a draft by choice before the probe was due
 
 
 def test_cost_table_buckets_and_ema() -> None:
