@@ -186,7 +186,9 @@ def main() -> None:
     # bucket and k) and the engine-wide acceptance by depth.
     adaptive = engines["adaptive 0..3"].scheduler
     costs = adaptive.worker.controller.costs  # type: ignore[union-attr]
-    meta["adaptive_costs_ms"] = {f"{b},{k}": 1e3 * s for (b, k), s in sorted(costs.seconds.items())}
+    meta["adaptive_costs_ms"] = {
+        f"{b},{k}": 1e3 * costs.cost(b, k) for b, k in sorted(costs.seconds)
+    }
     meta["adaptive_acceptance_ema"] = list(adaptive.spec_stats.acceptance_ema)
     print("adaptive costs (ms by bucket,k):", meta["adaptive_costs_ms"])
     path = write_json(name, {**meta, "overlap": args.overlap, "rows": rows})

@@ -12,7 +12,7 @@ a tree is drafted whole (k = num_steps) or not at all (k = 0, a plain decode).
   E[k] = 1 + sum_{j=1..k} prod_{d<j} alphas[d]  (`expected_tokens`); for a tree the same sum
   over its per-depth acceptance (the accepted path is a chain through the tree).
 - Cost: `CostTable` holds the seconds of one decode iteration per batch-size bucket and k,
-  measured at start-up and refreshed by an EMA of measured iterations.
+  measured at start-up and scaled per bucket by an EMA of measured iterations.
 - `choose_num_drafts`: argmax_k sum_r E_r[k] / cost(bs, k); k = 0 is a plain target decode,
   and a draft must beat it by DRAFT_MARGIN: acceptance is an estimate (the head's held-out
   accuracy runs above what it achieves on live text, and deep depths are rarely judged), so
@@ -80,10 +80,16 @@ def update_acceptance(alphas: list[float], num_drafts: int, accepted: int) -> No
 
 @dataclass
 class CostTable:
-    """Seconds per decode iteration, by batch-size bucket and chain length k."""
+    """Seconds per decode iteration, by batch-size bucket and chain length k: the start-up
+    measurement times a per-bucket scale, an EMA of measured iterations over their start-up
+    figure. One scale for every k of a bucket, because the controller runs some k rarely: an
+    EMA per (bucket, k) would move the k it runs (to what an iteration costs with sampling and
+    bookkeeping) and leave the others at their start-up figures, which miss those, so the
+    comparison would drift towards the k it does not run."""
 
     buckets: tuple[int, ...]  # increasing batch sizes; a batch uses the smallest bucket >= bs
     seconds: dict[tuple[int, int], float] = field(default_factory=dict)
+    scale: dict[int, float] = field(default_factory=dict)
     # Per bucket: the head extend that catches up held inputs before drafting resumes.
     catch_up: dict[int, float] = field(default_factory=dict)
 
@@ -93,12 +99,14 @@ class CostTable:
 
     def cost(self, bs: int, k: int, catching_up: bool = False) -> float:
         """One iteration of depth k; drafting after a stretch without pays the catch-up too."""
-        extra = self.catch_up.get(self.bucket(bs), 0.0) if catching_up and k else 0.0
-        return self.seconds[(self.bucket(bs), k)] + extra
+        b = self.bucket(bs)
+        extra = self.catch_up.get(b, 0.0) if catching_up and k else 0.0
+        return self.seconds[(b, k)] * self.scale.get(b, 1.0) + extra
 
     def observe(self, bs: int, k: int, seconds: float) -> None:
-        """Folds one measured iteration (catch-up excluded) into the EMA of its bucket."""
-        _ema(self.seconds, (self.bucket(bs), k), seconds)
+        """Folds one measured iteration (catch-up excluded) into its bucket's scale."""
+        b = self.bucket(bs)
+        _ema(self.scale, b, seconds / self.seconds[(b, k)])
 
     def observe_catch_up(self, bs: int, seconds: float) -> None:
         _ema(self.catch_up, self.bucket(bs), seconds)

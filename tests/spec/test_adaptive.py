@@ -172,11 +172,22 @@ def test_a_draft_by_choice_restarts_the_probes() -> None:
 
 
 def test_cost_table_buckets_and_ema() -> None:
+    """Measured iterations scale their whole bucket: a depth the controller does not run keeps
+    its start-up ratio to the ones it does, rather than its start-up figure."""
     t = CostTable((1, 2, 4, 8))
-    t.seconds[(4, 1)] = 1.0
+    rng = random.Random()
+    start = {k: rng.uniform(0.5, 2.0) for k in range(3)}
+    for k, c in start.items():
+        t.seconds[(4, k)] = c
+    t.seconds[(8, 0)] = 9.0
     assert t.bucket(3) == 4 and t.bucket(8) == 8 and t.bucket(50) == 8
-    t.observe(3, 1, 2.0)
-    assert t.cost(4, 1) == pytest.approx(1.1)
+    ratio = rng.uniform(1.1, 1.5)
+    t.observe(3, 0, start[0] * ratio)  # the first measurement sets the scale
+    assert [t.cost(4, k) for k in range(3)] == pytest.approx([c * ratio for c in start.values()])
+    t.observe(4, 2, start[2] * 2.0)
+    scaled = ratio + 0.1 * (2.0 - ratio)
+    assert t.cost(4, 1) == pytest.approx(start[1] * scaled)
+    assert t.cost(8, 0) == 9.0  # other buckets untouched
 
 
 def test_a_tree_is_drafted_whole_or_not_at_all() -> None:
