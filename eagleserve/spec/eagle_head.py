@@ -195,8 +195,16 @@ class EagleHead(nn.Module):
         """Writes these rows' K/V to `out_cache_loc` in the active forward's KV pool and
         nothing else: the head is one layer, so a row's K/V depend on its own input alone."""
         attn_in, _ = self._attention_input(input_ids, features)
-        _, k, v = self.attn.project(attn_in, positions, self.rotary_emb)
-        get_forward_batch().kv_pool.set_kv(self.attn.layer_id, out_cache_loc, k, v)
+        attn = self.attn
+        if attn.qkv_proj is None:  # separate projections: q is not needed here
+            t, shape = attn_in.shape[0], (attn.num_kv_heads, attn.head_dim)
+            k = self.rotary_emb.at(positions, attn_in.dtype).apply(
+                attn.k_proj(attn_in).view(t, *shape)
+            )
+            v = attn.v_proj(attn_in).view(t, *shape)
+        else:
+            _, k, v = attn.project(attn_in, positions, self.rotary_emb)
+        get_forward_batch().kv_pool.set_kv(attn.layer_id, out_cache_loc, k, v)
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         if self.algorithm == "EAGLE":
