@@ -163,10 +163,11 @@ class EagleWorker:
     ) -> GenerationBatchResult:
         k = self.spec.num_steps if batch.num_drafts is None else batch.num_drafts
         t0 = time.perf_counter()
-        catch_up = 0.0
+        catch_up = 0.0  # head work for held inputs: not part of what depth k costs
         if k == 0:
             if batch.flush_rows:
                 self.drafter.flush(batch, batch.flush_rows)
+                catch_up = time.perf_counter() - t0
             result = self._decode_without_drafts(batch, on_verified)
         else:
             if batch.draft_lags is not None and any(batch.draft_lags):
@@ -178,7 +179,7 @@ class EagleWorker:
             # On a CPU the forward ran synchronously: wall time is what the iteration cost.
             costs, bs = self.controller.costs, batch.batch_size
             costs.observe(bs, k, time.perf_counter() - t0 - catch_up)
-            if catch_up:
+            if catch_up and k:
                 costs.observe_catch_up(bs, catch_up)
         return result
 
