@@ -42,8 +42,10 @@ FIELD_HELP: dict[str, str] = {
     "speculative_num_draft_tokens": "tokens verified per iteration (chain: num_steps + 1)",
     "speculative_adaptive": "choose the draft depth per iteration from live acceptance and "
     "measured cost (a chain: 0..num_steps; a tree: all or nothing)",
-    "speculative_adaptive_probe_interval": "with --speculative-adaptive: draft (at the "
-    "shallowest depth) at least every N iterations to keep acceptance figures current",
+    "speculative_adaptive_probe_interval": "with --speculative-adaptive: after N iterations "
+    "without a draft, draft once at the shallowest depth to keep acceptance figures current "
+    "(longer where that costs more than 1%% of the decodes between; doubled after each such "
+    "probe that does not pay, up to 8x)",
     "disable_overlap_schedule": (
         "run scheduling and the forward pass one after the other (default: on a CPU only)"
     ),
