@@ -258,12 +258,24 @@ def test_adaptive_greedy_lossless(
     tree: bool,
     overlap: bool,
 ) -> None:
-    scripted = adaptive_engine(target_dir, heads[head], overlap, tree)
-    cycle = [0, 0, 3, 0, 3, 3, 0, 0, 0, 3] if tree else [0, 0, 3, 1, 0, 0, 0, 0, 2, 3, 0, 1]
+    # A 4-pair ring of held head inputs: the stretch of six k = 0 iterations flushes it.
+    scripted = adaptive_engine(
+        target_dir, heads[head], overlap, tree, speculative_adaptive_probe_interval=4
+    )
+    cycle = (
+        [0, 0, 3, 0, 3, 3, 0, 0, 0, 0, 0, 0, 3]
+        if tree
+        else [0, 0, 3, 1, 0, 0, 0, 0, 0, 0, 2, 3, 0, 1]
+    )
     script_choices(scripted, cycle)
+    drafter = scripted.scheduler.worker.drafter
+    flushes = []
+    flush = drafter.flush
+    drafter.flush = lambda batch, rows: (flushes.append(rows), flush(batch, rows))[1]
     assert run_staggered(scripted, _prompts(0), _params()) == reference
     hist = scripted.stats().spec_iterations_per_num_drafts
     assert all(hist[k] > 0 for k in set(cycle)), hist  # every k, 0 included, really ran
+    assert flushes  # ...and full rings were flushed
     real = adaptive_engine(target_dir, heads[head], overlap, tree)
     assert run_staggered(real, _prompts(0), _params()) == reference
 
