@@ -119,12 +119,10 @@ class ScheduleBatch:
     spec_info: EagleDraftInput | None = None
     # Overlap: FutureMap slots whose values this batch's inputs will resolve from.
     future_indices: torch.Tensor | None = None
-    # Adaptive speculation, set per decode iteration before launch: the chain length, how
-    # many held head inputs each request has (None: the configured chain, nothing held), and
-    # the batch rows whose full rings a k = 0 iteration flushes first (spec/draft_lag.py).
+    # Adaptive speculation, set per decode iteration before launch: the chain length, and how
+    # many held head inputs each request has (None: the configured chain, nothing held).
     num_drafts: int | None = None
     draft_lags: list[int] | None = None
-    flush_rows: list[int] | None = None
     # (ids of `reqs`, SamplingInfo) built by the scheduler before launch, reused while the
     # batch's membership is unchanged (model/sampler.py SamplingInfo.of_batch).
     sampling_info: tuple[tuple[int, ...], Any] | None = None

@@ -84,10 +84,9 @@ class EagleWorker:
         k = broadcast_object(k)
         assert self.drafter.lag is not None
         full = self.drafter.lag.max_lag
-        flush = [i for i, m in enumerate(lags) if m == full] if k == 0 else []
-        batch.num_drafts, batch.draft_lags, batch.flush_rows = k, lags, flush
+        batch.num_drafts, batch.draft_lags = k, lags
         for req, m in zip(batch.reqs, lags, strict=True):
-            req.draft_lag = 0 if k else (1 if m == full else m + 1)
+            req.draft_lag = 0 if k else m % full + 1  # a full ring is flushed first
 
     def prepare_for_decode(self, batch: ScheduleBatch) -> None:
         """Reserves slots up to the host's view of L plus decode_slots_per_req per request."""
@@ -165,8 +164,10 @@ class EagleWorker:
         t0 = time.perf_counter()
         catch_up = 0.0  # head work for held inputs: not part of what depth k costs
         if k == 0:
-            if batch.flush_rows:
-                self.drafter.flush(batch, batch.flush_rows)
+            assert batch.draft_lags is not None and self.drafter.lag is not None
+            full = [i for i, m in enumerate(batch.draft_lags) if m == self.drafter.lag.max_lag]
+            if full:
+                self.drafter.flush(batch, full)
                 catch_up = time.perf_counter() - t0
             result = self._decode_without_drafts(batch, on_verified)
         else:
@@ -208,10 +209,10 @@ class EagleWorker:
         )
         sampled = self._sample_next(out.logits, batch, prefill=False)
         next_ids = sampled.next_token_ids
-        assert self.drafter.lag is not None
-        flushed = batch.flush_rows or ()
-        ring_index = [0 if i in flushed else m for i, m in enumerate(batch.draft_lags)]
-        self.drafter.lag.hold(batch.req_pool_indices, ring_index, next_ids, self._features(out))
+        lag = self.drafter.lag
+        assert lag is not None
+        ring_index = [m % lag.max_lag for m in batch.draft_lags]  # a full ring was flushed
+        lag.hold(batch.req_pool_indices, ring_index, next_ids, self._features(out))
         batch.seq_lens = L + 1
         batch.seq_lens_cpu = batch.seq_lens_cpu + 1  # known on the host: no refresh needed
         batch.seq_lens_sum = None
