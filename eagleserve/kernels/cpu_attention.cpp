@@ -63,30 +63,27 @@ inline void score_keys(const float* q, const float* k_buf, int64_t slot_stride,
   for (int i = 0; i < N; ++i) scores[i] = hsum8(acc[i]) * scale;
 }
 
-// out[d0, d0 + 8C) = sum over keys j in order of p_j * v_j, one fma chain per lane; C chains
-// in flight, each lane's order the same whatever C is.
+// out[d0, d0 + 8C) += sum over keys j in [j0, j1) in order of p_j * v_j, one fma chain per
+// lane carried across calls through `out` (an exact fp32 store and load); C chains in flight,
+// each lane's order the same whatever C is and however the keys are split into calls.
 template <int C>
 inline void weigh_values(const float* p, const float* v_buf, int64_t slot_stride,
-                         const int64_t* slots, int64_t n, int64_t d0, float inv, float* out) {
+                         const int64_t* slots, int64_t j0, int64_t j1, int64_t d0, bool first,
+                         float* out) {
   __m256 acc[C];
-  for (int c = 0; c < C; ++c) acc[c] = _mm256_setzero_ps();
-  for (int64_t j = 0; j < n; ++j) {
+  for (int c = 0; c < C; ++c)
+    acc[c] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(out + d0 + 8 * c);
+  for (int64_t j = j0; j < j1; ++j) {
     const __m256 pj = _mm256_set1_ps(p[j]);
     const float* v = v_buf + slots[j] * slot_stride + d0;
     for (int c = 0; c < C; ++c) acc[c] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + 8 * c), acc[c]);
   }
-  for (int c = 0; c < C; ++c)
-    _mm256_storeu_ps(out + d0 + 8 * c, _mm256_mul_ps(acc[c], _mm256_set1_ps(inv)));
+  for (int c = 0; c < C; ++c) _mm256_storeu_ps(out + d0 + 8 * c, acc[c]);
 }
 
-// One query row and head over its visible keys `slots[0, n)`; writes out[0, D).
-void attend(const float* q, const float* k_buf, const float* v_buf, int64_t slot_stride,
-            const int64_t* slots, int64_t n, int64_t D, float scale, float* scores,
-            float* out) {
+// Scores -> probabilities in place (padded with zeros to a multiple of 8); returns 1 / their sum.
+float softmax_(float* scores, int64_t n) {
   const int64_t padded = (n + 7) / 8 * 8;
-  int64_t j = 0;
-  for (; j + 8 <= n; j += 8) score_keys<8>(q, k_buf, slot_stride, slots + j, D, scale, scores + j);
-  for (; j < n; ++j) score_keys<1>(q, k_buf, slot_stride, slots + j, D, scale, scores + j);
   for (int64_t j = n; j < padded; ++j) scores[j] = -std::numeric_limits<float>::infinity();
   __m256 vmax = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
   for (int64_t j = 0; j < padded; j += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(scores + j));
@@ -97,10 +94,57 @@ void attend(const float* q, const float* k_buf, const float* v_buf, int64_t slot
     _mm256_storeu_ps(scores + j, p);
     vsum = _mm256_add_ps(vsum, p);
   }
-  const float inv = 1.f / hsum8(vsum);
-  int64_t d = 0;
-  for (; d + 64 <= D; d += 64) weigh_values<8>(scores, v_buf, slot_stride, slots, n, d, inv, out);
-  for (; d < D; d += 8) weigh_values<1>(scores, v_buf, slot_stride, slots, n, d, inv, out);
+  return 1.f / hsum8(vsum);
+}
+
+// One attention query: its q and out rows [D], its visible key slots [0, n).
+struct Query {
+  const float* q;
+  float* out;
+  const int64_t* slots;
+  int64_t n;
+};
+
+constexpr int64_t kKeyChunk = 32;  // keys whose K (or V) rows stay in L1 across the queries
+
+// Queries that read the same K/V head (a request's rows times the heads of one GQA group),
+// walked key chunk by key chunk so a chunk loaded for the first query is in L1 for the rest.
+// Each query's scores, softmax and weighted sum are the sequence of operations it would run
+// alone: the chunking only interleaves queries.
+void attend(const Query* qs, int64_t count, const float* k_buf, const float* v_buf,
+            int64_t slot_stride, int64_t D, float scale, std::vector<float>& scores) {
+  int64_t max_n = 0, stride = 0;
+  for (int64_t i = 0; i < count; ++i) max_n = std::max(max_n, qs[i].n);
+  stride = (max_n + 7) / 8 * 8;
+  scores.resize(count * stride);
+  for (int64_t j0 = 0; j0 < max_n; j0 += kKeyChunk) {
+    for (int64_t i = 0; i < count; ++i) {
+      const int64_t j1 = std::min(j0 + kKeyChunk, qs[i].n);
+      float* s = scores.data() + i * stride;
+      int64_t j = j0;
+      for (; j + 8 <= j1; j += 8) score_keys<8>(qs[i].q, k_buf, slot_stride, qs[i].slots + j, D, scale, s + j);
+      for (; j < j1; ++j) score_keys<1>(qs[i].q, k_buf, slot_stride, qs[i].slots + j, D, scale, s + j);
+    }
+  }
+  std::vector<float> inv(count);
+  for (int64_t i = 0; i < count; ++i) inv[i] = softmax_(scores.data() + i * stride, qs[i].n);
+  for (int64_t j0 = 0; j0 < max_n; j0 += kKeyChunk) {
+    for (int64_t i = 0; i < count; ++i) {
+      const int64_t j1 = std::min(j0 + kKeyChunk, qs[i].n);
+      if (j0 >= j1) continue;
+      const float* p = scores.data() + i * stride;
+      int64_t d = 0;
+      for (; d + 64 <= D; d += 64)
+        weigh_values<8>(p, v_buf, slot_stride, qs[i].slots, j0, j1, d, j0 == 0, qs[i].out);
+      for (; d < D; d += 8)
+        weigh_values<1>(p, v_buf, slot_stride, qs[i].slots, j0, j1, d, j0 == 0, qs[i].out);
+    }
+  }
+  for (int64_t i = 0; i < count; ++i) {
+    const __m256 s = _mm256_set1_ps(inv[i]);
+    for (int64_t d = 0; d < D; d += 8)
+      _mm256_storeu_ps(qs[i].out + d, _mm256_mul_ps(_mm256_loadu_ps(qs[i].out + d), s));
+  }
 }
 
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf,
@@ -172,19 +216,50 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_buf, const a
     }
     TORCH_CHECK(row_n[row] > 0, "a query sees no key");
   }
-  // (row, head) pairs dealt round-robin over the threads: a causal prefill's later rows see
-  // more keys, and contiguous ranges would leave the first thread idle. A decode of one
-  // request still spreads over the heads. Which thread runs a pair changes nothing in it.
+  // Work items: the queries of one request that read one K/V head (its rows times the GQA
+  // group's heads), cut to at most kMaxQueries and to enough items for the threads (a decode of
+  // one request still spreads over the heads); dealt round-robin, since a causal prefill's later
+  // rows see more keys. Which item or thread runs a query changes nothing in it.
+  constexpr int64_t kMaxQueries = 16;
   const int64_t threads = std::min<int64_t>(at::get_num_threads(), T * H);
-  at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
+  const int64_t per_item =
+      std::max<int64_t>(1, std::min<int64_t>(kMaxQueries, T * H / (2 * threads)));
+  std::vector<Query> queries;
+  std::vector<int64_t> item_start, item_head;
+  queries.reserve(T * H);
+  // A request's rows in runs of at most kRowGroup (a prefill's scores stay small).
+  constexpr int64_t kRowGroup = 8;
+  auto row_end = [&](int64_t r0) {
+    int64_t r = r0 + 1;
+    while (r < T && row_req[r] == row_req[r0] && r - r0 < kRowGroup) ++r;
+    return r;
+  };
+  for (int64_t r0 = 0; r0 < T; r0 = row_end(r0)) {
+    const int64_t r1 = row_end(r0);
+    for (int64_t g = 0; g < Hkv; ++g) {
+      int64_t in_item = per_item;  // the first query opens an item
+      for (int64_t row = r0; row < r1; ++row) {
+        for (int64_t h = g * group; h < (g + 1) * group; ++h, ++in_item) {
+          if (in_item == per_item) {
+            item_start.push_back(static_cast<int64_t>(queries.size()));
+            item_head.push_back(g);
+            in_item = 0;
+          }
+          queries.push_back({qp + row * q_row + h * D, op + (row * H + h) * D, row_slots[row],
+                             row_n[row]});
+        }
+      }
+    }
+  }
+  const int64_t items = static_cast<int64_t>(item_start.size());
+  item_start.push_back(static_cast<int64_t>(queries.size()));
+  at::parallel_for(0, std::min(threads, items), 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> scores;
     for (int64_t t = t0; t < t1; ++t) {
-      for (int64_t w = t; w < T * H; w += threads) {
-        const int64_t row = w / H, h = w % H;
-        const int64_t n = row_n[row];
-        scores.resize((n + 7) / 8 * 8);
-        attend(qp + row * q_row + h * D, kp + (h / group) * D, vp + (h / group) * D, slot_stride,
-               row_slots[row], n, D, static_cast<float>(sm_scale), scores.data(), op + w * D);
+      for (int64_t w = t; w < items; w += std::min(threads, items)) {
+        const int64_t g = item_head[w];
+        attend(queries.data() + item_start[w], item_start[w + 1] - item_start[w], kp + g * D,
+               vp + g * D, slot_stride, D, static_cast<float>(sm_scale), scores);
       }
     }
   });
