@@ -38,7 +38,7 @@
 namespace eagleserve_cpu {  // cpu_gemv_avx512.cpp
 bool avx512_vnni_supported();
 void tile_dots_avx512(bool q4, int rows, const int8_t* qx, int64_t K, const float* dx,
-                      const uint8_t* w, const float* d, const int32_t* wsum, float* out);
+                      const uint8_t* w, const float* d, const void* extra, float* out);
 }  // namespace eagleserve_cpu
 
 namespace {
@@ -46,6 +46,11 @@ namespace {
 constexpr int64_t kBlock = 32;
 constexpr int64_t kTile = 16;  // columns per tile
 constexpr int kRowsPerPass = 4;  // rows sharing one unpack of each weight block
+// A batch-1 GEMV waits on memory, and the hardware prefetcher alone does not run far enough
+// ahead to hide the extra rows' integer dots behind the weight stream: each block prefetches
+// the weights this many bytes further on (the next tile's, past a tile's end: a thread's tiles
+// are contiguous) and its scale tiles as many blocks ahead.
+constexpr int64_t kPrefetchBytes = 1536;
 // The AVX-512 VNNI kernels where the CPU has them; switched only through gemv_isa.
 bool use_avx512 = eagleserve_cpu::avx512_vnni_supported();
 
@@ -56,12 +61,21 @@ inline __m256i bcast4(const int8_t* p) {
   return _mm256_set1_epi32(v);
 }
 
+inline void prefetch_ahead(const uint8_t* wb, int64_t tile_bytes, const float* d,
+                           const void* extra) {
+  for (int64_t b = 0; b < tile_bytes; b += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(wb + kPrefetchBytes + b), _MM_HINT_T0);
+  const int64_t ahead = kPrefetchBytes / tile_bytes * kTile * 4;
+  _mm_prefetch(reinterpret_cast<const char*>(d) + ahead, _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(extra) + ahead, _MM_HINT_T0);
+}
+
 // Block sums of R rows against the 16 columns of one tile, lanes = columns: out[r * 16 + c] =
 // fma chain over blocks g of cvt(int32 dot) * (d_w * d_x). AVX2: 8 columns per vector, the
 // dots as maddubs pairs (summed in int16 for q4: at most 8 * 2 * 15 * 127 < 2^15) and madd.
 template <int R, bool Q4>
 void tile_dots_avx2(const int8_t* qx, int64_t K, const float* dx, const uint8_t* w,
-                    const float* d, float* out) {
+                    const float* d, const void* extra, float* out) {
   const int64_t groups = K / kBlock;
   constexpr int64_t kTileBytes = Q4 ? 256 : 512;  // per block
   const __m256i ones = _mm256_set1_epi16(1), lo4 = _mm256_set1_epi8(0x0F);
@@ -70,6 +84,8 @@ void tile_dots_avx2(const int8_t* qx, int64_t K, const float* dx, const uint8_t*
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
     for (int64_t g = 0; g < groups; ++g) {
       const uint8_t* wb = w + g * kTileBytes + half * 32;
+      if (half == 0)  // the second half reads the tile again, from L1
+        prefetch_ahead(wb, kTileBytes, d + g * kTile, static_cast<const float*>(extra) + g * kTile);
       const __m256 dw = _mm256_loadu_ps(d + g * kTile + half * 8);
       if constexpr (Q4) {
         __m256i lo[4], hi[4];
@@ -110,13 +126,13 @@ void tile_dots_avx2(const int8_t* qx, int64_t K, const float* dx, const uint8_t*
 
 template <bool Q4>
 void tile_dots(bool wide, int rows, const int8_t* qx, int64_t K, const float* dx,
-               const uint8_t* w, const float* d, const int32_t* wsum, float* out) {
-  if (wide) return eagleserve_cpu::tile_dots_avx512(Q4, rows, qx, K, dx, w, d, wsum, out);
+               const uint8_t* w, const float* d, const void* extra, float* out) {
+  if (wide) return eagleserve_cpu::tile_dots_avx512(Q4, rows, qx, K, dx, w, d, extra, out);
   switch (rows) {
-    case 4: return tile_dots_avx2<4, Q4>(qx, K, dx, w, d, out);
-    case 3: return tile_dots_avx2<3, Q4>(qx, K, dx, w, d, out);
-    case 2: return tile_dots_avx2<2, Q4>(qx, K, dx, w, d, out);
-    default: return tile_dots_avx2<1, Q4>(qx, K, dx, w, d, out);
+    case 4: return tile_dots_avx2<4, Q4>(qx, K, dx, w, d, extra, out);
+    case 3: return tile_dots_avx2<3, Q4>(qx, K, dx, w, d, extra, out);
+    case 2: return tile_dots_avx2<2, Q4>(qx, K, dx, w, d, extra, out);
+    default: return tile_dots_avx2<1, Q4>(qx, K, dx, w, d, extra, out);
   }
 }
 
@@ -185,6 +201,7 @@ at::Tensor tiled_matmul(const at::Tensor& x_in, const at::Tensor& w, const at::T
   float* yp = y.data_ptr<float>();
   const uint8_t* wp = reinterpret_cast<const uint8_t*>(w.data_ptr());
   const float* dp = d.data_ptr<float>();
+  const char* ep = static_cast<const char*>(extra.data_ptr());  // 4-byte entries: m or wsum
   const int64_t tile_bytes = groups * (Q4 ? 256 : 512), tile_scales = groups * kTile;
   at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
     float dots[kRowsPerPass * kTile];
@@ -192,12 +209,11 @@ at::Tensor tiled_matmul(const at::Tensor& x_in, const at::Tensor& w, const at::T
       const int64_t n0 = t * kTile, cols = std::min(N, n0 + kTile) - n0;
       for (int64_t r0 = 0; r0 < M; r0 += kRowsPerPass) {
         const int rows = static_cast<int>(std::min<int64_t>(kRowsPerPass, M - r0));
-        const int32_t* wsum = Q4 ? nullptr : extra.data_ptr<int32_t>() + t * tile_scales;
+        const void* et = ep + t * tile_scales * 4;
         tile_dots<Q4>(wide, rows, qx.data() + r0 * K, K, dx.data() + r0 * groups,
-                      wp + t * tile_bytes, dp + t * tile_scales, wsum, dots);
+                      wp + t * tile_bytes, dp + t * tile_scales, et, dots);
         if constexpr (Q4)
-          add_offsets(xsum.data() + r0 * groups, rows, groups,
-                      extra.data_ptr<float>() + t * tile_scales, dots);
+          add_offsets(xsum.data() + r0 * groups, rows, groups, static_cast<const float*>(et), dots);
         for (int r = 0; r < rows; ++r)
           std::copy(dots + r * kTile, dots + r * kTile + cols, yp + (r0 + r) * N + n0);
       }

@@ -17,6 +17,17 @@ namespace {
 
 constexpr int64_t kBlock = 32;
 constexpr int64_t kTile = 16;
+constexpr int64_t kPrefetchBytes = 1536;  // as cpu_gemv.cpp's
+
+// As cpu_gemv.cpp's prefetch_ahead: block g's weights, scales and extra kPrefetchBytes ahead.
+inline void prefetch_ahead(const uint8_t* wb, int64_t tile_bytes, const float* d,
+                           const void* extra) {
+  for (int64_t b = 0; b < tile_bytes; b += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(wb + kPrefetchBytes + b), _MM_HINT_T0);
+  const int64_t ahead = kPrefetchBytes / tile_bytes * kTile * 4;
+  _mm_prefetch(reinterpret_cast<const char*>(d) + ahead, _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(extra) + ahead, _MM_HINT_T0);
+}
 
 // x bytes [4q, 4q + 4) of a block, in every 32-bit lane.
 inline __m512i bcast4(const int8_t* p) {
@@ -25,10 +36,11 @@ inline __m512i bcast4(const int8_t* p) {
 
 // As cpu_gemv.cpp's tile_dots_avx2: out[r * 16 + c] = fma chain over blocks of
 // cvt(int32 dot) * (d_w * d_x). q4: the nibbles (u8) against x (s8); q8: x + 128 (u8, the
-// caller's) against the weights (s8), less 128 * the block's weight sum.
+// caller's) against the weights (s8), less 128 * the block's weight sum (`extra`; q4's `extra`,
+// its m tiles, is only prefetched here).
 template <int R, bool Q4>
 void tile_dots(const int8_t* qx, int64_t K, const float* dx, const uint8_t* w, const float* d,
-               const int32_t* wsum, float* out) {
+               const void* extra, float* out) {
   const int64_t groups = K / kBlock;
   constexpr int64_t kTileBytes = Q4 ? 256 : 512;  // per block
   const __m512i lo4 = _mm512_set1_epi8(0x0F);
@@ -36,6 +48,7 @@ void tile_dots(const int8_t* qx, int64_t K, const float* dx, const uint8_t* w, c
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* wb = w + g * kTileBytes;
+    prefetch_ahead(wb, kTileBytes, d + g * kTile, static_cast<const float*>(extra) + g * kTile);
     const __m512 dw = _mm512_loadu_ps(d + g * kTile);
     if constexpr (Q4) {
       __m512i lo[4], hi[4];
@@ -53,7 +66,7 @@ void tile_dots(const int8_t* qx, int64_t K, const float* dx, const uint8_t* w, c
         acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), scale, acc[r]);
       }
     } else {
-      const __m512i bias = _mm512_loadu_si512(wsum + g * kTile);
+      const __m512i bias = _mm512_loadu_si512(static_cast<const int32_t*>(extra) + g * kTile);
       for (int r = 0; r < R; ++r) {
         const int8_t* xb = qx + r * K + g * kBlock;
         __m512i s = _mm512_setzero_si512();
@@ -81,20 +94,20 @@ bool avx512_vnni_supported() {
 }
 
 void tile_dots_avx512(bool q4, int rows, const int8_t* qx, int64_t K, const float* dx,
-                      const uint8_t* w, const float* d, const int32_t* wsum, float* out) {
+                      const uint8_t* w, const float* d, const void* extra, float* out) {
   if (q4) {
     switch (rows) {
-      case 4: return tile_dots<4, true>(qx, K, dx, w, d, wsum, out);
-      case 3: return tile_dots<3, true>(qx, K, dx, w, d, wsum, out);
-      case 2: return tile_dots<2, true>(qx, K, dx, w, d, wsum, out);
-      default: return tile_dots<1, true>(qx, K, dx, w, d, wsum, out);
+      case 4: return tile_dots<4, true>(qx, K, dx, w, d, extra, out);
+      case 3: return tile_dots<3, true>(qx, K, dx, w, d, extra, out);
+      case 2: return tile_dots<2, true>(qx, K, dx, w, d, extra, out);
+      default: return tile_dots<1, true>(qx, K, dx, w, d, extra, out);
     }
   }
   switch (rows) {
-    case 4: return tile_dots<4, false>(qx, K, dx, w, d, wsum, out);
-    case 3: return tile_dots<3, false>(qx, K, dx, w, d, wsum, out);
-    case 2: return tile_dots<2, false>(qx, K, dx, w, d, wsum, out);
-    default: return tile_dots<1, false>(qx, K, dx, w, d, wsum, out);
+    case 4: return tile_dots<4, false>(qx, K, dx, w, d, extra, out);
+    case 3: return tile_dots<3, false>(qx, K, dx, w, d, extra, out);
+    case 2: return tile_dots<2, false>(qx, K, dx, w, d, extra, out);
+    default: return tile_dots<1, false>(qx, K, dx, w, d, extra, out);
   }
 }
 
