@@ -1,4 +1,4 @@
-"""eagleserve's CPU kernels for x86 with AVX2 + FMA, built on first use:
+"""eagleserve's CPU kernels for x86 with AVX2, FMA and F16C, built on first use:
 
 - `cpu_gemv.cpp`: blocked 4-/8-bit GEMV/GEMM (`q4_matmul`, `q8_matmul`) over weights in column
   tiles (`pack_q4`, `pack_q8`), with `cpu_gemv_avx512.cpp` where the CPU has AVX-512 VNNI;
@@ -10,7 +10,7 @@
 All keep a row's result independent of the rows beside it (what makes a verify reproduce the
 decodes bit for bit). The sources are compiled once per (sources, torch version, flags) into
 the eagleserve cache with the system C++ compiler and loaded as `torch.ops.eagleserve_cpu`.
-Where the CPU lacks AVX2/FMA or no compiler is found, `load()` returns False and callers keep
+Where the CPU lacks AVX2/FMA/F16C or no compiler is found, `load()` returns False and callers keep
 torch's own kernels.
 """
 
@@ -41,14 +41,15 @@ _HEADERS = [os.path.join(os.path.dirname(_SOURCES[0]), "cpu_simd.h")]
 # -ffp-contract=off: g++ would otherwise fuse a written mul + add into one fma where it sees
 # fit (intrinsics included); the kernels' op order is their row-invariance contract.
 _FLAGS = [
-    "-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared", "-std=c++17",
+    "-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared",
+    "-std=c++17",
 ]  # fmt: skip
 _lock = threading.Lock()
 _loaded: bool | None = None
 
 
 def cpu_supported() -> bool:
-    """AVX2 + FMA on an x86-64 Linux host (what the kernel is written for)."""
+    """AVX2, FMA and F16C on an x86-64 Linux host (what the kernels are written for)."""
     if not sys.platform.startswith("linux"):
         return False
     try:
@@ -56,7 +57,7 @@ def cpu_supported() -> bool:
             flags = next((line for line in f if line.startswith("flags")), "").split()
     except OSError:
         return False
-    return "avx2" in flags and "fma" in flags
+    return "avx2" in flags and "fma" in flags and "f16c" in flags
 
 
 def _cache_dir() -> str:
@@ -112,23 +113,35 @@ def load() -> bool:
 
 def pack_q4(nibbles: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Column tiles of a 4-bit weight (cpu_gemv.cpp's layout) from ggml's nibbles
-    uint8 [N, K/2], w = d*q + m with d, m fp32 [N, K/32]: (weights, d, m), N padded to 16."""
+    uint8 [N, K/2], w = d*q + m with d, m [N, K/32] fp16 values (ggml's): (weights, d, m as
+    fp16 tiles), N padded to 16."""
     n, g = d.shape
     pad = -n % 16
     t = (n + pad) // 16
     w = F.pad(nibbles, (0, 0, 0, pad)).view(t, 16, g, 4, 4).permute(0, 2, 3, 1, 4)
-    return w.contiguous(), _scale_tiles(d, pad), _scale_tiles(m, pad)
+    d16, m16 = _exact_half(d, "d"), _exact_half(m, "m")
+    return w.contiguous(), _scale_tiles(d16, pad), _scale_tiles(m16, pad)
 
 
 def pack_q8(q: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Column tiles of an 8-bit weight, q int8 [N, K], w = d*q with d fp32 [N, K/32]:
-    (weights, d, 128 * each block's weight sum as int32), N padded to 16."""
+    """Column tiles of an 8-bit weight, q int8 [N, K], w = d*q with d [N, K/32] fp16 values:
+    (weights, d as fp16 tiles, 128 * each block's weight sum as int32), N padded to 16."""
     n, g = d.shape
     pad = -n % 16
     t = (n + pad) // 16
     w = F.pad(q, (0, 0, 0, pad)).view(t, 16, g, 8, 4).permute(0, 2, 3, 1, 4)
     wsum = 128 * q.view(n, g, 32).sum(-1, dtype=torch.int32)
-    return w.contiguous(), _scale_tiles(d, pad), _scale_tiles(wsum, pad)
+    return w.contiguous(), _scale_tiles(_exact_half(d, "d"), pad), _scale_tiles(wsum, pad)
+
+
+def _exact_half(s: torch.Tensor, name: str) -> torch.Tensor:
+    """s as fp16, which the kernels read (half the scale bytes of fp32); GGUF blocks store
+    their scales so, and so does gguf_weights.quantize_q8_0: anything else is refused, not
+    rounded."""
+    half = s.half()
+    if not torch.equal(half.float(), s.float()):
+        raise ValueError(f"block scales ({name}) must be fp16 values, as ggml stores them")
+    return half
 
 
 def _scale_tiles(s: torch.Tensor, pad: int) -> torch.Tensor:

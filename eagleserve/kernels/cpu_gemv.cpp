@@ -14,7 +14,7 @@
 // - q8: int8 [T, G, 8, 16, 4]; [t, g, q, c, i] = weight 4q + i of column 16t + c; w = d * q;
 //       with the block sums of the weights times 128, int32 [T, G, 16] (AVX-512 reads x + 128
 //       as unsigned bytes and takes them off);
-// - d (and m): fp32 [T, G, 16].
+// - d (and m): fp16 [T, G, 16] (ggml stores them so; read at 2 bytes, computed in fp32).
 //
 // Invariant: every output y[r, n] is computed by the same sequence of operations whatever M
 // is, whichever row pass holds r and whichever thread runs its tile: the integer dots are
@@ -38,7 +38,7 @@
 namespace eagleserve_cpu {  // cpu_gemv_avx512.cpp
 bool avx512_vnni_supported();
 void tile_dots_avx512(bool q4, int rows, const int8_t* qx, int64_t K, const float* dx,
-                      const uint8_t* w, const float* d, const void* extra, float* out);
+                      const uint8_t* w, const uint16_t* d, const void* extra, float* out);
 }  // namespace eagleserve_cpu
 
 namespace {
@@ -61,13 +61,18 @@ inline __m256i bcast4(const int8_t* p) {
   return _mm256_set1_epi32(v);
 }
 
-inline void prefetch_ahead(const uint8_t* wb, int64_t tile_bytes, const float* d,
-                           const void* extra) {
-  for (int64_t b = 0; b < tile_bytes; b += 64)
+// Block g's weights (wb), d and extra tiles: each stream kPrefetchBytes / tile_bytes blocks on.
+template <bool Q4>
+inline void prefetch_ahead(const uint8_t* wb, const uint16_t* d, const void* extra) {
+  constexpr int64_t kTileBytes = Q4 ? 256 : 512, kAhead = kPrefetchBytes / kTileBytes;
+  for (int64_t b = 0; b < kTileBytes; b += 64)
     _mm_prefetch(reinterpret_cast<const char*>(wb + kPrefetchBytes + b), _MM_HINT_T0);
-  const int64_t ahead = kPrefetchBytes / tile_bytes * kTile * 4;
-  _mm_prefetch(reinterpret_cast<const char*>(d) + ahead, _MM_HINT_T0);
-  _mm_prefetch(reinterpret_cast<const char*>(extra) + ahead, _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(d + kAhead * kTile), _MM_HINT_T0);
+  _mm_prefetch(static_cast<const char*>(extra) + kAhead * kTile * (Q4 ? 2 : 4), _MM_HINT_T0);
+}
+
+inline __m256 load_half8(const uint16_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
 // Block sums of R rows against the 16 columns of one tile, lanes = columns: out[r * 16 + c] =
@@ -75,7 +80,7 @@ inline void prefetch_ahead(const uint8_t* wb, int64_t tile_bytes, const float* d
 // dots as maddubs pairs (summed in int16 for q4: at most 8 * 2 * 15 * 127 < 2^15) and madd.
 template <int R, bool Q4>
 void tile_dots_avx2(const int8_t* qx, int64_t K, const float* dx, const uint8_t* w,
-                    const float* d, const void* extra, float* out) {
+                    const uint16_t* d, const void* extra, float* out) {
   const int64_t groups = K / kBlock;
   constexpr int64_t kTileBytes = Q4 ? 256 : 512;  // per block
   const __m256i ones = _mm256_set1_epi16(1), lo4 = _mm256_set1_epi8(0x0F);
@@ -85,8 +90,9 @@ void tile_dots_avx2(const int8_t* qx, int64_t K, const float* dx, const uint8_t*
     for (int64_t g = 0; g < groups; ++g) {
       const uint8_t* wb = w + g * kTileBytes + half * 32;
       if (half == 0)  // the second half reads the tile again, from L1
-        prefetch_ahead(wb, kTileBytes, d + g * kTile, static_cast<const float*>(extra) + g * kTile);
-      const __m256 dw = _mm256_loadu_ps(d + g * kTile + half * 8);
+        prefetch_ahead<Q4>(wb, d + g * kTile,
+                           static_cast<const char*>(extra) + g * kTile * (Q4 ? 2 : 4));
+      const __m256 dw = load_half8(d + g * kTile + half * 8);
       if constexpr (Q4) {
         __m256i lo[4], hi[4];
         for (int q = 0; q < 4; ++q) {
@@ -126,7 +132,7 @@ void tile_dots_avx2(const int8_t* qx, int64_t K, const float* dx, const uint8_t*
 
 template <bool Q4>
 void tile_dots(bool wide, int rows, const int8_t* qx, int64_t K, const float* dx,
-               const uint8_t* w, const float* d, const void* extra, float* out) {
+               const uint8_t* w, const uint16_t* d, const void* extra, float* out) {
   if (wide) return eagleserve_cpu::tile_dots_avx512(Q4, rows, qx, K, dx, w, d, extra, out);
   switch (rows) {
     case 4: return tile_dots_avx2<4, Q4>(qx, K, dx, w, d, extra, out);
@@ -137,12 +143,12 @@ void tile_dots(bool wide, int rows, const int8_t* qx, int64_t K, const float* dx
 }
 
 // q4: adds to dots[r * 16 + c] the fma chain over blocks of m[c, g] * xsum[r, g].
-void add_offsets(const float* xsum, int rows, int64_t groups, const float* m, float* dots) {
+void add_offsets(const float* xsum, int rows, int64_t groups, const uint16_t* m, float* dots) {
   for (int r = 0; r < rows; ++r) {
     for (int half = 0; half < 2; ++half) {
       __m256 off = _mm256_setzero_ps();
       for (int64_t g = 0; g < groups; ++g)
-        off = _mm256_fmadd_ps(_mm256_loadu_ps(m + g * kTile + half * 8),
+        off = _mm256_fmadd_ps(load_half8(m + g * kTile + half * 8),
                               _mm256_set1_ps(xsum[r * groups + g]), off);
       float* o = dots + r * kTile + half * 8;
       _mm256_storeu_ps(o, _mm256_add_ps(_mm256_loadu_ps(o), off));
@@ -181,7 +187,9 @@ at::Tensor tiled_matmul(const at::Tensor& x_in, const at::Tensor& w, const at::T
   TORCH_CHECK(w.is_contiguous() && w.dim() == 5 && w.size(0) == tiles && w.size(1) == groups &&
                   w.size(2) == (Q4 ? 4 : 8),
               "weight tiles: [T, K/32, ", Q4 ? 4 : 8, ", 16, 4] for T = ceil(N/16)");
-  TORCH_CHECK(d.is_contiguous() && d.numel() == tiles * groups * kTile, "scale tiles");
+  TORCH_CHECK(d.is_contiguous() && d.numel() == tiles * groups * kTile &&
+                  d.scalar_type() == at::kHalf,
+              "scale tiles: fp16 [T, K/32, 16]");
   TORCH_CHECK(extra.is_contiguous() && extra.numel() == tiles * groups * kTile,
               Q4 ? "m tiles" : "weight sum tiles");
   std::vector<int8_t> qx(M * K);
@@ -200,8 +208,9 @@ at::Tensor tiled_matmul(const at::Tensor& x_in, const at::Tensor& w, const at::T
   at::Tensor y = at::empty({M, N}, x.options());
   float* yp = y.data_ptr<float>();
   const uint8_t* wp = reinterpret_cast<const uint8_t*>(w.data_ptr());
-  const float* dp = d.data_ptr<float>();
-  const char* ep = static_cast<const char*>(extra.data_ptr());  // 4-byte entries: m or wsum
+  const uint16_t* dp = static_cast<const uint16_t*>(d.data_ptr());
+  const char* ep = static_cast<const char*>(extra.data_ptr());
+  const int64_t extra_bytes = Q4 ? 2 : 4;  // m: fp16; the weight sums: int32
   const int64_t tile_bytes = groups * (Q4 ? 256 : 512), tile_scales = groups * kTile;
   at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
     float dots[kRowsPerPass * kTile];
@@ -209,11 +218,12 @@ at::Tensor tiled_matmul(const at::Tensor& x_in, const at::Tensor& w, const at::T
       const int64_t n0 = t * kTile, cols = std::min(N, n0 + kTile) - n0;
       for (int64_t r0 = 0; r0 < M; r0 += kRowsPerPass) {
         const int rows = static_cast<int>(std::min<int64_t>(kRowsPerPass, M - r0));
-        const void* et = ep + t * tile_scales * 4;
+        const void* et = ep + t * tile_scales * extra_bytes;
         tile_dots<Q4>(wide, rows, qx.data() + r0 * K, K, dx.data() + r0 * groups,
                       wp + t * tile_bytes, dp + t * tile_scales, et, dots);
         if constexpr (Q4)
-          add_offsets(xsum.data() + r0 * groups, rows, groups, static_cast<const float*>(et), dots);
+          add_offsets(xsum.data() + r0 * groups, rows, groups, static_cast<const uint16_t*>(et),
+                      dots);
         for (int r = 0; r < rows; ++r)
           std::copy(dots + r * kTile, dots + r * kTile + cols, yp + (r0 + r) * N + n0);
       }
@@ -224,7 +234,7 @@ at::Tensor tiled_matmul(const at::Tensor& x_in, const at::Tensor& w, const at::T
 
 at::Tensor q4_matmul(const at::Tensor& x, const at::Tensor& w, const at::Tensor& d,
                      const at::Tensor& m, int64_t n) {
-  TORCH_CHECK(w.scalar_type() == at::kByte && m.scalar_type() == at::kFloat, "q4 tiles");
+  TORCH_CHECK(w.scalar_type() == at::kByte && m.scalar_type() == at::kHalf, "q4 tiles");
   return tiled_matmul<true>(x, w, d, m, n);
 }
 

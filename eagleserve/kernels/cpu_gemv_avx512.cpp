@@ -19,14 +19,15 @@ constexpr int64_t kBlock = 32;
 constexpr int64_t kTile = 16;
 constexpr int64_t kPrefetchBytes = 1536;  // as cpu_gemv.cpp's
 
-// As cpu_gemv.cpp's prefetch_ahead: block g's weights, scales and extra kPrefetchBytes ahead.
-inline void prefetch_ahead(const uint8_t* wb, int64_t tile_bytes, const float* d,
-                           const void* extra) {
-  for (int64_t b = 0; b < tile_bytes; b += 64)
+// As cpu_gemv.cpp's: block g's weights (wb), d and extra tiles, each stream
+// kPrefetchBytes / tile bytes blocks on.
+template <bool Q4>
+inline void prefetch_ahead(const uint8_t* wb, const uint16_t* d, const void* extra) {
+  constexpr int64_t kTileBytes = Q4 ? 256 : 512, kAhead = kPrefetchBytes / kTileBytes;
+  for (int64_t b = 0; b < kTileBytes; b += 64)
     _mm_prefetch(reinterpret_cast<const char*>(wb + kPrefetchBytes + b), _MM_HINT_T0);
-  const int64_t ahead = kPrefetchBytes / tile_bytes * kTile * 4;
-  _mm_prefetch(reinterpret_cast<const char*>(d) + ahead, _MM_HINT_T0);
-  _mm_prefetch(reinterpret_cast<const char*>(extra) + ahead, _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(d + kAhead * kTile), _MM_HINT_T0);
+  _mm_prefetch(static_cast<const char*>(extra) + kAhead * kTile * (Q4 ? 2 : 4), _MM_HINT_T0);
 }
 
 // x bytes [4q, 4q + 4) of a block, in every 32-bit lane.
@@ -39,7 +40,7 @@ inline __m512i bcast4(const int8_t* p) {
 // caller's) against the weights (s8), less 128 * the block's weight sum (`extra`; q4's `extra`,
 // its m tiles, is only prefetched here).
 template <int R, bool Q4>
-void tile_dots(const int8_t* qx, int64_t K, const float* dx, const uint8_t* w, const float* d,
+void tile_dots(const int8_t* qx, int64_t K, const float* dx, const uint8_t* w, const uint16_t* d,
                const void* extra, float* out) {
   const int64_t groups = K / kBlock;
   constexpr int64_t kTileBytes = Q4 ? 256 : 512;  // per block
@@ -48,8 +49,10 @@ void tile_dots(const int8_t* qx, int64_t K, const float* dx, const uint8_t* w, c
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* wb = w + g * kTileBytes;
-    prefetch_ahead(wb, kTileBytes, d + g * kTile, static_cast<const float*>(extra) + g * kTile);
-    const __m512 dw = _mm512_loadu_ps(d + g * kTile);
+    prefetch_ahead<Q4>(wb, d + g * kTile,
+                       static_cast<const char*>(extra) + g * kTile * (Q4 ? 2 : 4));
+    const __m512 dw =
+        _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(d + g * kTile)));
     if constexpr (Q4) {
       __m512i lo[4], hi[4];
       for (int q = 0; q < 4; ++q) {
@@ -94,7 +97,7 @@ bool avx512_vnni_supported() {
 }
 
 void tile_dots_avx512(bool q4, int rows, const int8_t* qx, int64_t K, const float* dx,
-                      const uint8_t* w, const float* d, const void* extra, float* out) {
+                      const uint8_t* w, const uint16_t* d, const void* extra, float* out) {
   if (q4) {
     switch (rows) {
       case 4: return tile_dots<4, true>(qx, K, dx, w, d, extra, out);

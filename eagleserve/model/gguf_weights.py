@@ -80,10 +80,10 @@ class QuantTensor:
 
 def quantize_q8_0(weight: torch.Tensor) -> QuantTensor:
     """An fp weight [N, K] (K a multiple of 32) as Q8_0 blocks: per 32 weights, d = absmax/127
-    and q = round(w / d) (ggml's rounding; d kept in fp32, not fp16)."""
+    rounded to fp16 as ggml stores it, and q = round(w / d) against that stored d."""
     n, k = weight.shape
     w = weight.float().reshape(n, k // BLOCK, BLOCK)
-    d = w.abs().amax(dim=-1).clamp(min=1e-12) / 127.0
+    d = (w.abs().amax(dim=-1) / 127.0).half().float().clamp(min=2.0**-24)  # fp16's least
     q = torch.round(w / d[..., None]).clamp(-127, 127).to(torch.int8).reshape(n, k)
     return QuantTensor("Q8_0", q, d.contiguous(), None)
 

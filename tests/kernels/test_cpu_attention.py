@@ -50,7 +50,7 @@ def test_chain_rows_match_reference_and_their_decodes(n: list[int]) -> None:
                                rtol=1e-5, atol=1e-5)  # fmt: skip
     threads = torch.get_num_threads()
     torch.set_num_threads(1 if threads > 1 else 2)
-    try:  # (row, head) pairs dealt to another number of threads
+    try:  # the work items dealt to another number of threads
         assert torch.equal(kernel(q, k, v, r2t, rpi, pre, ext), out)
     finally:
         torch.set_num_threads(threads)

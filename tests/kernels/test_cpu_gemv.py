@@ -180,3 +180,20 @@ def test_smollm2_prefill_rows_equal_their_decodes(smollm2_dir: str, isa: str) ->
     if float(top.values[0] - top.values[1]) > 2 * float(diff.mean()):
         assert one_step.argmax() == top.indices[0]
     assert one_step.argmax() in top.indices
+
+
+def test_scales_that_are_not_fp16_values_are_refused() -> None:
+    """The tiles hold block scales as fp16 (ggml's own precision): a scale fp16 cannot hold
+    exactly is an error at packing, never silently rounded into other weights."""
+    n, k = 48, 64
+    d = (torch.rand(n, k // 32) * 0.01).half().float()
+    nibbles = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8)
+    cpu_ext.pack_q4(nibbles, d, -8 * d)  # ggml's values pack
+    q8 = torch.randint(-127, 128, (n, k), dtype=torch.int8)
+    cpu_ext.pack_q8(q8, d)
+    off = d.clone()
+    off[int(torch.randint(0, n, ())), 0] *= 1 + 2**-15  # between two fp16 values
+    with pytest.raises(ValueError, match="fp16"):
+        cpu_ext.pack_q4(nibbles, off, -8 * d)
+    with pytest.raises(ValueError, match="fp16"):
+        cpu_ext.pack_q8(q8, off)

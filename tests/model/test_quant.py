@@ -193,12 +193,13 @@ def test_smollm2_quantized_close_to_fp32(smollm2_dir: str) -> None:
 
 def test_q8_0_blocks_of_a_float_weight() -> None:
     """The draft head's weights as Q8_0 blocks: every weight within half a step of its block's
-    scale, the scale set by the block's largest weight."""
+    scale, the scale set by the block's largest weight and an fp16 value."""
     w = torch.randn(48, 96) * torch.rand(48, 1) * 3
     t = quantize_q8_0(w)
     d = t.d.repeat_interleave(32, dim=1)
     assert t.qtype == "Q8_0" and t.q.dtype == torch.int8 and t.q.abs().max() == 127
     assert ((t.dequantize() - w).abs() <= d / 2 + 1e-6).all()
+    assert torch.equal(t.d.half().float(), t.d)  # stored as ggml stores it (the kernels read fp16)
 
 
 def test_linears_to_int8_keeps_a_head_close() -> None:
