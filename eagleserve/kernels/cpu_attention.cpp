@@ -20,6 +20,7 @@
 #include <torch/library.h>
 #include <torch/torch.h>
 
+#include "cpu_kernels.h"
 #include "cpu_simd.h"
 
 #include <algorithm>
@@ -147,33 +148,29 @@ void attend(const Query* qs, int64_t count, const float* k_buf, const float* v_b
   }
 }
 
-at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf,
-                           const at::Tensor& req_to_token, const at::Tensor& req_pool_indices,
-                           const at::Tensor& prefix_lens, const at::Tensor& extend_lens,
-                           const at::Tensor& kv_lens, const c10::optional<at::Tensor>& tree_mask,
-                           double sm_scale) {
-  // q may be a view of a fused q/k/v projection: its heads contiguous, any row stride.
-  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.stride(2) == 1 &&
-                  q.stride(1) == q.size(2),
-              "q [T, H, D] float32, each row's heads contiguous");
-  TORCH_CHECK(k_buf.scalar_type() == at::kFloat && k_buf.is_contiguous() &&
-                  v_buf.is_contiguous() && k_buf.sizes() == v_buf.sizes(),
-              "k/v buffers [slots, kv_heads, D] float32");
-  const int64_t T = q.size(0), H = q.size(1), D = q.size(2), Hkv = k_buf.size(1);
-  TORCH_CHECK(D % 8 == 0 && H % Hkv == 0 && k_buf.size(2) == D, "head shapes");
-  const at::Tensor r2t = req_to_token.to(at::kLong).contiguous();
+}  // namespace
+
+namespace eagleserve_cpu {
+
+RowPlan plan_rows(int64_t T, const at::Tensor& req_to_token, const at::Tensor& req_pool_indices,
+                  const at::Tensor& prefix_lens, const at::Tensor& extend_lens,
+                  const at::Tensor& kv_lens, const c10::optional<at::Tensor>& tree_mask) {
+  RowPlan plan;
+  plan.rows = T;
+  plan.req_to_token = req_to_token.to(at::kLong).contiguous();
   const at::Tensor rpi = req_pool_indices.to(at::kLong).contiguous();
   const at::Tensor pre = prefix_lens.to(at::kLong).contiguous();
   const at::Tensor ext = extend_lens.to(at::kLong).contiguous();
   const at::Tensor kvl = kv_lens.to(at::kLong).contiguous();
   const int64_t bs = rpi.size(0);
-  // Host-side row bookkeeping: which request and which query index each row is.
-  std::vector<int64_t> row_req(T), row_idx(T);
+  // Which request and which query index each row is.
+  std::vector<int64_t> row_idx(T);
+  plan.row_req.resize(T);
   int64_t t = 0;
   for (int64_t b = 0; b < bs; ++b) {
     for (int64_t i = 0; i < ext.data_ptr<int64_t>()[b]; ++i, ++t) {
       TORCH_CHECK(t < T, "extend_lens sum past the queries");
-      row_req[t] = b;
+      plan.row_req[t] = b;
       row_idx[t] = i;
     }
   }
@@ -181,41 +178,55 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_buf, const a
   const bool tree = tree_mask.has_value() && tree_mask->defined();
   at::Tensor mask;
   if (tree) mask = tree_mask->to(at::kBool).contiguous();
-  at::Tensor out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
-  const int64_t q_row = q.stride(0);
-  const float* qp = q.data_ptr<float>();
-  const float* kp = k_buf.data_ptr<float>();
-  const float* vp = v_buf.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const int64_t group = H / Hkv, slot_stride = Hkv * D;
-  const int64_t* r2t_p = r2t.data_ptr<int64_t>();
-  const int64_t r2t_stride = r2t.size(1);
+  const int64_t* r2t_p = plan.req_to_token.data_ptr<int64_t>();
+  const int64_t r2t_stride = plan.req_to_token.size(1);
   // Visible slots per row: a causal row reads its request's slot row in place (the first
   // q_abs + 1 entries: a prefill of T rows needs no T x kv copy); a tree row gathers its own.
-  std::vector<const int64_t*> row_slots(T);
-  std::vector<int64_t> row_n(T);
-  std::vector<std::vector<int64_t>> gathered(tree ? T : 0);
+  plan.row_slots.resize(T);
+  plan.row_n.resize(T);
+  plan.gathered.resize(tree ? T : 0);
   for (int64_t row = 0; row < T; ++row) {
-    const int64_t b = row_req[row], i = row_idx[row];
+    const int64_t b = plan.row_req[row], i = row_idx[row];
     const int64_t kv_len = kvl.data_ptr<int64_t>()[b];
     const int64_t q_abs = kv_len - ext.data_ptr<int64_t>()[b] + i;
     const int64_t* req_slots = r2t_p + rpi.data_ptr<int64_t>()[b] * r2t_stride;
     if (!tree) {
-      row_slots[row] = req_slots;
-      row_n[row] = std::min(q_abs + 1, kv_len);
+      plan.row_slots[row] = req_slots;
+      plan.row_n[row] = std::min(q_abs + 1, kv_len);
     } else {
-      std::vector<int64_t>& s = gathered[row];
+      std::vector<int64_t>& s = plan.gathered[row];
       const int64_t prefix = pre.data_ptr<int64_t>()[b];
       const int64_t nq = mask.size(1), nnew = mask.size(2);
       const bool* m = mask.data_ptr<bool>() + (b * nq + std::min(i, nq - 1)) * nnew;
       for (int64_t j = 0; j < kv_len; ++j) {
         if (j < prefix || (j - prefix < nnew && m[j - prefix])) s.push_back(req_slots[j]);
       }
-      row_slots[row] = s.data();
-      row_n[row] = static_cast<int64_t>(s.size());
+      plan.row_slots[row] = s.data();
+      plan.row_n[row] = static_cast<int64_t>(s.size());
     }
-    TORCH_CHECK(row_n[row] > 0, "a query sees no key");
+    TORCH_CHECK(plan.row_n[row] > 0, "a query sees no key");
   }
+  return plan;
+}
+
+at::Tensor attend_rows(const RowPlan& plan, const at::Tensor& q, const at::Tensor& k_buf,
+                       const at::Tensor& v_buf, double sm_scale) {
+  // q may be a view of a fused q/k/v projection: its heads contiguous, any row stride.
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.stride(2) == 1 &&
+                  q.stride(1) == q.size(2) && q.size(0) == plan.rows,
+              "q [T, H, D] float32, each row's heads contiguous, one row per planned row");
+  TORCH_CHECK(k_buf.scalar_type() == at::kFloat && k_buf.is_contiguous() &&
+                  v_buf.is_contiguous() && k_buf.sizes() == v_buf.sizes(),
+              "k/v buffers [slots, kv_heads, D] float32");
+  const int64_t T = q.size(0), H = q.size(1), D = q.size(2), Hkv = k_buf.size(1);
+  TORCH_CHECK(D % 8 == 0 && H % Hkv == 0 && k_buf.size(2) == D, "head shapes");
+  at::Tensor out = at::empty({T, H, D}, q.options());
+  const int64_t q_row = q.stride(0);
+  const float* qp = q.data_ptr<float>();
+  const float* kp = k_buf.data_ptr<float>();
+  const float* vp = v_buf.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t group = H / Hkv, slot_stride = Hkv * D;
   // Work items: the queries of one request that read one K/V head (its rows times the GQA
   // group's heads), cut to at most kMaxQueries and to enough items for the threads (a decode of
   // one request still spreads over the heads); dealt round-robin, since a causal prefill's later
@@ -231,7 +242,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_buf, const a
   constexpr int64_t kRowGroup = 8;
   auto row_end = [&](int64_t r0) {
     int64_t r = r0 + 1;
-    while (r < T && row_req[r] == row_req[r0] && r - r0 < kRowGroup) ++r;
+    while (r < T && plan.row_req[r] == plan.row_req[r0] && r - r0 < kRowGroup) ++r;
     return r;
   };
   for (int64_t r0 = 0; r0 < T; r0 = row_end(r0)) {
@@ -245,8 +256,8 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_buf, const a
             item_head.push_back(g);
             in_item = 0;
           }
-          queries.push_back({qp + row * q_row + h * D, op + (row * H + h) * D, row_slots[row],
-                             row_n[row]});
+          queries.push_back({qp + row * q_row + h * D, op + (row * H + h) * D,
+                             plan.row_slots[row], plan.row_n[row]});
         }
       }
     }
@@ -292,11 +303,25 @@ void store_kv_(const at::Tensor& k_buf, const at::Tensor& v_buf, const at::Tenso
   }
 }
 
+}  // namespace eagleserve_cpu
+
+namespace {
+
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf,
+                           const at::Tensor& req_to_token, const at::Tensor& req_pool_indices,
+                           const at::Tensor& prefix_lens, const at::Tensor& extend_lens,
+                           const at::Tensor& kv_lens, const c10::optional<at::Tensor>& tree_mask,
+                           double sm_scale) {
+  const eagleserve_cpu::RowPlan plan = eagleserve_cpu::plan_rows(
+      q.size(0), req_to_token, req_pool_indices, prefix_lens, extend_lens, kv_lens, tree_mask);
+  return eagleserve_cpu::attend_rows(plan, q, k_buf, v_buf, sm_scale);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(eagleserve_cpu, lib) {
   lib.def("store_kv_(Tensor(a!) k_buf, Tensor(b!) v_buf, Tensor loc, Tensor k, Tensor v) -> ()",
-          &store_kv_);
+          &eagleserve_cpu::store_kv_);
   lib.def(
       "paged_attention(Tensor q, Tensor k_buf, Tensor v_buf, Tensor req_to_token, "
       "Tensor req_pool_indices, Tensor prefix_lens, Tensor extend_lens, Tensor kv_lens, "

@@ -5,7 +5,9 @@
   activations are quantized to int8 per 32-block, as llama.cpp does for these weight types;
 - `cpu_attention.cpp`: paged attention for decode/verify rows (`paged_attention`), fp32;
 - `cpu_norm.cpp`: RMSNorm of fp32 rows in one call (`rms_norm`);
-- `cpu_pointwise.cpp`: rotary of the fused q/k heads in place (`rope_`) and `silu_mul`.
+- `cpu_pointwise.cpp`: rotary of the fused q/k heads in place (`rope_`) and `silu_mul`;
+- `cpu_layers.cpp`: a packed target's decoder layers in one call (`decoder_layers`), the
+  kernels above in the order the modules call them.
 
 All keep a row's result independent of the rows beside it (what makes a verify reproduce the
 decodes bit for bit). The sources are compiled once per (sources, torch version, flags) into
@@ -34,10 +36,10 @@ _SOURCES = [
     os.path.join(os.path.dirname(os.path.abspath(__file__)), name)
     for name in (
         "cpu_gemv.cpp", "cpu_gemv_avx512.cpp", "cpu_attention.cpp", "cpu_norm.cpp",
-        "cpu_pointwise.cpp",
+        "cpu_pointwise.cpp", "cpu_layers.cpp",
     )
 ]  # fmt: skip
-_HEADERS = [os.path.join(os.path.dirname(_SOURCES[0]), "cpu_simd.h")]
+_HEADERS = [os.path.join(os.path.dirname(_SOURCES[0]), n) for n in ("cpu_simd.h", "cpu_kernels.h")]
 # -ffp-contract=off: g++ would otherwise fuse a written mul + add into one fma where it sees
 # fit (intrinsics included); the kernels' op order is their row-invariance contract.
 _FLAGS = [
@@ -216,3 +218,27 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """weight * (x / sqrt(mean(x^2, -1) + eps)) for fp32 x [..., K]."""
     return torch.ops.eagleserve_cpu.rms_norm(x, weight, eps)
+
+
+def decoder_layers(
+    h: torch.Tensor,
+    weights: list[torch.Tensor],
+    out_features: list[int],
+    shape: tuple[float, int, int],
+    rotary: tuple[torch.Tensor, torch.Tensor],
+    kv: tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor],
+    rows: tuple[torch.Tensor, ...],
+    sm_scale: float,
+    aux_layers: list[int],
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Every decoder layer of a packed target over h [T, hidden] fp32 (cpu_layers.cpp):
+    weights 14 per layer, out_features 4 per layer (model/cpu_layers.py builds both);
+    shape (rms eps, heads, kv heads); rotary (cos, signed sin); kv (K buffers, V buffers, the
+    new tokens' slots); rows (req_to_token, req_pool_indices, prefix_lens, extend_lens,
+    kv_lens, tree_mask or None) as `paged_attention` takes them. Returns the last layer's
+    output and the hidden states entering `aux_layers`."""
+    eps, heads, kv_heads = shape
+    out, aux = torch.ops.eagleserve_cpu.decoder_layers(
+        h, weights, out_features, eps, heads, kv_heads, *rotary, *kv, *rows, sm_scale, aux_layers
+    )
+    return out, list(aux)

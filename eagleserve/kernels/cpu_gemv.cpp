@@ -35,6 +35,8 @@
 #include <string>
 #include <vector>
 
+#include "cpu_kernels.h"
+
 namespace eagleserve_cpu {  // cpu_gemv_avx512.cpp
 bool avx512_vnni_supported();
 void tile_dots_avx512(bool q4, int rows, const int8_t* qx, int64_t K, const float* dx,
@@ -232,11 +234,19 @@ at::Tensor tiled_matmul(const at::Tensor& x_in, const at::Tensor& w, const at::T
   return y;
 }
 
+}  // namespace
+
+namespace eagleserve_cpu {
+
 at::Tensor q4_matmul(const at::Tensor& x, const at::Tensor& w, const at::Tensor& d,
                      const at::Tensor& m, int64_t n) {
   TORCH_CHECK(w.scalar_type() == at::kByte && m.scalar_type() == at::kHalf, "q4 tiles");
   return tiled_matmul<true>(x, w, d, m, n);
 }
+
+}  // namespace eagleserve_cpu
+
+namespace {
 
 at::Tensor q8_matmul(const at::Tensor& x, const at::Tensor& w, const at::Tensor& d,
                      const at::Tensor& wsum, int64_t n) {
@@ -264,6 +274,7 @@ std::string gemv_isa(const std::string& isa) {
 
 TORCH_LIBRARY(eagleserve_cpu, lib) {
   lib.def("gemv_isa(str isa) -> str", &gemv_isa);
-  lib.def("q4_matmul(Tensor x, Tensor w, Tensor d, Tensor m, int n) -> Tensor", &q4_matmul);
+  lib.def("q4_matmul(Tensor x, Tensor w, Tensor d, Tensor m, int n) -> Tensor",
+          &eagleserve_cpu::q4_matmul);
   lib.def("q8_matmul(Tensor x, Tensor w, Tensor d, Tensor wsum, int n) -> Tensor", &q8_matmul);
 }

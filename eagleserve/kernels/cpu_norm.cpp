@@ -12,7 +12,9 @@
 
 #include <cmath>
 
-namespace {
+#include "cpu_kernels.h"
+
+namespace eagleserve_cpu {
 
 at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& w_in, double eps) {
   TORCH_CHECK(x_in.scalar_type() == at::kFloat && w_in.scalar_type() == at::kFloat, "float32");
@@ -46,8 +48,8 @@ at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& w_in, double eps) 
   return y;
 }
 
-}  // namespace
+}  // namespace eagleserve_cpu
 
 TORCH_LIBRARY_FRAGMENT(eagleserve_cpu, lib) {
-  lib.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor", &rms_norm);
+  lib.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor", &eagleserve_cpu::rms_norm);
 }

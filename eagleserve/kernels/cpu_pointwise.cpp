@@ -16,11 +16,10 @@
 
 #include <vector>
 
+#include "cpu_kernels.h"
 #include "cpu_simd.h"
 
-namespace {
-
-using eagleserve_cpu::exp_nonpositive;
+namespace eagleserve_cpu {
 
 // qkv [T, heads, D] fp32, rows contiguous; cos, signed_sin [T, 1, D] (signed_sin is sin with
 // its first half negated, so rotate_half(x) * sin == roll(x, D / 2) * signed_sin).
@@ -85,10 +84,10 @@ at::Tensor silu_mul(const at::Tensor& gate_up_in) {
   return out;
 }
 
-}  // namespace
+}  // namespace eagleserve_cpu
 
 TORCH_LIBRARY_FRAGMENT(eagleserve_cpu, lib) {
   lib.def("rope_(Tensor(a!) qkv, Tensor cos, Tensor signed_sin, int rotated_heads) -> ()",
-          &rope_);
-  lib.def("silu_mul(Tensor gate_up) -> Tensor", &silu_mul);
+          &eagleserve_cpu::rope_);
+  lib.def("silu_mul(Tensor gate_up) -> Tensor", &eagleserve_cpu::silu_mul);
 }

@@ -47,11 +47,12 @@ class TorchAttnBackend:
         self.compute_dtype = compute_dtype
         self.row_kernel = row_kernel
 
-    def _uses_row_kernel(self, fb: ForwardBatch) -> bool:
+    def uses_row_kernel(self, fb: ForwardBatch) -> bool:
+        """Whether this forward's attention runs kernels/cpu_attention.cpp (an fp32 pool)."""
         return self.row_kernel and fb.kv_pool.dtype == torch.float32
 
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
-        if self._uses_row_kernel(fb):
+        if self.uses_row_kernel(fb):
             fb.attn_metadata = fb.prefix_lens + fb.extend_lens if fb.kv_lens is None else fb.kv_lens
             return
         fb.attn_metadata = build_padded_metadata(
@@ -71,7 +72,7 @@ class TorchAttnBackend:
     ) -> torch.Tensor:
         # q [T, H, D]; k, v [T, Hkv, D]
         pool = fb.kv_pool
-        if not self._uses_row_kernel(fb):
+        if not self.uses_row_kernel(fb):
             pool.set_kv(layer_id, fb.out_cache_loc, k, v)
             return padded_attention(
                 q,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +18,9 @@ from eagleserve.config import ModelConfig
 from eagleserve.kernels import cpu_ext
 from eagleserve.model.forward_batch import get_forward_batch, in_forward
 from eagleserve.model.parallel import all_reduce
+
+if TYPE_CHECKING:
+    from eagleserve.model.cpu_layers import CpuLayers
 
 
 class RMSNorm(nn.Module):
@@ -230,6 +234,8 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         # Hidden states *entering* these layers are returned (EAGLE-3 fuses three of them).
         self.aux_layer_ids = aux_layer_ids
+        # Every layer in one kernel call, where model/quant.py packed them all for it.
+        self.cpu_layers: CpuLayers | None = None
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -246,10 +252,14 @@ class LlamaForCausalLM(nn.Module):
         h = self.model.embed_tokens(fb.input_ids)
         rotary = self.model.rotary_emb.at(positions, h.dtype)
         aux: list[torch.Tensor] = []
-        for i, layer in enumerate(self.model.layers):
-            if i in self.aux_layer_ids:
-                aux.append(h)
-            h = layer(h, positions, rotary)
+        if self.cpu_layers is not None and self.cpu_layers.applies(fb, h):
+            assert isinstance(rotary, BoundRotary)
+            h, aux = self.cpu_layers.forward(h, fb, rotary, sorted(self.aux_layer_ids))
+        else:
+            for i, layer in enumerate(self.model.layers):
+                if i in self.aux_layer_ids:
+                    aux.append(h)
+                h = layer(h, positions, rotary)
         h = self.model.norm(h)
         rows = h if fb.logits_indices is None else h[fb.logits_indices]
         return ModelOutput(

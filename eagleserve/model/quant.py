@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from eagleserve.kernels import cpu_ext
+from eagleserve.model.cpu_layers import CpuLayers
 from eagleserve.model.forward_batch import in_forward
 from eagleserve.model.gguf_weights import BLOCK, QuantTensor, iter_gguf, quantize_q8_0
 from eagleserve.model.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, RMSNorm
@@ -375,8 +376,7 @@ def quantize_model_from_gguf(
         dev = (old.weight if old is not None else model.model.embed_tokens.weight).device
         if dev.type != "cpu":
             raise ValueError("packed GGUF linears run on CPU only")
-        bias = None if old is None else old.bias
-        bias = None if bias is None else bias.detach()
+        bias = None if old is None or old.bias is None else old.bias.detach()
         if value.qtype in ("Q4_0", "Q4_1") and mod_name.rsplit(".", 1)[-1] in FUSED_MEMBERS:
             pending[mod_name] = (value, bias)  # packed below, fused with its siblings
             continue
@@ -390,10 +390,11 @@ def quantize_model_from_gguf(
         counts[value.qtype] = counts.get(value.qtype, 0) + 1
     if tied and isinstance(getattr(model, "lm_head", None), PackedLinear):
         model.compute_logits = types.MethodType(_packed_compute_logits, model)  # type: ignore
-    if cpu_ext.load():  # its forwards: the one-call norm, rotary and SiLU gate as well
+    if cpu_ext.load():  # its forwards: the one-call norm, rotary, SiLU gate and layers as well
         for module in model.modules():
             if isinstance(module, (RMSNorm, LlamaMLP)):
                 module.row_kernel = True
             elif isinstance(module, LlamaAttention):  # the rotary kernel's vector width
                 module.row_kernel = module.head_dim % 16 == 0
+        model.cpu_layers = CpuLayers.build(model)
     logger.info("packed GGUF linears: %s", counts)

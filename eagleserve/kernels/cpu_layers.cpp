@@ -1,0 +1,78 @@
+// The decoder layers of a packed CPU target in one call (model/cpu_layers.py): per layer the
+// kernels model/llama.py's modules call one by one from Python, in the same order on the same
+// tensors (rms_norm, the q4 tiles, rope_, store_kv_, the paged attention, silu_mul, and
+// torch's own adds for the residual), so the bits are theirs. What goes is the Python between
+// them (module calls, views, dispatch) and the attention's row bookkeeping, planned once for
+// every layer of the forward.
+
+#include <torch/library.h>
+#include <torch/torch.h>
+
+#include <tuple>
+#include <vector>
+
+#include "cpu_kernels.h"
+
+namespace {
+
+// Per layer, in order: input norm weight; q/k/v tiles (w, d, m); o tiles; post-attention norm
+// weight; gate/up tiles; down tiles.
+constexpr int64_t kPerLayer = 14;
+
+std::tuple<at::Tensor, std::vector<at::Tensor>> decoder_layers(
+    const at::Tensor& h_in, at::TensorList weights, at::IntArrayRef out_features, double eps,
+    int64_t heads, int64_t kv_heads, const at::Tensor& cos, const at::Tensor& signed_sin,
+    at::TensorList k_buffers, at::TensorList v_buffers, const at::Tensor& out_cache_loc,
+    const at::Tensor& req_to_token, const at::Tensor& req_pool_indices,
+    const at::Tensor& prefix_lens, const at::Tensor& extend_lens, const at::Tensor& kv_lens,
+    const c10::optional<at::Tensor>& tree_mask, double sm_scale, at::IntArrayRef aux_layers) {
+  using namespace eagleserve_cpu;
+  const int64_t layers = static_cast<int64_t>(weights.size()) / kPerLayer;
+  TORCH_CHECK(layers * kPerLayer == static_cast<int64_t>(weights.size()) &&
+                  static_cast<int64_t>(out_features.size()) == 4 * layers &&
+                  static_cast<int64_t>(k_buffers.size()) == layers &&
+                  static_cast<int64_t>(v_buffers.size()) == layers,
+              "per layer: 14 weight tensors, 4 output sizes, one K and one V buffer");
+  TORCH_CHECK(h_in.dim() == 2 && h_in.scalar_type() == at::kFloat, "h [T, hidden] float32");
+  const int64_t T = h_in.size(0), D = k_buffers[0].size(2);
+  const RowPlan plan = plan_rows(T, req_to_token, req_pool_indices, prefix_lens, extend_lens,
+                                 kv_lens, tree_mask);
+  at::Tensor h = h_in;
+  std::vector<at::Tensor> aux;
+  size_t next_aux = 0;
+  for (int64_t i = 0; i < layers; ++i) {
+    if (next_aux < aux_layers.size() && aux_layers[next_aux] == i) {
+      aux.push_back(h);
+      ++next_aux;
+    }
+    const at::Tensor* w = weights.data() + i * kPerLayer;
+    const int64_t* n = out_features.data() + 4 * i;
+    // LlamaDecoderLayer.forward: h + self_attn(input_layernorm(h)) ...
+    at::Tensor x = rms_norm(h, w[0], eps);
+    at::Tensor qkv = q4_matmul(x, w[1], w[2], w[3], n[0]).view({T, heads + 2 * kv_heads, D});
+    rope_(qkv, cos, signed_sin, heads + kv_heads);
+    const at::Tensor q = qkv.narrow(1, 0, heads), k = qkv.narrow(1, heads, kv_heads);
+    const at::Tensor v = qkv.narrow(1, heads + kv_heads, kv_heads);
+    store_kv_(k_buffers[i], v_buffers[i], out_cache_loc, k, v);
+    const at::Tensor attn = attend_rows(plan, q, k_buffers[i], v_buffers[i], sm_scale);
+    h = h + q4_matmul(attn.view({T, -1}), w[4], w[5], w[6], n[1]);
+    // ... then h + mlp(post_attention_layernorm(h))
+    x = rms_norm(h, w[7], eps);
+    const at::Tensor act = silu_mul(q4_matmul(x, w[8], w[9], w[10], n[2]));
+    h = h + q4_matmul(act, w[11], w[12], w[13], n[3]);
+  }
+  TORCH_CHECK(next_aux == aux_layers.size(), "aux layers: ascending layer indices");
+  return {h, aux};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(eagleserve_cpu, lib) {
+  lib.def(
+      "decoder_layers(Tensor h, Tensor[] weights, int[] out_features, float eps, int heads, "
+      "int kv_heads, Tensor cos, Tensor signed_sin, Tensor[] k_buffers, Tensor[] v_buffers, "
+      "Tensor out_cache_loc, Tensor req_to_token, Tensor req_pool_indices, Tensor prefix_lens, "
+      "Tensor extend_lens, Tensor kv_lens, Tensor? tree_mask, float sm_scale, int[] aux_layers) "
+      "-> (Tensor, Tensor[])",
+      &decoder_layers);
+}
