@@ -42,10 +42,13 @@ class EagleDraftWorker:
         self.head = load_eagle_head(head_path, spec.algorithm, target.model, device, target.dtype)
         # Where the engine-wide acceptance by depth starts (spec/adaptive.py).
         self.acceptance_prior = acceptance_prior(measured_acceptance(head_path), spec.num_steps)
-        if target.gguf_path is not None:  # a packed target on CPU: the head's matmuls in int8
+        packed = target.gguf_path is not None
+        if packed:  # a packed target on CPU: the head runs on its kernels, matmuls in int8
             from eagleserve.model.quant import linears_to_int8
 
+            self.head.fuse_projections()
             linears_to_int8(self.head)
+            self.head.use_row_kernels()
         # The target id of every draft id: grammar masks (target vocabulary) onto head logits.
         vd = self.head.draft_vocab_size
         self.draft_to_target = self.head.to_target_ids(torch.arange(vd, device=device))
@@ -60,6 +63,7 @@ class EagleDraftWorker:
             device,
             self.req_to_token,
             hc.head_dim**-0.5,
+            shape_invariant=packed,  # the target's row kernel (its fp32 pool)
         )
         graph_bs = min(args.cuda_graph_max_bs, args.max_running_requests)
         self.graph: GraphedForward | None = None

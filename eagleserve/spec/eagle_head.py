@@ -206,6 +206,32 @@ class EagleHead(nn.Module):
             _, k, v = attn.project(attn_in, positions, self.rotary_emb)
         get_forward_batch().kv_pool.set_kv(attn.layer_id, out_cache_loc, k, v)
 
+    @torch.no_grad()
+    def fuse_projections(self) -> None:
+        """q/k/v as one qkv_proj and gate/up as one gate_up_proj (rows stacked, so each output
+        column is computed as before): fewer, larger matmuls for a head on the CPU kernels."""
+        layer = self.layers[0] if self.algorithm == "EAGLE" else self.midlayer
+        attn, mlp = layer.self_attn, layer.mlp
+        pairs = ((attn, "qkv_proj", ("q_proj", "k_proj", "v_proj")),
+                 (mlp, "gate_up_proj", ("gate_proj", "up_proj")))  # fmt: skip
+        for module, fused, names in pairs:
+            parts = [getattr(module, n) for n in names]
+            if getattr(module, fused) is not None or any(p.bias is not None for p in parts):
+                continue
+            weight = torch.cat([p.weight for p in parts])
+            linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device,
+                               dtype=weight.dtype)  # fmt: skip
+            linear.weight.copy_(weight)
+            setattr(module, fused, linear)
+            for n in names:
+                delattr(module, n)
+
+    def use_row_kernels(self) -> None:
+        """The one-call RMSNorm and SiLU gate of kernels/ (a head next to a packed target)."""
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, LlamaMLP)):
+                module.row_kernel = True
+
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         if self.algorithm == "EAGLE":
             return draft_ids

@@ -80,3 +80,40 @@ def test_last_rows_forward_equals_the_whole_layer(runner: ModelRunner, algorithm
     torch.testing.assert_close(pools[1].v_buffer[0], pools[0].v_buffer[0], atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(logits, whole_logits[last], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(next_feats, whole_feats[last], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("algorithm", ["EAGLE", "EAGLE3"])
+def test_fused_projections_leave_a_packed_head_unchanged(
+    runner: ModelRunner, algorithm: str
+) -> None:
+    """A head next to a packed target fuses q/k/v and gate/up before its int8 packing: each
+    output column is its own Q8_0 row computed as before, so logits, next features and the K/V
+    written are bit for bit those of the unfused head."""
+    from eagleserve.kernels import cpu_ext
+    from eagleserve.model.quant import linears_to_int8
+
+    if not cpu_ext.load():
+        pytest.skip("the CPU kernels do not run here")
+    seed = random.randrange(1000)
+    heads = [init_eagle_head(algorithm, runner.model, seed=seed) for _ in range(2)]
+    heads[1].fuse_projections()
+    attn = heads[1].attn
+    assert attn.qkv_proj is not None and not hasattr(attn, "q_proj")
+    for head in heads:
+        linears_to_int8(head)
+    cfg = heads[0].config
+    r2t = ReqToTokenPool(2, 64, CPU)
+    shape = (128, 1, cfg.num_key_value_heads, cfg.head_dim, torch.float32, CPU)
+    pools = [TokenToKVPool(*shape), TokenToKVPool(*shape)]
+    loc = pools[0].alloc(64)
+    assert loc is not None and pools[1].alloc(64) is not None
+    r2t.req_to_token[:, :32] = loc.view(2, 32)
+    fb, feats, _ = _extend(heads[0], pools[0], r2t, [0, 0], [random.randrange(2, 9), 5])
+    outs = []
+    with torch.no_grad():
+        for head, pool in zip(heads, pools, strict=True):
+            with forward_context(dataclasses.replace(fb, kv_pool=pool, attn_metadata=None)):
+                outs.append(head(fb.input_ids, feats, fb.positions))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    assert torch.equal(pools[0].k_buffer[0], pools[1].k_buffer[0])
+    assert torch.equal(pools[0].v_buffer[0], pools[1].v_buffer[0])
