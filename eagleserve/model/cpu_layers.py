@@ -3,7 +3,7 @@
 The kernel runs, per layer, the kernels the modules of model/llama.py call one by one (the
 RMSNorm, the q4 tiles, rotary, the K/V store, paged attention, the SiLU gate, torch's residual
 adds), in their order and on the same tensors, so its output is theirs bit for bit; what it
-saves is the Python between them, which at batch 1 costs as much as the attention. It applies
+saves is the Python between them, a large share of a batch-1 forward's time. It applies
 where every layer is of that kind: Q4 weights packed for the CPU kernels, q/k/v and gate/up
 fused, no biases, one rank; and to forwards whose attention runs the row kernel (an fp32 pool).
 Anything else keeps the module path.
@@ -28,9 +28,11 @@ def _q4_tiles(linear: nn.Module | None) -> tuple[list[torch.Tensor], int] | None
     """A packed Q4 linear's tiles (w, d, m) and output size; None for anything else (a Q8
     linear's tiles are int8, a bias would be left out)."""
     blocked = getattr(linear, "blocked", None)
-    if blocked is None or blocked[0].dtype != torch.uint8 or linear.bias is not None:  # type: ignore[union-attr]
+    if linear is None or blocked is None or blocked[0].dtype != torch.uint8:
         return None
-    return list(blocked), int(linear.out_features)  # type: ignore[union-attr]
+    if linear.bias is not None:
+        return None
+    return list(blocked), int(linear.out_features)
 
 
 class CpuLayers:
