@@ -73,8 +73,9 @@ def test_prompt_logprobs_over_http_equal_a_plain_forward(
     rng = random.Random()
     for max_tokens in (0, 5):
         ids = [rng.randrange(3, 256) for _ in range(rng.randint(2, 40))]
+        # ignore_eos: an EOS among the greedy tokens would end the echo before max_tokens
         body = {"prompt": ids, "max_tokens": max_tokens, "echo": True, "logprobs": 3,
-                "temperature": 0}  # fmt: skip
+                "temperature": 0, "ignore_eos": True}  # fmt: skip
         resp = httpx.post(spec_server.url + "/v1/completions", json=body, timeout=120)
         assert resp.status_code == 200, resp.text
         lp = resp.json()["choices"][0]["logprobs"]
