@@ -254,7 +254,9 @@ class LlamaForCausalLM(nn.Module):
         aux: list[torch.Tensor] = []
         if self.cpu_layers is not None and self.cpu_layers.applies(fb, h):
             assert isinstance(rotary, BoundRotary)
-            h, aux = self.cpu_layers.forward(h, fb, rotary, sorted(self.aux_layer_ids))
+            layers = range(len(self.model.layers))  # the aux states the loop below would keep
+            aux_ids = [i for i in layers if i in self.aux_layer_ids]
+            h, aux = self.cpu_layers.forward(h, fb, rotary, aux_ids)
         else:
             for i, layer in enumerate(self.model.layers):
                 if i in self.aux_layer_ids:
