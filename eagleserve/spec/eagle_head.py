@@ -30,6 +30,15 @@ from eagleserve.model.llama import (
 ALGORITHMS = ("EAGLE", "EAGLE3")
 
 
+def _stacked(weights: list[torch.Tensor]) -> nn.Linear:
+    """One bias-free linear whose output rows are these weights' rows, in order."""
+    weight = torch.cat(weights)
+    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device,
+                       dtype=weight.dtype)  # fmt: skip
+    linear.weight.data.copy_(weight)
+    return linear
+
+
 def head_model_config(raw: dict[str, Any], target_cfg: ModelConfig) -> ModelConfig:
     """The head's ModelConfig from its config.json; checks it fits the target."""
     d = dict(raw)
@@ -139,6 +148,7 @@ class EagleHead(nn.Module):
             # [draft_vocab] int64; zeros = identity map (full draft vocab).
             self.register_buffer("d2t", torch.zeros(self.draft_vocab_size, dtype=torch.int64))
         self.rotary_emb = RotaryEmbedding(cfg, target.model.rotary_emb.max_positions)
+        self.kv_proj: nn.Linear | None = None  # set by fuse_projections
 
     @property
     def target(self) -> LlamaForCausalLM:
@@ -196,12 +206,13 @@ class EagleHead(nn.Module):
         nothing else: the head is one layer, so a row's K/V depend on its own input alone."""
         attn_in, _ = self._attention_input(input_ids, features)
         attn = self.attn
-        if attn.qkv_proj is None:  # separate projections: q is not needed here
-            t, shape = attn_in.shape[0], (attn.num_kv_heads, attn.head_dim)
-            k = self.rotary_emb.at(positions, attn_in.dtype).apply(
-                attn.k_proj(attn_in).view(t, *shape)
-            )
-            v = attn.v_proj(attn_in).view(t, *shape)
+        t, shape = attn_in.shape[0], (attn.num_kv_heads, attn.head_dim)
+        if attn.qkv_proj is None or self.kv_proj is not None:  # q is not needed here
+            if self.kv_proj is not None:
+                k, v = self.kv_proj(attn_in).view(t, 2, *shape).unbind(1)
+            else:
+                k, v = attn.k_proj(attn_in).view(t, *shape), attn.v_proj(attn_in).view(t, *shape)
+            k = self.rotary_emb.at(positions, attn_in.dtype).apply(k)
         else:
             _, k, v = attn.project(attn_in, positions, self.rotary_emb)
         get_forward_batch().kv_pool.set_kv(attn.layer_id, out_cache_loc, k, v)
@@ -209,7 +220,8 @@ class EagleHead(nn.Module):
     @torch.no_grad()
     def fuse_projections(self) -> None:
         """q/k/v as one qkv_proj and gate/up as one gate_up_proj (rows stacked, so each output
-        column is computed as before): fewer, larger matmuls for a head on the CPU kernels."""
+        column is computed as before): fewer, larger matmuls for a head on the CPU kernels; and
+        kv_proj, the K/V rows alone, for write_kv."""
         layer = self.layers[0] if self.algorithm == "EAGLE" else self.midlayer
         attn, mlp = layer.self_attn, layer.mlp
         pairs = ((attn, "qkv_proj", ("q_proj", "k_proj", "v_proj")),
@@ -218,11 +230,9 @@ class EagleHead(nn.Module):
             parts = [getattr(module, n) for n in names]
             if getattr(module, fused) is not None or any(p.bias is not None for p in parts):
                 continue
-            weight = torch.cat([p.weight for p in parts])
-            linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device,
-                               dtype=weight.dtype)  # fmt: skip
-            linear.weight.copy_(weight)
-            setattr(module, fused, linear)
+            setattr(module, fused, _stacked([p.weight for p in parts]))
+            if module is attn:  # K/V alone, for the rows that only write them (write_kv)
+                self.kv_proj = _stacked([p.weight for p in parts[1:]])
             for n in names:
                 delattr(module, n)
 

@@ -88,7 +88,8 @@ def test_fused_projections_leave_a_packed_head_unchanged(
 ) -> None:
     """A head next to a packed target fuses q/k/v and gate/up before its int8 packing: each
     output column is its own Q8_0 row computed as before, so logits, next features and the K/V
-    written are bit for bit those of the unfused head."""
+    written (by a forward, and by write_kv through the K/V rows alone) are bit for bit those of
+    the unfused head."""
     from eagleserve.kernels import cpu_ext
     from eagleserve.model.quant import linears_to_int8
 
@@ -115,5 +116,18 @@ def test_fused_projections_leave_a_packed_head_unchanged(
             with forward_context(dataclasses.replace(fb, kv_pool=pool, attn_metadata=None)):
                 outs.append(head(fb.input_ids, feats, fb.positions))
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    assert torch.equal(pools[0].k_buffer[0], pools[1].k_buffer[0])
+    assert torch.equal(pools[0].v_buffer[0], pools[1].v_buffer[0])
+    assert heads[0].kv_proj is None and heads[1].kv_proj is not None
+    for pool in pools:  # write_kv over other slots, with other features
+        pool.k_buffer[0].zero_()
+        pool.v_buffer[0].zero_()
+    feats = torch.randn_like(feats)
+    loc = r2t.req_to_token[1, 20 : 20 + fb.input_ids.numel()]
+    with torch.no_grad():
+        for head, pool in zip(heads, pools, strict=True):
+            with forward_context(dataclasses.replace(fb, kv_pool=pool, attn_metadata=None)):
+                head.write_kv(fb.input_ids, feats, fb.positions, loc)
+    assert bool(pools[0].k_buffer[0][loc].abs().sum() > 0)
     assert torch.equal(pools[0].k_buffer[0], pools[1].k_buffer[0])
     assert torch.equal(pools[0].v_buffer[0], pools[1].v_buffer[0])
