@@ -5,12 +5,13 @@
 
 For every prompt set and batch size, one row per setting: target-only, fixed 1- and 3-chains
 (the shipped EAGLE3 head), and adaptive (chain lengths 0..3 chosen per iteration). Settings run
-interleaved, round by round, on the packed-int4 SmolLM2 as `make serve` runs it (greedy, EOS
-ignored; the prefix cache off, so that every round prefills its prompts whole, the head's
-share of a prefill included). Reports tok/s (median over rounds), the ratio to target-only
-(median and range of each round's ratio to the target-only run beside it), tau, acceptance by
-depth, the chain lengths adaptive chose, and whether every setting's tokens equal
-target-only's. Writes bench/results/adaptive.json.
+interleaved, round by round (adaptive beside target-only, the order reversed every other round;
+a batch smaller than 8 runs in waves of distinct prompts, 8 requests in all), on the
+packed-int4 SmolLM2 as `make serve` runs it (greedy, EOS ignored; the prefix cache off, so
+that every round prefills its prompts whole, the head's share of a prefill included). Reports
+tok/s (median over rounds), the ratio to target-only (median and range of each round's ratio
+to the target-only run beside it), tau, acceptance by depth, the chain lengths adaptive chose,
+and whether every setting's tokens equal target-only's. Writes bench/results/adaptive.json.
 
 Prompt sets: MT-bench first turns, HumanEval, "copy" (passages the answer must repeat:
 acceptance is high there, so longer chains pay), and "mixed" (the three interleaved in one
@@ -20,6 +21,7 @@ batch). Also writes a PNG of the ratios to target-only.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
@@ -47,6 +49,9 @@ SETTINGS: dict[str, dict[str, Any]] = {
         HEAD, speculative_num_steps=3, speculative_num_draft_tokens=4, speculative_adaptive=True
     ),
 }
+# Run order within a round (reversed every other round): adaptive beside target-only.
+ORDER = ["target-only", "adaptive 0..3", "chain 1", "chain 3"]
+MIN_REQUESTS = 8
 COPY_TEXT = [
     "The mitochondria is the powerhouse of the cell. It produces energy through respiration.",
     "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n",
@@ -78,11 +83,17 @@ def chat_ids(tokenizer: Any, prompt: str) -> list[int]:
 
 
 def run(engine: Engine, prompts: list[list[int]], batch: int, new: int) -> dict[str, Any]:
+    """Generates for MIN_REQUESTS requests at least: waves of `batch` distinct prompts, one
+    after the other, so that a small batch's figure is not one short generation's."""
     before = engine.stats()
     params = SamplingParams(max_new_tokens=new, temperature=0.0, ignore_eos=True)
-    reqs = [prompts[i % len(prompts)] for i in range(batch)]
+    waves = math.ceil(MIN_REQUESTS / batch)
+    out = []
     t0 = time.perf_counter()
-    out = engine.generate(reqs, params)
+    for w in range(waves):
+        out += engine.generate(
+            [prompts[(w * batch + i) % len(prompts)] for i in range(batch)], params
+        )
     secs = time.perf_counter() - t0
     after = engine.stats()
     verifies = after.spec_verify_calls_total - before.spec_verify_calls_total
@@ -96,7 +107,7 @@ def run(engine: Engine, prompts: list[list[int]], batch: int, new: int) -> dict[
         for a, b in zip(after.spec_iterations_per_num_drafts, before.spec_iterations_per_num_drafts)
     ]
     return {
-        "tok_s": batch * new / secs,
+        "tok_s": waves * batch * new / secs,
         "tau": accepted / verifies if verifies else None,
         "acceptance_by_depth": depth,
         "iterations_per_k": chosen,
@@ -137,9 +148,11 @@ def main() -> None:
         prompts = [chat_ids(tok, p) for p in prompt_set(set_name, 16)]
         for bs in batches:
             runs: dict[str, list[dict[str, Any]]] = {name: [] for name in engines}
-            for _ in range(args.rounds):
-                for name, eng in engines.items():
-                    runs[name].append(run(eng, prompts, bs, args.new_tokens))
+            for r in range(args.rounds):
+                # target-only next to adaptive in every round, each first on alternate rounds
+                order = ORDER if r % 2 == 0 else ORDER[::-1]
+                for name in order:
+                    runs[name].append(run(engines[name], prompts, bs, args.new_tokens))
             base = [r["tok_s"] for r in runs["target-only"]]
             ref = runs["target-only"][0]["tokens"]
             for name, rs in runs.items():

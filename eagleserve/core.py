@@ -120,7 +120,8 @@ class ScheduleBatch:
     # Overlap: FutureMap slots whose values this batch's inputs will resolve from.
     future_indices: torch.Tensor | None = None
     # Adaptive speculation, set per decode iteration before launch: the chain length, and how
-    # many held head inputs each request has (None: the configured chain, nothing held).
+    # many held head inputs each request has (None: the configured chain, nothing held); per
+    # prefill, 1 for a request whose prompt ends here (its last row's input is held).
     num_drafts: int | None = None
     draft_lags: list[int] | None = None
     # (ids of `reqs`, SamplingInfo) built by the scheduler before launch, reused while the

@@ -230,15 +230,16 @@ def decoder_layers(
     rows: tuple[torch.Tensor, ...],
     sm_scale: float,
     aux_layers: list[int],
-) -> tuple[torch.Tensor, list[torch.Tensor]]:
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Every decoder layer of a packed target over h [T, hidden] fp32 (cpu_layers.cpp):
     weights 14 per layer, out_features 4 per layer (model/cpu_layers.py builds both);
     shape (rms eps, heads, kv heads); rotary (cos, signed sin); kv (K buffers, V buffers, the
     new tokens' slots); rows (req_to_token, req_pool_indices, prefix_lens, extend_lens,
     kv_lens, tree_mask or None) as `paged_attention` takes them. Returns the last layer's
-    output and the hidden states entering `aux_layers`."""
+    output and the hidden states entering `aux_layers`, side by side [T, len * hidden] (None
+    without aux layers)."""
     eps, heads, kv_heads = shape
     out, aux = torch.ops.eagleserve_cpu.decoder_layers(
         h, weights, out_features, eps, heads, kv_heads, *rotary, *kv, *rows, sm_scale, aux_layers
     )
-    return out, list(aux)
+    return out, aux if aux_layers else None

@@ -19,7 +19,7 @@ namespace {
 // weight; gate/up tiles; down tiles.
 constexpr int64_t kPerLayer = 14;
 
-std::tuple<at::Tensor, std::vector<at::Tensor>> decoder_layers(
+std::tuple<at::Tensor, at::Tensor> decoder_layers(
     const at::Tensor& h_in, at::TensorList weights, at::IntArrayRef out_features, double eps,
     int64_t heads, int64_t kv_heads, const at::Tensor& cos, const at::Tensor& signed_sin,
     at::TensorList k_buffers, at::TensorList v_buffers, const at::Tensor& out_cache_loc,
@@ -38,11 +38,15 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> decoder_layers(
   const RowPlan plan = plan_rows(T, req_to_token, req_pool_indices, prefix_lens, extend_lens,
                                  kv_lens, tree_mask);
   at::Tensor h = h_in;
-  std::vector<at::Tensor> aux;
-  size_t next_aux = 0;
+  // The states entering aux_layers side by side, [T, aux_layers * hidden]: what the module
+  // path's torch.cat builds, written here so that no op runs for it after the call.
+  const int64_t hidden = h_in.size(1);
+  const int64_t num_aux = static_cast<int64_t>(aux_layers.size());
+  at::Tensor aux = at::empty({T, num_aux * hidden}, h_in.options());
+  int64_t next_aux = 0;
   for (int64_t i = 0; i < layers; ++i) {
-    if (next_aux < aux_layers.size() && aux_layers[next_aux] == i) {
-      aux.push_back(h);
+    if (next_aux < num_aux && aux_layers[next_aux] == i) {
+      aux.narrow(1, next_aux * hidden, hidden).copy_(h);
       ++next_aux;
     }
     const at::Tensor* w = weights.data() + i * kPerLayer;
@@ -61,7 +65,7 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> decoder_layers(
     const at::Tensor act = silu_mul(q4_matmul(x, w[8], w[9], w[10], n[2]));
     h = h + q4_matmul(act, w[11], w[12], w[13], n[3]);
   }
-  TORCH_CHECK(next_aux == aux_layers.size(), "aux layers: ascending layer indices");
+  TORCH_CHECK(next_aux == num_aux, "aux layers: ascending layer indices");
   return {h, aux};
 }
 
@@ -73,6 +77,6 @@ TORCH_LIBRARY_FRAGMENT(eagleserve_cpu, lib) {
       "int kv_heads, Tensor cos, Tensor signed_sin, Tensor[] k_buffers, Tensor[] v_buffers, "
       "Tensor out_cache_loc, Tensor req_to_token, Tensor req_pool_indices, Tensor prefix_lens, "
       "Tensor extend_lens, Tensor kv_lens, Tensor? tree_mask, float sm_scale, int[] aux_layers) "
-      "-> (Tensor, Tensor[])",
+      "-> (Tensor, Tensor)",
       &decoder_layers);
 }

@@ -79,8 +79,9 @@ class CpuLayers:
 
     def forward(
         self, h: torch.Tensor, fb: ForwardBatch, rotary: BoundRotary, aux_layers: list[int]
-    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """h [T, hidden] -> (the last layer's output, the hidden states entering aux_layers)."""
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """h [T, hidden] -> (the last layer's output, the hidden states entering aux_layers,
+        side by side: [T, len(aux_layers) * hidden], None without aux layers)."""
         backend = fb.attn_backend
         assert isinstance(backend, TorchAttnBackend)
         pool = fb.kv_pool

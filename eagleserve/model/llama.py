@@ -221,6 +221,8 @@ class ModelOutput:
     logits: torch.Tensor  # [n, vocab] fp32, rows = logits_indices (all rows when None)
     hidden_states: torch.Tensor  # [T, hidden] final normed hidden state of every token
     aux_hidden_states: torch.Tensor | None  # [T, k * hidden] residual entering aux layers
+    # Views of a CUDA graph's output buffers, which its next replay overwrites.
+    graph_buffers: bool = False
 
 
 class LlamaForCausalLM(nn.Module):
@@ -251,21 +253,22 @@ class LlamaForCausalLM(nn.Module):
         positions = fb.positions
         h = self.model.embed_tokens(fb.input_ids)
         rotary = self.model.rotary_emb.at(positions, h.dtype)
-        aux: list[torch.Tensor] = []
         if self.cpu_layers is not None and self.cpu_layers.applies(fb, h):
             assert isinstance(rotary, BoundRotary)
             layers = range(len(self.model.layers))  # the aux states the loop below would keep
             aux_ids = [i for i in layers if i in self.aux_layer_ids]
-            h, aux = self.cpu_layers.forward(h, fb, rotary, aux_ids)
+            h, aux_states = self.cpu_layers.forward(h, fb, rotary, aux_ids)
         else:
+            aux: list[torch.Tensor] = []
             for i, layer in enumerate(self.model.layers):
                 if i in self.aux_layer_ids:
                     aux.append(h)
                 h = layer(h, positions, rotary)
+            aux_states = torch.cat(aux, dim=-1) if aux else None
         h = self.model.norm(h)
         rows = h if fb.logits_indices is None else h[fb.logits_indices]
         return ModelOutput(
             logits=self.compute_logits(rows),
             hidden_states=h,
-            aux_hidden_states=torch.cat(aux, dim=-1) if aux else None,
+            aux_hidden_states=aux_states,
         )

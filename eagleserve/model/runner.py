@@ -172,7 +172,7 @@ class ModelRunner:
         for graph in self.graphs:
             if graph.can_replay(fb):
                 logits, hidden, *aux = graph.replay(fb)
-                return ModelOutput(logits, hidden, aux[0] if aux else None)
+                return ModelOutput(logits, hidden, aux[0] if aux else None, graph_buffers=True)
         with forward_context(fb):
             return self.model()
 

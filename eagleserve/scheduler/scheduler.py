@@ -293,8 +293,8 @@ class Scheduler:
             self.future_map.resolve_seq_lens_cpu(batch)
         if batch.seq_lens_sum is None:
             batch.refresh_seq_lens_cpu(sync=False)
-        if batch.mode == "decode" and isinstance(self.worker, EagleWorker):
-            self.worker.plan_decode(batch, self.spec_stats.acceptance_ema)
+        if isinstance(self.worker, EagleWorker):
+            self.worker.plan_launch(batch, self.spec_stats.acceptance_ema, partial)
         # Built here, on the host batch, so the overlap forward's snapshot shares the cache.
         info = SamplingInfo.of_batch(batch, self.model_config.vocab_size)
         if partial is not None:

@@ -88,13 +88,7 @@ class EagleDraftWorker:
         }
         # Adaptive: head inputs held while requests do not draft (flushed when the ring is full).
         self.lag = (
-            DraftLag(
-                args.max_running_requests,
-                spec.adaptive_probe_interval,
-                self.head.feature_size,
-                target.dtype,
-                device,
-            )
+            DraftLag(args.max_running_requests, spec.adaptive_probe_interval)
             if spec.adaptive
             else None
         )
@@ -128,7 +122,10 @@ class EagleDraftWorker:
         self, fb: ForwardBatch, features: torch.Tensor, last_rows: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`last_rows_forward` of the head over `fb`'s tokens, in the head's KV."""
-        fb = dataclasses.replace(
+        return last_rows_forward(self.head, self._in_head_kv(fb), features, last_rows)
+
+    def _in_head_kv(self, fb: ForwardBatch) -> ForwardBatch:
+        return dataclasses.replace(
             fb,
             mode="extend",
             kv_pool=self.kv_pool,
@@ -137,7 +134,33 @@ class EagleDraftWorker:
             tree_mask=None,
             attn_metadata=None,
         )
-        return last_rows_forward(self.head, fb, features, last_rows)
+
+    def write_prompt(
+        self,
+        fb: ForwardBatch,
+        features: torch.Tensor,
+        last_rows: torch.Tensor,
+        batch: ScheduleBatch,
+    ) -> EagleDraftInput:
+        """Adaptive speculation, after a prefill: the head KV of every row of `fb`, and no
+        seed. A request whose prompt ends here (batch.draft_lags[i] == 1) holds its last row
+        as its first pair: the whole layer and the lm_head there would give only the seed of
+        a draft, and the catch-up before its first draft computes that seed anyway (its K/V,
+        rewritten then, are the same). The seeds returned are placeholders."""
+        assert self.lag is not None and batch.draft_lags is not None
+        with forward_context(self._in_head_kv(fb)):
+            self.head.write_kv(fb.input_ids, features, fb.positions, fb.out_cache_loc)
+        held = [i for i, m in enumerate(batch.draft_lags) if m]
+        if held:  # copies of the held rows: a prefill's features are too large to keep
+            rows = last_rows[torch.tensor(held, dtype=torch.long, device=self.device)]
+            slots = [batch.reqs[i].req_pool_idx for i in held]
+            self.lag.hold(slots, [0] * len(held), fb.input_ids[rows], features[rows])
+        bs, topk = batch.batch_size, self.spec.eagle_topk
+        return EagleDraftInput(
+            torch.zeros(bs, topk, device=self.device),
+            torch.zeros(bs, topk, dtype=torch.long, device=self.device),
+            torch.zeros(bs, self.head.hidden_size, dtype=features.dtype, device=self.device),
+        )
 
     def catch_up(
         self, batch: ScheduleBatch, info: EagleDraftInput, allowed: torch.Tensor | None = None

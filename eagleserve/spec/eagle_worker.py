@@ -16,7 +16,7 @@ import time
 import torch
 
 from eagleserve.config import ServerArgs, SpecConfig
-from eagleserve.core import GenerationBatchResult, OnVerified, ScheduleBatch
+from eagleserve.core import GenerationBatchResult, OnVerified, Req, ScheduleBatch
 from eagleserve.model.cuda_graph import BUCKETS
 from eagleserve.model.forward_batch import ForwardBatch, HostLens
 from eagleserve.model.grammar_mask import mask_logits
@@ -67,6 +67,13 @@ class EagleWorker:
             self.controller = AdaptiveController(costs, choices, spec.adaptive_probe_interval)
 
     # ---- scheduler interface ---------------------------------------------------------------
+    def plan_launch(self, batch: ScheduleBatch, prior: list[float], partial: Req | None) -> None:
+        """Scheduler thread, before `batch` launches: `plan_decode` or `plan_prefill`."""
+        if batch.mode == "decode":
+            self.plan_decode(batch, prior)
+        else:
+            self.plan_prefill(batch, partial)
+
     def plan_decode(self, batch: ScheduleBatch, prior: list[float]) -> None:
         """Scheduler thread, before a decode launches: picks this iteration's chain length from
         the last known acceptance (with overlap, one iteration old) and books the held head
@@ -87,6 +94,15 @@ class EagleWorker:
         batch.num_drafts, batch.draft_lags = k, lags
         for req, m in zip(batch.reqs, lags, strict=True):
             req.draft_lag = 0 if k else m % full + 1  # a full ring is flushed first
+
+    def plan_prefill(self, batch: ScheduleBatch, partial: Req | None) -> None:
+        """Scheduler thread, before a prefill launches (adaptive): a request whose prompt ends
+        here will hold its last row's head input (`EagleDraftWorker.write_prompt`)."""
+        if self.controller is None:
+            return
+        batch.draft_lags = [0 if req is partial else 1 for req in batch.reqs]
+        for req, m in zip(batch.reqs, batch.draft_lags, strict=True):
+            req.draft_lag = m
 
     def prepare_for_decode(self, batch: ScheduleBatch) -> None:
         """Reserves slots up to the host's view of L plus decode_slots_per_req per request."""
@@ -152,8 +168,11 @@ class EagleWorker:
         if on_verified is not None:
             on_verified(batch)
         draft_fb = dataclasses.replace(fb, input_ids=shifted)
-        allowed = self._next_allowed(batch)
-        batch.spec_info = self.drafter.extend(draft_fb, self._features(out), last, allowed)
+        if batch.draft_lags is not None:  # adaptive: no seed until a draft needs one
+            batch.spec_info = self.drafter.write_prompt(draft_fb, self._features(out), last, batch)
+        else:
+            allowed = self._next_allowed(batch)
+            batch.spec_info = self.drafter.extend(draft_fb, self._features(out), last, allowed)
         return result
 
     # ---- decode: draft -> verify -> accept -> draft extend ----------------------------------
@@ -212,7 +231,10 @@ class EagleWorker:
         lag = self.drafter.lag
         assert lag is not None
         ring_index = [m % lag.max_lag for m in batch.draft_lags]  # a full ring was flushed
-        lag.hold(batch.req_pool_indices, ring_index, next_ids, self._features(out))
+        features = self._features(out)
+        if out.graph_buffers:  # held past the next replay, which overwrites them
+            features = features.clone()
+        lag.hold([r.req_pool_idx for r in batch.reqs], ring_index, next_ids, features)
         batch.seq_lens = L + 1
         batch.seq_lens_cpu = batch.seq_lens_cpu + 1  # known on the host: no refresh needed
         batch.seq_lens_sum = None

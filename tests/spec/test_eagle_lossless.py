@@ -332,13 +332,16 @@ def head_kv(engine: Engine, req_pool_idx: int, length: int) -> torch.Tensor:
     return drafter.kv_pool.k_buffer[0][slots].clone()
 
 
-@pytest.mark.parametrize("without", [5, 11], ids=["catch-up", "flushed-rings"])
+@pytest.mark.parametrize(
+    "without", [0, 5, 11], ids=["draft-after-prefill", "catch-up", "flushed-rings"]
+)
 def test_head_kv_after_a_stretch_without_drafting(
     target_dir: str, heads: dict[str, str], without: int
 ) -> None:
     """After k = 0 iterations and the catch-up, the head's KV equals that of a run that ran the
     head after every token (here: a fixed 1-chain), position by position; also where the
-    stretch outlasts the ring of held inputs (4 here), which is flushed twice on the way."""
+    stretch outlasts the ring of held inputs (4 here), which is flushed twice on the way, and
+    where the first decode drafts (the prompt's last row, held by the prefill, caught up)."""
     prompt = _prompts(3)[3]
     runs = {}
     for name in ("lagged", "always"):
