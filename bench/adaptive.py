@@ -5,8 +5,9 @@
 
 For every prompt set and batch size, one row per setting: target-only, fixed 1- and 3-chains
 (the shipped EAGLE3 head), and adaptive (chain lengths 0..3 chosen per iteration). Settings run
-interleaved, round by round (adaptive beside target-only, the order reversed every other round;
-a batch smaller than 8 runs in waves of distinct prompts, 8 requests in all), on the
+interleaved (adaptive beside target-only, the order reversed every other round; a batch
+smaller than 8 runs in waves of distinct prompts, 8 requests in all, the settings taking turns
+wave by wave), on the
 packed-int4 SmolLM2 as `make serve` runs it (greedy, EOS ignored; the prefix cache off, so
 that every round prefills its prompts whole, the head's share of a prefill included). Reports
 tok/s (median over rounds), the ratio to target-only (median and range of each round's ratio
@@ -82,20 +83,32 @@ def chat_ids(tokenizer: Any, prompt: str) -> list[int]:
     )
 
 
-def run(engine: Engine, prompts: list[list[int]], batch: int, new: int) -> dict[str, Any]:
-    """Generates for MIN_REQUESTS requests at least: waves of `batch` distinct prompts, one
-    after the other, so that a small batch's figure is not one short generation's."""
-    before = engine.stats()
+def run_round(
+    engines: dict[str, Engine], order: list[str], prompts: list[list[int]], batch: int, new: int
+) -> dict[str, dict[str, Any]]:
+    """One round: every setting generates the same waves of `batch` distinct prompts
+    (MIN_REQUESTS requests at least, so that a small batch's figure is not one short
+    generation's), setting after setting within each wave in `order`, reversed from one wave
+    to the next: a drift in the host's speed meets every setting alike."""
     params = SamplingParams(max_new_tokens=new, temperature=0.0, ignore_eos=True)
     waves = math.ceil(MIN_REQUESTS / batch)
-    out = []
-    t0 = time.perf_counter()
+    before = {name: engines[name].stats() for name in order}
+    secs = dict.fromkeys(order, 0.0)
+    out: dict[str, list[dict[str, Any]]] = {name: [] for name in order}
     for w in range(waves):
-        out += engine.generate(
-            [prompts[(w * batch + i) % len(prompts)] for i in range(batch)], params
-        )
-    secs = time.perf_counter() - t0
-    after = engine.stats()
+        reqs = [prompts[(w * batch + i) % len(prompts)] for i in range(batch)]
+        for name in order if w % 2 == 0 else order[::-1]:
+            t0 = time.perf_counter()
+            out[name] += engines[name].generate(reqs, params)
+            secs[name] += time.perf_counter() - t0
+    return {
+        name: summary(before[name], engines[name].stats(), waves * batch * new / secs[name],
+                      [o["token_ids"] for o in out[name]])
+        for name in order
+    }  # fmt: skip
+
+
+def summary(before: Any, after: Any, tok_s: float, tokens: list[list[int]]) -> dict[str, Any]:
     verifies = after.spec_verify_calls_total - before.spec_verify_calls_total
     accepted = after.spec_accepted_tokens_total - before.spec_accepted_tokens_total
     depth = [
@@ -107,11 +120,11 @@ def run(engine: Engine, prompts: list[list[int]], batch: int, new: int) -> dict[
         for a, b in zip(after.spec_iterations_per_num_drafts, before.spec_iterations_per_num_drafts)
     ]
     return {
-        "tok_s": waves * batch * new / secs,
+        "tok_s": tok_s,
         "tau": accepted / verifies if verifies else None,
         "acceptance_by_depth": depth,
         "iterations_per_k": chosen,
-        "tokens": [o["token_ids"] for o in out],
+        "tokens": tokens,
     }
 
 
@@ -151,8 +164,8 @@ def main() -> None:
             for r in range(args.rounds):
                 # target-only next to adaptive in every round, each first on alternate rounds
                 order = ORDER if r % 2 == 0 else ORDER[::-1]
-                for name in order:
-                    runs[name].append(run(engines[name], prompts, bs, args.new_tokens))
+                for name, result in run_round(engines, order, prompts, bs, args.new_tokens).items():
+                    runs[name].append(result)
             base = [r["tok_s"] for r in runs["target-only"]]
             ref = runs["target-only"][0]["tokens"]
             for name, rs in runs.items():

@@ -33,7 +33,9 @@ class DraftLag:
     reference to the decode outputs it is a row of (ids [bs], features [bs, F]) and that row.
     Holding copies nothing: a k = 0 iteration adds no tensor op to a plain decode, where on a
     CPU every op after a forward pays for its code and data coming back into the caches. The
-    caller hands in tensors no later forward writes to (a CUDA graph's outputs are cloned)."""
+    caller hands in tensors no later forward writes to (a CUDA graph's outputs are cloned).
+    A finished request's pairs stay until its slot's next request holds its first: at most
+    max_lag references per slot."""
 
     def __init__(self, num_req_slots: int, max_lag: int) -> None:
         self.max_lag = max_lag
