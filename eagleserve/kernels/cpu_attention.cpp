@@ -227,19 +227,17 @@ at::Tensor attend_rows(const RowPlan& plan, const at::Tensor& q, const at::Tenso
   const float* vp = v_buf.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t group = H / Hkv, slot_stride = Hkv * D;
-  // Work items: the queries of one request that read one K/V head (its rows times the GQA
-  // group's heads), cut to at most kMaxQueries and to enough items for the threads (a decode of
-  // one request still spreads over the heads); dealt round-robin, since a causal prefill's later
-  // rows see more keys. Which item or thread runs a query changes nothing in it.
-  constexpr int64_t kMaxQueries = 16;
-  const int64_t threads = std::min<int64_t>(at::get_num_threads(), T * H);
-  const int64_t per_item =
-      std::max<int64_t>(1, std::min<int64_t>(kMaxQueries, T * H / (2 * threads)));
+  // Units: the queries of one run of a request's rows (at most kRowGroup, so a prefill's
+  // scores stay small) that read one K/V head, i.e. the rows times the GQA group's heads. Each
+  // thread takes a contiguous share of all queries, cut where the key counts seen so far reach
+  // its fraction of the total: the threads do about the same work (a share may end inside a
+  // unit, two threads then read that K/V head) and each reads only its share's heads. Within
+  // a share, attend() takes at most kMaxQueries of a unit at a time. Which thread or call runs
+  // a query changes nothing in it.
+  constexpr int64_t kRowGroup = 8, kMaxQueries = 16;
   std::vector<Query> queries;
-  std::vector<int64_t> item_start, item_head;
+  std::vector<int64_t> unit_start, unit_head;
   queries.reserve(T * H);
-  // A request's rows in runs of at most kRowGroup (a prefill's scores stay small).
-  constexpr int64_t kRowGroup = 8;
   auto row_end = [&](int64_t r0) {
     int64_t r = r0 + 1;
     while (r < T && plan.row_req[r] == plan.row_req[r0] && r - r0 < kRowGroup) ++r;
@@ -248,29 +246,42 @@ at::Tensor attend_rows(const RowPlan& plan, const at::Tensor& q, const at::Tenso
   for (int64_t r0 = 0; r0 < T; r0 = row_end(r0)) {
     const int64_t r1 = row_end(r0);
     for (int64_t g = 0; g < Hkv; ++g) {
-      int64_t in_item = per_item;  // the first query opens an item
+      unit_start.push_back(static_cast<int64_t>(queries.size()));
+      unit_head.push_back(g);
       for (int64_t row = r0; row < r1; ++row) {
-        for (int64_t h = g * group; h < (g + 1) * group; ++h, ++in_item) {
-          if (in_item == per_item) {
-            item_start.push_back(static_cast<int64_t>(queries.size()));
-            item_head.push_back(g);
-            in_item = 0;
-          }
+        for (int64_t h = g * group; h < (g + 1) * group; ++h)
           queries.push_back({qp + row * q_row + h * D, op + (row * H + h) * D,
                              plan.row_slots[row], plan.row_n[row]});
-        }
       }
     }
   }
-  const int64_t items = static_cast<int64_t>(item_start.size());
-  item_start.push_back(static_cast<int64_t>(queries.size()));
-  at::parallel_for(0, std::min(threads, items), 1, [&](int64_t t0, int64_t t1) {
+  const int64_t nq = static_cast<int64_t>(queries.size());
+  unit_start.push_back(nq);
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), nq);
+  // prefix[i]: the keys queries [0, i) see; share t starts at the query boundary nearest
+  // t / threads of the total.
+  std::vector<int64_t> prefix(nq + 1, 0), cut(threads + 1, nq);
+  for (int64_t i = 0; i < nq; ++i) prefix[i + 1] = prefix[i] + queries[i].n;
+  cut[0] = 0;
+  for (int64_t t = 1; t < threads; ++t) {
+    const double target = static_cast<double>(prefix[nq]) * t / threads;
+    int64_t i = std::lower_bound(prefix.begin(), prefix.end(), target) - prefix.begin();
+    if (i > 0 && target - prefix[i - 1] < prefix[i] - target) --i;
+    cut[t] = std::max(i, cut[t - 1]);
+  }
+  at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> scores;
     for (int64_t t = t0; t < t1; ++t) {
-      for (int64_t w = t; w < items; w += std::min(threads, items)) {
-        const int64_t g = item_head[w];
-        attend(queries.data() + item_start[w], item_start[w + 1] - item_start[w], kp + g * D,
-               vp + g * D, slot_stride, D, static_cast<float>(sm_scale), scores);
+      int64_t i = cut[t];
+      int64_t u = std::upper_bound(unit_start.begin(), unit_start.end(), i) - unit_start.begin() - 1;
+      for (; i < cut[t + 1]; ++u) {
+        const int64_t end = std::min(cut[t + 1], unit_start[u + 1]), g = unit_head[u];
+        while (i < end) {
+          const int64_t count = std::min(kMaxQueries, end - i);
+          attend(queries.data() + i, count, kp + g * D, vp + g * D, slot_stride, D,
+                 static_cast<float>(sm_scale), scores);
+          i += count;
+        }
       }
     }
   });
