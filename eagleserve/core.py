@@ -117,8 +117,11 @@ class ScheduleBatch:
     seq_lens_sum: int | None = None
     # Speculative relay state (EagleDraftInput) carried between iterations; None without spec.
     spec_info: EagleDraftInput | None = None
-    # Overlap: FutureMap slots whose values this batch's inputs will resolve from.
+    # Overlap: FutureMap slots whose values this batch's inputs will resolve from; and whether
+    # the forward in flight decides its new lengths (a verify: the host mirror is stale until
+    # that forward publishes them) rather than the host knowing them at launch.
     future_indices: torch.Tensor | None = None
+    lengths_in_flight: bool = False
     # Adaptive speculation, set per decode iteration before launch: the chain length, and how
     # many held head inputs each request has (None: the configured chain, nothing held); per
     # prefill, 1 for a request whose prompt ends here (its last row's input is held).
@@ -264,6 +267,7 @@ class ScheduleBatch:
         if self.future_indices is not None or other.future_indices is not None:
             assert self.future_indices is not None and other.future_indices is not None
             self.future_indices = torch.cat([self.future_indices, other.future_indices])
+        self.lengths_in_flight = self.lengths_in_flight or other.lengths_in_flight
         if self.spec_info is not None:
             self.spec_info = self.spec_info.merge(other.spec_info)
         self.seq_lens_sum = None

@@ -22,9 +22,8 @@ Placeholder convention (invariants every producer/consumer relies on):
   reset to -1 right after they are consumed), so a slot read before anything stashed it shows
   up as a non-positive seq len and trips `torch._assert_async((seq_lens > 0).all())`.
 
-Env var `EAGLESERVE_DISABLE_COMPILE=1` (read at call time) makes `_gather_spec_extras` run the
-eager gathers instead of the `torch.compile`d fused version (debugging, or platforms without a
-working inductor backend).
+`EAGLESERVE_DISABLE_COMPILE=1` (read at call time): `_gather_spec_extras` runs the eager
+gathers, not the `torch.compile`d one (debugging, platforms without a working inductor).
 """
 
 from __future__ import annotations
@@ -113,11 +112,9 @@ def _gather_spec_extras(
 
 class _HostPublishCounter:
     """Counts publishes so another thread can wait for a specific one (a threading.Event that
-    can be re-armed without a clear/set race).
-
-    `expect()` is called by the thread that hands a forward to the forward thread; `done()` by
-    the forward thread at publish time. `wait(ticket)` returns once `ticket` publishes happened.
-    """
+    can be re-armed without a clear/set race). `expect()`: the thread that hands a forward to
+    the forward thread; `done()`: the forward thread at publish time. `wait(ticket)` returns
+    once `ticket` publishes happened."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
@@ -316,14 +313,18 @@ class FutureMap:
 
     # ---- consumer side ---------------------------------------------------------------------
 
-    def resolve_future(self, batch: ScheduleBatch) -> EagleDraftInput | None:
+    def resolve_future(
+        self, batch: ScheduleBatch, draft_seed: bool = True
+    ) -> EagleDraftInput | None:
         """Forward side, before the model runs: replaces placeholders by stashed values.
 
         Runs entirely on the device in stream order (no host sync):
         - `batch.input_ids`: every negative id `-f` becomes `output_tokens_buf[f]` (the next or
           bonus token); other ids pass through, so extend tokens and decode placeholders can
           share a batch.
-        - with draft buffers and `batch.future_indices`: returns the gathered draft seed.
+        - with draft buffers, `batch.future_indices` and `draft_seed`: returns the gathered
+          draft seed (an adaptive k = 0 decode neither reads nor stashes it: future indices
+          are request slots, so a seed waits in its row for the iteration that drafts).
         - once seq lens are relayed: `batch.seq_lens = new_seq_lens_buf[future_indices]`,
           followed by an async guard that all are > 0 (catches unstashed/poisoned slots).
         """
@@ -338,7 +339,7 @@ class FutureMap:
         fi = batch.future_indices
         info: EagleDraftInput | None = None
         if fi is not None and fi.numel() > 0:
-            if self.topk_p_buf is not None:
+            if self.topk_p_buf is not None and draft_seed:
                 assert self.topk_index_buf is not None and self.hidden_states_buf is not None
                 info = EagleDraftInput(
                     *_gather_spec_extras(
@@ -358,17 +359,12 @@ class FutureMap:
                 torch._assert_async((resolved_ids >= 0).all())
                 self.output_tokens_buf.index_fill_(0, (-ids).clamp(min=0), -1)
             if fi is not None and fi.numel() > 0:
-                self._poison_rows(fi)
+                self._poison_rows(fi, draft_seed)
         return info
 
-    def _poison_rows(self, fi: torch.Tensor) -> None:
-        for buf in (
-            self.output_tokens_buf,
-            self.new_seq_lens_buf,
-            self.topk_p_buf,
-            self.topk_index_buf,
-            self.hidden_states_buf,
-        ):
+    def _poison_rows(self, fi: torch.Tensor, draft_seed: bool) -> None:
+        seed = (self.topk_p_buf, self.topk_index_buf, self.hidden_states_buf)
+        for buf in (self.output_tokens_buf, self.new_seq_lens_buf, *(seed if draft_seed else ())):
             if buf is not None:
                 buf.index_fill_(0, fi, -1)
 
@@ -376,15 +372,18 @@ class FutureMap:
         """Scheduler side: makes `batch.seq_lens`/`seq_lens_cpu`/`seq_lens_sum` current.
 
         Called unconditionally by the scheduler; returns at once (batch untouched, no sync)
-        when `batch.future_indices is None`. Otherwise waits for the previous publish only
-        (not for the draft extend after it), gathers `new_seq_lens_buf[future_indices]` and
-        refreshes the host mirror via `batch.refresh_seq_lens_cpu(sync=True)`, the one place
-        that recomputes it. Without relayed seq lens (no spec) the batch stays untouched.
+        when `batch.future_indices is None` or the host already knows the lengths
+        (`lengths_in_flight` is False: a prefill, or a decode without drafts). Otherwise
+        waits for the previous publish only (not for the draft extend after it), gathers
+        `new_seq_lens_buf[future_indices]` and refreshes the host mirror via
+        `batch.refresh_seq_lens_cpu(sync=True)`, the one place that recomputes it. Without
+        relayed seq lens (no spec) the batch stays untouched.
         """
         fi = batch.future_indices
-        if fi is None:
+        if fi is None or not batch.lengths_in_flight:
             return
         self.wait_published()
+        batch.lengths_in_flight = False
         if not self.relays_seq_lens:
             return
         batch.seq_lens = self.new_seq_lens_buf[fi]

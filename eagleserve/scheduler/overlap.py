@@ -54,8 +54,10 @@ class OverlapForwarder:
         fi = FutureMap.alloc_future_indices(batch.req_pool_indices)
         batch.input_ids = FutureMap.placeholder_ids(fi)
         if self.is_spec:
+            assert isinstance(self.worker, EagleWorker)
             batch.future_indices = fi
             batch.spec_info = None
+            batch.lengths_in_flight = not self.worker.advance_host_lengths(batch)
         return fut
 
     def _run(self, batch: ScheduleBatch, caller_stream: Any) -> GenerationBatchResult:
@@ -80,8 +82,10 @@ class OverlapForwarder:
             fm.publish()
             published = True
 
+        # An adaptive decode without drafts leaves every request's draft seed in its row.
+        drafts = batch.mode != "decode" or batch.num_drafts != 0
         try:
-            info = fm.resolve_future(batch)
+            info = fm.resolve_future(batch, draft_seed=drafts)
             if info is not None:
                 batch.spec_info = info
             # The lengths it starts from: what a failed forward leaves for the next one. No copy:
@@ -92,7 +96,8 @@ class OverlapForwarder:
                 fm.stash(fi, result.next_token_ids)
             else:
                 result = self.worker.forward_batch_generation(batch, on_verified=on_verified)
-                fm.stash_draft(fi, batch.spec_info)
+                if drafts:
+                    fm.stash_draft(fi, batch.spec_info)
         except BaseException:
             # The scheduler fails this batch's requests when it collects the result; until
             # then the next batch must neither wait forever for the publish nor read garbage.

@@ -34,6 +34,7 @@ def _batch(
         input_ids=input_ids,
         seq_lens=seq_lens,
         future_indices=future_indices,
+        lengths_in_flight=future_indices is not None,  # a verify's, unless a test says so
     )
 
 
@@ -150,13 +151,15 @@ def test_debug_poison_catches_double_resolve() -> None:
         plain.resolve_future(_batch(input_ids=torch.tensor([3, -4])))
 
 
-def test_resolve_seq_lens_cpu_noop_without_future_indices(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_resolve_seq_lens_cpu_waits_only_for_lengths_in_flight(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     fmap = FutureMap(POOL, CPU)
     fmap.stash(torch.tensor([1]), torch.tensor([5]), new_seq_lens=torch.tensor([8]))
     fmap.expect_publish()  # an announced publish that never comes: waiting would hang
 
     def no_wait(*args: object, **kwargs: object) -> None:
-        raise AssertionError("resolve_seq_lens_cpu must not wait without future indices")
+        raise AssertionError("resolve_seq_lens_cpu must not wait: no lengths in flight")
 
     monkeypatch.setattr(fmap, "wait_published", no_wait)
     seq_lens = torch.tensor([3, 4])
@@ -168,6 +171,10 @@ def test_resolve_seq_lens_cpu_noop_without_future_indices(monkeypatch: pytest.Mo
     assert batch.seq_lens is seq_lens
     assert batch.seq_lens_cpu is seq_lens_cpu
     assert batch.seq_lens_sum is None  # refresh_seq_lens_cpu was not called
+    # Futures whose lengths the host already knows (a prefill, a decode without drafts).
+    batch.future_indices, batch.lengths_in_flight = torch.tensor([1, 2]), False
+    fmap.resolve_seq_lens_cpu(batch)
+    assert batch.seq_lens is seq_lens and batch.seq_lens_cpu is seq_lens_cpu
 
 
 def _make_bufs(
@@ -274,3 +281,29 @@ def test_publish_wait_across_threads() -> None:
     fmap.expect_publish()
     with pytest.raises(TimeoutError):
         fmap.wait_published(timeout=0.05)
+
+
+@pytest.mark.usefixtures("eager_gather")
+def test_a_decode_without_drafts_leaves_the_seeds_in_their_rows() -> None:
+    """Adaptive k = 0 iterations resolve tokens and lengths but not the draft seed, and stash
+    none: the seed stashed before them is what the next drafting iteration reads."""
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    fmap = FutureMap(POOL, CPU, debug_poison=True)
+    fi = FutureMap.alloc_future_indices(_rand_slots(gen, 3))
+    seed = EagleDraftInput(torch.rand(3, 2, generator=gen) + 0.1,
+                           torch.randint(1, 32000, (3, 2), generator=gen),
+                           torch.randn(3, 8, generator=gen))  # fmt: skip
+    lens = torch.randint(1, 4096, (3,), generator=gen)
+    fmap.stash(fi, torch.randint(1, 32000, (3,), generator=gen), new_seq_lens=lens)
+    fmap.stash_draft(fi, seed)
+    for step in range(1, 3):  # two iterations without drafts
+        tokens = torch.randint(1, 32000, (3,), generator=gen)
+        batch = _batch(input_ids=FutureMap.placeholder_ids(fi), future_indices=fi)
+        assert fmap.resolve_future(batch, draft_seed=False) is None
+        assert torch.equal(batch.seq_lens, lens + step - 1)
+        fmap.stash(fi, tokens, new_seq_lens=lens + step)
+    batch = _batch(input_ids=FutureMap.placeholder_ids(fi), future_indices=fi)
+    info = fmap.resolve_future(batch)
+    assert info is not None and torch.equal(batch.input_ids, tokens)
+    assert torch.equal(info.topk_p, seed.topk_p) and torch.equal(info.topk_index, seed.topk_index)
+    assert torch.equal(info.hidden_states, seed.hidden_states)
