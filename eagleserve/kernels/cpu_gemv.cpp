@@ -40,7 +40,8 @@
 namespace eagleserve_cpu {  // cpu_gemv_avx512.cpp
 bool avx512_vnni_supported();
 void tile_dots_avx512(bool q4, int rows, const int8_t* qx, int64_t K, const float* dx,
-                      const uint8_t* w, const uint16_t* d, const void* extra, float* out);
+                      const float* xsum, const uint8_t* w, const uint16_t* d, const void* extra,
+                      float* out);
 }  // namespace eagleserve_cpu
 
 namespace {
@@ -132,18 +133,6 @@ void tile_dots_avx2(const int8_t* qx, int64_t K, const float* dx, const uint8_t*
   }
 }
 
-template <bool Q4>
-void tile_dots(bool wide, int rows, const int8_t* qx, int64_t K, const float* dx,
-               const uint8_t* w, const uint16_t* d, const void* extra, float* out) {
-  if (wide) return eagleserve_cpu::tile_dots_avx512(Q4, rows, qx, K, dx, w, d, extra, out);
-  switch (rows) {
-    case 4: return tile_dots_avx2<4, Q4>(qx, K, dx, w, d, extra, out);
-    case 3: return tile_dots_avx2<3, Q4>(qx, K, dx, w, d, extra, out);
-    case 2: return tile_dots_avx2<2, Q4>(qx, K, dx, w, d, extra, out);
-    default: return tile_dots_avx2<1, Q4>(qx, K, dx, w, d, extra, out);
-  }
-}
-
 // q4: adds to dots[r * 16 + c] the fma chain over blocks of m[c, g] * xsum[r, g].
 void add_offsets(const float* xsum, int rows, int64_t groups, const uint16_t* m, float* dots) {
   for (int r = 0; r < rows; ++r) {
@@ -156,6 +145,23 @@ void add_offsets(const float* xsum, int rows, int64_t groups, const uint16_t* m,
       _mm256_storeu_ps(o, _mm256_add_ps(_mm256_loadu_ps(o), off));
     }
   }
+}
+
+// One tile's outputs for `rows` rows: dots, plus (q4) the m offsets, which the AVX-512 kernel
+// sums in its own pass over the blocks.
+template <bool Q4>
+void tile_dots(bool wide, int rows, const int8_t* qx, int64_t K, const float* dx,
+               const float* xsum, const uint8_t* w, const uint16_t* d, const void* extra,
+               float* out) {
+  if (wide)
+    return eagleserve_cpu::tile_dots_avx512(Q4, rows, qx, K, dx, xsum, w, d, extra, out);
+  switch (rows) {
+    case 4: tile_dots_avx2<4, Q4>(qx, K, dx, w, d, extra, out); break;
+    case 3: tile_dots_avx2<3, Q4>(qx, K, dx, w, d, extra, out); break;
+    case 2: tile_dots_avx2<2, Q4>(qx, K, dx, w, d, extra, out); break;
+    default: tile_dots_avx2<1, Q4>(qx, K, dx, w, d, extra, out);
+  }
+  if constexpr (Q4) add_offsets(xsum, rows, K / kBlock, static_cast<const uint16_t*>(extra), out);
 }
 
 // Per 32-block of each row: q = round(x / dx) in -127..127 with dx = max|x| / 127, and the
@@ -222,9 +228,7 @@ at::Tensor tiled_matmul(const at::Tensor& x_in, const at::Tensor& w, const at::T
         const int rows = static_cast<int>(std::min<int64_t>(kRowsPerPass, M - r0));
         const void* et = ep + t * tile_scales * extra_bytes;
         tile_dots<Q4>(wide, rows, qx.data() + r0 * K, K, dx.data() + r0 * groups,
-                      wp + t * tile_bytes, dp + t * tile_scales, et, dots);
-        if constexpr (Q4)
-          add_offsets(xsum.data() + r0 * groups, rows, groups, static_cast<const uint16_t*>(et),
+                      xsum.data() + r0 * groups, wp + t * tile_bytes, dp + t * tile_scales, et,
                       dots);
         for (int r = 0; r < rows; ++r)
           std::copy(dots + r * kTile, dots + r * kTile + cols, yp + (r0 + r) * N + n0);

@@ -36,17 +36,18 @@ inline __m512i bcast4(const int8_t* p) {
 }
 
 // As cpu_gemv.cpp's tile_dots_avx2: out[r * 16 + c] = fma chain over blocks of
-// cvt(int32 dot) * (d_w * d_x). q4: the nibbles (u8) against x (s8); q8: x + 128 (u8, the
-// caller's) against the weights (s8), less 128 * the block's weight sum (`extra`; q4's `extra`,
-// its m tiles, is only prefetched here).
+// cvt(int32 dot) * (d_w * d_x). q4: the nibbles (u8) against x (s8), plus add_offsets' fma
+// chain over blocks of m * xsum (its m tiles are `extra`; each lane's operations are
+// add_offsets' 8-lane ones, so the bits are too), computed here in the same pass; q8: x + 128
+// (u8, the caller's) against the weights (s8), less 128 * the block's weight sum (`extra`).
 template <int R, bool Q4>
-void tile_dots(const int8_t* qx, int64_t K, const float* dx, const uint8_t* w, const uint16_t* d,
-               const void* extra, float* out) {
+void tile_dots(const int8_t* qx, int64_t K, const float* dx, const float* xsum, const uint8_t* w,
+               const uint16_t* d, const void* extra, float* out) {
   const int64_t groups = K / kBlock;
   constexpr int64_t kTileBytes = Q4 ? 256 : 512;  // per block
   const __m512i lo4 = _mm512_set1_epi8(0x0F);
-  __m512 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  __m512 acc[R], off[R];
+  for (int r = 0; r < R; ++r) acc[r] = off[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* wb = w + g * kTileBytes;
     prefetch_ahead<Q4>(wb, d + g * kTile,
@@ -60,6 +61,8 @@ void tile_dots(const int8_t* qx, int64_t K, const float* dx, const uint8_t* w, c
         lo[q] = _mm512_and_si512(b, lo4);
         hi[q] = _mm512_and_si512(_mm512_srli_epi16(b, 4), lo4);
       }
+      const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(
+          reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(extra) + g * kTile)));
       for (int r = 0; r < R; ++r) {
         const int8_t* xb = qx + r * K + g * kBlock;
         __m512i s = _mm512_setzero_si512();
@@ -67,6 +70,7 @@ void tile_dots(const int8_t* qx, int64_t K, const float* dx, const uint8_t* w, c
         for (int q = 0; q < 4; ++q) s = _mm512_dpbusd_epi32(s, hi[q], bcast4(xb + 16 + 4 * q));
         const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(dx[r * groups + g]));
         acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), scale, acc[r]);
+        off[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xsum[r * groups + g]), off[r]);
       }
     } else {
       const __m512i bias = _mm512_loadu_si512(static_cast<const int32_t*>(extra) + g * kTile);
@@ -83,7 +87,8 @@ void tile_dots(const int8_t* qx, int64_t K, const float* dx, const uint8_t* w, c
       }
     }
   }
-  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * kTile, acc[r]);
+  for (int r = 0; r < R; ++r)
+    _mm512_storeu_ps(out + r * kTile, Q4 ? _mm512_add_ps(acc[r], off[r]) : acc[r]);
 }
 
 }  // namespace
@@ -97,20 +102,21 @@ bool avx512_vnni_supported() {
 }
 
 void tile_dots_avx512(bool q4, int rows, const int8_t* qx, int64_t K, const float* dx,
-                      const uint8_t* w, const uint16_t* d, const void* extra, float* out) {
+                      const float* xsum, const uint8_t* w, const uint16_t* d, const void* extra,
+                      float* out) {
   if (q4) {
     switch (rows) {
-      case 4: return tile_dots<4, true>(qx, K, dx, w, d, extra, out);
-      case 3: return tile_dots<3, true>(qx, K, dx, w, d, extra, out);
-      case 2: return tile_dots<2, true>(qx, K, dx, w, d, extra, out);
-      default: return tile_dots<1, true>(qx, K, dx, w, d, extra, out);
+      case 4: return tile_dots<4, true>(qx, K, dx, xsum, w, d, extra, out);
+      case 3: return tile_dots<3, true>(qx, K, dx, xsum, w, d, extra, out);
+      case 2: return tile_dots<2, true>(qx, K, dx, xsum, w, d, extra, out);
+      default: return tile_dots<1, true>(qx, K, dx, xsum, w, d, extra, out);
     }
   }
   switch (rows) {
-    case 4: return tile_dots<4, false>(qx, K, dx, w, d, extra, out);
-    case 3: return tile_dots<3, false>(qx, K, dx, w, d, extra, out);
-    case 2: return tile_dots<2, false>(qx, K, dx, w, d, extra, out);
-    default: return tile_dots<1, false>(qx, K, dx, w, d, extra, out);
+    case 4: return tile_dots<4, false>(qx, K, dx, xsum, w, d, extra, out);
+    case 3: return tile_dots<3, false>(qx, K, dx, xsum, w, d, extra, out);
+    case 2: return tile_dots<2, false>(qx, K, dx, xsum, w, d, extra, out);
+    default: return tile_dots<1, false>(qx, K, dx, xsum, w, d, extra, out);
   }
 }
 
