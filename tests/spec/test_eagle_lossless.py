@@ -12,6 +12,7 @@ import json
 import os
 import random
 import shutil
+from typing import Any
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from conftest import SPEC_VOCAB, assert_kv_accounted, save_spec_target
 
 from eagleserve import Engine, SamplingParams
 from eagleserve.config import ModelConfig
+from eagleserve.core import ScheduleBatch
 from eagleserve.messages import GenerateReqInput
 from eagleserve.model.runner import ModelRunner
 from eagleserve.spec.head_loader import init_eagle_head, save_eagle_head
@@ -278,6 +280,35 @@ def test_adaptive_greedy_lossless(
     assert flushes  # ...and full rings were flushed
     real = adaptive_engine(target_dir, heads[head], overlap, tree)
     assert run_staggered(real, _prompts(0), _params()) == reference
+
+
+def test_overlap_waits_only_after_a_verify(
+    target_dir: str, heads: dict[str, str], reference: list[list[int]]
+) -> None:
+    """With overlap, a launch waits for the forward before it to publish its lengths only when
+    that forward verified drafts: after a decode without drafts the host knows them."""
+    eng = adaptive_engine(target_dir, heads["EAGLE"], True)
+    script_choices(eng, [0, 0, 0, 2])
+    fmap, forwarder = eng.scheduler.future_map, eng.scheduler.forwarder
+    assert fmap is not None and forwarder is not None
+    waits: list[int] = []
+    drafts: list[int | None] = []
+    wait, launch = fmap.wait_published, forwarder.launch
+
+    def counted_wait(*args: Any, **kwargs: Any) -> None:
+        waits.append(1)
+        wait(*args, **kwargs)
+
+    def recorded_launch(batch: ScheduleBatch) -> Any:
+        drafts.append(batch.num_drafts)  # set by plan_launch before the launch
+        return launch(batch)
+
+    fmap.wait_published = counted_wait  # type: ignore[method-assign]
+    forwarder.launch = recorded_launch  # type: ignore[method-assign]
+    assert run_staggered(eng, _prompts(0), _params()) == reference
+    verifies = sum(1 for k in drafts if k)
+    assert drafts.count(0) > 2 * verifies > 0, drafts
+    assert 0 < len(waits) <= verifies, (len(waits), drafts)
 
 
 def test_adaptive_retraction_keeps_tokens(
