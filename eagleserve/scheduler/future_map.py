@@ -313,20 +313,20 @@ class FutureMap:
 
     # ---- consumer side ---------------------------------------------------------------------
 
-    def resolve_future(
-        self, batch: ScheduleBatch, draft_seed: bool = True
-    ) -> EagleDraftInput | None:
+    def resolve_future(self, batch: ScheduleBatch, drafts: bool = True) -> EagleDraftInput | None:
         """Forward side, before the model runs: replaces placeholders by stashed values.
 
         Runs entirely on the device in stream order (no host sync):
         - `batch.input_ids`: every negative id `-f` becomes `output_tokens_buf[f]` (the next or
           bonus token); other ids pass through, so extend tokens and decode placeholders can
           share a batch.
-        - with draft buffers, `batch.future_indices` and `draft_seed`: returns the gathered
+        - with draft buffers, `batch.future_indices` and `drafts`: returns the gathered
           draft seed (an adaptive k = 0 decode neither reads nor stashes it: future indices
           are request slots, so a seed waits in its row for the iteration that drafts).
-        - once seq lens are relayed: `batch.seq_lens = new_seq_lens_buf[future_indices]`,
-          followed by an async guard that all are > 0 (catches unstashed/poisoned slots).
+        - once seq lens are relayed, for a batch that `drafts`: `batch.seq_lens =
+          new_seq_lens_buf[future_indices]`, followed by an async guard that all are > 0
+          (catches unstashed/poisoned slots). One that does not keeps the lengths the host
+          launched it with: `resolve_seq_lens_cpu` made them current, the same values.
         """
         ids = batch.input_ids
         resolved_ids: torch.Tensor | None = None
@@ -339,14 +339,14 @@ class FutureMap:
         fi = batch.future_indices
         info: EagleDraftInput | None = None
         if fi is not None and fi.numel() > 0:
-            if self.topk_p_buf is not None and draft_seed:
+            if self.topk_p_buf is not None and drafts:
                 assert self.topk_index_buf is not None and self.hidden_states_buf is not None
                 info = EagleDraftInput(
                     *_gather_spec_extras(
                         fi, self.topk_p_buf, self.topk_index_buf, self.hidden_states_buf
                     )
                 )
-            if self.relays_seq_lens:
+            if self.relays_seq_lens and drafts:
                 batch.seq_lens = self.new_seq_lens_buf[fi]
                 # Every committed length is >= 1; -1 means the slot was never stashed (or was
                 # already consumed, with debug_poison) - an ordering bug, not a data issue.
@@ -359,12 +359,12 @@ class FutureMap:
                 torch._assert_async((resolved_ids >= 0).all())
                 self.output_tokens_buf.index_fill_(0, (-ids).clamp(min=0), -1)
             if fi is not None and fi.numel() > 0:
-                self._poison_rows(fi, draft_seed)
+                self._poison_rows(fi, drafts)
         return info
 
-    def _poison_rows(self, fi: torch.Tensor, draft_seed: bool) -> None:
+    def _poison_rows(self, fi: torch.Tensor, drafts: bool) -> None:
         seed = (self.topk_p_buf, self.topk_index_buf, self.hidden_states_buf)
-        for buf in (self.output_tokens_buf, self.new_seq_lens_buf, *(seed if draft_seed else ())):
+        for buf in (self.output_tokens_buf, self.new_seq_lens_buf, *(seed if drafts else ())):
             if buf is not None:
                 buf.index_fill_(0, fi, -1)
 

@@ -82,10 +82,11 @@ class OverlapForwarder:
             fm.publish()
             published = True
 
-        # An adaptive decode without drafts leaves every request's draft seed in its row.
+        # An adaptive decode without drafts leaves every request's draft seed in its row, and
+        # runs on the lengths the host resolved.
         drafts = batch.mode != "decode" or batch.num_drafts != 0
         try:
-            info = fm.resolve_future(batch, draft_seed=drafts)
+            info = fm.resolve_future(batch, drafts)
             if info is not None:
                 batch.spec_info = info
             # The lengths it starts from: what a failed forward leaves for the next one. No copy:

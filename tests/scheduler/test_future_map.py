@@ -285,8 +285,9 @@ def test_publish_wait_across_threads() -> None:
 
 @pytest.mark.usefixtures("eager_gather")
 def test_a_decode_without_drafts_leaves_the_seeds_in_their_rows() -> None:
-    """Adaptive k = 0 iterations resolve tokens and lengths but not the draft seed, and stash
-    none: the seed stashed before them is what the next drafting iteration reads."""
+    """Adaptive k = 0 iterations resolve their tokens, keep the lengths the host launched them
+    with, and neither read nor stash a draft seed: the seed stashed before them is what the
+    next drafting iteration reads, with the lengths the last of them stashed."""
     gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
     fmap = FutureMap(POOL, CPU, debug_poison=True)
     fi = FutureMap.alloc_future_indices(_rand_slots(gen, 3))
@@ -294,16 +295,20 @@ def test_a_decode_without_drafts_leaves_the_seeds_in_their_rows() -> None:
                            torch.randint(1, 32000, (3, 2), generator=gen),
                            torch.randn(3, 8, generator=gen))  # fmt: skip
     lens = torch.randint(1, 4096, (3,), generator=gen)
-    fmap.stash(fi, torch.randint(1, 32000, (3,), generator=gen), new_seq_lens=lens)
+    tokens = torch.randint(1, 32000, (3,), generator=gen)
+    fmap.stash(fi, tokens, new_seq_lens=lens)
     fmap.stash_draft(fi, seed)
-    for step in range(1, 3):  # two iterations without drafts
+    for step in range(2):  # two iterations without drafts
+        host_lens = lens + step  # what the host knows at launch
+        batch = _batch(input_ids=FutureMap.placeholder_ids(fi), future_indices=fi,
+                       seq_lens=host_lens)  # fmt: skip
+        assert fmap.resolve_future(batch, drafts=False) is None
+        assert torch.equal(batch.input_ids, tokens) and batch.seq_lens is host_lens
         tokens = torch.randint(1, 32000, (3,), generator=gen)
-        batch = _batch(input_ids=FutureMap.placeholder_ids(fi), future_indices=fi)
-        assert fmap.resolve_future(batch, draft_seed=False) is None
-        assert torch.equal(batch.seq_lens, lens + step - 1)
-        fmap.stash(fi, tokens, new_seq_lens=lens + step)
+        fmap.stash(fi, tokens, new_seq_lens=host_lens + 1)
     batch = _batch(input_ids=FutureMap.placeholder_ids(fi), future_indices=fi)
     info = fmap.resolve_future(batch)
     assert info is not None and torch.equal(batch.input_ids, tokens)
+    assert torch.equal(batch.seq_lens, lens + 2)
     assert torch.equal(info.topk_p, seed.topk_p) and torch.equal(info.topk_index, seed.topk_index)
     assert torch.equal(info.hidden_states, seed.hidden_states)
