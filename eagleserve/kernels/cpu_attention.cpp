@@ -273,7 +273,8 @@ at::Tensor attend_rows(const RowPlan& plan, const at::Tensor& q, const at::Tenso
     std::vector<float> scores;
     for (int64_t t = t0; t < t1; ++t) {
       int64_t i = cut[t];
-      int64_t u = std::upper_bound(unit_start.begin(), unit_start.end(), i) - unit_start.begin() - 1;
+      int64_t u = std::upper_bound(unit_start.begin(), unit_start.end(), i) - unit_start.begin();
+      --u;  // the unit holding query i
       for (; i < cut[t + 1]; ++u) {
         const int64_t end = std::min(cut[t + 1], unit_start[u + 1]), g = unit_head[u];
         while (i < end) {
