@@ -138,6 +138,20 @@ class ScheduleBatch:
     def batch_size(self) -> int:
         return len(self.reqs)
 
+    @property
+    def without_drafts(self) -> bool:
+        """An adaptive decode that drafts nothing: one token per request, so its lengths are
+        known when it launches."""
+        return self.mode == "decode" and self.num_drafts == 0
+
+    def add_one_token(self) -> None:
+        """seq_lens, and their host mirror where known, count one more token per request."""
+        assert self.seq_lens is not None
+        self.seq_lens = self.seq_lens + 1
+        if self.seq_lens_cpu is not None:
+            self.seq_lens_cpu = self.seq_lens_cpu + 1
+        self.seq_lens_sum = None
+
     def refresh_seq_lens_cpu(self, sync: bool = True) -> None:
         """The one place that recomputes `seq_lens_cpu` and `seq_lens_sum`.
 
@@ -205,10 +219,7 @@ class ScheduleBatch:
         for req in self.reqs:
             req.kv_allocated_len += 1
         self.out_cache_loc = loc
-        self.seq_lens = self.seq_lens + 1
-        if self.seq_lens_cpu is not None:
-            self.seq_lens_cpu = self.seq_lens_cpu + 1
-        self.seq_lens_sum = None
+        self.add_one_token()
 
     def mix_with_running(self, running: ScheduleBatch) -> None:
         """This prefill batch takes in `running`, a decode batch already prepared for its step

@@ -54,10 +54,13 @@ class OverlapForwarder:
         fi = FutureMap.alloc_future_indices(batch.req_pool_indices)
         batch.input_ids = FutureMap.placeholder_ids(fi)
         if self.is_spec:
-            assert isinstance(self.worker, EagleWorker)
             batch.future_indices = fi
             batch.spec_info = None
-            batch.lengths_in_flight = not self.worker.advance_host_lengths(batch)
+            # A verify decides its lengths; a prefill's are the batch's already, and a decode
+            # without drafts commits one token each: the next launch need not wait for those.
+            batch.lengths_in_flight = batch.mode == "decode" and not batch.without_drafts
+            if batch.without_drafts:
+                batch.add_one_token()
         return fut
 
     def _run(self, batch: ScheduleBatch, caller_stream: Any) -> GenerationBatchResult:
@@ -84,7 +87,7 @@ class OverlapForwarder:
 
         # An adaptive decode without drafts leaves every request's draft seed in its row, and
         # runs on the lengths the host resolved.
-        drafts = batch.mode != "decode" or batch.num_drafts != 0
+        drafts = not batch.without_drafts
         try:
             info = fm.resolve_future(batch, drafts)
             if info is not None:

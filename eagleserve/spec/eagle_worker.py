@@ -104,21 +104,6 @@ class EagleWorker:
         for req, m in zip(batch.reqs, batch.draft_lags, strict=True):
             req.draft_lag = m
 
-    def advance_host_lengths(self, batch: ScheduleBatch) -> bool:
-        """Overlap, host side, once `batch` launched: True when the lengths after it do not
-        depend on acceptance, with the host batch's lengths set to them (a prefill's already
-        are; a k = 0 decode commits one token per request), so the next launch need not wait
-        for this forward's publish; False for a verify."""
-        if batch.mode != "decode":
-            return True
-        if batch.num_drafts != 0:
-            return False
-        assert batch.seq_lens is not None and batch.seq_lens_cpu is not None
-        batch.seq_lens = batch.seq_lens + 1
-        batch.seq_lens_cpu = batch.seq_lens_cpu + 1
-        batch.seq_lens_sum = None
-        return True
-
     def prepare_for_decode(self, batch: ScheduleBatch) -> None:
         """Reserves slots up to the host's view of L plus decode_slots_per_req per request."""
         batch.mode = "decode"
@@ -250,9 +235,7 @@ class EagleWorker:
         if out.graph_buffers:  # held past the next replay, which overwrites them
             features = features.clone()
         lag.hold([r.req_pool_idx for r in batch.reqs], ring_index, next_ids, features)
-        batch.seq_lens = L + 1
-        batch.seq_lens_cpu = batch.seq_lens_cpu + 1  # known on the host: no refresh needed
-        batch.seq_lens_sum = None
+        batch.add_one_token()  # known on the host: no refresh needed
         batch.input_ids = next_ids
         if on_verified is not None:
             on_verified(batch)
