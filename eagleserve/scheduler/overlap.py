@@ -15,6 +15,7 @@ one, in launch order). See model/grammar.py for the invariant.
 from __future__ import annotations
 
 import copy
+import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -23,8 +24,11 @@ import torch
 from eagleserve.core import GenerationBatchResult, ScheduleBatch
 from eagleserve.device import device_module
 from eagleserve.scheduler.future_map import FutureMap
+from eagleserve.scheduler.omp_spin import OVERLAP_SPIN_ENV, user_set_spin
 from eagleserve.scheduler.target_worker import TargetWorker
 from eagleserve.spec.eagle_worker import EagleWorker
+
+logger = logging.getLogger(__name__)
 
 
 class OverlapForwarder:
@@ -43,6 +47,14 @@ class OverlapForwarder:
         mod = device_module(device) if device.type != "cpu" else None
         self.stream = mod.Stream() if mod is not None else None
         self._mod = mod
+        if device.type == "cpu" and not user_set_spin():
+            settings = " ".join(f"{k}={v}" for k, v in OVERLAP_SPIN_ENV.items())
+            logger.warning(
+                "overlap scheduler on a CPU without %s in the environment before torch was "
+                "imported: libgomp shortens its spin-wait and decodes run about half as fast "
+                "(eagleserve/scheduler/omp_spin.py; the server's engine process gets them)",
+                settings,
+            )
 
     def launch(self, batch: ScheduleBatch) -> Future[GenerationBatchResult]:
         """Submits `batch`, then rewrites the host batch's next inputs as futures."""

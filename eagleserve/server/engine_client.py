@@ -22,6 +22,7 @@ import zmq
 import zmq.asyncio
 
 from eagleserve.config import ServerArgs
+from eagleserve.device import pick_device
 from eagleserve.messages import (
     AbortReq,
     BatchTokenOutput,
@@ -35,6 +36,7 @@ from eagleserve.messages import (
 )
 from eagleserve.model.loader import load_tokenizer
 from eagleserve.scheduler.engine_loop import run_engine
+from eagleserve.scheduler.omp_spin import overlap_spin_env, process_env
 from eagleserve.scheduler.tp_engine import rendezvous_port, spawn_followers
 
 logger = logging.getLogger("eagleserve.server")
@@ -163,8 +165,14 @@ class EngineClient:
         old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
         old_handlers = {sig: signal.signal(sig, signal.SIG_IGN) for sig in STOP_SIGNALS}
         try:
-            self._proc.start()
-            self._followers = [] if tp_port is None else spawn_followers(self.args, tp_port)
+            device_type = pick_device(self.args.device).type
+        except RuntimeError:  # no such device: the engine process reports it
+            device_type = "none"
+        spin = overlap_spin_env(device_type, self.args.overlap_schedule(device_type))
+        try:
+            with process_env(spin):
+                self._proc.start()
+                self._followers = [] if tp_port is None else spawn_followers(self.args, tp_port)
         finally:
             for sig, handler in old_handlers.items():
                 signal.signal(sig, handler)
