@@ -14,9 +14,16 @@ import os
 import platform
 import time
 
-import torch
+from eagleserve.scheduler.omp_spin import OVERLAP_SPIN_ENV, user_set_spin
 
-from eagleserve import Engine, SamplingParams
+# Before torch loads libgomp, for both modes alike: what the server's engine process gets with
+# overlap on a CPU (scheduler/omp_spin.py); without overlap it changes nothing.
+if not user_set_spin():
+    os.environ.update(OVERLAP_SPIN_ENV)
+
+import torch  # noqa: E402
+
+from eagleserve import Engine, SamplingParams  # noqa: E402
 
 PROMPTS = [
     "Write a short story about a lighthouse keeper.",

@@ -13,16 +13,23 @@ import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import pytest
-import torch
+from eagleserve.scheduler.omp_spin import OVERLAP_SPIN_ENV, user_set_spin
 
-from eagleserve.config import ServerArgs
-from eagleserve.core import ForwardMode, SamplingParams
-from eagleserve.engine import Engine
-from eagleserve.model.forward_batch import ForwardBatch, HostLens
-from eagleserve.model.llama import ModelOutput
-from eagleserve.model.runner import ModelRunner
-from eagleserve.scheduler.scheduler import Scheduler
+# Before torch loads libgomp: the overlap tests run as the server's CPU engine process does
+# (scheduler/omp_spin.py); the others do not notice.
+if not user_set_spin():
+    os.environ.update(OVERLAP_SPIN_ENV)
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from eagleserve.config import ServerArgs  # noqa: E402
+from eagleserve.core import ForwardMode, SamplingParams  # noqa: E402
+from eagleserve.engine import Engine  # noqa: E402
+from eagleserve.model.forward_batch import ForwardBatch, HostLens  # noqa: E402
+from eagleserve.model.llama import ModelOutput  # noqa: E402
+from eagleserve.model.runner import ModelRunner  # noqa: E402
+from eagleserve.scheduler.scheduler import Scheduler  # noqa: E402
 
 TINY_VOCAB = 256
 TINY_EOS = 2
