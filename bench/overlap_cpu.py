@@ -1,28 +1,38 @@
-"""Overlap scheduler on vs off: wall time per decode step at batch 16 on CPU, in one run.
+"""Overlap scheduler on vs off on a CPU: wall time per generated token, in one interleaved run.
 
-    python bench/overlap_cpu.py [--batch 16] [--new-tokens 64] [--draft PATH]
+    python bench/overlap_cpu.py [--batches 1,16] [--new-tokens 64] [--rounds 3] [--spec]
+        [--libgomp-default]
 
-Prints a table and writes bench/results/overlap_cpu.json (medians of interleaved runs). Tokens
-must be identical in both modes.
+The packed-int4 default model as `make serve` runs it (greedy, EOS ignored), target-only and,
+with --spec, the shipped config's adaptive EAGLE3. Every round runs each setting with overlap
+off and on, side by side, the order reversed every other round; the table has the median
+ms/token of the rounds and the speed with overlap on over overlap off (median of the rounds').
+Tokens must be identical in both modes.
+
+The OpenMP spin settings are those the server's engine process starts with when overlap is on
+(eagleserve/scheduler/omp_spin.py), set before torch loads, for both modes alike. With
+--libgomp-default they are left as the environment has them, which shows what the engine
+process would do without them. Writes bench/results/overlap_cpu.json (with --libgomp-default,
+overlap_cpu_libgomp_default.json).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
+import sys
 import time
+from typing import Any
 
-from eagleserve.scheduler.omp_spin import OVERLAP_SPIN_ENV, user_set_spin
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
 
-# Before torch loads libgomp, for both modes alike: what the server's engine process gets with
-# overlap on a CPU (scheduler/omp_spin.py); without overlap it changes nothing.
-if not user_set_spin():
-    os.environ.update(OVERLAP_SPIN_ENV)
+from eagleserve.scheduler.omp_spin import OVERLAP_SPIN_ENV, user_set_spin  # noqa: E402
 
-import torch  # noqa: E402
+if "--libgomp-default" not in sys.argv and not user_set_spin():
+    os.environ.update(OVERLAP_SPIN_ENV)  # before torch loads libgomp
 
+from bench.common import machine, median, print_table, write_json  # noqa: E402
 from eagleserve import Engine, SamplingParams  # noqa: E402
 
 PROMPTS = [
@@ -35,105 +45,81 @@ PROMPTS = [
     "Summarize the plot of Romeo and Juliet.",
     "Give me a recipe for pancakes.",
 ]
+ADAPTIVE = dict(
+    speculative_algorithm="EAGLE3",
+    speculative_draft_model_path="builtin:smollm2-135m-eagle",
+    speculative_num_steps=3,
+    speculative_eagle_topk=1,
+    speculative_num_draft_tokens=4,
+    speculative_adaptive=True,
+)
 
 
-def machine() -> str:
-    cpu = platform.processor() or "cpu"
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if "model name" in line)
-    except (OSError, StopIteration):
-        pass
-    return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}"
-
-
-def run(engine: Engine, prompts: list[str], new_tokens: int) -> tuple[float, int, list]:
+def timed(engine: Engine, prompts: list[str], new_tokens: int) -> tuple[float, list[list[int]]]:
     params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
-    engine.generate(prompts[:2], SamplingParams(max_new_tokens=4, temperature=0.0))  # warm-up
-    sched = engine.scheduler
-    steps = 0
-    real_step = sched.step
-
-    def counting_step() -> list:
-        nonlocal steps
-        steps += 1
-        return real_step()
-
-    sched.step = counting_step  # type: ignore[method-assign]
     t0 = time.perf_counter()
     out = engine.generate(prompts, params)
-    dt = time.perf_counter() - t0
-    sched.step = real_step  # type: ignore[method-assign]
-    return dt, steps, [o["token_ids"] for o in out]
+    return time.perf_counter() - t0, [o["token_ids"] for o in out]
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--model", default="default")
-    ap.add_argument("--batch", type=int, default=16)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--batches", default="1,16")
     ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--draft", default=None, help="EAGLE head folder: also measure a chain")
-    ap.add_argument("--repeats", type=int, default=3, help="median of this many runs per mode")
-    ap.add_argument("--out", default="bench/results/overlap_cpu.json")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--spec", action="store_true", help="also the shipped adaptive EAGLE3")
+    ap.add_argument("--libgomp-default", action="store_true", help="leave the OpenMP env alone")
     args = ap.parse_args()
-    prompts = (PROMPTS * ((args.batch + len(PROMPTS) - 1) // len(PROMPTS)))[: args.batch]
-    settings: list[tuple[str, dict]] = [("target-only", {})]
-    if args.draft:
-        settings.append(
-            (
-                "EAGLE chain 3",
-                dict(
-                    speculative_algorithm="EAGLE",
-                    speculative_draft_model_path=args.draft,
-                    speculative_num_steps=3,
-                    speculative_eagle_topk=1,
-                    speculative_num_draft_tokens=4,
-                ),
-            )
+    batches = [int(b) for b in args.batches.split(",")]
+    settings: dict[str, dict[str, Any]] = {"target-only": {}}
+    if args.spec:
+        settings["adaptive EAGLE3"] = ADAPTIVE
+    engines = {
+        (name, overlap): Engine(
+            model="default",
+            device="cpu",
+            kv_cache_tokens=16384,
+            max_running_requests=max(batches),
+            disable_overlap_schedule=not overlap,
+            **kw,
         )
-    rows = []
-    for name, kw in settings:
-        results = {}
-        for overlap in (False, True):
-            eng = Engine(
-                model=args.model,
-                device="cpu",
-                kv_cache_tokens=16384,
-                max_running_requests=max(args.batch, 8),
-                disable_overlap_schedule=not overlap,
-                **kw,
-            )
-            results[overlap] = run(eng, prompts, args.new_tokens)
-            del eng
-        (t_off, s_off, tok_off), (t_on, s_on, tok_on) = results[False], results[True]
-        rows.append(
-            dict(
-                setting=name,
-                batch=args.batch,
-                new_tokens=args.new_tokens,
-                ms_per_step_off=1000 * t_off / s_off,
-                ms_per_step_on=1000 * t_on / s_on,
-                steps_off=s_off,
-                steps_on=s_on,
-                tok_s_off=args.batch * args.new_tokens / t_off,
-                tok_s_on=args.batch * args.new_tokens / t_on,
-                identical_tokens=tok_off == tok_on,
-            )
-        )
-    print(f"machine: {machine()}")
-    print(
-        f"{'setting':<16}{'bs':>4}{'ms/step off':>13}{'ms/step on':>12}{'tok/s off':>11}"
-        f"{'tok/s on':>10}{'same tokens':>13}"
-    )
-    for r in rows:
-        print(
-            f"{r['setting']:<16}{r['batch']:>4}{r['ms_per_step_off']:>13.1f}"
-            f"{r['ms_per_step_on']:>12.1f}{r['tok_s_off']:>11.1f}{r['tok_s_on']:>10.1f}"
-            f"{str(r['identical_tokens']):>13}"
-        )
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump({"machine": machine(), "rows": rows}, f, indent=2)
+        for name, kw in settings.items()
+        for overlap in (False, True)
+    }
+    for eng in engines.values():
+        timed(eng, PROMPTS[:2], 8)  # warm-up
+    rows, table = [], []
+    for bs in batches:
+        prompts = (PROMPTS * -(-bs // len(PROMPTS)))[:bs]
+        for name in settings:
+            secs: dict[bool, list[float]] = {False: [], True: []}
+            tokens: dict[bool, list[list[int]]] = {}
+            for r in range(args.rounds):
+                for overlap in (False, True) if r % 2 == 0 else (True, False):
+                    dt, tokens[overlap] = timed(engines[(name, overlap)], prompts, args.new_tokens)
+                    secs[overlap].append(dt)
+            ratios = [off / on for off, on in zip(secs[False], secs[True], strict=True)]
+            per_token = {m: 1e3 * median(s) / (bs * args.new_tokens) for m, s in secs.items()}
+            row = {
+                "setting": name,
+                "batch": bs,
+                "ms_per_token_off": per_token[False],
+                "ms_per_token_on": per_token[True],
+                "on_vs_off": median(ratios),
+                "on_vs_off_range": [min(ratios), max(ratios)],
+                "identical_tokens": tokens[False] == tokens[True],
+            }
+            rows.append(row)
+            table.append([
+                name, bs, per_token[False], per_token[True], row["on_vs_off"],
+                f"{min(ratios):.2f}-{max(ratios):.2f}", row["identical_tokens"],
+            ])  # fmt: skip
+    spin = {k: os.environ.get(k) for k in OVERLAP_SPIN_ENV}
+    title = f"{machine()}; {args.new_tokens} new tokens, {args.rounds} rounds; OpenMP env {spin}"
+    headers = ["setting", "bs", "ms/tok off", "ms/tok on", "speed on/off", "range", "same tokens"]
+    print_table(headers, table, title)
+    name = "overlap_cpu_libgomp_default.json" if args.libgomp_default else "overlap_cpu.json"
+    write_json(name, {"machine": machine(), "omp_env": spin, "rounds": args.rounds, "rows": rows})
 
 
 if __name__ == "__main__":
