@@ -105,16 +105,27 @@ class EagleWorker:
             req.draft_lag = m
 
     def prepare_for_decode(self, batch: ScheduleBatch) -> None:
-        """Reserves slots up to the host's view of L plus decode_slots_per_req per request."""
+        """Reserves slots up to the host's view of L plus decode_slots_per_req per request: one
+        allocation and one write into req_to_token for the batch (once every request's reserve
+        is topped up, a decode that commits one token each needs one slot each)."""
         batch.mode = "decode"
-        r2t = self.req_to_token_pool.req_to_token
+        rows: list[int] = []
+        cols: list[int] = []
+        ends: list[int] = []
         for req in batch.reqs:
-            need = req.kv_committed_len + self.decode_slots_per_req - req.kv_allocated_len
-            if need > 0:
-                loc = self.token_to_kv_pool.alloc(need)
-                assert loc is not None, "EAGLE decode: KV pool exhausted (caller must retract)"
-                r2t[req.req_pool_idx, req.kv_allocated_len : req.kv_allocated_len + need] = loc
-                req.kv_allocated_len += need
+            start = req.kv_allocated_len
+            end = max(start, req.kv_committed_len + self.decode_slots_per_req)
+            rows += [req.req_pool_idx] * (end - start)
+            cols += range(start, end)
+            ends.append(end)
+        if rows:
+            loc = self.token_to_kv_pool.alloc(len(rows))
+            assert loc is not None, "EAGLE decode: KV pool exhausted (caller must retract)"
+            r2t = self.req_to_token_pool.req_to_token
+            dev = r2t.device
+            r2t[torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)] = loc
+        for req, end in zip(batch.reqs, ends, strict=True):
+            req.kv_allocated_len = end
 
     @torch.inference_mode()
     def forward_batch_generation(
