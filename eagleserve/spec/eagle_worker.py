@@ -109,22 +109,25 @@ class EagleWorker:
         allocation and one write into req_to_token for the batch (once every request's reserve
         is topped up, a decode that commits one token each needs one slot each)."""
         batch.mode = "decode"
-        rows: list[int] = []
-        cols: list[int] = []
-        ends: list[int] = []
-        for req in batch.reqs:
-            start = req.kv_allocated_len
-            end = max(start, req.kv_committed_len + self.decode_slots_per_req)
-            rows += [req.req_pool_idx] * (end - start)
-            cols += range(start, end)
-            ends.append(end)
-        if rows:
-            loc = self.token_to_kv_pool.alloc(len(rows))
-            assert loc is not None, "EAGLE decode: KV pool exhausted (caller must retract)"
-            r2t = self.req_to_token_pool.req_to_token
+        spans = [
+            (req, req.kv_allocated_len, req.kv_committed_len + self.decode_slots_per_req)
+            for req in batch.reqs
+        ]
+        spans = [(req, start, end) for req, start, end in spans if end > start]
+        if not spans:
+            return
+        loc = self.token_to_kv_pool.alloc(sum(end - start for _, start, end in spans))
+        assert loc is not None, "EAGLE decode: KV pool exhausted (caller must retract)"
+        r2t = self.req_to_token_pool.req_to_token
+        if len(spans) == 1:  # a slice: cheaper than building index tensors
+            req, start, end = spans[0]
+            r2t[req.req_pool_idx, start:end] = loc
+        else:
+            rows = [req.req_pool_idx for req, start, end in spans for _ in range(end - start)]
+            cols = [col for _, start, end in spans for col in range(start, end)]
             dev = r2t.device
             r2t[torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)] = loc
-        for req, end in zip(batch.reqs, ends, strict=True):
+        for req, _, end in spans:
             req.kv_allocated_len = end
 
     @torch.inference_mode()
