@@ -151,6 +151,12 @@ class EngineClient:
             tp_port = rendezvous_port() if self.args.tp_size > 1 else None
         except RuntimeError as exc:
             raise EngineStartupFailed(str(exc)) from None
+        # With overlap on a CPU the engine is born with libgomp's spin settings (omp_spin.py).
+        try:
+            device_type = pick_device(self.args.device).type
+        except RuntimeError:  # no such device: the engine process reports it
+            device_type = "none"
+        spin = overlap_spin_env(device_type, self.args.overlap_schedule(device_type))
         self._proc = spawn.Process(
             target=engine_main,
             args=(self.args, in_addr, out_addr, tp_port),
@@ -164,11 +170,6 @@ class EngineClient:
         # signal pending even while it is ignored).
         old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
         old_handlers = {sig: signal.signal(sig, signal.SIG_IGN) for sig in STOP_SIGNALS}
-        try:
-            device_type = pick_device(self.args.device).type
-        except RuntimeError:  # no such device: the engine process reports it
-            device_type = "none"
-        spin = overlap_spin_env(device_type, self.args.overlap_schedule(device_type))
         try:
             with process_env(spin):
                 self._proc.start()

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import multiprocessing as mp
 import os
 import random
 
 import pytest
 
+from eagleserve.config import ServerArgs
 from eagleserve.scheduler.omp_spin import OVERLAP_SPIN_ENV, overlap_spin_env, process_env
+from eagleserve.server.engine_client import EngineClient
 
 
 @pytest.fixture
@@ -52,3 +55,38 @@ def test_a_child_started_inside_sees_the_env_and_the_parent_is_restored(
     assert seen == env
     assert absent not in os.environ
     assert os.environ[present] == "before"
+
+
+def _environ_of(pid: int) -> dict[str, str]:
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        pairs = [item.decode().partition("=") for item in f.read().split(b"\0") if item]
+    return {name: value for name, _, value in pairs}
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/environ"), reason="reads /proc (Linux)")
+@pytest.mark.parametrize("overlap", [True, False])
+def test_the_cpu_engine_process_is_born_with_them_only_for_overlap(
+    no_spin_env: None, tiny_model_dir: str, overlap: bool
+) -> None:
+    """The server's engine process (EngineClient.start) on a CPU: with overlap its environment
+    holds the settings though the server's has neither; without, it holds none."""
+    args = ServerArgs(
+        model=tiny_model_dir,
+        device="cpu",
+        kv_cache_tokens=256,
+        max_running_requests=2,
+        disable_overlap_schedule=not overlap,
+    )
+    client = EngineClient(args)
+
+    async def start_read_stop() -> dict[str, str]:
+        await client.start()
+        try:
+            return _environ_of(client._proc.pid)
+        finally:
+            await client.shutdown()
+
+    env = asyncio.run(start_read_stop())
+    seen = {name: env.get(name) for name in OVERLAP_SPIN_ENV}
+    assert seen == (OVERLAP_SPIN_ENV if overlap else dict.fromkeys(OVERLAP_SPIN_ENV))
+    assert not any(name in os.environ for name in OVERLAP_SPIN_ENV)
