@@ -31,12 +31,11 @@ from typing import Any
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
-from eagleserve.scheduler.omp_spin import OVERLAP_SPIN_ENV, user_set_spin  # noqa: E402
+from eagleserve.scheduler.omp_spin import use_overlap_spin  # noqa: E402
 
 # Before torch loads libgomp, for every setting alike: what the server's engine process gets
 # with --overlap on a CPU (scheduler/omp_spin.py); without overlap it changes nothing.
-if not user_set_spin():
-    os.environ.update(OVERLAP_SPIN_ENV)
+use_overlap_spin()
 
 import torch  # noqa: E402
 

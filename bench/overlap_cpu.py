@@ -27,10 +27,10 @@ from typing import Any
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
-from eagleserve.scheduler.omp_spin import OVERLAP_SPIN_ENV, user_set_spin  # noqa: E402
+from eagleserve.scheduler.omp_spin import OVERLAP_SPIN_ENV, use_overlap_spin  # noqa: E402
 
-if "--libgomp-default" not in sys.argv and not user_set_spin():
-    os.environ.update(OVERLAP_SPIN_ENV)  # before torch loads libgomp
+if "--libgomp-default" not in sys.argv:
+    use_overlap_spin()  # before torch loads libgomp
 
 from bench.common import machine, median, print_table, write_json  # noqa: E402
 from eagleserve import Engine, SamplingParams  # noqa: E402

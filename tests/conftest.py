@@ -13,12 +13,11 @@ import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from eagleserve.scheduler.omp_spin import OVERLAP_SPIN_ENV, user_set_spin
+from eagleserve.scheduler.omp_spin import use_overlap_spin
 
 # Before torch loads libgomp: the overlap tests run as the server's CPU engine process does
 # (scheduler/omp_spin.py); the others do not notice.
-if not user_set_spin():
-    os.environ.update(OVERLAP_SPIN_ENV)
+use_overlap_spin()
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

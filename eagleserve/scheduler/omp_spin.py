@@ -29,6 +29,13 @@ def user_set_spin() -> bool:
     return any(name in os.environ for name in OVERLAP_SPIN_ENV)
 
 
+def use_overlap_spin() -> None:
+    """Sets OVERLAP_SPIN_ENV in this process's environment unless the user set either variable:
+    for a script that runs overlap engines in-process, before it imports torch."""
+    if not user_set_spin():
+        os.environ.update(OVERLAP_SPIN_ENV)
+
+
 def overlap_spin_env(device_type: str, overlap: bool) -> dict[str, str]:
     """What an engine process on `device_type` should start with: OVERLAP_SPIN_ENV for a CPU
     with the overlap scheduler, unless the user set either variable; otherwise nothing."""

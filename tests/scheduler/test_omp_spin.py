@@ -10,7 +10,12 @@ import random
 import pytest
 
 from eagleserve.config import ServerArgs
-from eagleserve.scheduler.omp_spin import OVERLAP_SPIN_ENV, overlap_spin_env, process_env
+from eagleserve.scheduler.omp_spin import (
+    OVERLAP_SPIN_ENV,
+    overlap_spin_env,
+    process_env,
+    use_overlap_spin,
+)
 from eagleserve.server.engine_client import EngineClient
 
 
@@ -32,6 +37,18 @@ def test_the_users_own_setting_wins(
 ) -> None:
     monkeypatch.setenv(name, "PASSIVE" if name == "OMP_WAIT_POLICY" else "0")
     assert overlap_spin_env("cpu", overlap=True) == {}
+
+
+def test_a_script_sets_them_for_itself_unless_the_user_did(
+    no_spin_env: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    use_overlap_spin()
+    assert {name: os.environ[name] for name in OVERLAP_SPIN_ENV} == OVERLAP_SPIN_ENV
+    for name in OVERLAP_SPIN_ENV:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("GOMP_SPINCOUNT", "0")
+    use_overlap_spin()
+    assert os.environ["GOMP_SPINCOUNT"] == "0" and "OMP_WAIT_POLICY" not in os.environ
 
 
 def _report_env(names: list[str], queue: mp.Queue) -> None:
