@@ -281,10 +281,10 @@ def load_eagle_head(
     return _load(path, algorithm, target, device, dtype)
 
 
-def save_eagle_head(head: EagleHead, out_dir: str) -> None:
+def save_eagle_head(head: EagleHead, out_dir: str, max_shard_bytes: int | None = None) -> None:
     from eagleserve.spec.head_loader import save_eagle_head as _save
 
-    _save(head, out_dir)
+    _save(head, out_dir, max_shard_bytes)
 
 
 def init_eagle_head(

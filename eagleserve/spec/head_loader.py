@@ -12,6 +12,7 @@ Format facts relied on:
 from __future__ import annotations
 
 import dataclasses
+import glob
 import json
 import os
 
@@ -116,8 +117,44 @@ def measured_acceptance(path: str) -> list[float] | None:
     return values or None
 
 
-def save_eagle_head(head: EagleHead, out_dir: str) -> None:
-    """Writes config.json + model.safetensors in the published format of `head.algorithm`."""
+def shard_names(sizes: list[int], max_bytes: int) -> list[int]:
+    """Shard number of each tensor (sizes in bytes, in order): consecutive tensors share a shard
+    while it stays within `max_bytes` (a tensor larger than that gets a shard of its own)."""
+    out, shard, used = [], 0, 0
+    for n in sizes:
+        if used and used + n > max_bytes:
+            shard, used = shard + 1, 0
+        out.append(shard)
+        used += n
+    return out
+
+
+def _write_safetensors(state: dict[str, torch.Tensor], out_dir: str, max_bytes: int | None) -> None:
+    """model.safetensors, or model-0000i-of-0000n.safetensors + the HF index when the tensors
+    exceed `max_bytes` (every loader here reads all *.safetensors of a folder as one); files of
+    an earlier save are removed first, so no tensor is found twice."""
+    for old in glob.glob(os.path.join(out_dir, "model*.safetensors*")):
+        os.remove(old)
+    names = list(state)
+    sizes = [state[k].numel() * state[k].element_size() for k in names]
+    if max_bytes is None or sum(sizes) <= max_bytes:
+        save_file(state, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+        return
+    shard_of = shard_names(sizes, max_bytes)
+    n = shard_of[-1] + 1
+    files = [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    for i, f in enumerate(files):
+        part = {k: state[k] for k, sh in zip(names, shard_of) if sh == i}
+        save_file(part, os.path.join(out_dir, f), metadata={"format": "pt"})
+    index = {"metadata": {"total_size": sum(sizes)},
+             "weight_map": {k: files[sh] for k, sh in zip(names, shard_of)}}  # fmt: skip
+    with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as fh:
+        json.dump(index, fh, indent=2)
+
+
+def save_eagle_head(head: EagleHead, out_dir: str, max_shard_bytes: int | None = None) -> None:
+    """Writes config.json + model.safetensors in the published format of `head.algorithm`,
+    split into shards of at most `max_shard_bytes` each where given."""
     os.makedirs(out_dir, exist_ok=True)
     cfg = head.config
     raw: dict = {
@@ -150,7 +187,7 @@ def save_eagle_head(head: EagleHead, out_dir: str) -> None:
         t2d = torch.zeros(head.target_vocab_size, dtype=torch.bool)  # [target_vocab]
         t2d[head.to_target_ids(draft_ids).cpu()] = True
         state["t2d"] = t2d
-    save_file(state, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    _write_safetensors(state, out_dir, max_shard_bytes)
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(raw, f, indent=2)
 

@@ -25,6 +25,7 @@ from eagleserve.train.features import (
     label_map,
     target_features,
 )
+from eagleserve.train.recipe import add_recipe_args, run_recipe
 from eagleserve.train.tf_cli import add_tf_args, run_teacher_forced
 from eagleserve.train.trainer import (
     Data,
@@ -76,6 +77,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         help="torch intra-op threads (1 avoids OpenMP stalls on a CPU shared with other jobs)",
     )
     add_tf_args(p)
+    add_recipe_args(p)
     p.set_defaults(func=run)
     return p
 
@@ -116,6 +118,8 @@ def evaluate(head: object, data: Data, idx: list[int], cfg: TrainConfig) -> dict
 
 
 def run(ns: argparse.Namespace) -> int:
+    if ns.recipe == "gpu":
+        return run_recipe(ns)
     if ns.data_source == "teacher-forced":
         return run_teacher_forced(ns)
     from eagleserve import Engine

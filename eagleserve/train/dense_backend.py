@@ -16,10 +16,16 @@ from eagleserve.model.llama import LlamaForCausalLM
 
 
 class DenseCausalBackend:
-    def __init__(self, sm_scale: float) -> None:
+    def __init__(self, sm_scale: float, padded_rows: int = 0) -> None:
         self.sm_scale = sm_scale
+        # > 0: the forward holds equal-length padded sequences of this many rows each, padding
+        # at the end (causal attention keeps it from reaching any real row): batched SDPA.
+        self.padded_rows = padded_rows
 
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
+        if self.padded_rows:
+            fb.attn_metadata = None
+            return
         lens = fb.extend_lens.tolist()
         if len(lens) == 1:
             fb.attn_metadata = None  # plain causal
@@ -34,6 +40,15 @@ class DenseCausalBackend:
     ) -> torch.Tensor:
         # q [T, H, D]; k, v [T, Hkv, D] -> [T, H, D]. Inputs are 4-D [1, H, T, D]: on CPU only
         # 4-D inputs reach the fused flash kernel (3-D ones take the O(T^2)-memory math path).
+        if self.padded_rows:
+            n = self.padded_rows
+            o = F.scaled_dot_product_attention(
+                *(z.reshape(-1, n, *z.shape[1:]).transpose(1, 2) for z in (q, k, v)),
+                is_causal=True,
+                scale=self.sm_scale,
+                enable_gqa=q.shape[1] != k.shape[1],
+            )  # [B, H, n, D]
+            return o.transpose(1, 2).reshape(q.shape)
         mask = fb.attn_metadata
         o = F.scaled_dot_product_attention(
             q.transpose(0, 1)[None],
@@ -64,6 +79,35 @@ def dense_forward_batch(ids: list[torch.Tensor], backend: DenseCausalBackend) ->
     )
 
 
+def padded_forward_batch(ids: torch.Tensor, backend: DenseCausalBackend) -> ForwardBatch:
+    """A ForwardBatch over `ids` [B, n] (equal-length rows, padded at the end), on ids' device."""
+    bsz, n = ids.shape
+    lens = torch.full((bsz,), n, device=ids.device)
+    return ForwardBatch(
+        mode="extend",
+        input_ids=ids.reshape(-1),
+        positions=torch.arange(n, device=ids.device).repeat(bsz),
+        out_cache_loc=torch.empty(0, dtype=torch.long, device=ids.device),
+        req_pool_indices=torch.arange(bsz, device=ids.device),
+        prefix_lens=torch.zeros_like(lens),
+        extend_lens=lens,
+        host=HostLens.of([n] * bsz, [n] * bsz),
+        kv_pool=None,  # type: ignore[arg-type]  # never touched by this backend
+        attn_backend=backend,
+    )
+
+
+@torch.inference_mode()
+def padded_features_and_final(
+    model: LlamaForCausalLM, ids: torch.Tensor, layer_ids: tuple[int, ...]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`features_and_final` of the rows of `ids` [B, n] in one batched forward: ([B*n, W],
+    [B*n, h]); row b*n + t is position t of sequence b."""
+    backend = DenseCausalBackend(model.config.head_dim**-0.5, padded_rows=ids.shape[1])
+    fb = padded_forward_batch(ids, backend)
+    return _forward_layers(model, fb, layer_ids, model.config.num_hidden_layers)
+
+
 @torch.inference_mode()
 def hidden_states_entering(
     model: LlamaForCausalLM, ids: list[torch.Tensor], layer_ids: tuple[int, ...]
@@ -88,9 +132,14 @@ def features_and_final(
 def _run_layers(
     model: LlamaForCausalLM, ids: list[torch.Tensor], layer_ids: tuple[int, ...], stop: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    n_layers = model.config.num_hidden_layers
     backend = DenseCausalBackend(model.config.head_dim**-0.5)
-    fb = dense_forward_batch(ids, backend)
+    return _forward_layers(model, dense_forward_batch(ids, backend), layer_ids, stop)
+
+
+def _forward_layers(
+    model: LlamaForCausalLM, fb: ForwardBatch, layer_ids: tuple[int, ...], stop: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    n_layers = model.config.num_hidden_layers
     out: dict[int, torch.Tensor] = {}
     with forward_context(fb):
         h = model.model.embed_tokens(fb.input_ids)

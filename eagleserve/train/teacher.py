@@ -18,11 +18,11 @@ LOGIT_ROWS = 512  # rows per lm_head chunk: bounds the [rows, vocab] fp32 logits
 
 @torch.inference_mode()
 def top_k_distribution(
-    model: LlamaForCausalLM, final: torch.Tensor, k: int
+    model: LlamaForCausalLM, final: torch.Tensor, k: int, chunk_rows: int = LOGIT_ROWS
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(ids int32 [T, k], probs fp16 [T, k]) of softmax(lm_head(final)), highest first."""
     ids, probs = [], []
-    for rows in final.split(LOGIT_ROWS):
+    for rows in final.split(chunk_rows):
         logits = model.compute_logits(rows)  # fp32 [r, vocab]
         lse = torch.logsumexp(logits, dim=-1, keepdim=True)
         val, idx = logits.topk(k, dim=-1)

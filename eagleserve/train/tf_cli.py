@@ -49,13 +49,17 @@ def add_tf_args(p: argparse.ArgumentParser) -> None:
                    help="soft: CE against the target's top-k; hard: its argmax")  # fmt: skip
 
 
-def load_target(model: str, extract_dtype: str, max_len: int) -> tuple[object, object]:
-    """(target LlamaForCausalLM, tokenizer), frozen, in the form extraction runs it; its rotary
-    tables cover `max_len` positions (they are sized by the KV pool)."""
+def load_target(
+    model: str, extract_dtype: str, max_len: int, device: str = "cpu"
+) -> tuple[object, object]:
+    """(target LlamaForCausalLM, tokenizer), frozen, in the form extraction runs it, on
+    `device`; its rotary tables cover `max_len` positions (they are sized by the KV pool)."""
     from eagleserve import Engine
 
     kw = {} if extract_dtype == "served" else {"dtype": extract_dtype}
-    eng = Engine(model=model, device="cpu", disable_overlap_schedule=True,
+    if device != "cpu":
+        kw["disable_cuda_graph"] = True  # only the dense training forward runs
+    eng = Engine(model=model, device=device, disable_overlap_schedule=True,
                  max_running_requests=1, kv_cache_tokens=max_len + 16, **kw)  # fmt: skip
     target = eng.scheduler.worker.runner.model
     for p in target.parameters():

@@ -45,6 +45,9 @@ class TrainConfig:
     seed: int = 0
     max_steps: int | None = None  # stop early; --resume continues the same schedule
     soft_labels: bool = False  # CE against the target's top-k where a batch carries it
+    # Wall-time budget in seconds (None: none). The schedule's length is re-estimated from the
+    # measured step time after CALIBRATION_STEPS, so the cosine ends when the budget does.
+    budget_s: float | None = None
 
 
 @dataclass
@@ -104,21 +107,21 @@ def train_step(
     x, f, y, fmask = batch.x, batch.f, batch.y, batch.fmask
     t = f.shape[1] - cfg.depths - 1  # rows j: depth 0 needs x[j+1]
     w = lm_head_weight(head)
-    gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
+    gen = torch.Generator(device=x.device).manual_seed(cfg.seed * 1_000_003 + step)
     feats = f[:, :t]
     past: list = []
-    loss = torch.zeros(())
+    loss = torch.zeros((), device=x.device)
     metrics: dict[str, float] = {}
     for s in range(cfg.depths):
         ids = x[:, s + 1 : s + 1 + t]
-        pos = (torch.arange(t) + s).expand(x.shape[0], t)
+        pos = (torch.arange(t, device=x.device) + s).expand(x.shape[0], t)
         hid, out, kv = head_step(head, ids, feats, pos, past)
         past.append(kv)
         cols = slice(s + 1, s + 1 + t)
         lab = y[:, cols]
         sel = lab != IGNORE
         if head.algorithm == "EAGLE":
-            sel &= torch.rand(sel.shape, generator=gen) < cfg.ce_fraction
+            sel &= torch.rand(sel.shape, generator=gen, device=x.device) < cfg.ce_fraction
         logits = F.linear(hid[sel], w).float()
         term = label_loss(logits, batch, sel, lab[sel], cols, cfg.soft_labels)
         if head.algorithm == "EAGLE":
@@ -151,8 +154,10 @@ def train_head(
     def lr_at(s: int) -> float:  # linear warm-up, cosine to 0: a pure function of the step
         return cfg.lr * min(1.0, (s + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(s / total, 1)))
 
-    autocast = torch.autocast("cpu", torch.bfloat16, enabled=cfg.compute_dtype == "bfloat16")
+    dev = params[0].device.type
+    autocast = torch.autocast(dev, torch.bfloat16, enabled=cfg.compute_dtype == "bfloat16")
     t0 = time.time()
+    t_cal, first = 0.0, step
     rows = 0  # real (non-padding) rows trained, times depths: token-depths
     bar = tqdm(total=total, initial=step, desc="Training head", unit="step")
     while step < total:
@@ -172,14 +177,34 @@ def train_head(
         ema = {k: v if k not in ema else 0.95 * ema[k] + 0.05 * v for k, v in m.items()}
         bar.set_postfix({k: f"{v:.3f}" for k, v in ema.items()})
         bar.update(1)
-        stop = (time.time() - t0) / 60 > cfg.max_minutes or step == cfg.max_steps
+        elapsed = time.time() - t0
+        if cfg.budget_s is not None:
+            if step == first + CALIBRATION_SKIP:
+                t_cal = elapsed  # the first steps pay for warm-up (allocator, kernels)
+            elif step == first + CALIBRATION_SKIP + CALIBRATION_STEPS:
+                total = budget_steps(total, step, elapsed, t_cal, cfg.budget_s)
+                bar.total = total
+        stop = elapsed / 60 > cfg.max_minutes or step == cfg.max_steps
+        stop = stop or (cfg.budget_s is not None and elapsed > cfg.budget_s)
         if step % cfg.save_every == 0 or step == total or stop:
             save_checkpoint(head, opt, step, ema, cfg.out_dir)
         if stop:
             break
     bar.close()
     speed = rows / max(1e-9, time.time() - t0)
-    return {**ema, "steps": step, "total_steps": total, "token_depths_per_s": speed}
+    return {**ema, "steps": step, "total_steps": total, "token_depths_per_s": speed,
+            "token_passes": rows / cfg.depths}  # fmt: skip
+
+
+CALIBRATION_SKIP = 3
+CALIBRATION_STEPS = 10
+
+
+def budget_steps(total: int, step: int, elapsed: float, t_cal: float, budget_s: float) -> int:
+    """The schedule length that ends within `budget_s` at the step time measured over the
+    last CALIBRATION_STEPS steps (never longer than `total`, never before `step`)."""
+    per_step = max(1e-9, (elapsed - t_cal) / CALIBRATION_STEPS)
+    return max(step + 1, min(total, step + int((budget_s - elapsed) / per_step)))
 
 
 def save_checkpoint(

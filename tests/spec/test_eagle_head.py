@@ -465,3 +465,39 @@ def test_init_eagle3_draft_token_ids(tmp_path, target: LlamaForCausalLM) -> None
     assert torch.equal(again.d2t, head.d2t)
     full = init_eagle_head("EAGLE3", target)
     assert torch.equal(full.to_target_ids(torch.arange(V)), torch.arange(V))
+
+
+def test_sharded_save_loads_as_one(tmp_path, target: LlamaForCausalLM) -> None:
+    """A head saved in files of at most `limit` tensor bytes (a larger tensor alone in its
+    file) loads as the same head, drafting the same logits; a later unsharded save into the
+    same folder replaces the shards, so no tensor is found twice."""
+    from safetensors import safe_open
+
+    cfg, tensors, _, _ = _eagle3_case("reduced_vocab_d2t")
+    path = write_head(str(tmp_path / "e3"), cfg, tensors)
+    head = load_eagle_head(path, "EAGLE3", target, CPU, torch.float32)
+    limit = 24_000
+    out = tmp_path / "sharded"
+    save_eagle_head(head, str(out), max_shard_bytes=limit)
+    files = sorted(out.glob("*.safetensors"))
+    assert len(files) >= 3 and not (out / "model.safetensors").exists()
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    for f in files:
+        with safe_open(str(f), framework="pt") as sf:
+            sizes = [sf.get_tensor(k).nbytes for k in sf.keys()]
+            assert all(index["weight_map"][k] == f.name for k in sf.keys())
+        assert sum(sizes) <= limit or len(sizes) == 1, (f.name, sizes)
+    again = _roundtrip_from(head, str(out), target)
+    save_eagle_head(again, str(out))  # unsharded now: the shards and their index go
+    assert sorted(p.name for p in out.glob("model*")) == ["model.safetensors"]
+    _roundtrip_from(head, str(out), target)
+
+
+def _roundtrip_from(head: EagleHead, path: str, target: LlamaForCausalLM) -> EagleHead:
+    again = load_eagle_head(path, head.algorithm, target, CPU, torch.float32)
+    a, b = head.state_dict(), again.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    ids, feats = _inputs(head.feature_size, H)
+    for x, y in zip(paged_forward(head, ids, feats), paged_forward(again, ids, feats), strict=True):
+        assert torch.equal(x, y)
+    return again

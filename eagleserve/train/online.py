@@ -1,0 +1,208 @@
+"""Teacher-forced targets held in device memory: the GPU form of train/extract.py + shard_data.py.
+
+Each conversation is cut into windows of at most `max_len` tokens; the target runs over every
+window on its own (large padded batches, one forward per batch) and its features and top-k
+next-token distribution (mapped into the draft vocabulary) go into flat device tensors. The head
+then trains on batches of those windows, gathered on the device: no shard files, no host copy.
+
+Row alignment as in train/batches.py: row t of a window holds token ids[t], the target's
+feature of position t and its distribution of token t+1; the row is labelled only where token
+t+1 is an answer token (`nxt_answer`).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass, field
+
+import torch
+from tqdm import tqdm
+
+from eagleserve.model.llama import LlamaForCausalLM
+from eagleserve.train.batches import Batch
+from eagleserve.train.dense_backend import padded_features_and_final
+from eagleserve.train.extract import Item
+from eagleserve.train.features import IGNORE
+from eagleserve.train.teacher import top_k_distribution
+
+Window = tuple[int, int]  # start row in the store, length
+LOGIT_ROWS_DEVICE = 8192  # rows per lm_head chunk: a [rows, vocab] fp32 buffer (1.6 GB at 49 k)
+
+
+def cut_windows(items: list[Item], max_len: int) -> list[Item]:
+    """Every item cut into consecutive windows of at most `max_len` tokens; each window keeps
+    the flag of the token after it (so its last row knows whether it is labelled). Windows
+    with no labelled row are dropped."""
+    out: list[Item] = []
+    for ids, flags in items:
+        for a in range(0, len(ids), max_len):
+            w_ids, w_flags = ids[a : a + max_len], flags[a : a + max_len + 1]
+            if any(w_flags[1:]):
+                out.append((w_ids, w_flags))
+    return out
+
+
+def store_bytes_per_token(width: int, k: int) -> int:
+    """Device bytes per stored row: bf16 features, int16 draft ids and fp16 probabilities of
+    the top k, int32 token id, bool flag."""
+    return 2 * width + 4 * k + 5
+
+
+@dataclass
+class FeatureStore:
+    ids: torch.Tensor  # int32 [N]
+    nxt_answer: torch.Tensor  # bool [N]: row t is labelled (token t+1 is an answer token)
+    feats: torch.Tensor  # bf16 [N, W]
+    soft_ids: torch.Tensor  # int16 [N, k]: the target's top-k as draft ids, -1 outside
+    soft_p: torch.Tensor  # fp16 [N, k]: their probabilities, 0 where the row is unlabelled
+    windows: list[Window] = field(default_factory=list)
+
+    @property
+    def tokens(self) -> int:
+        return sum(n for _, n in self.windows)
+
+
+@torch.inference_mode()
+def build_store(
+    model: LlamaForCausalLM,
+    items: list[Item],
+    layer_ids: tuple[int, ...],
+    k: int,
+    label_map: torch.Tensor,
+    max_tokens: int,
+    batch_tokens: int,
+    desc: str = "Target features",
+) -> tuple[FeatureStore, dict[str, float]]:
+    """Runs the target over `items` (windows, see `cut_windows`) in their order until
+    `max_tokens` rows are stored; forwards batch windows of similar length up to
+    `batch_tokens` padded rows. Returns the store and {tokens, seconds, tok_per_s}."""
+    dev = model.model.embed_tokens.weight.device
+    take, total = [], 0
+    for it in items:
+        if total + len(it[0]) > max_tokens:
+            break
+        take.append(it)
+        total += len(it[0])
+    width = len(layer_ids) * model.config.hidden_size
+    store = FeatureStore(
+        torch.zeros(total, dtype=torch.int32, device=dev),
+        torch.zeros(total, dtype=torch.bool, device=dev),
+        torch.zeros(total, width, dtype=torch.bfloat16, device=dev),
+        torch.full((total, k), -1, dtype=torch.int16, device=dev),
+        torch.zeros(total, k, dtype=torch.float16, device=dev),
+    )
+    starts = [0]
+    for ids, _ in take:
+        starts.append(starts[-1] + len(ids))
+    store.windows = [(starts[i], len(take[i][0])) for i in range(len(take))]
+    lmap = label_map.to(dev)
+    order = sorted(range(len(take)), key=lambda i: len(take[i][0]))  # similar lengths batched
+    bar = tqdm(total=total, desc=desc, unit="tok", unit_scale=True)
+    t0 = time.time()
+    i = 0
+    while i < len(order):
+        n = len(take[order[i]][0])
+        j = i + 1  # sorted ascending: the last window of a group is its longest
+        while j < len(order) and (j + 1 - i) * len(take[order[j]][0]) <= batch_tokens:
+            j += 1
+        group = order[i:j]
+        n = len(take[group[-1]][0])
+        _store_group(model, store, [take[g] for g in group], [starts[g] for g in group], n,
+                     layer_ids, k, lmap)  # fmt: skip
+        bar.update(sum(len(take[g][0]) for g in group))
+        i = j
+    if dev.type != "cpu":
+        torch.get_device_module(dev).synchronize()
+    bar.close()
+    secs = time.time() - t0
+    return store, {"tokens": total, "windows": len(take), "seconds": secs,
+                   "tok_per_s": total / max(secs, 1e-9)}  # fmt: skip
+
+
+def _store_group(
+    model: LlamaForCausalLM,
+    store: FeatureStore,
+    group: list[Item],
+    starts: list[int],
+    n: int,
+    layer_ids: tuple[int, ...],
+    k: int,
+    lmap: torch.Tensor,
+) -> None:
+    dev = store.ids.device
+    ids = torch.zeros(len(group), n, dtype=torch.long)
+    nxt = torch.zeros(len(group), n, dtype=torch.bool)
+    for b, (w_ids, w_flags) in enumerate(group):
+        ids[b, : len(w_ids)] = torch.tensor(w_ids)
+        f = torch.tensor(w_flags[1:], dtype=torch.bool)
+        nxt[b, : len(f)] = f
+    ids, nxt = ids.to(dev), nxt.to(dev)
+    feats, final = padded_features_and_final(model, ids, layer_ids)
+    lens = torch.tensor([len(w) for w, _ in group])
+    real = (torch.arange(n)[None, :] < lens[:, None]).reshape(-1).to(dev)  # row b*n + t
+    rows = torch.cat([torch.arange(s, s + m) for s, m in zip(starts, lens.tolist())]).to(dev)
+    store.ids[rows] = ids.reshape(-1)[real].to(torch.int32)
+    need = nxt.reshape(-1) & real
+    store.nxt_answer[rows] = need[real]
+    store.feats[rows] = feats[real].to(torch.bfloat16)
+    if need.any():
+        top_ids, top_p = top_k_distribution(model, final[need], k, LOGIT_ROWS_DEVICE)
+        mapped = lmap[top_ids.long()]
+        dst = rows[need[real]]
+        store.soft_ids[dst] = torch.where(mapped == IGNORE, -1, mapped).to(torch.int16)
+        store.soft_p[dst] = top_p
+
+
+def store_batch(store: FeatureStore, wins: list[Window], depths: int) -> Batch:
+    """The `window_batch` of stored windows, gathered on the store's device: padded rows are
+    ignored; the hard label is the target's argmax where it lies in the draft vocabulary."""
+    dev = store.ids.device
+    n = max(m for _, m in wins)
+    start = torch.tensor([a for a, _ in wins], device=dev)
+    lens = torch.tensor([m for _, m in wins], device=dev)
+    col = torch.arange(n + depths, device=dev)
+    fmask = col[None, :] < lens[:, None]
+    idx = torch.where(fmask, start[:, None] + col[None, :], 0)
+    x = torch.where(fmask, store.ids[idx].long(), 0)
+    f = torch.where(fmask[..., None], store.feats[idx], 0).float()
+    sid = torch.where(fmask[..., None], store.soft_ids[idx].long(), -1)
+    sp = torch.where(fmask[..., None], store.soft_p[idx], 0).float()
+    labelled = fmask & store.nxt_answer[idx] & (sid[..., 0] >= 0)
+    y = torch.where(labelled, sid[..., 0], IGNORE)
+    return Batch(x, f, y, fmask, sid, sp)
+
+
+@dataclass
+class StoreSource:
+    """BatchSource over a FeatureStore: each epoch shuffles the windows, sorts them by length
+    in chunks of 16 batches (less padding) and shuffles the batches; a pure function of
+    (seed, epoch, index), as ShardSource."""
+
+    store: FeatureStore
+    batch_size: int
+    depths: int
+    seed: int
+    _plan: tuple[int, list[list[Window]]] | None = None
+
+    def __post_init__(self) -> None:
+        self.per_epoch = len(self.plan(0))
+
+    def plan(self, epoch: int) -> list[list[Window]]:
+        if self._plan is None or self._plan[0] != epoch:
+            rng = random.Random(self.seed * 1000 + epoch)
+            wins = list(self.store.windows)
+            rng.shuffle(wins)
+            chunk = self.batch_size * 16
+            batches: list[list[Window]] = []
+            for c in range(0, len(wins), chunk):
+                part = sorted(wins[c : c + chunk], key=lambda w: w[1])
+                batches += [
+                    part[i : i + self.batch_size] for i in range(0, len(part), self.batch_size)
+                ]
+            rng.shuffle(batches)
+            self._plan = (epoch, batches)
+        return self._plan[1]
+
+    def batch(self, epoch: int, within: int) -> Batch:
+        return store_batch(self.store, self.plan(epoch)[within], self.depths)

@@ -1,0 +1,232 @@
+"""`train-draft --recipe gpu`: one command, one wall-time budget, everything on the device.
+
+Stages: (1) data: every ShareGPT conversation, all assistant turns (MT-bench / HumanEval leaks
+and the held-out split kept out), tokenized on all CPU cores; (2) features: the target's EAGLE3
+features and top-k distribution of every window, computed in large batches into device memory
+(train/online.py); (3) training: bf16 autocast over fp32 master weights, the cosine schedule
+sized to end when the budget does; (4) the head saved in shards of at most --max-shard-mb, loaded
+back and evaluated teacher-forced on the held-out conversations (accuracy by depth). Tokens/s of
+each stage go to OUT/training_log.json beside the head.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import random
+import tempfile
+import time
+from collections import Counter
+
+import torch
+
+from eagleserve.device import pick_device, synchronize
+from eagleserve.train.conversations import (
+    conversation_order,
+    held_out_prompts,
+    leaks,
+    probe_keys,
+    sharegpt_conversations,
+    tokenize_conversation,
+)
+from eagleserve.train.extract import Item
+from eagleserve.train.online import (
+    StoreSource,
+    build_store,
+    cut_windows,
+    store_bytes_per_token,
+)
+
+_WORKER: tuple | None = None  # (tokenizer, probe keys, max tokens), inherited by forked workers
+
+
+def add_recipe_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("one-command recipe (--recipe gpu)")
+    g.add_argument("--recipe", default=None, choices=["gpu"], help="gpu: online features in "
+                   "device memory, bf16 training, sharded save and eval in one wall-time budget "
+                   "(runs on any --device)")  # fmt: skip
+    g.add_argument("--device", default="auto", help="auto (the accelerator when there is one), "
+                   "cuda, hip or cpu")  # fmt: skip
+    g.add_argument("--time-budget", type=float, default=330.0, help="seconds for the whole "
+                   "command; training stops in time to save and evaluate")  # fmt: skip
+    g.add_argument("--eval-reserve", type=float, default=20.0, help="seconds kept for the save "
+                   "and the evaluation after training")  # fmt: skip
+    g.add_argument("--store-gb", type=float, default=None, help="device memory for features "
+                   "(default: half the free memory; 4 on CPU)")  # fmt: skip
+    g.add_argument("--extract-batch-tokens", type=int, default=65536,
+                   help="padded rows per target forward")  # fmt: skip
+    g.add_argument("--max-shard-mb", type=float, default=16.0, help="largest head file")
+    g.add_argument("--max-conversations", type=int, default=None,
+                   help="use only this many training conversations (default: all)")  # fmt: skip
+    g.add_argument("--tokenize-procs", type=int, default=None, help="default: all CPU cores")
+    g.add_argument("--work-dir", default=None, help="trainer_state.pt goes here (default: a "
+                   "temporary folder, so OUT holds only the head and its log)")  # fmt: skip
+
+
+def _tokenize(conv: list[dict[str, str]]) -> Item | None:
+    tok, keys, max_tokens = _WORKER  # type: ignore[misc]
+    return None if leaks(conv, keys) else tokenize_conversation(tok, conv, max_tokens)
+
+
+def tokenize_all(
+    tok: object, convs: list, keys: list[str], max_tokens: int, procs: int
+) -> list[Item]:
+    """Tokenized conversations (benchmark leaks and unusable ones dropped), in order; `procs`
+    forked workers (they never touch the device)."""
+    global _WORKER
+    _WORKER = (tok, keys, max_tokens)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if procs <= 1:
+        out = [_tokenize(c) for c in convs]
+    else:
+        with multiprocessing.get_context("fork").Pool(procs) as pool:
+            out = pool.map(_tokenize, convs, chunksize=max(1, len(convs) // (procs * 8)))
+    return [it for it in out if it is not None]
+
+
+def draft_ids_from(items: list[Item], size: int, vocab_size: int) -> torch.Tensor:
+    from eagleserve.train.tf_train import vocab_from_counts
+
+    c = Counter(t for ids, flags in items for t, a in zip(ids, flags) if a)
+    return vocab_from_counts(c, size, vocab_size)
+
+
+def store_capacity(dev: torch.device, store_gb: float | None, width: int, k: int) -> int:
+    """Rows the feature store may hold: --store-gb, else half the device's free memory."""
+    if store_gb is None:
+        if dev.type == "cpu":
+            store_gb = 4.0
+        else:
+            store_gb = torch.get_device_module(dev).mem_get_info(dev)[0] / 2**30 / 2
+    return int(store_gb * 2**30 / store_bytes_per_token(width, k))
+
+
+def _device(name: str) -> torch.device:
+    # ROCm builds of torch name HIP devices "cuda".
+    return pick_device("cuda" if name == "hip" else name)
+
+
+def run_recipe(ns: argparse.Namespace) -> int:
+    from eagleserve.spec.head_loader import init_eagle_head, load_eagle_head, save_eagle_head
+    from eagleserve.train.data import sharegpt_path
+    from eagleserve.train.features import label_map
+    from eagleserve.train.tf_cli import load_target, target_layer_ids
+    from eagleserve.train.tf_train import evaluate_shards
+    from eagleserve.train.trainer import TrainConfig, train_head
+
+    t0 = time.time()
+    if ns.threads:
+        torch.set_num_threads(ns.threads)
+    torch.manual_seed(ns.seed)
+    dev = _device(ns.device)
+    os.makedirs(ns.out, exist_ok=True)
+    # Extraction runs the target as bf16 dense weights (de-quantized GGUF) on an accelerator.
+    target, tok = load_target(ns.model, "bfloat16" if dev.type != "cpu" else "float32",
+                              ns.max_len + 16, dev.type)  # fmt: skip
+    t_load = time.time()
+
+    convs = sharegpt_conversations(sharegpt_path())
+    train_i, val_i = conversation_order(len(convs), ns.seed, ns.val_fraction)
+    keys = probe_keys(held_out_prompts())
+    procs = ns.tokenize_procs or os.cpu_count() or 1
+    val_items = tokenize_all(tok, [convs[i] for i in val_i], keys, ns.max_seq_len, procs)
+    train_i = train_i[: ns.max_conversations]
+    train_items = tokenize_all(tok, [convs[i] for i in train_i], keys, ns.max_seq_len, procs)
+    t_data = time.time()
+    n_data_tokens = sum(len(ids) for ids, _ in train_items)
+
+    vocab = target.config.vocab_size
+    draft_ids = draft_ids_from(train_items, min(ns.draft_vocab_size, vocab), vocab)
+    lmap = label_map(draft_ids, vocab)
+    layers = target_layer_ids("EAGLE3", target.config.num_hidden_layers)
+    width = len(layers) * target.config.hidden_size
+    cap = store_capacity(dev, ns.store_gb, width, ns.top_k)
+    wins = cut_windows(train_items, ns.max_len)
+    random.Random(ns.seed).shuffle(wins)  # a token cap keeps a random subset
+    vwins = cut_windows(val_items, ns.max_len)
+    vstore, _ = build_store(target, vwins, layers, ns.top_k, lmap, ns.val_tokens,
+                            ns.extract_batch_tokens, "Held-out features")  # fmt: skip
+    store, fstats = build_store(target, wins, layers, ns.top_k, lmap,
+                                min(cap, ns.max_tokens), ns.extract_batch_tokens)  # fmt: skip
+    t_feat = time.time()
+    print("features", json.dumps(fstats), flush=True)
+
+    # The head trains in fp32 (master weights) next to an fp32 target: it reads the target's
+    # embeddings; the matmuls run in bf16 under autocast.
+    target.float()
+    head = init_eagle_head("EAGLE3", target, seed=ns.seed, draft_token_ids=draft_ids)
+    work = ns.work_dir or tempfile.mkdtemp(prefix="eagle-train-")
+    budget = max(1.0, ns.time_budget - (time.time() - t0) - ns.eval_reserve)
+    cfg = TrainConfig(
+        out_dir=work, lr=ns.lr, batch_size=ns.batch_size, max_len=ns.max_len,
+        epochs=ns.epochs, max_minutes=ns.max_minutes, depths=ns.ttt_steps,
+        compute_dtype=ns.compute_dtype, save_every=10**9, seed=ns.seed,
+        max_steps=ns.max_steps, soft_labels=ns.loss == "soft", budget_s=budget,
+    )  # fmt: skip
+    source = StoreSource(store, ns.batch_size, ns.ttt_steps, ns.seed)
+    head.train()
+    metrics = train_head(head, source, cfg)
+    head.eval()
+    synchronize(dev)
+    t_train = time.time()
+
+    export = torch.bfloat16 if ns.dtype == "bfloat16" else torch.float32
+    save_eagle_head(head.to(export), ns.out, int(ns.max_shard_mb * 2**20))
+    # The accuracy reported is the saved (sharded) head's, loaded back as serving does.
+    saved = load_eagle_head(ns.out, "EAGLE3", target, dev, torch.float32)
+    vsource = StoreSource(vstore, ns.batch_size, ns.ttt_steps, ns.seed)
+    val = evaluate_shards(saved, vsource, cfg)
+    baseline = None
+    if ns.eval_head:
+        from eagleserve.train.assets import resolve_head_path
+
+        other = load_eagle_head(resolve_head_path(ns.eval_head), "EAGLE3", target, dev,
+                                torch.float32)  # fmt: skip
+        baseline = {"head": ns.eval_head, **evaluate_shards(other, vsource, cfg)}
+    synchronize(dev)
+    t_end = time.time()
+
+    steps = metrics["steps"]
+    token_passes = metrics["token_passes"]  # real rows trained, each over all depths
+    log = {
+        "model": ns.model,
+        "algorithm": "EAGLE3",
+        "recipe": "gpu",
+        "device": str(dev),
+        "source": f"ShareGPT_V3 all turns, windows of {ns.max_len} ({len(train_items)} train / "
+        f"{len(val_items)} held-out conversations, seed {ns.seed}), features online",
+        "data_tokens": n_data_tokens,
+        "tokens": store.tokens,
+        "answer_tokens": int(store.nxt_answer.sum()),
+        "val_tokens": vstore.tokens,
+        "draft_vocab_size": head.draft_vocab_size,
+        "loss": ns.loss,
+        "steps": steps,
+        "token_passes": token_passes,
+        "epochs": token_passes / max(1, store.tokens),
+        "seconds": {
+            "load": t_load - t0,
+            "data": t_data - t_load,
+            "features": t_feat - t_data,
+            "train": t_train - t_feat,
+            "save_eval": t_end - t_train,
+            "total": t_end - t0,
+        },  # fmt: skip
+        "tok_per_s": {
+            "data": n_data_tokens / max(1e-9, t_data - t_load),
+            "features": fstats["tok_per_s"],
+            "train_token_passes": token_passes / max(1e-9, t_train - t_feat),
+            "train_token_depths": metrics["token_depths_per_s"],
+        },
+        "train_metrics_ema": metrics,
+        "val_accuracy_by_depth": val,
+        "baseline_val_accuracy_by_depth": baseline,
+        "args": {k: v for k, v in vars(ns).items() if k != "func"},
+    }
+    with open(os.path.join(ns.out, "training_log.json"), "w") as f:
+        json.dump(log, f, indent=2)
+    print(json.dumps({k: log[k] for k in ("tokens", "token_passes", "seconds", "tok_per_s",
+                                          "val_accuracy_by_depth")}))  # fmt: skip
+    return 0
