@@ -1,0 +1,150 @@
+"""`train-draft --recipe gpu` on CPU: the online feature store equals per-window teacher-forced
+targets, and the whole recipe (tiny target, tiny budget, tiny shard limit) trains, saves a
+sharded head that loads as the trained one, and reports held-out accuracy by depth."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoTokenizer
+
+from eagleserve.spec.head_loader import init_eagle_head, load_eagle_head
+from eagleserve.train.cli import main
+from eagleserve.train.features import IGNORE, label_map
+from eagleserve.train.online import StoreSource, build_store, cut_windows, store_batch
+from eagleserve.train.teacher import teacher_targets
+from eagleserve.train.tf_cli import load_target, target_layer_ids
+from eagleserve.train.ttt import head_step
+
+pytestmark = pytest.mark.usefixtures("torch_threads")
+
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def chat_target(tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The tiny target with a ChatML template (the recipe renders whole conversations)."""
+    path = str(tmp_path_factory.mktemp("chat_target"))
+    shutil.copytree(tiny_model_dir, path, dirs_exist_ok=True)
+    tok = AutoTokenizer.from_pretrained(path)
+    tok.chat_template = CHATML
+    tok.save_pretrained(path)
+    return path
+
+
+def _items(n: int, seed: int) -> list[tuple[list[int], list[bool]]]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for m in torch.randint(5, 50, (n,), generator=g).tolist():
+        ids = torch.randint(3, 256, (m,), generator=g).tolist()
+        out.append((ids, (torch.rand(m, generator=g) < 0.6).tolist()))
+    return out
+
+
+def test_store_equals_per_window_targets(chat_target: str) -> None:
+    """Windows batched with padding give each window's own teacher-forced targets: features,
+    top-k mapped into the draft vocabulary, labels only where the next token is an answer."""
+    target, _ = load_target(chat_target, "float32", 64)
+    layers = target_layer_ids("EAGLE3", target.config.num_hidden_layers)
+    items = _items(9, 1)
+    wins = cut_windows(items, 16)
+    assert sum(len(w) for w, _ in wins) <= sum(len(i) for i, _ in items)
+    assert all(len(w) <= 16 and any(f[1:]) for w, f in wins)
+    draft = torch.tensor(
+        sorted(torch.randperm(256, generator=torch.Generator().manual_seed(0))[:90])
+    )
+    lmap = label_map(draft, 256)
+    store, stats = build_store(target, wins, layers, 4, lmap, 10**6, batch_tokens=40)
+    assert stats["tokens"] == store.tokens == sum(len(w) for w, _ in wins)
+    for (ids, flags), (a, m) in zip(wins, store.windows, strict=True):
+        need = torch.zeros(m, dtype=torch.bool)
+        nxt = torch.tensor(flags[1:], dtype=torch.bool)
+        need[: len(nxt)] = nxt
+        f, ti, tp = teacher_targets(target, ids, layers, 4, need)
+        assert store.ids[a : a + m].tolist() == ids
+        assert torch.equal(store.nxt_answer[a : a + m], need)
+        torch.testing.assert_close(store.feats[a : a + m].float(), f.float(), rtol=2e-2, atol=2e-2)
+        mapped = torch.where(
+            lmap[ti.long().clamp(min=0)] == IGNORE, -1, lmap[ti.long().clamp(min=0)]
+        )
+        agree = (store.soft_ids[a : a + m][need].long() == mapped[need]).float().mean()
+        assert agree > 0.95  # ties may swap at fp16 level
+        torch.testing.assert_close(store.soft_p[a : a + m][need].float(), tp[need].float(),
+                                   rtol=1e-2, atol=1e-3)  # fmt: skip
+        assert (store.soft_ids[a : a + m][~need] == -1).all()
+    b = store_batch(store, store.windows[:3], depths=2)
+    (a, m) = store.windows[1]
+    assert b.x[1, :m].tolist() == wins[1][0] and not b.fmask[1, m:].any()
+    lab = torch.where(need_of(wins[1]) & (b.soft_ids[1, :m, 0] >= 0), b.soft_ids[1, :m, 0], IGNORE)
+    assert torch.equal(b.y[1, :m], lab) and (b.y[1, m:] == IGNORE).all()
+    src = StoreSource(store, 4, 2, seed=0)
+    seen = sorted(w for batch in src.plan(1) for w in batch)
+    assert seen == sorted(store.windows)  # an epoch visits every window once
+
+
+def need_of(win: tuple[list[int], list[bool]]) -> torch.Tensor:
+    ids, flags = win
+    need = torch.zeros(len(ids), dtype=torch.bool)
+    nxt = torch.tensor(flags[1:], dtype=torch.bool)
+    need[: len(nxt)] = nxt
+    return need
+
+
+def test_recipe_trains_saves_sharded_and_evaluates(chat_target: str, tmp_path) -> None:
+    out, work = str(tmp_path / "head"), str(tmp_path / "work")
+    args = ["train-draft", "--model", chat_target, "--out", out, "--recipe", "gpu",
+            "--device", "cpu", "--work-dir", work, "--max-conversations", "16",
+            "--max-seq-len", "400", "--max-len", "32", "--batch-size", "4", "--ttt-steps", "3",
+            "--draft-vocab-size", "64", "--top-k", "4", "--val-tokens", "300",
+            "--max-tokens", "1500", "--extract-batch-tokens", "128", "--max-shard-mb", "0.02",
+            "--time-budget", "300", "--epochs", "3", "--lr", "3e-3", "--dtype", "float32",
+            "--tokenize-procs", "2", "--val-fraction", "0.01",
+            "--eval-head", out + "_none"]  # fmt: skip
+    os.makedirs(out + "_none")
+    # the baseline head to compare with: a fresh one, saved where --eval-head points
+    target, _ = load_target(chat_target, "float32", 64)
+    from eagleserve.spec.head_loader import save_eagle_head
+
+    save_eagle_head(init_eagle_head("EAGLE3", target, seed=5, draft_token_ids=torch.arange(64)),
+                    out + "_none")  # fmt: skip
+    assert main(args) == 0
+    shards = sorted(f for f in os.listdir(out) if f.endswith(".safetensors"))
+    assert len(shards) >= 2 and "model.safetensors" not in shards
+    for f in shards:  # at most the limit, or one tensor larger than it alone
+        sizes = [t.nbytes for t in load_file(os.path.join(out, f)).values()]
+        assert sum(sizes) <= 0.02 * 2**20 or len(sizes) == 1
+    log = json.load(open(os.path.join(out, "training_log.json")))
+    assert log["steps"] >= 3 and log["token_passes"] > 0 and log["tokens"] <= 1500
+    assert set(log["tok_per_s"]) == {"data", "features", "train_token_passes", "train_token_depths"}
+    val = log["val_accuracy_by_depth"]
+    assert {"acc0", "acc1", "acc2"} <= set(val) and 0 <= val["acc0"] <= 1
+    assert log["baseline_val_accuracy_by_depth"]["head"] == out + "_none"
+
+    # the sharded head loads as the trained one (fp32 master weights kept in --work-dir)
+    state = torch.load(os.path.join(work, "trainer_state.pt"), weights_only=False)["head"]
+    loaded = load_eagle_head(out, "EAGLE3", target, torch.device("cpu"), torch.float32)
+    trained = init_eagle_head("EAGLE3", target, draft_token_ids=loaded.to_target_ids(
+        torch.arange(64)))  # fmt: skip
+    trained.load_state_dict(state)
+    assert not torch.equal(
+        state["fc.weight"],
+        init_eagle_head("EAGLE3", target, draft_token_ids=torch.arange(64)).fc.weight,
+    )  # it did train
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(0, 256, (2, 10), generator=g)
+    feats = torch.randn(2, 10, loaded.feature_size, generator=g)
+    pos = torch.arange(10).expand(2, 10)
+    with torch.no_grad():
+        a = head_step(loaded, ids, feats, pos, [])
+        b = head_step(trained, ids, feats, pos, [])
+    assert all(torch.equal(x, y) for x, y in zip(a[:2], b[:2]))
+    logits_a = torch.nn.functional.linear(a[0], loaded.lm_head.weight)
+    assert torch.equal(logits_a, torch.nn.functional.linear(b[0], trained.lm_head.weight))
