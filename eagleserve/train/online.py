@@ -2,7 +2,8 @@
 
 Each conversation is cut into windows of at most `max_len` tokens; the target runs over every
 window on its own (large padded batches, one forward per batch) and its features and top-k
-next-token distribution (mapped into the draft vocabulary) go into flat device tensors. The head
+next-token distribution go into flat device tensors (target ids: any head's draft vocabulary
+can read them, e.g. a baseline head's on the same held-out store). The head
 then trains on batches of those windows, gathered on the device: no shard files, no host copy.
 
 Row alignment as in train/batches.py: row t of a window holds token ids[t], the target's
@@ -44,9 +45,9 @@ def cut_windows(items: list[Item], max_len: int) -> list[Item]:
 
 
 def store_bytes_per_token(width: int, k: int) -> int:
-    """Device bytes per stored row: bf16 features, int16 draft ids and fp16 probabilities of
-    the top k, int32 token id, bool flag."""
-    return 2 * width + 4 * k + 5
+    """Device bytes per stored row: bf16 features, int32 ids and fp16 probabilities of the
+    top k, int32 token id, bool flag."""
+    return 2 * width + 6 * k + 5
 
 
 @dataclass
@@ -54,8 +55,8 @@ class FeatureStore:
     ids: torch.Tensor  # int32 [N]
     nxt_answer: torch.Tensor  # bool [N]: row t is labelled (token t+1 is an answer token)
     feats: torch.Tensor  # bf16 [N, W]
-    soft_ids: torch.Tensor  # int16 [N, k]: the target's top-k as draft ids, -1 outside
-    soft_p: torch.Tensor  # fp16 [N, k]: their probabilities, 0 where the row is unlabelled
+    top_ids: torch.Tensor  # int32 [N, k]: the target's top-k (target ids), -1 unlabelled
+    top_p: torch.Tensor  # fp16 [N, k]: their probabilities, 0 where the row is unlabelled
     windows: list[Window] = field(default_factory=list)
 
     @property
@@ -69,7 +70,6 @@ def build_store(
     items: list[Item],
     layer_ids: tuple[int, ...],
     k: int,
-    label_map: torch.Tensor,
     max_tokens: int,
     batch_tokens: int,
     desc: str = "Target features",
@@ -89,14 +89,13 @@ def build_store(
         torch.zeros(total, dtype=torch.int32, device=dev),
         torch.zeros(total, dtype=torch.bool, device=dev),
         torch.zeros(total, width, dtype=torch.bfloat16, device=dev),
-        torch.full((total, k), -1, dtype=torch.int16, device=dev),
+        torch.full((total, k), -1, dtype=torch.int32, device=dev),
         torch.zeros(total, k, dtype=torch.float16, device=dev),
     )
     starts = [0]
     for ids, _ in take:
         starts.append(starts[-1] + len(ids))
     store.windows = [(starts[i], len(take[i][0])) for i in range(len(take))]
-    lmap = label_map.to(dev)
     order = sorted(range(len(take)), key=lambda i: len(take[i][0]))  # similar lengths batched
     bar = tqdm(total=total, desc=desc, unit="tok", unit_scale=True)
     t0 = time.time()
@@ -109,7 +108,7 @@ def build_store(
         group = order[i:j]
         n = len(take[group[-1]][0])
         _store_group(model, store, [take[g] for g in group], [starts[g] for g in group], n,
-                     layer_ids, k, lmap)  # fmt: skip
+                     layer_ids, k)  # fmt: skip
         bar.update(sum(len(take[g][0]) for g in group))
         i = j
     if dev.type != "cpu":
@@ -128,7 +127,6 @@ def _store_group(
     n: int,
     layer_ids: tuple[int, ...],
     k: int,
-    lmap: torch.Tensor,
 ) -> None:
     dev = store.ids.device
     ids = torch.zeros(len(group), n, dtype=torch.long)
@@ -148,15 +146,18 @@ def _store_group(
     store.feats[rows] = feats[real].to(torch.bfloat16)
     if need.any():
         top_ids, top_p = top_k_distribution(model, final[need], k, LOGIT_ROWS_DEVICE)
-        mapped = lmap[top_ids.long()]
         dst = rows[need[real]]
-        store.soft_ids[dst] = torch.where(mapped == IGNORE, -1, mapped).to(torch.int16)
-        store.soft_p[dst] = top_p
+        store.top_ids[dst] = top_ids
+        store.top_p[dst] = top_p
 
 
-def store_batch(store: FeatureStore, wins: list[Window], depths: int) -> Batch:
+def store_batch(
+    store: FeatureStore, wins: list[Window], label_map: torch.Tensor, depths: int
+) -> Batch:
     """The `window_batch` of stored windows, gathered on the store's device: padded rows are
-    ignored; the hard label is the target's argmax where it lies in the draft vocabulary."""
+    ignored; soft labels are the top-k mapped by `label_map` (target id -> draft id or
+    IGNORE; -1 outside the draft vocabulary), the hard label the target's argmax where it lies
+    in the draft vocabulary."""
     dev = store.ids.device
     n = max(m for _, m in wins)
     start = torch.tensor([a for a, _ in wins], device=dev)
@@ -166,8 +167,10 @@ def store_batch(store: FeatureStore, wins: list[Window], depths: int) -> Batch:
     idx = torch.where(fmask, start[:, None] + col[None, :], 0)
     x = torch.where(fmask, store.ids[idx].long(), 0)
     f = torch.where(fmask[..., None], store.feats[idx], 0).float()
-    sid = torch.where(fmask[..., None], store.soft_ids[idx].long(), -1)
-    sp = torch.where(fmask[..., None], store.soft_p[idx], 0).float()
+    tid = torch.where(fmask[..., None], store.top_ids[idx].long(), -1)
+    mapped = torch.where(tid >= 0, label_map[tid.clamp(min=0)], IGNORE)
+    sid = torch.where(mapped == IGNORE, -1, mapped)
+    sp = torch.where(fmask[..., None], store.top_p[idx], 0).float()
     labelled = fmask & store.nxt_answer[idx] & (sid[..., 0] >= 0)
     y = torch.where(labelled, sid[..., 0], IGNORE)
     return Batch(x, f, y, fmask, sid, sp)
@@ -180,12 +183,14 @@ class StoreSource:
     (seed, epoch, index), as ShardSource."""
 
     store: FeatureStore
+    label_map: torch.Tensor  # [target vocab] -> draft id or IGNORE
     batch_size: int
     depths: int
     seed: int
     _plan: tuple[int, list[list[Window]]] | None = None
 
     def __post_init__(self) -> None:
+        self.label_map = self.label_map.to(self.store.ids.device)
         self.per_epoch = len(self.plan(0))
 
     def plan(self, epoch: int) -> list[list[Window]]:
@@ -205,4 +210,4 @@ class StoreSource:
         return self._plan[1]
 
     def batch(self, epoch: int, within: int) -> Batch:
-        return store_batch(self.store, self.plan(epoch)[within], self.depths)
+        return store_batch(self.store, self.plan(epoch)[within], self.label_map, self.depths)

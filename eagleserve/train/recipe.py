@@ -146,9 +146,9 @@ def run_recipe(ns: argparse.Namespace) -> int:
     wins = cut_windows(train_items, ns.max_len)
     random.Random(ns.seed).shuffle(wins)  # a token cap keeps a random subset
     vwins = cut_windows(val_items, ns.max_len)
-    vstore, _ = build_store(target, vwins, layers, ns.top_k, lmap, ns.val_tokens,
+    vstore, _ = build_store(target, vwins, layers, ns.top_k, ns.val_tokens,
                             ns.extract_batch_tokens, "Held-out features")  # fmt: skip
-    store, fstats = build_store(target, wins, layers, ns.top_k, lmap,
+    store, fstats = build_store(target, wins, layers, ns.top_k,
                                 min(cap, ns.max_tokens), ns.extract_batch_tokens)  # fmt: skip
     t_feat = time.time()
     print("features", json.dumps(fstats), flush=True)
@@ -165,7 +165,7 @@ def run_recipe(ns: argparse.Namespace) -> int:
         compute_dtype=ns.compute_dtype, save_every=10**9, seed=ns.seed,
         max_steps=ns.max_steps, soft_labels=ns.loss == "soft", budget_s=budget,
     )  # fmt: skip
-    source = StoreSource(store, ns.batch_size, ns.ttt_steps, ns.seed)
+    source = StoreSource(store, lmap, ns.batch_size, ns.ttt_steps, ns.seed)
     head.train()
     metrics = train_head(head, source, cfg)
     head.eval()
@@ -176,15 +176,18 @@ def run_recipe(ns: argparse.Namespace) -> int:
     save_eagle_head(head.to(export), ns.out, int(ns.max_shard_mb * 2**20))
     # The accuracy reported is the saved (sharded) head's, loaded back as serving does.
     saved = load_eagle_head(ns.out, "EAGLE3", target, dev, torch.float32)
-    vsource = StoreSource(vstore, ns.batch_size, ns.ttt_steps, ns.seed)
-    val = evaluate_shards(saved, vsource, cfg)
+    val = evaluate_shards(saved, StoreSource(vstore, lmap, ns.batch_size, ns.ttt_steps, ns.seed),
+                          cfg)  # fmt: skip
     baseline = None
     if ns.eval_head:
         from eagleserve.train.assets import resolve_head_path
 
         other = load_eagle_head(resolve_head_path(ns.eval_head), "EAGLE3", target, dev,
                                 torch.float32)  # fmt: skip
-        baseline = {"head": ns.eval_head, **evaluate_shards(other, vsource, cfg)}
+        other_ids = other.to_target_ids(torch.arange(other.draft_vocab_size, device=dev))
+        vsrc = StoreSource(vstore, label_map(other_ids.cpu(), vocab), ns.batch_size,
+                           ns.ttt_steps, ns.seed)  # fmt: skip
+        baseline = {"head": ns.eval_head, **evaluate_shards(other, vsrc, cfg)}
     synchronize(dev)
     t_end = time.time()
 
