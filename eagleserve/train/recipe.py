@@ -109,6 +109,7 @@ def _device(name: str) -> torch.device:
 
 
 def run_recipe(ns: argparse.Namespace) -> int:
+    from eagleserve.model.loader import load_tokenizer, resolve_model_path
     from eagleserve.spec.head_loader import init_eagle_head, load_eagle_head, save_eagle_head
     from eagleserve.train.data import sharegpt_path
     from eagleserve.train.features import label_map
@@ -122,9 +123,8 @@ def run_recipe(ns: argparse.Namespace) -> int:
     torch.manual_seed(ns.seed)
     dev = _device(ns.device)
     os.makedirs(ns.out, exist_ok=True)
-    # Extraction runs the target as bf16 dense weights (de-quantized GGUF) on an accelerator.
-    target, tok = load_target(ns.model, "bfloat16" if dev.type != "cpu" else "float32",
-                              ns.max_len + 16, dev.type)  # fmt: skip
+    # Tokenizing forks workers: done before the device is touched.
+    tok = load_tokenizer(resolve_model_path(ns.model))
     t_load = time.time()
 
     convs = sharegpt_conversations(sharegpt_path())
@@ -135,6 +135,10 @@ def run_recipe(ns: argparse.Namespace) -> int:
     train_i = train_i[: ns.max_conversations]
     train_items = tokenize_all(tok, [convs[i] for i in train_i], keys, ns.max_seq_len, procs)
     t_data = time.time()
+    # Extraction runs the target as bf16 dense weights (de-quantized GGUF) on an accelerator.
+    target, _ = load_target(ns.model, "bfloat16" if dev.type != "cpu" else "float32",
+                            ns.max_len + 16, dev.type)  # fmt: skip
+    t_target = time.time()
     n_data_tokens = sum(len(ids) for ids, _ in train_items)
 
     vocab = target.config.vocab_size
@@ -210,9 +214,10 @@ def run_recipe(ns: argparse.Namespace) -> int:
         "token_passes": token_passes,
         "epochs": token_passes / max(1, store.tokens),
         "seconds": {
-            "load": t_load - t0,
+            "tokenizer": t_load - t0,
             "data": t_data - t_load,
-            "features": t_feat - t_data,
+            "target": t_target - t_data,
+            "features": t_feat - t_target,
             "train": t_train - t_feat,
             "save_eval": t_end - t_train,
             "total": t_end - t0,
