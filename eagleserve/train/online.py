@@ -73,10 +73,12 @@ def build_store(
     max_tokens: int,
     batch_tokens: int,
     desc: str = "Target features",
+    max_seconds: float = float("inf"),
 ) -> tuple[FeatureStore, dict[str, float]]:
     """Runs the target over `items` (windows, see `cut_windows`) in their order until
     `max_tokens` rows are stored; forwards batch windows of similar length up to
-    `batch_tokens` padded rows. Returns the store and {tokens, seconds, tok_per_s}."""
+    `batch_tokens` padded rows. Past `max_seconds` it stops and the store keeps only the
+    windows done. Returns the store and {tokens, windows, seconds, tok_per_s}."""
     dev = model.model.embed_tokens.weight.device
     take, total = [], 0
     for it in items:
@@ -96,17 +98,26 @@ def build_store(
     for ids, _ in take:
         starts.append(starts[-1] + len(ids))
     store.windows = [(starts[i], len(take[i][0])) for i in range(len(take))]
-    order = sorted(range(len(take)), key=lambda i: len(take[i][0]))  # similar lengths batched
+    # Similar lengths batched (less padding), sorted within blocks of the given order, so a
+    # time cut keeps a sample of every length.
+    order: list[int] = []
+    block = 32 * batch_tokens
+    a = used = 0
+    for e in range(len(take) + 1):
+        if e == len(take) or used >= block:
+            order += sorted(range(a, e), key=lambda i: len(take[i][0]))
+            a, used = e, 0
+        if e < len(take):
+            used += len(take[e][0])
     bar = tqdm(total=total, desc=desc, unit="tok", unit_scale=True)
     t0 = time.time()
     i = 0
-    while i < len(order):
-        n = len(take[order[i]][0])
-        j = i + 1  # sorted ascending: the last window of a group is its longest
-        while j < len(order) and (j + 1 - i) * len(take[order[j]][0]) <= batch_tokens:
+    while i < len(order) and time.time() - t0 < max_seconds:
+        j, n = i + 1, len(take[order[i]][0])  # a group pads to its longest window
+        while j < len(order) and (j + 1 - i) * max(n, len(take[order[j]][0])) <= batch_tokens:
+            n = max(n, len(take[order[j]][0]))
             j += 1
         group = order[i:j]
-        n = len(take[group[-1]][0])
         _store_group(model, store, [take[g] for g in group], [starts[g] for g in group], n,
                      layer_ids, k)  # fmt: skip
         bar.update(sum(len(take[g][0]) for g in group))
@@ -114,9 +125,11 @@ def build_store(
     if dev.type != "cpu":
         torch.get_device_module(dev).synchronize()
     bar.close()
+    store.windows = [store.windows[g] for g in sorted(order[:i])]
     secs = time.time() - t0
-    return store, {"tokens": total, "windows": len(take), "seconds": secs,
-                   "tok_per_s": total / max(secs, 1e-9)}  # fmt: skip
+    done = store.tokens
+    return store, {"tokens": done, "windows": len(store.windows), "seconds": secs,
+                   "tok_per_s": done / max(secs, 1e-9)}  # fmt: skip
 
 
 def _store_group(

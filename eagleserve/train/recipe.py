@@ -57,6 +57,8 @@ def add_recipe_args(p: argparse.ArgumentParser) -> None:
                    "(default: half the free memory; 4 on CPU)")  # fmt: skip
     g.add_argument("--extract-batch-tokens", type=int, default=65536,
                    help="padded rows per target forward")  # fmt: skip
+    g.add_argument("--extract-seconds", type=float, default=None, help="stop extracting "
+                   "after this long (default: a third of --time-budget)")  # fmt: skip
     g.add_argument("--max-shard-mb", type=float, default=16.0, help="largest head file")
     g.add_argument("--max-conversations", type=int, default=None,
                    help="use only this many training conversations (default: all)")  # fmt: skip
@@ -147,13 +149,15 @@ def run_recipe(ns: argparse.Namespace) -> int:
     layers = target_layer_ids("EAGLE3", target.config.num_hidden_layers)
     width = len(layers) * target.config.hidden_size
     cap = store_capacity(dev, ns.store_gb, width, ns.top_k)
+    extract_s = ns.extract_seconds if ns.extract_seconds is not None else ns.time_budget / 3
     wins = cut_windows(train_items, ns.max_len)
     random.Random(ns.seed).shuffle(wins)  # a token cap keeps a random subset
     vwins = cut_windows(val_items, ns.max_len)
     vstore, _ = build_store(target, vwins, layers, ns.top_k, ns.val_tokens,
                             ns.extract_batch_tokens, "Held-out features")  # fmt: skip
     store, fstats = build_store(target, wins, layers, ns.top_k,
-                                min(cap, ns.max_tokens), ns.extract_batch_tokens)  # fmt: skip
+                                min(cap, ns.max_tokens), ns.extract_batch_tokens,
+                                max_seconds=extract_s)  # fmt: skip
     t_feat = time.time()
     print("features", json.dumps(fstats), flush=True)
 

@@ -86,6 +86,8 @@ def test_store_equals_per_window_targets(chat_target: str) -> None:
     lab = torch.where(need_of(wins[1]) & (mapped[:, 0] != IGNORE), mapped[:, 0], IGNORE)
     assert torch.equal(b.y[1, :m], lab) and (b.y[1, m:] == IGNORE).all()
     assert (b.y[1, :m] != IGNORE).any() and (b.y[1, :m] == IGNORE).any()
+    cut, st = build_store(target, wins, layers, 4, 10**6, batch_tokens=40, max_seconds=0.0)
+    assert cut.windows == [] and st["tokens"] == 0  # out of time: nothing half-stored
     src = StoreSource(store, lmap, 4, 2, seed=0)
     seen = sorted(w for batch in src.plan(1) for w in batch)
     assert seen == sorted(store.windows)  # an epoch visits every window once
