@@ -21,7 +21,13 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["AcceptResult", "commit_tree_path", "verify_greedy", "verify_sampling"]
+__all__ = [
+    "AcceptResult",
+    "commit_tree_path",
+    "verify_greedy",
+    "verify_greedy_chain",
+    "verify_sampling",
+]
 
 
 @dataclass
@@ -110,6 +116,23 @@ def verify_greedy(
         lens = lens + ok.long()
         want = torch.where(ok, predict[:, c], want)
     bonus = torch.gather(predict, 1, cur.unsqueeze(1)).squeeze(1)  # [bs]
+    return _assemble(tokens, accept_index, lens, bonus)
+
+
+def verify_greedy_chain(draft_tokens: torch.Tensor, target_predict: torch.Tensor) -> AcceptResult:
+    """`verify_greedy` for a chain (parents[:, i] = i - 1): node c is accepted while every node
+    up to it carries the target's argmax after its parent, so the accepted length is one plus
+    the leading run of matches: a fixed handful of ops whatever n is (the walk costs several
+    per node)."""
+    _check_shapes(draft_tokens, draft_tokens, None)
+    bs, n = draft_tokens.shape
+    tokens = draft_tokens.long()
+    predict = target_predict.long()
+    match = (tokens[:, 1:] == predict[:, :-1]).long()  # [bs, n - 1]
+    lens = 1 + match.cumprod(dim=1).sum(dim=1)  # [bs]
+    nodes = torch.arange(n, device=tokens.device).expand(bs, n)
+    accept_index = torch.where(nodes < lens.unsqueeze(1), nodes, -1)
+    bonus = torch.gather(predict, 1, (lens - 1).unsqueeze(1)).squeeze(1)
     return _assemble(tokens, accept_index, lens, bonus)
 
 
