@@ -241,18 +241,22 @@ class EagleDraftWorker:
         topk = self.spec.eagle_topk
         L = batch.seq_lens
         bs = batch.batch_size
-        branch = torch.arange(topk, device=self.device)
-        region_idx = (depth - 1) * topk + branch  # [topk]
-        rows = batch.req_pool_indices[:, None]
-        loc = self.req_to_token[rows, L[:, None] + region_idx[None, :]].reshape(-1)
-        positions = (L + depth - 1).repeat_interleave(topk)
+        if topk == 1:  # a chain: the step's one node sits at L + depth - 1, its position too
+            positions = L + (depth - 1)
+            loc = self.req_to_token[batch.req_pool_indices, positions]
+        else:
+            branch = torch.arange(topk, device=self.device)
+            region_idx = (depth - 1) * topk + branch  # [topk]
+            rows = batch.req_pool_indices[:, None]
+            loc = self.req_to_token[rows, L[:, None] + region_idx[None, :]].reshape(-1)
+            positions = (L + depth - 1).repeat_interleave(topk)
         fb = ForwardBatch(
             mode="draft",
             input_ids=input_ids,
             positions=positions,
             out_cache_loc=loc,
             req_pool_indices=batch.req_pool_indices,
-            prefix_lens=L + depth - 1 if topk == 1 else L,
+            prefix_lens=positions if topk == 1 else L,
             extend_lens=torch.full_like(L, topk),
             host=HostLens.per_request(topk, max_len + (depth - 1) * topk, bs),
             kv_pool=self.kv_pool,

@@ -30,7 +30,13 @@ from eagleserve.model.sampler import (
     sample_next,
     top_logprobs,
 )
-from eagleserve.spec.accept import AcceptResult, commit_tree_path, verify_greedy, verify_sampling
+from eagleserve.spec.accept import (
+    AcceptResult,
+    commit_tree_path,
+    verify_greedy,
+    verify_greedy_chain,
+    verify_sampling,
+)
 from eagleserve.spec.adaptive import AdaptiveController, depth_choices
 from eagleserve.spec.cost_model import measure_costs
 from eagleserve.spec.draft_worker import EagleDraftWorker
@@ -45,6 +51,11 @@ class EagleWorker:
         self.req_to_token_pool = runner.req_to_token_pool
         self.token_to_kv_pool = runner.token_to_kv_pool
         self.drafter = EagleDraftWorker(runner, spec, args)
+        # 0, 1, 2, ... on the device, sliced by the verify instead of built every iteration.
+        self.iota = torch.arange(
+            max(args.max_running_requests, spec.num_draft_tokens, spec.num_steps + 1) + 1,
+            device=self.device,
+        )
         # The overlap scheduler prepares N+1 before it knows N's accept lengths: 2x covers the
         # one-iteration lag of the host's committed length.
         overlap = args.overlap_schedule(self.device.type)
@@ -139,6 +150,10 @@ class EagleWorker:
         if batch.mode == "extend":
             return self._forward_prefill(batch, on_verified)
         return self._forward_decode(batch, on_verified)
+
+    def _iota(self, n: int) -> torch.Tensor:
+        """[0, n) on the device (a view of a tensor built once when long enough)."""
+        return self.iota[:n] if n <= self.iota.shape[0] else torch.arange(n, device=self.device)
 
     def _sampling_info(self, batch: ScheduleBatch) -> SamplingInfo:
         return SamplingInfo.of_batch(batch, self.runner.config.vocab_size)
@@ -283,7 +298,7 @@ class EagleWorker:
         assert batch.seq_lens_cpu is not None
         max_len = int(batch.seq_lens_cpu.max())
         r2t = self.req_to_token_pool.req_to_token
-        node = torch.arange(n, device=self.device)
+        node = self._iota(n)
         out = self.runner.forward(
             ForwardBatch(
                 mode="verify",
@@ -310,7 +325,7 @@ class EagleWorker:
         if grammar is not None:  # node i: the grammar after its own path (a host sync)
             scored = mask_logits(scored, grammar.tree_allowed(t.draft_tokens, t.parents,
                                                               self.device))  # fmt: skip
-        acc = accept(info, t.draft_tokens, t.parents, scored)
+        acc = accept(info, t.draft_tokens, t.parents, scored, spec.is_chain)
         if pen is not None:
             pen.commit(state, batch.req_pool_indices, acc.output_tokens, acc.output_tokens >= 0)
         if grammar is not None:
@@ -320,9 +335,9 @@ class EagleWorker:
         # Draft extend over the accepted path: token after node k with the feature of node k.
         a = acc.accept_lens
         width = acc.accept_index.shape[1]
-        rows = acc.accept_index.clamp(min=0) + (torch.arange(bs, device=self.device) * n)[:, None]
+        rows = acc.accept_index.clamp(min=0) + (self._iota(bs) * n)[:, None]
         valid = acc.accept_index >= 0  # [bs, width]
-        offs = torch.arange(width, device=self.device)
+        offs = self._iota(width)
         cols = L[:, None] + offs[None, :]
         extend_fb = ForwardBatch(
             mode="extend",
@@ -361,21 +376,33 @@ class EagleWorker:
 
 
 def accept(
-    info: SamplingInfo, tokens: torch.Tensor, parents: torch.Tensor, logits: torch.Tensor
+    info: SamplingInfo,
+    tokens: torch.Tensor,
+    parents: torch.Tensor,
+    logits: torch.Tensor,
+    chain: bool = False,
 ) -> AcceptResult:
     """`decide_acceptance` on rank 0, and under tensor parallelism the same on every rank: the
     ranks then commit the same tokens and KV paths."""
-    acc = decide_acceptance(info, tokens, parents, logits)
+    acc = decide_acceptance(info, tokens, parents, logits, chain)
     broadcast_from_first(acc.accept_index, acc.accept_lens, acc.output_tokens, acc.bonus_tokens)
     return acc
 
 
 def decide_acceptance(
-    info: SamplingInfo, tokens: torch.Tensor, parents: torch.Tensor, logits: torch.Tensor
+    info: SamplingInfo,
+    tokens: torch.Tensor,
+    parents: torch.Tensor,
+    logits: torch.Tensor,
+    chain: bool = False,
 ) -> AcceptResult:
-    """Greedy rows accept the target's argmax path; sampled rows the lossless stochastic walk."""
+    """Greedy rows accept the target's argmax path; sampled rows the lossless stochastic walk.
+    `chain`: every row's tree is a chain (a top-1 draft), walked in a few ops."""
     n = logits.shape[1]
-    greedy = verify_greedy(tokens, parents, logits.argmax(dim=-1))
+    predict = logits.argmax(dim=-1)
+    greedy = verify_greedy_chain(tokens, predict) if chain else verify_greedy(
+        tokens, parents, predict
+    )  # fmt: skip
     if info.all_greedy:
         return greedy
     sampled_rows = [i for i, g in enumerate(info.is_greedy) if not g]
