@@ -21,22 +21,11 @@ from eagleserve.model.cuda_graph import BUCKETS
 from eagleserve.model.forward_batch import ForwardBatch, HostLens
 from eagleserve.model.grammar_mask import mask_logits
 from eagleserve.model.llama import ModelOutput
-from eagleserve.model.parallel import broadcast_from_first, broadcast_object
+from eagleserve.model.parallel import broadcast_object
 from eagleserve.model.prompt_logprobs import score_prompts, wants_prompt_logprobs
 from eagleserve.model.runner import ModelRunner
-from eagleserve.model.sampler import (
-    SamplingInfo,
-    logits_to_probs,
-    sample_next,
-    top_logprobs,
-)
-from eagleserve.spec.accept import (
-    AcceptResult,
-    commit_tree_path,
-    verify_greedy,
-    verify_greedy_chain,
-    verify_sampling,
-)
+from eagleserve.model.sampler import SamplingInfo, sample_next, top_logprobs
+from eagleserve.spec.accept import accept, commit_tree_path
 from eagleserve.spec.adaptive import AdaptiveController, depth_choices
 from eagleserve.spec.cost_model import measure_costs
 from eagleserve.spec.draft_worker import EagleDraftWorker
@@ -373,45 +362,3 @@ class EagleWorker:
             result.top_logprob_vals = vals.view(bs, width, -1)
             result.top_logprob_ids = ids.view(bs, width, -1)
         return result
-
-
-def accept(
-    info: SamplingInfo,
-    tokens: torch.Tensor,
-    parents: torch.Tensor,
-    logits: torch.Tensor,
-    chain: bool = False,
-) -> AcceptResult:
-    """`decide_acceptance` on rank 0, and under tensor parallelism the same on every rank: the
-    ranks then commit the same tokens and KV paths."""
-    acc = decide_acceptance(info, tokens, parents, logits, chain)
-    broadcast_from_first(acc.accept_index, acc.accept_lens, acc.output_tokens, acc.bonus_tokens)
-    return acc
-
-
-def decide_acceptance(
-    info: SamplingInfo,
-    tokens: torch.Tensor,
-    parents: torch.Tensor,
-    logits: torch.Tensor,
-    chain: bool = False,
-) -> AcceptResult:
-    """Greedy rows accept the target's argmax path; sampled rows the lossless stochastic walk.
-    `chain`: every row's tree is a chain (a top-1 draft), walked in a few ops."""
-    n = logits.shape[1]
-    predict = logits.argmax(dim=-1)
-    greedy = verify_greedy_chain(tokens, predict) if chain else verify_greedy(
-        tokens, parents, predict
-    )  # fmt: skip
-    if info.all_greedy:
-        return greedy
-    sampled_rows = [i for i, g in enumerate(info.is_greedy) if not g]
-    idx = torch.tensor(sampled_rows, device=logits.device)
-    sub = info.rows(sampled_rows)
-    probs = logits_to_probs(
-        logits[idx].reshape(len(sampled_rows) * n, -1), sub.repeat_interleave(n)
-    ).view(len(sampled_rows), n, -1)
-    samp = verify_sampling(tokens[idx], parents[idx], probs, sub.generators)
-    for name in ("accept_index", "accept_lens", "output_tokens", "bonus_tokens"):
-        getattr(greedy, name)[idx] = getattr(samp, name)
-    return greedy
