@@ -28,6 +28,13 @@ BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 GraphFn = Callable[[ForwardBatch, dict[str, torch.Tensor]], tuple[torch.Tensor, ...]]
 
 
+def bucket_for(buckets: list[int], bs: int) -> int:
+    """The smallest captured batch size that holds `bs` rows (buckets ascending)."""
+    if not 0 < bs <= buckets[-1]:
+        raise ValueError(f"batch size {bs} outside 1..{buckets[-1]}")
+    return buckets[bisect.bisect_left(buckets, bs)]
+
+
 def graphs_supported(device: torch.device, disable: bool, attn_backend: object) -> bool:
     """Graphs need an accelerator and a backend whose metadata can be built without a sync."""
     return (
@@ -119,8 +126,15 @@ class GraphedForward:
     def replay(self, fb: ForwardBatch, **extras: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Runs `fb` (bs * n tokens, n each) padded to its bucket. Outputs are views of static
         buffers, valid until the next replay of this object."""
+        pb, t = self.stage(fb, **extras)
+        self.graphs[pb].replay()
+        return tuple(o[:t] for o in self.outputs[pb])
+
+    def stage(self, fb: ForwardBatch, **extras: torch.Tensor) -> tuple[int, int]:
+        """Copies `fb`'s inputs into the static buffers, the rows up to its bucket padded (slot
+        0, an empty prefix); returns (bucket, real tokens). Device work only: no host read."""
         bs = fb.batch_size
-        pb = self.buckets[bisect.bisect_left(self.buckets, bs)]
+        pb = bucket_for(self.buckets, bs)
         t, pt = bs * self.n, pb * self.n
         for buf, src in (
             (self.input_ids, fb.input_ids),
@@ -138,8 +152,7 @@ class GraphedForward:
             self.tree_mask[:bs].copy_(fb.tree_mask)
         for k, v in extras.items():
             self.extras[k][:t].copy_(v)
-        self.graphs[pb].replay()
-        return tuple(o[:t] for o in self.outputs[pb])
+        return pb, t
 
     def can_replay(self, fb: ForwardBatch) -> bool:
         """A forward this graph computes: its mode, n new tokens per request, a causal or tree

@@ -21,7 +21,18 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["AcceptResult", "commit_tree_path", "verify_greedy", "verify_sampling"]
+from eagleserve.model.parallel import broadcast_from_first
+from eagleserve.model.sampler import SamplingInfo, logits_to_probs
+
+__all__ = [
+    "AcceptResult",
+    "accept",
+    "commit_tree_path",
+    "decide_acceptance",
+    "verify_greedy",
+    "verify_greedy_chain",
+    "verify_sampling",
+]
 
 
 @dataclass
@@ -110,6 +121,23 @@ def verify_greedy(
         lens = lens + ok.long()
         want = torch.where(ok, predict[:, c], want)
     bonus = torch.gather(predict, 1, cur.unsqueeze(1)).squeeze(1)  # [bs]
+    return _assemble(tokens, accept_index, lens, bonus)
+
+
+def verify_greedy_chain(draft_tokens: torch.Tensor, target_predict: torch.Tensor) -> AcceptResult:
+    """`verify_greedy` for a chain (parents[:, i] = i - 1): node c is accepted while every node
+    up to it carries the target's argmax after its parent, so the accepted length is one plus
+    the leading run of matches: a fixed handful of ops whatever n is (the walk costs several
+    per node)."""
+    _check_shapes(draft_tokens, draft_tokens, None)
+    bs, n = draft_tokens.shape
+    tokens = draft_tokens.long()
+    predict = target_predict.long()
+    match = (tokens[:, 1:] == predict[:, :-1]).long()  # [bs, n - 1]
+    lens = 1 + match.cumprod(dim=1).sum(dim=1)  # [bs]
+    nodes = torch.arange(n, device=tokens.device).expand(bs, n)
+    accept_index = torch.where(nodes < lens.unsqueeze(1), nodes, -1)
+    bonus = torch.gather(predict, 1, (lens - 1).unsqueeze(1)).squeeze(1)
     return _assemble(tokens, accept_index, lens, bonus)
 
 
@@ -242,3 +270,45 @@ def commit_tree_path(
     key = torch.where(path_key < 0, path_key, node[None, :].expand_as(cols))
     order = key.argsort(dim=1)
     req_to_token[rows, cols] = slots.gather(1, order)
+
+
+def accept(
+    info: SamplingInfo,
+    tokens: torch.Tensor,
+    parents: torch.Tensor,
+    logits: torch.Tensor,
+    chain: bool = False,
+) -> AcceptResult:
+    """`decide_acceptance` on rank 0, and under tensor parallelism the same on every rank: the
+    ranks then commit the same tokens and KV paths."""
+    acc = decide_acceptance(info, tokens, parents, logits, chain)
+    broadcast_from_first(acc.accept_index, acc.accept_lens, acc.output_tokens, acc.bonus_tokens)
+    return acc
+
+
+def decide_acceptance(
+    info: SamplingInfo,
+    tokens: torch.Tensor,
+    parents: torch.Tensor,
+    logits: torch.Tensor,
+    chain: bool = False,
+) -> AcceptResult:
+    """Greedy rows accept the target's argmax path; sampled rows the lossless stochastic walk.
+    `chain`: every row's tree is a chain (a top-1 draft), walked in a few ops."""
+    n = logits.shape[1]
+    predict = logits.argmax(dim=-1)
+    greedy = verify_greedy_chain(tokens, predict) if chain else verify_greedy(
+        tokens, parents, predict
+    )  # fmt: skip
+    if info.all_greedy:
+        return greedy
+    sampled_rows = [i for i, g in enumerate(info.is_greedy) if not g]
+    idx = torch.tensor(sampled_rows, device=logits.device)
+    sub = info.rows(sampled_rows)
+    probs = logits_to_probs(
+        logits[idx].reshape(len(sampled_rows) * n, -1), sub.repeat_interleave(n)
+    ).view(len(sampled_rows), n, -1)
+    samp = verify_sampling(tokens[idx], parents[idx], probs, sub.generators)
+    for name in ("accept_index", "accept_lens", "output_tokens", "bonus_tokens"):
+        getattr(greedy, name)[idx] = getattr(samp, name)
+    return greedy

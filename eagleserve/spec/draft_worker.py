@@ -12,6 +12,8 @@ the scheduler reserved for a request serve both.
 from __future__ import annotations
 
 import dataclasses
+import logging
+import os
 
 import torch
 
@@ -31,6 +33,8 @@ from eagleserve.spec.draft_tree import DraftTree, draft_chain, draft_tree
 from eagleserve.spec.eagle_head import EagleHead, load_eagle_head
 from eagleserve.spec.head_loader import measured_acceptance
 from eagleserve.spec.tree import Topk1ChainBuffers
+
+logger = logging.getLogger(__name__)
 
 
 class EagleDraftWorker:
@@ -86,6 +90,18 @@ class EagleDraftWorker:
             k: Topk1ChainBuffers(max(graph_bs, args.max_running_requests), k, k + 1, device)
             for k in (chain_lengths if spec.is_chain else ())
         }
+        # The whole k-step chain draft as one graph per k (the per-step graph above replays k
+        # times with eager ops between). EAGLESERVE_DISABLE_DRAFT_LOOP_GRAPH=1 keeps the steps.
+        self.loop_graphs: dict[int, GraphedForward] = {}
+        if self.graph is not None and os.environ.get("EAGLESERVE_DISABLE_DRAFT_LOOP_GRAPH") != "1":
+            try:
+                for k in chain_lengths:
+                    if k > 1:  # one step drafts from the seed alone: no head forward
+                        self.loop_graphs[k] = self._loop_graph(k, graph_bs, target.dtype)
+                        self.loop_graphs[k].capture()
+            except Exception:  # the per-step graph still serves; tests/spec/test_gpu_paths.py
+                logger.exception("capturing the chain draft loop failed: drafting step by step")
+                self.loop_graphs = {}
         # Adaptive: head inputs held while requests do not draft (flushed when the ring is full).
         self.lag = (
             DraftLag(args.max_running_requests, spec.adaptive_probe_interval)
@@ -219,9 +235,90 @@ class EagleDraftWorker:
             return self._step(batch, max_len, ids, feats, depth, mask, allowed)
 
         track = grammar is not None
+        loop = self.loop_graphs.get(num_steps) if spec.is_chain and not track else None
+        if loop is not None and batch.batch_size <= loop.max_bs:
+            L = batch.seq_lens
+            fb = ForwardBatch(
+                mode="draft",
+                input_ids=info.topk_index.reshape(-1),
+                positions=L,
+                out_cache_loc=L,
+                req_pool_indices=batch.req_pool_indices,
+                prefix_lens=L,
+                extend_lens=torch.ones_like(L),
+                host=HostLens(1, max_len, True),
+                kv_pool=self.kv_pool,
+                attn_backend=self.attn_backend,
+            )
+            parents, scores_index, tokens = loop.replay(
+                fb, topk_p=info.topk_p, topk_index=info.topk_index, hidden=info.hidden_states
+            )
+            return DraftTree(parents, scores_index, tokens)
         if spec.is_chain:
             return draft_chain(info, num_steps, step, self.chain_buffers[num_steps], track)
         return draft_tree(info, num_steps, spec.eagle_topk, spec.num_draft_tokens, step, track)
+
+    def _loop_graph(self, k: int, max_bs: int, dtype: torch.dtype) -> GraphedForward:
+        """A graph of `draft_chain` over k steps: inputs the seed (extras) and the committed
+        lengths (prefix_lens), outputs the DraftTree's tensors."""
+        h = self.head.hidden_size
+        extras = {
+            "topk_p": ((1,), dtype),
+            "topk_index": ((1,), torch.long),
+            "hidden": ((h,), dtype),
+        }
+        return GraphedForward(
+            lambda fb, ex: self.chain_loop(fb, ex, k),
+            "draft",
+            self.kv_pool,
+            self.attn_backend,
+            self.device,
+            max_bs,
+            1,
+            extra_shapes=extras,
+        )
+
+    def chain_loop(
+        self, fb: ForwardBatch, extras: dict[str, torch.Tensor], k: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The chain draft of `_step` with nothing read from the host: each step's metadata is
+        built from device tensors (static metadata where the backend has it), so a graph can
+        hold all k steps. `fb` carries the requests' slots, committed lengths (prefix_lens)
+        and their bound (host.max_kv)."""
+        L, rpi = fb.prefix_lens, fb.req_pool_indices
+        max_row = self.req_to_token.shape[1]
+        # The longest committed length bounds an eager step's KV range as in `_step`; a graph
+        # passes the longest row (its static metadata covers every length).
+        max_len = fb.host.max_kv
+        static = hasattr(self.attn_backend, "init_forward_metadata_static")
+
+        def step(
+            ids: torch.Tensor, feats: torch.Tensor, depth: int, *_: object
+        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            positions = L + (depth - 1)
+            sfb = ForwardBatch(
+                mode="draft",
+                input_ids=ids,
+                positions=positions,
+                out_cache_loc=self.req_to_token[rpi, positions],
+                req_pool_indices=rpi,
+                prefix_lens=positions,
+                extend_lens=fb.extend_lens,
+                host=HostLens(1, min(max_len + depth, max_row), True),
+                kv_pool=self.kv_pool,
+                attn_backend=self.attn_backend,
+                kv_lens=positions + 1 if static else None,
+            )
+            if static:
+                self.attn_backend.init_forward_metadata_static(sfb)
+            with forward_context(sfb):
+                logits, next_feats = self.head(ids, feats, positions)
+            topk_p, topk_ids = torch.softmax(logits, dim=-1).topk(1, dim=-1)
+            return topk_p, self.head.to_target_ids(topk_ids), next_feats
+
+        info = EagleDraftInput(extras["topk_p"], extras["topk_index"], extras["hidden"])
+        tree = draft_chain(info, k, step, self.chain_buffers[k])
+        return tree.parent_list, tree.top_scores_index, tree.draft_tokens
 
     def _step(
         self,
@@ -241,18 +338,22 @@ class EagleDraftWorker:
         topk = self.spec.eagle_topk
         L = batch.seq_lens
         bs = batch.batch_size
-        branch = torch.arange(topk, device=self.device)
-        region_idx = (depth - 1) * topk + branch  # [topk]
-        rows = batch.req_pool_indices[:, None]
-        loc = self.req_to_token[rows, L[:, None] + region_idx[None, :]].reshape(-1)
-        positions = (L + depth - 1).repeat_interleave(topk)
+        if topk == 1:  # a chain: the step's one node sits at L + depth - 1, its position too
+            positions = L + (depth - 1)
+            loc = self.req_to_token[batch.req_pool_indices, positions]
+        else:
+            branch = torch.arange(topk, device=self.device)
+            region_idx = (depth - 1) * topk + branch  # [topk]
+            rows = batch.req_pool_indices[:, None]
+            loc = self.req_to_token[rows, L[:, None] + region_idx[None, :]].reshape(-1)
+            positions = (L + depth - 1).repeat_interleave(topk)
         fb = ForwardBatch(
             mode="draft",
             input_ids=input_ids,
             positions=positions,
             out_cache_loc=loc,
             req_pool_indices=batch.req_pool_indices,
-            prefix_lens=L + depth - 1 if topk == 1 else L,
+            prefix_lens=positions if topk == 1 else L,
             extend_lens=torch.full_like(L, topk),
             host=HostLens.per_request(topk, max_len + (depth - 1) * topk, bs),
             kv_pool=self.kv_pool,

@@ -21,16 +21,11 @@ from eagleserve.model.cuda_graph import BUCKETS
 from eagleserve.model.forward_batch import ForwardBatch, HostLens
 from eagleserve.model.grammar_mask import mask_logits
 from eagleserve.model.llama import ModelOutput
-from eagleserve.model.parallel import broadcast_from_first, broadcast_object
+from eagleserve.model.parallel import broadcast_object
 from eagleserve.model.prompt_logprobs import score_prompts, wants_prompt_logprobs
 from eagleserve.model.runner import ModelRunner
-from eagleserve.model.sampler import (
-    SamplingInfo,
-    logits_to_probs,
-    sample_next,
-    top_logprobs,
-)
-from eagleserve.spec.accept import AcceptResult, commit_tree_path, verify_greedy, verify_sampling
+from eagleserve.model.sampler import SamplingInfo, sample_next, top_logprobs
+from eagleserve.spec.accept import accept, commit_tree_path
 from eagleserve.spec.adaptive import AdaptiveController, depth_choices
 from eagleserve.spec.cost_model import measure_costs
 from eagleserve.spec.draft_worker import EagleDraftWorker
@@ -45,6 +40,11 @@ class EagleWorker:
         self.req_to_token_pool = runner.req_to_token_pool
         self.token_to_kv_pool = runner.token_to_kv_pool
         self.drafter = EagleDraftWorker(runner, spec, args)
+        # 0, 1, 2, ... on the device, sliced by the verify instead of built every iteration.
+        self.iota = torch.arange(
+            max(args.max_running_requests, spec.num_draft_tokens, spec.num_steps + 1) + 1,
+            device=self.device,
+        )
         # The overlap scheduler prepares N+1 before it knows N's accept lengths: 2x covers the
         # one-iteration lag of the host's committed length.
         overlap = args.overlap_schedule(self.device.type)
@@ -139,6 +139,10 @@ class EagleWorker:
         if batch.mode == "extend":
             return self._forward_prefill(batch, on_verified)
         return self._forward_decode(batch, on_verified)
+
+    def _iota(self, n: int) -> torch.Tensor:
+        """[0, n) on the device (a view of a tensor built once when long enough)."""
+        return self.iota[:n] if n <= self.iota.shape[0] else torch.arange(n, device=self.device)
 
     def _sampling_info(self, batch: ScheduleBatch) -> SamplingInfo:
         return SamplingInfo.of_batch(batch, self.runner.config.vocab_size)
@@ -283,7 +287,7 @@ class EagleWorker:
         assert batch.seq_lens_cpu is not None
         max_len = int(batch.seq_lens_cpu.max())
         r2t = self.req_to_token_pool.req_to_token
-        node = torch.arange(n, device=self.device)
+        node = self._iota(n)
         out = self.runner.forward(
             ForwardBatch(
                 mode="verify",
@@ -310,7 +314,7 @@ class EagleWorker:
         if grammar is not None:  # node i: the grammar after its own path (a host sync)
             scored = mask_logits(scored, grammar.tree_allowed(t.draft_tokens, t.parents,
                                                               self.device))  # fmt: skip
-        acc = accept(info, t.draft_tokens, t.parents, scored)
+        acc = accept(info, t.draft_tokens, t.parents, scored, spec.is_chain)
         if pen is not None:
             pen.commit(state, batch.req_pool_indices, acc.output_tokens, acc.output_tokens >= 0)
         if grammar is not None:
@@ -320,9 +324,9 @@ class EagleWorker:
         # Draft extend over the accepted path: token after node k with the feature of node k.
         a = acc.accept_lens
         width = acc.accept_index.shape[1]
-        rows = acc.accept_index.clamp(min=0) + (torch.arange(bs, device=self.device) * n)[:, None]
+        rows = acc.accept_index.clamp(min=0) + (self._iota(bs) * n)[:, None]
         valid = acc.accept_index >= 0  # [bs, width]
-        offs = torch.arange(width, device=self.device)
+        offs = self._iota(width)
         cols = L[:, None] + offs[None, :]
         extend_fb = ForwardBatch(
             mode="extend",
@@ -358,33 +362,3 @@ class EagleWorker:
             result.top_logprob_vals = vals.view(bs, width, -1)
             result.top_logprob_ids = ids.view(bs, width, -1)
         return result
-
-
-def accept(
-    info: SamplingInfo, tokens: torch.Tensor, parents: torch.Tensor, logits: torch.Tensor
-) -> AcceptResult:
-    """`decide_acceptance` on rank 0, and under tensor parallelism the same on every rank: the
-    ranks then commit the same tokens and KV paths."""
-    acc = decide_acceptance(info, tokens, parents, logits)
-    broadcast_from_first(acc.accept_index, acc.accept_lens, acc.output_tokens, acc.bonus_tokens)
-    return acc
-
-
-def decide_acceptance(
-    info: SamplingInfo, tokens: torch.Tensor, parents: torch.Tensor, logits: torch.Tensor
-) -> AcceptResult:
-    """Greedy rows accept the target's argmax path; sampled rows the lossless stochastic walk."""
-    n = logits.shape[1]
-    greedy = verify_greedy(tokens, parents, logits.argmax(dim=-1))
-    if info.all_greedy:
-        return greedy
-    sampled_rows = [i for i, g in enumerate(info.is_greedy) if not g]
-    idx = torch.tensor(sampled_rows, device=logits.device)
-    sub = info.rows(sampled_rows)
-    probs = logits_to_probs(
-        logits[idx].reshape(len(sampled_rows) * n, -1), sub.repeat_interleave(n)
-    ).view(len(sampled_rows), n, -1)
-    samp = verify_sampling(tokens[idx], parents[idx], probs, sub.generators)
-    for name in ("accept_index", "accept_lens", "output_tokens", "bonus_tokens"):
-        getattr(greedy, name)[idx] = getattr(samp, name)
-    return greedy

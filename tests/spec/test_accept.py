@@ -8,7 +8,12 @@ import math
 import pytest
 import torch
 
-from eagleserve.spec.accept import AcceptResult, verify_greedy, verify_sampling
+from eagleserve.spec.accept import (
+    AcceptResult,
+    verify_greedy,
+    verify_greedy_chain,
+    verify_sampling,
+)
 from eagleserve.spec.tree import (
     Topk1ChainBuffers,
     build_tree,
@@ -95,6 +100,24 @@ def test_greedy_matches_reference_walk(bs: int, n: int, vocab: int, chain: bool)
             expect_out = [int(tokens[b, c]) for c in path[1:]] + [int(predict[b, path[-1]])]
             assert res.output_tokens[b, :a].tolist() == expect_out
             assert res.bonus_tokens[b] == predict[b, path[-1]]
+
+
+@pytest.mark.parametrize(("bs", "n", "vocab"), [(64, 1, 5), (64, 2, 2), (64, 4, 2), (33, 6, 3)])
+def test_greedy_chain_equals_the_walk(bs: int, n: int, vocab: int) -> None:
+    """The chain shortcut commits what the node walk commits on a chain, field for field
+    (small vocabularies: rejections, partial and longer runs all occur)."""
+    gen = torch.Generator().manual_seed(bs + 17 * n + vocab)
+    parents = _random_parents(bs, n, gen, True)
+    seen: set[int] = set()
+    for _ in range(5):
+        tokens = torch.randint(0, vocab, (bs, n), generator=gen)
+        predict = torch.randint(0, vocab, (bs, n), generator=gen)
+        walk = verify_greedy(tokens, parents, predict)
+        fast = verify_greedy_chain(tokens, predict)
+        for name in ("accept_index", "accept_lens", "output_tokens", "bonus_tokens"):
+            assert torch.equal(getattr(fast, name), getattr(walk, name)), name
+        seen |= set(walk.accept_lens.tolist())
+    assert seen >= {1, min(n, 3)}
 
 
 def test_greedy_hand_built_tree() -> None:

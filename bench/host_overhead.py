@@ -1,0 +1,369 @@
+"""Host time per decode iteration, split by stage, target-only and an EAGLE3 chain of 3.
+
+    python bench/host_overhead.py [--model tiny|default|PATH.gguf] [--device cpu|cuda]
+        [--batches 1,32] [--new-tokens 32] [--out bench/results/host_overhead.json]
+
+Every stage is a method of the running engine wrapped from here (nothing in the engine is
+changed); a wrapped call's time excludes the wrapped calls it makes, so the stages add up to
+the iteration. Stages:
+  schedule      Scheduler.get_next_batch_to_run (admission, retraction checks)
+  batch prep    worker.prepare_for_decode, and Scheduler.run_batch's own work (sampling info,
+                grammar, the adaptive plan, host lengths) before the forward
+  forward       worker.forward_batch_generation and runner.forward: ForwardBatch building, the
+                eager kernels or a graph replay, and on EAGLE the verify bookkeeping
+  draft         EAGLE: the drafter's k steps and its extend over the accepted tokens
+  sampling      sample_next (target-only, EAGLE prefill) and the verify's acceptance walk
+  output        Scheduler.process_batch_result (token appends, stop checks, outputs)
+  detokenize    the server's incremental detokenizer fed every iteration's new tokens
+  other         the rest of Scheduler.step
+On a GPU nothing here synchronizes: a stage's time is what the host spent in it, a sync it
+makes included (that is the point: a sync is host time the GPU does not overlap). With
+`--profile` (default on a GPU) the GPU's idle share of the decode iterations is measured from
+the torch profiler: 1 - (union of device kernel/memcpy intervals) / wall, with the overlap
+scheduler off and on. The stage split runs with overlap off (one thread; with overlap the
+forward runs on its own thread and the stages interleave).
+
+`--model tiny` (the default on a CPU) is a random 8-layer Llama (hidden 64, vocab 512) with a
+random EAGLE3 head, so the forward is small and the host's share shows; its tokenizer is the
+default model's (ids < 512 decode to real text), when the default model is installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+import torch  # noqa: E402
+
+from bench.common import format_table, machine  # noqa: E402
+from eagleserve import Engine, SamplingParams  # noqa: E402
+
+STAGES = ("schedule", "batch prep", "forward", "draft", "sampling", "output", "detokenize", "other")
+TINY = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "vocab_size": 512,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "max_position_embeddings": 2048,
+    "tie_word_embeddings": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "torch_dtype": "float32",
+}
+
+
+class StageClock:
+    """Exclusive wall time per stage of wrapped callables (one thread: a stack of open calls).
+    `mark()` starts an iteration; `iteration()` closes it into a {stage: seconds} row."""
+
+    def __init__(self) -> None:
+        self.stack: list[list[float]] = []  # per open call: [start, time spent in callees]
+        self.now: dict[str, float] = defaultdict(float)
+        self.mode: str | None = None
+        self.wrapped: list[tuple[Any, str, Any]] = []
+
+    def restore(self) -> None:
+        """Puts the wrapped callables back (module functions outlive the engine)."""
+        for obj, name, real in reversed(self.wrapped):
+            setattr(obj, name, real)
+        self.wrapped = []
+
+    def wrap(self, obj: Any, name: str, stage: str) -> None:
+        real = getattr(obj, name)
+        self.wrapped.append((obj, name, real))
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            frame = [time.perf_counter(), 0.0]
+            self.stack.append(frame)
+            try:
+                return real(*args, **kwargs)
+            finally:
+                self.stack.pop()
+                spent = time.perf_counter() - frame[0]
+                self.now[stage] += spent - frame[1]
+                if self.stack:
+                    self.stack[-1][1] += spent
+
+        setattr(obj, name, timed)
+
+    def add(self, stage: str, seconds: float) -> None:
+        self.now[stage] += seconds
+
+    def take(self) -> dict[str, float]:
+        row, self.now = dict(self.now), defaultdict(float)
+        return row
+
+
+def instrument(engine: Engine, clock: StageClock) -> None:
+    """Wraps the engine's stage methods (instance attributes shadow the class's)."""
+    import eagleserve.scheduler.target_worker as tw
+    import eagleserve.spec.eagle_worker as ew
+
+    s = engine.scheduler
+    w = s.worker
+    orig_next = s.get_next_batch_to_run
+
+    def next_batch() -> Any:
+        batch = orig_next()
+        clock.mode = None if batch is None else batch.mode
+        return batch
+
+    s.get_next_batch_to_run = next_batch  # type: ignore[method-assign]
+    clock.wrap(s, "get_next_batch_to_run", "schedule")
+    clock.wrap(w, "prepare_for_decode", "batch prep")
+    clock.wrap(s, "run_batch", "batch prep")
+    clock.wrap(w, "forward_batch_generation", "forward")
+    clock.wrap(w.runner, "forward", "forward")
+    clock.wrap(s, "process_batch_result", "output")
+    clock.wrap(tw, "sample_next", "sampling")
+    if hasattr(w, "drafter"):
+        clock.wrap(w.drafter, "draft", "draft")
+        clock.wrap(w.drafter, "extend", "draft")
+        clock.wrap(ew, "sample_next", "sampling")
+        clock.wrap(ew, "accept", "sampling")
+
+
+def prompts(n: int, vocab: int, length: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab - 1, (length,), generator=g).tolist() for _ in range(n)]
+
+
+def run_iterations(
+    engine: Engine, clock: StageClock, batch: int, new: int, vocab: int, seed: int
+) -> list[dict[str, float]]:
+    """Steps the scheduler over `batch` prompts to the end; returns the decode iterations'
+    stage rows (prefill iterations dropped), each with its wall time under "total"."""
+    from eagleserve.messages import GenerateReqInput
+    from eagleserve.server.detokenizer import IncrementalDetokenizer
+
+    s = engine.scheduler
+    params = SamplingParams(max_new_tokens=new, temperature=0.0, ignore_eos=True)
+    detok: dict[str, Any] = {}
+    for i, ids in enumerate(prompts(batch, vocab, 24, seed)):
+        rid = f"host-{seed}-{i}"
+        s.add_request(GenerateReqInput(rid, ids, params))
+        if engine.tokenizer is not None:
+            detok[rid] = IncrementalDetokenizer(engine.tokenizer)
+    rows = []
+    clock.take()
+    while s.has_work():
+        t0 = time.perf_counter()
+        outs = s.step()
+        t1 = time.perf_counter()
+        for out in outs:
+            d = detok.get(out.rid)
+            if d is not None:
+                d.add(out.new_token_ids)
+        t2 = time.perf_counter()
+        row = clock.take()
+        row["detokenize"] = t2 - t1
+        row["other"] = (t1 - t0) - sum(row.values()) + row["detokenize"]
+        row["total"] = t2 - t0
+        if clock.mode == "decode":
+            rows.append(row)
+    return rows
+
+
+def summarize(rows: list[dict[str, float]]) -> dict[str, float]:
+    """Mean microseconds per iteration by stage (the first two iterations skipped: warm-up)."""
+    use = rows[2:] if len(rows) > 4 else rows
+    return {k: 1e6 * sum(r.get(k, 0.0) for r in use) / len(use) for k in (*STAGES, "total")}
+
+
+def gpu_idle(engine: Engine, batch: int, new: int, vocab: int) -> dict[str, float]:
+    """The device's idle share of the wall time of a generate call's decode-dominated run."""
+    from torch.profiler import ProfilerActivity, profile
+
+    dev = engine.scheduler.device
+    mod = torch.get_device_module(dev)
+    params = SamplingParams(max_new_tokens=new, temperature=0.0, ignore_eos=True)
+    ps = prompts(batch, vocab, 24, 7)
+    engine.generate(ps, params)  # warm
+    mod.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        engine.generate(ps, params)
+        mod.synchronize()
+        wall = time.perf_counter() - t0
+    spans = sorted(
+        (e.time_range.start, e.time_range.end)
+        for e in prof.events()
+        if e.device_type.name in ("CUDA", "HIP", "PrivateUse1")
+    )
+    busy, cur_s, cur_e = 0.0, None, None
+    for a, b in spans:
+        if cur_e is None or a > cur_e:
+            if cur_e is not None:
+                busy += cur_e - cur_s
+            cur_s, cur_e = a, b
+        else:
+            cur_e = max(cur_e, b)
+    if cur_e is not None:
+        busy += cur_e - cur_s
+    kernels = len(spans)
+    steps = max(engine.stats().spec_verify_calls_total, 1)
+    return {
+        "wall_ms": 1e3 * wall,
+        "device_busy_ms": busy / 1e3,
+        "idle_fraction": max(0.0, 1 - (busy / 1e6) / wall),
+        "device_ops": kernels,
+        "verify_calls_total": steps,
+    }
+
+
+def tiny_dirs(tmp: str, device: str) -> tuple[str, str]:
+    """A random tiny target (dummy weights, the default model's tokenizer when installed)
+    and a random EAGLE3 head for it."""
+    from eagleserve.spec.head_loader import init_eagle_head, save_eagle_head
+
+    target = os.path.join(tmp, "tiny")
+    os.makedirs(target, exist_ok=True)
+    with open(os.path.join(target, "config.json"), "w") as f:
+        json.dump(TINY, f)
+    try:
+        from eagleserve.model.loader import resolve_model_path
+
+        src = resolve_model_path("default")
+        for name in os.listdir(src):
+            if name.startswith("tokenizer") or name == "special_tokens_map.json":
+                shutil.copy(os.path.join(src, name), target)
+    except (FileNotFoundError, OSError) as exc:
+        print(f"no tokenizer for the tiny model ({exc}): detokenization not measured")
+    eng = Engine(model=target, device=device, load_format="dummy", kv_cache_tokens=1024)
+    head = init_eagle_head("EAGLE3", eng.scheduler.worker.runner.model, 256, seed=0)
+    head_dir = os.path.join(tmp, "head")
+    save_eagle_head(head, head_dir)
+    return target, head_dir
+
+
+def settings(head: str) -> dict[str, dict[str, Any]]:
+    return {
+        "target-only": {},
+        "EAGLE3 chain 3": dict(
+            speculative_algorithm="EAGLE3",
+            speculative_draft_model_path=head,
+            speculative_num_steps=3,
+            speculative_eagle_topk=1,
+            speculative_num_draft_tokens=4,
+        ),
+    }
+
+
+def run(
+    model: str = "tiny",
+    device: str = "auto",
+    batches: tuple[int, ...] = (1, 32),
+    new_tokens: int = 32,
+    profile_gpu: bool | None = None,
+    out: str | None = None,
+) -> dict[str, Any]:
+    from eagleserve.device import pick_device
+
+    dev = pick_device(device)
+    tmp = tempfile.mkdtemp()
+    extra: dict[str, Any] = {}
+    if model == "tiny":
+        target, head = tiny_dirs(tmp, str(dev))
+        extra["load_format"] = "dummy"
+        vocab = TINY["vocab_size"]
+    else:
+        target, head = model, "builtin:smollm2-135m-eagle"
+        vocab = 49152
+    if profile_gpu is None:
+        profile_gpu = dev.type != "cpu"
+    res: dict[str, Any] = {
+        "machine": machine(),
+        "device": str(dev)
+        if dev.type == "cpu"
+        else torch.get_device_module(dev).get_device_name(dev),
+        "model": model,
+        "new_tokens": new_tokens,
+        "rows": [],
+    }
+    table = []
+    for name, kw in settings(head).items():
+        common = dict(
+            model=target,
+            device=str(dev),
+            kv_cache_tokens=max(batches) * (new_tokens + 64) + 1024,
+            max_running_requests=max(batches),
+            disable_radix_cache=True,
+            **extra,
+            **kw,
+        )
+        eng = Engine(**common, disable_overlap_schedule=True)
+        clock = StageClock()
+        instrument(eng, clock)
+        for bs in batches:
+            run_iterations(eng, clock, bs, 8, vocab, 0)  # warm-up (graphs, compiles)
+            rows = run_iterations(eng, clock, bs, new_tokens, vocab, 1)
+            us = summarize(rows)
+            row: dict[str, Any] = {"setting": name, "batch": bs, "iterations": len(rows),
+                                   "host_us": us}  # fmt: skip
+            if profile_gpu:
+                row["gpu_overlap_off"] = gpu_idle(eng, bs, new_tokens, vocab)
+            res["rows"].append(row)
+            table.append([name, bs, len(rows), *(round(us[k]) for k in (*STAGES, "total"))])
+            print(table[-1], flush=True)
+        clock.restore()
+        del eng
+        if profile_gpu:
+            eng = Engine(**common)  # the device's default: overlap on
+            for row in res["rows"]:
+                if row["setting"] == name:
+                    row["gpu_overlap_default"] = gpu_idle(eng, row["batch"], new_tokens, vocab)
+            del eng
+        if out:
+            _save(res, out)
+    print(f"{res['device']}; {machine()}; mean us per decode iteration, overlap off")
+    print(format_table(["setting", "bs", "iters", *STAGES, "total"], table))
+    for row in res["rows"]:
+        for key in ("gpu_overlap_off", "gpu_overlap_default"):
+            if key in row:
+                g = row[key]
+                print(f"{row['setting']} bs {row['batch']} {key}: GPU idle "
+                      f"{100 * g['idle_fraction']:.1f}% of {g['wall_ms']:.1f} ms")  # fmt: skip
+    if out:
+        _save(res, out)
+    return res
+
+
+def _save(res: dict[str, Any], path: str) -> None:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(res, f, indent=2)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--model", default="tiny", help="tiny, default, or a .gguf / model folder")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--batches", default="1,32")
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--profile", choices=("auto", "on", "off"), default="auto")
+    ap.add_argument("--out", default=os.path.join(HERE, "results", "host_overhead.json"))
+    args = ap.parse_args(argv)
+    prof = {"auto": None, "on": True, "off": False}[args.profile]
+    batches = tuple(int(b) for b in args.batches.split(","))
+    run(args.model, args.device, batches, args.new_tokens, prof, args.out)
+
+
+if __name__ == "__main__":
+    main()

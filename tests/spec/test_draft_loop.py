@@ -1,0 +1,68 @@
+"""The chain draft as one function of device tensors (what a device graph captures whole:
+EagleDraftWorker.chain_loop) drafts exactly the tokens of the step-by-step draft, on every
+iteration of real generations (the same head KV written in the same slots), and leaves the
+generations lossless."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from test_eagle_lossless import _params, _prompts, heads, reference, run_staggered, target_dir
+
+from eagleserve import Engine
+from eagleserve.model.forward_batch import ForwardBatch, HostLens
+
+__all__ = ["heads", "reference", "target_dir"]  # module-scoped fixtures shared with the test
+
+
+@pytest.mark.parametrize(("algo", "steps"), [("EAGLE", 3), ("EAGLE-random", 5), ("EAGLE3", 2)])
+def test_chain_loop_drafts_the_step_by_step_tokens(
+    target_dir: str, heads: dict[str, str], reference: list[list[int]], algo: str, steps: int
+) -> None:
+    eng = Engine(
+        model=target_dir,
+        device="cpu",
+        kv_cache_tokens=2048,
+        max_running_requests=8,
+        disable_overlap_schedule=True,
+        speculative_algorithm=algo.split("-")[0],
+        speculative_draft_model_path=heads[algo],
+        speculative_num_steps=steps,
+        speculative_eagle_topk=1,
+        speculative_num_draft_tokens=steps + 1,
+    )
+    drafter = eng.scheduler.worker.drafter
+    real = drafter.draft
+    checked = []
+
+    def draft(batch: Any, info: Any, k: int, grammar: Any = None) -> Any:
+        L = batch.seq_lens
+        fb = ForwardBatch(
+            mode="draft",
+            input_ids=info.topk_index.reshape(-1),
+            positions=L,
+            out_cache_loc=L,
+            req_pool_indices=batch.req_pool_indices,
+            prefix_lens=L.clone(),
+            extend_lens=torch.ones_like(L),
+            host=HostLens(1, int(batch.seq_lens_cpu.max()), True),
+            kv_pool=drafter.kv_pool,
+            attn_backend=drafter.attn_backend,
+        )
+        extras = {"topk_p": info.topk_p, "topk_index": info.topk_index,
+                  "hidden": info.hidden_states}  # fmt: skip
+        loop = drafter.chain_loop(fb, extras, k)
+        pool = drafter.kv_pool
+        kv = [b.clone() for b in (*pool.k_buffer, *pool.v_buffer)]
+        tree = real(batch, info, k, grammar)  # rewrites the same head KV, slot for slot
+        assert all(torch.equal(a, b) for a, b in zip(kv, (*pool.k_buffer, *pool.v_buffer)))
+        for got, want in zip(loop, (tree.parent_list, tree.top_scores_index, tree.draft_tokens)):
+            assert torch.equal(got, want)
+        checked.append(batch.batch_size)
+        return tree
+
+    drafter.draft = draft
+    assert run_staggered(eng, _prompts(0), _params()) == reference
+    assert len(checked) > 10 and max(checked) > 1
