@@ -57,6 +57,9 @@ FIELD_HELP: dict[str, str] = {
     "enable_mixed_chunk": "run each prefill chunk in the same forward as the running requests' "
     "decode step (not with speculative decoding)",
     "attention_backend": "auto | torch | triton",
+    "enable_deterministic_inference": "batch-invariant kernels (GEMM, RMSNorm, attention): a "
+    "verify or extend row is computed bit for bit as its decode, so greedy speculative output "
+    "equals the target's own on a GPU in bf16 too (Triton attention backend)",
     "disable_cuda_graph": "do not capture CUDA graphs for decode",
     "cuda_graph_max_bs": "largest batch size captured in a CUDA graph",
     "log_level": "debug | info | warning | error",
@@ -130,7 +133,8 @@ FIELD_GROUPS: dict[str, tuple[str, ...]] = {
                              "speculative_num_steps", "speculative_eagle_topk",
                              "speculative_num_draft_tokens", "speculative_adaptive",
                              "speculative_adaptive_probe_interval"),
-    "GPU": ("device", "attention_backend", "disable_cuda_graph", "cuda_graph_max_bs"),
+    "GPU": ("device", "attention_backend", "enable_deterministic_inference",
+            "disable_cuda_graph", "cuda_graph_max_bs"),
     "scaling out": ("tp_size", "dp_size"),
 }  # fmt: skip
 

@@ -170,6 +170,10 @@ class ServerArgs:
     # with speculation, whose running requests verify instead of decoding.
     enable_mixed_chunk: bool = False
     attention_backend: str = "auto"  # auto | torch | triton
+    # Batch-invariant kernels (SGLang's name): every verify / extend row is computed bit for bit
+    # as the decode of that row, so greedy EAGLE equals target-only on a GPU in bf16 too.
+    # On a GPU: the Triton attention backend and Triton GEMMs/RMSNorm (kernels/batch_invariant.py).
+    enable_deterministic_inference: bool = False
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int = 32
     log_level: str = "info"

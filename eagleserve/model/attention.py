@@ -99,10 +99,17 @@ def create_attn_backend(
     req_to_token: torch.Tensor,
     sm_scale: float,
     shape_invariant: bool = False,
+    deterministic: bool = False,
 ) -> AttentionBackend:
-    """shape_invariant: results must not depend on the batch's padded shape (torch: fp64)."""
+    """shape_invariant: results must not depend on the batch's padded shape (torch: fp64).
+    deterministic (--enable-deterministic-inference): a row's result must not depend on the
+    batch at all; triton: every query as a decode row; torch (CPU): shape_invariant."""
     if name == "auto":
         name = "torch" if device.type == "cpu" else "triton"
+    if deterministic and name == "torch":
+        if device.type != "cpu":
+            raise ValueError("--enable-deterministic-inference on a GPU needs the triton backend")
+        shape_invariant = True
     if name == "torch":
         # bf16/fp16 SDPA with a mask is ~4x slower than fp32 on CPU (SmolLM2, batch 16: 550 vs
         # 150 us a layer), so CPU attention computes in fp32 at least.
@@ -111,10 +118,10 @@ def create_attn_backend(
             compute = torch.float32
         row_kernel = shape_invariant and device.type == "cpu" and cpu_ext.load()
         return TorchAttnBackend(req_to_token, sm_scale, compute, row_kernel)
-    if shape_invariant:
+    if shape_invariant and not deterministic:
         raise ValueError(f"the {name} attention backend cannot guarantee shape invariance")
     if name == "triton":
         from eagleserve.model.triton_backend import TritonAttnBackend
 
-        return TritonAttnBackend(req_to_token, sm_scale)
+        return TritonAttnBackend(req_to_token, sm_scale, deterministic)
     raise ValueError(f"unknown attention backend {name!r} (auto, torch or triton)")

@@ -238,6 +238,8 @@ class LlamaForCausalLM(nn.Module):
         self.aux_layer_ids = aux_layer_ids
         # Every layer in one kernel call, where model/quant.py packed them all for it.
         self.cpu_layers: CpuLayers | None = None
+        # --enable-deterministic-inference (model/batch_invariant.py): the logits GEMM too.
+        self.batch_invariant = False
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -246,6 +248,10 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head.weight
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.batch_invariant:  # needs triton, which a CPU-only install may lack
+            from eagleserve.kernels.batch_invariant import matmul
+
+            return matmul(hidden, self.lm_head_weight).float()
         return F.linear(hidden, self.lm_head_weight).float()
 
     def forward(self) -> ModelOutput:

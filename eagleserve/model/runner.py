@@ -59,6 +59,7 @@ class ModelRunner:
         aux_layer_ids: tuple[int, ...] = (),
         load_format: str = "auto",
         gguf_path: str | None = None,
+        deterministic: bool = False,
     ) -> None:
         self.config = model_config
         self.device = device
@@ -112,7 +113,15 @@ class ModelRunner:
             self.req_to_token_pool.req_to_token,
             model_config.head_dim**-0.5,
             shape_invariant=gguf_path is not None,
+            deterministic=deterministic,
         )
+        # Batch-invariant linears and norms where the attention is too (Triton); a CPU torch
+        # backend is row-invariant through its own kernels.
+        self.batch_invariant = bool(getattr(self.attn_backend, "deterministic", False))
+        if self.batch_invariant:
+            from eagleserve.model.batch_invariant import make_batch_invariant
+
+            make_batch_invariant(self.model)
 
         self.graphs: list[GraphedForward] = []
 
@@ -139,6 +148,7 @@ class ModelRunner:
             args.attention_backend,
             load_format=args.load_format,
             gguf_path=packed_gguf_path(args.quantization, args.model, args.dtype, device),
+            deterministic=args.enable_deterministic_inference,
         )
 
     def graphs_enabled(self, args: ServerArgs) -> bool:

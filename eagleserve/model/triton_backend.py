@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from eagleserve.kernels import batch_invariant as bi
 from eagleserve.kernels.triton_attention import (
     _decode_attention,
     _prefill_attention,
@@ -32,14 +33,22 @@ class TritonAttnMetadata:
     # Decode scratch, allocated on the first layer and reused by the others.
     mid_o: torch.Tensor | None = None  # [bs, H, num_kv_splits, D] fp32
     mid_lse: torch.Tensor | None = None  # [bs, H, num_kv_splits] fp32
+    # Deterministic mode: every query row as a decode row (kernels/batch_invariant.py), built on
+    # the forward's first layer (inside a graph capture, so replays rebuild it from its buffers).
+    rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # table, row_idx, lens
+    rows_layer: int = -1
 
 
 class TritonAttnBackend:
     """Same contract as TorchAttnBackend: results match `torch_attention` to fp32 rounding."""
 
-    def __init__(self, req_to_token: torch.Tensor, sm_scale: float) -> None:
+    def __init__(
+        self, req_to_token: torch.Tensor, sm_scale: float, deterministic: bool = False
+    ) -> None:
         self.req_to_token = req_to_token  # [R, L] int64
         self.sm_scale = sm_scale
+        # --enable-deterministic-inference: every kind attends row by row as a decode would.
+        self.deterministic = deterministic
 
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         extend_lens = fb.extend_lens
@@ -90,6 +99,8 @@ class TritonAttnBackend:
         pool.set_kv(layer_id, fb.out_cache_loc, k, v)
         k_buf, v_buf = pool.k_buffer[layer_id], pool.v_buffer[layer_id]  # [S, Hkv, D]
         md: TritonAttnMetadata = fb.attn_metadata
+        if self.deterministic:
+            return self._row_attention(q, k_buf, v_buf, layer_id, fb, md)
         if md.kind == "decode":
             if md.mid_o is None:
                 bs, num_heads, head_dim = q.shape
@@ -129,3 +140,27 @@ class TritonAttnBackend:
             prefix_lens=fb.prefix_lens if tree else None,
             tree_mask=fb.tree_mask if tree else None,
         )
+
+    def _row_attention(
+        self,
+        q: torch.Tensor,
+        k_buf: torch.Tensor,
+        v_buf: torch.Tensor,
+        layer_id: int,
+        fb: ForwardBatch,
+        md: TritonAttnMetadata,
+    ) -> torch.Tensor:
+        if md.rows is None or layer_id == md.rows_layer:
+            md.rows_layer = layer_id
+            if md.kind == "tree":
+                table, lens = bi.tree_row_table(
+                    self.req_to_token, fb.req_pool_indices, fb.prefix_lens, fb.tree_mask,
+                    md.max_kv_len,
+                )  # fmt: skip
+                row_idx = torch.arange(q.shape[0], device=q.device)
+                md.rows = (table, row_idx, lens)
+            else:
+                req, lens = bi.causal_rows(md.kv_lens, md.extend_lens, q.shape[0])
+                md.rows = (self.req_to_token, fb.req_pool_indices[req], lens)
+        table, row_idx, lens = md.rows
+        return bi.row_attention(q, k_buf, v_buf, table, row_idx, lens, self.sm_scale, md.max_kv_len)

@@ -53,6 +53,10 @@ class EagleDraftWorker:
             self.head.fuse_projections()
             linears_to_int8(self.head)
             self.head.use_row_kernels()
+        if target.batch_invariant:  # the head's drafts are then the same in any batch too
+            from eagleserve.model.batch_invariant import make_batch_invariant
+
+            make_batch_invariant(self.head)
         # The target id of every draft id: grammar masks (target vocabulary) onto head logits.
         vd = self.head.draft_vocab_size
         self.draft_to_target = self.head.to_target_ids(torch.arange(vd, device=device))
