@@ -2,39 +2,11 @@
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-
-def _fix_interpreter_scalar_index() -> None:
-    """Triton's CPU interpreter (3.6) holds a kernel scalar as a 1-element array and gives it
-    `__index__ = int(array)`, which numpy >= 2.4 refuses for ndim > 0: every `range(a, b)` with
-    a loaded bound (all attention loops) then fails with "only 0-dimensional arrays can be
-    converted to Python scalars". Its per-launch patch is wrapped so `__index__` reads the one
-    element; compiled kernels (a GPU) are untouched."""
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        return
-    try:
-        from triton.runtime import interpreter
-    except ImportError:
-        return
-    patch = getattr(interpreter, "_patch_lang", None)
-    if patch is None or getattr(patch, "scalar_index_fixed", False):
-        return
-
-    def patch_lang(fn):  # noqa: ANN001, ANN202 (triton's signature)
-        scope = patch(fn)
-        scope.set_attr(tl.core.tensor, "__index__", lambda t: int(t.handle.data.reshape(-1)[0]))
-        return scope
-
-    patch_lang.scalar_index_fixed = True  # type: ignore[attr-defined]
-    interpreter._patch_lang = patch_lang
-
-
-_fix_interpreter_scalar_index()
+from eagleserve.kernels import triton_interpreter  # noqa: F401  (before any launch)
 
 _LOG2E = 1.4426950408889634
 # Splits per request in decode are capped so stage 2 stays a single small block.

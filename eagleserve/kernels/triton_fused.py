@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from eagleserve.kernels import triton_interpreter  # noqa: F401  (before any launch)
+
 
 @triton.jit
 def _add_rms_norm_kernel(
@@ -37,9 +39,10 @@ def _add_rms_norm_kernel(
     x = tl.load(X + row * stride_x + offs, mask=mask, other=0.0)
     if HAS_RES:
         # The sum is rounded to the model dtype once, as `h + out` is in torch.
-        x = (x.to(tl.float32) + tl.load(Res + row * stride_r + offs, mask=mask, other=0.0).to(
-            tl.float32
-        )).to(x.dtype)
+        x = (
+            x.to(tl.float32)
+            + tl.load(Res + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
+        ).to(x.dtype)
         tl.store(ResOut + row * stride_ro + offs, x, mask=mask)
     xf = x.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / N + eps)
@@ -106,9 +109,10 @@ def _rope_store_kv_kernel(
     sin = tl.load(SignedSin + t * stride_sin + offs_d, mask=d_valid, other=0.0)
     # torch rounds each product and the sum to the model dtype; one fp32 FMA chain rounded once
     # differs from it by at most one rounding step.
-    y = x.to(tl.float32) * cos.to(tl.float32)[None, :] + xr.to(tl.float32) * sin.to(tl.float32)[
-        None, :
-    ]
+    y = (
+        x.to(tl.float32) * cos.to(tl.float32)[None, :]
+        + xr.to(tl.float32) * sin.to(tl.float32)[None, :]
+    )
     y = y.to(x.dtype)
     tl.store(row + offs_d[None, :], y, mask=rot_mask)
 

@@ -238,6 +238,9 @@ class LlamaForCausalLM(nn.Module):
         self.aux_layer_ids = aux_layer_ids
         # Every layer in one kernel call, where model/quant.py packed them all for it.
         self.cpu_layers: CpuLayers | None = None
+        # The layers on the fused Triton kernels (model/fused_forward.py; set by model/runner.py
+        # on a GPU with merged q/k/v and gate/up).
+        self.fused_kernels = False
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -258,6 +261,12 @@ class LlamaForCausalLM(nn.Module):
             layers = range(len(self.model.layers))  # the aux states the loop below would keep
             aux_ids = [i for i in layers if i in self.aux_layer_ids]
             h, aux_states = self.cpu_layers.forward(h, fb, rotary, aux_ids)
+            h = self.model.norm(h)
+        elif self.fused_kernels:
+            from eagleserve.model.fused_forward import fused_layers
+
+            assert isinstance(rotary, BoundRotary)
+            h, aux_states = fused_layers(self, h, fb, rotary, self.aux_layer_ids)  # normed
         else:
             aux: list[torch.Tensor] = []
             for i, layer in enumerate(self.model.layers):
@@ -265,7 +274,7 @@ class LlamaForCausalLM(nn.Module):
                     aux.append(h)
                 h = layer(h, positions, rotary)
             aux_states = torch.cat(aux, dim=-1) if aux else None
-        h = self.model.norm(h)
+            h = self.model.norm(h)
         rows = h if fb.logits_indices is None else h[fb.logits_indices]
         return ModelOutput(
             logits=self.compute_logits(rows),
