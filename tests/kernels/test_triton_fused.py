@@ -4,9 +4,9 @@ model/llama.py, on fresh random inputs: fp32 to fp32 rounding, 16-bit to one rou
 from __future__ import annotations
 
 import pytest
-import torch  # noqa: E402  (isort: after the mode)
-import torch.nn.functional as F  # noqa: E402
-from triton_mode import DEVICE  # noqa: F401  (sets the interpreter before triton is imported)
+import torch
+import torch.nn.functional as F
+from triton_mode import DEVICE  # before triton is imported: picks the interpreter without a GPU
 
 pytest.importorskip("triton")
 
