@@ -61,6 +61,8 @@ FIELD_HELP: dict[str, str] = {
     "verify or extend row is computed bit for bit as its decode, so greedy speculative output "
     "equals the target's own on a GPU in bf16 too (Triton attention backend)",
     "disable_cuda_graph": "do not capture CUDA graphs for decode",
+    "disable_fused_kernels": "GPU: run the unfused torch decoder layers (no merged q/k/v and "
+    "gate/up GEMMs, no fused norm/activation/rotary Triton kernels)",
     "cuda_graph_max_bs": "largest batch size captured in a CUDA graph",
     "log_level": "debug | info | warning | error",
     "tp_size": "tensor parallelism: ranks (processes, one GPU each) that split the target's "
@@ -134,7 +136,7 @@ FIELD_GROUPS: dict[str, tuple[str, ...]] = {
                              "speculative_num_draft_tokens", "speculative_adaptive",
                              "speculative_adaptive_probe_interval"),
     "GPU": ("device", "attention_backend", "enable_deterministic_inference",
-            "disable_cuda_graph", "cuda_graph_max_bs"),
+            "disable_cuda_graph", "disable_fused_kernels", "cuda_graph_max_bs"),
     "scaling out": ("tp_size", "dp_size"),
 }  # fmt: skip
 

@@ -175,6 +175,9 @@ class ServerArgs:
     # On a GPU: the Triton attention backend and Triton GEMMs/RMSNorm (kernels/batch_invariant.py).
     enable_deterministic_inference: bool = False
     disable_cuda_graph: bool = False
+    # GPU: the decoder layers on merged q/k/v and gate/up GEMMs and the fused Triton kernels of
+    # kernels/triton_fused.py (model/fused_forward.py); set to run the unfused torch layers.
+    disable_fused_kernels: bool = False
     cuda_graph_max_bs: int = 32
     log_level: str = "info"
     # Tensor-parallel ranks of one engine (processes; one GPU each on GPUs), and data-parallel

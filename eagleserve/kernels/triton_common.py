@@ -6,6 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
+from eagleserve.kernels import triton_interpreter  # noqa: F401  (before any launch)
+
 _LOG2E = 1.4426950408889634
 # Splits per request in decode are capped so stage 2 stays a single small block.
 _MAX_KV_SPLITS = 32

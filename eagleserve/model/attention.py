@@ -19,7 +19,13 @@ class AttentionBackend(Protocol):
     def init_forward_metadata(self, fb: ForwardBatch) -> None: ...
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, fb: ForwardBatch
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer_id: int,
+        fb: ForwardBatch,
+        kv_stored: bool = False,  # k/v already written to fb.out_cache_loc
     ) -> torch.Tensor: ...
 
 
@@ -68,12 +74,19 @@ class TorchAttnBackend:
         )
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, fb: ForwardBatch
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer_id: int,
+        fb: ForwardBatch,
+        kv_stored: bool = False,
     ) -> torch.Tensor:
         # q [T, H, D]; k, v [T, Hkv, D]
         pool = fb.kv_pool
         if not self.uses_row_kernel(fb):
-            pool.set_kv(layer_id, fb.out_cache_loc, k, v)
+            if not kv_stored:
+                pool.set_kv(layer_id, fb.out_cache_loc, k, v)
             return padded_attention(
                 q,
                 pool.k_buffer[layer_id],
@@ -83,9 +96,10 @@ class TorchAttnBackend:
                 self.compute_dtype,
             )
         kb, vb = pool.k_buffer[layer_id], pool.v_buffer[layer_id]
-        if k.dtype == torch.float32:  # one call, no index_put (views of a fused qkv are fine)
+        # One call, no index_put (views of a fused qkv are fine).
+        if k.dtype == torch.float32 and not kv_stored:
             cpu_ext.store_kv_(kb, vb, fb.out_cache_loc, k, v)
-        else:
+        elif not kv_stored:
             pool.set_kv(layer_id, fb.out_cache_loc, k, v)
         return cpu_ext.paged_attention(
             q.float(), kb, vb, self.req_to_token, fb.req_pool_indices, fb.prefix_lens,

@@ -240,6 +240,9 @@ class LlamaForCausalLM(nn.Module):
         self.cpu_layers: CpuLayers | None = None
         # --enable-deterministic-inference (model/batch_invariant.py): the logits GEMM too.
         self.batch_invariant = False
+        # The layers on the fused Triton kernels (model/fused_forward.py; set by model/runner.py
+        # on a GPU with merged q/k/v and gate/up).
+        self.fused_kernels = False
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -264,6 +267,12 @@ class LlamaForCausalLM(nn.Module):
             layers = range(len(self.model.layers))  # the aux states the loop below would keep
             aux_ids = [i for i in layers if i in self.aux_layer_ids]
             h, aux_states = self.cpu_layers.forward(h, fb, rotary, aux_ids)
+            h = self.model.norm(h)
+        elif self.fused_kernels:
+            from eagleserve.model.fused_forward import fused_layers
+
+            assert isinstance(rotary, BoundRotary)
+            h, aux_states = fused_layers(self, h, fb, rotary, self.aux_layer_ids)  # normed
         else:
             aux: list[torch.Tensor] = []
             for i, layer in enumerate(self.model.layers):
@@ -271,7 +280,7 @@ class LlamaForCausalLM(nn.Module):
                     aux.append(h)
                 h = layer(h, positions, rotary)
             aux_states = torch.cat(aux, dim=-1) if aux else None
-        h = self.model.norm(h)
+            h = self.model.norm(h)
         rows = h if fb.logits_indices is None else h[fb.logits_indices]
         return ModelOutput(
             logits=self.compute_logits(rows),

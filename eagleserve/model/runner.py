@@ -45,6 +45,20 @@ def init_dummy_weights(model: torch.nn.Module, seed: int = 0) -> None:
                 p.normal_(0.0, 0.02, generator=gen)
 
 
+def use_fused_kernels(
+    device: torch.device, attention_backend: str, gguf_path: str | None, shard: object
+) -> bool:
+    """The fused Triton layers (model/fused_forward.py) run on a GPU with Triton attention and
+    plain (unpacked, unsharded) weights: the CPU keeps its own kernels, packed GGUF linears keep
+    their fused layout, and a tensor-parallel layer reduces between its GEMMs."""
+    name = (
+        attention_backend
+        if attention_backend != "auto"
+        else ("torch" if device.type == "cpu" else "triton")
+    )
+    return device.type != "cpu" and name == "triton" and gguf_path is None and shard is None
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -60,6 +74,7 @@ class ModelRunner:
         load_format: str = "auto",
         gguf_path: str | None = None,
         deterministic: bool = False,
+        fused_kernels: bool = True,
     ) -> None:
         self.config = model_config
         self.device = device
@@ -95,6 +110,11 @@ class ModelRunner:
                 )
         if shard is not None:
             shard.gather_logits(model)
+        if fused_kernels and use_fused_kernels(device, attention_backend, gguf_path, shard):
+            from eagleserve.model.fused_forward import merge_projections
+
+            merge_projections(model)
+            model.fused_kernels = True
         self.model = model.eval()
         self.req_to_token_pool = ReqToTokenPool(max_running_requests, max_context_len, device)
         # Penalty counts per request slot (allocated at the first request with penalties).
@@ -149,6 +169,7 @@ class ModelRunner:
             load_format=args.load_format,
             gguf_path=packed_gguf_path(args.quantization, args.model, args.dtype, device),
             deterministic=args.enable_deterministic_inference,
+            fused_kernels=not args.disable_fused_kernels,
         )
 
     def graphs_enabled(self, args: ServerArgs) -> bool:

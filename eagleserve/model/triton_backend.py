@@ -92,11 +92,18 @@ class TritonAttnBackend:
         )
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, fb: ForwardBatch
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer_id: int,
+        fb: ForwardBatch,
+        kv_stored: bool = False,
     ) -> torch.Tensor:
-        # q [T, H, D]; k, v [T, Hkv, D]
+        # q [T, H, D]; k, v [T, Hkv, D]; kv_stored: already in their slots (kernels/triton_fused)
         pool = fb.kv_pool
-        pool.set_kv(layer_id, fb.out_cache_loc, k, v)
+        if not kv_stored:
+            pool.set_kv(layer_id, fb.out_cache_loc, k, v)
         k_buf, v_buf = pool.k_buffer[layer_id], pool.v_buffer[layer_id]  # [S, Hkv, D]
         md: TritonAttnMetadata = fb.attn_metadata
         if self.deterministic:

@@ -2,19 +2,17 @@
 
 from __future__ import annotations
 
-import os
+from typing import Any
 
-# Must be set before triton is imported anywhere: the interpreter runs kernels on CPU tensors.
-os.environ["TRITON_INTERPRET"] = "1"
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
+from triton_mode import DEVICE  # before triton is imported: picks the interpreter without a GPU
 
 pytest.importorskip("triton")
 
 import attention_refs as ref  # noqa: E402
 
-from eagleserve.kernels import triton_attention as tri  # noqa: E402
+from eagleserve.kernels import triton_attention as _tri  # noqa: E402
 from eagleserve.model.attention import TorchAttnBackend  # noqa: E402
 from eagleserve.model.forward_batch import ForwardBatch, HostLens  # noqa: E402
 from eagleserve.model.kv_cache import TokenToKVPool  # noqa: E402
@@ -22,6 +20,24 @@ from eagleserve.model.triton_backend import TritonAttnBackend  # noqa: E402
 
 ATOL = 1e-4
 RTOL = 1e-4
+
+
+class _OnDevice:
+    """The kernels' module with every tensor argument moved to DEVICE and tensor results back
+    to the CPU, where the references run: on a GPU host the kernels run for real."""
+
+    def __getattr__(self, name: str) -> Any:
+        fn = getattr(_tri, name)
+
+        def call(*args: Any) -> Any:
+            moved = [a.to(DEVICE) if isinstance(a, torch.Tensor) else a for a in args]
+            out = fn(*moved)
+            return out.cpu() if isinstance(out, torch.Tensor) else out
+
+        return call
+
+
+tri = _OnDevice()
 
 
 class Paged:
@@ -235,8 +251,8 @@ class BackendHarness:
 
     def __init__(self, num_heads: int, kv_heads: int, head_dim: int, gen: torch.Generator) -> None:
         self.h, self.hkv, self.d, self.gen = num_heads, kv_heads, head_dim, gen
-        self.pool = TokenToKVPool(400, 2, kv_heads, head_dim, torch.float32, torch.device("cpu"))
-        self.req_to_token = torch.zeros(6, 128, dtype=torch.int64)
+        self.pool = TokenToKVPool(400, 2, kv_heads, head_dim, torch.float32, DEVICE)
+        self.req_to_token = torch.zeros(6, 128, dtype=torch.int64, device=DEVICE)
         # Fill the pool with random K/V (a prior forward's cache) so prefixes are not zeros.
         for buf in self.pool.k_buffer + self.pool.v_buffer:
             buf.copy_(torch.randn(buf.shape, generator=gen))
@@ -262,7 +278,7 @@ class BackendHarness:
         query_offset: list[int] | None = None,
     ) -> None:
         """query_offset[b]: position, relative to prefix, of request b's first written token."""
-        rpi = torch.tensor(req_pool_indices)
+        rpi = torch.tensor(req_pool_indices, device=DEVICE)
         offs = query_offset or [0] * len(req_pool_indices)
         loc = torch.cat(
             [
@@ -271,27 +287,27 @@ class BackendHarness:
             ]
         )
         t = loc.numel()
-        q = torch.randn(t, self.h, self.d, generator=self.gen)
-        k = torch.randn(t, self.hkv, self.d, generator=self.gen)
-        v = torch.randn(t, self.hkv, self.d, generator=self.gen)
+        q = torch.randn(t, self.h, self.d, generator=self.gen).to(DEVICE)
+        k = torch.randn(t, self.hkv, self.d, generator=self.gen).to(DEVICE)
+        v = torch.randn(t, self.hkv, self.d, generator=self.gen).to(DEVICE)
         outs = []
         for be in (self.torch_be, self.triton_be):
             fb = ForwardBatch(
                 mode=mode,  # type: ignore[arg-type]
-                input_ids=torch.zeros(t, dtype=torch.int64),
-                positions=torch.zeros(t, dtype=torch.int64),
+                input_ids=torch.zeros(t, dtype=torch.int64, device=DEVICE),
+                positions=torch.zeros(t, dtype=torch.int64, device=DEVICE),
                 out_cache_loc=loc,
                 req_pool_indices=rpi,
-                prefix_lens=torch.tensor(prefix_lens),
-                extend_lens=torch.tensor(extend_lens),
+                prefix_lens=torch.tensor(prefix_lens, device=DEVICE),
+                extend_lens=torch.tensor(extend_lens, device=DEVICE),
                 host=HostLens.of(
                     extend_lens,
                     kv_lens or [p + e for p, e in zip(prefix_lens, extend_lens)],
                 ),
                 kv_pool=self.pool,
                 attn_backend=be,
-                tree_mask=tree_mask,
-                kv_lens=None if kv_lens is None else torch.tensor(kv_lens),
+                tree_mask=None if tree_mask is None else tree_mask.to(DEVICE),
+                kv_lens=None if kv_lens is None else torch.tensor(kv_lens, device=DEVICE),
             )
             be.init_forward_metadata(fb)
             outs.append(be.forward(q, k, v, 1, fb))

@@ -1,0 +1,198 @@
+"""Fused layer kernels on and off, side by side (run on a lent GPU; random weights, no download):
+kernel launches per target decode (torch profiler, eager) and decode ms (device graphs replayed,
+as the server runs it, and eager), for the default model's shape (SmolLM2-135M) and the
+Llama-3-8B shape, batch 1 and 32, each over a 128-token context.
+
+    PYTHONPATH=. python bench/gpu_kernels.py [--out bench/results/gpu_kernels.json]
+
+Also reports the largest |logit| difference between the fused and the unfused decode (same
+weights, same cache), and the bandwidth floor of each shape (weight bytes / copy bandwidth).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import tempfile
+import time
+from typing import Any
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.gpu import _save, device_bandwidth, llama3_8b_config  # noqa: E402
+from eagleserve.config import ModelConfig  # noqa: E402
+from eagleserve.device import pick_device, synchronize  # noqa: E402
+from eagleserve.model.forward_batch import ForwardBatch, HostLens, forward_context  # noqa: E402
+from eagleserve.model.runner import ModelRunner  # noqa: E402
+
+CONTEXT = 128
+BATCHES = (1, 32)
+
+
+def smollm2_135m_config(layers: int) -> dict[str, Any]:
+    """SmolLM2-135M-Instruct's shape (the default model)."""
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": 49152,
+        "hidden_size": 576,
+        "intermediate_size": 1536,
+        "num_hidden_layers": layers,
+        "num_attention_heads": 9,
+        "num_key_value_heads": 3,
+        "head_dim": 64,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 100000.0,
+        "max_position_embeddings": 8192,
+        "tie_word_embeddings": True,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "torch_dtype": "bfloat16",
+    }
+
+
+def make_runner(path: str, device: torch.device, fused: bool, graphs: bool) -> ModelRunner:
+    runner = ModelRunner(
+        ModelConfig.from_dir(path), path, device, torch.bfloat16,
+        kv_cache_tokens=max(BATCHES) * (CONTEXT + 2) + 8, max_running_requests=max(BATCHES),
+        max_context_len=1024, attention_backend="triton", load_format="dummy",
+        fused_kernels=fused,
+    )  # fmt: skip
+    if fused and not runner.model.fused_kernels:  # a CPU smoke run (Triton interpreter)
+        from eagleserve.model.fused_forward import merge_projections
+
+        merge_projections(runner.model)
+        runner.model.fused_kernels = True
+    if graphs:
+        runner.capture_graphs(max(BATCHES), (), tree=False)
+    return runner
+
+
+def decode_batch(runner: ModelRunner, bs: int) -> ForwardBatch:
+    """bs requests with CONTEXT cached positions each, decoding position CONTEXT (slots fixed)."""
+    device = runner.device
+    r2t = runner.req_to_token_pool.req_to_token
+    rows = torch.arange(bs, device=device)
+    slots = torch.arange(1, 1 + bs * (CONTEXT + 1), device=device).view(bs, CONTEXT + 1)
+    r2t[:bs, : CONTEXT + 1] = slots
+    ctx = torch.full((bs,), CONTEXT, dtype=torch.long, device=device)
+    return ForwardBatch(
+        mode="decode",
+        input_ids=(torch.arange(bs, device=device) * 37 + 1000) % runner.config.vocab_size,
+        positions=ctx.clone(),
+        out_cache_loc=slots[:, CONTEXT].contiguous(),
+        req_pool_indices=rows,
+        prefix_lens=ctx,
+        extend_lens=torch.ones(bs, dtype=torch.long, device=device),
+        host=HostLens.per_request(1, CONTEXT, bs),
+        kv_pool=runner.token_to_kv_pool,
+        attn_backend=runner.attn_backend,
+    )
+
+
+def eager(runner: ModelRunner, bs: int) -> torch.Tensor:
+    fb = decode_batch(runner, bs)
+    runner.attn_backend.init_forward_metadata(fb)
+    with torch.inference_mode(), forward_context(fb):
+        return runner.model().logits
+
+
+def time_ms(fn: Any, device: torch.device, iters: int) -> float:
+    for _ in range(3):
+        fn()
+    synchronize(device)
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    synchronize(device)
+    return 1000 * (time.perf_counter() - t0) / iters
+
+
+def kernel_launches(runner: ModelRunner, bs: int) -> int:
+    """Device kernels of one eager decode forward (copies and fills not counted)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    eager(runner, bs)
+    synchronize(runner.device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        eager(runner, bs)
+        synchronize(runner.device)
+    names = [e.name for e in prof.events() if e.device_type.name in ("CUDA", "HIP")]
+    return sum(1 for n in names if not n.startswith(("Memcpy", "Memset")))
+
+
+def batch_row(runner: ModelRunner, bs: int, iters: int) -> dict[str, Any]:
+    device = runner.device
+    row: dict[str, Any] = {"eager_ms": time_ms(lambda: eager(runner, bs), device, iters)}
+    if device.type != "cpu":
+        fb = decode_batch(runner, bs)
+        row["graph_ms"] = time_ms(lambda: runner.forward(fb), device, iters)
+        row["launches"] = kernel_launches(runner, bs)
+        row["launches_per_layer"] = row["launches"] / runner.config.num_hidden_layers
+    return row
+
+
+def measure(path: str, device: torch.device, fused: bool, iters: int) -> dict[str, Any]:
+    runner = make_runner(path, device, fused, graphs=device.type != "cpu")
+    out: dict[str, Any] = {"fused": fused, "logits": {}}
+    for bs in BATCHES:
+        out[bs] = batch_row(runner, bs, iters)
+        out["logits"][bs] = eager(runner, bs).float().cpu()
+    out["weight_bytes"] = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--out", default="bench/results/gpu_kernels.json")
+    ap.add_argument("--shapes", default="smollm2-135m,llama3-8b")
+    ap.add_argument("--layers", type=int, default=0, help="override the layer count (smoke runs)")
+    ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--device", default="auto")
+    args = ap.parse_args()
+    device = pick_device(args.device)
+    gpu = device.type != "cpu"
+    name = torch.get_device_module(device).get_device_name(device) if gpu else "cpu"
+    res: dict[str, Any] = {"device": name, "torch": torch.__version__, "context": CONTEXT}
+    bw = device_bandwidth(device) if gpu else 0.0
+    res["bandwidth_gb_s"] = bw / 1e9
+    configs = {"smollm2-135m": (smollm2_135m_config, 30), "llama3-8b": (llama3_8b_config, 32)}
+    rows = []
+    for shape in args.shapes.split(","):
+        make, layers = configs[shape]
+        tmp = tempfile.mkdtemp()
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump(make(args.layers or layers), f)
+        on = measure(tmp, device, True, args.iters)
+        gc.collect()  # the fused runner's weights and graphs go before the next is built
+        if gpu:
+            torch.get_device_module(device).empty_cache()
+        off = measure(tmp, device, False, args.iters)
+        for bs in BATCHES:
+            diff = (on["logits"][bs] - off["logits"][bs]).abs().max().item()
+            floor_ms = 1000 * on["weight_bytes"] / bw if bw else None
+            for m in (off, on):
+                rows.append({"shape": shape, "batch": bs, "fused": m["fused"], **m[bs],
+                             "floor_ms": floor_ms, "max_logit_diff": diff})  # fmt: skip
+        res["rows"] = rows
+        _save(res, args.out)
+    print(f"device: {name}; bandwidth {res['bandwidth_gb_s']:.0f} GB/s; context {CONTEXT}")
+    head = ("shape", "batch", "fused", "launches", "/layer", "graph ms", "eager ms", "floor ms")
+    print("{:<14}{:>6}{:>7}{:>10}{:>8}{:>10}{:>10}{:>10}  max|dlogit|".format(*head))
+    for r in rows:
+        print(
+            f"{r['shape']:<14}{r['batch']:>6}{'on' if r['fused'] else 'off':>7}"
+            f"{r.get('launches', 0):>10}{r.get('launches_per_layer', 0):>8.1f}"
+            f"{r.get('graph_ms', 0):>10.3f}{r['eager_ms']:>10.3f}{r['floor_ms'] or 0:>10.3f}"
+            f"  {r['max_logit_diff']:.3g}"
+        )
+    _save(res, args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,56 @@
+"""Fixes for Triton's CPU interpreter (TRITON_INTERPRET=1), applied on import; a no-op otherwise.
+
+Imported by every module that defines Triton kernels, so tests on a host without a GPU run them
+as a GPU would.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import triton.language as tl
+
+
+def _fix_interpreter() -> None:
+    """Two defects of Triton's CPU interpreter (3.6) that compiled kernels (a GPU) do not have:
+    - it holds a kernel scalar as a 1-element array and gives it `__index__ = int(array)`, which
+      numpy >= 2.4 refuses for ndim > 0: every `range(a, b)` with a loaded bound (all attention
+      loops) fails with "only 0-dimensional arrays can be converted to Python scalars". Its
+      per-launch patch is wrapped so `__index__` reads the one element.
+    - its fp32 -> bf16 cast truncates, where a GPU (and torch) rounds to nearest even: the
+      cast is given the rounding mode the compiled kernel uses."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return
+    try:
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    patch = getattr(interpreter, "_patch_lang", None)
+    if patch is None or getattr(patch, "scalar_index_fixed", False):
+        return
+
+    def patch_lang(fn):  # noqa: ANN001, ANN202 (triton's signature)
+        scope = patch(fn)
+        scope.set_attr(tl.core.tensor, "__index__", lambda t: int(t.handle.data.reshape(-1)[0]))
+        return scope
+
+    patch_lang.scalar_index_fixed = True  # type: ignore[attr-defined]
+    interpreter._patch_lang = patch_lang
+
+    builder = interpreter.InterpreterBuilder
+    trunc = builder.create_fp_trunc
+
+    def fp_trunc(self, src, dst_type):  # noqa: ANN001, ANN202
+        if src.dtype.scalar != tl.float32 or dst_type.scalar != tl.bfloat16:
+            return trunc(self, src, dst_type)
+        bits = np.ascontiguousarray(src.data, dtype=np.float32).view(np.uint32)
+        # Round to nearest even on the upper 16 bits; NaN stays a (quiet) NaN.
+        out = ((bits + np.uint32(0x7FFF) + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+        out = np.where(np.isnan(src.data), np.uint16(0x7FC0), out)
+        return interpreter.TensorHandle(out, dst_type.scalar)
+
+    builder.create_fp_trunc = fp_trunc
+
+
+_fix_interpreter()

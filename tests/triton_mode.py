@@ -1,0 +1,12 @@
+"""Imported first by the Triton kernel tests: where a GPU is present the kernels run on it for
+real; elsewhere under Triton's CPU interpreter, which must be chosen before triton is imported."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+if DEVICE.type == "cpu":
+    os.environ["TRITON_INTERPRET"] = "1"
