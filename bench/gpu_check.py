@@ -28,7 +28,6 @@ import argparse
 import faulthandler
 import glob
 import importlib.util
-import inspect
 import json
 import os
 import subprocess
@@ -228,23 +227,25 @@ def _device_name(dev: Any) -> str:
 
 
 def stage_hook(args: argparse.Namespace, st: Stage, file: str) -> None:
-    """Calls another helper's GPU bench by path: run(out_dir) if it has one, else main()."""
+    """Another GPU bench by path, its JSON written into --out: the determinism bench's
+    run(model, out_json, ...) with this check's model and token count, the kernels bench's
+    main() with --out."""
     path = os.path.join(HERE, file)
-    if not os.path.exists(path):
-        st.data["skipped"] = f"{file} not in this checkout"
-        return
     spec = importlib.util.spec_from_file_location(file[:-3], path)
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
     with st.watch(f"import {file}"):
         spec.loader.exec_module(mod)
-    fn = getattr(mod, "run", None) or getattr(mod, "main", None)
-    if fn is None:
-        st.data["skipped"] = f"{file} has neither run nor main"
-        return
-    sys.argv = [path]
-    with st.watch(f"{file}:{fn.__name__}"):
-        result = fn(args.out) if fn.__name__ == "run" and inspect.signature(fn).parameters else fn()
+    out_json = os.path.join(args.out, file.replace(".py", "_result.json"))
+    with st.watch(file):
+        if hasattr(mod, "run"):
+            device = "cpu" if args.device == "cpu" else "cuda"
+            result = mod.run(args.model, out_json, max_new=args.new_tokens, device=device,
+                             prompts=4 if args.quick else 24,
+                             batch1_prompts=2 if args.quick else 8)  # fmt: skip
+        else:
+            sys.argv = [path, "--out", out_json, "--device", args.device]
+            result = mod.main()
     if isinstance(result, dict):
         st.data["result"] = result
 
@@ -283,8 +284,9 @@ def stage_hang(args: argparse.Namespace, st: Stage) -> None:
 
 
 def stage_tests(args: argparse.Namespace, st: Stage, limit: float) -> None:
-    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "tests/spec/test_gpu_paths.py",
+    cmd = [sys.executable, "-m", "pytest", "-q", "tests/spec/test_gpu_paths.py",
            "tests/kernels", "--ignore-glob=tests/kernels/test_cpu_*",
+           "tests/model/test_fused_forward.py", "tests/spec/test_deterministic_inference.py",
            f"--junitxml={os.path.join(args.out, 'tests.xml')}"]  # fmt: skip
     if args.quick:
         cmd += ["-k", "not graphs"]
@@ -306,12 +308,19 @@ def stage_gpu(args: argparse.Namespace, st: Stage, limit: float) -> None:
            "--out", os.path.join(args.out, "gpu.json")]  # fmt: skip
     try:
         p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=limit - 5,
-                           env={**os.environ, "PYTHONPATH": ROOT})  # fmt: skip
+                           env=child_env())  # fmt: skip
         st.data["rc"], tail = p.returncode, (p.stdout + p.stderr)[-6000:]
     except subprocess.TimeoutExpired as exc:
         st.data["rc"], tail = "timeout", str(exc.stdout or "")[-6000:]
     st.data["tail"] = tail
     print(tail)
+
+
+def child_env() -> dict[str, str]:
+    """The environment for a child: this checkout first on the path, the caller's entries kept
+    (on a GPU host the carried wheels, such as gguf, live there)."""
+    path = os.environ.get("PYTHONPATH")
+    return {**os.environ, "PYTHONPATH": ROOT + (os.pathsep + path if path else "")}
 
 
 def run_stage(args: argparse.Namespace) -> None:
@@ -349,6 +358,7 @@ def main() -> None:
     ap.add_argument("--stages", default=",".join(STAGES))
     ap.add_argument("--budget-s", type=float, default=480.0, help="the whole check's limit")
     ap.add_argument("--hang-s", type=float, default=120.0, help="a step's time before a dump")
+    ap.add_argument("--limits", default="", help="per-stage seconds, e.g. table=120,tests=60")
     ap.add_argument("--stage", help=argparse.SUPPRESS)
     ap.add_argument("--limit-s", type=float, default=0.0, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -358,6 +368,9 @@ def main() -> None:
     if args.stage:
         run_stage(args)
         return
+    for item in filter(None, args.limits.split(",")):
+        name, secs = item.split("=")
+        LIMITS[name] = float(secs)
     start = time.perf_counter()
     summary: dict[str, Any] = {"argv": sys.argv, "stages": {}}
     for name in args.stages.split(","):
@@ -375,7 +388,7 @@ def main() -> None:
         with open(os.path.join(args.out, f"{name}.log"), "w") as log:
             try:
                 p = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, "PYTHONPATH": ROOT})  # fmt: skip
+                                     env=child_env())  # fmt: skip
                 rc: int | str = p.wait(timeout=limit)
             except subprocess.TimeoutExpired:
                 p.kill()
