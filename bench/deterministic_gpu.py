@@ -33,10 +33,10 @@ TREE = dict(speculative_num_steps=3, speculative_eagle_topk=2, speculative_num_d
 SETTINGS: dict[str, tuple[bool, dict[str, Any] | None]] = {
     "target-only det": (True, None),
     "chain 3 det": (True, CHAIN3),
-    "tree det": (True, TREE),
-    "adaptive 0..3 det": (True, {**CHAIN3, "speculative_adaptive": True}),
     "target-only off": (False, None),
     "chain 3 off": (False, CHAIN3),
+    "tree det": (True, TREE),
+    "adaptive 0..3 det": (True, {**CHAIN3, "speculative_adaptive": True}),
 }
 
 

@@ -71,12 +71,12 @@ def shipped_config() -> dict[str, Any]:
 def table_configs() -> dict[str, dict[str, Any]]:
     return {
         "target-only": {},
+        "shipped (adaptive)": shipped_config(),
         "EAGLE3 chain 3": chain(3),
-        "EAGLE3 chain 5": chain(5),
         "EAGLE3 tree 3x4/8": dict(
             HEAD, speculative_num_steps=3, speculative_eagle_topk=4, speculative_num_draft_tokens=8
         ),  # fmt: skip
-        "shipped (adaptive)": shipped_config(),
+        "EAGLE3 chain 5": chain(5),
     }
 
 
