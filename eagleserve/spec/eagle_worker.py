@@ -32,7 +32,7 @@ from eagleserve.model.sampler import (
 )
 from eagleserve.spec.accept import AcceptResult, commit_tree_path, verify_greedy, verify_sampling
 from eagleserve.spec.adaptive import AdaptiveController, depth_choices
-from eagleserve.spec.cost_model import measure_costs
+from eagleserve.spec.cost_table_cache import cost_table
 from eagleserve.spec.draft_worker import EagleDraftWorker
 from eagleserve.spec.tree import build_tree
 
@@ -61,8 +61,8 @@ class EagleWorker:
         self.controller: AdaptiveController | None = None
         if spec.adaptive:
             buckets = tuple(b for b in BUCKETS if b < args.max_running_requests)
-            costs = measure_costs(
-                runner, self.drafter, (*buckets, args.max_running_requests), choices
+            costs = cost_table(
+                runner, self.drafter, args, (*buckets, args.max_running_requests), choices
             )
             self.controller = AdaptiveController(costs, choices, spec.adaptive_probe_interval)
 
