@@ -131,9 +131,6 @@ def run_engine(args: ServerArgs, in_addr: str, out_addr: str, tp_port: int | Non
         from eagleserve.scheduler.scheduler import Scheduler
         from eagleserve.scheduler.tp_engine import start_rank0
 
-        t1 = time.perf_counter()
-        logger.info("start-up: engine modules imported in %.2f s", t1 - t0)
-
         if tp_port is None:
             scheduler = Scheduler(args)
             install_fault_injection(scheduler)
@@ -151,7 +148,7 @@ def run_engine(args: ServerArgs, in_addr: str, out_addr: str, tp_port: int | Non
         send.close()
         ctx.term()
         sys.exit(1)
-    logger.info("start-up: engine ready in %.2f s", time.perf_counter() - t0)
+    logger.info("start-up: engine built in %.2f s", time.perf_counter() - t0)
     send.send_pyobj(ready)
     EngineLoop(scheduler, recv, send).run()
     if tp_port is not None:
