@@ -42,7 +42,9 @@ from eagleserve.spec.draft_worker import EagleDraftWorker
 logger = logging.getLogger(__name__)
 
 FORMAT = 1  # bump when the stored layout or what a table means changes
-MAX_TABLES = 64  # the oldest beyond this many are removed when one is stored
+# The least recently used beyond this many are removed when one is stored (a test suite makes
+# a table per temporary model: they must not push out the served model's).
+MAX_TABLES = 256
 PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The code a forward runs (the server's and training's do not move the timings).
 TIMED_CODE = ("kernels", "model", "spec", "core.py", "device.py", "config.py")
@@ -167,8 +169,8 @@ def load_table(path: str, key: dict[str, Any]) -> CostTable | None:
 
 
 def save_table(path: str, key: dict[str, Any], table: CostTable) -> None:
-    """Writes the table whole (a temporary file renamed over `path`), then keeps the newest
-    MAX_TABLES tables of the folder."""
+    """Writes the table whole (a temporary file renamed over `path`), then keeps the
+    MAX_TABLES most recently used tables of the folder (a reuse touches its file)."""
     folder = os.path.dirname(path)
     os.makedirs(folder, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=".json")
@@ -203,6 +205,8 @@ def cost_table(
     stored = None if args.speculative_adaptive_retime else load_table(path, key)
     if all(all_gather_object(stored is not None)):
         assert stored is not None
+        with contextlib.suppress(OSError):
+            os.utime(path)  # recently used: kept by save_table's pruning
         logger.info("start-up: cost table reused from %s (%.2f s)", path,
                     time.perf_counter() - t0)  # fmt: skip
         return stored
