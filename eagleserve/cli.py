@@ -46,6 +46,9 @@ FIELD_HELP: dict[str, str] = {
     "without a draft, draft once at the shallowest depth to keep acceptance figures current "
     "(longer where that costs more than 1%% of the decodes between; doubled after each such "
     "probe that does not pay, up to 8x)",
+    "speculative_adaptive_retime": "with --speculative-adaptive: time the cost of each draft "
+    "depth at start-up even where a table timed before for this device, model, head, dtype "
+    "and thread count is in the cache directory ($EAGLESERVE_CACHE or ~/.cache/eagleserve)",
     "disable_overlap_schedule": (
         "run scheduling and the forward pass one after the other (default: on a CPU only)"
     ),
@@ -67,6 +70,8 @@ FIELD_HELP: dict[str, str] = {
     "log_level": "debug | info | warning | error",
     "tp_size": "tensor parallelism: ranks (processes, one GPU each) that split the target's "
     "heads, MLP and vocabulary (gloo on CPU, NCCL/RCCL on GPUs)",
+    "dist_timeout": "seconds the engine waits at start-up for its other tensor-parallel ranks "
+    "to join before it fails (a rank that exits first fails it at once)",
     "dp_size": "data parallelism: replicas, each a whole server on --port + i (put nginx in "
     "front: deploy/nginx.conf)",
 }
@@ -82,7 +87,8 @@ FIELD_CHOICES: dict[str, tuple[str, ...]] = {
 }
 DEVICE_RE = re.compile(r"auto|cpu|cuda(:\d+)?")  # HIP builds of torch call their GPUs cuda too
 POSITIVE = ("max_running_requests", "kv_cache_tokens", "max_context_len",
-            "max_request_body_bytes", "cuda_graph_max_bs", "tp_size", "dp_size")  # fmt: skip
+            "max_request_body_bytes", "cuda_graph_max_bs", "tp_size", "dp_size",
+            "dist_timeout")  # fmt: skip
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -134,10 +140,11 @@ FIELD_GROUPS: dict[str, tuple[str, ...]] = {
     "speculative decoding": ("speculative_algorithm", "speculative_draft_model_path",
                              "speculative_num_steps", "speculative_eagle_topk",
                              "speculative_num_draft_tokens", "speculative_adaptive",
-                             "speculative_adaptive_probe_interval"),
+                             "speculative_adaptive_probe_interval",
+                             "speculative_adaptive_retime"),
     "GPU": ("device", "attention_backend", "enable_deterministic_inference",
             "disable_cuda_graph", "disable_fused_kernels", "cuda_graph_max_bs"),
-    "scaling out": ("tp_size", "dp_size"),
+    "scaling out": ("tp_size", "dp_size", "dist_timeout"),
 }  # fmt: skip
 
 

@@ -158,6 +158,9 @@ class ServerArgs:
     speculative_num_draft_tokens: int = 4
     speculative_adaptive: bool = False
     speculative_adaptive_probe_interval: int = 64
+    # Time the adaptive controller's cost table now even where a cached one fits (else it is
+    # timed only when no table in the cache directory fits: spec/cost_table_cache.py).
+    speculative_adaptive_retime: bool = False
     # None: decided by the device (see overlap_schedule); True/False force it off/on.
     disable_overlap_schedule: bool | None = None
     disable_radix_cache: bool = False
@@ -184,6 +187,9 @@ class ServerArgs:
     # replicas, each a whole server on its own port (server/dp.py).
     tp_size: int = 1
     dp_size: int = 1
+    # Seconds rank 0 waits at start-up for the other tensor-parallel ranks to join before it
+    # fails (a rank that exits before it joins fails it at once); SGLang's flag name.
+    dist_timeout: int = 120
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property

@@ -14,7 +14,10 @@ from eagleserve.scheduler.tp_engine import ReplicatedScheduler, build_scheduler
 
 
 class Engine:
-    """Runs the scheduler in-process. Keyword arguments are `ServerArgs` fields."""
+    """Runs the scheduler in-process. Keyword arguments are `ServerArgs` fields. With
+    `tp_size > 1` the other ranks are spawned processes, which import the main module again:
+    build it under `if __name__ == "__main__":`, and `close()` it (or use `with`) before
+    building another."""
 
     def __init__(self, model: str = "default", **kwargs: Any) -> None:
         known = {f.name for f in fields(ServerArgs)}
@@ -83,9 +86,17 @@ class Engine:
         return results
 
     def close(self) -> None:
-        """Stops the tensor-parallel ranks this engine started (nothing to do without)."""
+        """Stops the tensor-parallel ranks this engine started and leaves their group, so that
+        another tensor-parallel engine can be built in this process (nothing to do without).
+        Calling it again does nothing."""
         if isinstance(self.scheduler, ReplicatedScheduler):
             self.scheduler.close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def stats(self) -> EngineStats:
         return self.scheduler.stats()

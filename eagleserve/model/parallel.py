@@ -60,16 +60,20 @@ def check_backend(device: torch.device) -> None:
                            "torch.distributed, missing from this torch build")  # fmt: skip
 
 
-def init_tensor_parallel(rank: int, size: int, port: int, device: torch.device) -> TensorParallel:
+def init_tensor_parallel(
+    rank: int, size: int, port: int, device: torch.device, store: dist.Store | None = None
+) -> TensorParallel:
     """Joins the group of `size` ranks rendezvousing on 127.0.0.1:`port` (a TCP store, as
-    torchrun's static rendezvous) and makes it this process's tensor-parallel group."""
+    torchrun's static rendezvous; or `store`, already connected) and makes it this process's
+    tensor-parallel group."""
     global _STATE
     check_backend(device)
     if device.type != "cpu":
         torch.get_device_module(device).set_device(device)
     dist.init_process_group(
         dist_backend(device),
-        init_method=f"tcp://127.0.0.1:{port}",
+        init_method=None if store is not None else f"tcp://127.0.0.1:{port}",
+        store=store,
         rank=rank,
         world_size=size,
         timeout=GROUP_TIMEOUT,

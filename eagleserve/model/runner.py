@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import logging
+import time
+
 import torch
 
 from eagleserve.config import ModelConfig, ServerArgs
@@ -15,6 +18,8 @@ from eagleserve.model.loader import load_weights
 from eagleserve.model.parallel import get_tp
 from eagleserve.model.penalty_state import PenaltyState
 from eagleserve.model.tp_shard import TpShard
+
+logger = logging.getLogger(__name__)
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
@@ -81,6 +86,7 @@ class ModelRunner:
         self.dtype = dtype
         self.gguf_path = gguf_path  # set: linears run packed from this GGUF (model/quant.py)
         self.max_context_len = max_context_len
+        t0 = time.perf_counter()
         with torch.device("meta"):
             model = LlamaForCausalLM(model_config, max_context_len, aux_layer_ids)
         tp = get_tp()
@@ -116,6 +122,8 @@ class ModelRunner:
             merge_projections(model)
             model.fused_kernels = True
         self.model = model.eval()
+        t1 = time.perf_counter()
+        logger.info("start-up: target model loaded in %.2f s", t1 - t0)
         self.req_to_token_pool = ReqToTokenPool(max_running_requests, max_context_len, device)
         # Penalty counts per request slot (allocated at the first request with penalties).
         self.penalty_state = PenaltyState(max_running_requests, model_config.vocab_size, device)
@@ -143,6 +151,8 @@ class ModelRunner:
 
             make_batch_invariant(self.model)
 
+        logger.info("start-up: KV pool of %d tokens in %.2f s", kv_cache_tokens,
+                    time.perf_counter() - t1)  # fmt: skip
         self.graphs: list[GraphedForward] = []
 
     @classmethod
@@ -177,6 +187,7 @@ class ModelRunner:
 
     def capture_graphs(self, max_bs: int, verify_tokens: tuple[int, ...], tree: bool) -> None:
         """Device graphs for decode, and for verify with each of `verify_tokens` per request."""
+        t0 = time.perf_counter()
         kinds: list[tuple[ForwardMode, int, bool]] = [("decode", 1, False)]
         kinds += [("verify", n, tree) for n in verify_tokens]
         for mode, n, with_tree in kinds:
@@ -192,6 +203,8 @@ class ModelRunner:
             )
             graph.capture()
             self.graphs.append(graph)
+        logger.info("start-up: %d target graphs captured in %.2f s", len(kinds),
+                    time.perf_counter() - t0)  # fmt: skip
 
     def _graph_outputs(self, out: ModelOutput) -> tuple[torch.Tensor, ...]:
         aux = () if out.aux_hidden_states is None else (out.aux_hidden_states,)

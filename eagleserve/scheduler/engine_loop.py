@@ -126,6 +126,7 @@ def run_engine(args: ServerArgs, in_addr: str, out_addr: str, tp_port: int | Non
     send = ctx.socket(zmq.PUSH)
     send.setsockopt(zmq.LINGER, 5000)
     send.connect(out_addr)
+    t0 = time.perf_counter()
     try:
         from eagleserve.scheduler.scheduler import Scheduler
         from eagleserve.scheduler.tp_engine import start_rank0
@@ -147,6 +148,7 @@ def run_engine(args: ServerArgs, in_addr: str, out_addr: str, tp_port: int | Non
         send.close()
         ctx.term()
         sys.exit(1)
+    logger.info("start-up: engine built in %.2f s", time.perf_counter() - t0)
     send.send_pyobj(ready)
     EngineLoop(scheduler, recv, send).run()
     if tp_port is not None:

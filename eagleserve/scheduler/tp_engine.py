@@ -23,10 +23,13 @@ import os
 import signal
 import socket
 import sys
+import time
+from collections.abc import Sequence
 from multiprocessing.process import BaseProcess
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as tmp
 
 from eagleserve.config import ServerArgs
@@ -34,16 +37,26 @@ from eagleserve.device import pick_device
 from eagleserve.messages import GenerateReqInput, TokenOutput
 from eagleserve.model.loader import resolve_model_path
 from eagleserve.model.parallel import (
+    GROUP_TIMEOUT,
     all_gather_object,
     broadcast_object,
     check_backend,
     destroy_tensor_parallel,
+    get_tp,
     init_tensor_parallel,
 )
 from eagleserve.scheduler.scheduler import Scheduler
 
 logger = logging.getLogger("eagleserve.tp")
 FOLLOWER_JOIN_S = 10.0
+JOIN_POLL_S = 0.05
+# Why a rank most likely died before it joined: it re-ran the caller's script (a follower is a
+# spawned process, which imports the main module again before it runs anything).
+GUARD_HINT = (
+    "With --tp-size > 1 each other rank is a spawned process that imports the main module "
+    "again: a script must build the Engine under `if __name__ == \"__main__\":` (see that "
+    "rank's traceback above)"
+)
 
 
 def rank_args(args: ServerArgs, rank: int) -> ServerArgs:
@@ -88,21 +101,77 @@ def spawn_followers(args: ServerArgs, port: int) -> list[BaseProcess]:
     return procs
 
 
+def open_store(args: ServerArgs, rank: int, port: int) -> dist.TCPStore:
+    """The ranks' rendezvous store: rank 0 serves it on 127.0.0.1:`port` (0: any free port,
+    `.port` says which), the others connect to it. Its own timeout is the group's: the start-up
+    deadline is `wait_for_ranks`'s, and a follower waits for rank 0 as long as rank 0 lives
+    (it may be converting the model first)."""
+    try:
+        return dist.TCPStore("127.0.0.1", port, args.tp_size, is_master=rank == 0,
+                             timeout=GROUP_TIMEOUT, wait_for_workers=False)  # fmt: skip
+    except (RuntimeError, OSError) as exc:
+        raise RuntimeError(
+            f"tensor-parallel rank {rank}: no rendezvous on 127.0.0.1:{port}: {exc}"
+        ) from None
+
+
+def _joined_key(rank: int) -> str:
+    return f"eagleserve/joined/{rank}"
+
+
+def wait_for_ranks(
+    store: dist.TCPStore, size: int, followers: Sequence[BaseProcess], timeout_s: float
+) -> None:
+    """Rank 0: returns once ranks 1..size-1 have joined the store. Raises at once when one of
+    `followers` (those this process started) exits first, and after `timeout_s` when any is
+    still missing: the group's own rendezvous would wait for them for days."""
+    deadline = time.monotonic() + timeout_s
+    missing = list(range(1, size))
+    while True:
+        missing = [r for r in missing if not store.check([_joined_key(r)])]
+        if not missing:
+            return
+        for rank, proc in enumerate(followers, start=1):
+            if rank in missing and proc.exitcode is not None:
+                raise RuntimeError(
+                    f"tensor-parallel rank {rank} exited (exit code {proc.exitcode}) before it "
+                    f"joined rank 0. {GUARD_HINT}"
+                )
+        if time.monotonic() > deadline:
+            raise RuntimeError(
+                f"tensor-parallel ranks {missing} did not join rank 0 within {timeout_s:g} s "
+                f"(--dist-timeout). {GUARD_HINT}"
+            )
+        time.sleep(JOIN_POLL_S)
+
+
 def _threads_per_rank(args: ServerArgs) -> None:
     """On a CPU the ranks share the cores: each gets its part unless OMP_NUM_THREADS says."""
     if "OMP_NUM_THREADS" not in os.environ and pick_device(args.device).type == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.tp_size))
 
 
-def join(args: ServerArgs, rank: int, port: int) -> Scheduler:
+def join(
+    args: ServerArgs,
+    rank: int,
+    port: int,
+    followers: Sequence[BaseProcess] = (),
+    store: dist.TCPStore | None = None,
+) -> Scheduler:
     """Joins the group and builds this rank's scheduler; raises on any rank's failure (rank 0
-    with that rank's message), after every rank has tried, so none is left waiting."""
+    with that rank's message), after every rank has tried, so none is left waiting. Rank 0
+    serves the rendezvous (or is handed `store`, already serving) and fails fast when a rank
+    does not join (`wait_for_ranks`)."""
     own = rank_args(args, rank)
-    if rank == 0:  # before the rendezvous, so followers find a converted default model
+    store = store or open_store(args, rank, port)
+    if rank == 0:  # before the group forms, so followers find a converted default model
         check_backend(pick_device(own.device))
         resolve_model_path(args.model)
+        wait_for_ranks(store, args.tp_size, followers, args.dist_timeout)
+    else:
+        store.set(_joined_key(rank), str(os.getpid()))
     _threads_per_rank(args)
-    init_tensor_parallel(rank, args.tp_size, port, pick_device(own.device))
+    init_tensor_parallel(rank, args.tp_size, port, pick_device(own.device), store=store)
     scheduler: Scheduler | None = None
     error: BaseException | None = None
     try:
@@ -149,6 +218,7 @@ class ReplicatedScheduler:
         self.scheduler = scheduler
         self.followers = followers  # the ones this process started (offline Engine)
         self.calls: list[tuple[str, Any]] = []
+        self.closed = False
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.scheduler, name)
@@ -170,31 +240,49 @@ class ReplicatedScheduler:
         broadcast_object(calls)
 
     def close(self) -> None:
-        """Stops the followers (they leave their loop) and leaves the group."""
-        self._publish("exit")
-        for proc in self.followers:
-            proc.join(FOLLOWER_JOIN_S)
-            if proc.is_alive():
-                proc.kill()
-        destroy_tensor_parallel()
+        """Stops the followers (they leave their loop) and leaves the group, once: afterwards
+        this process may form a new group (another engine)."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self._publish("exit")
+        finally:
+            stop_followers(self.followers, FOLLOWER_JOIN_S)
+            destroy_tensor_parallel()
+
+
+def stop_followers(followers: Sequence[BaseProcess], wait_s: float) -> None:
+    """Waits up to `wait_s` for each follower to exit, then kills it; each is reaped."""
+    for proc in followers:
+        proc.join(wait_s)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
 
 
 def start_rank0(args: ServerArgs, port: int, followers: list[BaseProcess]) -> ReplicatedScheduler:
-    return ReplicatedScheduler(join(args, 0, port), followers)
+    return ReplicatedScheduler(join(args, 0, port, followers), followers)
 
 
 def build_scheduler(args: ServerArgs) -> Scheduler | ReplicatedScheduler:
     """The scheduler of an in-process engine: with --tp-size > 1, rank 0 of a group whose
-    followers this starts (and stops on failure)."""
+    followers this starts (and stops on failure). One group per process (model/parallel.py):
+    while a tensor-parallel engine is open, no other engine can be built here."""
+    if get_tp().enabled or dist.is_initialized():
+        raise RuntimeError(
+            "a tensor-parallel Engine is open in this process: close() it before building "
+            "another (one tensor-parallel group per process)"
+        )
     if args.tp_size == 1:
         return Scheduler(args)
-    port = rendezvous_port()
-    followers = spawn_followers(args, port)
+    # The store first, on a port it picks itself: no other process can take it in between.
+    store = open_store(args, 0, 0)
+    followers = spawn_followers(args, store.port)
     try:
-        return start_rank0(args, port, followers)
+        return ReplicatedScheduler(join(args, 0, store.port, followers, store), followers)
     except BaseException:
-        for proc in followers:
-            proc.kill()
+        stop_followers(followers, 0)
         destroy_tensor_parallel()
         raise
 

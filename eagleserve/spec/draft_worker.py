@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import time
 
 import torch
 
@@ -39,6 +40,7 @@ logger = logging.getLogger(__name__)
 
 class EagleDraftWorker:
     def __init__(self, target: ModelRunner, spec: SpecConfig, args: ServerArgs) -> None:
+        t0 = time.perf_counter()
         self.spec = spec
         self.device = device = target.device
         self.req_to_token = target.req_to_token_pool.req_to_token
@@ -73,6 +75,8 @@ class EagleDraftWorker:
             hc.head_dim**-0.5,
             shape_invariant=packed,  # the target's row kernel (its fp32 pool)
         )
+        logger.info("start-up: draft head and its KV pool loaded in %.2f s",
+                    time.perf_counter() - t0)  # fmt: skip
         graph_bs = min(args.cuda_graph_max_bs, args.max_running_requests)
         self.graph: GraphedForward | None = None
         if spec.is_chain and target.graphs_enabled(args):
@@ -86,7 +90,9 @@ class EagleDraftWorker:
                 1,
                 extra_shapes={"features": ((self.head.hidden_size,), target.dtype)},
             )
+            t1 = time.perf_counter()
             self.graph.capture()
+            logger.info("start-up: draft graph captured in %.2f s", time.perf_counter() - t1)
         # Per chain length drafted (adaptive speculation drafts 1..num_steps), sized for the
         # largest batch that can run, so no batch falls back to the slow path.
         chain_lengths = range(1 if spec.adaptive else spec.num_steps, spec.num_steps + 1)

@@ -27,7 +27,7 @@ from eagleserve.model.runner import ModelRunner
 from eagleserve.model.sampler import SamplingInfo, sample_next, top_logprobs
 from eagleserve.spec.accept import accept, commit_tree_path
 from eagleserve.spec.adaptive import AdaptiveController, depth_choices
-from eagleserve.spec.cost_model import measure_costs
+from eagleserve.spec.cost_table_cache import cost_table
 from eagleserve.spec.draft_worker import EagleDraftWorker
 from eagleserve.spec.tree import build_tree
 
@@ -61,8 +61,8 @@ class EagleWorker:
         self.controller: AdaptiveController | None = None
         if spec.adaptive:
             buckets = tuple(b for b in BUCKETS if b < args.max_running_requests)
-            costs = measure_costs(
-                runner, self.drafter, (*buckets, args.max_running_requests), choices
+            costs = cost_table(
+                runner, self.drafter, args, (*buckets, args.max_running_requests), choices
             )
             self.controller = AdaptiveController(costs, choices, spec.adaptive_probe_interval)
 

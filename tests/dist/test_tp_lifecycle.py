@@ -1,0 +1,97 @@
+"""A tensor-parallel engine's life in one process: a rank that dies before it joins fails the
+engine within seconds (with the likely cause), a rank that never joins fails it after
+--dist-timeout, and after close() another TP engine starts as fast as the first; while one is
+open, building another is a clear error."""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+from conftest import SPEC_VOCAB, save_spec_target
+
+from eagleserve import Engine, SamplingParams
+from eagleserve.config import ServerArgs
+from eagleserve.scheduler.tp_engine import open_store, wait_for_ranks
+
+pytestmark = pytest.mark.usefixtures("torch_threads")
+REPO = Path(__file__).resolve().parents[2]
+# An unguarded script fails in its imports and one follower's start-up: seconds, not minutes.
+FAIL_FAST_S = 90
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    tmp = str(tmp_path_factory.mktemp("tp_life"))
+    return save_spec_target(tmp, random.randrange(1 << 30), SPEC_VOCAB - 1, 0)
+
+
+def test_unguarded_script_fails_fast_naming_the_main_guard(
+    target_dir: str, tmp_path: Path
+) -> None:
+    """A script that builds a TP Engine at module level (no main guard): each follower re-runs
+    it on import and dies; rank 0 must say so instead of waiting for it forever."""
+    script = tmp_path / "unguarded.py"
+    script.write_text(textwrap.dedent(f"""
+        from eagleserve import Engine
+        engine = Engine({target_dir!r}, device="cpu", dtype="float32", kv_cache_tokens=512,
+                        tp_size=2)
+        print("built")
+        engine.close()
+    """))
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          env=env, timeout=FAIL_FAST_S * 2, cwd=tmp_path)  # fmt: skip
+    elapsed = time.monotonic() - t0
+    assert proc.returncode != 0 and "built" not in proc.stdout
+    assert "exited (exit code 1) before it joined rank 0" in proc.stderr
+    assert 'if __name__ == "__main__":' in proc.stderr
+    assert elapsed < FAIL_FAST_S, f"took {elapsed:.0f} s to fail"
+
+
+def test_a_rank_that_never_joins_fails_after_the_timeout() -> None:
+    """Rank 0 of a group whose other rank never comes (the server path, whose followers are
+    not rank 0's children): --dist-timeout, then an error naming the missing rank."""
+    timeout = random.uniform(0.5, 1.5)
+    args = ServerArgs(tp_size=2)
+    store = open_store(args, 0, 0)
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"ranks \[1\] did not join rank 0 within"):
+        wait_for_ranks(store, 2, [], timeout)
+    assert timeout <= time.monotonic() - t0 < timeout + 5
+
+
+def _build(target_dir: str) -> tuple[Engine, float]:
+    t0 = time.monotonic()
+    engine = Engine(target_dir, device="cpu", dtype="float32", kv_cache_tokens=1024, tp_size=2)
+    return engine, time.monotonic() - t0
+
+
+def test_second_tp_engine_starts_as_fast_as_the_first(target_dir: str) -> None:
+    rng = random.Random()
+    prompt = [rng.randrange(1, SPEC_VOCAB - 1) for _ in range(rng.randrange(3, 12))]
+    params = SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True)
+    first, first_s = _build(target_dir)
+    with first:
+        want = first.generate([prompt], params)[0]["token_ids"]
+        # One group per process: a second engine while this one is open is refused, clearly,
+        # and leaves the open one working.
+        with pytest.raises(RuntimeError, match=r"close\(\) it before building another"):
+            Engine(target_dir, device="cpu", dtype="float32", kv_cache_tokens=1024, tp_size=2)
+        with pytest.raises(RuntimeError, match="tensor-parallel Engine is open"):
+            Engine(target_dir, device="cpu", dtype="float32", kv_cache_tokens=1024)
+        assert first.generate([prompt], params)[0]["token_ids"] == want
+    first.close()  # again: nothing to do
+    second, second_s = _build(target_dir)
+    with second:
+        assert second.generate([prompt], params)[0]["token_ids"] == want
+    # Both builds start a Python process for rank 1 on a machine whose cores may be shared:
+    # a few seconds of slack on top of the 2x.
+    assert second_s <= 2 * first_s + 5, f"first {first_s:.1f} s, second {second_s:.1f} s"
