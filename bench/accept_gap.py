@@ -29,7 +29,7 @@ from bench.spec_cpu import chat_ids, run_engine  # noqa: E402
 from eagleserve import Engine  # noqa: E402
 from eagleserve.train.extract import extract, self_distilled_items  # noqa: E402
 from eagleserve.train.shards import ShardWriter  # noqa: E402
-from eagleserve.train.tf_cli import load_target, target_layer_ids  # noqa: E402
+from eagleserve.train.target import load_target, target_layer_ids  # noqa: E402
 from eagleserve.train.tf_train import head_accuracy  # noqa: E402
 
 CHAIN = dict(speculative_num_steps=3, speculative_eagle_topk=1, speculative_num_draft_tokens=4)

@@ -1,4 +1,4 @@
-"""The grammar rows of one forward and the masks they need (model/grammar.py has the invariant).
+"""The grammar rows of one forward and the masks they need (grammar.py has the invariant).
 
 Built on the host at launch (the scheduler knows which request's prefill goes on in a later
 chunk: its sampled token is thrown away, so its matcher must not advance). Rows without a grammar

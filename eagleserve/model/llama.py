@@ -240,8 +240,8 @@ class LlamaForCausalLM(nn.Module):
         self.cpu_layers: CpuLayers | None = None
         # --enable-deterministic-inference (model/batch_invariant.py): the logits GEMM too.
         self.batch_invariant = False
-        # The layers on the fused Triton kernels (model/fused_forward.py; set by model/runner.py
-        # on a GPU with merged q/k/v and gate/up).
+        # The layers on the fused Triton kernels (fused_forward.py; set by ModelRunner on a GPU
+        # with merged q/k/v and gate/up).
         self.fused_kernels = False
 
     @property

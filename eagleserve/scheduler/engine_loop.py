@@ -4,10 +4,7 @@ The server PUSHes `GenerateReqInput` / `AbortReq` / `StatsReq` / `ShutdownReq` t
 the engine PUSHes `EngineReady` (or `EngineStartupError`), `BatchTokenOutput` and `EngineStats`
 to `out_addr`. The engine exits when told to, or when its parent process is gone.
 
-Fault injection (tests only): with `EAGLESERVE_FAULT_INJECT_TOKEN=<id>` in the environment, every
-forward of a batch that holds a request whose prompt *starts with* token `<id>` raises
-`RuntimeError("injected fault ...")` inside the worker. The scheduler must then fail exactly
-that batch's requests (500) and keep serving the others. Unset (the default): no wrapper at all.
+Every rank installs fault injection (scheduler/faults.py; tests only) on its scheduler.
 """
 
 from __future__ import annotations
@@ -31,28 +28,10 @@ from eagleserve.messages import (
     ShutdownReq,
     StatsReq,
 )
+from eagleserve.scheduler.faults import install_fault_injection
 
 logger = logging.getLogger("eagleserve.engine")
 IDLE_POLL_MS = 500
-FAULT_INJECT_ENV = "EAGLESERVE_FAULT_INJECT_TOKEN"
-
-
-def install_fault_injection(scheduler: Any, env: dict[str, str] | os._Environ = os.environ) -> None:
-    """Wraps the worker's forward so batches with a trigger prompt raise (see module doc)."""
-    raw = env.get(FAULT_INJECT_ENV)
-    if not raw:
-        return
-    trigger = int(raw)
-    worker = scheduler.worker
-    real = worker.forward_batch_generation
-
-    def faulty(batch: Any, *args: Any, **kwargs: Any) -> Any:
-        if any(r.origin_input_ids[:1] == [trigger] for r in batch.reqs):
-            raise RuntimeError(f"injected fault ({FAULT_INJECT_ENV}={trigger})")
-        return real(batch, *args, **kwargs)
-
-    worker.forward_batch_generation = faulty
-    logger.warning("fault injection on: prompts starting with token %d fail", trigger)
 
 
 class EngineLoop:

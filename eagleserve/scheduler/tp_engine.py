@@ -45,6 +45,7 @@ from eagleserve.model.parallel import (
     get_tp,
     init_tensor_parallel,
 )
+from eagleserve.scheduler.faults import install_fault_injection
 from eagleserve.scheduler.scheduler import Scheduler
 
 logger = logging.getLogger("eagleserve.tp")
@@ -178,8 +179,6 @@ def join(
         scheduler = Scheduler(own)
         make_forward_fatal(scheduler)
         # Every rank, so an injected fault skips the forward on all of them (tests only).
-        from eagleserve.scheduler.engine_loop import install_fault_injection
-
         install_fault_injection(scheduler)
     except Exception as exc:  # reported below, by every rank
         error = exc

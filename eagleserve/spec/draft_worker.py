@@ -31,8 +31,8 @@ from eagleserve.model.runner import ModelRunner
 from eagleserve.spec.adaptive import acceptance_prior
 from eagleserve.spec.draft_lag import DraftLag, catch_up_batch
 from eagleserve.spec.draft_tree import DraftTree, draft_chain, draft_tree
-from eagleserve.spec.eagle_head import EagleHead, load_eagle_head
-from eagleserve.spec.head_loader import measured_acceptance
+from eagleserve.spec.eagle_head import EagleHead
+from eagleserve.spec.head_loader import load_eagle_head, measured_acceptance
 from eagleserve.spec.tree import Topk1ChainBuffers
 
 logger = logging.getLogger(__name__)

@@ -271,29 +271,3 @@ def build_head(
     with torch.device("meta"):
         head = EagleHead(algorithm, cfg, target, **kwargs)
     return head.materialize(torch.device(device), dtype)
-
-
-def load_eagle_head(
-    path: str, algorithm: str, target: LlamaForCausalLM, device: torch.device, dtype: torch.dtype
-) -> EagleHead:
-    from eagleserve.spec.head_loader import load_eagle_head as _load
-
-    return _load(path, algorithm, target, device, dtype)
-
-
-def save_eagle_head(head: EagleHead, out_dir: str, max_shard_bytes: int | None = None) -> None:
-    from eagleserve.spec.head_loader import save_eagle_head as _save
-
-    _save(head, out_dir, max_shard_bytes)
-
-
-def init_eagle_head(
-    algorithm: str,
-    target: LlamaForCausalLM,
-    draft_vocab_size: int | None = None,
-    seed: int = 0,
-    draft_token_ids: torch.Tensor | None = None,
-) -> EagleHead:
-    from eagleserve.spec.head_loader import init_eagle_head as _init
-
-    return _init(algorithm, target, draft_vocab_size, seed, draft_token_ids)

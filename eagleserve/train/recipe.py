@@ -115,7 +115,7 @@ def run_recipe(ns: argparse.Namespace) -> int:
     from eagleserve.spec.head_loader import init_eagle_head, load_eagle_head, save_eagle_head
     from eagleserve.train.data import sharegpt_path
     from eagleserve.train.features import label_map
-    from eagleserve.train.tf_cli import load_target, target_layer_ids
+    from eagleserve.train.target import load_target, target_layer_ids
     from eagleserve.train.tf_train import evaluate_shards
     from eagleserve.train.trainer import TrainConfig, train_head
 

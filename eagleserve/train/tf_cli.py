@@ -12,7 +12,6 @@ import os
 
 import torch
 
-from eagleserve.spec.eagle_head import eagle3_aux_layer_ids
 from eagleserve.train.conversations import (
     conversation_order,
     held_out_prompts,
@@ -23,8 +22,8 @@ from eagleserve.train.conversations import (
 )
 from eagleserve.train.data import load_sequences, sharegpt_path
 from eagleserve.train.extract import Source, extract, mixed_order, self_distilled_items
-from eagleserve.train.features import feature_layers
 from eagleserve.train.shards import ShardWriter
+from eagleserve.train.target import load_target, target_layer_ids
 
 
 def add_tf_args(p: argparse.ArgumentParser) -> None:
@@ -47,29 +46,6 @@ def add_tf_args(p: argparse.ArgumentParser) -> None:
                    "(default OUT/val_shards): per-depth accuracy")  # fmt: skip
     g.add_argument("--loss", default="soft", choices=["soft", "hard"],
                    help="soft: CE against the target's top-k; hard: its argmax")  # fmt: skip
-
-
-def load_target(
-    model: str, extract_dtype: str, max_len: int, device: str = "cpu"
-) -> tuple[object, object]:
-    """(target LlamaForCausalLM, tokenizer), frozen, in the form extraction runs it, on
-    `device`; its rotary tables cover `max_len` positions (they are sized by the KV pool)."""
-    from eagleserve import Engine
-
-    kw = {} if extract_dtype == "served" else {"dtype": extract_dtype}
-    if device != "cpu":
-        kw["disable_cuda_graph"] = True  # only the dense training forward runs
-    eng = Engine(model=model, device=device, disable_overlap_schedule=True,
-                 max_running_requests=1, kv_cache_tokens=max_len + 16, **kw)  # fmt: skip
-    target = eng.scheduler.worker.runner.model
-    for p in target.parameters():
-        p.requires_grad_(False)
-    return target, eng.tokenizer
-
-
-def target_layer_ids(algorithm: str, n_layers: int) -> tuple[int, ...]:
-    aux = tuple(eagle3_aux_layer_ids({}, n_layers)) if algorithm == "EAGLE3" else ()
-    return feature_layers(algorithm, aux, n_layers)
 
 
 def extract_data(ns: argparse.Namespace, target: object, tok: object) -> dict:

@@ -50,7 +50,7 @@ def head_accuracy(ns: argparse.Namespace) -> dict:
     OUT/val_shards): the same measure as the end-of-training one."""
     from eagleserve.spec.head_loader import load_eagle_head
     from eagleserve.train.assets import resolve_head_path
-    from eagleserve.train.tf_cli import load_target
+    from eagleserve.train.target import load_target
 
     target, _ = load_target(ns.model, "float32", ns.max_len + 16)
     path = resolve_head_path(ns.eval_head)
@@ -79,7 +79,7 @@ def eval_head_on_shards(ns: argparse.Namespace) -> int:
 
 def train_on_shards(ns: argparse.Namespace, extract_stats: dict) -> int:
     from eagleserve.spec.head_loader import init_eagle_head, save_eagle_head
-    from eagleserve.train.tf_cli import load_target
+    from eagleserve.train.target import load_target
 
     t0 = time.time()
     # The head trains in fp32 next to an fp32 target (it reads the target's embeddings).

@@ -19,12 +19,8 @@ from eagleserve.model.forward_batch import forward_context
 from eagleserve.model.kv_cache import ReqToTokenPool, TokenToKVPool
 from eagleserve.model.llama import LlamaForCausalLM
 from eagleserve.model.runner import ModelRunner
-from eagleserve.spec.eagle_head import (
-    EagleHead,
-    init_eagle_head,
-    load_eagle_head,
-    save_eagle_head,
-)
+from eagleserve.spec.eagle_head import EagleHead
+from eagleserve.spec.head_loader import init_eagle_head, load_eagle_head, save_eagle_head
 
 H, V, N = 64, 96, 8  # target hidden, vocab, layers
 NH, NKV, D, INTER = 4, 2, 16, 96  # head attention heads, kv heads, head_dim, mlp width

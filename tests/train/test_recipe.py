@@ -17,8 +17,8 @@ from eagleserve.spec.head_loader import init_eagle_head, load_eagle_head
 from eagleserve.train.cli import main
 from eagleserve.train.features import IGNORE, label_map
 from eagleserve.train.online import StoreSource, build_store, cut_windows, store_batch
+from eagleserve.train.target import load_target, target_layer_ids
 from eagleserve.train.teacher import teacher_targets
-from eagleserve.train.tf_cli import load_target, target_layer_ids
 from eagleserve.train.ttt import head_step
 
 pytestmark = pytest.mark.usefixtures("torch_threads")

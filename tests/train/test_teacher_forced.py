@@ -21,8 +21,8 @@ from eagleserve.train.conversations import tokenize_conversation
 from eagleserve.train.dense_backend import hidden_states_entering
 from eagleserve.train.extract import extract, self_distilled_items
 from eagleserve.train.shards import Seq, ShardWriter, load_shard, read_index
+from eagleserve.train.target import load_target, target_layer_ids
 from eagleserve.train.teacher import teacher_targets
-from eagleserve.train.tf_cli import load_target, target_layer_ids
 
 pytestmark = pytest.mark.usefixtures("torch_threads")
 

@@ -1,0 +1,31 @@
+"""The frozen target that teacher-forced extraction and training read, and the layers whose
+features an EAGLE head takes. Its own module so tf_cli (extraction) and tf_train (training)
+both use it without importing each other."""
+
+from __future__ import annotations
+
+from eagleserve.spec.eagle_head import eagle3_aux_layer_ids
+from eagleserve.train.features import feature_layers
+
+
+def load_target(
+    model: str, extract_dtype: str, max_len: int, device: str = "cpu"
+) -> tuple[object, object]:
+    """(target LlamaForCausalLM, tokenizer), frozen, in the form extraction runs it, on
+    `device`; its rotary tables cover `max_len` positions (they are sized by the KV pool)."""
+    from eagleserve import Engine
+
+    kw = {} if extract_dtype == "served" else {"dtype": extract_dtype}
+    if device != "cpu":
+        kw["disable_cuda_graph"] = True  # only the dense training forward runs
+    eng = Engine(model=model, device=device, disable_overlap_schedule=True,
+                 max_running_requests=1, kv_cache_tokens=max_len + 16, **kw)  # fmt: skip
+    target = eng.scheduler.worker.runner.model
+    for p in target.parameters():
+        p.requires_grad_(False)
+    return target, eng.tokenizer
+
+
+def target_layer_ids(algorithm: str, n_layers: int) -> tuple[int, ...]:
+    aux = tuple(eagle3_aux_layer_ids({}, n_layers)) if algorithm == "EAGLE3" else ()
+    return feature_layers(algorithm, aux, n_layers)
