@@ -156,7 +156,7 @@ def run_recipe(ns: argparse.Namespace) -> int:
     vstore, _ = build_store(target, vwins, layers, ns.top_k, ns.val_tokens,
                             ns.extract_batch_tokens, "Held-out features")  # fmt: skip
     store, fstats = build_store(target, wins, layers, ns.top_k,
-                                min(cap, ns.max_tokens), ns.extract_batch_tokens,
+                                min(cap, ns.max_tokens or cap), ns.extract_batch_tokens,
                                 max_seconds=extract_s)  # fmt: skip
     t_feat = time.time()
     print("features", json.dumps(fstats), flush=True)

@@ -30,7 +30,9 @@ def add_tf_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("teacher-forced data (--data-source teacher-forced)")
     g.add_argument("--data-source", default="self-distilled",
                    choices=["self-distilled", "teacher-forced"])  # fmt: skip
-    g.add_argument("--max-tokens", type=int, default=2_000_000, help="training tokens to extract")
+    g.add_argument("--max-tokens", type=int, default=None,
+                   help="training tokens to extract (default: 2 M into shards; with --recipe gpu, "
+                   "as many as the feature store holds)")  # fmt: skip
     g.add_argument("--val-tokens", type=int, default=40_000, help="held-out tokens to extract")
     g.add_argument("--extract-minutes", type=float, default=60.0, help="extraction time budget")
     g.add_argument("--max-seq-len", type=int, default=2048, help="conversation cut (tokens)")
@@ -76,7 +78,7 @@ def extract_data(ns: argparse.Namespace, target: object, tok: object) -> dict:
     for name, items, budget, minutes in (
         ("val_shards", [conv(i) for i in val_i], ns.val_tokens, float("inf")),
         ("shards", mixed_order([[conv(i) for i in train_i], distilled], ns.seed),
-         ns.max_tokens, ns.extract_minutes),
+         ns.max_tokens or 2_000_000, ns.extract_minutes),
     ):  # fmt: skip
         writer = ShardWriter(os.path.join(ns.out, name), ns.shard_tokens, meta)
         stats[name] = extract(target, items, writer, layers, ns.top_k, budget, minutes, name)
