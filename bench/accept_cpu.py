@@ -22,7 +22,7 @@ from bench import data  # noqa: E402
 from bench.common import machine, print_table, write_json  # noqa: E402
 from bench.spec_cpu import chat_ids, run_engine  # noqa: E402
 from eagleserve import Engine  # noqa: E402
-from eagleserve.model.loader import resolve_draft_path  # noqa: E402
+from eagleserve.models.loader import resolve_draft_path  # noqa: E402
 
 CHAIN = dict(speculative_num_steps=3, speculative_eagle_topk=1, speculative_num_draft_tokens=4)
 

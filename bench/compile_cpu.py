@@ -25,8 +25,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.common import machine, machine_info, median, print_table, write_json  # noqa: E402
 from bench.data import mt_bench  # noqa: E402
 from eagleserve import Engine, SamplingParams  # noqa: E402
-from eagleserve.model import llama  # noqa: E402
-from eagleserve.model.forward_batch import get_forward_batch  # noqa: E402
+from eagleserve.layers.forward_batch import get_forward_batch  # noqa: E402
+from eagleserve.models import llama  # noqa: E402
 
 
 @torch._dynamo.disable

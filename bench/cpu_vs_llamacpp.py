@@ -37,7 +37,7 @@ sys.path.insert(0, ROOT)
 from bench.common import machine  # noqa: E402
 from bench.data import mt_bench  # noqa: E402
 from eagleserve import Engine, SamplingParams  # noqa: E402
-from eagleserve.model.loader import default_gguf_path, resolve_model_path  # noqa: E402
+from eagleserve.models.loader import default_gguf_path, resolve_model_path  # noqa: E402
 
 
 def load_prompts(n: int) -> tuple[list[str], str]:
@@ -47,7 +47,7 @@ def load_prompts(n: int) -> tuple[list[str], str]:
 
 def gemv_bench(rounds: int = 9, reps: int = 30) -> dict[str, float]:
     """The 576 x 49152 lm_head at batch 1: per round the median over reps (ms)."""
-    from eagleserve.model.quant import Int4Linear, Int8Linear, Q8Int4Linear
+    from eagleserve.models.quant import Int4Linear, Int8Linear, Q8Int4Linear
 
     n, k = 49152, 576
     g = torch.Generator().manual_seed(0)
@@ -125,7 +125,7 @@ def run_setting(
 def verify_costs(engine: Any, context: int, reps: int) -> dict[str, float]:
     """Median ms of one target forward over n = 1 (a decode) .. 4 new tokens of one request
     after `context` tokens of (scratch) KV, n interleaved; through the serving forward."""
-    from eagleserve.model.forward_batch import ForwardBatch, HostLens
+    from eagleserve.layers.forward_batch import ForwardBatch, HostLens
 
     runner = engine.scheduler.worker.runner
     r2t_pool, kv_pool = runner.req_to_token_pool, runner.token_to_kv_pool

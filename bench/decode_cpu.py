@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import machine, machine_info, median, print_table, time_runs, write_json  # noqa: E402
 from eagleserve import Engine, SamplingParams  # noqa: E402
-from eagleserve.model.loader import gguf_source, resolve_model_path  # noqa: E402
+from eagleserve.models.loader import gguf_source, resolve_model_path  # noqa: E402
 
 PROMPTS = [
     "Write a short story about a lighthouse keeper.",

@@ -23,7 +23,7 @@ import torch
 
 from eagleserve import Engine, SamplingParams
 from eagleserve.device import pick_device, synchronize
-from eagleserve.model.forward_batch import ForwardBatch, HostLens
+from eagleserve.layers.forward_batch import ForwardBatch, HostLens
 from eagleserve.spec.head_loader import init_eagle_head, save_eagle_head
 from eagleserve.spec.tree import Topk1ChainBuffers
 

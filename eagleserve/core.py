@@ -21,7 +21,7 @@ import torch
 from eagleserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from eagleserve.model.kv_cache import ReqToTokenPool, TokenToKVPool
+    from eagleserve.mem_cache.kv_cache import ReqToTokenPool, TokenToKVPool
 
 ForwardMode = Literal["extend", "decode", "draft", "verify"]
 
@@ -59,7 +59,7 @@ class Req:
     spec_alphas: list[float] = field(default_factory=list)
     draft_lag: int = 0
     generator: torch.Generator | None = None
-    # Structured output: the model/grammar.py RequestGrammar (None: free text).
+    # Structured output: the constrained/grammar.py RequestGrammar (None: free text).
     grammar: Any = None
     # Tokens already handed to the output stream (streaming sends the rest).
     num_sent_tokens: int = 0
@@ -128,9 +128,9 @@ class ScheduleBatch:
     num_drafts: int | None = None
     draft_lags: list[int] | None = None
     # (ids of `reqs`, SamplingInfo) built by the scheduler before launch, reused while the
-    # batch's membership is unchanged (model/sampler.py SamplingInfo.of_batch).
+    # batch's membership is unchanged (sampling/sampler.py SamplingInfo.of_batch).
     sampling_info: tuple[tuple[int, ...], Any] | None = None
-    # The model/grammar_batch.py BatchGrammar of this launch (None: no grammar row), built by
+    # The constrained/grammar_batch.py BatchGrammar of this launch (None: no grammar row), built by
     # the scheduler before each launch.
     grammar: Any = None
 
@@ -321,7 +321,7 @@ class GenerationBatchResult:
     top_logprob_vals: torch.Tensor | None = None  # [..., k]
     top_logprob_ids: torch.Tensor | None = None  # [..., k]
     num_drafts: int | None = None  # spec: draft tokens per request this iteration
-    prompt_logprobs: Any = None  # a prefill's model/prompt_logprobs.py PromptLogprobs, if any
+    prompt_logprobs: Any = None  # a prefill's sampling/prompt_logprobs.py PromptLogprobs, if any
 
     def to_host(self) -> GenerationBatchResult:
         """Copies the tensors to the host (waits for the forward that made them)."""

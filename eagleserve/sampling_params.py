@@ -23,7 +23,7 @@ GrammarKind = Literal["json_object", "json_schema", "regex", "ebnf", "structural
 
 @dataclass(frozen=True)
 class GrammarSpec:
-    """A constraint on the output (model/grammar.py compiles it): `json_object` (any JSON
+    """A constraint on the output (constrained/grammar.py compiles it): `json_object` (any JSON
     object; `value` unused), `json_schema` (`value`: the schema as JSON text), `regex`, `ebnf`
     (xgrammar's EBNF, rule `root`), `structural_tag` (xgrammar's structural tag as JSON text:
     tool calls)."""
@@ -47,7 +47,7 @@ class SamplingParams:
     # Logprobs of the prompt tokens (each given the ones before it) with the top-k, when set.
     # max_new_tokens 0: the request is prefilled and ends (it scores its prompt).
     prompt_logprobs: int | None = None
-    # Penalties and bias (model/penalties.py): OpenAI's ranges; repetition as vLLM's.
+    # Penalties and bias (sampling/penalties.py): OpenAI's ranges; repetition as vLLM's.
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0

@@ -25,9 +25,9 @@ import torch  # noqa: E402
 from eagleserve.config import ServerArgs  # noqa: E402
 from eagleserve.core import ForwardMode, SamplingParams  # noqa: E402
 from eagleserve.engine import Engine  # noqa: E402
-from eagleserve.model.forward_batch import ForwardBatch, HostLens  # noqa: E402
-from eagleserve.model.llama import ModelOutput  # noqa: E402
-from eagleserve.model.runner import ModelRunner  # noqa: E402
+from eagleserve.layers.forward_batch import ForwardBatch, HostLens  # noqa: E402
+from eagleserve.model_executor.model_runner import ModelRunner  # noqa: E402
+from eagleserve.models.llama import ModelOutput  # noqa: E402
 from eagleserve.scheduler.scheduler import Scheduler  # noqa: E402
 
 TINY_VOCAB = 256
@@ -245,7 +245,7 @@ def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 @pytest.fixture(scope="session")
 def smollm2_dir() -> str:
-    from eagleserve.model.loader import resolve_model_path
+    from eagleserve.models.loader import resolve_model_path
 
     try:
         return resolve_model_path("default")

@@ -31,7 +31,6 @@ RANK = {
     "scheduler": 6,
     "train": 7,
     "server": 7,
-    "model": 3,  # pre-move
 }
 FLOOR = {"core", "config", "messages", "device", "sampling_params"}
 NOT_CODE = {"assets", "__pycache__"}

@@ -65,7 +65,7 @@ def cpu_supported() -> bool:
 def _cache_dir() -> str:
     root = os.environ.get("EAGLESERVE_CACHE") or os.path.join(
         os.path.expanduser("~"), ".cache", "eagleserve"
-    )  # the model cache's root (model/loader.py)
+    )  # the model cache's root (models/loader.py)
     return os.path.join(root, "kernels")
 
 
@@ -232,7 +232,7 @@ def decoder_layers(
     aux_layers: list[int],
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Every decoder layer of a packed target over h [T, hidden] fp32 (cpu_layers.cpp):
-    weights 14 per layer, out_features 4 per layer (model/cpu_layers.py builds both);
+    weights 14 per layer, out_features 4 per layer (models/cpu_layers.py builds both);
     shape (rms eps, heads, kv heads); rotary (cos, signed sin); kv (K buffers, V buffers, the
     new tokens' slots); rows (req_to_token, req_pool_indices, prefix_lens, extend_lens,
     kv_lens, tree_mask or None) as `paged_attention` takes them. Returns the last layer's

@@ -1,7 +1,7 @@
 """Fused per-layer Triton kernels of the GPU decoder layer (also run under TRITON_INTERPRET=1).
 
 Each replaces several eager ops by one launch and rounds where the unfused torch path of
-model/llama.py rounds, so a 16-bit result matches it to one rounding step:
+models/llama.py rounds, so a 16-bit result matches it to one rounding step:
 - `add_rms_norm`: residual add + RMSNorm -> (normed, new residual); without a residual, RMSNorm.
 - `silu_mul`: SiLU(gate) * up over a fused gate_up output [T, 2I].
 - `rope_store_kv_`: neox rotary (x*cos + rotate_half(x)*sin) of q and k inside a fused qkv

@@ -9,7 +9,7 @@ previous batch's stash.
 Grammar masks are not futures: they need the committed tokens on the host, so a forward holding a
 grammar request reads its tokens back and advances the matchers before it returns; the next
 forward, prepared here before acceptance was known, computes its masks when it runs (after that
-one, in launch order). See model/grammar.py for the invariant.
+one, in launch order). See constrained/grammar.py for the invariant.
 """
 
 from __future__ import annotations

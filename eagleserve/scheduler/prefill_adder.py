@@ -18,7 +18,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from eagleserve.core import Req
-from eagleserve.scheduler.prefix_cache import PrefixCache
+from eagleserve.mem_cache.prefix_cache import PrefixCache
 
 
 @dataclass

@@ -8,15 +8,16 @@ from collections import deque
 from concurrent.futures import Future
 
 from eagleserve.config import ModelConfig, ServerArgs
+from eagleserve.constrained.grammar import GrammarBackend, request_grammar
+from eagleserve.constrained.grammar_batch import BatchGrammar
 from eagleserve.core import FinishReason, GenerationBatchResult, Req, ScheduleBatch
 from eagleserve.device import pick_device
+from eagleserve.distributed.parallel import broadcast_object
+from eagleserve.mem_cache.prefix_cache import PrefixCache
 from eagleserve.messages import EngineStats, GenerateReqInput, TokenOutput
-from eagleserve.model.grammar import GrammarBackend, request_grammar
-from eagleserve.model.grammar_batch import BatchGrammar
-from eagleserve.model.loader import load_tokenizer, resolve_model_path
-from eagleserve.model.parallel import broadcast_object
-from eagleserve.model.runner import ModelRunner
-from eagleserve.model.sampler import SamplingInfo, request_generator
+from eagleserve.model_executor.model_runner import ModelRunner
+from eagleserve.models.loader import load_tokenizer, resolve_model_path
+from eagleserve.sampling.sampler import SamplingInfo, request_generator
 from eagleserve.sampling_params import check_request
 from eagleserve.scheduler.chunk_budget import ChunkBudget
 from eagleserve.scheduler.engine_stats import engine_stats
@@ -30,7 +31,6 @@ from eagleserve.scheduler.output_processor import (
 )
 from eagleserve.scheduler.overlap import OverlapForwarder
 from eagleserve.scheduler.prefill_adder import plan_prefill
-from eagleserve.scheduler.prefix_cache import PrefixCache
 from eagleserve.scheduler.spec_stats import SpecStats
 from eagleserve.scheduler.target_worker import TargetWorker
 from eagleserve.spec.eagle_worker import EagleWorker

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from eagleserve.config import ServerArgs
 from eagleserve.core import GenerationBatchResult, ScheduleBatch
-from eagleserve.model.prompt_logprobs import score_prompts, wants_prompt_logprobs
-from eagleserve.model.runner import ModelRunner
-from eagleserve.model.sampler import SamplingInfo, sample_next
+from eagleserve.model_executor.model_runner import ModelRunner
+from eagleserve.sampling.prompt_logprobs import score_prompts, wants_prompt_logprobs
+from eagleserve.sampling.sampler import SamplingInfo, sample_next
 
 
 class TargetWorker:

@@ -2,8 +2,8 @@
 
 Rank 0 is the engine (the engine process of `eagleserve serve`, or the caller of the offline
 `Engine`); ranks 1..N-1 are followers, started with torch.multiprocessing and joined over
-torch.distributed (model/parallel.py). Every rank builds the same Scheduler over its shard of
-the target (model/tp_shard.py). Rank 0 alone receives requests; every scheduler call that
+torch.distributed (distributed/parallel.py). Every rank builds the same Scheduler over its shard of
+the target (models/tp_shard.py). Rank 0 alone receives requests; every scheduler call that
 changes state (add_request, abort_request, step) is broadcast, in rank 0's order, before rank 0
 makes it, and each follower makes the same calls. The schedulers then choose the same batches,
 allocate the same KV slots and run the same forwards, whose collectives meet; what a forward
@@ -34,9 +34,7 @@ import torch.multiprocessing as tmp
 
 from eagleserve.config import ServerArgs
 from eagleserve.device import pick_device
-from eagleserve.messages import GenerateReqInput, TokenOutput
-from eagleserve.model.loader import resolve_model_path
-from eagleserve.model.parallel import (
+from eagleserve.distributed.parallel import (
     GROUP_TIMEOUT,
     all_gather_object,
     broadcast_object,
@@ -45,6 +43,8 @@ from eagleserve.model.parallel import (
     get_tp,
     init_tensor_parallel,
 )
+from eagleserve.messages import GenerateReqInput, TokenOutput
+from eagleserve.models.loader import resolve_model_path
 from eagleserve.scheduler.faults import install_fault_injection
 from eagleserve.scheduler.scheduler import Scheduler
 
@@ -266,7 +266,7 @@ def start_rank0(args: ServerArgs, port: int, followers: list[BaseProcess]) -> Re
 
 def build_scheduler(args: ServerArgs) -> Scheduler | ReplicatedScheduler:
     """The scheduler of an in-process engine: with --tp-size > 1, rank 0 of a group whose
-    followers this starts (and stops on failure). One group per process (model/parallel.py):
+    followers this starts (and stops on failure). One group per process (distributed/parallel.py):
     while a tensor-parallel engine is open, no other engine can be built here."""
     if get_tp().enabled or dist.is_initialized():
         raise RuntimeError(

@@ -34,7 +34,7 @@ from eagleserve.messages import (
     StatsReq,
     TokenOutput,
 )
-from eagleserve.model.loader import load_tokenizer
+from eagleserve.models.loader import load_tokenizer
 from eagleserve.scheduler.engine_loop import run_engine
 from eagleserve.scheduler.omp_spin import overlap_spin_env, process_env
 from eagleserve.scheduler.tp_engine import rendezvous_port, spawn_followers

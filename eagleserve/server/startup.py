@@ -59,7 +59,7 @@ def bind_socket(host: str, port: int) -> socket.socket:
 def check_paths(args: ServerArgs) -> None:
     """The model and draft paths exist and look like what the loader reads (no side effects:
     'default' and .gguf models are converted by the engine, not here)."""
-    from eagleserve.model.loader import resolve_draft_path, resolve_model_path
+    from eagleserve.models.loader import resolve_draft_path, resolve_model_path
 
     try:
         if args.model.endswith(".gguf"):

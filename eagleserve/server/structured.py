@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 
-from eagleserve.model.grammar import check_grammar
+from eagleserve.constrained.grammar import check_grammar
 from eagleserve.sampling_params import GrammarSpec
 from eagleserve.server.protocol import _SamplingFields
 from eagleserve.server.serving import ApiError

@@ -1,1 +1,4 @@
-"""EAGLE speculative decoding: draft trees, verification and the EAGLE worker."""
+"""EAGLE speculative decoding: draft trees, verification and the EAGLE worker.
+
+Imports: model_executor/ and everything below it.
+"""

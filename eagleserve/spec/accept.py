@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
-from eagleserve.model.parallel import broadcast_from_first
-from eagleserve.model.sampler import SamplingInfo, logits_to_probs
+from eagleserve.distributed.parallel import broadcast_from_first
+from eagleserve.sampling.sampler import SamplingInfo, logits_to_probs
 
 __all__ = [
     "AcceptResult",

@@ -18,8 +18,8 @@ from collections.abc import Callable
 import torch
 
 from eagleserve.device import synchronize
-from eagleserve.model.forward_batch import ForwardBatch, HostLens, forward_context
-from eagleserve.model.runner import ModelRunner
+from eagleserve.layers.forward_batch import ForwardBatch, HostLens, forward_context
+from eagleserve.model_executor.model_runner import ModelRunner
 from eagleserve.spec.adaptive import CostTable
 from eagleserve.spec.draft_worker import EagleDraftWorker
 

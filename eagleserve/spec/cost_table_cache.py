@@ -32,9 +32,9 @@ import torch
 
 from eagleserve.config import ServerArgs
 from eagleserve.device import device_module
-from eagleserve.model.loader import cache_dir, resolve_draft_path, resolve_model_path
-from eagleserve.model.parallel import all_gather_object, get_tp
-from eagleserve.model.runner import ModelRunner
+from eagleserve.distributed.parallel import all_gather_object, get_tp
+from eagleserve.model_executor.model_runner import ModelRunner
+from eagleserve.models.loader import cache_dir, resolve_draft_path, resolve_model_path
 from eagleserve.spec import cost_model
 from eagleserve.spec.adaptive import CostTable
 from eagleserve.spec.draft_worker import EagleDraftWorker

@@ -23,9 +23,9 @@ from __future__ import annotations
 import torch
 
 from eagleserve.core import ScheduleBatch
-from eagleserve.model.attention import AttentionBackend
-from eagleserve.model.forward_batch import ForwardBatch, HostLens
-from eagleserve.model.kv_cache import TokenToKVPool
+from eagleserve.layers.attention import AttentionBackend
+from eagleserve.layers.forward_batch import ForwardBatch, HostLens
+from eagleserve.mem_cache.kv_cache import TokenToKVPool
 
 
 class DraftLag:

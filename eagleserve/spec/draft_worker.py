@@ -19,15 +19,15 @@ import time
 import torch
 
 from eagleserve.config import ServerArgs, SpecConfig
+from eagleserve.constrained.grammar_batch import BatchGrammar
+from eagleserve.constrained.grammar_mask import mask_logits, to_draft_vocab
 from eagleserve.core import EagleDraftInput, ScheduleBatch
-from eagleserve.model.attention import create_attn_backend
-from eagleserve.model.cuda_graph import GraphedForward
-from eagleserve.model.forward_batch import ForwardBatch, HostLens, forward_context
-from eagleserve.model.grammar_batch import BatchGrammar
-from eagleserve.model.grammar_mask import mask_logits, to_draft_vocab
-from eagleserve.model.kv_cache import TokenToKVPool
-from eagleserve.model.loader import resolve_draft_path
-from eagleserve.model.runner import ModelRunner
+from eagleserve.layers.attention import create_attn_backend
+from eagleserve.layers.forward_batch import ForwardBatch, HostLens, forward_context
+from eagleserve.mem_cache.kv_cache import TokenToKVPool
+from eagleserve.model_executor.cuda_graph_runner import GraphedForward
+from eagleserve.model_executor.model_runner import ModelRunner
+from eagleserve.models.loader import resolve_draft_path
 from eagleserve.spec.adaptive import acceptance_prior
 from eagleserve.spec.draft_lag import DraftLag, catch_up_batch
 from eagleserve.spec.draft_tree import DraftTree, draft_chain, draft_tree
@@ -50,13 +50,13 @@ class EagleDraftWorker:
         self.acceptance_prior = acceptance_prior(measured_acceptance(head_path), spec.num_steps)
         packed = target.gguf_path is not None
         if packed:  # a packed target on CPU: the head runs on its kernels, matmuls in int8
-            from eagleserve.model.quant import linears_to_int8
+            from eagleserve.models.quant import linears_to_int8
 
             self.head.fuse_projections()
             linears_to_int8(self.head)
             self.head.use_row_kernels()
         if target.batch_invariant:  # the head's drafts are then the same in any batch too
-            from eagleserve.model.batch_invariant import make_batch_invariant
+            from eagleserve.models.batch_invariant import make_batch_invariant
 
             make_batch_invariant(self.head)
         # The target id of every draft id: grammar masks (target vocabulary) onto head logits.

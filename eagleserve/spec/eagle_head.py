@@ -18,8 +18,8 @@ import torch
 from torch import nn
 
 from eagleserve.config import ModelConfig
-from eagleserve.model.forward_batch import get_forward_batch
-from eagleserve.model.llama import (
+from eagleserve.layers.forward_batch import get_forward_batch
+from eagleserve.models.llama import (
     LlamaAttention,
     LlamaForCausalLM,
     LlamaMLP,

@@ -16,15 +16,15 @@ import time
 import torch
 
 from eagleserve.config import ServerArgs, SpecConfig
+from eagleserve.constrained.grammar_mask import mask_logits
 from eagleserve.core import GenerationBatchResult, OnVerified, Req, ScheduleBatch
-from eagleserve.model.cuda_graph import BUCKETS
-from eagleserve.model.forward_batch import ForwardBatch, HostLens
-from eagleserve.model.grammar_mask import mask_logits
-from eagleserve.model.llama import ModelOutput
-from eagleserve.model.parallel import broadcast_object
-from eagleserve.model.prompt_logprobs import score_prompts, wants_prompt_logprobs
-from eagleserve.model.runner import ModelRunner
-from eagleserve.model.sampler import SamplingInfo, sample_next, top_logprobs
+from eagleserve.distributed.parallel import broadcast_object
+from eagleserve.layers.forward_batch import ForwardBatch, HostLens
+from eagleserve.model_executor.cuda_graph_runner import BUCKETS
+from eagleserve.model_executor.model_runner import ModelRunner
+from eagleserve.models.llama import ModelOutput
+from eagleserve.sampling.prompt_logprobs import score_prompts, wants_prompt_logprobs
+from eagleserve.sampling.sampler import SamplingInfo, sample_next, top_logprobs
 from eagleserve.spec.accept import accept, commit_tree_path
 from eagleserve.spec.adaptive import AdaptiveController, depth_choices
 from eagleserve.spec.cost_table_cache import cost_table

@@ -19,8 +19,8 @@ import os
 import torch
 from safetensors.torch import save_file
 
-from eagleserve.model.llama import LlamaForCausalLM
-from eagleserve.model.loader import iter_checkpoint, load_config_dict
+from eagleserve.models.llama import LlamaForCausalLM
+from eagleserve.models.loader import iter_checkpoint, load_config_dict
 from eagleserve.spec.eagle_head import (
     ALGORITHMS,
     EagleHead,

@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from eagleserve.model.forward_batch import ForwardBatch, HostLens, forward_context
-from eagleserve.model.llama import LlamaForCausalLM
+from eagleserve.layers.forward_batch import ForwardBatch, HostLens, forward_context
+from eagleserve.models.llama import LlamaForCausalLM
 
 
 class DenseCausalBackend:

@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 import torch
 from tqdm import tqdm
 
-from eagleserve.model.llama import LlamaForCausalLM
+from eagleserve.models.llama import LlamaForCausalLM
 from eagleserve.train.shards import Seq, ShardWriter
 from eagleserve.train.teacher import teacher_targets
 

@@ -13,7 +13,7 @@ from collections import Counter
 import torch
 from tqdm import tqdm
 
-from eagleserve.model.llama import LlamaForCausalLM
+from eagleserve.models.llama import LlamaForCausalLM
 from eagleserve.train.dense_backend import hidden_states_entering
 
 IGNORE = -100

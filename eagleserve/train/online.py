@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 from tqdm import tqdm
 
-from eagleserve.model.llama import LlamaForCausalLM
+from eagleserve.models.llama import LlamaForCausalLM
 from eagleserve.train.batches import Batch
 from eagleserve.train.dense_backend import padded_features_and_final
 from eagleserve.train.extract import Item

@@ -111,7 +111,7 @@ def _device(name: str) -> torch.device:
 
 
 def run_recipe(ns: argparse.Namespace) -> int:
-    from eagleserve.model.loader import load_tokenizer, resolve_model_path
+    from eagleserve.models.loader import load_tokenizer, resolve_model_path
     from eagleserve.spec.head_loader import init_eagle_head, load_eagle_head, save_eagle_head
     from eagleserve.train.data import sharegpt_path
     from eagleserve.train.features import label_map

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from eagleserve.model.llama import LlamaForCausalLM
+from eagleserve.models.llama import LlamaForCausalLM
 from eagleserve.train.dense_backend import features_and_final
 
 LOGIT_ROWS = 512  # rows per lm_head chunk: bounds the [rows, vocab] fp32 logits buffer

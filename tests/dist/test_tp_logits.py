@@ -14,8 +14,8 @@ from tp_ranks import logits_of, run_ranks
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from eagleserve.config import ModelConfig
-from eagleserve.model.loader import default_gguf_path
-from eagleserve.model.tp_shard import TpShard
+from eagleserve.models.loader import default_gguf_path
+from eagleserve.models.tp_shard import TpShard
 
 pytestmark = pytest.mark.usefixtures("torch_threads")
 

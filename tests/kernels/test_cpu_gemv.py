@@ -16,9 +16,9 @@ import torch
 from conftest import forward_tokens
 
 from eagleserve.kernels import cpu_ext
-from eagleserve.model.gguf_weights import unpack_blocks
-from eagleserve.model.quant import Int4Linear, Q8Int4Linear, pack_quant
-from tests.model.test_quant import gguf_reference, random_blocks
+from eagleserve.models.gguf_weights import unpack_blocks
+from eagleserve.models.quant import Int4Linear, Q8Int4Linear, pack_quant
+from tests.models.test_quant import gguf_reference, random_blocks
 
 pytestmark = pytest.mark.skipif(
     not cpu_ext.load(), reason="the AVX2 kernel does not run here (no AVX2/FMA or compiler)"
@@ -120,10 +120,10 @@ def test_smollm2_prefill_rows_equal_their_decodes(smollm2_dir: str, isa: str) ->
     from transformers import AutoTokenizer
 
     from eagleserve.config import ModelConfig
-    from eagleserve.model.attention import create_attn_backend
-    from eagleserve.model.loader import default_gguf_path
-    from eagleserve.model.quant import quantize_model_from_gguf
-    from eagleserve.model.runner import ModelRunner
+    from eagleserve.layers.attention import create_attn_backend
+    from eagleserve.model_executor.model_runner import ModelRunner
+    from eagleserve.models.loader import default_gguf_path
+    from eagleserve.models.quant import quantize_model_from_gguf
 
     cfg = ModelConfig.from_dir(smollm2_dir)
     runner = ModelRunner(cfg, smollm2_dir, torch.device("cpu"), torch.float32, 256, 1, 256)
@@ -148,7 +148,7 @@ def test_smollm2_prefill_rows_equal_their_decodes(smollm2_dir: str, isa: str) ->
     ref = decode()  # dense fp32 weights, as transformers de-quantizes them
     quantize_model_from_gguf(runner.model, default_gguf_path())
     # The modules, whose kernel calls are counted below; the one-call layers give the same bits
-    # (tests/model/test_cpu_layers.py).
+    # (tests/models/test_cpu_layers.py).
     runner.model.cpu_layers = None
     runner.attn_backend = create_attn_backend(
         "torch", torch.device("cpu"), runner.req_to_token_pool.req_to_token,

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from eagleserve.config import ModelConfig
 from eagleserve.kernels import cpu_ext
-from eagleserve.model.llama import RotaryEmbedding
+from eagleserve.models.llama import RotaryEmbedding
 
 pytestmark = pytest.mark.skipif(
     not cpu_ext.load(), reason="the AVX2 kernels do not run here (no AVX2/FMA or compiler)"

@@ -13,10 +13,10 @@ pytest.importorskip("triton")
 import attention_refs as ref  # noqa: E402
 
 from eagleserve.kernels import triton_attention as _tri  # noqa: E402
-from eagleserve.model.attention import TorchAttnBackend  # noqa: E402
-from eagleserve.model.forward_batch import ForwardBatch, HostLens  # noqa: E402
-from eagleserve.model.kv_cache import TokenToKVPool  # noqa: E402
-from eagleserve.model.triton_backend import TritonAttnBackend  # noqa: E402
+from eagleserve.layers.attention import TorchAttnBackend  # noqa: E402
+from eagleserve.layers.forward_batch import ForwardBatch, HostLens  # noqa: E402
+from eagleserve.layers.triton_backend import TritonAttnBackend  # noqa: E402
+from eagleserve.mem_cache.kv_cache import TokenToKVPool  # noqa: E402
 
 ATOL = 1e-4
 RTOL = 1e-4

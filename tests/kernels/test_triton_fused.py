@@ -1,5 +1,5 @@
 """The fused layer kernels (kernels/triton_fused.py) against the unfused torch path of
-model/llama.py, on fresh random inputs: fp32 to fp32 rounding, 16-bit to one rounding step."""
+models/llama.py, on fresh random inputs: fp32 to fp32 rounding, 16-bit to one rounding step."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ pytest.importorskip("triton")
 
 from eagleserve.config import ModelConfig  # noqa: E402
 from eagleserve.kernels import triton_fused as tf  # noqa: E402
-from eagleserve.model.llama import RMSNorm, RotaryEmbedding  # noqa: E402
+from eagleserve.models.llama import RMSNorm, RotaryEmbedding  # noqa: E402
 
 DTYPES = (torch.float32, torch.bfloat16)
 # (hidden, intermediate, heads, kv heads, head_dim): SmolLM2-135M, Llama-3-8B, an odd head_dim.

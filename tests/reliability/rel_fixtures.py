@@ -56,7 +56,7 @@ def build_tiny_target(path: str) -> str:
 def build_tiny_head(target: str, out: str, seed: int = 0) -> str:
     """A random EAGLE-1 head for `target` (mostly rejected drafts: exercises the verify path)."""
     from eagleserve.config import ModelConfig
-    from eagleserve.model.runner import ModelRunner
+    from eagleserve.model_executor.model_runner import ModelRunner
     from eagleserve.spec.head_loader import init_eagle_head, save_eagle_head
 
     cfg = ModelConfig.from_dir(target)

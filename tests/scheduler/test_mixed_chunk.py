@@ -17,7 +17,7 @@ from eagleserve.cli import check_values
 from eagleserve.config import ServerArgs
 from eagleserve.core import Req, ScheduleBatch
 from eagleserve.messages import GenerateReqInput
-from eagleserve.model.prompt_logprobs import wants_prompt_logprobs
+from eagleserve.sampling.prompt_logprobs import wants_prompt_logprobs
 from eagleserve.sampling_params import SamplingParams
 from eagleserve.scheduler.scheduler import Scheduler
 

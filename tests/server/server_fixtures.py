@@ -106,7 +106,7 @@ def http_fixture(server: ServerProcess) -> Iterator[httpx.Client]:
 def tokenizer_fixture() -> Any:
     from transformers import AutoTokenizer
 
-    from eagleserve.model.loader import resolve_model_path
+    from eagleserve.models.loader import resolve_model_path
 
     return _cached("tok", lambda: AutoTokenizer.from_pretrained(resolve_model_path("default")))
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-from eagleserve.model.grammar import build_grammar
+from eagleserve.constrained.grammar import build_grammar
 from eagleserve.server.protocol import ChatCompletionRequest
 from eagleserve.server.serving import ApiError
 from eagleserve.server.tool_calls import ToolSetup, parse_tool_calls, tool_grammar, tool_setup

@@ -19,7 +19,7 @@ pytest.importorskip("triton")
 from test_eagle_lossless import heads, run_staggered, target_dir  # noqa: E402
 
 from eagleserve import Engine, SamplingParams  # noqa: E402
-from eagleserve.model.batch_invariant import BatchInvariantLinear  # noqa: E402
+from eagleserve.models.batch_invariant import BatchInvariantLinear  # noqa: E402
 
 __all__ = ["heads", "target_dir"]  # module-scoped fixtures shared with the CPU test
 VOCAB_MAX = 90

@@ -12,7 +12,7 @@ import torch
 from test_eagle_lossless import _params, _prompts, heads, reference, run_staggered, target_dir
 
 from eagleserve import Engine
-from eagleserve.model.forward_batch import ForwardBatch, HostLens
+from eagleserve.layers.forward_batch import ForwardBatch, HostLens
 
 __all__ = ["heads", "reference", "target_dir"]  # module-scoped fixtures shared with the test
 

@@ -11,10 +11,10 @@ import torch
 from conftest import SPEC_VOCAB, make_forward_batch, save_spec_target
 
 from eagleserve.config import ModelConfig
-from eagleserve.model.attention import TorchAttnBackend
-from eagleserve.model.forward_batch import ForwardBatch, forward_context
-from eagleserve.model.kv_cache import ReqToTokenPool, TokenToKVPool
-from eagleserve.model.runner import ModelRunner
+from eagleserve.layers.attention import TorchAttnBackend
+from eagleserve.layers.forward_batch import ForwardBatch, forward_context
+from eagleserve.mem_cache.kv_cache import ReqToTokenPool, TokenToKVPool
+from eagleserve.model_executor.model_runner import ModelRunner
 from eagleserve.spec.draft_worker import last_rows_forward
 from eagleserve.spec.eagle_head import EagleHead
 from eagleserve.spec.head_loader import init_eagle_head
@@ -91,7 +91,7 @@ def test_fused_projections_leave_a_packed_head_unchanged(
     written (by a forward, and by write_kv through the K/V rows alone) are bit for bit those of
     the unfused head."""
     from eagleserve.kernels import cpu_ext
-    from eagleserve.model.quant import linears_to_int8
+    from eagleserve.models.quant import linears_to_int8
 
     if not cpu_ext.load():
         pytest.skip("the CPU kernels do not run here")

@@ -14,11 +14,11 @@ from conftest import forward_tokens, make_forward_batch
 from safetensors.torch import save_file
 
 from eagleserve.config import ModelConfig
-from eagleserve.model.attention import TorchAttnBackend
-from eagleserve.model.forward_batch import forward_context
-from eagleserve.model.kv_cache import ReqToTokenPool, TokenToKVPool
-from eagleserve.model.llama import LlamaForCausalLM
-from eagleserve.model.runner import ModelRunner
+from eagleserve.layers.attention import TorchAttnBackend
+from eagleserve.layers.forward_batch import forward_context
+from eagleserve.mem_cache.kv_cache import ReqToTokenPool, TokenToKVPool
+from eagleserve.model_executor.model_runner import ModelRunner
+from eagleserve.models.llama import LlamaForCausalLM
 from eagleserve.spec.eagle_head import EagleHead
 from eagleserve.spec.head_loader import init_eagle_head, load_eagle_head, save_eagle_head
 

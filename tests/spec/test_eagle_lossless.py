@@ -22,7 +22,7 @@ from eagleserve import Engine, SamplingParams
 from eagleserve.config import ModelConfig
 from eagleserve.core import ScheduleBatch
 from eagleserve.messages import GenerateReqInput
-from eagleserve.model.runner import ModelRunner
+from eagleserve.model_executor.model_runner import ModelRunner
 from eagleserve.spec.head_loader import init_eagle_head, save_eagle_head
 
 VOCAB = SPEC_VOCAB

@@ -16,7 +16,7 @@ from conftest import forward_tokens
 
 from eagleserve import Engine, SamplingParams
 from eagleserve.config import ModelConfig
-from eagleserve.model.runner import ModelRunner
+from eagleserve.model_executor.model_runner import ModelRunner
 from eagleserve.spec.head_loader import init_eagle_head, save_eagle_head
 
 PROMPTS = [

@@ -20,7 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from eagleserve import Engine, SamplingParams
 from eagleserve.config import ModelConfig
-from eagleserve.model.runner import ModelRunner
+from eagleserve.model_executor.model_runner import ModelRunner
 from eagleserve.spec.draft_worker import EagleDraftWorker
 from eagleserve.spec.head_loader import init_eagle_head, save_eagle_head
 
@@ -125,8 +125,8 @@ def test_penalties_read_no_device_values() -> None:
     """The penalty glue a verify runs (path counts, bias, min_tokens, penalties, the commit of
     accepted tokens) and a decode's sampling with penalties stay on the device."""
     from eagleserve.core import Req
-    from eagleserve.model.penalty_state import BatchPenalties, PenaltyState
-    from eagleserve.model.sampler import SamplingInfo, sample_next
+    from eagleserve.sampling.penalty_state import BatchPenalties, PenaltyState
+    from eagleserve.sampling.sampler import SamplingInfo, sample_next
 
     vocab, bs, n = 32, 3, 5
     params = [SamplingParams(presence_penalty=0.5, frequency_penalty=1.0, repetition_penalty=1.3,

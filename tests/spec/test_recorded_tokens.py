@@ -80,7 +80,7 @@ def test_greedy_ids_equal_the_recorded_ones(smollm2_dir: str, name: str) -> None
 
 
 if __name__ == "__main__":
-    from eagleserve.model.loader import resolve_model_path
+    from eagleserve.models.loader import resolve_model_path
 
     model = resolve_model_path("default")
     runs = {name: generate(model, cfg) for name, cfg in CONFIGS.items()}

@@ -14,9 +14,9 @@ from safetensors.torch import load_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from eagleserve import Engine, SamplingParams
-from eagleserve.model.attention import TorchAttnBackend
-from eagleserve.model.forward_batch import forward_context
-from eagleserve.model.kv_cache import ReqToTokenPool, TokenToKVPool
+from eagleserve.layers.attention import TorchAttnBackend
+from eagleserve.layers.forward_batch import forward_context
+from eagleserve.mem_cache.kv_cache import ReqToTokenPool, TokenToKVPool
 from eagleserve.train.cli import main
 from eagleserve.train.ttt import head_step
 
@@ -71,7 +71,7 @@ def trained(tiny: tuple[str, str], tmp_path_factory: pytest.TempPathFactory) -> 
 def test_unrolled_forward_matches_worker_draft_path(tiny: tuple[str, str], algorithm: str) -> None:
     """Depth s at row j == draft extend over rows 0..j, then s draft steps on the paged KV."""
     from eagleserve.config import ModelConfig
-    from eagleserve.model.runner import ModelRunner
+    from eagleserve.model_executor.model_runner import ModelRunner
     from eagleserve.spec.head_loader import init_eagle_head
     from eagleserve.train.dense_backend import hidden_states_entering
 
@@ -158,7 +158,7 @@ def test_resume_continues_from_saved_step(tiny: tuple[str, str], trained: str, t
 
 def test_default_head_drafts_far_better_than_random(tmp_path) -> None:
     """The committed head for SmolLM2 gets many more drafts accepted than a random head."""
-    from eagleserve.model.loader import resolve_draft_path, resolve_model_path
+    from eagleserve.models.loader import resolve_draft_path, resolve_model_path
     from eagleserve.spec.head_loader import init_eagle_head, save_eagle_head
 
     try:

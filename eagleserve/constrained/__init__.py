@@ -1,0 +1,4 @@
+"""Structured output: grammars (JSON schema, regex, EBNF) and their per-token bitmasks.
+
+Imports: the floor only.
+"""

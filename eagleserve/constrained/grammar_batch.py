@@ -1,0 +1,84 @@
+"""The grammar rows of one forward and the masks they need (grammar.py has the invariant).
+
+Built on the host at launch (the scheduler knows which request's prefill goes on in a later
+chunk: its sampled token is thrown away, so its matcher must not advance). Rows without a grammar
+get all-allowed masks. Every method that reads device tokens is a host sync; the workers call
+them only when a batch holds a grammar row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from eagleserve.constrained.grammar import RequestGrammar
+from eagleserve.constrained.grammar_mask import (
+    BITS,
+    allow_all_where_empty,
+    node_paths,
+    unpack_bitmask,
+)
+from eagleserve.core import Req
+
+
+@dataclass
+class BatchGrammar:
+    rows: list[int]  # batch rows with a grammar
+    grammars: list[RequestGrammar]
+    batch_size: int
+    vocab_size: int
+
+    @classmethod
+    def of_reqs(
+        cls, reqs: list[Req], vocab_size: int, skip: Req | None = None
+    ) -> BatchGrammar | None:
+        rows = [i for i, r in enumerate(reqs) if r.grammar is not None and r is not skip]
+        if not rows:
+            return None
+        return cls(rows, [reqs[i].grammar for i in rows], len(reqs), vocab_size)
+
+    def _bitmask(self, n: int) -> torch.Tensor:
+        return torch.full((n, (self.vocab_size + BITS - 1) // BITS), -1, dtype=torch.int32)
+
+    def _unpack(self, bitmask: torch.Tensor, device: torch.device) -> torch.Tensor:
+        return unpack_bitmask(allow_all_where_empty(bitmask).to(device), self.vocab_size)
+
+    def next_allowed(self, device: torch.device) -> torch.Tensor:
+        """[bs, V] bool: each row's next-token mask at its committed state."""
+        bm = self._bitmask(self.batch_size)
+        for row, g in zip(self.rows, self.grammars):
+            g.fill(bm, row)
+        return self._unpack(bm, device)
+
+    def advance(self, tokens: torch.Tensor, lens: torch.Tensor | None = None) -> None:
+        """Commits tokens [bs] (one per row) or [bs, w] with lens [bs] valid per row."""
+        host = tokens.tolist()
+        counts = [1] * len(host) if lens is None else lens.tolist()
+        for row, g in zip(self.rows, self.grammars):
+            toks = host[row] if isinstance(host[row], list) else [host[row]]
+            g.accept(toks[: counts[row]])
+
+    def tree_allowed(
+        self, tokens: torch.Tensor, parents: torch.Tensor, device: torch.device
+    ) -> torch.Tensor:
+        """[bs, n, V]: node i's mask after the tokens on its own path (tokens, parents [bs, n];
+        node 0 is the committed root)."""
+        bs, n = tokens.shape
+        bm = self._bitmask(bs * n)
+        idx = torch.tensor(self.rows, dtype=torch.long, device=tokens.device)
+        toks, pars = tokens[idx].tolist(), parents[idx].tolist()
+        for k, (row, g) in enumerate(zip(self.rows, self.grammars)):
+            paths = [[toks[k][j] for j in p] for p in node_paths(pars[k])]
+            g.fill_paths(paths, bm, row * n)
+        return self._unpack(bm, device).view(bs, n, -1)
+
+    def branch_allowed(self, paths: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """paths [bs, b, d]: draft tokens of each branch -> [bs * b, V] masks after them."""
+        bs, b, _ = paths.shape
+        bm = self._bitmask(bs * b)
+        idx = torch.tensor(self.rows, dtype=torch.long, device=paths.device)
+        host = paths[idx].tolist()
+        for k, (row, g) in enumerate(zip(self.rows, self.grammars)):
+            g.fill_paths(host[k], bm, row * b)
+        return self._unpack(bm, device)

@@ -1,0 +1,168 @@
+"""Device graphs (CUDA/HIP) for fixed-shape forwards: capture per batch-size bucket, replay padded.
+
+One `GraphedForward` serves one kind of forward where every request has the same number of new
+tokens `n`: target decode (n = 1), chain drafting (n = 1, the head), verify (n =
+num_draft_tokens). Inputs are copied into static buffers; padded rows use request slot 0, KV slot
+0 (never handed out) and an empty prefix, so they read valid memory and write only the dummy slot.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+
+from eagleserve.core import ForwardMode
+from eagleserve.device import device_module
+from eagleserve.layers.forward_batch import ForwardBatch, HostLens, forward_context
+
+if TYPE_CHECKING:
+    from eagleserve.layers.attention import AttentionBackend
+    from eagleserve.mem_cache.kv_cache import TokenToKVPool
+
+BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+
+# fn(fb, extras) -> output tensors, run inside forward_context(fb); rows follow the tokens.
+GraphFn = Callable[[ForwardBatch, dict[str, torch.Tensor]], tuple[torch.Tensor, ...]]
+
+
+def bucket_for(buckets: list[int], bs: int) -> int:
+    """The smallest captured batch size that holds `bs` rows (buckets ascending)."""
+    if not 0 < bs <= buckets[-1]:
+        raise ValueError(f"batch size {bs} outside 1..{buckets[-1]}")
+    return buckets[bisect.bisect_left(buckets, bs)]
+
+
+def graphs_supported(device: torch.device, disable: bool, attn_backend: object) -> bool:
+    """Graphs need an accelerator and a backend whose metadata can be built without a sync."""
+    return (
+        device.type != "cpu"
+        and not disable
+        and hasattr(attn_backend, "init_forward_metadata_static")
+    )
+
+
+class GraphedForward:
+    def __init__(
+        self,
+        fn: GraphFn,
+        mode: ForwardMode,
+        kv_pool: TokenToKVPool,
+        attn_backend: AttentionBackend,
+        device: torch.device,
+        max_bs: int,
+        tokens_per_req: int,
+        tree: bool = False,
+        extra_shapes: dict[str, tuple[tuple[int, ...], torch.dtype]] | None = None,
+    ) -> None:
+        self.fn, self.mode, self.device = fn, mode, device
+        self.kv_pool, self.attn_backend = kv_pool, attn_backend
+        self.n = n = tokens_per_req
+        self.buckets = [b for b in BUCKETS if b < max_bs] + [max_bs]
+        self.max_bs = max_bs
+        t = max_bs * n
+        zeros = lambda *shape: torch.zeros(shape, dtype=torch.long, device=device)
+        self.input_ids, self.positions, self.out_cache_loc = zeros(t), zeros(t), zeros(t)
+        self.req_pool_indices, self.prefix_lens = zeros(max_bs), zeros(max_bs)
+        self.kv_lens = torch.full((max_bs,), n, dtype=torch.long, device=device)
+        self.extend_lens = torch.full((max_bs,), n, dtype=torch.long, device=device)
+        # Padded rows keep a lower-triangular mask: every query sees at least itself.
+        self.tree_mask = (
+            torch.ones(n, n, dtype=torch.bool, device=device).tril().repeat(max_bs, 1, 1)
+            if tree
+            else None
+        )
+        self.extras = {
+            k: torch.zeros((t, *shape), dtype=dtype, device=device)
+            for k, (shape, dtype) in (extra_shapes or {}).items()
+        }
+        self.graphs: dict[int, object] = {}
+        # The captured kernels read metadata and scratch owned by these: keep them alive.
+        self.batches: dict[int, ForwardBatch] = {}
+        self.outputs: dict[int, tuple[torch.Tensor, ...]] = {}
+
+    def _fb(self, bs: int) -> ForwardBatch:
+        t = bs * self.n
+        fb = ForwardBatch(
+            mode=self.mode,
+            input_ids=self.input_ids[:t],
+            positions=self.positions[:t],
+            out_cache_loc=self.out_cache_loc[:t],
+            req_pool_indices=self.req_pool_indices[:bs],
+            prefix_lens=self.prefix_lens[:bs],
+            extend_lens=self.extend_lens[:bs],
+            # The longest row a request can have: the graph serves every length.
+            host=HostLens(self.n, self.attn_backend.req_to_token.shape[1], True),
+            kv_pool=self.kv_pool,
+            attn_backend=self.attn_backend,
+            tree_mask=None if self.tree_mask is None else self.tree_mask[:bs],
+            kv_lens=self.kv_lens[:bs],
+        )
+        self.attn_backend.init_forward_metadata_static(fb)
+        return fb
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        mod = device_module(self.device)
+        pool = mod.graph_pool_handle()
+        for bs in reversed(self.buckets):  # largest first, so smaller ones reuse its memory
+            fb = self._fb(bs)
+            extras = {k: v[: bs * self.n] for k, v in self.extras.items()}
+            side = mod.Stream()
+            side.wait_stream(mod.current_stream())
+            with mod.stream(side):
+                for _ in range(2):  # warm-up: Triton compiles and autotunes outside capture
+                    with forward_context(fb):
+                        self.fn(fb, extras)
+            mod.current_stream().wait_stream(side)
+            graph = mod.CUDAGraph()
+            with mod.graph(graph, pool=pool):
+                with forward_context(fb):
+                    out = self.fn(fb, extras)
+            self.graphs[bs], self.outputs[bs], self.batches[bs] = graph, out, fb
+
+    def replay(self, fb: ForwardBatch, **extras: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Runs `fb` (bs * n tokens, n each) padded to its bucket. Outputs are views of static
+        buffers, valid until the next replay of this object."""
+        pb, t = self.stage(fb, **extras)
+        self.graphs[pb].replay()
+        return tuple(o[:t] for o in self.outputs[pb])
+
+    def stage(self, fb: ForwardBatch, **extras: torch.Tensor) -> tuple[int, int]:
+        """Copies `fb`'s inputs into the static buffers, the rows up to its bucket padded (slot
+        0, an empty prefix); returns (bucket, real tokens). Device work only: no host read."""
+        bs = fb.batch_size
+        pb = bucket_for(self.buckets, bs)
+        t, pt = bs * self.n, pb * self.n
+        for buf, src in (
+            (self.input_ids, fb.input_ids),
+            (self.positions, fb.positions),
+            (self.out_cache_loc, fb.out_cache_loc),
+        ):
+            buf[:t].copy_(src)
+            buf[t:pt].zero_()
+        self.req_pool_indices[:bs].copy_(fb.req_pool_indices)
+        self.req_pool_indices[bs:pb].zero_()
+        self.prefix_lens[:bs].copy_(fb.prefix_lens)
+        self.prefix_lens[bs:pb].zero_()
+        torch.add(self.prefix_lens[:pb], self.n, out=self.kv_lens[:pb])
+        if self.tree_mask is not None and fb.tree_mask is not None:
+            self.tree_mask[:bs].copy_(fb.tree_mask)
+        for k, v in extras.items():
+            self.extras[k][:t].copy_(v)
+        return pb, t
+
+    def can_replay(self, fb: ForwardBatch) -> bool:
+        """A forward this graph computes: its mode, n new tokens per request, a causal or tree
+        attention over prefix + n (no longer KV range), all logits rows."""
+        return (
+            fb.mode == self.mode
+            and fb.host.uniform
+            and fb.host.max_extend == self.n
+            and fb.kv_lens is None
+            and fb.logits_indices is None
+            and (fb.tree_mask is not None) == (self.tree_mask is not None)
+            and 0 < fb.batch_size <= self.max_bs
+        )

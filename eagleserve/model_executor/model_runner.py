@@ -1,0 +1,225 @@
+"""ModelRunner: the target model, its KV pools and attention backend, and one-forward calls."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from eagleserve.config import ModelConfig, ServerArgs
+from eagleserve.core import ForwardMode, ScheduleBatch
+from eagleserve.distributed.parallel import get_tp
+from eagleserve.layers.attention import create_attn_backend
+from eagleserve.layers.forward_batch import ForwardBatch, forward_context
+from eagleserve.mem_cache.kv_cache import ReqToTokenPool, TokenToKVPool
+from eagleserve.model_executor.cuda_graph_runner import GraphedForward, graphs_supported
+from eagleserve.models.llama import LlamaForCausalLM, ModelOutput
+from eagleserve.models.loader import load_weights
+from eagleserve.models.tp_shard import TpShard
+from eagleserve.sampling.penalty_state import PenaltyState
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    table = {
+        "float32": torch.float32,
+        "fp32": torch.float32,
+        "bfloat16": torch.bfloat16,
+        "bf16": torch.bfloat16,
+        "float16": torch.float16,
+        "fp16": torch.float16,
+    }
+    if dtype not in table:
+        raise ValueError(f"unknown dtype {dtype!r}: auto, float32, bfloat16 or float16")
+    return table[dtype]
+
+
+def init_dummy_weights(model: torch.nn.Module, seed: int = 0) -> None:
+    """Random weights (N(0, 0.02), norms 1), deterministic in `seed`, made on the model's device:
+    for benchmarks of model shapes whose weights are not at hand (vLLM's --load-format dummy)."""
+    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02, generator=gen)
+
+
+def use_fused_kernels(
+    device: torch.device, attention_backend: str, gguf_path: str | None, shard: object
+) -> bool:
+    """The fused Triton layers (models/fused_forward.py) run on a GPU with Triton attention and
+    plain (unpacked, unsharded) weights: the CPU keeps its own kernels, packed GGUF linears keep
+    their fused layout, and a tensor-parallel layer reduces between its GEMMs."""
+    name = (
+        attention_backend
+        if attention_backend != "auto"
+        else ("torch" if device.type == "cpu" else "triton")
+    )
+    return device.type != "cpu" and name == "triton" and gguf_path is None and shard is None
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        model_path: str | None,
+        device: torch.device,
+        dtype: torch.dtype,
+        kv_cache_tokens: int,
+        max_running_requests: int,
+        max_context_len: int,
+        attention_backend: str = "auto",
+        aux_layer_ids: tuple[int, ...] = (),
+        load_format: str = "auto",
+        gguf_path: str | None = None,
+        deterministic: bool = False,
+        fused_kernels: bool = True,
+    ) -> None:
+        self.config = model_config
+        self.device = device
+        self.dtype = dtype
+        self.gguf_path = gguf_path  # set: linears run packed from this GGUF (models/quant.py)
+        self.max_context_len = max_context_len
+        t0 = time.perf_counter()
+        with torch.device("meta"):
+            model = LlamaForCausalLM(model_config, max_context_len, aux_layer_ids)
+        tp = get_tp()
+        # Under tensor parallelism this process holds one rank's slice (models/tp_shard.py).
+        self.tp_shard = (
+            TpShard.plan(model_config, tp.rank, tp.size, gguf_path is not None)
+            if tp.enabled
+            else None
+        )
+        if self.tp_shard is not None:
+            self.tp_shard.shard_meta(model)
+        shard = self.tp_shard
+        # Real parameters in the target dtype; rotary caches stay fp32 as in transformers.
+        model = model.to(dtype).to_empty(device=device)
+        model.model.rotary_emb.build(device)
+        if load_format == "dummy":
+            init_dummy_weights(model)
+        elif model_path is not None:
+            load_weights(model, model_path, desc="target weights",
+                         transform=shard.slice_tensor if shard else None)  # fmt: skip
+            if gguf_path is not None:
+                # Linears whose GGUF tensors are Q4_0/Q4_1/Q8_0 run packed (models/quant.py).
+                from eagleserve.models.quant import quantize_model_from_gguf
+
+                quantize_model_from_gguf(
+                    model, gguf_path, shard=shard.slice_quant if shard else None
+                )
+        if shard is not None:
+            shard.gather_logits(model)
+        if fused_kernels and use_fused_kernels(device, attention_backend, gguf_path, shard):
+            from eagleserve.models.fused_forward import merge_projections
+
+            merge_projections(model)
+            model.fused_kernels = True
+        self.model = model.eval()
+        t1 = time.perf_counter()
+        logger.info("start-up: target model loaded in %.2f s", t1 - t0)
+        self.req_to_token_pool = ReqToTokenPool(max_running_requests, max_context_len, device)
+        # Penalty counts per request slot (allocated at the first request with penalties).
+        self.penalty_state = PenaltyState(max_running_requests, model_config.vocab_size, device)
+        self.token_to_kv_pool = TokenToKVPool(
+            kv_cache_tokens,
+            model_config.num_hidden_layers,
+            len(shard.kv_heads) if shard else model_config.num_key_value_heads,
+            model_config.head_dim,
+            dtype,
+            device,
+        )
+        self.attn_backend = create_attn_backend(
+            attention_backend,
+            device,
+            self.req_to_token_pool.req_to_token,
+            model_config.head_dim**-0.5,
+            shape_invariant=gguf_path is not None,
+            deterministic=deterministic,
+        )
+        # Batch-invariant linears and norms where the attention is too (Triton); a CPU torch
+        # backend is row-invariant through its own kernels.
+        self.batch_invariant = bool(getattr(self.attn_backend, "deterministic", False))
+        if self.batch_invariant:
+            from eagleserve.models.batch_invariant import make_batch_invariant
+
+            make_batch_invariant(self.model)
+
+        logger.info("start-up: KV pool of %d tokens in %.2f s", kv_cache_tokens,
+                    time.perf_counter() - t1)  # fmt: skip
+        self.graphs: list[GraphedForward] = []
+
+    @classmethod
+    def from_args(
+        cls,
+        args: ServerArgs,
+        model_config: ModelConfig,
+        model_path: str,
+        device: torch.device,
+        max_context_len: int,
+    ) -> ModelRunner:
+        """The served target as `args` ask for it (dtype, pools, backend, packed GGUF weights)."""
+        from eagleserve.models.loader import packed_gguf_path
+
+        return cls(
+            model_config,
+            model_path,
+            device,
+            resolve_dtype(args.dtype, device),
+            args.kv_cache_tokens,
+            args.max_running_requests,
+            max_context_len,
+            args.attention_backend,
+            load_format=args.load_format,
+            gguf_path=packed_gguf_path(args.quantization, args.model, args.dtype, device),
+            deterministic=args.enable_deterministic_inference,
+            fused_kernels=not args.disable_fused_kernels,
+        )
+
+    def graphs_enabled(self, args: ServerArgs) -> bool:
+        return graphs_supported(self.device, args.disable_cuda_graph, self.attn_backend)
+
+    def capture_graphs(self, max_bs: int, verify_tokens: tuple[int, ...], tree: bool) -> None:
+        """Device graphs for decode, and for verify with each of `verify_tokens` per request."""
+        t0 = time.perf_counter()
+        kinds: list[tuple[ForwardMode, int, bool]] = [("decode", 1, False)]
+        kinds += [("verify", n, tree) for n in verify_tokens]
+        for mode, n, with_tree in kinds:
+            graph = GraphedForward(
+                lambda fb, extras: self._graph_outputs(self.model()),
+                mode,
+                self.token_to_kv_pool,
+                self.attn_backend,
+                self.device,
+                max_bs,
+                n,
+                tree=with_tree,
+            )
+            graph.capture()
+            self.graphs.append(graph)
+        logger.info("start-up: %d target graphs captured in %.2f s", len(kinds),
+                    time.perf_counter() - t0)  # fmt: skip
+
+    def _graph_outputs(self, out: ModelOutput) -> tuple[torch.Tensor, ...]:
+        aux = () if out.aux_hidden_states is None else (out.aux_hidden_states,)
+        return (out.logits, out.hidden_states, *aux)
+
+    @torch.inference_mode()
+    def forward(self, fb: ForwardBatch) -> ModelOutput:
+        """One target forward: a captured graph when one computes `fb`, else eager."""
+        for graph in self.graphs:
+            if graph.can_replay(fb):
+                logits, hidden, *aux = graph.replay(fb)
+                return ModelOutput(logits, hidden, aux[0] if aux else None, graph_buffers=True)
+        with forward_context(fb):
+            return self.model()
+
+    def forward_batch(self, batch: ScheduleBatch) -> ModelOutput:
+        """The target forward of a scheduled prefill or decode batch."""
+        return self.forward(ForwardBatch.init_new(batch, self.token_to_kv_pool, self.attn_backend))

@@ -1,0 +1,100 @@
+"""A packed CPU target's decoder layers in one kernel call (kernels/cpu_layers.cpp).
+
+The kernel runs, per layer, the kernels the modules of models/llama.py call one by one (the
+RMSNorm, the q4 tiles, rotary, the K/V store, paged attention, the SiLU gate, torch's residual
+adds), in their order and on the same tensors, so its output is theirs bit for bit; what it
+saves is the Python between them, a large share of a batch-1 forward's time. It applies
+where every layer is of that kind: Q4 weights packed for the CPU kernels, q/k/v and gate/up
+fused, no biases, one rank; and to forwards whose attention runs the row kernel (an fp32 pool).
+Anything else keeps the module path.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from eagleserve.kernels import cpu_ext
+from eagleserve.layers.attention import TorchAttnBackend
+from eagleserve.layers.forward_batch import ForwardBatch
+
+if TYPE_CHECKING:
+    from eagleserve.models.llama import BoundRotary, LlamaForCausalLM
+
+
+def _q4_tiles(linear: nn.Module | None) -> tuple[list[torch.Tensor], int] | None:
+    """A packed Q4 linear's tiles (w, d, m) and output size; None for anything else (a Q8
+    linear's tiles are int8, a bias would be left out)."""
+    blocked = getattr(linear, "blocked", None)
+    if linear is None or blocked is None or blocked[0].dtype != torch.uint8:
+        return None
+    if linear.bias is not None:
+        return None
+    return list(blocked), int(linear.out_features)
+
+
+class CpuLayers:
+    """Every layer's weights, flattened once at load in the kernel's order, and the call."""
+
+    def __init__(self, weights: list[torch.Tensor], out_features: list[int],
+                 shape: tuple[float, int, int]) -> None:  # fmt: skip
+        self.weights = weights  # 14 per layer (cpu_layers.cpp)
+        self.out_features = out_features  # 4 per layer
+        self.shape = shape  # (rms eps, heads, kv heads)
+
+    @staticmethod
+    def build(model: LlamaForCausalLM) -> CpuLayers | None:
+        weights: list[torch.Tensor] = []
+        out_features: list[int] = []
+        for layer in model.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            norms = (layer.input_layernorm, layer.post_attention_layernorm)
+            if not (all(n.row_kernel for n in norms) and attn.row_kernel and mlp.row_kernel):
+                return None
+            if attn.row_parallel or mlp.row_parallel:
+                return None
+            tiles = [_q4_tiles(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
+                                            mlp.down_proj)]  # fmt: skip
+            if any(t is None for t in tiles):
+                return None
+            (qkv, n_qkv), (o, n_o), (gate_up, n_gu), (down, n_down) = tiles  # type: ignore[misc]
+            weights += [norms[0].weight.detach(), *qkv, *o, norms[1].weight.detach(), *gate_up,
+                        *down]  # fmt: skip
+            out_features += [n_qkv, n_o, n_gu, n_down]
+        cfg = model.config
+        eps = float(model.model.layers[0].input_layernorm.eps)
+        return CpuLayers(weights, out_features,
+                         (eps, cfg.num_attention_heads, cfg.num_key_value_heads))  # fmt: skip
+
+    @staticmethod
+    def applies(fb: ForwardBatch, h: torch.Tensor) -> bool:
+        backend = fb.attn_backend
+        return (
+            h.dtype == torch.float32
+            and isinstance(backend, TorchAttnBackend)
+            and backend.uses_row_kernel(fb)
+        )
+
+    def forward(
+        self, h: torch.Tensor, fb: ForwardBatch, rotary: BoundRotary, aux_layers: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """h [T, hidden] -> (the last layer's output, the hidden states entering aux_layers,
+        side by side: [T, len(aux_layers) * hidden], None without aux layers)."""
+        backend = fb.attn_backend
+        assert isinstance(backend, TorchAttnBackend)
+        pool = fb.kv_pool
+        rows = (backend.req_to_token, fb.req_pool_indices, fb.prefix_lens, fb.extend_lens,
+                fb.attn_metadata, fb.tree_mask)  # fmt: skip
+        return cpu_ext.decoder_layers(
+            h,
+            self.weights,
+            self.out_features,
+            self.shape,
+            (rotary.cos, rotary.signed_sin),
+            (pool.k_buffer, pool.v_buffer, fb.out_cache_loc),
+            rows,
+            backend.sm_scale,
+            aux_layers,
+        )

@@ -1,0 +1,82 @@
+"""The decoder layers on the fused Triton kernels (GPU path; also runs under TRITON_INTERPRET=1).
+
+Per layer: add+RMSNorm, qkv GEMM, rotary+KV write, attention (decode: 2 kernels), o GEMM,
+add+RMSNorm, gate_up GEMM, SiLU*mul, down GEMM. The residual stream travels beside the layer
+output and is added inside the next norm, as in SGLang; each value is rounded to the model dtype
+where the unfused path in models/llama.py rounds it (tests/models/test_fused_forward.py).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from eagleserve.kernels.triton_fused import add_rms_norm, rope_store_kv_, silu_mul
+from eagleserve.layers.forward_batch import ForwardBatch
+
+if TYPE_CHECKING:
+    from eagleserve.models.llama import BoundRotary, LlamaAttention, LlamaForCausalLM
+
+
+def _stacked(parts: list[nn.Linear]) -> nn.Linear:
+    """One Linear whose output rows are `parts`' rows in order (each output column unchanged)."""
+    w = parts[0].weight
+    bias = parts[0].bias is not None
+    out = nn.Linear(w.shape[1], sum(p.weight.shape[0] for p in parts), bias=bias,
+                    device=w.device, dtype=w.dtype)  # fmt: skip
+    with torch.no_grad():
+        out.weight.copy_(torch.cat([p.weight for p in parts]))
+        if bias:
+            out.bias.copy_(torch.cat([p.bias for p in parts]))  # type: ignore[misc]
+    return out
+
+
+def merge_projections(model: LlamaForCausalLM) -> None:
+    """q/k/v as one qkv_proj and gate/up as one gate_up_proj per layer (the parts are freed)."""
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        if attn.qkv_proj is None:
+            attn.qkv_proj = _stacked([attn.q_proj, attn.k_proj, attn.v_proj])
+            del attn.q_proj, attn.k_proj, attn.v_proj
+        if mlp.gate_up_proj is None:
+            mlp.gate_up_proj = _stacked([mlp.gate_proj, mlp.up_proj])
+            del mlp.gate_proj, mlp.up_proj
+
+
+def _attention(attn: LlamaAttention, x: torch.Tensor, fb: ForwardBatch, rotary: BoundRotary):  # noqa: ANN202
+    t, nh, nkv = x.shape[0], attn.num_heads, attn.num_kv_heads
+    assert attn.qkv_proj is not None, "merge_projections first"
+    qkv = attn.qkv_proj(x).view(t, nh + 2 * nkv, attn.head_dim)
+    pool = fb.kv_pool
+    rope_store_kv_(qkv, nh, rotary.cos, rotary.signed_sin, pool.k_buffer[attn.layer_id],
+                   pool.v_buffer[attn.layer_id], fb.out_cache_loc)  # fmt: skip
+    q, k, v = qkv[:, :nh], qkv[:, nh : nh + nkv], qkv[:, nh + nkv :]
+    out = fb.attn_backend.forward(q, k, v, attn.layer_id, fb, kv_stored=True)
+    return attn.o_proj(out.reshape(t, -1))
+
+
+def fused_layers(
+    model: LlamaForCausalLM,
+    h: torch.Tensor,
+    fb: ForwardBatch,
+    rotary: BoundRotary,
+    aux_layer_ids: tuple[int, ...],
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(final normed hidden [T, hidden], aux states [T, k * hidden] or None) from embeddings h."""
+    residual: torch.Tensor | None = None
+    aux: list[torch.Tensor] = []
+    for i, layer in enumerate(model.model.layers):
+        if i in aux_layer_ids:  # the stream entering layer i, as the unfused loop keeps it
+            aux.append(h if residual is None else h + residual)
+        norm = layer.input_layernorm
+        x, residual = add_rms_norm(h, residual, norm.weight, norm.eps)
+        h = _attention(layer.self_attn, x, fb, rotary)
+        norm, mlp = layer.post_attention_layernorm, layer.mlp
+        x, residual = add_rms_norm(h, residual, norm.weight, norm.eps)
+        assert mlp.gate_up_proj is not None, "merge_projections first"
+        h = mlp.down_proj(silu_mul(mlp.gate_up_proj(x)))
+    final = model.model.norm
+    out, _ = add_rms_norm(h, residual, final.weight, final.eps)
+    return out, torch.cat(aux, dim=-1) if aux else None

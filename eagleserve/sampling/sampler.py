@@ -1,0 +1,206 @@
+"""Sampling: logits -> penalties and bias -> grammar mask -> target distribution (temperature,
+top-k, top-p, min-p) -> tokens.
+
+The grammar mask (constrained/grammar_batch.py) comes after penalties and bias, so nothing can
+re-enable a token the grammar forbids; greedy argmax sees it too.
+
+Each sampled request draws from its own `torch.Generator`, so a seed gives the same tokens
+whatever else is in the batch. Penalties and bias change the logits before anything else
+(sampling/penalty_state.py), greedy rows included; logprobs stay those of the raw model, as vLLM's.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from eagleserve.constrained.grammar_batch import BatchGrammar
+from eagleserve.constrained.grammar_mask import mask_logits
+from eagleserve.core import GenerationBatchResult, Req, ScheduleBatch
+from eagleserve.distributed.parallel import broadcast_from_first
+from eagleserve.sampling.penalty_state import BatchPenalties, PenaltyState
+
+
+@dataclass
+class SamplingInfo:
+    temperatures: torch.Tensor  # [bs, 1] fp32 (1.0 for greedy rows, unused there)
+    top_ps: torch.Tensor  # [bs]
+    top_ks: torch.Tensor  # [bs] int64, vocab size when disabled
+    min_ps: torch.Tensor  # [bs]
+    is_greedy: list[bool]
+    generators: list[torch.Generator | None]
+    # Host-side: whether any row filters by top-k / top-p / min-p (no device read to find out).
+    needs_top_k: bool = True
+    needs_top_p: bool = True
+    needs_min_p: bool = True
+    # Rows with penalties or logit_bias (None: no row has any).
+    penalties: BatchPenalties | None = None
+
+    @property
+    def all_greedy(self) -> bool:
+        return all(self.is_greedy)
+
+    @classmethod
+    def of_batch(cls, batch: ScheduleBatch, vocab_size: int) -> SamplingInfo:
+        """The batch's sampling info, rebuilt only when its requests changed (a membership
+        change: admission, finish, retraction); every forward in between reuses it."""
+        key = tuple(id(r) for r in batch.reqs)
+        cached = batch.sampling_info
+        if cached is None or cached[0] != key:
+            prefilled = batch.batch_size - batch.decode_rows if batch.mode == "extend" else 0
+            info = cls.from_reqs(batch.reqs, vocab_size, batch.device, prefilled)
+            batch.sampling_info = (key, info)
+        return batch.sampling_info[1]
+
+    @classmethod
+    def from_reqs(
+        cls, reqs: list[Req], vocab_size: int, device: torch.device, prefill_rows: int = 0
+    ) -> SamplingInfo:
+        """The first `prefill_rows` requests are being prefilled (their penalty rows are reset
+        from their host tokens); the others decode."""
+        ps = [r.sampling_params for r in reqs]
+        greedy = [p.is_greedy for p in ps]
+        return cls(
+            temperatures=torch.tensor(
+                [1.0 if g else p.temperature for p, g in zip(ps, greedy)], device=device
+            ).view(-1, 1),
+            top_ps=torch.tensor([p.top_p for p in ps], device=device),
+            top_ks=torch.tensor(
+                [vocab_size if p.top_k < 0 else min(p.top_k, vocab_size) for p in ps],
+                device=device,
+            ),
+            min_ps=torch.tensor([p.min_p for p in ps], device=device),
+            is_greedy=greedy,
+            generators=[r.generator for r in reqs],
+            needs_top_k=any(0 < p.top_k < vocab_size for p, g in zip(ps, greedy) if not g),
+            needs_top_p=any(p.top_p < 1.0 for p, g in zip(ps, greedy) if not g),
+            needs_min_p=any(p.min_p > 0 for p, g in zip(ps, greedy) if not g),
+            penalties=BatchPenalties.of_reqs(reqs, vocab_size, device, prefill_rows),
+        )
+
+    def rows(self, rows: list[int]) -> SamplingInfo:
+        """The info of a subset of the batch's rows, in the order given, for logits that are
+        already penalized (no penalties)."""
+        idx = torch.tensor(rows, dtype=torch.long, device=self.top_ps.device)
+        return SamplingInfo(
+            self.temperatures[idx],
+            self.top_ps[idx],
+            self.top_ks[idx],
+            self.min_ps[idx],
+            [self.is_greedy[i] for i in rows],
+            [self.generators[i] for i in rows],
+            self.needs_top_k,
+            self.needs_top_p,
+            self.needs_min_p,
+        )
+
+    def repeat_interleave(self, n: int) -> SamplingInfo:
+        """One row per draft node (verify): each request's parameters repeated n times, for
+        logits that are already penalized (no penalties)."""
+        return SamplingInfo(
+            self.temperatures.repeat_interleave(n, 0),
+            self.top_ps.repeat_interleave(n),
+            self.top_ks.repeat_interleave(n),
+            self.min_ps.repeat_interleave(n),
+            [g for g in self.is_greedy for _ in range(n)],
+            [g for g in self.generators for _ in range(n)],
+            self.needs_top_k,
+            self.needs_top_p,
+            self.needs_min_p,
+        )
+
+
+def request_generator(seed: int | None, device: torch.device) -> torch.Generator:
+    """A sampled request's own generator: seeded (reproducible) or from the OS's entropy."""
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed if seed is not None else int.from_bytes(os.urandom(8), "little") >> 1)
+    return gen
+
+
+def logits_to_probs(logits: torch.Tensor, info: SamplingInfo) -> torch.Tensor:
+    """The target distribution a sampled request draws from. logits [n, V] -> probs [n, V]."""
+    probs = torch.softmax(logits.float() / info.temperatures, dim=-1)
+    vocab = probs.shape[-1]
+    if info.needs_top_k or info.needs_top_p:
+        sorted_p, sorted_idx = probs.sort(dim=-1, descending=True)
+        rank = torch.arange(vocab, device=probs.device)[None, :]
+        drop = rank >= info.top_ks[:, None]
+        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+        cum_before = sorted_p.cumsum(-1) - sorted_p
+        drop |= (cum_before >= info.top_ps[:, None]) & (rank > 0)
+        sorted_p = sorted_p.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter_(-1, sorted_idx, sorted_p)
+    if info.needs_min_p:
+        max_p = probs.max(dim=-1, keepdim=True).values
+        probs = probs.masked_fill(probs < info.min_ps[:, None] * max_p, 0.0)
+    return probs / probs.sum(dim=-1, keepdim=True)
+
+
+def sample(logits: torch.Tensor, info: SamplingInfo) -> torch.Tensor:
+    """logits [bs, V] -> token ids [bs] int64."""
+    greedy_ids = logits.argmax(dim=-1)
+    if info.all_greedy:
+        return greedy_ids
+    probs = logits_to_probs(logits, info)
+    out = greedy_ids.clone()
+    for i, (g, gen) in enumerate(zip(info.is_greedy, info.generators)):
+        if not g:
+            out[i] = torch.multinomial(probs[i], 1, generator=gen)[0]
+    return out
+
+
+def top_logprobs(
+    logits: torch.Tensor, token_ids: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Logprobs of the raw model distribution: chosen [n], top values [n, k], top ids [n, k]."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logp.gather(-1, token_ids.view(-1, 1)).squeeze(-1)
+    vals, ids = logp.topk(k, dim=-1) if k > 0 else (logp[:, :0], token_ids.view(-1, 1)[:, :0])
+    return chosen, vals, ids
+
+
+def sample_with_logprobs(
+    logits: torch.Tensor,
+    reqs: list[Req],
+    info: SamplingInfo,
+    penalized: torch.Tensor | None = None,
+) -> GenerationBatchResult:
+    """One next token per row of `logits` (row i for reqs[i]), with logprobs when any asks.
+    Tokens come from `penalized` when given; logprobs always from the raw `logits`."""
+    next_ids = sample(logits if penalized is None else penalized, info)
+    broadcast_from_first(next_ids)  # tensor parallelism: rank 0's draw is every rank's
+    if all(r.sampling_params.logprobs is None for r in reqs):
+        return GenerationBatchResult(next_ids)
+    k = max((r.sampling_params.logprobs or 0) for r in reqs)
+    chosen, vals, ids = top_logprobs(logits, next_ids, k)
+    return GenerationBatchResult(next_ids, None, chosen, vals, ids)
+
+
+def sample_next(
+    logits: torch.Tensor,
+    reqs: list[Req],
+    info: SamplingInfo,
+    state: PenaltyState,
+    slots: torch.Tensor,
+    prefill: bool,
+    grammar: BatchGrammar | None = None,
+) -> GenerationBatchResult:
+    """A prefill's or decode's next tokens with penalties and grammar masks: a prefill first
+    resets its requests' penalty rows; the sampled tokens are committed to them and to the
+    grammar rows' matchers."""
+    pen = info.penalties
+    if pen is None and grammar is None:
+        return sample_with_logprobs(logits, reqs, info)
+    if pen is not None and prefill:
+        pen.reset(state)
+    scored = logits if pen is None else pen.next_logits(logits, state, slots)
+    if grammar is not None:
+        scored = mask_logits(scored, grammar.next_allowed(logits.device))
+    result = sample_with_logprobs(logits, reqs, info, scored)
+    if pen is not None:
+        pen.commit(state, slots, result.next_token_ids[:, None])
+    if grammar is not None:
+        grammar.advance(result.next_token_ids)
+    return result

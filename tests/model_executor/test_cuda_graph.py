@@ -1,0 +1,75 @@
+"""The device-graph runner's host-independent logic, on any device: which captured batch size
+serves a batch, and how a batch's inputs land in the static buffers a graph reads (the graphs
+themselves are captured and replayed only on an accelerator: tests/spec/test_gpu_paths.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from eagleserve.layers.attention import create_attn_backend
+from eagleserve.layers.forward_batch import ForwardBatch, HostLens
+from eagleserve.mem_cache.kv_cache import ReqToTokenPool, TokenToKVPool
+from eagleserve.model_executor.cuda_graph_runner import BUCKETS, GraphedForward, bucket_for
+
+
+@pytest.mark.parametrize("max_bs", [1, 20, 32, 100])
+def test_bucket_is_the_smallest_captured_size_that_holds_the_batch(max_bs: int) -> None:
+    buckets = [b for b in BUCKETS if b < max_bs] + [max_bs]
+    for bs in range(1, max_bs + 1):
+        pb = bucket_for(buckets, bs)
+        assert pb in buckets and pb >= bs
+        assert all(b < bs for b in buckets if b < pb)
+    for bad in (0, max_bs + 1):
+        with pytest.raises(ValueError):
+            bucket_for(buckets, bad)
+
+
+def _graph(n: int, max_bs: int, hidden: int) -> GraphedForward:
+    dev = torch.device("cpu")
+    r2t = ReqToTokenPool(max_bs + 1, 64, dev)
+    kv = TokenToKVPool(256, 1, 2, 8, torch.float32, dev)
+    backend = create_attn_backend("torch", dev, r2t.req_to_token, 8**-0.5)
+    extras = {"features": ((hidden,), torch.float32)}
+    return GraphedForward(
+        lambda fb, ex: (), "verify", kv, backend, dev, max_bs, n, extra_shapes=extras
+    )
+
+
+@pytest.mark.parametrize(("bs", "n"), [(5, 3), (1, 1), (13, 4), (20, 2)])
+def test_stage_copies_the_batch_and_pads_to_its_bucket(bs: int, n: int) -> None:
+    g = torch.Generator().manual_seed(bs * 10 + n)
+    graph = _graph(n, 20, 6)
+    # A larger batch staged before leaves its rows behind: the padding must overwrite them.
+    for buf in (graph.input_ids, graph.positions, graph.out_cache_loc, graph.req_pool_indices,
+                graph.prefix_lens):  # fmt: skip
+        buf.copy_(torch.randint(1, 50, buf.shape, generator=g))
+    t = bs * n
+    rand = lambda *shape: torch.randint(1, 50, shape, generator=g)
+    prefix = rand(bs)
+    fb = ForwardBatch(
+        mode="verify",
+        input_ids=rand(t),
+        positions=rand(t),
+        out_cache_loc=rand(t),
+        req_pool_indices=rand(bs),
+        prefix_lens=prefix,
+        extend_lens=torch.full((bs,), n),
+        host=HostLens.per_request(n, 50, bs),
+        kv_pool=graph.kv_pool,
+        attn_backend=graph.attn_backend,
+    )
+    feats = torch.randn(t, 6, generator=g)
+    pb, real = graph.stage(fb, features=feats)
+    assert (pb, real) == (bucket_for(graph.buckets, bs), t)
+    pt = pb * n
+    for buf, src in ((graph.input_ids, fb.input_ids), (graph.positions, fb.positions),
+                     (graph.out_cache_loc, fb.out_cache_loc)):  # fmt: skip
+        assert torch.equal(buf[:t], src)
+        assert not buf[t:pt].any()  # padded tokens write KV slot 0 only
+    assert torch.equal(graph.req_pool_indices[:bs], fb.req_pool_indices)
+    assert not graph.req_pool_indices[bs:pb].any()  # request slot 0, never handed out
+    assert torch.equal(graph.prefix_lens[:bs], prefix)
+    assert not graph.prefix_lens[bs:pb].any()
+    assert torch.equal(graph.kv_lens[:pb], graph.prefix_lens[:pb] + n)
+    assert torch.equal(graph.extras["features"][:t], feats)

@@ -1,0 +1,114 @@
+"""models/cpu_layers.py: a packed target's layers in one kernel call (kernels/cpu_layers.cpp).
+
+What serving relies on: the one-call path gives what the module path gives, bit for bit —
+logits, final hidden states and the aux hidden states an EAGLE-3 head reads — for prefill,
+chain-verify, tree-verify and decode rows; and a model the kernel does not cover keeps the
+module path.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import forward_tokens
+
+from eagleserve.config import ModelConfig
+from eagleserve.kernels import cpu_ext
+from eagleserve.model_executor.model_runner import ModelRunner
+from eagleserve.models.cpu_layers import CpuLayers
+from eagleserve.models.llama import ModelOutput
+from eagleserve.models.loader import default_gguf_path
+
+pytestmark = pytest.mark.skipif(not cpu_ext.load(), reason="the CPU kernels do not run here")
+
+AUX = (1, 14, 26)  # the shipped EAGLE-3 head's
+
+
+@pytest.fixture(scope="module")
+def runner(smollm2_dir: str) -> ModelRunner:
+    cfg = ModelConfig.from_dir(smollm2_dir)
+    return ModelRunner(cfg, smollm2_dir, torch.device("cpu"), torch.float32, 512, 2, 512,
+                       aux_layer_ids=AUX, gguf_path=default_gguf_path())  # fmt: skip
+
+
+def both_paths(runner: ModelRunner, *args: torch.Tensor, **kw: torch.Tensor) -> list[ModelOutput]:
+    """The same forward through the one-call kernel and through the modules (the K/V the
+    forward writes is the same in both, so running it twice leaves the pool as once)."""
+    fused = runner.model.cpu_layers
+    assert fused is not None, "SmolLM2's packed layers are all of the kind the kernel covers"
+    calls = []
+    original = cpu_ext.decoder_layers
+
+    def counting(*a: object, **k: object) -> object:
+        calls.append(1)
+        return original(*a, **k)  # type: ignore[arg-type]
+
+    outs = []
+    cpu_ext.decoder_layers = counting  # type: ignore[assignment]
+    try:
+        for layers in (fused, None):
+            runner.model.cpu_layers = layers
+            outs.append(forward_tokens(runner, *args, **kw))  # type: ignore[arg-type]
+    finally:
+        runner.model.cpu_layers = fused
+        cpu_ext.decoder_layers = original
+    assert len(calls) == 1, "the first forward ran the kernel, the second the modules"
+    return outs
+
+
+def assert_same(a: ModelOutput, b: ModelOutput) -> None:
+    assert torch.equal(a.logits, b.logits)
+    assert torch.equal(a.hidden_states, b.hidden_states)
+    assert a.aux_hidden_states is not None and b.aux_hidden_states is not None
+    assert torch.equal(a.aux_hidden_states, b.aux_hidden_states)
+
+
+def test_one_call_equals_the_modules(runner: ModelRunner) -> None:
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    lens = [int(torch.randint(5, 120, (), generator=gen)) for _ in range(2)]
+    ids = [torch.randint(0, 49152, (n + 5,), generator=gen) for n in lens]
+    locs = [runner.token_to_kv_pool.alloc(n + 5) for n in lens]
+    slots = [runner.req_to_token_pool.alloc() for _ in lens]
+    for s, loc in zip(slots, locs):
+        runner.req_to_token_pool.req_to_token[s, : loc.numel()] = loc
+    rpi = torch.tensor(slots)
+    try:
+        # a prefill of both prompts in one batch
+        cat = torch.cat([i[:n] for i, n in zip(ids, lens)])
+        pos = torch.cat([torch.arange(n) for n in lens])
+        loc = torch.cat([lc[:n] for lc, n in zip(locs, lens)])
+        zeros = torch.zeros(2, dtype=torch.long)
+        assert_same(*both_paths(runner, "extend", cat, pos, loc, rpi, zeros, torch.tensor(lens)))
+        # a 4-token chain verify of each
+        cat = torch.cat([i[n : n + 4] for i, n in zip(ids, lens)])
+        pos = torch.cat([torch.arange(n, n + 4) for n in lens])
+        loc = torch.cat([lc[n : n + 4] for lc, n in zip(locs, lens)])
+        assert_same(*both_paths(runner, "verify", cat, pos, loc, rpi, torch.tensor(lens),
+                                torch.tensor([4, 4])))  # fmt: skip
+        # a tree verify: 4 nodes, the last two siblings under the second
+        mask = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 1, 0, 1]]).bool()
+        depth = torch.tensor([0, 1, 2, 2])
+        pos = torch.cat([n + depth for n in lens])
+        assert_same(*both_paths(runner, "verify", cat, pos, loc, rpi, torch.tensor(lens),
+                                torch.tensor([4, 4]), tree_mask=mask.expand(2, 4, 4)))  # fmt: skip
+        # a decode of each
+        cat = torch.stack([i[n] for i, n in zip(ids, lens)])
+        loc = torch.stack([lc[n] for lc, n in zip(locs, lens)])
+        assert_same(*both_paths(runner, "decode", cat, torch.tensor(lens), loc, rpi,
+                                torch.tensor(lens), torch.ones(2, dtype=torch.long)))  # fmt: skip
+    finally:
+        for s, loc in zip(slots, locs):
+            runner.req_to_token_pool.free(s)
+            runner.token_to_kv_pool.free(loc)
+
+
+def test_a_layer_the_kernel_does_not_cover_keeps_the_modules(runner: ModelRunner) -> None:
+    layers = runner.model.model.layers
+    i = int(torch.randint(0, len(layers), ()))
+    attn = layers[i].self_attn
+    attn.row_parallel = True  # as a tensor-parallel rank's (its output is a partial sum)
+    try:
+        assert CpuLayers.build(runner.model) is None
+    finally:
+        attn.row_parallel = False
+    assert CpuLayers.build(runner.model) is not None

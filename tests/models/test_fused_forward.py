@@ -1,0 +1,88 @@
+"""The decoder layers on the fused Triton kernels (models/fused_forward.py) equal the unfused
+torch layers: logits, hidden and aux states and the KV cache, over prefill, decode and extend,
+Llama (GQA, Llama-3 rope) and Qwen2 (q/k/v bias), fp32 and bf16."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from triton_mode import DEVICE  # before triton is imported: picks the interpreter without a GPU
+
+pytest.importorskip("triton")
+
+from conftest import forward_tokens  # noqa: E402
+
+from eagleserve.config import ModelConfig  # noqa: E402
+from eagleserve.model_executor.model_runner import ModelRunner, use_fused_kernels  # noqa: E402
+from eagleserve.models.fused_forward import merge_projections  # noqa: E402
+
+AUX = (0, 2)
+
+
+def runner(path: str, dtype: torch.dtype, fused: bool) -> ModelRunner:
+    r = ModelRunner(ModelConfig.from_dir(path), path, DEVICE, dtype, 96, 4, 64, "triton",
+                    aux_layer_ids=AUX, fused_kernels=fused)  # fmt: skip
+    if fused and not r.model.fused_kernels:  # a CPU host: set up as the runner does on a GPU
+        merge_projections(r.model)
+        r.model.fused_kernels = True
+    assert r.model.fused_kernels == fused
+    return r
+
+
+def tol(dtype: torch.dtype) -> dict[str, float]:
+    # bf16: the fused kernels round where the torch ops round, except rotary's products and sum
+    # (one rounding instead of three); a few layers turn that into a few bf16 steps.
+    return {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 0.1, "rtol": 0.05}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("model", ["tiny_model_dir", "tiny_qwen2_dir"])
+def test_fused_layers_match_unfused(
+    model: str, dtype: torch.dtype, request: pytest.FixtureRequest
+) -> None:
+    path = request.getfixturevalue(model)
+    runners = [runner(path, dtype, fused) for fused in (False, True)]
+    gen = torch.Generator().manual_seed(5)
+    lens = [9, 5]
+    steps = [
+        ("extend", [0, 0], lens),
+        ("decode", lens, [1, 1]),
+        ("decode", [n + 1 for n in lens], [1, 1]),
+        ("extend", [n + 2 for n in lens], [3, 3]),
+    ]
+    slots = (torch.randperm(95, generator=gen) + 1)[: 2 * 20]  # slot 0 is the padding slot
+    rows = torch.tensor([2, 0])
+    for r in runners:
+        r.req_to_token_pool.req_to_token[rows] = 0
+        r.req_to_token_pool.req_to_token[rows, :20] = slots.view(2, 20).to(DEVICE)
+    for mode, prefix, extend in steps:
+        ids = torch.randint(3, 256, (sum(extend),), generator=gen).to(DEVICE)
+        pos = torch.cat([torch.arange(p, p + e) for p, e in zip(prefix, extend, strict=True)])
+        spans = enumerate(zip(prefix, extend, strict=True))
+        loc = torch.cat([slots.view(2, 20)[i, p : p + e] for i, (p, e) in spans])
+        outs = [
+            forward_tokens(r, mode, ids, pos.to(DEVICE), loc.to(DEVICE), rows.to(DEVICE),
+                           torch.tensor(prefix, device=DEVICE), torch.tensor(extend, device=DEVICE))
+            for r in runners
+        ]  # fmt: skip
+        ref, got = outs
+        torch.testing.assert_close(got.logits, ref.logits, **tol(dtype))
+        torch.testing.assert_close(got.hidden_states, ref.hidden_states, **tol(dtype))
+        assert ref.aux_hidden_states is not None and got.aux_hidden_states is not None
+        torch.testing.assert_close(got.aux_hidden_states, ref.aux_hidden_states, **tol(dtype))
+    pools = [r.token_to_kv_pool for r in runners]
+    for layer in range(len(pools[0].k_buffer)):
+        for name in ("k_buffer", "v_buffer"):
+            a, b = (getattr(p, name)[layer][slots.to(DEVICE)] for p in pools)
+            torch.testing.assert_close(b, a, **tol(dtype))
+
+
+def test_fused_kernels_only_on_a_gpu_with_plain_weights() -> None:
+    gpu, cpu = torch.device("cuda"), torch.device("cpu")
+    assert use_fused_kernels(gpu, "auto", None, None)
+    assert use_fused_kernels(gpu, "triton", None, None)
+    assert not use_fused_kernels(gpu, "torch", None, None)
+    assert not use_fused_kernels(cpu, "auto", None, None)
+    assert not use_fused_kernels(cpu, "triton", None, None)
+    assert not use_fused_kernels(gpu, "auto", "model.gguf", None)
+    assert not use_fused_kernels(gpu, "auto", None, object())

@@ -1,0 +1,93 @@
+"""The sampler's target distribution: filters keep what they promise, never an empty set."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from eagleserve.core import Req, SamplingParams, ScheduleBatch
+from eagleserve.sampling.sampler import SamplingInfo, logits_to_probs, sample
+
+
+def make_info(bs: int, vocab: int, top_p: float, top_k: int, min_p: float) -> SamplingInfo:
+    return SamplingInfo(
+        temperatures=torch.full((bs, 1), 0.7),
+        top_ps=torch.full((bs,), top_p),
+        top_ks=torch.full((bs,), vocab if top_k < 0 else top_k, dtype=torch.int64),
+        min_ps=torch.full((bs,), min_p),
+        is_greedy=[False] * bs,
+        generators=[torch.Generator().manual_seed(i) for i in range(bs)],
+    )
+
+
+def test_tiny_top_p_keeps_the_most_likely_token() -> None:
+    # 5e-324 is 0.0 in fp32: the first token must still stay (it was an all-zero row: NaN).
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(1)) * 3
+    for top_p in (5e-324, 1e-9):
+        probs = logits_to_probs(logits, make_info(4, 50, top_p, -1, 0.0))
+        assert torch.isfinite(probs).all()
+        assert torch.equal(probs.argmax(-1), logits.argmax(-1))
+        assert torch.allclose(probs.max(-1).values, torch.ones(4))
+        assert torch.equal(sample(logits, make_info(4, 50, top_p, -1, 0.0)), logits.argmax(-1))
+
+
+def test_filters_keep_the_promised_mass() -> None:
+    gen = torch.Generator().manual_seed(2)
+    for _ in range(5):
+        logits = torch.randn(3, 64, generator=gen) * 2
+        top_p = float(torch.rand(1, generator=gen)) * 0.9 + 0.05
+        top_k = int(torch.randint(1, 64, (1,), generator=gen))
+        probs = logits_to_probs(logits, make_info(3, 64, top_p, top_k, 0.0))
+        full = torch.softmax(logits / 0.7, -1)
+        for row in range(3):
+            kept = probs[row] > 0
+            assert 1 <= int(kept.sum()) <= top_k
+            order = full[row].argsort(descending=True)
+            n = int(kept.sum())
+            assert kept[order[:n]].all()  # a prefix of the sorted tokens
+            # the smallest prefix reaching top_p, unless top_k cut it first
+            mass_before, mass = full[row][order[: n - 1]].sum(), full[row][order[:n]].sum()
+            assert n == top_k or mass_before < top_p <= mass + 1e-6
+            assert torch.isclose(probs[row].sum(), torch.tensor(1.0))
+
+
+def _reqs(params: list[SamplingParams]) -> list[Req]:
+    return [Req(f"r{i}", [1, 2, 3], p) for i, p in enumerate(params)]
+
+
+def test_host_flags_give_the_distribution_of_always_filtering() -> None:
+    """from_reqs decides on the host which filters run; skipping the others changes nothing."""
+    gen = torch.Generator().manual_seed(5)
+    for trial in range(8):
+        params = [
+            SamplingParams(
+                temperature=0.0 if i == 0 else 0.5 + float(torch.rand(1, generator=gen)),
+                top_p=1.0 if trial % 2 else 0.8,
+                top_k=-1 if trial % 3 else 7,
+                min_p=0.0 if trial % 4 else 0.05,
+            )
+            for i in range(3)
+        ]
+        info = SamplingInfo.from_reqs(_reqs(params), 40, torch.device("cpu"))
+        assert info.needs_top_p == (trial % 2 == 0) and info.needs_top_k == (trial % 3 == 0)
+        assert info.needs_min_p == (trial % 4 == 0)
+        always = dataclasses.replace(info, needs_top_k=True, needs_top_p=True, needs_min_p=True)
+        logits = torch.randn(3, 40, generator=gen) * 3
+        sampled = [i for i, g in enumerate(info.is_greedy) if not g]
+        torch.testing.assert_close(
+            logits_to_probs(logits, info)[sampled], logits_to_probs(logits, always)[sampled]
+        )
+
+
+def test_sampling_info_is_built_once_per_batch_membership() -> None:
+    reqs = _reqs([SamplingParams(temperature=0.9, top_p=0.5), SamplingParams(temperature=0.0)])
+    batch = ScheduleBatch(reqs=list(reqs), mode="decode", device=torch.device("cpu"))
+    batch.req_pool_indices = torch.tensor([0, 1])
+    batch.seq_lens = batch.input_ids = torch.tensor([4, 4])
+    first = SamplingInfo.of_batch(batch, 40)
+    assert SamplingInfo.of_batch(batch, 40) is first
+    batch.filter_batch([1])
+    second = SamplingInfo.of_batch(batch, 40)
+    assert second is not first and second.is_greedy == [True]
+    assert torch.equal(first.rows([0]).top_ps, torch.tensor([0.5]))
