@@ -9,6 +9,7 @@ num_draft_tokens). Inputs are copied into static buffers; padded rows use reques
 from __future__ import annotations
 
 import bisect
+import contextlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -56,8 +57,12 @@ class GraphedForward:
         tokens_per_req: int,
         tree: bool = False,
         extra_shapes: dict[str, tuple[tuple[int, ...], torch.dtype]] | None = None,
+        own_context: bool = True,
     ) -> None:
         self.fn, self.mode, self.device = fn, mode, device
+        # False: `fn` runs several forwards and opens each one's context itself (contexts do
+        # not nest), so capture must not open one around it.
+        self.own_context = own_context
         self.kv_pool, self.attn_backend = kv_pool, attn_backend
         self.n = n = tokens_per_req
         self.buckets = [b for b in BUCKETS if b < max_bs] + [max_bs]
@@ -108,20 +113,26 @@ class GraphedForward:
         mod = device_module(self.device)
         pool = mod.graph_pool_handle()
         for bs in reversed(self.buckets):  # largest first, so smaller ones reuse its memory
-            fb = self._fb(bs)
-            extras = {k: v[: bs * self.n] for k, v in self.extras.items()}
+            fb, extras = self.bucket_batch(bs)
             side = mod.Stream()
             side.wait_stream(mod.current_stream())
             with mod.stream(side):
                 for _ in range(2):  # warm-up: Triton compiles and autotunes outside capture
-                    with forward_context(fb):
-                        self.fn(fb, extras)
+                    self.run_fn(fb, extras)
             mod.current_stream().wait_stream(side)
             graph = mod.CUDAGraph()
             with mod.graph(graph, pool=pool):
-                with forward_context(fb):
-                    out = self.fn(fb, extras)
+                out = self.run_fn(fb, extras)
             self.graphs[bs], self.outputs[bs], self.batches[bs] = graph, out, fb
+
+    def run_fn(self, fb: ForwardBatch, extras: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """`fn` on a bucket's static batch, as warm-up and capture run it."""
+        with forward_context(fb) if self.own_context else contextlib.nullcontext():
+            return self.fn(fb, extras)
+
+    def bucket_batch(self, bs: int) -> tuple[ForwardBatch, dict[str, torch.Tensor]]:
+        """The static batch and extras that bucket `bs` is captured with."""
+        return self._fb(bs), {k: v[: bs * self.n] for k, v in self.extras.items()}
 
     def replay(self, fb: ForwardBatch, **extras: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Runs `fb` (bs * n tokens, n each) padded to its bucket. Outputs are views of static

@@ -272,21 +272,13 @@ class EagleDraftWorker:
         """A graph of `draft_chain` over k steps: inputs the seed (extras) and the committed
         lengths (prefix_lens), outputs the DraftTree's tensors."""
         h = self.head.hidden_size
-        extras = {
-            "topk_p": ((1,), dtype),
-            "topk_index": ((1,), torch.long),
-            "hidden": ((h,), dtype),
-        }
+        extras = {"topk_p": ((1,), dtype), "topk_index": ((1,), torch.long),
+                  "hidden": ((h,), dtype)}  # fmt: skip
         return GraphedForward(
-            lambda fb, ex: self.chain_loop(fb, ex, k),
-            "draft",
-            self.kv_pool,
-            self.attn_backend,
-            self.device,
-            max_bs,
-            1,
-            extra_shapes=extras,
-        )
+            lambda fb, ex: self.chain_loop(fb, ex, k), "draft", self.kv_pool, self.attn_backend,
+            self.device, max_bs, 1, extra_shapes=extras,
+            own_context=False,  # each of the k steps opens its own forward context
+        )  # fmt: skip
 
     def chain_loop(
         self, fb: ForwardBatch, extras: dict[str, torch.Tensor], k: int
