@@ -4,6 +4,7 @@ completions stream, the Bearer scheme in any case, and `param` naming fields onl
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import pytest
@@ -27,13 +28,19 @@ def test_top_k_0_is_off_like_minus_1(http: httpx.Client) -> None:
 
 
 def test_one_created_per_completions_stream(http: httpx.Client) -> None:
-    """The stream lasts over a second, so a `created` taken per chunk would change."""
-    body = {"prompt": "Count:", "max_tokens": 120, "ignore_eos": True, "stream": True,
+    """The stream crosses a wall-clock second, so a `created` taken per chunk would change.
+
+    Chunk counts vary (speculation emits several tokens at once), so the precondition is
+    checked on the clock the server's `created` is read from, not on the number of chunks."""
+    body = {"prompt": "Count:", "max_tokens": 300, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}}  # fmt: skip
+    chunks, seconds = [], set()
     with http.stream("POST", "/v1/completions", json=body) as resp:
-        chunks = [json.loads(line[6:]) for line in resp.iter_lines()
-                  if line.startswith("data: {")]  # fmt: skip
-    assert len(chunks) > 100
+        for line in resp.iter_lines():
+            if line.startswith("data: {"):
+                chunks.append(json.loads(line[6:]))
+                seconds.add(int(time.time()))
+    assert len(seconds) > 1, "the stream ended within one second: nothing to check"
     assert len({c["created"] for c in chunks}) == 1
     assert len({c["id"] for c in chunks}) == 1
 
