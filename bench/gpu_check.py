@@ -242,7 +242,7 @@ def stage_hook(args: argparse.Namespace, st: Stage, file: str) -> None:
             device = "cpu" if args.device == "cpu" else "cuda"
             result = mod.run(args.model, out_json, max_new=args.new_tokens, device=device,
                              prompts=4 if args.quick else 24,
-                             batch1_prompts=2 if args.quick else 8)  # fmt: skip
+                             batch1_prompts=2 if args.quick else 24)  # fmt: skip
         else:
             sys.argv = [path, "--out", out_json, "--device", args.device]
             result = mod.main()

@@ -1,18 +1,24 @@
 """On an accelerator (skipped without one): Triton attention and device graphs give the same
-greedy tokens as the CPU path, target-only and with EAGLE chains and trees, overlap on."""
+greedy tokens as the CPU path, target-only and with EAGLE chains and trees, overlap on; and in
+bf16, seeded sampling with speculation has the target-only distribution."""
 
 from __future__ import annotations
 
+import dataclasses
+
+import numpy as np
 import pytest
 import torch
 from test_eagle_lossless import _params, _prompts, heads, reference, run_staggered, target_dir
+from test_eagle_sampling import N_SAMPLES, PROMPT, VOCAB, head_dir, small_target
 
-from eagleserve import Engine
+from eagleserve import Engine, SamplingParams
 
 pytestmark = pytest.mark.skipif(
     not torch.accelerator.is_available(), reason="needs a GPU (run on a lent device)"
 )
-__all__ = ["heads", "reference", "target_dir"]  # module-scoped fixtures shared with the CPU test
+# module-scoped fixtures shared with the CPU tests
+__all__ = ["head_dir", "heads", "reference", "small_target", "target_dir"]
 
 SPEC_CASES = [
     (None, 1, 1, 1),
@@ -62,3 +68,49 @@ def test_gpu_greedy_equals_cpu(
         assert bool(eng.scheduler.worker.drafter.loop_graphs) == (graphs and topk == 1)
     got = run_staggered(eng, _prompts(0), _params())
     assert got == reference
+
+
+def _joint_counts(eng: Engine, params: SamplingParams, n: int) -> np.ndarray:
+    """Counts of the first three sampled tokens over n seeded requests of the same prompt."""
+    seeded = [dataclasses.replace(params, seed=i) for i in range(n)]
+    counts = np.zeros((VOCAB,) * 3)
+    for o in eng.generate([PROMPT] * n, seeded):
+        counts[tuple(o["token_ids"][:3])] += 1
+    return counts / n
+
+
+def two_sample_tv_threshold(p: np.ndarray, n: int, rng: np.random.Generator) -> float:
+    """99.9th percentile of the TV distance between two independent n-sample histograms of p."""
+    p = p.ravel() / p.sum()
+    tvs = [0.5 * np.abs(rng.multinomial(n, p) - rng.multinomial(n, p)).sum() / n
+           for _ in range(1000)]  # fmt: skip
+    return float(np.quantile(tvs, 0.999))
+
+
+@pytest.mark.parametrize("deterministic", [True, False], ids=["det", "default"])
+@pytest.mark.parametrize(("steps", "topk", "ndt"), [(3, 1, 4), (3, 2, 6)], ids=["chain", "tree"])
+def test_gpu_bf16_sampling_matches_target_only(
+    small_target, head_dir, deterministic: bool, steps: int, topk: int, ndt: int
+) -> None:
+    """Seeded sampling in bf16 on the GPU: the joint of the first three tokens with speculation
+    is the target-only joint of the same engine settings (a two-sample test: in bf16 the target's
+    own distribution is the GPU's, not the fp32 reference's)."""
+    path, _ = small_target
+    params = SamplingParams(max_new_tokens=3, temperature=1.0, ignore_eos=True)
+    joints, rates = [], []
+    for spec in (False, True):
+        kw = dict(speculative_algorithm="EAGLE", speculative_draft_model_path=head_dir,
+                  speculative_num_steps=steps, speculative_eagle_topk=topk,
+                  speculative_num_draft_tokens=ndt) if spec else {}  # fmt: skip
+        eng = Engine(model=path, device="cuda", dtype="bfloat16", kv_cache_tokens=32768,
+                     max_running_requests=2048, attention_backend="triton",
+                     enable_deterministic_inference=deterministic, **kw)  # fmt: skip
+        joints.append(_joint_counts(eng, params, N_SAMPLES))
+        if spec:
+            stats = eng.stats()
+            rates.append(stats.spec_accepted_tokens_total / stats.spec_verify_calls_total)
+        eng.close()
+    assert rates[0] > 1.2, "speculation accepted too little to test anything"
+    threshold = two_sample_tv_threshold(joints[0], N_SAMPLES, np.random.default_rng(0))
+    tv = 0.5 * np.abs(joints[1] - joints[0]).sum()
+    assert tv < threshold, f"TV {tv:.4f} >= {threshold:.4f}"
