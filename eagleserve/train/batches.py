@@ -49,7 +49,7 @@ def label_loss(
 ) -> torch.Tensor:
     """CE of `logits` (rows `sel` of the label columns `cols`) against the soft labels when
     `soft` and the batch has them, else against the hard labels `lab`."""
-    if not sel.any():
+    if logits.shape[0] == 0:  # a host-known shape: no device sync
         return logits.sum()  # zero, keeps the graph
     if soft and batch.soft_ids is not None:
         ids = batch.soft_ids[:, cols][sel]

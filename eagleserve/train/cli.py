@@ -113,7 +113,7 @@ def evaluate(head: object, data: Data, idx: list[int], cfg: TrainConfig) -> dict
     for i in range(0, len(idx), cfg.batch_size):
         _, m = train_step(head, memory_batch(data, idx[i : i + cfg.batch_size], cfg), cfg, 0)
         for k, v in m.items():
-            sums[k] = sums.get(k, 0.0) + v / max(1, -(-len(idx) // cfg.batch_size))
+            sums[k] = sums.get(k, 0.0) + float(v) / max(1, -(-len(idx) // cfg.batch_size))
     return sums
 
 

@@ -35,7 +35,7 @@ def evaluate_shards(head: object, source: ShardSource, cfg: TrainConfig) -> dict
         n = [int((batch.y[:, s + 1 :] != IGNORE).sum()) for s in range(cfg.depths)]
         _, m = train_step(head, batch, cfg, 0)
         for s in range(cfg.depths):
-            hits[f"acc{s}"] = hits.get(f"acc{s}", 0.0) + m[f"acc{s}"] * n[s]
+            hits[f"acc{s}"] = hits.get(f"acc{s}", 0.0) + float(m[f"acc{s}"]) * n[s]
             rows[f"acc{s}"] = rows.get(f"acc{s}", 0.0) + n[s]
         labelled = batch.soft_p[..., 0] > 0  # rows whose next token is an answer token
         answer_rows += int(labelled.sum())

@@ -103,7 +103,9 @@ def memory_batch(data: Data, idx: list[int], cfg: TrainConfig) -> Batch:
 
 def train_step(
     head: EagleHead, batch: Batch, cfg: TrainConfig, step: int
-) -> tuple[torch.Tensor, dict[str, float]]:
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """(loss, per-depth accuracy as 0-d device tensors). The only host sync is the row
+    selection's (`hid[sel]`): metrics stay on the device until the caller reads them."""
     x, f, y, fmask = batch.x, batch.f, batch.y, batch.fmask
     t = f.shape[1] - cfg.depths - 1  # rows j: depth 0 needs x[j+1]
     w = lm_head_weight(head)
@@ -111,7 +113,7 @@ def train_step(
     feats = f[:, :t]
     past: list = []
     loss = torch.zeros((), device=x.device)
-    metrics: dict[str, float] = {}
+    metrics: dict[str, torch.Tensor] = {}
     for s in range(cfg.depths):
         ids = x[:, s + 1 : s + 1 + t]
         pos = (torch.arange(t, device=x.device) + s).expand(x.shape[0], t)
@@ -129,9 +131,8 @@ def train_step(
             nxt = f[:, s + 1 : s + 1 + t]
             term = term + cfg.feature_weight * F.smooth_l1_loss(out[fm].float(), nxt[fm])
         loss = loss + cfg.depth_decay**s * term
-        metrics[f"acc{s}"] = (
-            float((logits.argmax(-1) == lab[sel]).float().mean()) if sel.any() else 0
-        )
+        hits = (logits.argmax(-1) == lab[sel]).float()
+        metrics[f"acc{s}"] = hits.mean() if hits.shape[0] else torch.zeros((), device=x.device)
         feats = out
     return loss, metrics
 
@@ -142,7 +143,10 @@ def train_head(
     """Trains in place, checkpointing to cfg.out_dir; returns the last metrics (EMA)."""
     torch.manual_seed(cfg.seed)
     params = [p for p in head.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0, betas=(0.9, 0.95))
+    # One fused kernel per step on an accelerator; the CPU keeps the reference update, so CPU
+    # runs reproduce heads trained before.
+    fused = params[0].device.type != "cpu" or None
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0, betas=(0.9, 0.95), fused=fused)
     per_epoch = source.per_epoch
     total = math.ceil(per_epoch * cfg.epochs)
     warm = max(1, min(50, total // 20))
@@ -150,6 +154,7 @@ def train_head(
     if start_state is not None:
         opt.load_state_dict(start_state["optimizer"])
         step, ema = start_state["step"], start_state.get("metrics", {})
+    dev_ema = {k: torch.tensor(v, device=params[0].device) for k, v in ema.items()}
 
     def lr_at(s: int) -> float:  # linear warm-up, cosine to 0: a pure function of the step
         return cfg.lr * min(1.0, (s + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(s / total, 1)))
@@ -158,7 +163,7 @@ def train_head(
     autocast = torch.autocast(dev, torch.bfloat16, enabled=cfg.compute_dtype == "bfloat16")
     t0 = time.time()
     t_cal, first = 0.0, step
-    rows = 0  # real (non-padding) rows trained, times depths: token-depths
+    rows = torch.zeros((), dtype=torch.long, device=params[0].device)  # real rows x depths
     bar = tqdm(total=total, initial=step, desc="Training head", unit="step")
     while step < total:
         epoch, within = divmod(step, per_epoch)
@@ -172,30 +177,36 @@ def train_head(
             g["lr"] = lr_at(step)
         opt.step()
         step += 1
-        rows += int(batch.fmask.sum()) * cfg.depths
-        m["loss"] = loss.item()
-        ema = {k: v if k not in ema else 0.95 * ema[k] + 0.05 * v for k, v in m.items()}
-        bar.set_postfix({k: f"{v:.3f}" for k, v in ema.items()})
-        bar.update(1)
+        rows += batch.fmask.sum() * cfg.depths
+        m["loss"] = loss.detach()
+        dev_ema = {k: v if k not in dev_ema else 0.95 * dev_ema[k] + 0.05 * v.detach()
+                   for k, v in m.items()}  # fmt: skip
         elapsed = time.time() - t0
+        stop = elapsed / 60 > cfg.max_minutes or step == cfg.max_steps
+        stop = stop or (cfg.budget_s is not None and elapsed > cfg.budget_s)
         if cfg.budget_s is not None:
             if step == first + CALIBRATION_SKIP:
                 t_cal = elapsed  # the first steps pay for warm-up (allocator, kernels)
             elif step == first + CALIBRATION_SKIP + CALIBRATION_STEPS:
                 total = budget_steps(total, step, elapsed, t_cal, cfg.budget_s)
                 bar.total = total
-        stop = elapsed / 60 > cfg.max_minutes or step == cfg.max_steps
-        stop = stop or (cfg.budget_s is not None and elapsed > cfg.budget_s)
-        if step % cfg.save_every == 0 or step == total or stop:
+        save = step % cfg.save_every == 0 or step == total or stop
+        if save or step % POSTFIX_EVERY == 0:  # reading the metrics waits for the device
+            ema = {k: float(v) for k, v in dev_ema.items()}
+            bar.set_postfix({k: f"{v:.3f}" for k, v in ema.items()})
+        bar.update(1)
+        if save:
             save_checkpoint(head, opt, step, ema, cfg.out_dir)
         if stop:
             break
     bar.close()
-    speed = rows / max(1e-9, time.time() - t0)
+    n_rows = int(rows)
+    speed = n_rows / max(1e-9, time.time() - t0)
     return {**ema, "steps": step, "total_steps": total, "token_depths_per_s": speed,
-            "token_passes": rows / cfg.depths}  # fmt: skip
+            "token_passes": n_rows / cfg.depths}  # fmt: skip
 
 
+POSTFIX_EVERY = 25  # steps between progress-bar metrics (each read waits for the device)
 CALIBRATION_SKIP = 3
 CALIBRATION_STEPS = 10
 

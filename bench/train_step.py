@@ -1,0 +1,164 @@
+"""Where a `train-draft --recipe gpu` training step spends its time, on the device it trains on.
+
+The head trains on a feature store of the real shape (the target's EAGLE3 feature width, top-k
+soft labels, windows of up to --max-len tokens) filled with random values: the step's cost does
+not depend on the values. After --warmup steps, --steps steps run under torch.profiler; the table
+gives the step's wall time, the device's busy time per step (the sum of its kernels; busy / wall
+below 1 means the host, its launches or its syncs, leave the device idle), kernel launches per
+step, and the ops that take the most device time (host time on a CPU).
+
+    python bench/train_step.py --model /tmp/smollm2.gguf --device cuda \
+        --out bench/results/train_step_h200.json
+CPU smoke test (tiny model directory, tiny sizes):
+    python bench/train_step.py --model DIR --device cpu --batch-size 2 --max-len 32 --steps 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+from typing import Any
+
+import torch
+
+from eagleserve.device import synchronize
+from eagleserve.spec.head_loader import init_eagle_head
+from eagleserve.train.features import label_map
+from eagleserve.train.online import FeatureStore, StoreSource
+from eagleserve.train.target import load_target, target_layer_ids
+from eagleserve.train.trainer import TrainConfig, train_head
+
+
+def random_store(
+    n_windows: int, max_len: int, width: int, vocab: int, k: int, dev: torch.device, seed: int
+) -> FeatureStore:
+    """Windows of lengths uniform in [max_len / 8, max_len]; 70 % of rows labelled."""
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(max(2, max_len // 8), max_len + 1, (n_windows,), generator=g).tolist()
+    n = sum(lens)
+    labelled = torch.rand(n, generator=g) < 0.7
+    top_p = torch.rand(n, k, generator=g).sort(-1, descending=True).values
+    top_p = top_p / top_p.sum(-1, keepdim=True) * labelled[:, None]
+    top_ids = torch.randint(0, vocab, (n, k), generator=g).masked_fill(~labelled[:, None], -1)
+    store = FeatureStore(
+        torch.randint(0, vocab, (n,), generator=g, dtype=torch.int32).to(dev),
+        labelled.to(dev),
+        torch.randn(n, width, generator=g).to(dev, torch.bfloat16),
+        top_ids.to(dev, torch.int32),
+        top_p.to(dev, torch.float16),
+    )
+    starts = [0]
+    for m in lens[:-1]:
+        starts.append(starts[-1] + m)
+    store.windows = list(zip(starts, lens))
+    return store
+
+
+def _device_us(ev: Any) -> float:
+    return float(getattr(ev, "self_device_time_total", 0.0) or 0.0)
+
+
+def profile_steps(
+    model: str, device: str, batch_size: int, max_len: int, depths: int, k: int,
+    draft_vocab: int, warmup: int, steps: int, top: int,
+) -> dict[str, Any]:  # fmt: skip
+    dev = torch.device(device)
+    target, _ = load_target(model, "float32", max_len + 16, dev.type)
+    vocab = target.config.vocab_size
+    layers = target_layer_ids("EAGLE3", target.config.num_hidden_layers)
+    width = len(layers) * target.config.hidden_size
+    draft_ids = torch.arange(min(draft_vocab, vocab))
+    head = init_eagle_head("EAGLE3", target, seed=0, draft_token_ids=draft_ids)
+    store = random_store(batch_size * (warmup + steps) * 2, max_len, width, vocab, k, dev, 0)
+    source = StoreSource(store, label_map(draft_ids, vocab), batch_size, depths, 0)
+    head.train()
+
+    def run(n_steps: int) -> float:
+        cfg = TrainConfig(out_dir=tempfile.mkdtemp(prefix="train-step-"), lr=1e-3,
+                          batch_size=batch_size, max_len=max_len, epochs=1.0, depths=depths,
+                          compute_dtype="bfloat16", save_every=10**9, max_steps=n_steps,
+                          soft_labels=True)  # fmt: skip
+        synchronize(dev)
+        t0 = time.perf_counter()
+        train_head(head, source, cfg)
+        synchronize(dev)
+        return time.perf_counter() - t0
+
+    run(warmup)
+    acts = [torch.profiler.ProfilerActivity.CPU]
+    if dev.type != "cpu":
+        acts.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=acts) as prof:
+        wall = run(steps)
+    events = prof.key_averages()
+    on_device = dev.type != "cpu"
+    kernels = [e for e in events if on_device and _device_us(e) > 0 and e.device_type != 0]
+    busy_us = sum(_device_us(e) for e in kernels)
+    launch_ops = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "hipLaunchKernel")
+    launches = sum(e.count for e in events if e.key in launch_ops)
+    key = _device_us if on_device else (lambda e: float(e.self_cpu_time_total))
+    ranked = sorted(events, key=key, reverse=True)[:top]
+    step_tokens = sum(m for _, m in store.windows) / len(store.windows) * batch_size
+    return {
+        "device": torch.cuda.get_device_name() if dev.type == "cuda" else device,
+        "torch": torch.__version__,
+        "shape": {
+            "batch_size": batch_size,
+            "max_len": max_len,
+            "depths": depths,
+            "top_k": k,
+            "draft_vocab": len(draft_ids),
+            "feature_width": width,
+        },  # fmt: skip
+        "step_ms": 1e3 * wall / steps,
+        "device_busy_ms_per_step": busy_us / 1e3 / steps if on_device else None,
+        "device_busy_fraction": busy_us / 1e6 / wall if on_device else None,
+        "launches_per_step": launches / steps,
+        "token_passes_per_s": step_tokens * steps / wall,
+        "top_ops": [
+            {
+                "op": e.key[:80],
+                "count_per_step": e.count / steps,
+                "ms_per_step": key(e) / 1e3 / steps,
+            }
+            for e in ranked
+        ],  # fmt: skip
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--model", default="default")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--max-len", type=int, default=2048)
+    ap.add_argument("--ttt-steps", type=int, default=5)
+    ap.add_argument("--top-k", type=int, default=32)
+    ap.add_argument("--draft-vocab-size", type=int, default=8192)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--top", type=int, default=15)
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    res = profile_steps(a.model, a.device, a.batch_size, a.max_len, a.ttt_steps, a.top_k,
+                        a.draft_vocab_size, a.warmup, a.steps, a.top)  # fmt: skip
+    busy = res["device_busy_fraction"]
+    print(f"{res['device']}: step {res['step_ms']:.1f} ms, "
+          f"{res['token_passes_per_s']:,.0f} token-passes/s, "
+          f"{res['launches_per_step']:.0f} launches/step"
+          + (f", device busy {res['device_busy_ms_per_step']:.1f} ms ({100 * busy:.0f} %)"
+             if busy is not None else ""))  # fmt: skip
+    print(f"{'op':<80} {'calls/step':>10} {'ms/step':>9}")
+    for r in res["top_ops"]:
+        print(f"{r['op']:<80} {r['count_per_step']:>10.1f} {r['ms_per_step']:>9.2f}")
+    if a.out:
+        os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+        with open(a.out, "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
