@@ -1,16 +1,18 @@
 """Where a `train-draft --recipe gpu` training step spends its time, on the device it trains on.
 
-The head trains on a feature store of the real shape (the target's EAGLE3 feature width, top-k
-soft labels, windows of up to --max-len tokens) filled with random values: the step's cost does
-not depend on the values. After --warmup steps, --steps steps run under torch.profiler; the table
-gives the step's wall time, the device's busy time per step (the sum of its kernels; busy / wall
-below 1 means the host, its launches or its syncs, leave the device idle), kernel launches per
-step, and the ops that take the most device time (host time on a CPU).
+Each row is one setting (--ttt-attention, batch size) with a fresh head, trained on a feature
+store of the real shape (the target's EAGLE3 feature width, top-k soft labels, windows of up to
+--max-len tokens) filled with random values: the step's cost does not depend on the values.
+After --warmup steps, --steps steps are timed, then run again under torch.profiler (its own
+overhead kept out of the time); the table gives the step's wall time, the device's busy time
+per step (the sum of its kernels; busy / wall below 1 means the host, its launches or its
+syncs, leave the device idle), kernel launches per step, the peak device memory, and the ops
+that take the most device time (host time on a CPU).
 
     python bench/train_step.py --model /tmp/smollm2.gguf --device cuda \
         --out bench/results/train_step_h200.json
 CPU smoke test (tiny model directory, tiny sizes):
-    python bench/train_step.py --model DIR --device cpu --batch-size 2 --max-len 32 --steps 2
+    python bench/train_step.py --model DIR --device cpu --rows dense:2,sdpa:2 --max-len 32 --steps 2
 """
 
 from __future__ import annotations
@@ -61,40 +63,43 @@ def _device_us(ev: Any) -> float:
     return float(getattr(ev, "self_device_time_total", 0.0) or 0.0)
 
 
-def profile_steps(
-    model: str, device: str, batch_size: int, max_len: int, depths: int, k: int,
-    draft_vocab: int, warmup: int, steps: int, top: int,
+def profile_row(
+    target: Any, dev: torch.device, impl: str, batch_size: int, max_len: int, depths: int,
+    k: int, draft_vocab: int, warmup: int, steps: int, top: int,
 ) -> dict[str, Any]:  # fmt: skip
-    dev = torch.device(device)
-    target, _ = load_target(model, "float32", max_len + 16, dev.type)
+    """One setting: `steps` timed steps, then `steps` more under the profiler (its own host
+    overhead kept out of the step time)."""
     vocab = target.config.vocab_size
     layers = target_layer_ids("EAGLE3", target.config.num_hidden_layers)
     width = len(layers) * target.config.hidden_size
     draft_ids = torch.arange(min(draft_vocab, vocab))
     head = init_eagle_head("EAGLE3", target, seed=0, draft_token_ids=draft_ids)
-    store = random_store(batch_size * (warmup + steps) * 2, max_len, width, vocab, k, dev, 0)
+    store = random_store(batch_size * max(warmup, steps), max_len, width, vocab, k, dev, 0)
     source = StoreSource(store, label_map(draft_ids, vocab), batch_size, depths, 0)
     head.train()
 
-    def run(n_steps: int) -> float:
+    def run(n_steps: int) -> float:  # the first n_steps batches, a fresh optimizer
         cfg = TrainConfig(out_dir=tempfile.mkdtemp(prefix="train-step-"), lr=1e-3,
                           batch_size=batch_size, max_len=max_len, epochs=1.0, depths=depths,
                           compute_dtype="bfloat16", save_every=10**9, max_steps=n_steps,
-                          soft_labels=True)  # fmt: skip
+                          soft_labels=True, ttt_attention=impl)  # fmt: skip
         synchronize(dev)
         t0 = time.perf_counter()
         train_head(head, source, cfg)
         synchronize(dev)
         return time.perf_counter() - t0
 
-    run(warmup)
-    acts = [torch.profiler.ProfilerActivity.CPU]
     if dev.type != "cpu":
+        torch.get_device_module(dev).reset_peak_memory_stats(dev)
+    run(warmup)
+    wall = run(steps)
+    acts = [torch.profiler.ProfilerActivity.CPU]
+    on_device = dev.type != "cpu"
+    if on_device:
         acts.append(torch.profiler.ProfilerActivity.CUDA)
     with torch.profiler.profile(activities=acts) as prof:
-        wall = run(steps)
+        run(steps)
     events = prof.key_averages()
-    on_device = dev.type != "cpu"
     kernels = [e for e in events if on_device and _device_us(e) > 0 and e.device_type != 0]
     busy_us = sum(_device_us(e) for e in kernels)
     launch_ops = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "hipLaunchKernel")
@@ -102,22 +107,16 @@ def profile_steps(
     key = _device_us if on_device else (lambda e: float(e.self_cpu_time_total))
     ranked = sorted(events, key=key, reverse=True)[:top]
     step_tokens = sum(m for _, m in store.windows) / len(store.windows) * batch_size
+    peak = torch.get_device_module(dev).max_memory_allocated(dev) if on_device else None
     return {
-        "device": torch.cuda.get_device_name() if dev.type == "cuda" else device,
-        "torch": torch.__version__,
-        "shape": {
-            "batch_size": batch_size,
-            "max_len": max_len,
-            "depths": depths,
-            "top_k": k,
-            "draft_vocab": len(draft_ids),
-            "feature_width": width,
-        },  # fmt: skip
+        "ttt_attention": impl,
+        "batch_size": batch_size,
         "step_ms": 1e3 * wall / steps,
+        "token_passes_per_s": step_tokens * steps / wall,
         "device_busy_ms_per_step": busy_us / 1e3 / steps if on_device else None,
         "device_busy_fraction": busy_us / 1e6 / wall if on_device else None,
         "launches_per_step": launches / steps,
-        "token_passes_per_s": step_tokens * steps / wall,
+        "peak_gb": peak / 2**30 if peak is not None else None,
         "top_ops": [
             {
                 "op": e.key[:80],
@@ -129,11 +128,39 @@ def profile_steps(
     }
 
 
+def profile_rows(
+    model: str, device: str, rows: list[tuple[str, int]], max_len: int, depths: int, k: int,
+    draft_vocab: int, warmup: int, steps: int, top: int,
+) -> dict[str, Any]:  # fmt: skip
+    dev = torch.device(device)
+    target, _ = load_target(model, "float32", max_len + 16, dev.type)
+    out: dict[str, Any] = {
+        "device": torch.cuda.get_device_name() if dev.type == "cuda" else device,
+        "torch": torch.__version__,
+        "shape": {"max_len": max_len, "depths": depths, "top_k": k, "draft_vocab": draft_vocab},
+        "rows": [],
+    }
+    for impl, bs in rows:
+        try:
+            row = profile_row(target, dev, impl, bs, max_len, depths, k, draft_vocab, warmup,
+                              steps, top)  # fmt: skip
+        except torch.OutOfMemoryError as e:  # a setting that does not fit is a result too
+            row = {"ttt_attention": impl, "batch_size": bs, "error": f"out of memory: {e}"[:200]}
+        if dev.type != "cpu":
+            torch.get_device_module(dev).empty_cache()
+        out["rows"].append(row)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--model", default="default")
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument(
+        "--rows",
+        default="dense:16,sdpa:16,sdpa:32,sdpa:64",
+        help="settings, ttt_attention:batch_size, comma-separated",
+    )
     ap.add_argument("--max-len", type=int, default=2048)
     ap.add_argument("--ttt-steps", type=int, default=5)
     ap.add_argument("--top-k", type=int, default=32)
@@ -143,17 +170,28 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=15)
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
-    res = profile_steps(a.model, a.device, a.batch_size, a.max_len, a.ttt_steps, a.top_k,
-                        a.draft_vocab_size, a.warmup, a.steps, a.top)  # fmt: skip
-    busy = res["device_busy_fraction"]
-    print(f"{res['device']}: step {res['step_ms']:.1f} ms, "
-          f"{res['token_passes_per_s']:,.0f} token-passes/s, "
-          f"{res['launches_per_step']:.0f} launches/step"
-          + (f", device busy {res['device_busy_ms_per_step']:.1f} ms ({100 * busy:.0f} %)"
-             if busy is not None else ""))  # fmt: skip
-    print(f"{'op':<80} {'calls/step':>10} {'ms/step':>9}")
-    for r in res["top_ops"]:
-        print(f"{r['op']:<80} {r['count_per_step']:>10.1f} {r['ms_per_step']:>9.2f}")
+    rows = [(r.split(":")[0], int(r.split(":")[1])) for r in a.rows.split(",")]
+    res = profile_rows(a.model, a.device, rows, a.max_len, a.ttt_steps, a.top_k,
+                       a.draft_vocab_size, a.warmup, a.steps, a.top)  # fmt: skip
+    print(res["device"])
+    print(f"{'attention':>9} {'batch':>5} {'step ms':>8} {'token-passes/s':>15} {'busy %':>7} "
+          f"{'launches':>8} {'peak GB':>8}")  # fmt: skip
+    for r in res["rows"]:
+        if "error" in r:
+            print(f"{r['ttt_attention']:>9} {r['batch_size']:>5}  {r['error'][:60]}")
+            continue
+        frac, peak = r["device_busy_fraction"], r["peak_gb"]
+        busy = "-" if frac is None else f"{100 * frac:.0f}"
+        peak_s = "-" if peak is None else f"{peak:.1f}"
+        print(f"{r['ttt_attention']:>9} {r['batch_size']:>5} {r['step_ms']:>8.1f} "
+              f"{r['token_passes_per_s']:>15,.0f} {busy:>7} {r['launches_per_step']:>8.0f} "
+              f"{peak_s:>8}")  # fmt: skip
+    for r in res["rows"]:
+        if "top_ops" in r:
+            print(f"\n{r['ttt_attention']} batch {r['batch_size']}: {'op':<70} {'calls':>7} "
+                  f"{'ms/step':>8}")  # fmt: skip
+            for o in r["top_ops"]:
+                print(f"  {o['op']:<88} {o['count_per_step']:>7.1f} {o['ms_per_step']:>8.2f}")
     if a.out:
         os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
         with open(a.out, "w") as f:

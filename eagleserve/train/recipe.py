@@ -60,6 +60,9 @@ def add_recipe_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--extract-seconds", type=float, default=None, help="stop extracting "
                    "after this long (default: a third of --time-budget)")  # fmt: skip
     g.add_argument("--max-shard-mb", type=float, default=16.0, help="largest head file")
+    g.add_argument("--ttt-attention", default="dense", choices=["dense", "sdpa"],
+                   help="depth >= 1 attention: dense scores, or one masked SDPA call (no [T, T] "
+                   "scores kept: larger batches fit)")  # fmt: skip
     g.add_argument("--max-conversations", type=int, default=None,
                    help="use only this many training conversations (default: all)")  # fmt: skip
     g.add_argument("--tokenize-procs", type=int, default=None, help="default: all CPU cores")
@@ -172,6 +175,7 @@ def run_recipe(ns: argparse.Namespace) -> int:
         epochs=ns.epochs, max_minutes=ns.max_minutes, depths=ns.ttt_steps,
         compute_dtype=ns.compute_dtype, save_every=10**9, seed=ns.seed,
         max_steps=ns.max_steps, soft_labels=ns.loss == "soft", budget_s=budget,
+        ttt_attention=ns.ttt_attention,
     )  # fmt: skip
     source = StoreSource(store, lmap, ns.batch_size, ns.ttt_steps, ns.seed)
     head.train()

@@ -48,6 +48,7 @@ class TrainConfig:
     # Wall-time budget in seconds (None: none). The schedule's length is re-estimated from the
     # measured step time after CALIBRATION_STEPS, so the cosine ends when the budget does.
     budget_s: float | None = None
+    ttt_attention: str = "dense"  # train/ttt.py TTT_ATTENTION: how depths >= 1 attend
 
 
 @dataclass
@@ -117,7 +118,7 @@ def train_step(
     for s in range(cfg.depths):
         ids = x[:, s + 1 : s + 1 + t]
         pos = (torch.arange(t, device=x.device) + s).expand(x.shape[0], t)
-        hid, out, kv = head_step(head, ids, feats, pos, past)
+        hid, out, kv = head_step(head, ids, feats, pos, past, cfg.ttt_attention)
         past.append(kv)
         cols = slice(s + 1, s + 1 + t)
         lab = y[:, cols]

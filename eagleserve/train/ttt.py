@@ -15,6 +15,24 @@ import torch.nn.functional as F
 from eagleserve.spec.eagle_head import EagleHead
 
 KV = tuple[torch.Tensor, torch.Tensor]  # k, v [B, Hkv, T, D] after rotary
+TTT_ATTENTION = ("dense", "sdpa")
+
+
+def chain_mask(t: int, n_chain: int, device: torch.device) -> torch.Tensor:
+    """[t, (1 + n_chain) * t] bool over keys [context; chain depth 1; ...]: row j sees the
+    context keys <= j and, in every chain block, its own key only."""
+    row = torch.arange(t, device=device)[:, None]
+    col = torch.arange((1 + n_chain) * t, device=device)[None, :]
+    return torch.where(col < t, col <= row, col % t == row)
+
+
+def _sdpa_chain(q: torch.Tensor, chain: list[KV], rep: int) -> torch.Tensor:
+    """The depth >= 1 attention as one fused SDPA call over the concatenated keys and a
+    boolean mask: no [T, T] scores kept for the backward (memory O(T) per row on a GPU)."""
+    k = torch.cat([kk for kk, _ in chain], dim=2).repeat_interleave(rep, 1)
+    v = torch.cat([vv for _, vv in chain], dim=2).repeat_interleave(rep, 1)
+    mask = chain_mask(q.shape[2], len(chain) - 1, q.device)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
 def _attention(
@@ -23,8 +41,11 @@ def _attention(
     x: torch.Tensor,
     positions: torch.Tensor,
     past: list[KV],
+    impl: str = "dense",
 ) -> tuple[torch.Tensor, KV]:
-    """x [B, T, in] -> [B, T, h]; `past` = keys/values of depths 0..s-1 (empty at depth 0)."""
+    """x [B, T, in] -> [B, T, h]; `past` = keys/values of depths 0..s-1 (empty at depth 0).
+    `impl` (TTT_ATTENTION) picks how depths >= 1 compute the same attention: "dense" builds
+    the [T, T] scores and the chain's diagonal terms, "sdpa" one masked SDPA call."""
     bsz, t, _ = x.shape
     nh, nkv, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
     q = attn.q_proj(x).reshape(bsz * t, nh, d)
@@ -36,6 +57,8 @@ def _attention(
     scale = d**-0.5
     if not past:
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=nh != nkv)
+    elif impl == "sdpa":
+        o = _sdpa_chain(q, [*past, (k, v)], nh // nkv)
     else:
         rep = nh // nkv
         k0, v0 = (z.repeat_interleave(rep, dim=1) for z in past[0])
@@ -61,6 +84,7 @@ def head_step(
     features: torch.Tensor,
     positions: torch.Tensor,
     past: list[KV],
+    attention: str = "dense",
 ) -> tuple[torch.Tensor, torch.Tensor, KV]:
     """One depth over [B, T] rows, the math of `EagleHead.forward`. Returns (pre-lm_head
     hidden [B, T, h] (normed for EAGLE3, raw for EAGLE), next features [B, T, h], this depth's
@@ -69,7 +93,7 @@ def head_step(
     if head.algorithm == "EAGLE":
         layer = head.layers[0]
         x = head.fc(torch.cat((emb, features.to(emb.dtype)), dim=-1))
-        a, kv = _attention(layer.self_attn, head, x, positions, past)
+        a, kv = _attention(layer.self_attn, head, x, positions, past, attention)
         x = x + a
         out = x + layer.mlp(layer.post_attention_layernorm(x))
         return out, out, kv
@@ -77,7 +101,7 @@ def head_step(
     g = head.fc(feats) if feats.shape[-1] != head.hidden_size else feats
     m = head.midlayer
     attn_in = torch.cat((m.input_layernorm(emb), m.hidden_norm(g)), dim=-1)
-    a, kv = _attention(m.self_attn, head, attn_in, positions, past)
+    a, kv = _attention(m.self_attn, head, attn_in, positions, past, attention)
     x = g + a
     out = x + m.mlp(m.post_attention_layernorm(x))
     return head.norm(out), out, kv
