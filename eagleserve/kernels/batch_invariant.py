@@ -26,11 +26,13 @@ import triton.language as tl
 
 from eagleserve.kernels.triton_common import (
     _LOG2E,
+    _attend_span,
     _block_d,
     _check_qkv,
     _dot,
     _ieee_dot,
-    _online_softmax_step,
+    _load_group_q,
+    _store_split,
 )
 
 # The one GEMM configuration (every M uses it: a different tile could change a row's bits).
@@ -198,46 +200,20 @@ def _row_attn_stage1(
         h_valid = tl.arange(0, BLOCK_H) < GROUP
         offs_d = tl.arange(0, BLOCK_D)
         d_valid = offs_d < HEAD_DIM
-        offs_n = tl.arange(0, BLOCK_N)
         end = tl.minimum(start + SPLIT, seq_len)
         row = tl.load(RowIdx + t)
-        q_ptrs = Q + t.to(tl.int64) * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :]
-        q = tl.load(q_ptrs, mask=h_valid[:, None] & d_valid[None, :], other=0.0)
-        m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_H], tl.float32)
-        acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-        tb_row = Table + row * stride_tb_r
-        for n0 in range(start, end, BLOCK_N):
-            pos = n0 + offs_n
-            n_valid = pos < end
-            slot = tl.load(tb_row + pos * stride_tb_l, mask=n_valid, other=0)
-            kv_mask = n_valid[:, None] & d_valid[None, :]
-            k = tl.load(
-                K + slot[:, None] * stride_ks + kv_head * stride_kh + offs_d[None, :],
-                mask=kv_mask,
-                other=0.0,
-            ).to(q.dtype)
-            v = tl.load(
-                V + slot[:, None] * stride_vs + kv_head * stride_vh + offs_d[None, :],
-                mask=kv_mask,
-                other=0.0,
-            ).to(q.dtype)
-            s = _dot(q, tl.trans(k), IEEE) * qk_scale
-            s = tl.where(n_valid[None, :], s, float("-inf"))
-            m_i, l_i, acc = _online_softmax_step(s, m_i, l_i, acc, v, IEEE)
+        q = _load_group_q(Q, t, stride_qt, stride_qh, offs_h, h_valid, offs_d, d_valid)
+        m_i, l_i, acc = _attend_span(
+            q, K, V, Table + row * stride_tb_r, stride_tb_l, kv_head, stride_ks, stride_kh,
+            stride_vs, stride_vh, offs_d, d_valid, start, end, qk_scale,
+            BLOCK_H, BLOCK_N, BLOCK_D, IEEE,
+        )  # fmt: skip
         out = acc / l_i[:, None]  # the split is non-empty: l_i >= 1
         lse = m_i + tl.log2(l_i)
-        mo_ptrs = (
-            MidO
-            + t.to(tl.int64) * stride_mo_t
-            + offs_h[:, None] * stride_mo_h
-            + split * stride_mo_s
-            + offs_d[None, :]
-        )
-        tl.store(mo_ptrs, out, mask=h_valid[:, None] & d_valid[None, :])
-        tl.store(
-            MidLse + t.to(tl.int64) * stride_ml_t + offs_h * stride_ml_h + split, lse, mask=h_valid
-        )
+        _store_split(
+            MidO, MidLse, t, split, offs_h, h_valid, offs_d, d_valid, out, lse,
+            stride_mo_t, stride_mo_h, stride_mo_s, stride_ml_t, stride_ml_h,
+        )  # fmt: skip
 
 
 @triton.jit

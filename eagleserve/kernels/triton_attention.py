@@ -27,6 +27,7 @@ from eagleserve.kernels.triton_common import (
     _check_qkv,
     _dot,
     _ieee_dot,
+    _load_kv_tile,
     _online_softmax_step,
 )
 from eagleserve.kernels.triton_decode import (  # noqa: F401  (re-exported API)
@@ -118,18 +119,10 @@ def _prefill_kernel(
         for n0 in range(0, kv_end, BLOCK_N):
             pos = n0 + offs_n
             n_valid = pos < kv_end
-            slot = tl.load(r2t_row + pos * stride_r2t_l, mask=n_valid, other=0)
-            kv_mask = n_valid[:, None] & d_valid[None, :]
-            k = tl.load(
-                K + slot[:, None] * stride_ks + kv_head * stride_kh + offs_d[None, :],
-                mask=kv_mask,
-                other=0.0,
-            ).to(q.dtype)
-            v = tl.load(
-                V + slot[:, None] * stride_vs + kv_head * stride_vh + offs_d[None, :],
-                mask=kv_mask,
-                other=0.0,
-            ).to(q.dtype)
+            k, v = _load_kv_tile(
+                K, V, r2t_row, stride_r2t_l, pos, n_valid, kv_head, stride_ks, stride_kh,
+                stride_vs, stride_vh, offs_d, d_valid, q,
+            )  # fmt: skip
             s = _dot(q, tl.trans(k), IEEE) * qk_scale  # [BLOCK_M, BLOCK_N]
             if TREE:
                 j = pos - prefix  # index into the tree region; < 0 means prefix

@@ -45,6 +45,78 @@ def _online_softmax_step(s, m_i, l_i, acc, v, IEEE: tl.constexpr):
     return m_new, l_i, acc
 
 
+@triton.jit
+def _load_group_q(Q, row, stride_qt, stride_qh, offs_h, h_valid, offs_d, d_valid):
+    """Query row `row`'s heads offs_h [BLOCK_H, BLOCK_D] (masked heads and dims read 0)."""
+    q_ptrs = Q + row.to(tl.int64) * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :]
+    return tl.load(q_ptrs, mask=h_valid[:, None] & d_valid[None, :], other=0.0)
+
+
+@triton.jit
+def _load_kv_tile(
+    K, V, tb_row, stride_tb_l, pos, n_valid, kv_head, stride_ks, stride_kh, stride_vs, stride_vh,
+    offs_d, d_valid, q,
+):  # fmt: skip
+    """K and V [BLOCK_N, BLOCK_D] of KV head kv_head at the slots that the table row tb_row lists
+    at positions pos, in q's dtype; positions where n_valid is false read slot 0 and give 0."""
+    slot = tl.load(tb_row + pos * stride_tb_l, mask=n_valid, other=0)  # int64
+    kv_mask = n_valid[:, None] & d_valid[None, :]
+    k = tl.load(
+        K + slot[:, None] * stride_ks + kv_head * stride_kh + offs_d[None, :],
+        mask=kv_mask,
+        other=0.0,
+    ).to(q.dtype)
+    v = tl.load(
+        V + slot[:, None] * stride_vs + kv_head * stride_vh + offs_d[None, :],
+        mask=kv_mask,
+        other=0.0,
+    ).to(q.dtype)
+    return k, v
+
+
+@triton.jit
+def _attend_span(
+    q, K, V, tb_row, stride_tb_l, kv_head, stride_ks, stride_kh, stride_vs, stride_vh,
+    offs_d, d_valid, start, end, qk_scale,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr,
+):  # fmt: skip
+    """One split of split-KV attention: q [BLOCK_M, BLOCK_D] over the positions [start, end) of
+    one table row, in BLOCK_N tiles counted from start. Returns the running (max, sum, acc) of
+    the online softmax (acc unnormalised; sum 0 and max -inf when the span is empty). The tiles
+    depend only on start and end, so a caller that fixes those per row fixes the row's bits."""
+    offs_n = tl.arange(0, BLOCK_N)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        pos = n0 + offs_n
+        n_valid = pos < end
+        k, v = _load_kv_tile(
+            K, V, tb_row, stride_tb_l, pos, n_valid, kv_head, stride_ks, stride_kh, stride_vs,
+            stride_vh, offs_d, d_valid, q,
+        )  # fmt: skip
+        s = _dot(q, tl.trans(k), IEEE) * qk_scale  # [BLOCK_M, BLOCK_N]
+        s = tl.where(n_valid[None, :], s, float("-inf"))
+        m_i, l_i, acc = _online_softmax_step(s, m_i, l_i, acc, v, IEEE)
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _store_split(
+    MidO, MidLse, row, split, offs_h, h_valid, offs_d, d_valid, out, lse,
+    stride_mo_t, stride_mo_h, stride_mo_s, stride_ml_t, stride_ml_h,
+):  # fmt: skip
+    """Stage 1's result for (query row, heads offs_h, split): out [BLOCK_H, BLOCK_D] into MidO
+    [T, H, NUM_SPLITS, D] and lse [BLOCK_H] into MidLse [T, H, NUM_SPLITS]."""
+    row = row.to(tl.int64)
+    mo_ptrs = (
+        MidO + row * stride_mo_t + offs_h[:, None] * stride_mo_h + split * stride_mo_s
+        + offs_d[None, :]
+    )  # fmt: skip
+    tl.store(mo_ptrs, out, mask=h_valid[:, None] & d_valid[None, :])
+    tl.store(MidLse + row * stride_ml_t + offs_h * stride_ml_h + split, lse, mask=h_valid)
+
+
 # ---------------------------------------------------------------------------------------------
 # Python wrappers
 # ---------------------------------------------------------------------------------------------

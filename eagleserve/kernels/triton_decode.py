@@ -12,12 +12,13 @@ from eagleserve.kernels.triton_common import (
     _LOG2E,
     _MAX_KV_SPLITS,
     _TARGET_DECODE_PROGRAMS,
+    _attend_span,
     _block_d,
     _check_index,
     _check_qkv,
-    _dot,
     _ieee_dot,
-    _online_softmax_step,
+    _load_group_q,
+    _store_split,
 )
 
 
@@ -61,7 +62,6 @@ def _decode_stage1_kernel(
     h_valid = tl.arange(0, BLOCK_H) < GROUP
     offs_d = tl.arange(0, BLOCK_D)
     d_valid = offs_d < HEAD_DIM
-    offs_n = tl.arange(0, BLOCK_N)
 
     seq_len = tl.load(SeqLens + b)
     req = tl.load(ReqPoolIdx + b)
@@ -70,47 +70,21 @@ def _decode_stage1_kernel(
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
 
-    q_ptrs = Q + b.to(tl.int64) * stride_qb + offs_h[:, None] * stride_qh + offs_d[None, :]
-    q = tl.load(q_ptrs, mask=h_valid[:, None] & d_valid[None, :], other=0.0)  # [BLOCK_H, BLOCK_D]
-
-    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-    r2t_row = ReqToToken + req * stride_r2t_r
-    for n0 in range(start, end, BLOCK_N):
-        pos = n0 + offs_n
-        n_valid = pos < end
-        slot = tl.load(r2t_row + pos * stride_r2t_l, mask=n_valid, other=0)  # int64
-        kv_mask = n_valid[:, None] & d_valid[None, :]
-        k = tl.load(
-            K + slot[:, None] * stride_ks + kv_head * stride_kh + offs_d[None, :],
-            mask=kv_mask,
-            other=0.0,
-        ).to(q.dtype)  # [BLOCK_N, BLOCK_D]
-        v = tl.load(
-            V + slot[:, None] * stride_vs + kv_head * stride_vh + offs_d[None, :],
-            mask=kv_mask,
-            other=0.0,
-        ).to(q.dtype)
-        s = _dot(q, tl.trans(k), IEEE) * qk_scale  # [BLOCK_H, BLOCK_N]
-        s = tl.where(n_valid[None, :], s, float("-inf"))
-        m_i, l_i, acc = _online_softmax_step(s, m_i, l_i, acc, v, IEEE)
+    q = _load_group_q(Q, b, stride_qb, stride_qh, offs_h, h_valid, offs_d, d_valid)
+    m_i, l_i, acc = _attend_span(
+        q, K, V, ReqToToken + req * stride_r2t_r, stride_r2t_l, kv_head, stride_ks, stride_kh,
+        stride_vs, stride_vh, offs_d, d_valid, start, end, qk_scale,
+        BLOCK_H, BLOCK_N, BLOCK_D, IEEE,
+    )  # fmt: skip
 
     # Empty split: l = 0, m = -inf -> lse = -inf and o = 0, which stage 2 weights by 0.
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
     lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
-    mo_ptrs = (
-        MidO
-        + b.to(tl.int64) * stride_mo_b
-        + offs_h[:, None] * stride_mo_h
-        + split * stride_mo_s
-        + offs_d[None, :]
-    )
-    tl.store(mo_ptrs, out, mask=h_valid[:, None] & d_valid[None, :])
-    tl.store(
-        MidLse + b.to(tl.int64) * stride_ml_b + offs_h * stride_ml_h + split, lse, mask=h_valid
-    )
+    _store_split(
+        MidO, MidLse, b, split, offs_h, h_valid, offs_d, d_valid, out, lse,
+        stride_mo_b, stride_mo_h, stride_mo_s, stride_ml_b, stride_ml_h,
+    )  # fmt: skip
 
 
 @triton.jit
