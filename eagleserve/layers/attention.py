@@ -12,7 +12,7 @@ import torch
 
 from eagleserve.kernels import cpu_ext
 from eagleserve.kernels.torch_attention import build_padded_metadata, padded_attention
-from eagleserve.layers.forward_batch import ForwardBatch
+from eagleserve.layers.forward_batch import ForwardBatch, store_new_kv
 
 
 class AttentionBackend(Protocol):
@@ -83,24 +83,11 @@ class TorchAttnBackend:
         kv_stored: bool = False,
     ) -> torch.Tensor:
         # q [T, H, D]; k, v [T, Hkv, D]
-        pool = fb.kv_pool
-        if not self.uses_row_kernel(fb):
-            if not kv_stored:
-                pool.set_kv(layer_id, fb.out_cache_loc, k, v)
-            return padded_attention(
-                q,
-                pool.k_buffer[layer_id],
-                pool.v_buffer[layer_id],
-                fb.attn_metadata,
-                self.sm_scale,
-                self.compute_dtype,
-            )
-        kb, vb = pool.k_buffer[layer_id], pool.v_buffer[layer_id]
-        # One call, no index_put (views of a fused qkv are fine).
-        if k.dtype == torch.float32 and not kv_stored:
-            cpu_ext.store_kv_(kb, vb, fb.out_cache_loc, k, v)
-        elif not kv_stored:
-            pool.set_kv(layer_id, fb.out_cache_loc, k, v)
+        row_kernel = self.uses_row_kernel(fb)
+        store_new_kv(fb, layer_id, k, v, kv_stored, one_call=row_kernel)
+        kb, vb = fb.kv_pool.k_buffer[layer_id], fb.kv_pool.v_buffer[layer_id]
+        if not row_kernel:
+            return padded_attention(q, kb, vb, fb.attn_metadata, self.sm_scale, self.compute_dtype)
         return cpu_ext.paged_attention(
             q.float(), kb, vb, self.req_to_token, fb.req_pool_indices, fb.prefix_lens,
             fb.extend_lens, fb.attn_metadata, fb.tree_mask, self.sm_scale,

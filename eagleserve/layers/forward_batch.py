@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from eagleserve.core import ForwardMode, ScheduleBatch
+from eagleserve.kernels import cpu_ext
 
 if TYPE_CHECKING:
     from eagleserve.layers.attention import AttentionBackend
@@ -116,6 +117,26 @@ class ForwardBatch:
             kv_pool=kv_pool,
             attn_backend=attn_backend,
         )
+
+
+def store_new_kv(
+    fb: ForwardBatch,
+    layer_id: int,
+    k: torch.Tensor,  # [T, Hkv, D]
+    v: torch.Tensor,  # [T, Hkv, D]
+    kv_stored: bool,  # already in their slots (kernels/triton_fused): nothing to write
+    one_call: bool = False,  # fp32 k through the loaded CPU extension's store_kv_
+) -> None:
+    """Writes the forward's new K/V to their slots fb.out_cache_loc of layer layer_id, as every
+    attention backend must before it attends."""
+    if kv_stored:
+        return
+    pool = fb.kv_pool
+    if one_call and k.dtype == torch.float32:
+        # One call, no index_put (views of a fused qkv are fine).
+        cpu_ext.store_kv_(pool.k_buffer[layer_id], pool.v_buffer[layer_id], fb.out_cache_loc, k, v)
+    else:
+        pool.set_kv(layer_id, fb.out_cache_loc, k, v)
 
 
 _current: ForwardBatch | None = None

@@ -16,7 +16,7 @@ from eagleserve.kernels.triton_attention import (
     _prefill_attention,
     choose_num_kv_splits,
 )
-from eagleserve.layers.forward_batch import ForwardBatch
+from eagleserve.layers.forward_batch import ForwardBatch, store_new_kv
 
 
 @dataclass
@@ -101,10 +101,8 @@ class TritonAttnBackend:
         kv_stored: bool = False,
     ) -> torch.Tensor:
         # q [T, H, D]; k, v [T, Hkv, D]; kv_stored: already in their slots (kernels/triton_fused)
-        pool = fb.kv_pool
-        if not kv_stored:
-            pool.set_kv(layer_id, fb.out_cache_loc, k, v)
-        k_buf, v_buf = pool.k_buffer[layer_id], pool.v_buffer[layer_id]  # [S, Hkv, D]
+        store_new_kv(fb, layer_id, k, v, kv_stored)
+        k_buf, v_buf = fb.kv_pool.k_buffer[layer_id], fb.kv_pool.v_buffer[layer_id]  # [S, Hkv, D]
         md: TritonAttnMetadata = fb.attn_metadata
         if self.deterministic:
             return self._row_attention(q, k_buf, v_buf, layer_id, fb, md)
