@@ -28,7 +28,6 @@ __all__ = [
     "AcceptResult",
     "accept",
     "commit_tree_path",
-    "decide_acceptance",
     "verify_greedy",
     "verify_greedy_chain",
     "verify_sampling",
@@ -85,6 +84,37 @@ def _assemble(
     )
 
 
+def _walk_start(
+    bs: int, depth: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A tree walk before any draft node is tested: (cur [bs], the current = last accepted node:
+    the root 0; lens [bs], accepted nodes incl. the root: 1; accept_index [bs, depth + 1]:
+    the root, then -1)."""
+    cur = torch.zeros(bs, dtype=torch.long, device=device)
+    lens = torch.ones(bs, dtype=torch.long, device=device)
+    accept_index = torch.full((bs, depth + 1), -1, dtype=torch.long, device=device)
+    accept_index[:, 0] = 0
+    return cur, lens, accept_index
+
+
+def _walk_step(
+    accept_index: torch.Tensor,
+    cur: torch.Tensor,
+    lens: torch.Tensor,
+    ok: torch.Tensor,
+    c: int,
+    depth: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows where ok [bs] accept node c: it is written at their next path slot of accept_index
+    (in place; other rows rewrite their slot's own value) and becomes their current node.
+    Returns the new (cur, lens)."""
+    slot = lens.clamp(max=depth).unsqueeze(1)
+    accept_index.scatter_(
+        1, slot, torch.where(ok, c, torch.gather(accept_index, 1, slot).squeeze(1)).unsqueeze(1)
+    )
+    return torch.where(ok, c, cur), lens + ok.long()
+
+
 def verify_greedy(
     draft_tokens: torch.Tensor,
     parents: torch.Tensor,
@@ -104,21 +134,13 @@ def verify_greedy(
     device = draft_tokens.device
     tokens = draft_tokens.long()
     predict = target_predict.long()
-    cur = torch.zeros(bs, dtype=torch.long, device=device)  # current (last accepted) node
-    lens = torch.ones(bs, dtype=torch.long, device=device)  # accepted nodes incl. the root
-    accept_index = torch.full((bs, depth + 1), -1, dtype=torch.long, device=device)
-    accept_index[:, 0] = 0
+    cur, lens, accept_index = _walk_start(bs, depth, device)
     want = predict[:, 0]  # [bs] the token the target wants after `cur`
     for c in range(1, n):
         # Node c is tested only if it is a child of the current node; ascending order makes the
         # first matching sibling (lowest index) win, and later siblings see a new `cur`.
         ok = (parents[:, c] == cur) & (tokens[:, c] == want)  # [bs]
-        slot = lens.clamp(max=depth).unsqueeze(1)
-        accept_index.scatter_(
-            1, slot, torch.where(ok, c, torch.gather(accept_index, 1, slot).squeeze(1)).unsqueeze(1)
-        )
-        cur = torch.where(ok, c, cur)
-        lens = lens + ok.long()
+        cur, lens = _walk_step(accept_index, cur, lens, ok, c, depth)
         want = torch.where(ok, predict[:, c], want)
     bonus = torch.gather(predict, 1, cur.unsqueeze(1)).squeeze(1)  # [bs]
     return _assemble(tokens, accept_index, lens, bonus)
@@ -209,10 +231,7 @@ def verify_sampling(
     probs = target_probs.float().clamp(min=0)  # [bs, n, V]
     u = _draw_uniforms(bs, n, generators, device)  # [bs, n]
 
-    cur = torch.zeros(bs, dtype=torch.long, device=device)
-    lens = torch.ones(bs, dtype=torch.long, device=device)
-    accept_index = torch.full((bs, depth + 1), -1, dtype=torch.long, device=device)
-    accept_index[:, 0] = 0
+    cur, lens, accept_index = _walk_start(bs, depth, device)
     residual = probs[:, 0].clone()  # [bs, V] running residual at `cur`
     for c in range(1, n):
         child = parents[:, c] == cur  # [bs]
@@ -223,15 +242,10 @@ def verify_sampling(
         ratio = torch.where(total > 0, p_tok / total.clamp(min=torch.finfo(total.dtype).tiny), 0)
         ok = child & (u[:, c] < ratio)
         rejected = child & ~ok
-        slot = lens.clamp(max=depth).unsqueeze(1)
-        accept_index.scatter_(
-            1, slot, torch.where(ok, c, torch.gather(accept_index, 1, slot).squeeze(1)).unsqueeze(1)
-        )
         # Reject: remove the token from the residual. Accept: restart from the child's row.
         residual.scatter_(1, tok, torch.where(rejected.unsqueeze(1), 0.0, p_tok.unsqueeze(1)))
         residual = torch.where(ok.unsqueeze(1), probs[:, c], residual)
-        cur = torch.where(ok, c, cur)
-        lens = lens + ok.long()
+        cur, lens = _walk_step(accept_index, cur, lens, ok, c, depth)
 
     # Bonus from the residual at the last accepted node; if rounding left (almost) no mass, fall
     # back to that node's full distribution (only reachable when the rejected tokens held ~all
@@ -279,36 +293,24 @@ def accept(
     logits: torch.Tensor,
     chain: bool = False,
 ) -> AcceptResult:
-    """`decide_acceptance` on rank 0, and under tensor parallelism the same on every rank: the
-    ranks then commit the same tokens and KV paths."""
-    acc = decide_acceptance(info, tokens, parents, logits, chain)
-    broadcast_from_first(acc.accept_index, acc.accept_lens, acc.output_tokens, acc.bonus_tokens)
-    return acc
-
-
-def decide_acceptance(
-    info: SamplingInfo,
-    tokens: torch.Tensor,
-    parents: torch.Tensor,
-    logits: torch.Tensor,
-    chain: bool = False,
-) -> AcceptResult:
     """Greedy rows accept the target's argmax path; sampled rows the lossless stochastic walk.
-    `chain`: every row's tree is a chain (a top-1 draft), walked in a few ops."""
+    `chain`: every row's tree is a chain (a top-1 draft), walked in a few ops. Under tensor
+    parallelism every rank takes rank 0's result: the ranks then commit the same tokens and KV
+    paths."""
     n = logits.shape[1]
     predict = logits.argmax(dim=-1)
-    greedy = verify_greedy_chain(tokens, predict) if chain else verify_greedy(
+    acc = verify_greedy_chain(tokens, predict) if chain else verify_greedy(
         tokens, parents, predict
     )  # fmt: skip
-    if info.all_greedy:
-        return greedy
-    sampled_rows = [i for i, g in enumerate(info.is_greedy) if not g]
-    idx = torch.tensor(sampled_rows, device=logits.device)
-    sub = info.rows(sampled_rows)
-    probs = logits_to_probs(
-        logits[idx].reshape(len(sampled_rows) * n, -1), sub.repeat_interleave(n)
-    ).view(len(sampled_rows), n, -1)
-    samp = verify_sampling(tokens[idx], parents[idx], probs, sub.generators)
-    for name in ("accept_index", "accept_lens", "output_tokens", "bonus_tokens"):
-        getattr(greedy, name)[idx] = getattr(samp, name)
-    return greedy
+    if not info.all_greedy:
+        sampled_rows = [i for i, g in enumerate(info.is_greedy) if not g]
+        idx = torch.tensor(sampled_rows, device=logits.device)
+        sub = info.rows(sampled_rows)
+        probs = logits_to_probs(
+            logits[idx].reshape(len(sampled_rows) * n, -1), sub.repeat_interleave(n)
+        ).view(len(sampled_rows), n, -1)
+        samp = verify_sampling(tokens[idx], parents[idx], probs, sub.generators)
+        for name in ("accept_index", "accept_lens", "output_tokens", "bonus_tokens"):
+            getattr(acc, name)[idx] = getattr(samp, name)
+    broadcast_from_first(acc.accept_index, acc.accept_lens, acc.output_tokens, acc.bonus_tokens)
+    return acc
