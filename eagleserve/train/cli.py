@@ -35,6 +35,7 @@ from eagleserve.train.trainer import (
     train_head,
     train_step,
 )
+from eagleserve.train.training_log import write_training_log
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -210,11 +211,8 @@ def run(ns: argparse.Namespace) -> int:
         },
         "train_metrics_ema": metrics,
         "val_accuracy_by_depth": val,
-        "args": {k: v for k, v in vars(ns).items() if k != "func"},
     }
-    with open(os.path.join(ns.out, "training_log.json"), "w") as f:
-        json.dump(log, f, indent=2)
-    print(json.dumps({k: log[k] for k in ("sequences", "tokens", "val_accuracy_by_depth")}))
+    write_training_log(ns, log, ("sequences", "tokens", "val_accuracy_by_depth"))
     return 0
 
 

@@ -120,3 +120,21 @@ def sharegpt_conversations(path: str) -> list[list[dict[str, str]]]:
 
 def probe_keys(probes: list[str]) -> list[str]:
     return [_norm(p)[:120] for p in probes if p.strip()]
+
+
+def sharegpt_split(
+    path: str, seed: int, val_fraction: float
+) -> tuple[list[list[dict[str, str]]], list[int], list[int], list[str]]:
+    """(conversations, train indices, held-out indices, probe keys): every usable ShareGPT
+    conversation of `path`, its seeded split (`conversation_order`), and the keys of the
+    benchmark prompts that no training conversation may contain (`tokenize_unless_leak`)."""
+    convs = sharegpt_conversations(path)
+    train_i, val_i = conversation_order(len(convs), seed, val_fraction)
+    return convs, train_i, val_i, probe_keys(held_out_prompts())
+
+
+def tokenize_unless_leak(
+    tok: object, msgs: list[dict[str, str]], keys: list[str], max_tokens: int
+) -> tuple[list[int], list[bool]] | None:
+    """`tokenize_conversation`, or None when a user turn holds a benchmark probe key."""
+    return None if leaks(msgs, keys) else tokenize_conversation(tok, msgs, max_tokens)

@@ -23,14 +23,7 @@ from collections import Counter
 import torch
 
 from eagleserve.device import pick_device, synchronize
-from eagleserve.train.conversations import (
-    conversation_order,
-    held_out_prompts,
-    leaks,
-    probe_keys,
-    sharegpt_conversations,
-    tokenize_conversation,
-)
+from eagleserve.train.conversations import sharegpt_split, tokenize_unless_leak
 from eagleserve.train.extract import Item
 from eagleserve.train.online import (
     StoreSource,
@@ -38,6 +31,7 @@ from eagleserve.train.online import (
     cut_windows,
     store_bytes_per_token,
 )
+from eagleserve.train.training_log import write_training_log
 
 _WORKER: tuple | None = None  # (tokenizer, probe keys, max tokens), inherited by forked workers
 
@@ -72,7 +66,7 @@ def add_recipe_args(p: argparse.ArgumentParser) -> None:
 
 def _tokenize(conv: list[dict[str, str]]) -> Item | None:
     tok, keys, max_tokens = _WORKER  # type: ignore[misc]
-    return None if leaks(conv, keys) else tokenize_conversation(tok, conv, max_tokens)
+    return tokenize_unless_leak(tok, conv, keys, max_tokens)
 
 
 def tokenize_all(
@@ -132,9 +126,7 @@ def run_recipe(ns: argparse.Namespace) -> int:
     tok = load_tokenizer(resolve_model_path(ns.model))
     t_load = time.time()
 
-    convs = sharegpt_conversations(sharegpt_path())
-    train_i, val_i = conversation_order(len(convs), ns.seed, ns.val_fraction)
-    keys = probe_keys(held_out_prompts())
+    convs, train_i, val_i, keys = sharegpt_split(sharegpt_path(), ns.seed, ns.val_fraction)
     procs = ns.tokenize_procs or os.cpu_count() or 1
     val_items = tokenize_all(tok, [convs[i] for i in val_i], keys, ns.max_seq_len, procs)
     train_i = train_i[: ns.max_conversations]
@@ -239,10 +231,8 @@ def run_recipe(ns: argparse.Namespace) -> int:
         "train_metrics_ema": metrics,
         "val_accuracy_by_depth": val,
         "baseline_val_accuracy_by_depth": baseline,
-        "args": {k: v for k, v in vars(ns).items() if k != "func"},
     }
-    with open(os.path.join(ns.out, "training_log.json"), "w") as f:
-        json.dump(log, f, indent=2)
-    print(json.dumps({k: log[k] for k in ("tokens", "token_passes", "seconds", "tok_per_s",
-                                          "val_accuracy_by_depth")}))  # fmt: skip
+    write_training_log(
+        ns, log, ("tokens", "token_passes", "seconds", "tok_per_s", "val_accuracy_by_depth")
+    )
     return 0

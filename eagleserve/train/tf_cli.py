@@ -12,14 +12,7 @@ import os
 
 import torch
 
-from eagleserve.train.conversations import (
-    conversation_order,
-    held_out_prompts,
-    leaks,
-    probe_keys,
-    sharegpt_conversations,
-    tokenize_conversation,
-)
+from eagleserve.train.conversations import sharegpt_split, tokenize_unless_leak
 from eagleserve.train.data import load_sequences, sharegpt_path
 from eagleserve.train.extract import Source, extract, mixed_order, self_distilled_items
 from eagleserve.train.shards import ShardWriter
@@ -53,14 +46,10 @@ def add_tf_args(p: argparse.ArgumentParser) -> None:
 def extract_data(ns: argparse.Namespace, target: object, tok: object) -> dict:
     """Extracts (or resumes extracting) OUT/val_shards and OUT/shards; returns their stats."""
     layers = target_layer_ids(ns.algorithm, target.config.num_hidden_layers)
-    convs = sharegpt_conversations(sharegpt_path())
-    train_i, val_i = conversation_order(len(convs), ns.seed, ns.val_fraction)
-    keys = probe_keys(held_out_prompts())
+    convs, train_i, val_i, keys = sharegpt_split(sharegpt_path(), ns.seed, ns.val_fraction)
 
     def conv(i: int) -> Source:
-        return lambda: (
-            None if leaks(convs[i], keys) else tokenize_conversation(tok, convs[i], ns.max_seq_len)
-        )
+        return lambda: tokenize_unless_leak(tok, convs[i], keys, ns.max_seq_len)
 
     distilled: list[Source] = []
     for path in ns.data:

@@ -13,6 +13,7 @@ import torch
 from eagleserve.train.features import IGNORE, label_map
 from eagleserve.train.shard_data import ShardSource, answer_token_counts, shard_entries
 from eagleserve.train.trainer import TrainConfig, train_head, train_step
+from eagleserve.train.training_log import write_training_log
 
 
 def vocab_from_counts(counts: Counter, size: int, vocab_size: int) -> torch.Tensor:
@@ -137,9 +138,6 @@ def train_on_shards(ns: argparse.Namespace, extract_stats: dict) -> int:
         "token_depths_per_s": metrics.get("token_depths_per_s"),
         "train_metrics_ema": metrics,
         "val_accuracy_by_depth": val,
-        "args": {k: v for k, v in vars(ns).items() if k != "func"},
     }
-    with open(os.path.join(ns.out, "training_log.json"), "w") as f:
-        json.dump(log, f, indent=2)
-    print(json.dumps({k: log[k] for k in ("tokens", "val_accuracy_by_depth")}))
+    write_training_log(ns, log, ("tokens", "val_accuracy_by_depth"))
     return 0
