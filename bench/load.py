@@ -28,7 +28,7 @@ import os
 import random
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from typing import Any
 
 import httpx
@@ -37,25 +37,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import machine_info  # noqa: E402
 from bench.load_mix import Job, make_job, messages_of, next_turn, request_body  # noqa: E402
+from bench.load_outcomes import Outcome, summarize, verify_greedy  # noqa: E402
 from bench.server_proc import HOST, Server, server_flags, wait_idle  # noqa: E402
 
 DEFAULT_DRAFT = "builtin:smollm2-135m-eagle"
-
-
-@dataclass
-class Outcome:
-    job: Job
-    # completed | aborted | rejected (expected 400) | context_full (a conversation outgrew the
-    # context: a 400 that ends it) | error | lost
-    status: str
-    text: str = ""
-    finish_reason: str | None = None
-    completion_tokens: int = 0
-    ttft: float | None = None
-    tpot: float | None = None  # mean time per output token after the first (streams)
-    chunk_gaps: list[float] = field(default_factory=list)
-    detail: str = ""
-    token_logprobs: list[float | None] = field(default_factory=list)  # echo jobs: all entries
 
 
 def chunk_text(kind: str, choice: dict[str, Any]) -> str:
@@ -176,135 +161,6 @@ async def drive(args: argparse.Namespace, url: str) -> tuple[list[Outcome], floa
         )
         elapsed = time.monotonic() - start
     return [o for outs in per_client for o in outs], elapsed, ctx
-
-
-# ---- offline check -------------------------------------------------------------------------
-
-
-def verify_greedy(args: argparse.Namespace, outcomes: list[Outcome]) -> list[dict[str, Any]]:
-    """Recomputes every completed greedy response offline; returns the mismatches."""
-    from eagleserve import Engine, SamplingParams
-
-    todo = [o for o in outcomes if o.status == "completed" and o.job.greedy]
-    if not todo:
-        return []
-    kw: dict[str, Any] = dict(
-        device="cpu",
-        dtype=args.dtype,
-        kv_cache_tokens=args.kv_cache_tokens,
-        max_running_requests=args.max_running_requests,
-        disable_overlap_schedule=args.disable_overlap_schedule,
-    )
-    if args.spec:
-        kw.update(
-            speculative_algorithm=args.algorithm,
-            speculative_draft_model_path=args.draft,
-            speculative_num_steps=3,
-            speculative_eagle_topk=1,
-            speculative_num_draft_tokens=4,
-        )
-    engine = Engine(model=args.model, **kw)
-    tok = engine.tokenizer
-    keys: dict[tuple[str, str, int, bool, str, bool], list[Outcome]] = {}
-    for o in todo:
-        j = o.job
-        text = json.dumps(messages_of(j)) if j.kind == "chat" else j.prompt
-        fields = json.dumps(j.fields, sort_keys=True)
-        key = (j.kind, text, j.max_tokens, j.ignore_eos, fields, j.echo_logprobs)
-        keys.setdefault(key, []).append(o)
-    prompts, params = [], []
-    for kind, prompt, max_tokens, ignore_eos, fields, echo in keys:
-        if kind == "chat":
-            msgs = json.loads(prompt)
-            prompt = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
-        prompts.append(tok.encode(prompt, add_special_tokens=False))
-        p = SamplingParams(max_new_tokens=max_tokens, temperature=0.0, ignore_eos=ignore_eos,
-                           prompt_logprobs=1 if echo else None, **json.loads(fields))  # fmt: skip
-        p.logit_bias = {int(t): b for t, b in p.logit_bias.items()}
-        params.append(p)
-    want = []
-    for i in range(0, len(prompts), args.max_running_requests):
-        want += engine.generate(
-            prompts[i : i + args.max_running_requests], params[i : i + args.max_running_requests]
-        )
-    bad = []
-    for (key, outs), w, ids in zip(keys.items(), want, prompts, strict=True):
-        if key[5]:  # echo: the prompt, then the completion; the prompt's logprobs first
-            w = {**w, "text": tok.decode(ids) + w["text"]}
-        for o in outs:
-            scores_ok = not key[5] or prompt_scores_match(o.token_logprobs, w, len(ids))
-            if o.text != w["text"] or o.finish_reason != w["finish_reason"] or not scores_ok:
-                bad.append(
-                    {
-                        "kind": key[0],
-                        "stream": o.job.stream,
-                        "prompt": key[1][-80:],
-                        "max_tokens": key[2],
-                        "got": o.text,
-                        "want": w["text"],
-                        "got_finish": o.finish_reason,
-                        "want_finish": w["finish_reason"],
-                    }
-                )
-    return bad
-
-
-def prompt_scores_match(got: list[float | None], want: dict[str, Any], n: int) -> bool:
-    """The server's prompt entries equal the offline engine's (None first; within 1e-4: the
-    two computed them in different batches) and one entry follows per generated token."""
-    ref = want["prompt_logprobs"]
-    if len(got) != n + len(want["token_ids"]) or got[0] is not None or ref[0] is not None:
-        return False
-    return all(abs(a - b) <= 1e-4 for a, b in zip(got[1:n], ref[1:], strict=True))
-
-
-# ---- report -----------------------------------------------------------------------------------
-
-
-def pct(xs: list[float], q: float) -> float | None:
-    if not xs:
-        return None
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, round(q / 100 * (len(xs) - 1)))]
-
-
-def ms(x: float | None) -> float | None:
-    return None if x is None else round(1000 * x, 1)
-
-
-def summarize(outcomes: list[Outcome], elapsed: float) -> dict[str, Any]:
-    by = {
-        s: [o for o in outcomes if o.status == s]
-        for s in ("completed", "aborted", "rejected", "context_full", "error", "lost")
-    }
-    done = by["completed"]
-    tokens = sum(o.completion_tokens for o in done)
-    gaps = [g for o in done for g in o.chunk_gaps]
-    return {
-        "sent": len(outcomes),
-        "completed": len(done),
-        "completed_greedy": sum(o.job.greedy for o in done),
-        "completed_with_penalties": sum(bool(o.job.fields) for o in done),
-        "completed_echo_logprobs": sum(o.job.echo_logprobs for o in done),
-        "aborted_by_client": len(by["aborted"]),
-        "rejected_400_expected": len(by["rejected"]),
-        "conversations_at_context_limit": len(by["context_full"]),
-        "errors": len(by["error"]),
-        "lost": len(by["lost"]),
-        "completion_tokens": tokens,
-        "tokens_per_s": round(tokens / elapsed, 2) if elapsed else None,
-        "requests_per_s": round(len(done) / elapsed, 3) if elapsed else None,
-        "ttft_ms": {
-            "p50": ms(pct([o.ttft for o in done if o.ttft is not None], 50)),
-            "p99": ms(pct([o.ttft for o in done if o.ttft is not None], 99)),
-        },
-        "itl_ms": {
-            "p50": ms(pct([o.tpot for o in done if o.tpot is not None], 50)),
-            "p99": ms(pct([o.tpot for o in done if o.tpot is not None], 99)),
-        },
-        "chunk_gap_ms": {"p50": ms(pct(gaps, 50)), "p99": ms(pct(gaps, 99))},
-        "error_details": [o.detail for o in by["error"] + by["lost"]][:20],
-    }
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
