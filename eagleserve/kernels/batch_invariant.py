@@ -26,13 +26,11 @@ import triton.language as tl
 
 from eagleserve.kernels.triton_common import (
     _LOG2E,
-    _attend_span,
     _block_d,
     _check_qkv,
     _dot,
     _ieee_dot,
-    _load_group_q,
-    _store_split,
+    _split_kv_stage1,
 )
 
 # The one GEMM configuration (every M uses it: a different tile could change a row's bits).
@@ -196,23 +194,12 @@ def _row_attn_stage1(
     start = split * SPLIT
     # Splits past the row's end are skipped; stage 2 reads only the row's own splits.
     if start < seq_len:
-        offs_h = kv_head * GROUP + tl.arange(0, BLOCK_H)
-        h_valid = tl.arange(0, BLOCK_H) < GROUP
-        offs_d = tl.arange(0, BLOCK_D)
-        d_valid = offs_d < HEAD_DIM
-        end = tl.minimum(start + SPLIT, seq_len)
         row = tl.load(RowIdx + t)
-        q = _load_group_q(Q, t, stride_qt, stride_qh, offs_h, h_valid, offs_d, d_valid)
-        m_i, l_i, acc = _attend_span(
-            q, K, V, Table + row * stride_tb_r, stride_tb_l, kv_head, stride_ks, stride_kh,
-            stride_vs, stride_vh, offs_d, d_valid, start, end, qk_scale,
-            BLOCK_H, BLOCK_N, BLOCK_D, IEEE,
-        )  # fmt: skip
-        out = acc / l_i[:, None]  # the split is non-empty: l_i >= 1
-        lse = m_i + tl.log2(l_i)
-        _store_split(
-            MidO, MidLse, t, split, offs_h, h_valid, offs_d, d_valid, out, lse,
-            stride_mo_t, stride_mo_h, stride_mo_s, stride_ml_t, stride_ml_h,
+        _split_kv_stage1(
+            Q, K, V, MidO, MidLse, t, Table + row * stride_tb_r, kv_head, split, start,
+            tl.minimum(start + SPLIT, seq_len), qk_scale, stride_qt, stride_qh, stride_ks,
+            stride_kh, stride_vs, stride_vh, stride_tb_l, stride_mo_t, stride_mo_h, stride_mo_s,
+            stride_ml_t, stride_ml_h, GROUP, HEAD_DIM, BLOCK_H, BLOCK_N, BLOCK_D, IEEE,
         )  # fmt: skip
 
 

@@ -46,13 +46,6 @@ def _online_softmax_step(s, m_i, l_i, acc, v, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _load_group_q(Q, row, stride_qt, stride_qh, offs_h, h_valid, offs_d, d_valid):
-    """Query row `row`'s heads offs_h [BLOCK_H, BLOCK_D] (masked heads and dims read 0)."""
-    q_ptrs = Q + row.to(tl.int64) * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :]
-    return tl.load(q_ptrs, mask=h_valid[:, None] & d_valid[None, :], other=0.0)
-
-
-@triton.jit
 def _load_kv_tile(
     K, V, tb_row, stride_tb_l, pos, n_valid, kv_head, stride_ks, stride_kh, stride_vs, stride_vh,
     offs_d, d_valid, q,
@@ -75,19 +68,31 @@ def _load_kv_tile(
 
 
 @triton.jit
-def _attend_span(
-    q, K, V, tb_row, stride_tb_l, kv_head, stride_ks, stride_kh, stride_vs, stride_vh,
-    offs_d, d_valid, start, end, qk_scale,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr,
+def _split_kv_stage1(
+    Q, K, V, MidO, MidLse, row, tb_row, kv_head, split, start, end, qk_scale,
+    stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_tb_l,
+    stride_mo_t, stride_mo_h, stride_mo_s, stride_ml_t, stride_ml_h,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, IEEE: tl.constexpr,
 ):  # fmt: skip
-    """One split of split-KV attention: q [BLOCK_M, BLOCK_D] over the positions [start, end) of
-    one table row, in BLOCK_N tiles counted from start. Returns the running (max, sum, acc) of
-    the online softmax (acc unnormalised; sum 0 and max -inf when the span is empty). The tiles
-    depend only on start and end, so a caller that fixes those per row fixes the row's bits."""
+    """Stage 1 of split-KV attention for one (query row, KV head, split): the GQA group's query
+    heads of Q row `row` over the KV positions [start, end) of table row tb_row, in BLOCK_N tiles
+    counted from start, normalised, into MidO [T, H, NUM_SPLITS, D] with their log2-sum-exp in
+    MidLse [T, H, NUM_SPLITS]. An empty split stores o = 0 and lse = -inf (stage 2 weights it
+    by 0). The operations depend only on (row, start, end): the caller's split rule alone
+    decides whether a row's bits depend on the batch."""
+    offs_h = kv_head * GROUP + tl.arange(0, BLOCK_H)  # query heads of this group
+    h_valid = tl.arange(0, BLOCK_H) < GROUP
+    offs_d = tl.arange(0, BLOCK_D)
+    d_valid = offs_d < HEAD_DIM
     offs_n = tl.arange(0, BLOCK_N)
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    row = row.to(tl.int64)
+    q_ptrs = Q + row * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=h_valid[:, None] & d_valid[None, :], other=0.0)  # [BLOCK_H, BLOCK_D]
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + offs_n
         n_valid = pos < end
@@ -95,20 +100,14 @@ def _attend_span(
             K, V, tb_row, stride_tb_l, pos, n_valid, kv_head, stride_ks, stride_kh, stride_vs,
             stride_vh, offs_d, d_valid, q,
         )  # fmt: skip
-        s = _dot(q, tl.trans(k), IEEE) * qk_scale  # [BLOCK_M, BLOCK_N]
+        s = _dot(q, tl.trans(k), IEEE) * qk_scale  # [BLOCK_H, BLOCK_N]
         s = tl.where(n_valid[None, :], s, float("-inf"))
         m_i, l_i, acc = _online_softmax_step(s, m_i, l_i, acc, v, IEEE)
-    return m_i, l_i, acc
 
-
-@triton.jit
-def _store_split(
-    MidO, MidLse, row, split, offs_h, h_valid, offs_d, d_valid, out, lse,
-    stride_mo_t, stride_mo_h, stride_mo_s, stride_ml_t, stride_ml_h,
-):  # fmt: skip
-    """Stage 1's result for (query row, heads offs_h, split): out [BLOCK_H, BLOCK_D] into MidO
-    [T, H, NUM_SPLITS, D] and lse [BLOCK_H] into MidLse [T, H, NUM_SPLITS]."""
-    row = row.to(tl.int64)
+    # Empty split: l = 0, m = -inf -> lse = -inf and o = 0 (a non-empty one divides by l itself).
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
     mo_ptrs = (
         MidO + row * stride_mo_t + offs_h[:, None] * stride_mo_h + split * stride_mo_s
         + offs_d[None, :]

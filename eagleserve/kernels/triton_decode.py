@@ -12,13 +12,11 @@ from eagleserve.kernels.triton_common import (
     _LOG2E,
     _MAX_KV_SPLITS,
     _TARGET_DECODE_PROGRAMS,
-    _attend_span,
     _block_d,
     _check_index,
     _check_qkv,
     _ieee_dot,
-    _load_group_q,
-    _store_split,
+    _split_kv_stage1,
 )
 
 
@@ -58,32 +56,17 @@ def _decode_stage1_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
 
-    offs_h = kv_head * GROUP + tl.arange(0, BLOCK_H)  # query heads of this group
-    h_valid = tl.arange(0, BLOCK_H) < GROUP
-    offs_d = tl.arange(0, BLOCK_D)
-    d_valid = offs_d < HEAD_DIM
-
     seq_len = tl.load(SeqLens + b)
     req = tl.load(ReqPoolIdx + b)
     # Contiguous chunk of positions for this split; trailing splits of short requests are empty.
     split_len = tl.cdiv(seq_len, NUM_SPLITS)
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
-
-    q = _load_group_q(Q, b, stride_qb, stride_qh, offs_h, h_valid, offs_d, d_valid)
-    m_i, l_i, acc = _attend_span(
-        q, K, V, ReqToToken + req * stride_r2t_r, stride_r2t_l, kv_head, stride_ks, stride_kh,
-        stride_vs, stride_vh, offs_d, d_valid, start, end, qk_scale,
-        BLOCK_H, BLOCK_N, BLOCK_D, IEEE,
-    )  # fmt: skip
-
-    # Empty split: l = 0, m = -inf -> lse = -inf and o = 0, which stage 2 weights by 0.
-    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
-    out = acc / l_safe[:, None]
-    lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
-    _store_split(
-        MidO, MidLse, b, split, offs_h, h_valid, offs_d, d_valid, out, lse,
+    _split_kv_stage1(
+        Q, K, V, MidO, MidLse, b, ReqToToken + req * stride_r2t_r, kv_head, split, start, end,
+        qk_scale, stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_r2t_l,
         stride_mo_b, stride_mo_h, stride_mo_s, stride_ml_b, stride_ml_h,
+        GROUP, HEAD_DIM, BLOCK_H, BLOCK_N, BLOCK_D, IEEE,
     )  # fmt: skip
 
 
