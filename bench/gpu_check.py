@@ -7,7 +7,8 @@ the host-overhead bench, and a repro of a reported hang, each stage on its own, 
 Needs nothing but the checkout and the default model file (no network). Stages, in order, each
 in its own child process with a time limit (one failure or hang does not stop the rest), each
 writing DIR/<stage>.json (and .log); DIR/summary.json is rewritten after every stage:
-  tests     pytest -x -q tests/spec/test_gpu_paths.py tests/kernels (CPU-kernel files left out)
+  tests     pytest -q tests/spec/test_gpu_paths.py tests/kernels (CPU-kernel files left out),
+            the fused-forward and deterministic-inference tests
   table     the default model: target-only, EAGLE3 chain 3, chain 5, tree (3 steps, top-4, 8
             tokens), the shipped config (configs/smollm2-135m-eagle.yaml, adaptive); batch 1
             (8 held-out prompts one after another), 16 and 64; greedy, EOS ignored; tok/s, x
@@ -16,6 +17,8 @@ writing DIR/<stage>.json (and .log); DIR/summary.json is rewritten after every s
   kernels   bench/gpu_kernels.py, if there: run(out_dir) or main()
   determinism  bench/deterministic_gpu.py, if there: run(out_dir) or main()
   host      bench/host_overhead.py on the default model (stages, GPU idle share)
+  train     bench/train_step.py on the default model (a training step's time, device busy
+            share and top ops; dense vs sdpa depth attention, batch 16-64)
   hang      target-only Engine, then an EAGLE3 chain-3 Engine with dtype passed explicitly, in
             one process (reported to print nothing for 60-150 s)
 Inside a stage, faulthandler dumps every thread's traceback into DIR/<stage>.traceback when a
@@ -42,10 +45,10 @@ sys.path.insert(0, ROOT)
 
 from bench.gpu_table import chain, stage_table  # noqa: E402
 
-STAGES = ("tests", "table", "gpu", "kernels", "determinism", "host", "hang")
+STAGES = ("tests", "table", "gpu", "kernels", "determinism", "host", "train", "hang")
 # Seconds each stage may run on the GPU (the whole check is also held to --budget-s).
 LIMITS = {"tests": 100, "table": 170, "gpu": 120, "kernels": 45, "determinism": 45,
-          "host": 75, "hang": 60}  # fmt: skip
+          "host": 75, "train": 90, "hang": 60}  # fmt: skip
 HOOKS = {"kernels": "gpu_kernels.py", "determinism": "deterministic_gpu.py"}
 
 
@@ -150,10 +153,19 @@ def stage_gpu(args: argparse.Namespace, st: Stage, limit: float) -> None:
     run_child(st, cmd, limit, child_env())
 
 
+def stage_train(args: argparse.Namespace, st: Stage, limit: float) -> None:
+    device = "cpu" if args.device == "cpu" else "cuda"
+    cmd = [sys.executable, os.path.join(HERE, "train_step.py"), "--model", args.model,
+           "--device", device, "--out", os.path.join(args.out, "train_step.json")]  # fmt: skip
+    if args.quick:
+        cmd += ["--rows", "dense:2,sdpa:2", "--max-len", "64", "--steps", "2", "--warmup", "1"]
+    run_child(st, cmd, limit, {**child_env(), "TQDM_DISABLE": "1"})  # the table, not the bars
+
+
 def run_child(st: Stage, cmd: list[str], limit: float, env: dict[str, str] | None = None) -> None:
     """cmd in the checkout, stopped 5 s before the stage's limit; its return code (or
-    "timeout") and the tail of its output go into the stage's JSON and to stdout. env None:
-    this process's environment."""
+    "timeout") and the tail of its output go into the stage's JSON and to stdout, and the
+    stage is ok only when the child returned 0. env None: this process's environment."""
     try:
         p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=limit - 5,
                            env=env)  # fmt: skip
@@ -161,6 +173,7 @@ def run_child(st: Stage, cmd: list[str], limit: float, env: dict[str, str] | Non
     except subprocess.TimeoutExpired as exc:
         st.data["rc"], tail = "timeout", str(exc.stdout or "")[-6000:]
     st.data["tail"] = tail
+    st.data["ok"] = st.data["rc"] == 0
     print(tail)
 
 
@@ -188,6 +201,8 @@ def run_stage(args: argparse.Namespace) -> None:
             stage_tests(args, st, args.limit_s)
         elif args.stage == "gpu":
             stage_gpu(args, st, args.limit_s)
+        elif args.stage == "train":
+            stage_train(args, st, args.limit_s)
         st.data.setdefault("ok", "errors" not in st.data)
     except BaseException:
         st.data["ok"], st.data["error"] = False, traceback.format_exc()
