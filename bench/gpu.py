@@ -4,7 +4,8 @@ random weights built on the device (nothing is downloaded).
     PYTHONPATH=. python bench/gpu.py [--layers 32] [--out bench/results/gpu.json]
 
 Reports: target-only decode tokens/s at batch 1, 8 and 32 against transformers' `generate` on the
-same weights and against the bandwidth floor (weight bytes / measured device bandwidth); the cost
+same weights and against the bandwidth floor (weight bytes / measured device bandwidth), and with
+--deterministic the same decode rows with --enable-deterministic-inference; the cost
 of one draft step and one verify relative to one target decode; kernel launches per speculative
 iteration with the compiled spec-extras gather and the top-k=1 chain buffers on and off.
 """
@@ -135,6 +136,9 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--out", default="bench/results/gpu.json")
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument(
+        "--deterministic", action="store_true", help="also decode in the batch-invariant mode"
+    )
     args = ap.parse_args()
     device = pick_device("auto")
     assert device.type != "cpu", "bench/gpu.py needs a GPU"
@@ -174,6 +178,19 @@ def main() -> None:
         del hf
     res["decode"] = rows
     _save(res, args.out)
+    if args.deterministic:
+        eng.close()
+        del eng
+        torch.get_device_module(device).empty_cache()
+        deng = Engine(model=tmp, enable_deterministic_inference=True, **common)
+        for row in rows:
+            tok_s, _ = engine_tok_s(deng, row["batch"], args.new_tokens, vocab)
+            row["deterministic_tok_s"] = tok_s
+            row["deterministic_vs_off"] = tok_s / row["eagleserve_tok_s"]
+        deng.close()
+        del deng
+        eng = None
+        _save(res, args.out)
 
     # Draft step and verify cost relative to one target decode (batch 1, chain of 3).
     head_dir = os.path.join(tmp, "eagle3-head")

@@ -13,7 +13,8 @@ writing DIR/<stage>.json (and .log); DIR/summary.json is rewritten after every s
             tokens), the shipped config (configs/smollm2-135m-eagle.yaml, adaptive); batch 1
             (8 held-out prompts one after another), 16 and 64; greedy, EOS ignored; tok/s, x
             target-only, tau, acceptance by depth, answers equal to target-only's
-  gpu       bench/gpu.py --skip-hf (Llama-3-8B-shaped, random weights)
+  gpu       bench/gpu.py --skip-hf --deterministic (Llama-3-8B-shaped, random weights; the
+            batch-invariant mode's decode cost too)
   kernels   bench/gpu_kernels.py, if there: run(out_dir) or main()
   determinism  bench/deterministic_gpu.py, if there: run(out_dir) or main()
   host      bench/host_overhead.py on the default model (stages, GPU idle share)
@@ -148,7 +149,7 @@ def stage_gpu(args: argparse.Namespace, st: Stage, limit: float) -> None:
     if args.device == "cpu":
         st.data["skipped"] = "bench/gpu.py needs a GPU"
         return
-    cmd = [sys.executable, os.path.join(HERE, "gpu.py"), "--skip-hf",
+    cmd = [sys.executable, os.path.join(HERE, "gpu.py"), "--skip-hf", "--deterministic",
            "--out", os.path.join(args.out, "gpu.json")]  # fmt: skip
     run_child(st, cmd, limit, child_env())
 
