@@ -379,7 +379,9 @@ def last_rows_forward(
     """(logits, next features) of each request's last row of the extend `fb` (`last_rows`, one
     per request), with every row's head KV written. Only the last rows run the whole layer
     (attention, MLP, lm_head): a draft starts from them, and the other rows' K/V depend on their
-    own inputs alone, so they stop after the K/V projection."""
+    own inputs alone, so they stop after the K/V projection. A request's last row is the one
+    at position prefix_lens + extend_lens - 1; `fb` may hold padding rows besides (a fixed
+    shape per request), whose out_cache_loc is slot 0."""
     if fb.input_ids.shape[0] == fb.batch_size:  # one row per request: all are last rows
         with forward_context(fb):
             return head(fb.input_ids, features, fb.positions)

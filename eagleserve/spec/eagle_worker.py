@@ -123,10 +123,13 @@ class EagleWorker:
             req, start, end = spans[0]
             r2t[req.req_pool_idx, start:end] = loc
         else:
-            rows = [req.req_pool_idx for req, start, end in spans for _ in range(end - start)]
-            cols = [col for _, start, end in spans for col in range(start, end)]
-            dev = r2t.device
-            r2t[torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)] = loc
+            # One flat index built on the host and copied without waiting: a tensor made on an
+            # accelerator from a Python list is a synchronous copy (a stream sync per call).
+            width = r2t.shape[1]
+            flat = [req.req_pool_idx * width + col for req, start, end in spans
+                    for col in range(start, end)]  # fmt: skip
+            index = torch.tensor(flat, dtype=torch.long).to(r2t.device, non_blocking=True)
+            r2t.view(-1)[index] = loc
         for req, _, end in spans:
             req.kv_allocated_len = end
 
@@ -257,15 +260,10 @@ class EagleWorker:
         batch.input_ids = next_ids
         if on_verified is not None:
             on_verified(batch)
-        one = lambda t: None if t is None else t.unsqueeze(1)
-        return GenerationBatchResult(
-            next_ids[:, None],
-            torch.ones_like(L),
-            one(sampled.logprobs),
-            one(sampled.top_logprob_vals),
-            one(sampled.top_logprob_ids),
-            num_drafts=0,
-        )
+        # A target-only decode's result (one token per row, no accept lengths to copy back),
+        # marked as a speculative iteration that drafted nothing.
+        sampled.num_drafts = 0
+        return sampled
 
     def _draft_verify(
         self, batch: ScheduleBatch, on_verified: OnVerified | None, k: int
@@ -322,17 +320,21 @@ class EagleWorker:
         if not spec.is_chain:
             commit_tree_path(r2t, batch.req_pool_indices, L, acc.accept_index, n)
         # Draft extend over the accepted path: token after node k with the feature of node k.
+        # Every request keeps all `width` rows (a fixed shape: selecting the accepted rows
+        # would be a data-dependent shape, a device->host sync); a row past a request's accept
+        # length writes its head K/V to slot 0 (never handed out) and is no request's last row.
         a = acc.accept_lens
         width = acc.accept_index.shape[1]
         rows = acc.accept_index.clamp(min=0) + (self._iota(bs) * n)[:, None]
         valid = acc.accept_index >= 0  # [bs, width]
         offs = self._iota(width)
         cols = L[:, None] + offs[None, :]
+        slots = torch.where(valid, r2t[batch.req_pool_indices[:, None], cols], 0)
         extend_fb = ForwardBatch(
             mode="extend",
-            input_ids=acc.output_tokens[valid],
-            positions=cols[valid],
-            out_cache_loc=r2t[batch.req_pool_indices[:, None], cols][valid],
+            input_ids=acc.output_tokens.clamp(min=0).reshape(-1),
+            positions=cols.reshape(-1),
+            out_cache_loc=slots.reshape(-1),
             req_pool_indices=batch.req_pool_indices,
             prefix_lens=L,
             extend_lens=a,
@@ -341,7 +343,8 @@ class EagleWorker:
             kv_pool=self.token_to_kv_pool,
             attn_backend=self.runner.attn_backend,
         )
-        feats = self._features(out)[rows[valid]]
+        feats = self._features(out)[rows.reshape(-1)]
+        last_rows = self._iota(bs) * width + a - 1
         # Producer of new lengths: the scheduler's refresh point recomputes the host mirror.
         batch.seq_lens = L + a
         batch.seq_lens_cpu = None
@@ -350,7 +353,7 @@ class EagleWorker:
         if on_verified is not None:
             on_verified(batch)
         allowed = self._next_allowed(batch)
-        batch.spec_info = self.drafter.extend(extend_fb, feats, torch.cumsum(a, 0) - 1, allowed)
+        batch.spec_info = self.drafter.extend(extend_fb, feats, last_rows, allowed)
         result = GenerationBatchResult(acc.output_tokens, a, num_drafts=k)
         if any(r.sampling_params.logprobs is not None for r in batch.reqs):
             k = max((r.sampling_params.logprobs or 0) for r in batch.reqs)
