@@ -1,17 +1,21 @@
 """Host time per decode iteration, split by stage: target-only, adaptive speculation held at
-k = 0, an EAGLE3 chain of 3 and an EAGLE3 tree (3 steps, top-4, 8 tokens).
+k = 0, adaptive as shipped, an EAGLE3 chain of 3 and an EAGLE3 tree (3 steps, top-4, 8 tokens).
 
     python bench/host_overhead.py [--model tiny|default|PATH.gguf] [--device cpu|cuda]
-        [--batches 1,32] [--new-tokens 32] [--settings target-only,adaptive-k0,chain3,tree]
+        [--batches 1,32] [--new-tokens 32]
+        [--settings target-only,adaptive-k0,adaptive,chain3,tree]
         [--out bench/results/host_overhead.json]
 
 "adaptive, k = 0" is the shipped config's adaptive controller told to draft nothing, so every
-decode iteration is the k = 0 path a plain decode must match. Besides the stage times, one more
-pass per setting counts per decode iteration (medians): the tensor ops dispatched outside the
-target forward (on a GPU the forward is one graph replay, so these are the launches the host
-adds), the target and head forwards, and host reads of device values (`.item()`-like reads and
-ops whose output shape depends on values, e.g. boolean-mask indexing: each one a device sync on
-a GPU). Forwards replayed inside a captured graph (the GPU's draft loop) are not counted.
+decode iteration is the k = 0 path a plain decode must match; "adaptive 0..3" lets it choose
+(with the tiny model's random head it mostly stays at 0 and probes). Besides the stage times,
+one more pass per setting counts per decode iteration (medians): the tensor ops dispatched
+outside the target forward (on a GPU the forward is one graph replay, so these are the
+launches the host adds), the target and head forwards, and host reads (`.item()`-like reads
+and ops whose output shape depends on values, e.g. boolean-mask indexing: each one a device
+sync on a GPU; on a CPU, reads of the scheduler's host mirrors count too). Forwards replayed
+inside a captured graph (the GPU's draft loop) are not counted. On a GPU each profiled run
+also lists the host's top ops by self time (syncs, copies and compiles show up by name).
 
 Every stage is a method of the running engine wrapped from here (nothing in the engine is
 changed); a wrapped call's time excludes the wrapped calls it makes, so the stages add up to
@@ -61,7 +65,8 @@ from eagleserve import Engine, SamplingParams  # noqa: E402
 STAGES = ("schedule", "batch prep", "forward", "draft", "sampling", "output", "detokenize", "other")
 COUNTS = ("ops", "target fwd", "head fwd", "host reads")
 SETTING_KEYS = {"target-only": "target-only", "adaptive-k0": "adaptive, k = 0",
-                "chain3": "EAGLE3 chain 3", "tree": "EAGLE3 tree 3x4/8"}  # fmt: skip
+                "adaptive": "adaptive 0..3", "chain3": "EAGLE3 chain 3",
+                "tree": "EAGLE3 tree 3x4/8"}  # fmt: skip
 TINY = {
     "architectures": ["LlamaForCausalLM"],
     "model_type": "llama",
@@ -306,12 +311,15 @@ def gpu_idle(engine: Engine, batch: int, new: int, vocab: int) -> dict[str, floa
         busy += cur_e - cur_s
     kernels = len(spans)
     steps = max(engine.stats().spec_verify_calls_total, 1)
+    # Where the host's time went (syncs, copies, launches, compiles show up by name).
+    top = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:15]
     return {
         "wall_ms": 1e3 * wall,
         "device_busy_ms": busy / 1e3,
         "idle_fraction": max(0.0, 1 - (busy / 1e6) / wall),
         "device_ops": kernels,
         "verify_calls_total": steps,
+        "top_host_ops": [[e.key, e.count, round(e.self_cpu_time_total)] for e in top],
     }
 
 
@@ -347,6 +355,7 @@ def settings(head: str) -> dict[str, dict[str, Any]]:
     return {
         "target-only": {},
         "adaptive, k = 0": dict(chain, speculative_adaptive=True),
+        "adaptive 0..3": dict(chain, speculative_adaptive=True),
         "EAGLE3 chain 3": chain,
         "EAGLE3 tree 3x4/8": dict(
             eagle, speculative_num_steps=3, speculative_eagle_topk=4, speculative_num_draft_tokens=8

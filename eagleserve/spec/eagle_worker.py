@@ -25,7 +25,7 @@ from eagleserve.model_executor.model_runner import ModelRunner
 from eagleserve.models.llama import ModelOutput
 from eagleserve.sampling.prompt_logprobs import score_prompts, wants_prompt_logprobs
 from eagleserve.sampling.sampler import SamplingInfo, sample_next, top_logprobs
-from eagleserve.spec.accept import accept, commit_tree_path
+from eagleserve.spec.accept import AcceptResult, accept, commit_tree_path
 from eagleserve.spec.adaptive import AdaptiveController, depth_choices
 from eagleserve.spec.cost_table_cache import cost_table
 from eagleserve.spec.draft_worker import EagleDraftWorker
@@ -40,6 +40,8 @@ class EagleWorker:
         self.req_to_token_pool = runner.req_to_token_pool
         self.token_to_kv_pool = runner.token_to_kv_pool
         self.drafter = EagleDraftWorker(runner, spec, args)
+        # The head extend after a verify keeps a fixed shape (`_path_extend`) off the CPU.
+        self.fixed_shape_extend = self.device.type != "cpu"
         # 0, 1, 2, ... on the device, sliced by the verify instead of built every iteration.
         self.iota = torch.arange(
             max(args.max_running_requests, spec.num_draft_tokens, spec.num_steps + 1) + 1,
@@ -319,32 +321,10 @@ class EagleWorker:
             grammar.advance(acc.output_tokens, acc.accept_lens)
         if not spec.is_chain:
             commit_tree_path(r2t, batch.req_pool_indices, L, acc.accept_index, n)
-        # Draft extend over the accepted path: token after node k with the feature of node k.
-        # Every request keeps all `width` rows (a fixed shape: selecting the accepted rows
-        # would be a data-dependent shape, a device->host sync); a row past a request's accept
-        # length writes its head K/V to slot 0 (never handed out) and is no request's last row.
         a = acc.accept_lens
-        width = acc.accept_index.shape[1]
-        rows = acc.accept_index.clamp(min=0) + (self._iota(bs) * n)[:, None]
-        valid = acc.accept_index >= 0  # [bs, width]
-        offs = self._iota(width)
-        cols = L[:, None] + offs[None, :]
-        slots = torch.where(valid, r2t[batch.req_pool_indices[:, None], cols], 0)
-        extend_fb = ForwardBatch(
-            mode="extend",
-            input_ids=acc.output_tokens.clamp(min=0).reshape(-1),
-            positions=cols.reshape(-1),
-            out_cache_loc=slots.reshape(-1),
-            req_pool_indices=batch.req_pool_indices,
-            prefix_lens=L,
-            extend_lens=a,
-            # Accept lengths are not on the host: bound them by the path width.
-            host=HostLens(width, max_len + width, width == 1),
-            kv_pool=self.token_to_kv_pool,
-            attn_backend=self.runner.attn_backend,
-        )
-        feats = self._features(out)[rows.reshape(-1)]
-        last_rows = self._iota(bs) * width + a - 1
+        rows = acc.accept_index.clamp(min=0) + (self._iota(bs) * n)[:, None]  # verify rows
+        extend_fb, path_rows, last_rows = self._path_extend(batch, acc, max_len)
+        feats = self._features(out)[rows.reshape(-1)[path_rows]]
         # Producer of new lengths: the scheduler's refresh point recomputes the host mirror.
         batch.seq_lens = L + a
         batch.seq_lens_cpu = None
@@ -361,7 +341,46 @@ class EagleWorker:
             chosen, vals, ids = top_logprobs(
                 row_logits, acc.output_tokens.clamp(min=0).reshape(-1), k
             )
-            result.logprobs = chosen.view(bs, width)
-            result.top_logprob_vals = vals.view(bs, width, -1)
-            result.top_logprob_ids = ids.view(bs, width, -1)
+            result.logprobs = chosen.view(rows.shape)
+            result.top_logprob_vals = vals.view(*rows.shape, -1)
+            result.top_logprob_ids = ids.view(*rows.shape, -1)
         return result
+
+    def _path_extend(
+        self, batch: ScheduleBatch, acc: AcceptResult, max_len: int
+    ) -> tuple[ForwardBatch, torch.Tensor | slice, torch.Tensor]:
+        """The head extend over each request's accepted path (token after node k with the
+        feature of node k): its ForwardBatch, which of the [bs * width] path rows it holds, and
+        each request's last row in it. On an accelerator every request keeps all `width` rows
+        (a fixed shape: selecting the accepted ones would give a shape that depends on values,
+        a device->host sync); a row past a request's accept length writes its head K/V to slot
+        0 (never handed out) and is no request's last row. On a CPU, where that selection costs
+        no sync, only the accepted rows run."""
+        L, rpi, a = batch.seq_lens, batch.req_pool_indices, acc.accept_lens
+        bs, width = acc.accept_index.shape
+        valid = acc.accept_index >= 0  # [bs, width]
+        cols = L[:, None] + self._iota(width)[None, :]
+        slots = self.req_to_token_pool.req_to_token[rpi[:, None], cols]
+        if self.fixed_shape_extend:
+            keep: torch.Tensor | slice = slice(None)
+            ids, positions = acc.output_tokens.clamp(min=0).reshape(-1), cols.reshape(-1)
+            locs = torch.where(valid, slots, 0).reshape(-1)
+            last_rows = self._iota(bs) * width + a - 1
+        else:
+            keep = valid.reshape(-1)
+            ids, positions, locs = acc.output_tokens[valid], cols[valid], slots[valid]
+            last_rows = torch.cumsum(a, 0) - 1
+        fb = ForwardBatch(
+            mode="extend",
+            input_ids=ids,
+            positions=positions,
+            out_cache_loc=locs,
+            req_pool_indices=rpi,
+            prefix_lens=L,
+            extend_lens=a,
+            # Accept lengths are not on the host: bound them by the path width.
+            host=HostLens(width, max_len + width, width == 1),
+            kv_pool=self.token_to_kv_pool,
+            attn_backend=self.runner.attn_backend,
+        )
+        return fb, keep, last_rows

@@ -219,8 +219,8 @@ def test_verify_reads_no_device_value(
     spec: dict[str, int],
 ) -> None:
     """Draft, verify, acceptance, the tree's KV commit and the head extend over the accepted
-    path, greedy and sampled rows together, without a host read; greedy tokens still equal
-    target-only's."""
+    path, greedy and sampled rows together, without a host read (the extend in its fixed
+    shape, as on an accelerator); greedy tokens still equal target-only's."""
     prompts = _prompts(random.randrange(2**31), 3)
     greedy = SamplingParams(max_new_tokens=14, temperature=0.0, ignore_eos=True)
     sampled = SamplingParams(max_new_tokens=14, temperature=0.8, ignore_eos=True)
@@ -229,6 +229,9 @@ def test_verify_reads_no_device_value(
     expect = [o["token_ids"] for o in target.generate(prompts, params)]
     eng = make_engine(tiny_model_dir, max_running_requests=4, speculative_algorithm="EAGLE3",
                       speculative_draft_model_path=head_dir, **spec)  # fmt: skip
+    worker = eng.scheduler.worker
+    assert isinstance(worker, EagleWorker) and not worker.fixed_shape_extend  # a CPU's choice
+    worker.fixed_shape_extend = True
     real = EagleWorker._draft_verify
 
     def guarded(*args: Any, **kwargs: Any) -> Any:
