@@ -68,8 +68,11 @@ class EagleDraftWorker:
         self.kv_pool = TokenToKVPool(
             args.kv_cache_tokens, 1, hc.num_key_value_heads, hc.head_dim, target.dtype, device
         )
+        # The target's backend for chains and trees alike: a tree's draft steps are tree-mask
+        # forwards (prefix + the region nodes each branch sees), which the Triton kernel runs
+        # as one launch per layer where padded SDPA with a mask is a dozen eager ops.
         self.attn_backend = create_attn_backend(
-            "torch" if not spec.is_chain else args.attention_backend,
+            args.attention_backend,
             device,
             self.req_to_token,
             hc.head_dim**-0.5,
