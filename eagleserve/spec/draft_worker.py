@@ -68,9 +68,7 @@ class EagleDraftWorker:
         self.kv_pool = TokenToKVPool(
             args.kv_cache_tokens, 1, hc.num_key_value_heads, hc.head_dim, target.dtype, device
         )
-        # The target's backend for chains and trees alike: a tree's draft steps are tree-mask
-        # forwards (prefix + the region nodes each branch sees), which the Triton kernel runs
-        # as one launch per layer where padded SDPA with a mask is a dozen eager ops.
+        # Trees too: Triton runs a tree-mask step as one kernel a layer (padded SDPA: a dozen ops).
         self.attn_backend = create_attn_backend(
             args.attention_backend,
             device,
@@ -382,9 +380,8 @@ def last_rows_forward(
     """(logits, next features) of each request's last row of the extend `fb` (`last_rows`, one
     per request), with every row's head KV written. Only the last rows run the whole layer
     (attention, MLP, lm_head): a draft starts from them, and the other rows' K/V depend on their
-    own inputs alone, so they stop after the K/V projection. A request's last row is the one
-    at position prefix_lens + extend_lens - 1; `fb` may hold padding rows besides (a fixed
-    shape per request), whose out_cache_loc is slot 0."""
+    own inputs alone, so they stop after the K/V projection. Padding rows (out_cache_loc 0) may
+    follow a request's last one, at position prefix_lens + extend_lens - 1."""
     if fb.input_ids.shape[0] == fb.batch_size:  # one row per request: all are last rows
         with forward_context(fb):
             return head(fb.input_ids, features, fb.positions)
