@@ -1,7 +1,21 @@
-"""Host time per decode iteration, split by stage, target-only and an EAGLE3 chain of 3.
+"""Host time per decode iteration, split by stage: target-only, adaptive speculation held at
+k = 0, adaptive as shipped, an EAGLE3 chain of 3 and an EAGLE3 tree (3 steps, top-4, 8 tokens).
 
     python bench/host_overhead.py [--model tiny|default|PATH.gguf] [--device cpu|cuda]
-        [--batches 1,32] [--new-tokens 32] [--out bench/results/host_overhead.json]
+        [--batches 1,32] [--new-tokens 32]
+        [--settings target-only,adaptive-k0,adaptive,chain3,tree]
+        [--out bench/results/host_overhead.json]
+
+"adaptive, k = 0" is the shipped config's adaptive controller told to draft nothing, so every
+decode iteration is the k = 0 path a plain decode must match; "adaptive 0..3" lets it choose
+(with the tiny model's random head it mostly stays at 0 and probes). Besides the stage times,
+one more pass per setting counts per decode iteration (medians): the tensor ops dispatched
+outside the target forward (on a GPU the forward is one graph replay, so these are the
+launches the host adds), the target and head forwards, and host reads (`.item()`-like reads
+and ops whose output shape depends on values, e.g. boolean-mask indexing: each one a device
+sync on a GPU; on a CPU, reads of the scheduler's host mirrors count too). Forwards replayed
+inside a captured graph (the GPU's draft loop) are not counted. On a GPU each profiled run
+also lists the host's top ops by self time (syncs, copies and compiles show up by name).
 
 Every stage is a method of the running engine wrapped from here (nothing in the engine is
 changed); a wrapped call's time excludes the wrapped calls it makes, so the stages add up to
@@ -49,6 +63,10 @@ from bench.common import format_table, machine  # noqa: E402
 from eagleserve import Engine, SamplingParams  # noqa: E402
 
 STAGES = ("schedule", "batch prep", "forward", "draft", "sampling", "output", "detokenize", "other")
+COUNTS = ("ops", "target fwd", "head fwd", "host reads")
+SETTING_KEYS = {"target-only": "target-only", "adaptive-k0": "adaptive, k = 0",
+                "adaptive": "adaptive 0..3", "chain3": "EAGLE3 chain 3",
+                "tree": "EAGLE3 tree 3x4/8"}  # fmt: skip
 TINY = {
     "architectures": ["LlamaForCausalLM"],
     "model_type": "llama",
@@ -140,6 +158,80 @@ def instrument(engine: Engine, clock: StageClock) -> None:
         clock.wrap(ew, "accept", "sampling")
 
 
+class OpCounter:
+    """Per decode iteration: tensor ops dispatched outside the target forward, target and head
+    forwards, and host reads of device values (one thread: the overlap scheduler is off)."""
+
+    def __init__(self, engine: Engine) -> None:
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        counter = self
+        self.now: dict[str, int] = defaultdict(int)
+        self.inside = False
+        reads = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default,
+                 torch.ops.aten.masked_select.default}  # fmt: skip
+        indexing = {torch.ops.aten.index.Tensor, torch.ops.aten.index_put_.default}
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                                   kwargs: Any = None) -> Any:  # fmt: skip
+                if not counter.inside:
+                    counter.now["ops"] += 1
+                    if func in reads or (func in indexing and any(
+                        t is not None and t.dtype == torch.bool for t in args[1]
+                    )):  # fmt: skip
+                        counter.now["host reads"] += 1
+                return func(*args, **(kwargs or {}))
+
+        self.mode = Mode
+        self.restore: list[tuple[Any, str, Any]] = []
+        w = engine.scheduler.worker
+        self._wrap(w.runner, "forward", "target fwd", exclusive=True)
+        if hasattr(w, "drafter"):
+            self._wrap(w.drafter.head, "forward", "head fwd")
+            self._wrap(w.drafter.head, "write_kv", "head fwd")
+
+    def _wrap(self, obj: Any, name: str, key: str, exclusive: bool = False) -> None:
+        real = getattr(obj, name)
+        self.restore.append((obj, name, real))
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self.now[key] += 1
+            if not exclusive:
+                return real(*args, **kwargs)
+            self.inside = True
+            try:
+                return real(*args, **kwargs)
+            finally:
+                self.inside = False
+
+        setattr(obj, name, counted)
+
+    def close(self) -> None:
+        for obj, name, real in reversed(self.restore):
+            setattr(obj, name, real)
+
+    def run(self, engine: Engine, batch: int, new: int, vocab: int) -> dict[str, float]:
+        """Medians per decode iteration of one run over `batch` prompts."""
+        from eagleserve.messages import GenerateReqInput
+
+        s = engine.scheduler
+        params = SamplingParams(max_new_tokens=new, temperature=0.0, ignore_eos=True)
+        for i, ids in enumerate(prompts(batch, vocab, 24, 5)):
+            s.add_request(GenerateReqInput(f"count-{i}", ids, params))
+        rows = []
+        while s.has_work():
+            self.now = defaultdict(int)
+            decode = s.running_batch is not None and not s.waiting
+            with self.mode():
+                s.step()
+            if decode:
+                rows.append(dict(self.now))
+        rows = rows[1:] or rows
+        med = lambda k: sorted(r.get(k, 0) for r in rows)[len(rows) // 2]
+        return {k: med(k) for k in COUNTS}
+
+
 def prompts(n: int, vocab: int, length: int, seed: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(3, vocab - 1, (length,), generator=g).tolist() for _ in range(n)]
@@ -219,12 +311,15 @@ def gpu_idle(engine: Engine, batch: int, new: int, vocab: int) -> dict[str, floa
         busy += cur_e - cur_s
     kernels = len(spans)
     steps = max(engine.stats().spec_verify_calls_total, 1)
+    # Where the host's time went (syncs, copies, launches, compiles show up by name).
+    top = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:15]
     return {
         "wall_ms": 1e3 * wall,
         "device_busy_ms": busy / 1e3,
         "idle_fraction": max(0.0, 1 - (busy / 1e6) / wall),
         "device_ops": kernels,
         "verify_calls_total": steps,
+        "top_host_ops": [[e.key, e.count, round(e.self_cpu_time_total)] for e in top],
     }
 
 
@@ -254,16 +349,27 @@ def tiny_dirs(tmp: str, device: str) -> tuple[str, str]:
 
 
 def settings(head: str) -> dict[str, dict[str, Any]]:
+    eagle = dict(speculative_algorithm="EAGLE3", speculative_draft_model_path=head)
+    chain = dict(eagle, speculative_num_steps=3, speculative_eagle_topk=1,
+                 speculative_num_draft_tokens=4)  # fmt: skip
     return {
         "target-only": {},
-        "EAGLE3 chain 3": dict(
-            speculative_algorithm="EAGLE3",
-            speculative_draft_model_path=head,
-            speculative_num_steps=3,
-            speculative_eagle_topk=1,
-            speculative_num_draft_tokens=4,
+        "adaptive, k = 0": dict(chain, speculative_adaptive=True),
+        "adaptive 0..3": dict(chain, speculative_adaptive=True),
+        "EAGLE3 chain 3": chain,
+        "EAGLE3 tree 3x4/8": dict(
+            eagle, speculative_num_steps=3, speculative_eagle_topk=4, speculative_num_draft_tokens=8
         ),
     }
+
+
+def make_engine(name: str, **kw: Any) -> Engine:
+    """The setting's engine; "adaptive, k = 0" with its controller held at k = 0."""
+    eng = Engine(**kw)
+    if name == "adaptive, k = 0":
+        controller = eng.scheduler.worker.controller
+        controller.choose = lambda alphas, catching_up=False: 0
+    return eng
 
 
 def run(
@@ -273,6 +379,7 @@ def run(
     new_tokens: int = 32,
     profile_gpu: bool | None = None,
     out: str | None = None,
+    which: tuple[str, ...] = tuple(SETTING_KEYS),
 ) -> dict[str, Any]:
     from eagleserve.device import pick_device
 
@@ -298,7 +405,10 @@ def run(
         "rows": [],
     }
     table = []
+    chosen = {SETTING_KEYS[k] for k in which}
     for name, kw in settings(head).items():
+        if name not in chosen:
+            continue
         common = dict(
             model=target,
             device=str(dev),
@@ -308,7 +418,7 @@ def run(
             **extra,
             **kw,
         )
-        eng = Engine(**common, disable_overlap_schedule=True)
+        eng = make_engine(name, **common, disable_overlap_schedule=True)
         clock = StageClock()
         instrument(eng, clock)
         for bs in batches:
@@ -317,15 +427,19 @@ def run(
             us = summarize(rows)
             row: dict[str, Any] = {"setting": name, "batch": bs, "iterations": len(rows),
                                    "host_us": us}  # fmt: skip
+            counter = OpCounter(eng)
+            row["per_iteration"] = counter.run(eng, bs, min(new_tokens, 16), vocab)
+            counter.close()
             if profile_gpu:
                 row["gpu_overlap_off"] = gpu_idle(eng, bs, new_tokens, vocab)
             res["rows"].append(row)
-            table.append([name, bs, len(rows), *(round(us[k]) for k in (*STAGES, "total"))])
+            table.append([name, bs, len(rows), *(round(us[k]) for k in (*STAGES, "total")),
+                          *(row["per_iteration"][k] for k in COUNTS)])  # fmt: skip
             print(table[-1], flush=True)
         clock.restore()
         del eng
         if profile_gpu:
-            eng = Engine(**common)  # the device's default: overlap on
+            eng = make_engine(name, **common)  # the device's default: overlap on
             for row in res["rows"]:
                 if row["setting"] == name:
                     row["gpu_overlap_default"] = gpu_idle(eng, row["batch"], new_tokens, vocab)
@@ -333,7 +447,7 @@ def run(
         if out:
             _save(res, out)
     print(f"{res['device']}; {machine()}; mean us per decode iteration, overlap off")
-    print(format_table(["setting", "bs", "iters", *STAGES, "total"], table))
+    print(format_table(["setting", "bs", "iters", *STAGES, "total", *COUNTS], table))
     for row in res["rows"]:
         for key in ("gpu_overlap_off", "gpu_overlap_default"):
             if key in row:
@@ -358,11 +472,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--batches", default="1,32")
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--profile", choices=("auto", "on", "off"), default="auto")
+    ap.add_argument("--settings", default=",".join(SETTING_KEYS), help=", ".join(SETTING_KEYS))
     ap.add_argument("--out", default=os.path.join(HERE, "results", "host_overhead.json"))
     args = ap.parse_args(argv)
     prof = {"auto": None, "on": True, "off": False}[args.profile]
     batches = tuple(int(b) for b in args.batches.split(","))
-    run(args.model, args.device, batches, args.new_tokens, prof, args.out)
+    which = tuple(args.settings.split(","))
+    run(args.model, args.device, batches, args.new_tokens, prof, args.out, which)
 
 
 if __name__ == "__main__":

@@ -240,7 +240,8 @@ class FutureMap:
         assert self.topk_p_buf is not None and self.topk_index_buf is not None
         assert self.hidden_states_buf is not None
         idx = torch.ones(2, dtype=torch.int64, device=dev)
-        _gather_spec_extras(idx, self.topk_p_buf, self.topk_index_buf, self.hidden_states_buf)
+        with torch.inference_mode():  # as the forward resolves (grad mode is a guard)
+            _gather_spec_extras(idx, self.topk_p_buf, self.topk_index_buf, self.hidden_states_buf)
 
     def _alloc_draft_bufs(self, *samples: torch.Tensor) -> None:
         self.topk_p_buf, self.topk_index_buf, self.hidden_states_buf = (

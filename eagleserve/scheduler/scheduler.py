@@ -352,7 +352,7 @@ class Scheduler:
                 self._release(req)
                 continue
             toks, lp, top = rows[i]
-            if result.accept_lens is not None:
+            if result.num_drafts is not None:  # a speculative decode, k = 0 included
                 self.spec_stats.count_verify(req, result.num_drafts, len(toks))
             want_lp = req.sampling_params.logprobs is not None
             append_tokens(req, toks, self.stop_checker, lp if want_lp else None, top)

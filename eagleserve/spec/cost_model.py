@@ -28,14 +28,16 @@ REPEATS = 5
 Key = tuple[str, int] | str
 
 
-def _best_seconds(parts: dict[Key, Callable[[], object]], device: torch.device) -> dict[Key, float]:
-    """The fastest of REPEATS runs of each part, the parts interleaved run by run: the host's
+def _best_seconds(
+    parts: dict[Key, Callable[[], object]], device: torch.device, repeats: int = REPEATS
+) -> dict[Key, float]:
+    """The fastest of `repeats` runs of each part, the parts interleaved run by run: the host's
     speed drifts (other tenants, clocks), and a drift while one part alone runs would skew
     the ratios between parts, which are what the controller compares."""
     for fn in parts.values():
         fn()  # warm-up
     best = dict.fromkeys(parts, float("inf"))
-    for _ in range(REPEATS):
+    for _ in range(repeats):
         for key, fn in parts.items():
             synchronize(device)
             t0 = time.perf_counter()
@@ -45,11 +47,19 @@ def _best_seconds(parts: dict[Key, Callable[[], object]], device: torch.device) 
     return best
 
 
+def warm_up(runner: ModelRunner, drafter: EagleDraftWorker, choices: tuple[int, ...]) -> None:
+    """Runs every part of an iteration once at batch size 1, untimed: where a stored table
+    spares the timing, the kernels a first draft needs (the head's eager extend and steps, each
+    verify shape) are still compiled at start-up, not mid-request at the first probe."""
+    measure_costs(runner, drafter, (1,), choices, repeats=0)
+
+
 def measure_costs(
     runner: ModelRunner,
     drafter: EagleDraftWorker,
     buckets: tuple[int, ...],
     choices: tuple[int, ...],
+    repeats: int = REPEATS,
 ) -> CostTable:
     """Times every (bucket, k in choices) on scratch slots; the pools are as before afterwards.
     A tree (topk > 1) verifies num_draft_tokens per request and drafts topk per step."""
@@ -73,7 +83,7 @@ def measure_costs(
         rpi_all = torch.tensor(rows, dtype=torch.long, device=runner.device)
         r2t_pool.req_to_token[rpi_all, :width] = loc.view(bs_max, width)
         for bs in buckets:
-            times = _part_times(runner, drafter, rpi_all[:bs], choices, context)
+            times = _part_times(runner, drafter, rpi_all[:bs], choices, context, repeats)
             for k in choices:
                 verify = k + 1 if spec.is_chain else spec.num_draft_tokens
                 table.seconds[(bs, k)] = (
@@ -97,6 +107,7 @@ def _part_times(
     rpi: torch.Tensor,
     choices: tuple[int, ...],
     context: int,
+    repeats: int,
 ) -> dict[Key, float]:
     dev = runner.device
     bs = rpi.shape[0]
@@ -154,7 +165,7 @@ def _part_times(
     # Tree branches run side by side (topk rows per request; the causal mask of this timing
     # costs about what the region mask does).
     parts["draft"] = draft_step(spec.eagle_topk)
-    times = _best_seconds(parts, dev)
+    times = _best_seconds(parts, dev, repeats)
     for n in verify_sizes:  # more rows cannot cost less: a figure that says so is noise
         times["verify", n] = max(times["verify", n], times["verify", 1])
     return times

@@ -207,6 +207,8 @@ def cost_table(
         assert stored is not None
         with contextlib.suppress(OSError):
             os.utime(path)  # recently used: kept by save_table's pruning
+        if runner.device.type != "cpu":  # kernels compile on first use (Triton, a CPU none)
+            cost_model.warm_up(runner, drafter, choices)
         logger.info("start-up: cost table reused from %s (%.2f s)", path,
                     time.perf_counter() - t0)  # fmt: skip
         return stored

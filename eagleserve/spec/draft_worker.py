@@ -68,8 +68,9 @@ class EagleDraftWorker:
         self.kv_pool = TokenToKVPool(
             args.kv_cache_tokens, 1, hc.num_key_value_heads, hc.head_dim, target.dtype, device
         )
+        # Trees too: Triton runs a tree-mask step as one kernel a layer (padded SDPA: a dozen ops).
         self.attn_backend = create_attn_backend(
-            "torch" if not spec.is_chain else args.attention_backend,
+            args.attention_backend,
             device,
             self.req_to_token,
             hc.head_dim**-0.5,
@@ -379,7 +380,8 @@ def last_rows_forward(
     """(logits, next features) of each request's last row of the extend `fb` (`last_rows`, one
     per request), with every row's head KV written. Only the last rows run the whole layer
     (attention, MLP, lm_head): a draft starts from them, and the other rows' K/V depend on their
-    own inputs alone, so they stop after the K/V projection."""
+    own inputs alone, so they stop after the K/V projection. Padding rows (out_cache_loc 0) may
+    follow a request's last one, at position prefix_lens + extend_lens - 1."""
     if fb.input_ids.shape[0] == fb.batch_size:  # one row per request: all are last rows
         with forward_context(fb):
             return head(fb.input_ids, features, fb.positions)

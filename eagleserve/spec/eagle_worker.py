@@ -25,7 +25,7 @@ from eagleserve.model_executor.model_runner import ModelRunner
 from eagleserve.models.llama import ModelOutput
 from eagleserve.sampling.prompt_logprobs import score_prompts, wants_prompt_logprobs
 from eagleserve.sampling.sampler import SamplingInfo, sample_next, top_logprobs
-from eagleserve.spec.accept import accept, commit_tree_path
+from eagleserve.spec.accept import AcceptResult, accept, commit_tree_path
 from eagleserve.spec.adaptive import AdaptiveController, depth_choices
 from eagleserve.spec.cost_table_cache import cost_table
 from eagleserve.spec.draft_worker import EagleDraftWorker
@@ -40,6 +40,8 @@ class EagleWorker:
         self.req_to_token_pool = runner.req_to_token_pool
         self.token_to_kv_pool = runner.token_to_kv_pool
         self.drafter = EagleDraftWorker(runner, spec, args)
+        # The head extend after a verify keeps a fixed shape (`_path_extend`) off the CPU.
+        self.fixed_shape_extend = self.device.type != "cpu"
         # 0, 1, 2, ... on the device, sliced by the verify instead of built every iteration.
         self.iota = torch.arange(
             max(args.max_running_requests, spec.num_draft_tokens, spec.num_steps + 1) + 1,
@@ -123,10 +125,13 @@ class EagleWorker:
             req, start, end = spans[0]
             r2t[req.req_pool_idx, start:end] = loc
         else:
-            rows = [req.req_pool_idx for req, start, end in spans for _ in range(end - start)]
-            cols = [col for _, start, end in spans for col in range(start, end)]
-            dev = r2t.device
-            r2t[torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)] = loc
+            # One flat index built on the host and copied without waiting: a tensor made on an
+            # accelerator from a Python list is a synchronous copy (a stream sync per call).
+            width = r2t.shape[1]
+            flat = [req.req_pool_idx * width + col for req, start, end in spans
+                    for col in range(start, end)]  # fmt: skip
+            index = torch.tensor(flat, dtype=torch.long).to(r2t.device, non_blocking=True)
+            r2t.view(-1)[index] = loc
         for req, _, end in spans:
             req.kv_allocated_len = end
 
@@ -257,15 +262,10 @@ class EagleWorker:
         batch.input_ids = next_ids
         if on_verified is not None:
             on_verified(batch)
-        one = lambda t: None if t is None else t.unsqueeze(1)
-        return GenerationBatchResult(
-            next_ids[:, None],
-            torch.ones_like(L),
-            one(sampled.logprobs),
-            one(sampled.top_logprob_vals),
-            one(sampled.top_logprob_ids),
-            num_drafts=0,
-        )
+        # A target-only decode's result (one token per row, no accept lengths to copy back),
+        # marked as a speculative iteration that drafted nothing.
+        sampled.num_drafts = 0
+        return sampled
 
     def _draft_verify(
         self, batch: ScheduleBatch, on_verified: OnVerified | None, k: int
@@ -321,27 +321,10 @@ class EagleWorker:
             grammar.advance(acc.output_tokens, acc.accept_lens)
         if not spec.is_chain:
             commit_tree_path(r2t, batch.req_pool_indices, L, acc.accept_index, n)
-        # Draft extend over the accepted path: token after node k with the feature of node k.
         a = acc.accept_lens
-        width = acc.accept_index.shape[1]
-        rows = acc.accept_index.clamp(min=0) + (self._iota(bs) * n)[:, None]
-        valid = acc.accept_index >= 0  # [bs, width]
-        offs = self._iota(width)
-        cols = L[:, None] + offs[None, :]
-        extend_fb = ForwardBatch(
-            mode="extend",
-            input_ids=acc.output_tokens[valid],
-            positions=cols[valid],
-            out_cache_loc=r2t[batch.req_pool_indices[:, None], cols][valid],
-            req_pool_indices=batch.req_pool_indices,
-            prefix_lens=L,
-            extend_lens=a,
-            # Accept lengths are not on the host: bound them by the path width.
-            host=HostLens(width, max_len + width, width == 1),
-            kv_pool=self.token_to_kv_pool,
-            attn_backend=self.runner.attn_backend,
-        )
-        feats = self._features(out)[rows[valid]]
+        rows = acc.accept_index.clamp(min=0) + (self._iota(bs) * n)[:, None]  # verify rows
+        extend_fb, path_rows, last_rows = self._path_extend(batch, acc, max_len)
+        feats = self._features(out)[rows.reshape(-1)[path_rows]]
         # Producer of new lengths: the scheduler's refresh point recomputes the host mirror.
         batch.seq_lens = L + a
         batch.seq_lens_cpu = None
@@ -350,7 +333,7 @@ class EagleWorker:
         if on_verified is not None:
             on_verified(batch)
         allowed = self._next_allowed(batch)
-        batch.spec_info = self.drafter.extend(extend_fb, feats, torch.cumsum(a, 0) - 1, allowed)
+        batch.spec_info = self.drafter.extend(extend_fb, feats, last_rows, allowed)
         result = GenerationBatchResult(acc.output_tokens, a, num_drafts=k)
         if any(r.sampling_params.logprobs is not None for r in batch.reqs):
             k = max((r.sampling_params.logprobs or 0) for r in batch.reqs)
@@ -358,7 +341,46 @@ class EagleWorker:
             chosen, vals, ids = top_logprobs(
                 row_logits, acc.output_tokens.clamp(min=0).reshape(-1), k
             )
-            result.logprobs = chosen.view(bs, width)
-            result.top_logprob_vals = vals.view(bs, width, -1)
-            result.top_logprob_ids = ids.view(bs, width, -1)
+            result.logprobs = chosen.view(rows.shape)
+            result.top_logprob_vals = vals.view(*rows.shape, -1)
+            result.top_logprob_ids = ids.view(*rows.shape, -1)
         return result
+
+    def _path_extend(
+        self, batch: ScheduleBatch, acc: AcceptResult, max_len: int
+    ) -> tuple[ForwardBatch, torch.Tensor | slice, torch.Tensor]:
+        """The head extend over each request's accepted path (token after node k with the
+        feature of node k): its ForwardBatch, which of the [bs * width] path rows it holds, and
+        each request's last row in it. On an accelerator every request keeps all `width` rows
+        (a fixed shape: selecting the accepted ones would give a shape that depends on values,
+        a device->host sync); a row past a request's accept length writes its head K/V to slot
+        0 (never handed out) and is no request's last row. On a CPU, where that selection costs
+        no sync, only the accepted rows run."""
+        L, rpi, a = batch.seq_lens, batch.req_pool_indices, acc.accept_lens
+        bs, width = acc.accept_index.shape
+        valid = acc.accept_index >= 0  # [bs, width]
+        cols = L[:, None] + self._iota(width)[None, :]
+        slots = self.req_to_token_pool.req_to_token[rpi[:, None], cols]
+        if self.fixed_shape_extend:
+            keep: torch.Tensor | slice = slice(None)
+            ids, positions = acc.output_tokens.clamp(min=0).reshape(-1), cols.reshape(-1)
+            locs = torch.where(valid, slots, 0).reshape(-1)
+            last_rows = self._iota(bs) * width + a - 1
+        else:
+            keep = valid.reshape(-1)
+            ids, positions, locs = acc.output_tokens[valid], cols[valid], slots[valid]
+            last_rows = torch.cumsum(a, 0) - 1
+        fb = ForwardBatch(
+            mode="extend",
+            input_ids=ids,
+            positions=positions,
+            out_cache_loc=locs,
+            req_pool_indices=rpi,
+            prefix_lens=L,
+            extend_lens=a,
+            # Accept lengths are not on the host: bound them by the path width.
+            host=HostLens(width, max_len + width, width == 1),
+            kv_pool=self.token_to_kv_pool,
+            attn_backend=self.runner.attn_backend,
+        )
+        return fb, keep, last_rows

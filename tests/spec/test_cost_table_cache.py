@@ -167,3 +167,24 @@ def test_a_partial_or_foreign_table_is_not_used(cache: Path) -> None:
     save_table(path, key, random_table(rng))
     assert load_table(path, {**key, "salt": rng.random()}) is None  # stored under another key
     assert load_table(path, {**key, "choices": [0, 1]}) is None
+
+
+def test_warm_up_runs_each_part_of_an_iteration_once(model: tuple[str, str]) -> None:
+    """What an accelerator runs where a stored table spares the timing: every verify shape and
+    head forward a draft needs, once, on scratch slots given back afterwards."""
+    from eagleserve.spec import cost_model
+
+    engine, _ = build(model, speculative_adaptive_retime=True)
+    worker = engine.scheduler.worker
+    runner, drafter, kv = worker.runner, worker.drafter, engine.scheduler.kv_pool
+    calls: list[tuple[str, int]] = []
+    forward, head = runner.forward, drafter.head.forward
+    runner.forward = lambda fb: (calls.append((fb.mode, fb.host.max_extend)), forward(fb))[1]
+    drafter.head.forward = lambda *a: (calls.append(("head", a[0].shape[0])), head(*a))[1]
+    free = kv.available_size()
+    cost_model.warm_up(runner, drafter, (0, 1, 2))
+    assert kv.available_size() == free
+    # decode and both verify sizes; the head: one draft step and the last rows of both extends
+    assert sorted(c for c in calls if c[0] != "head") == [("decode", 1), ("verify", 2),
+                                                          ("verify", 3)]  # fmt: skip
+    assert [c for c in calls if c[0] == "head"] == [("head", 1)] * 3
