@@ -100,8 +100,9 @@ def stage_table(args: argparse.Namespace, st: Stage) -> None:
                              disable_radix_cache=True, **kw)  # fmt: skip
                 build_s = time.perf_counter() - t0
             ids = [chat_ids(eng.tokenizer, t) for t in texts]
-            with st.watch(f"warm {name}"):
-                eng.generate(ids[:2], SamplingParams(max_new_tokens=8, temperature=0.0))
+            with st.watch(f"warm {name}"):  # past one adaptive probe interval: its kernels too
+                eng.generate(ids[:2], SamplingParams(max_new_tokens=80, temperature=0.0,
+                                                     ignore_eos=True))  # fmt: skip
             for bs in batches:
                 reqs = [[p] for p in ids[:n_single]] if bs == 1 else [
                     [ids[i % len(ids)] for i in range(bs)]
