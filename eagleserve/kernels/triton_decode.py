@@ -206,12 +206,16 @@ def _decode_attention(
 
 def choose_num_kv_splits(batch_size: int, kv_heads: int, max_seq_len: int) -> int:
     """Splits per request for decode: enough programs to fill the GPU, each split still at
-    least ~256 positions long so the merge stays cheap. Host ints only (no device sync)."""
+    least ~256 positions long so the merge stays cheap. A power of two: the count is a
+    compile-time constant of the kernels, so a growing context compiles at most
+    log2(_MAX_KV_SPLITS) + 1 variants (a new count mid-request is a compile inside a step).
+    Host ints only (no device sync)."""
     if max_seq_len <= 256:
         return 1
     by_len = math.ceil(max_seq_len / 256)
     by_occupancy = math.ceil(_TARGET_DECODE_PROGRAMS / max(1, batch_size * kv_heads))
-    return max(1, min(_MAX_KV_SPLITS, by_len, by_occupancy))
+    n = max(1, min(_MAX_KV_SPLITS, by_len, by_occupancy))
+    return 1 << (n.bit_length() - 1)
 
 
 def decode_attention(

@@ -127,6 +127,18 @@ def test_decode_matches_reference(
     torch.testing.assert_close(out, ref.decode_attention_ref(*args), atol=ATOL, rtol=RTOL)
 
 
+def test_split_counts_are_few_powers_of_two() -> None:
+    """A context growing token by token meets at most log2(max) + 1 split counts (each a
+    kernel compile), every split over 128 positions long."""
+    seen = set()
+    for bs in (1, 3, 16):
+        for n in range(1, 20_000, 7):
+            k = tri.choose_num_kv_splits(bs, 2, n)
+            assert k & (k - 1) == 0 and (k == 1 or n / k > 128)
+            seen.add(k)
+    assert len(seen) <= 6
+
+
 def test_decode_public_wrapper() -> None:
     gen = torch.Generator().manual_seed(7)
     pg = Paged([300, 4, 1], 2, 64, gen)  # pool rows of 305 -> more than one split
