@@ -21,6 +21,7 @@ from eagleserve.train.ttt import head_step
 
 pytestmark = pytest.mark.usefixtures("torch_threads")
 
+
 def _items(n: int, seed: int) -> list[tuple[list[int], list[bool]]]:
     g = torch.Generator().manual_seed(seed)
     out = []
@@ -100,8 +101,13 @@ def test_recipe_trains_saves_sharded_and_evaluates(chat_target: str, tmp_path) -
         assert sum(sizes) <= 0.02 * 2**20 or len(sizes) == 1
     log = json.load(open(os.path.join(out, "training_log.json")))
     assert log["steps"] >= 3 and log["token_passes"] > 0 and log["tokens"] <= 1500
-    assert set(log["tok_per_s"]) == {"data", "self_distill", "features", "train_token_passes",
-                                   "train_token_depths"}
+    assert set(log["tok_per_s"]) == {
+        "data",
+        "self_distill",
+        "features",
+        "train_token_passes",
+        "train_token_depths",
+    }
     val = log["val_accuracy_by_depth"]
     assert {"acc0", "acc1", "acc2"} <= set(val) and 0 <= val["acc0"] <= 1
 
