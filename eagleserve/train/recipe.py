@@ -66,6 +66,9 @@ def add_recipe_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tokenize-procs", type=int, default=None, help="default: all CPU cores")
     g.add_argument("--work-dir", default=None, help="trainer_state.pt goes here (default: a "
                    "temporary folder, so OUT holds only the head and its log)")  # fmt: skip
+    g.add_argument("--extra-conversations", nargs="*", default=[], choices=["chitchat"],
+                   help="more training conversations from a PyPI wheel: chitchat (BYU "
+                   "Chit-Chat Challenge, 4 k human-human chats, MIT)")  # fmt: skip
     add_self_distill_args(p)
 
 
@@ -174,10 +177,15 @@ def run_recipe(ns: argparse.Namespace) -> int:
     procs = ns.tokenize_procs or os.cpu_count() or 1
     val_items = tokenize_all(tok, [convs[i] for i in val_i], keys, ns.max_seq_len, procs)
     train_i = train_i[: ns.max_conversations]
-    train_items = tokenize_all(tok, [convs[i] for i in train_i], keys, ns.max_seq_len, procs)
+    train_convs = [convs[i] for i in train_i]
+    if "chitchat" in ns.extra_conversations:
+        from eagleserve.train.chitchat import chitchat_conversations, chitchat_path
+
+        train_convs += chitchat_conversations(chitchat_path())[: ns.max_conversations]
+    train_items = tokenize_all(tok, train_convs, keys, ns.max_seq_len, procs)
     t_data = time.time()
-    n_data_tokens = sum(len(ids) for ids, _ in train_items)  # tokenized ShareGPT
-    sd_items, sd_stats = distill(ns, dev, tok, [convs[i] for i in train_i], keys)
+    n_data_tokens = sum(len(ids) for ids, _ in train_items)  # tokenized human conversations
+    sd_items, sd_stats = distill(ns, dev, tok, train_convs, keys)
     if ns.self_distill == "replace":
         train_items = sd_items
     elif ns.self_distill == "add":
@@ -254,7 +262,7 @@ def run_recipe(ns: argparse.Namespace) -> int:
         "device": str(dev),
         "source": f"ShareGPT_V3 all turns, windows of {ns.max_len} ({len(train_items)} train / "
         f"{len(val_items)} held-out conversations, seed {ns.seed}), self-distill "
-        f"{ns.self_distill}, features online",
+        f"{ns.self_distill}, extra {ns.extra_conversations}, features online",
         "self_distill": sd_stats,
         "data_tokens": n_data_tokens,
         "tokens": store.tokens,

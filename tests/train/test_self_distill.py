@@ -151,11 +151,13 @@ def test_recipe_trains_on_self_distilled_answers(chat_target: str, tmp_path) -> 
     val_first = {tuple(chat_prompt_ids(tok, convs[i][0]["content"])) for i in val_i}
     assert not val_first & {tuple(p) for p in cached["prompts"]}
 
-    # a second run (training on the generated answers only) reuses them
+    # a second run (training on the generated answers only; the chit-chat conversations come
+    # after ShareGPT's, so the first 5 prompts are the same) reuses them
     out2 = str(tmp_path / "head2")
-    args2 = [*args[:4], out2, *args[5:]]
+    args2 = [*args[:4], out2, *args[5:], "--extra-conversations", "chitchat"]
     args2[args2.index("add")] = "replace"
     assert main(args2) == 0
     log2 = json.load(open(os.path.join(out2, "training_log.json")))
     assert log2["self_distill"]["cached"] is True and log2["self_distill"]["path"] == entry
-    assert log2["data_tokens"] == log["data_tokens"]
+    assert log2["data_tokens"] > log["data_tokens"]  # the chit-chat turns were tokenized
+    assert log2["tokens"] <= sd["tokens"] + 5 * 300  # trained on prompts + answers only
