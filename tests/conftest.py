@@ -235,6 +235,27 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     return path
 
 
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@pytest.fixture(scope="session")
+def chat_target(tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The tiny target with a ChatML template (training renders whole conversations)."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    path = str(tmp_path_factory.mktemp("chat_target"))
+    shutil.copytree(tiny_model_dir, path, dirs_exist_ok=True)
+    tok = AutoTokenizer.from_pretrained(path)
+    tok.chat_template = CHATML
+    tok.save_pretrained(path)
+    return path
+
+
 @pytest.fixture(scope="session")
 def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     """A tiny random Qwen2 (q/k/v bias, GQA, untied head)."""

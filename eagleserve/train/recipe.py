@@ -31,6 +31,7 @@ from eagleserve.train.online import (
     cut_windows,
     store_bytes_per_token,
 )
+from eagleserve.train.self_distill import add_self_distill_args
 from eagleserve.train.training_log import write_training_log
 
 _WORKER: tuple | None = None  # (tokenizer, probe keys, max tokens), inherited by forked workers
@@ -62,6 +63,10 @@ def add_recipe_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tokenize-procs", type=int, default=None, help="default: all CPU cores")
     g.add_argument("--work-dir", default=None, help="trainer_state.pt goes here (default: a "
                    "temporary folder, so OUT holds only the head and its log)")  # fmt: skip
+    g.add_argument("--extra-conversations", nargs="*", default=[], choices=["chitchat"],
+                   help="more training conversations from a PyPI wheel: chitchat (BYU "
+                   "Chit-Chat Challenge, 4 k human-human chats, MIT)")  # fmt: skip
+    add_self_distill_args(p)
 
 
 def _tokenize(conv: list[dict[str, str]]) -> Item | None:
@@ -107,6 +112,43 @@ def _device(name: str) -> torch.device:
     return pick_device("cuda" if name == "hip" else name)
 
 
+def distill(
+    ns: argparse.Namespace, dev: torch.device, tok: object, convs: list, keys: list[str]
+) -> tuple[list[Item], dict]:
+    """Self-distilled items of the held-in `convs` (train/self_distill.py), generated on `dev`
+    by an engine in the form the features are extracted from; ([], {}) when off."""
+    from eagleserve import Engine
+    from eagleserve.models.loader import cache_dir, resolve_model_path
+    from eagleserve.train.self_distill import (
+        cache_key,
+        distill_prompts,
+        model_identity,
+        self_distill_config,
+        self_distill_items,
+    )
+
+    cfg = self_distill_config(ns)
+    if cfg.mode == "off":
+        return [], {}
+    dtype = "bfloat16" if dev.type != "cpu" else "float32"
+    prompts = distill_prompts(tok, convs, keys, cfg)
+    kv = cfg.batch_size * (cfg.max_prompt_tokens + cfg.max_new_tokens + 8)
+    extra = {} if dev.type == "cpu" else {"cuda_graph_max_bs": cfg.batch_size}
+
+    def make_engine() -> object:
+        return Engine(model=ns.model, device=dev.type, dtype=dtype, kv_cache_tokens=kv,
+                      max_running_requests=cfg.batch_size, **extra)  # fmt: skip
+
+    key = cache_key(model_identity(resolve_model_path(ns.model)), f"{dev.type}/{dtype}", cfg,
+                    prompts)  # fmt: skip
+    root = cfg.cache_dir or os.path.join(cache_dir(), "self_distill")
+    items, stats = self_distill_items(make_engine, prompts, cfg, key, root, ns.max_seq_len)
+    if dev.type != "cpu":
+        torch.get_device_module(dev).empty_cache()  # the engine's KV pool, before features
+    print("self_distill", json.dumps(stats), flush=True)
+    return items, stats
+
+
 def run_recipe(ns: argparse.Namespace) -> int:
     from eagleserve.models.loader import load_tokenizer, resolve_model_path
     from eagleserve.spec.head_loader import init_eagle_head, load_eagle_head, save_eagle_head
@@ -130,13 +172,25 @@ def run_recipe(ns: argparse.Namespace) -> int:
     procs = ns.tokenize_procs or os.cpu_count() or 1
     val_items = tokenize_all(tok, [convs[i] for i in val_i], keys, ns.max_seq_len, procs)
     train_i = train_i[: ns.max_conversations]
-    train_items = tokenize_all(tok, [convs[i] for i in train_i], keys, ns.max_seq_len, procs)
+    train_convs = [convs[i] for i in train_i]
+    if "chitchat" in ns.extra_conversations:
+        from eagleserve.train.chitchat import chitchat_conversations, chitchat_path
+
+        train_convs += chitchat_conversations(chitchat_path())[: ns.max_conversations]
+    train_items = tokenize_all(tok, train_convs, keys, ns.max_seq_len, procs)
     t_data = time.time()
+    n_data_tokens = sum(len(ids) for ids, _ in train_items)  # tokenized human conversations
+    sd_items, sd_stats = distill(ns, dev, tok, train_convs, keys)
+    if ns.self_distill == "replace":
+        train_items = sd_items
+    elif ns.self_distill == "add":
+        # Both sources' windows go through the one seeded shuffle below: a cap keeps some of each.
+        train_items = train_items + sd_items
+    t_distill = time.time()
     # Extraction runs the target as bf16 dense weights (de-quantized GGUF) on an accelerator.
     target, _ = load_target(ns.model, "bfloat16" if dev.type != "cpu" else "float32",
                             ns.max_len + 16, dev.type)  # fmt: skip
     t_target = time.time()
-    n_data_tokens = sum(len(ids) for ids, _ in train_items)
 
     vocab = target.config.vocab_size
     draft_ids = draft_ids_from(train_items, min(ns.draft_vocab_size, vocab), vocab)
@@ -203,7 +257,9 @@ def run_recipe(ns: argparse.Namespace) -> int:
         "recipe": "gpu",
         "device": str(dev),
         "source": f"ShareGPT_V3 all turns, windows of {ns.max_len} ({len(train_items)} train / "
-        f"{len(val_items)} held-out conversations, seed {ns.seed}), features online",
+        f"{len(val_items)} held-out conversations, seed {ns.seed}), self-distill "
+        f"{ns.self_distill}, extra {ns.extra_conversations}, features online",
+        "self_distill": sd_stats,
         "data_tokens": n_data_tokens,
         "tokens": store.tokens,
         "answer_tokens": int(store.nxt_answer.sum()),
@@ -216,7 +272,8 @@ def run_recipe(ns: argparse.Namespace) -> int:
         "seconds": {
             "tokenizer": t_load - t0,
             "data": t_data - t_load,
-            "target": t_target - t_data,
+            "self_distill": t_distill - t_data,
+            "target": t_target - t_distill,
             "features": t_feat - t_target,
             "train": t_train - t_feat,
             "save_eval": t_end - t_train,
@@ -224,6 +281,7 @@ def run_recipe(ns: argparse.Namespace) -> int:
         },  # fmt: skip
         "tok_per_s": {
             "data": n_data_tokens / max(1e-9, t_data - t_load),
+            "self_distill": sd_stats.get("tok_per_s", 0.0),
             "features": fstats["tok_per_s"],
             "train_token_passes": token_passes / max(1e-9, t_train - t_feat),
             "train_token_depths": metrics["token_depths_per_s"],

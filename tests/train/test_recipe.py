@@ -6,12 +6,10 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import AutoTokenizer
 
 from eagleserve.spec.head_loader import init_eagle_head, load_eagle_head
 from eagleserve.train.cli import main
@@ -22,22 +20,6 @@ from eagleserve.train.teacher import teacher_targets
 from eagleserve.train.ttt import head_step
 
 pytestmark = pytest.mark.usefixtures("torch_threads")
-
-CHATML = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-
-
-@pytest.fixture(scope="module")
-def chat_target(tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> str:
-    """The tiny target with a ChatML template (the recipe renders whole conversations)."""
-    path = str(tmp_path_factory.mktemp("chat_target"))
-    shutil.copytree(tiny_model_dir, path, dirs_exist_ok=True)
-    tok = AutoTokenizer.from_pretrained(path)
-    tok.chat_template = CHATML
-    tok.save_pretrained(path)
-    return path
 
 
 def _items(n: int, seed: int) -> list[tuple[list[int], list[bool]]]:
@@ -119,7 +101,13 @@ def test_recipe_trains_saves_sharded_and_evaluates(chat_target: str, tmp_path) -
         assert sum(sizes) <= 0.02 * 2**20 or len(sizes) == 1
     log = json.load(open(os.path.join(out, "training_log.json")))
     assert log["steps"] >= 3 and log["token_passes"] > 0 and log["tokens"] <= 1500
-    assert set(log["tok_per_s"]) == {"data", "features", "train_token_passes", "train_token_depths"}
+    assert set(log["tok_per_s"]) == {
+        "data",
+        "self_distill",
+        "features",
+        "train_token_passes",
+        "train_token_depths",
+    }
     val = log["val_accuracy_by_depth"]
     assert {"acc0", "acc1", "acc2"} <= set(val) and 0 <= val["acc0"] <= 1
 
