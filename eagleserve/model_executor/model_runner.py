@@ -108,11 +108,15 @@ class ModelRunner:
             load_weights(model, model_path, desc="target weights",
                          transform=shard.slice_tensor if shard else None)  # fmt: skip
             if gguf_path is not None:
-                # Linears whose GGUF tensors are Q4_0/Q4_1/Q8_0 run packed (models/quant.py).
-                from eagleserve.models.quant import quantize_model_from_gguf
+                # Linears whose GGUF tensors are Q4_0/Q4_1/Q8_0 run packed (models/quant.py),
+                # packed once and kept in the cache directory (models/weight_cache.py).
+                from eagleserve.models.weight_cache import quantize_model_cached
 
-                quantize_model_from_gguf(
-                    model, gguf_path, shard=shard.slice_quant if shard else None
+                quantize_model_cached(
+                    model,
+                    gguf_path,
+                    shard=shard.slice_quant if shard else None,
+                    shard_id=(tp.rank, tp.size) if shard else (0, 1),
                 )
         if shard is not None:
             shard.gather_logits(model)

@@ -9,7 +9,9 @@ import json
 import logging
 import os
 import shutil
+import threading
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -92,21 +94,41 @@ def load_tokenizer(path: str) -> Any | None:
     return AutoTokenizer.from_pretrained(path)
 
 
-def resolve_model_path(model: str) -> str:
-    """'default' -> the converted default model; a .gguf -> its converted folder; a folder."""
+def load_tokenizer_in_background(path: str) -> Future[Any | None]:
+    """`load_tokenizer(path)` on a thread of its own, started now: a process loads it while it
+    builds (or waits for) the model; `.result()` joins it (and raises what the load raised)."""
+    future: Future[Any | None] = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(load_tokenizer(path))
+        except BaseException as exc:  # handed to whoever joins
+            future.set_exception(exc)
+
+    threading.Thread(target=run, name="eagleserve-tokenizer", daemon=True).start()
+    return future
+
+
+def model_folder(model: str) -> str:
+    """The folder `resolve_model_path` gives for `model`, converting nothing: for 'default' or
+    a .gguf it exists once a start has converted the file (check for config.json)."""
     if model == "default":
-        out = os.path.join(cache_dir(), "SmolLM2-135M-Instruct")
-        if not os.path.exists(os.path.join(out, "config.json")):
-            convert_gguf(default_gguf_path(), out)
-        return out
+        return os.path.join(cache_dir(), "SmolLM2-135M-Instruct")
     if model.endswith(".gguf"):
         if not os.path.isfile(model):
             raise FileNotFoundError(f"GGUF file not found: {model}")
         stat = os.stat(model)
         key = hashlib.sha1(f"{os.path.abspath(model)}:{stat.st_size}".encode()).hexdigest()[:12]
-        out = os.path.join(cache_dir(), f"{os.path.basename(model)[:-5]}-{key}")
+        return os.path.join(cache_dir(), f"{os.path.basename(model)[:-5]}-{key}")
+    return model
+
+
+def resolve_model_path(model: str) -> str:
+    """'default' -> the converted default model; a .gguf -> its converted folder; a folder."""
+    out = model_folder(model)
+    if model == "default" or model.endswith(".gguf"):
         if not os.path.exists(os.path.join(out, "config.json")):
-            convert_gguf(model, out)
+            convert_gguf(default_gguf_path() if model == "default" else model, out)
         return out
     if not os.path.isfile(os.path.join(model, "config.json")):
         raise FileNotFoundError(
