@@ -131,10 +131,10 @@ def install_packed(model: LlamaForCausalLM, packed: dict[str, nn.Module]) -> Non
     """Puts `packed` (pack_gguf_linears) in `model`, in place. A fused module replaces its
     members, which are removed so that nothing can call the unfused weights by mistake.
 
-    Tied embeddings: the fp `embed_tokens` table stays for lookups, and a packed `lm_head`
-    serves the logits matmul: `compute_logits` is overridden on this instance only, since
-    LlamaForCausalLM.compute_logits reads `lm_head_weight` (still the fp table, which EAGLE-3
-    head init copies rows from).
+    A packed `lm_head` serves the logits matmul: `compute_logits` is overridden on this
+    instance only, since LlamaForCausalLM.compute_logits reads `lm_head_weight`: with tied
+    embeddings the fp `embed_tokens` table (kept for lookups, and EAGLE-3 head init copies
+    rows from it), untied a `.weight` the packed module does not have.
     """
     counts: dict[str, int] = {}
     for mod_name, module in packed.items():
@@ -146,9 +146,7 @@ def install_packed(model: LlamaForCausalLM, packed: dict[str, nn.Module]) -> Non
         set_module(model, mod_name, module)
         kind = type(module).__name__ + (" (fused)" if attr in FUSED_GROUPS else "")
         counts[kind] = counts.get(kind, 0) + 1
-    if model.config.tie_word_embeddings and isinstance(
-        getattr(model, "lm_head", None), PackedLinear
-    ):
+    if isinstance(getattr(model, "lm_head", None), PackedLinear):
         model.compute_logits = types.MethodType(_packed_compute_logits, model)  # type: ignore
     if cpu_ext.load():  # its forwards: the one-call norm, rotary, SiLU gate and layers as well
         for module in model.modules():
