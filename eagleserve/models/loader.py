@@ -10,7 +10,7 @@ import logging
 import os
 import shutil
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from concurrent.futures import Future
 from typing import Any
 
@@ -150,8 +150,9 @@ def resolve_draft_path(path: str) -> str:
     return path
 
 
-def iter_checkpoint(path: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yields (name, tensor) from the safetensors or pytorch_model*.bin files of a folder."""
+def iter_checkpoint(path: str, skip: Collection[str] = ()) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yields (name, tensor) from the safetensors or pytorch_model*.bin files of a folder;
+    names in `skip` are left out (safetensors: not read at all)."""
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if files:
         from safetensors import safe_open
@@ -159,13 +160,15 @@ def iter_checkpoint(path: str) -> Iterator[tuple[str, torch.Tensor]]:
         for f in files:
             with safe_open(f, framework="pt") as sf:
                 for name in sf.keys():
-                    yield name, sf.get_tensor(name)
+                    if name not in skip:
+                        yield name, sf.get_tensor(name)
         return
     files = sorted(glob.glob(os.path.join(path, "pytorch_model*.bin")))
     if not files:
         raise FileNotFoundError(f"no *.safetensors or pytorch_model*.bin in {path}")
     for f in files:
-        yield from torch.load(f, map_location="cpu", weights_only=True).items()
+        state = torch.load(f, map_location="cpu", weights_only=True)
+        yield from ((k, v) for k, v in state.items() if k not in skip)
 
 
 def load_config_dict(path: str) -> dict:
@@ -179,12 +182,14 @@ def load_weights(
     strict: bool = True,
     desc: str = "weights",
     transform: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
+    skip: Collection[str] = (),
 ) -> None:
     """Copies a checkpoint with HF names into `module`; names must match one to one.
-    `transform(name, tensor)` gives the part this module holds (a tensor-parallel shard)."""
+    `transform(name, tensor)` gives the part this module holds (a tensor-parallel shard).
+    `skip`: parameters left as they are, not read (replaced next, e.g. by packed linears)."""
     params = dict(module.named_parameters())
-    seen: set[str] = set()
-    items = list(iter_checkpoint(path))
+    seen: set[str] = set(skip)
+    items = list(iter_checkpoint(path, skip))
     for name, tensor in tqdm(items, desc=f"Loading {desc}", unit="tensor", leave=False):
         if name.endswith("rotary_emb.inv_freq"):
             continue

@@ -2,15 +2,16 @@
 
 Reading a GGUF and packing its blocks for the CPU kernels is most of a packed target's load
 on a CPU, and the result depends only on: the GGUF file (its path, size and modification
-time: too large to hash at every start), the loaded model's linears (names, shapes, biases:
-a fused module carries its members' biases), how Q8_0 runs and the compute dtype, the
-tensor-parallel shard, the code that packs (the packing files, the kernels' layouts, torch's
-int4pack layout: its version) and whether the CPU kernels load here. `packed_key` names all of
-those; a start whose key matches a stored file maps it (torch.load(mmap=True): the pages are
-read as the forwards touch them) instead of reading the GGUF, and any other start packs and
-stores. A file is written whole or not at all (a temporary file renamed over the old one); one
-that does not load (truncated, corrupt) or whose key differs (a collision, a hand edit) is
-packed over, with a warning.
+time: too large to hash at every start), the model's linears (names and shapes) and the
+checkpoint folder their biases come from (a fused module carries its members' biases), how
+Q8_0 runs and the compute dtype, the tensor-parallel shard, the code that packs (the packing
+files, the kernels' layouts, torch's int4pack layout: its version) and whether the CPU kernels
+load here. `packed_key` names all of those; a start whose key matches a stored file maps it
+(torch.load(mmap=True): the pages are read as the forwards touch them) instead of reading the
+GGUF, and does not read the fp weights those modules replace from the checkpoint either; any
+other start packs and stores. A file is written whole or not at all (a temporary file renamed
+over the old one); one that does not load (truncated, corrupt) or whose key differs (a
+collision, a hand edit) is packed over, with a warning.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import os
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -33,7 +35,7 @@ from eagleserve.kernels import cpu_ext
 from eagleserve.models.gguf_weights import QuantTensor
 from eagleserve.models.llama import LlamaForCausalLM
 from eagleserve.models.loader import cache_dir
-from eagleserve.models.packed_model import install_packed, pack_gguf_linears
+from eagleserve.models.packed_model import FUSED_GROUPS, install_packed, pack_gguf_linears
 from eagleserve.models.quant import BF16Linear, Int4Linear, Int8Linear, Q8Int4Linear
 
 logger = logging.getLogger(__name__)
@@ -68,30 +70,42 @@ def _version() -> str:
 
 
 def _linears_digest(model: nn.Module) -> str:
-    """The names, shapes and biases of the model's linears (what the packing reads of it)."""
+    """The names and shapes of the model's linears (what the packing checks the GGUF against)."""
     h = hashlib.sha256()
     for name, module in model.named_modules():
         if isinstance(module, nn.Linear):
-            h.update(f"{name}:{tuple(module.weight.shape)}".encode())
-            if module.bias is not None:
-                h.update(module.bias.detach().float().cpu().contiguous().numpy().tobytes())
+            h.update(f"{name}:{tuple(module.weight.shape)};".encode())
     return h.hexdigest()[:16]
 
 
+def files_identity(path: str) -> list[Any]:
+    """A file's, or a folder's files', absolute path, size and modification time (a replaced
+    file changes it; weights are too large to hash at every start)."""
+    path = os.path.abspath(path)
+    names = sorted(os.listdir(path)) if os.path.isdir(path) else [""]
+    out: list[Any] = [path]
+    for name in names:
+        full = os.path.join(path, name) if name else path
+        if os.path.isfile(full):
+            st = os.stat(full)
+            out.append([name, st.st_size, st.st_mtime_ns])
+    return out
+
+
 def packed_key(
-    model: nn.Module, gguf_path: str, compute_dtype: torch.dtype, q8_0: str,
+    model: nn.Module, gguf_path: str, checkpoint: str, compute_dtype: torch.dtype, q8_0: str,
     shard_id: tuple[int, int],
 ) -> dict[str, Any]:  # fmt: skip
-    """Everything the packed modules depend on (module docstring), as JSON-able values."""
-    path = os.path.abspath(gguf_path)
-    st = os.stat(path)
+    """Everything the packed modules depend on (module docstring), as JSON-able values;
+    `checkpoint` is the folder the linears' biases come from."""
     return {
         "format": FORMAT,
         "eagleserve": _version(),
         "code": _code_digest(),
         "torch": str(torch.__version__),
         "kernels": cpu_ext.load(),
-        "gguf": [path, st.st_size, st.st_mtime_ns],
+        "gguf": files_identity(gguf_path),
+        "checkpoint": files_identity(checkpoint),
         "linears": _linears_digest(model),
         "compute_dtype": str(compute_dtype),
         "q8_0": q8_0,
@@ -173,28 +187,62 @@ def store_packed(path: str, key: dict[str, Any], packed: dict[str, nn.Module]) -
             pass
 
 
-def quantize_model_cached(
-    model: LlamaForCausalLM,
+@dataclass
+class PackedLookup:
+    """What the cache holds for one packed load: `modules` when a stored file fits, else None
+    (`install` packs and stores them)."""
+
+    key: dict[str, Any]
+    path: str
+    modules: dict[str, nn.Module] | None
+    compute_dtype: torch.dtype
+    q8_0: str
+
+    def replaced_weights(self) -> set[str]:
+        """The checkpoint weights the stored modules replace (a loader need not read them);
+        none on a miss, where the packing checks the GGUF against the loaded model."""
+        out: set[str] = set()
+        for name in self.modules or ():
+            parent, _, attr = name.rpartition(".")
+            prefix = f"{parent}." if parent else ""
+            out.update(f"{prefix}{m}.weight" for m in FUSED_GROUPS.get(attr, (attr,)))
+        return out
+
+    def install(
+        self,
+        model: LlamaForCausalLM,
+        gguf_path: str,
+        shard: Callable[[str, QuantTensor], QuantTensor] | None = None,
+    ) -> None:
+        """Puts the packed modules in `model`: the stored ones, else packed from the GGUF (the
+        model's biases loaded) and stored for the next start."""
+        packed = self.modules
+        if packed is None:
+            t0 = time.perf_counter()
+            packed = pack_gguf_linears(model, gguf_path, self.compute_dtype, self.q8_0, shard)
+            t1 = time.perf_counter()
+            store_packed(self.path, self.key, packed)
+            logger.info("start-up: GGUF linears packed in %.2f s, stored in %s (%.2f s)",
+                        t1 - t0, self.path, time.perf_counter() - t1)  # fmt: skip
+        install_packed(model, packed)
+
+
+def find_packed(
+    model: nn.Module,
     gguf_path: str,
+    checkpoint: str,
     compute_dtype: torch.dtype = torch.bfloat16,
     q8_0: str = "int4x2",
-    shard: Callable[[str, QuantTensor], QuantTensor] | None = None,
     shard_id: tuple[int, int] = (0, 1),
-) -> None:
-    """packed_model.quantize_model_from_gguf, through the cache: the stored modules when a
-    file's key matches, else packed from the GGUF and stored. shard_id: (rank, size) of the
-    tensor-parallel slice that `shard` cuts."""
+) -> PackedLookup:
+    """The stored packed modules for this load (packed_model.pack_gguf_linears' arguments;
+    `model` may still be unloaded: only its linears' names and shapes are read). shard_id:
+    (rank, size) of the tensor-parallel slice the packing cuts."""
     t0 = time.perf_counter()
-    key = packed_key(model, gguf_path, compute_dtype, q8_0, shard_id)
+    key = packed_key(model, gguf_path, checkpoint, compute_dtype, q8_0, shard_id)
     path = packed_path(key)
-    packed = load_packed(path, key)
-    if packed is not None:
+    modules = load_packed(path, key)
+    if modules is not None:
         logger.info("start-up: packed weights reused from %s (%.2f s)", path,
                     time.perf_counter() - t0)  # fmt: skip
-    else:
-        packed = pack_gguf_linears(model, gguf_path, compute_dtype, q8_0, shard)
-        t1 = time.perf_counter()
-        store_packed(path, key, packed)
-        logger.info("start-up: GGUF linears packed in %.2f s, stored in %s (%.2f s)",
-                    t1 - t0, path, time.perf_counter() - t1)  # fmt: skip
-    install_packed(model, packed)
+    return PackedLookup(key, path, modules, compute_dtype, q8_0)
