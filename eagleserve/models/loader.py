@@ -89,9 +89,32 @@ def load_tokenizer(path: str) -> Any | None:
         os.path.exists(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer.model")
     ):
         return None
-    from transformers import AutoTokenizer
+    import transformers
 
-    return AutoTokenizer.from_pretrained(path)
+    # A folder that names the generic fast tokenizer gets that class straight away: what
+    # AutoTokenizer resolves it to as well, without its seconds of class resolution.
+    name = _tokenizer_class(path)
+    if name in GENERIC_TOKENIZERS and os.path.exists(os.path.join(path, "tokenizer.json")):
+        cls = getattr(transformers, name, None)
+        if cls is not None:
+            return cls.from_pretrained(path)
+    return transformers.AutoTokenizer.from_pretrained(path)
+
+
+# transformers' tokenizers.Tokenizer-backed class, by its names in v5 and in v4.
+GENERIC_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
+def _tokenizer_class(path: str) -> str | None:
+    try:
+        with open(os.path.join(path, "tokenizer_config.json")) as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(config, dict) or config.get("auto_map"):  # remote code decides
+        return None
+    name = config.get("tokenizer_class")
+    return name if isinstance(name, str) else None
 
 
 def load_tokenizer_in_background(path: str) -> Future[Any | None]:
