@@ -167,3 +167,23 @@ def test_a_partial_or_foreign_table_is_not_used(cache: Path) -> None:
     save_table(path, key, random_table(rng))
     assert load_table(path, {**key, "salt": rng.random()}) is None  # stored under another key
     assert load_table(path, {**key, "choices": [0, 1]}) is None
+
+
+def test_an_edit_to_the_forward_code_changes_the_key(tmp_path: Path) -> None:
+    """Every part of TIMED_CODE exists (a moved folder would silently drop out of the key),
+    and editing a file a forward runs changes the code digest."""
+    import shutil
+
+    from eagleserve.spec.cost_table_cache import PACKAGE, TIMED_CODE, code_digest
+
+    for part in TIMED_CODE:
+        assert os.path.exists(os.path.join(PACKAGE, part)), part
+    root = tmp_path / "eagleserve"
+    shutil.copytree(PACKAGE, root, ignore=shutil.ignore_patterns("__pycache__", "assets"))
+    before = code_digest(str(root))
+    edited = random.choice(["models/llama.py", "layers/attention.py",
+                            "model_executor/model_runner.py", "kernels/cpu_gemv.cpp"])  # fmt: skip
+    with open(root / edited, "a") as f:
+        comment = "//" if edited.endswith(".cpp") else "#"
+        f.write(f"\n{comment} {random.random()}\n")
+    assert code_digest(str(root)) != before, edited
