@@ -16,6 +16,7 @@ collision, a hand edit) is packed over, with a warning.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import hashlib
 import importlib.metadata
@@ -159,7 +160,8 @@ def load_packed(path: str, key: dict[str, Any]) -> dict[str, nn.Module] | None:
         logger.warning("ignoring the packed weights in %s (%s: %s); packing them again",
                        path, type(exc).__name__, exc)  # fmt: skip
         return None
-    os.utime(path)  # recently used (store_packed keeps the most recent)
+    with contextlib.suppress(OSError):  # recently used (store_packed keeps the most recent)
+        os.utime(path)
     return modules
 
 
@@ -167,24 +169,31 @@ def store_packed(path: str, key: dict[str, Any], packed: dict[str, nn.Module]) -
     """Writes the modules whole or not at all (a temporary file renamed into place), then
     removes the least recently used files beyond MAX_FILES."""
     folder = os.path.dirname(path)
-    os.makedirs(folder, exist_ok=True)
     payload = {"key": key, "modules": {n: module_state(m) for n, m in packed.items()}}
-    fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
+    tmp = None
     try:
+        os.makedirs(folder, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
         with os.fdopen(fd, "wb") as f:
             torch.save(payload, f)
         os.replace(tmp, path)
-    except OSError as exc:  # a full or read-only cache: the next start packs again
+    except (OSError, RuntimeError) as exc:  # a full or read-only cache (torch's writer raises
+        # RuntimeError): this start runs on what it packed, the next packs again
         logger.warning("could not store the packed weights in %s: %s", path, exc)
-        if os.path.exists(tmp):
+        if tmp is not None and os.path.exists(tmp):
             os.remove(tmp)
         return
-    files = sorted(glob.glob(os.path.join(folder, "*.pt")), key=os.path.getmtime, reverse=True)
-    for old in files[MAX_FILES:]:
-        try:
+    stored = sorted(glob.glob(os.path.join(folder, "*.pt")), key=_mtime, reverse=True)
+    for old in stored[MAX_FILES:]:
+        with contextlib.suppress(OSError):  # another process removed it first
             os.remove(old)
-        except OSError:  # another process removed it first
-            pass
+
+
+def _mtime(path: str) -> float:
+    try:
+        return os.path.getmtime(path)
+    except OSError:  # removed meanwhile
+        return 0.0
 
 
 @dataclass
