@@ -262,19 +262,27 @@ def set_module(model: nn.Module, name: str, module: nn.Module) -> None:
 
 
 @torch.no_grad()
-def linears_to_int8(module: nn.Module) -> None:
-    """Replaces every nn.Linear below `module` by an 8-bit one, in place: Q8_0 blocks on the
-    CPU kernels where they load (the target's own GEMM, fast for a prefill's many rows as for
-    one), else per-channel Int8Linear. For the draft head next to a packed target: the draft's
-    numerics do not affect the output (verify decides), only its speed and acceptance."""
-    names = [n for n, m in module.named_modules() if isinstance(m, nn.Linear)]
-    for name in names:
-        old = module.get_submodule(name)
+def int8_linears(module: nn.Module) -> dict[str, nn.Module]:
+    """An 8-bit module for every nn.Linear below `module`, by name (`module` is only read): Q8_0
+    blocks on the CPU kernels where they load (the target's own GEMM, fast for a prefill's many
+    rows as for one), else per-channel Int8Linear. For the draft head next to a packed target:
+    the draft's numerics do not affect the output (verify decides), only its speed and
+    acceptance."""
+    out: dict[str, nn.Module] = {}
+    for name, old in module.named_modules():
+        if not isinstance(old, nn.Linear):
+            continue
         bias = None if old.bias is None else old.bias.detach()
         w = old.weight.detach()
-        new: nn.Module = (
+        out[name] = (
             Q8Int4Linear.from_quant(quantize_q8_0(w), bias)
             if cpu_ext.load() and w.shape[1] % BLOCK == 0
             else Int8Linear.from_float(w, bias)
         )
+    return out
+
+
+def linears_to_int8(module: nn.Module) -> None:
+    """Replaces every nn.Linear below `module` by its `int8_linears` module, in place."""
+    for name, new in int8_linears(module).items():
         set_module(module, name, new)

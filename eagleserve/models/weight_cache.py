@@ -37,7 +37,14 @@ from eagleserve.models.gguf_weights import QuantTensor
 from eagleserve.models.llama import LlamaForCausalLM
 from eagleserve.models.loader import cache_dir
 from eagleserve.models.packed_model import FUSED_GROUPS, install_packed, pack_gguf_linears
-from eagleserve.models.quant import BF16Linear, Int4Linear, Int8Linear, Q8Int4Linear
+from eagleserve.models.quant import (
+    BF16Linear,
+    Int4Linear,
+    Int8Linear,
+    Q8Int4Linear,
+    int8_linears,
+    set_module,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -255,3 +262,35 @@ def find_packed(
         logger.info("start-up: packed weights reused from %s (%.2f s)", path,
                     time.perf_counter() - t0)  # fmt: skip
     return PackedLookup(key, path, modules, compute_dtype, q8_0)
+
+
+def linears_to_int8_cached(module: nn.Module, sources: tuple[str, ...]) -> None:
+    """quant.linears_to_int8 through the cache: the draft head's 8-bit linears, keyed like the
+    target's packed ones by the files their weights come from (`sources`: the head's folder
+    and the target's GGUF, which a head may take rows from), the linears' names and shapes,
+    the code and torch."""
+    t0 = time.perf_counter()
+    key = {
+        "format": FORMAT,
+        "kind": "int8 linears",
+        "eagleserve": _version(),
+        "code": _code_digest(),
+        "torch": str(torch.__version__),
+        "kernels": cpu_ext.load(),
+        "sources": [files_identity(s) for s in sources],
+        "linears": _linears_digest(module),
+    }
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
+    name = os.path.basename(os.path.normpath(sources[0]))
+    path = os.path.join(cache_dir(), "packed", f"{name}-int8-{digest}.pt")
+    modules = load_packed(path, key)
+    if modules is None:
+        modules = int8_linears(module)
+        store_packed(path, key, modules)
+        logger.info("start-up: %s linears packed and stored in %.2f s", name,
+                    time.perf_counter() - t0)  # fmt: skip
+    else:
+        logger.info("start-up: %s linears reused from %s (%.2f s)", name, path,
+                    time.perf_counter() - t0)  # fmt: skip
+    for mod_name, new in modules.items():
+        set_module(module, mod_name, new)

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import TINY_VOCAB, forward_tokens, save_tiny_model
+from torch import nn
 
 from eagleserve.config import ModelConfig
 from eagleserve.kernels import cpu_ext
@@ -22,7 +23,7 @@ from eagleserve.model_executor.model_runner import ModelRunner
 from eagleserve.models import weight_cache
 from eagleserve.models.gguf_weights import _BLOCK_NAMES, _GLOBAL_NAMES
 from eagleserve.models.loader import iter_checkpoint
-from eagleserve.models.quant import Int4Linear, Q8Int4Linear
+from eagleserve.models.quant import Int4Linear, Q8Int4Linear, linears_to_int8
 
 gguf = pytest.importorskip("gguf")
 pytestmark = pytest.mark.usefixtures("torch_threads")
@@ -183,3 +184,40 @@ def test_a_truncated_file_is_warned_of_and_packed_over(
     assert all(torch.equal(a[n], b[n]) for n in a)
     load(model)
     assert outcome(caplog) == "reused"
+
+
+def test_a_draft_heads_int8_linears_are_reused_bit_for_bit(
+    model: tuple[str, str], tmp_path: Path, cache: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The head's 8-bit linears (linears_to_int8_cached): a second start reuses them, equal to
+    a fresh packing; a changed source file packs again."""
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    head = tmp_path / "head"
+    head.mkdir()
+    (head / "model.safetensors").write_bytes(os.urandom(64))
+
+    def build() -> nn.Module:
+        torch.manual_seed(seed)
+        module = nn.Sequential(nn.Linear(64, 96), nn.ReLU(), nn.Linear(96, 48, bias=False))
+        weight_cache.linears_to_int8_cached(module, (str(head), model[1]))
+        return module
+
+    def said() -> str:
+        return "reused" if "reused" in caplog.records[-1].getMessage() else "packed"
+
+    seed = random.randrange(1 << 30)
+    cold = build()
+    assert said() == "packed"
+    warm = build()
+    assert said() == "reused"
+    torch.manual_seed(seed)
+    fresh = nn.Sequential(nn.Linear(64, 96), nn.ReLU(), nn.Linear(96, 48, bias=False))
+    linears_to_int8(fresh)
+    x = torch.randn(5, 64)
+    with torch.no_grad():
+        assert torch.equal(warm(x), fresh(x)) and torch.equal(cold(x), fresh(x))
+    assert type(warm[0]) is type(fresh[0]) and not isinstance(warm[0], nn.Linear)
+    st = os.stat(head / "model.safetensors")
+    os.utime(head / "model.safetensors", ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+    build()
+    assert said() == "packed"
