@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from eagleserve.distributed.parallel import get_tp
 from eagleserve.kernels import cpu_ext
 from eagleserve.models.gguf_weights import QuantTensor
 from eagleserve.models.llama import LlamaForCausalLM
@@ -270,6 +271,7 @@ def linears_to_int8_cached(module: nn.Module, sources: tuple[str, ...]) -> None:
     and the target's GGUF, which a head may take rows from), the linears' names and shapes,
     the code and torch."""
     t0 = time.perf_counter()
+    tp = get_tp()
     key = {
         "format": FORMAT,
         "kind": "int8 linears",
@@ -279,6 +281,7 @@ def linears_to_int8_cached(module: nn.Module, sources: tuple[str, ...]) -> None:
         "kernels": cpu_ext.load(),
         "sources": [files_identity(s) for s in sources],
         "linears": _linears_digest(module),
+        "tp": [tp.rank, tp.size],  # a head is whole on every rank; its sources may not be
     }
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
     name = os.path.basename(os.path.normpath(sources[0]))
