@@ -105,15 +105,20 @@ class ModelRunner:
         if load_format == "dummy":
             init_dummy_weights(model)
         elif model_path is not None:
-            load_weights(model, model_path, desc="target weights",
-                         transform=shard.slice_tensor if shard else None)  # fmt: skip
+            # Linears whose GGUF tensors are Q4_0/Q4_1/Q8_0 run packed (models/quant.py),
+            # packed once and kept in the cache directory (models/weight_cache.py): on a
+            # hit, the fp weights they replace are not read.
+            packed = None
             if gguf_path is not None:
-                # Linears whose GGUF tensors are Q4_0/Q4_1/Q8_0 run packed (models/quant.py).
-                from eagleserve.models.quant import quantize_model_from_gguf
+                from eagleserve.models.weight_cache import find_packed
 
-                quantize_model_from_gguf(
-                    model, gguf_path, shard=shard.slice_quant if shard else None
-                )
+                packed = find_packed(model, gguf_path, model_path,
+                                     shard_id=(tp.rank, tp.size) if shard else (0, 1))  # fmt: skip
+            load_weights(model, model_path, desc="target weights",
+                         transform=shard.slice_tensor if shard else None,
+                         skip=packed.replaced_weights() if packed else ())  # fmt: skip
+            if packed is not None and gguf_path is not None:
+                packed.install(model, gguf_path, shard=shard.slice_quant if shard else None)
         if shard is not None:
             shard.gather_logits(model)
         if fused_kernels and use_fused_kernels(device, attention_backend, gguf_path, shard):

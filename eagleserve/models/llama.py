@@ -210,7 +210,12 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # Built on the meta device (ModelRunner) the table gets no random init: torch runs it
+        # through a Python reference whose first call imports torch._dynamo (seconds on a
+        # CPU), for values the loader overwrites. Elsewhere it is initialized as usual.
+        meta = torch.empty(0).is_meta
+        shape = (cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = nn.Embedding(*shape, _weight=torch.empty(shape) if meta else None)
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(cfg, max_positions)

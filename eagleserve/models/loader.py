@@ -9,7 +9,9 @@ import json
 import logging
 import os
 import shutil
-from collections.abc import Callable, Iterator
+import threading
+from collections.abc import Callable, Collection, Iterator
+from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -87,26 +89,69 @@ def load_tokenizer(path: str) -> Any | None:
         os.path.exists(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer.model")
     ):
         return None
-    from transformers import AutoTokenizer
+    import transformers
 
-    return AutoTokenizer.from_pretrained(path)
+    # A folder that names the generic fast tokenizer gets that class straight away: what
+    # AutoTokenizer resolves it to as well, without its seconds of class resolution.
+    name = _tokenizer_class(path)
+    if name in GENERIC_TOKENIZERS and os.path.exists(os.path.join(path, "tokenizer.json")):
+        cls = getattr(transformers, name, None)
+        if cls is not None:
+            return cls.from_pretrained(path)
+    return transformers.AutoTokenizer.from_pretrained(path)
 
 
-def resolve_model_path(model: str) -> str:
-    """'default' -> the converted default model; a .gguf -> its converted folder; a folder."""
+# transformers' tokenizers.Tokenizer-backed class, by its names in v5 and in v4.
+GENERIC_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
+def _tokenizer_class(path: str) -> str | None:
+    try:
+        with open(os.path.join(path, "tokenizer_config.json")) as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(config, dict) or config.get("auto_map"):  # remote code decides
+        return None
+    name = config.get("tokenizer_class")
+    return name if isinstance(name, str) else None
+
+
+def load_tokenizer_in_background(path: str) -> Future[Any | None]:
+    """`load_tokenizer(path)` on a thread of its own, started now: a process loads it while it
+    builds (or waits for) the model; `.result()` joins it (and raises what the load raised)."""
+    future: Future[Any | None] = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(load_tokenizer(path))
+        except BaseException as exc:  # handed to whoever joins
+            future.set_exception(exc)
+
+    threading.Thread(target=run, name="eagleserve-tokenizer", daemon=True).start()
+    return future
+
+
+def model_folder(model: str) -> str:
+    """The folder `resolve_model_path` gives for `model`, converting nothing: for 'default' or
+    a .gguf it exists once a start has converted the file (check for config.json)."""
     if model == "default":
-        out = os.path.join(cache_dir(), "SmolLM2-135M-Instruct")
-        if not os.path.exists(os.path.join(out, "config.json")):
-            convert_gguf(default_gguf_path(), out)
-        return out
+        return os.path.join(cache_dir(), "SmolLM2-135M-Instruct")
     if model.endswith(".gguf"):
         if not os.path.isfile(model):
             raise FileNotFoundError(f"GGUF file not found: {model}")
         stat = os.stat(model)
         key = hashlib.sha1(f"{os.path.abspath(model)}:{stat.st_size}".encode()).hexdigest()[:12]
-        out = os.path.join(cache_dir(), f"{os.path.basename(model)[:-5]}-{key}")
+        return os.path.join(cache_dir(), f"{os.path.basename(model)[:-5]}-{key}")
+    return model
+
+
+def resolve_model_path(model: str) -> str:
+    """'default' -> the converted default model; a .gguf -> its converted folder; a folder."""
+    out = model_folder(model)
+    if model == "default" or model.endswith(".gguf"):
         if not os.path.exists(os.path.join(out, "config.json")):
-            convert_gguf(model, out)
+            convert_gguf(default_gguf_path() if model == "default" else model, out)
         return out
     if not os.path.isfile(os.path.join(model, "config.json")):
         raise FileNotFoundError(
@@ -128,8 +173,9 @@ def resolve_draft_path(path: str) -> str:
     return path
 
 
-def iter_checkpoint(path: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yields (name, tensor) from the safetensors or pytorch_model*.bin files of a folder."""
+def iter_checkpoint(path: str, skip: Collection[str] = ()) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yields (name, tensor) from the safetensors or pytorch_model*.bin files of a folder;
+    names in `skip` are left out (safetensors: not read at all)."""
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if files:
         from safetensors import safe_open
@@ -137,13 +183,15 @@ def iter_checkpoint(path: str) -> Iterator[tuple[str, torch.Tensor]]:
         for f in files:
             with safe_open(f, framework="pt") as sf:
                 for name in sf.keys():
-                    yield name, sf.get_tensor(name)
+                    if name not in skip:
+                        yield name, sf.get_tensor(name)
         return
     files = sorted(glob.glob(os.path.join(path, "pytorch_model*.bin")))
     if not files:
         raise FileNotFoundError(f"no *.safetensors or pytorch_model*.bin in {path}")
     for f in files:
-        yield from torch.load(f, map_location="cpu", weights_only=True).items()
+        state = torch.load(f, map_location="cpu", weights_only=True)
+        yield from ((k, v) for k, v in state.items() if k not in skip)
 
 
 def load_config_dict(path: str) -> dict:
@@ -157,12 +205,14 @@ def load_weights(
     strict: bool = True,
     desc: str = "weights",
     transform: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
+    skip: Collection[str] = (),
 ) -> None:
     """Copies a checkpoint with HF names into `module`; names must match one to one.
-    `transform(name, tensor)` gives the part this module holds (a tensor-parallel shard)."""
+    `transform(name, tensor)` gives the part this module holds (a tensor-parallel shard).
+    `skip`: parameters left as they are, not read (replaced next, e.g. by packed linears)."""
     params = dict(module.named_parameters())
-    seen: set[str] = set()
-    items = list(iter_checkpoint(path))
+    seen: set[str] = set(skip)
+    items = list(iter_checkpoint(path, skip))
     for name, tensor in tqdm(items, desc=f"Loading {desc}", unit="tensor", leave=False):
         if name.endswith("rotary_emb.inv_freq"):
             continue

@@ -10,6 +10,8 @@
 - `Int8Linear`: `torch._weight_int8pack_mm` takes one scale per output channel, not per
   32-block, so Q8_0 is de-quantized and re-quantized per channel (symmetric, absmax / 127):
   NOT bit-exact to the GGUF. A block-exact bmm over bf16 q was 7x slower than this (measured).
+- models/packed_model.py puts these in a model's place (fused q/k/v and gate/up), and
+  models/weight_cache.py keeps the packed modules across starts.
 - Model forwards (prefill, decode, verify, draft steps) of Int4Linear / Q8Int4Linear run
   `kernels/cpu_gemv.cpp` where the CPU has AVX2 + FMA: the exact block weights against
   activations quantized to int8 per block (llama.cpp's computation), and a per-row result that
@@ -21,8 +23,6 @@
 from __future__ import annotations
 
 import logging
-import types
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -30,9 +30,7 @@ from torch import nn
 
 from eagleserve.kernels import cpu_ext
 from eagleserve.layers.forward_batch import in_forward
-from eagleserve.models.cpu_layers import CpuLayers
-from eagleserve.models.gguf_weights import BLOCK, QuantTensor, iter_gguf, quantize_q8_0
-from eagleserve.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, RMSNorm
+from eagleserve.models.gguf_weights import BLOCK, QuantTensor, quantize_q8_0
 
 logger = logging.getLogger(__name__)
 
@@ -258,143 +256,33 @@ def pack_quant(
     return Int4Linear.from_quant(t, bias, compute_dtype=compute_dtype)
 
 
-# Projections reading the same input: one packed matmul instead of three (two) saves the int4
-# kernel's fixed cost per call (measured per layer at batch 1: 546 -> 453 us).
-FUSED_GROUPS = {
-    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
-    "gate_up_proj": ("gate_proj", "up_proj"),
-}
-FUSED_MEMBERS = {m for members in FUSED_GROUPS.values() for m in members}
-
-
-def _set_module(model: nn.Module, name: str, module: nn.Module) -> None:
+def set_module(model: nn.Module, name: str, module: nn.Module) -> None:
     parent_name, _, attr = name.rpartition(".")
     setattr(model.get_submodule(parent_name) if parent_name else model, attr, module)
 
 
-def _fuse_siblings(
-    model: nn.Module,
-    pending: dict[str, tuple[QuantTensor, torch.Tensor | None]],
-    compute_dtype: torch.dtype,
-) -> dict[str, tuple[QuantTensor, torch.Tensor | None]]:
-    """Packs each complete same-type group of `pending` as one fused module (rows stacked in
-    member order); returns what could not be fused, to be packed one by one."""
-    left = dict(pending)
-    parents = {name.rpartition(".")[0] for name in pending}
-    for parent in sorted(parents):
-        for fused, members in FUSED_GROUPS.items():
-            names = [f"{parent}.{m}" for m in members]
-            parts = [pending.get(n) for n in names]
-            if any(p is None for p in parts):
-                continue
-            if len({p[0].qtype for p in parts}) != 1:  # type: ignore[index]
-                continue
-            values = [p[0] for p in parts]  # type: ignore[index]
-            biases = [p[1] for p in parts]  # type: ignore[index]
-            if any(b is None for b in biases) and not all(b is None for b in biases):
-                continue
-            qt = values[0].qtype
-            cat = QuantTensor(
-                qt,
-                torch.cat([v.q for v in values]),
-                torch.cat([v.d for v in values]),
-                None if qt != "Q4_1" else torch.cat([v.m for v in values]),  # type: ignore[misc]
-            )
-            bias = None if biases[0] is None else torch.cat(biases)  # type: ignore[arg-type]
-            _set_module(model, f"{parent}.{fused}", pack_quant(cat, bias, compute_dtype))
-            for m in members:  # gone, so that nothing can call the unfused weights by mistake
-                delattr(model.get_submodule(parent), m)
-                del left[f"{parent}.{m}"]
-    return left
-
-
 @torch.no_grad()
-def linears_to_int8(module: nn.Module) -> None:
-    """Replaces every nn.Linear below `module` by an 8-bit one, in place: Q8_0 blocks on the
-    CPU kernels where they load (the target's own GEMM, fast for a prefill's many rows as for
-    one), else per-channel Int8Linear. For the draft head next to a packed target: the draft's
-    numerics do not affect the output (verify decides), only its speed and acceptance."""
-    names = [n for n, m in module.named_modules() if isinstance(m, nn.Linear)]
-    for name in names:
-        old = module.get_submodule(name)
+def int8_linears(module: nn.Module) -> dict[str, nn.Module]:
+    """An 8-bit module for every nn.Linear below `module`, by name (`module` is only read): Q8_0
+    blocks on the CPU kernels where they load (the target's own GEMM, fast for a prefill's many
+    rows as for one), else per-channel Int8Linear. For the draft head next to a packed target:
+    the draft's numerics do not affect the output (verify decides), only its speed and
+    acceptance."""
+    out: dict[str, nn.Module] = {}
+    for name, old in module.named_modules():
+        if not isinstance(old, nn.Linear):
+            continue
         bias = None if old.bias is None else old.bias.detach()
         w = old.weight.detach()
-        new: nn.Module = (
+        out[name] = (
             Q8Int4Linear.from_quant(quantize_q8_0(w), bias)
             if cpu_ext.load() and w.shape[1] % BLOCK == 0
             else Int8Linear.from_float(w, bias)
         )
-        _set_module(module, name, new)
+    return out
 
 
-def _packed_compute_logits(self: LlamaForCausalLM, hidden: torch.Tensor) -> torch.Tensor:
-    head = self.lm_head  # the kernel in a forward or not: prompt scores = the sampled rows'
-    if getattr(head, "blocked", None) is not None and hidden.dim() == 2:
-        return head._blocked_mm(hidden.float())
-    return head(hidden).float()
-
-
-@torch.no_grad()
-def quantize_model_from_gguf(
-    model: LlamaForCausalLM,
-    gguf_path: str,
-    compute_dtype: torch.dtype = torch.bfloat16,
-    q8_0: str = "int4x2",
-    shard: Callable[[str, QuantTensor], QuantTensor] | None = None,
-) -> None:
-    """Replaces, in place, every nn.Linear whose GGUF tensor is Q4_0 / Q4_1 / Q8_0 by a packed
-    module under the same HF name. Other types (F32, F16, K-quants) keep their fp weights.
-    q8_0: how Q8_0 tensors run: "int4x2" (Q8Int4Linear), "bf16" or "int8" (see pack_quant).
-    shard(module name, tensor): the blocks this module holds (a tensor-parallel rank's).
-
-    Tied embeddings: the fp `embed_tokens` table stays for lookups; when `token_embd` is
-    quantized (Q8_0 in SmolLM2's GGUF, which has no `output.weight`), the logits matmul uses
-    a packed `lm_head` built from it. `compute_logits` is overridden on this instance only,
-    since LlamaForCausalLM.compute_logits reads `lm_head_weight` (still the fp table, which
-    EAGLE-3 head init copies rows from).
-    """
-    cfg = model.config
-    modules = dict(model.named_modules())
-    tied = cfg.tie_word_embeddings
-    counts: dict[str, int] = {}
-    pending: dict[str, tuple[QuantTensor, torch.Tensor | None]] = {}
-    for name, value in iter_gguf(gguf_path, cfg.num_attention_heads, cfg.num_key_value_heads):
-        if not isinstance(value, QuantTensor):
-            continue
-        mod_name = name.rsplit(".", 1)[0]
-        if name == "model.embed_tokens.weight":
-            if not tied or "lm_head" in modules:
-                continue  # untied: output.weight carries the lm_head
-            mod_name = "lm_head"
-        elif not isinstance(modules.get(mod_name), nn.Linear):
-            continue
-        old = modules.get(mod_name)
-        if shard is not None:
-            value = shard(mod_name, value)
-        if old is not None and tuple(old.weight.shape) != value.shape:
-            raise ValueError(f"{name}: GGUF shape {value.shape} != {tuple(old.weight.shape)}")
-        dev = (old.weight if old is not None else model.model.embed_tokens.weight).device
-        if dev.type != "cpu":
-            raise ValueError("packed GGUF linears run on CPU only")
-        bias = None if old is None or old.bias is None else old.bias.detach()
-        if value.qtype in ("Q4_0", "Q4_1") and mod_name.rsplit(".", 1)[-1] in FUSED_MEMBERS:
-            pending[mod_name] = (value, bias)  # packed below, fused with its siblings
-            continue
-        _set_module(model, mod_name, pack_quant(value, bias, compute_dtype, q8_0))
-        counts[value.qtype] = counts.get(value.qtype, 0) + 1
-    unfused = _fuse_siblings(model, pending, compute_dtype)
-    if len(unfused) < len(pending):
-        counts["fused from Q4"] = len(pending) - len(unfused)
-    for mod_name, (value, bias) in unfused.items():
-        _set_module(model, mod_name, pack_quant(value, bias, compute_dtype, q8_0))
-        counts[value.qtype] = counts.get(value.qtype, 0) + 1
-    if tied and isinstance(getattr(model, "lm_head", None), PackedLinear):
-        model.compute_logits = types.MethodType(_packed_compute_logits, model)  # type: ignore
-    if cpu_ext.load():  # its forwards: the one-call norm, rotary, SiLU gate and layers as well
-        for module in model.modules():
-            if isinstance(module, (RMSNorm, LlamaMLP)):
-                module.row_kernel = True
-            elif isinstance(module, LlamaAttention):  # the rotary kernel's vector width
-                module.row_kernel = module.head_dim % 16 == 0
-        model.cpu_layers = CpuLayers.build(model)
-    logger.info("packed GGUF linears: %s", counts)
+def linears_to_int8(module: nn.Module) -> None:
+    """Replaces every nn.Linear below `module` by its `int8_linears` module, in place."""
+    for name, new in int8_linears(module).items():
+        set_module(module, name, new)

@@ -16,7 +16,7 @@ from eagleserve.distributed.parallel import broadcast_object
 from eagleserve.mem_cache.prefix_cache import PrefixCache
 from eagleserve.messages import EngineStats, GenerateReqInput, TokenOutput
 from eagleserve.model_executor.model_runner import ModelRunner
-from eagleserve.models.loader import load_tokenizer, resolve_model_path
+from eagleserve.models.loader import load_tokenizer_in_background, resolve_model_path
 from eagleserve.sampling.sampler import SamplingInfo, request_generator
 from eagleserve.sampling_params import check_request
 from eagleserve.scheduler.chunk_budget import ChunkBudget
@@ -47,7 +47,7 @@ class Scheduler:
         self.device = pick_device(args.device)
         self.model_path = resolve_model_path(args.model)
         self.model_config = ModelConfig.from_dir(self.model_path)
-        self.tokenizer = load_tokenizer(self.model_path)
+        tokenizer = load_tokenizer_in_background(self.model_path)  # while the model builds
         self.spec_config = args.spec_config
         self.mixed_chunk = args.enable_mixed_chunk
         if self.mixed_chunk and self.spec_config is not None:  # its running requests verify
@@ -78,6 +78,7 @@ class Scheduler:
         # step runs before that chunk (decodes and chunks alternate).
         self.chunked_req: Req | None = None
         self.decode_turn = False
+        self.tokenizer = tokenizer.result()
         self.stop_checker = StopChecker(self.tokenizer)
         self.eos_token_ids = eos_token_ids(cfg.eos_token_ids, self.tokenizer)
         self.grammars = None if self.tokenizer is None else GrammarBackend(

@@ -8,6 +8,7 @@ gets a final 503 error output.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import multiprocessing as mp
 import os
@@ -16,6 +17,7 @@ import signal
 import tempfile
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any
 
 import zmq
@@ -34,7 +36,7 @@ from eagleserve.messages import (
     StatsReq,
     TokenOutput,
 )
-from eagleserve.models.loader import load_tokenizer
+from eagleserve.models.loader import load_tokenizer, load_tokenizer_in_background, model_folder
 from eagleserve.scheduler.engine_loop import run_engine
 from eagleserve.scheduler.omp_spin import overlap_spin_env, process_env
 from eagleserve.scheduler.tp_engine import rendezvous_port, spawn_followers
@@ -136,6 +138,13 @@ class EngineClient:
 
     async def start(self) -> None:
         """Spawns the engine process and waits until it is ready (or raises EngineStartupFailed)."""
+        # The tokenizer loads here while the engine builds, where its folder already exists
+        # (a model folder, or a GGUF converted by an earlier start); else once it is ready.
+        early: tuple[str, Future[Any]] | None = None
+        with contextlib.suppress(OSError):
+            folder = model_folder(self.args.model)
+            if os.path.isfile(os.path.join(folder, "config.json")):
+                early = (folder, load_tokenizer_in_background(folder))
         self._tmpdir = tempfile.mkdtemp(prefix="eagleserve-")
         in_addr = f"ipc://{os.path.join(self._tmpdir, 'to_engine')}"
         out_addr = f"ipc://{os.path.join(self._tmpdir, 'from_engine')}"
@@ -192,7 +201,10 @@ class EngineClient:
                 dead_since = dead_since or time.monotonic()
                 if not self._proc.is_alive() or time.monotonic() - dead_since > FOLLOWER_REPORT_S:
                     raise EngineStartupFailed(f"{dead} exited before it was ready")
-        self.tokenizer = await asyncio.to_thread(load_tokenizer, self.ready.model_path)
+        if early is not None and early[0] == self.ready.model_path:
+            self.tokenizer = await asyncio.wrap_future(early[1])
+        else:
+            self.tokenizer = await asyncio.to_thread(load_tokenizer, self.ready.model_path)
         self.last_stats = EngineStats(kv_total_tokens=self.ready.kv_total_tokens)
         self.healthy = True
         self._recv_task = asyncio.create_task(self._recv_loop())

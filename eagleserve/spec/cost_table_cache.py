@@ -47,7 +47,8 @@ FORMAT = 1  # bump when the stored layout or what a table means changes
 MAX_TABLES = 256
 PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The code a forward runs (the server's and training's do not move the timings).
-TIMED_CODE = ("kernels", "model", "spec", "core.py", "device.py", "config.py")
+TIMED_CODE = ("kernels", "models", "layers", "model_executor", "mem_cache", "sampling", "spec",
+              "core.py", "device.py", "config.py")  # fmt: skip
 SPIN_ENV = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 
 

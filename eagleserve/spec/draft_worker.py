@@ -50,10 +50,11 @@ class EagleDraftWorker:
         self.acceptance_prior = acceptance_prior(measured_acceptance(head_path), spec.num_steps)
         packed = target.gguf_path is not None
         if packed:  # a packed target on CPU: the head runs on its kernels, matmuls in int8
-            from eagleserve.models.quant import linears_to_int8
+            from eagleserve.models.weight_cache import linears_to_int8_cached
 
-            self.head.fuse_projections()
-            linears_to_int8(self.head)
+            assert target.gguf_path is not None
+            self.head.fuse_projections()  # packed once, kept in the cache directory
+            linears_to_int8_cached(self.head, (head_path, target.gguf_path))
             self.head.use_row_kernels()
         if target.batch_invariant:  # the head's drafts are then the same in any batch too
             from eagleserve.models.batch_invariant import make_batch_invariant

@@ -123,7 +123,7 @@ def test_smollm2_prefill_rows_equal_their_decodes(smollm2_dir: str, isa: str) ->
     from eagleserve.layers.attention import create_attn_backend
     from eagleserve.model_executor.model_runner import ModelRunner
     from eagleserve.models.loader import default_gguf_path
-    from eagleserve.models.quant import quantize_model_from_gguf
+    from eagleserve.models.packed_model import quantize_model_from_gguf
 
     cfg = ModelConfig.from_dir(smollm2_dir)
     runner = ModelRunner(cfg, smollm2_dir, torch.device("cpu"), torch.float32, 256, 1, 256)

@@ -155,7 +155,7 @@ def test_smollm2_quantized_close_to_fp32(smollm2_dir: str) -> None:
     from eagleserve.config import ModelConfig
     from eagleserve.model_executor.model_runner import ModelRunner
     from eagleserve.models.loader import default_gguf_path
-    from eagleserve.models.quant import quantize_model_from_gguf
+    from eagleserve.models.packed_model import quantize_model_from_gguf
 
     cfg = ModelConfig.from_dir(smollm2_dir)
     runner = ModelRunner(cfg, smollm2_dir, torch.device("cpu"), torch.float32, 256, 1, 256)

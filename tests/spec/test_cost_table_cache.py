@@ -191,3 +191,23 @@ def test_warm_up_runs_each_part_of_an_iteration_once(model: tuple[str, str]) -> 
     assert sorted(c for c in calls if c[0] != "head") == [("decode", 1), ("verify", 2),
                                                           ("verify", 3)]  # fmt: skip
     assert [c for c in calls if c[0] == "head"] == [("head", 1)] * 3
+
+
+def test_an_edit_to_the_forward_code_changes_the_key(tmp_path: Path) -> None:
+    """Every part of TIMED_CODE exists (a moved folder would silently drop out of the key),
+    and editing a file a forward runs changes the code digest."""
+    import shutil
+
+    from eagleserve.spec.cost_table_cache import PACKAGE, TIMED_CODE, code_digest
+
+    for part in TIMED_CODE:
+        assert os.path.exists(os.path.join(PACKAGE, part)), part
+    root = tmp_path / "eagleserve"
+    shutil.copytree(PACKAGE, root, ignore=shutil.ignore_patterns("__pycache__", "assets"))
+    before = code_digest(str(root))
+    edited = random.choice(["models/llama.py", "layers/attention.py",
+                            "model_executor/model_runner.py", "kernels/cpu_gemv.cpp"])  # fmt: skip
+    with open(root / edited, "a") as f:
+        comment = "//" if edited.endswith(".cpp") else "#"
+        f.write(f"\n{comment} {random.random()}\n")
+    assert code_digest(str(root)) != before, edited
