@@ -69,7 +69,7 @@ def _norm_qkv_rope_kernel(
     QKV, ResOut, KBuf, VBuf, Loc,  # QKV [T, H + 2Hkv, D]; KBuf, VBuf [S, Hkv, D]; Loc [T]
     T, K, eps,
     stride_x, stride_r, stride_w, stride_cos, stride_sin, stride_qt, stride_qh, stride_ro,
-    stride_ks, stride_kh, stride_vs, stride_vh,
+    stride_ks, stride_kh, stride_vs, stride_vh, stride_loc,
     NUM_Q: tl.constexpr, NUM_KV: tl.constexpr, HEAD_DIM: tl.constexpr,
     HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_HALF: tl.constexpr,
@@ -121,7 +121,7 @@ def _norm_qkv_rope_kernel(
     # k and v heads: also to their KV-pool slots.
     is_k = (head >= NUM_Q) & rotate
     is_v = head >= NUM_Q + NUM_KV
-    slot = tl.load(Loc + rows, mask=row_ok & (head >= NUM_Q), other=0)
+    slot = tl.load(Loc + rows * stride_loc, mask=row_ok & (head >= NUM_Q), other=0)
     k_dst = KBuf + slot[:, None] * stride_ks + (head - NUM_Q) * stride_kh + offs_c[None, :]
     tl.store(k_dst, lo.to(KBuf.dtype.element_ty), mask=mask & is_k)
     tl.store(k_dst + HALF, hi.to(KBuf.dtype.element_ty), mask=mask & is_k)
@@ -210,7 +210,7 @@ def norm_qkv_rope_store_kv(
     signed_sin: torch.Tensor,  # same shape: sin, negated on the first half
     k_buffer: torch.Tensor,  # [S, Hkv, D]
     v_buffer: torch.Tensor,
-    out_cache_loc: torch.Tensor,  # [T] int64
+    out_cache_loc: torch.Tensor,  # [T] int64, any stride
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(qkv [T, H + 2Hkv, D] with q and k rotated, new residual x + residual), one launch; k and
     v also written to their slots. Equals add_rms_norm, the qkv Linear and rope_store_kv_."""
@@ -235,6 +235,7 @@ def norm_qkv_rope_store_kv(
         x.stride(0), res.stride(0), weight.stride(0), cos2.stride(0), sin2.stride(0),
         qkv.stride(0), qkv.stride(1), res_out.stride(0),
         k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
+        out_cache_loc.stride(0),
         NUM_Q=num_q_heads, NUM_KV=kv, HEAD_DIM=d,
         HAS_RES=residual is not None, HAS_BIAS=bias is not None,
         IEEE=_ieee_dot(x),

@@ -62,7 +62,8 @@ def test_norm_qkv_rope_store_kv_matches_unfused(
     cos, sin = rotary(rows, d, gen, dtype)
     slots = 2 * rows + 5
     k_buf, v_buf = (randn(slots, nkv, d, gen=gen, dtype=dtype) for _ in range(2))
-    loc = torch.randperm(slots, generator=gen)[:rows].to(DEVICE)
+    # A column of a [T, 2] slot table: a strided out_cache_loc is read by its stride.
+    loc = torch.randperm(slots, generator=gen)[: 2 * rows].view(rows, 2)[:, 1].to(DEVICE)
     # Unfused: add_rms_norm, the Linear, rope_store_kv_.
     k_ref, v_ref = k_buf.clone(), v_buf.clone()
     normed, res_ref = tf.add_rms_norm(x, res, norm_w, 1e-5)
