@@ -2,9 +2,10 @@
 GEMMs, so a decode layer is five or six launches (models/fused_forward.py):
 
 - `norm_qkv_rope_store_kv`: residual add + RMSNorm, the qkv projection, neox rotary of q and k
-  and the K/V write to their KV-pool slots, one launch. A program owns one head of BLOCK_M
-  rows and accumulates the head's two rotary halves apart, so the rotation pairs column c with
-  c + D/2 in registers.
+  and the K/V write to their KV-pool slots, one launch. A program owns BLOCK_C columns of each
+  rotary half of one head (c and c + D/2) for BLOCK_M rows and accumulates the two halves
+  apart, so the rotation pairs them in registers; a head's halves split into D/2 / BLOCK_C
+  programs keep a large model's GPU busy.
 - `norm_gemm`: residual add + RMSNorm and a projection (gate_up), one launch.
 - `silu_mul_gemm`: SiLU(gate) * up of a gate_up output and a projection (down), one launch.
 
@@ -27,6 +28,7 @@ from eagleserve.kernels.triton_common import _dot, _ieee_dot
 
 BLOCK_M = 16  # rows per program: tl.dot's least M; a batch of at most this many is one block
 BLOCK_K = 64
+BLOCK_C = 16  # columns of each rotary half per program (tl.dot's least N)
 
 
 @triton.jit
@@ -72,23 +74,24 @@ def _norm_qkv_rope_kernel(
     stride_ks, stride_kh, stride_vs, stride_vh, stride_loc,
     NUM_Q: tl.constexpr, NUM_KV: tl.constexpr, HEAD_DIM: tl.constexpr,
     HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr,
 ):  # fmt: skip
     head = tl.program_id(0)
-    rows = (tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    pid_c = tl.program_id(1)
+    rows = (tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     row_ok = rows < T
     HALF: tl.constexpr = HEAD_DIM // 2
-    offs_c = tl.arange(0, BLOCK_HALF)
+    offs_c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
     c_ok = offs_c < HALF
     lo_cols = head * HEAD_DIM + offs_c  # weight rows of the head's first half
     rstd = _row_rstd(X, Res, stride_x, stride_r, rows, row_ok, K, eps,
                      HAS_RES, BLOCK_M, BLOCK_K)  # fmt: skip
-    acc_lo = tl.zeros((BLOCK_M, BLOCK_HALF), dtype=tl.float32)
-    acc_hi = tl.zeros((BLOCK_M, BLOCK_HALF), dtype=tl.float32)
+    acc_lo = tl.zeros((BLOCK_M, BLOCK_C), dtype=tl.float32)
+    acc_hi = tl.zeros((BLOCK_M, BLOCK_C), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         a = _normed_tile(X, Res, NormW, ResOut, stride_x, stride_r, stride_ro, rows, row_ok,
-                         offs_k, K, rstd, head == 0, HAS_RES)  # fmt: skip
+                         offs_k, K, rstd, (head == 0) & (pid_c == 0), HAS_RES)  # fmt: skip
         w_mask = (offs_k < K)[:, None] & c_ok[None, :]
         w_lo = tl.load(W + lo_cols[None, :] * stride_w + offs_k[:, None], mask=w_mask, other=0.0)
         w_hi = tl.load(W + (lo_cols + HALF)[None, :] * stride_w + offs_k[:, None], mask=w_mask,
@@ -228,7 +231,7 @@ def norm_qkv_rope_store_kv(
     if t == 0:
         return qkv, res_out
     res = residual if residual is not None else x
-    _norm_qkv_rope_kernel[(heads, triton.cdiv(t, BLOCK_M))](
+    _norm_qkv_rope_kernel[(heads, triton.cdiv(d // 2, BLOCK_C), triton.cdiv(t, BLOCK_M))](
         x, res, norm_weight, weight, bias if bias is not None else weight, cos2, sin2,
         qkv, res_out, k_buffer, v_buffer, out_cache_loc,
         t, k_dim, eps,
@@ -239,7 +242,7 @@ def norm_qkv_rope_store_kv(
         NUM_Q=num_q_heads, NUM_KV=kv, HEAD_DIM=d,
         HAS_RES=residual is not None, HAS_BIAS=bias is not None,
         IEEE=_ieee_dot(x),
-        BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K, BLOCK_HALF=max(16, triton.next_power_of_2(d // 2)),
+        BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K, BLOCK_C=BLOCK_C,
         num_warps=4,
     )  # fmt: skip
     return qkv, res_out
