@@ -135,3 +135,57 @@ def test_fused_kernels_only_on_a_gpu_with_plain_weights() -> None:
     assert not use_fused_kernels(cpu, "triton", None, None)
     assert not use_fused_kernels(gpu, "auto", "model.gguf", None)
     assert not use_fused_kernels(gpu, "auto", None, object())
+
+
+@pytest.mark.skipif(DEVICE.type != "cpu", reason="counts the interpreter's launches")
+@pytest.mark.parametrize("gemv_rows", [0, 16])
+def test_decode_launches_per_layer(tiny_model_dir: str, gemv_rows: int) -> None:
+    """Kernels one decode's layers launch (Triton launches plus the aten ops that are not views,
+    each a device kernel on a GPU): 6 a layer on the GEMV kernels, 10 on the per-op ones."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from eagleserve.models import fused_forward
+
+    r = runner(tiny_model_dir, torch.float32, True, gemv_rows)
+    bs, pos = 2, 4
+    r.req_to_token_pool.req_to_token[:bs, : pos + 1] = torch.arange(1, 1 + bs * (pos + 1)).view(
+        bs, -1
+    )
+    count, inside = [0], [False]
+    views = ("view", "_unsafe_view", "reshape", "t", "slice", "select", "empty", "empty_like")
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+            if not inside[0] and func.overloadpacket.__name__ not in views:
+                count[0] += 1
+            return func(*args, **(kwargs or {}))
+
+    run, layers = InterpretedFunction.run, fused_forward.fused_layers
+
+    def counted_run(self, *args, **kwargs):  # noqa: ANN001, ANN202
+        count[0] += 1
+        inside[0] = True  # the interpreter's copies of the arguments are not kernels
+        try:
+            return run(self, *args, **kwargs)
+        finally:
+            inside[0] = False
+
+    def counted_layers(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        with Ops():
+            return layers(*args, **kwargs)
+
+    InterpretedFunction.run = counted_run  # type: ignore[method-assign]
+    fused_forward.fused_layers = counted_layers  # type: ignore[assignment]
+    try:
+        forward_tokens(r, "decode", torch.tensor([5, 7]), torch.full((bs,), pos),
+                       torch.tensor([pos + 1, 2 * pos + 2]), torch.arange(bs),
+                       torch.full((bs,), pos), torch.ones(bs, dtype=torch.long))  # fmt: skip
+    finally:
+        InterpretedFunction.run = run  # type: ignore[method-assign]
+        fused_forward.fused_layers = layers  # type: ignore[assignment]
+    n_layers = len(r.model.model.layers)
+    # Besides the layers: the final norm, the stream add of the aux layer past the first, and
+    # the aux states' concatenation.
+    per_layer = 6 if gemv_rows else 10
+    assert count[0] == per_layer * n_layers + 1 + (len(AUX) - 1) + 1
