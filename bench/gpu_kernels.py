@@ -1,12 +1,20 @@
-"""Fused layer kernels on and off, side by side (run on a lent GPU; random weights, no download):
-kernel launches per target decode (torch profiler, eager) and decode ms (device graphs replayed,
+"""Decoder-layer kernels side by side (run on a lent GPU; random weights, no download): the
+unfused torch layers, the per-op fused Triton kernels (`fused`: kernels/triton_fused.py) and,
+for batches of at most 16 rows, the GEMV kernels that fold norm/rotary/KV write/SiLU into the
+GEMMs (`gemv`: kernels/triton_gemv.py; above 16 rows it is the `fused` path). Kernel launches
+per target decode and per layer (torch profiler, eager) and decode ms (device graphs replayed,
 as the server runs it, and eager), for the default model's shape (SmolLM2-135M) and the
-Llama-3-8B shape, batch 1 and 32, each over a 128-token context.
+Llama-3-8B shape, batch 1, 16 and 32, each over a 128-token context.
 
     PYTHONPATH=. python bench/gpu_kernels.py [--out bench/results/gpu_kernels.json]
+    PYTHONPATH=. python bench/gpu_kernels.py --shapes smollm2-135m   # the default model only
+    TRITON_INTERPRET=1 PYTHONPATH=. python bench/gpu_kernels.py --device cpu --shapes tiny \
+        --iters 1 --out /tmp/gk.json   # CPU smoke run: launch counts
 
-Also reports the largest |logit| difference between the fused and the unfused decode (same
-weights, same cache), and the bandwidth floor of each shape (weight bytes / copy bandwidth).
+Also reports the largest |logit| difference from the unfused decode (same weights, same cache),
+and the bandwidth floor of each shape (weight bytes / copy bandwidth). On a CPU (a smoke run
+under TRITON_INTERPRET=1) launches are counted instead: Triton kernel launches plus the aten
+ops that are not views (each a device kernel on a GPU).
 """
 
 from __future__ import annotations
@@ -31,7 +39,8 @@ from eagleserve.layers.forward_batch import ForwardBatch, HostLens, forward_cont
 from eagleserve.model_executor.model_runner import ModelRunner  # noqa: E402
 
 CONTEXT = 128
-BATCHES = (1, 32)
+BATCHES = (1, 16, 32)
+MODES = ("unfused", "fused", "gemv")
 
 
 def smollm2_135m_config(layers: int) -> dict[str, Any]:
@@ -56,7 +65,15 @@ def smollm2_135m_config(layers: int) -> dict[str, Any]:
     }
 
 
-def make_runner(path: str, device: torch.device, fused: bool, graphs: bool) -> ModelRunner:
+def tiny_config(layers: int) -> dict[str, Any]:
+    """The default model's layout shrunk (CPU smoke runs: launch counts under the interpreter)."""
+    return {**smollm2_135m_config(layers), "vocab_size": 256, "hidden_size": 64,
+            "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "head_dim": 16}  # fmt: skip
+
+
+def make_runner(path: str, device: torch.device, mode: str, graphs: bool) -> ModelRunner:
+    fused = mode != "unfused"
     runner = ModelRunner(
         ModelConfig.from_dir(path), path, device, torch.bfloat16,
         kv_cache_tokens=max(BATCHES) * (CONTEXT + 2) + 8, max_running_requests=max(BATCHES),
@@ -68,6 +85,8 @@ def make_runner(path: str, device: torch.device, fused: bool, graphs: bool) -> M
 
         merge_projections(runner.model)
         runner.model.fused_kernels = True
+    if mode == "fused":  # the per-op fused kernels at every batch size
+        runner.model.fused_gemv_max_rows = 0
     if graphs:
         runner.capture_graphs(max(BATCHES), (), tree=False)
     return runner
@@ -126,6 +145,44 @@ def kernel_launches(runner: ModelRunner, bs: int) -> int:
     return sum(1 for n in names if not n.startswith(("Memcpy", "Memset")))
 
 
+_VIEW_OPS = ("view", "_unsafe_view", "reshape", "t", "transpose", "slice", "select", "expand",
+             "unsqueeze", "squeeze", "split", "chunk", "as_strided", "alias", "detach", "empty",
+             "empty_like", "empty_strided", "lift_fresh", "_to_copy_noop")  # fmt: skip
+
+
+def counted_launches(runner: ModelRunner, bs: int) -> int:
+    """CPU (interpreter) stand-in for the profiler: Triton launches of one eager decode forward
+    plus its aten ops that are not views or allocations."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from triton.runtime.interpreter import InterpretedFunction
+
+    count, inside = [0], [False]  # the interpreter's own copies of a launch's args not counted
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+            if not inside[0] and func.overloadpacket.__name__ not in _VIEW_OPS:
+                count[0] += 1
+            return func(*args, **(kwargs or {}))
+
+    run = InterpretedFunction.run
+
+    def counted_run(self, *args, **kwargs):  # noqa: ANN001, ANN202
+        count[0] += 1
+        inside[0] = True
+        try:
+            return run(self, *args, **kwargs)
+        finally:
+            inside[0] = False
+
+    InterpretedFunction.run = counted_run  # type: ignore[method-assign]
+    try:
+        with Ops():
+            eager(runner, bs)
+    finally:
+        InterpretedFunction.run = run  # type: ignore[method-assign]
+    return count[0]
+
+
 def batch_row(runner: ModelRunner, bs: int, iters: int) -> dict[str, Any]:
     device = runner.device
     row: dict[str, Any] = {"eager_ms": time_ms(lambda: eager(runner, bs), device, iters)}
@@ -133,13 +190,16 @@ def batch_row(runner: ModelRunner, bs: int, iters: int) -> dict[str, Any]:
         fb = decode_batch(runner, bs)
         row["graph_ms"] = time_ms(lambda: runner.forward(fb), device, iters)
         row["launches"] = kernel_launches(runner, bs)
+    elif runner.model.fused_kernels:  # the unfused CPU path is not the GPU's kernels
+        row["launches"] = counted_launches(runner, bs)
+    if "launches" in row:
         row["launches_per_layer"] = row["launches"] / runner.config.num_hidden_layers
     return row
 
 
-def measure(path: str, device: torch.device, fused: bool, iters: int) -> dict[str, Any]:
-    runner = make_runner(path, device, fused, graphs=device.type != "cpu")
-    out: dict[str, Any] = {"fused": fused, "logits": {}}
+def measure(path: str, device: torch.device, mode: str, iters: int) -> dict[str, Any]:
+    runner = make_runner(path, device, mode, graphs=device.type != "cpu")
+    out: dict[str, Any] = {"mode": mode, "logits": {}}
     for bs in BATCHES:
         out[bs] = batch_row(runner, bs, iters)
         out["logits"][bs] = eager(runner, bs).float().cpu()
@@ -154,6 +214,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=0, help="override the layer count (smoke runs)")
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--device", default="auto")
+    ap.add_argument("--modes", default=",".join(MODES), help="of " + ", ".join(MODES))
     args = ap.parse_args()
     device = pick_device(args.device)
     gpu = device.type != "cpu"
@@ -161,32 +222,35 @@ def main() -> None:
     res: dict[str, Any] = {"device": name, "torch": torch.__version__, "context": CONTEXT}
     bw = device_bandwidth(device) if gpu else 0.0
     res["bandwidth_gb_s"] = bw / 1e9
-    configs = {"smollm2-135m": (smollm2_135m_config, 30), "llama3-8b": (llama3_8b_config, 32)}
+    configs = {"smollm2-135m": (smollm2_135m_config, 30), "llama3-8b": (llama3_8b_config, 32),
+               "tiny": (tiny_config, 2)}  # fmt: skip
     rows = []
     for shape in args.shapes.split(","):
         make, layers = configs[shape]
         tmp = tempfile.mkdtemp()
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump(make(args.layers or layers), f)
-        on = measure(tmp, device, True, args.iters)
-        gc.collect()  # the fused runner's weights and graphs go before the next is built
-        if gpu:
-            torch.get_device_module(device).empty_cache()
-        off = measure(tmp, device, False, args.iters)
+        runs = []
+        for mode in args.modes.split(","):
+            runs.append(measure(tmp, device, mode, args.iters))
+            gc.collect()  # a runner's weights and graphs go before the next is built
+            if gpu:
+                torch.get_device_module(device).empty_cache()
+        ref = runs[0]  # the first mode (unfused by default) is the logits' reference
         for bs in BATCHES:
-            diff = (on["logits"][bs] - off["logits"][bs]).abs().max().item()
-            floor_ms = 1000 * on["weight_bytes"] / bw if bw else None
-            for m in (off, on):
-                rows.append({"shape": shape, "batch": bs, "fused": m["fused"], **m[bs],
+            floor_ms = 1000 * ref["weight_bytes"] / bw if bw else None
+            for m in runs:
+                diff = (m["logits"][bs] - ref["logits"][bs]).abs().max().item()
+                rows.append({"shape": shape, "batch": bs, "mode": m["mode"], **m[bs],
                              "floor_ms": floor_ms, "max_logit_diff": diff})  # fmt: skip
         res["rows"] = rows
         _save(res, args.out)
     print(f"device: {name}; bandwidth {res['bandwidth_gb_s']:.0f} GB/s; context {CONTEXT}")
-    head = ("shape", "batch", "fused", "launches", "/layer", "graph ms", "eager ms", "floor ms")
-    print("{:<14}{:>6}{:>7}{:>10}{:>8}{:>10}{:>10}{:>10}  max|dlogit|".format(*head))
+    head = ("shape", "batch", "mode", "launches", "/layer", "graph ms", "eager ms", "floor ms")
+    print("{:<14}{:>6}{:>9}{:>10}{:>8}{:>10}{:>10}{:>10}  max|dlogit|".format(*head))
     for r in rows:
         print(
-            f"{r['shape']:<14}{r['batch']:>6}{'on' if r['fused'] else 'off':>7}"
+            f"{r['shape']:<14}{r['batch']:>6}{r['mode']:>9}"
             f"{r.get('launches', 0):>10}{r.get('launches_per_layer', 0):>8.1f}"
             f"{r.get('graph_ms', 0):>10.3f}{r['eager_ms']:>10.3f}{r['floor_ms'] or 0:>10.3f}"
             f"  {r['max_logit_diff']:.3g}"

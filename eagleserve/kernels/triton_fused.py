@@ -88,6 +88,7 @@ def _rope_store_kv_kernel(
     stride_kh,
     stride_vs,
     stride_vh,
+    stride_loc,
     NUM_Q: tl.constexpr,
     NUM_KV: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -116,7 +117,7 @@ def _rope_store_kv_kernel(
     y = y.to(x.dtype)
     tl.store(row + offs_d[None, :], y, mask=rot_mask)
 
-    slot = tl.load(Loc + t)
+    slot = tl.load(Loc + t * stride_loc)
     is_k = (heads >= NUM_Q) & rot
     k_ptrs = KBuf + slot * stride_ks + (heads - NUM_Q)[:, None] * stride_kh + offs_d[None, :]
     tl.store(k_ptrs, y.to(KBuf.dtype.element_ty), mask=is_k[:, None] & d_valid[None, :])
@@ -174,7 +175,7 @@ def rope_store_kv_(
     signed_sin: torch.Tensor,  # same shape: sin, negated on the first half (see llama.py)
     k_buffer: torch.Tensor,  # [S, Hkv, D]
     v_buffer: torch.Tensor,
-    out_cache_loc: torch.Tensor,  # [T] int64
+    out_cache_loc: torch.Tensor,  # [T] int64, any stride (a column of a slot table)
 ) -> None:
     """Rotates q and k of `qkv` in place and writes k, v to their slots, one launch."""
     t, heads, d = qkv.shape
@@ -192,6 +193,7 @@ def rope_store_kv_(
         qkv, cos2, sin2, k_buffer, v_buffer, out_cache_loc,
         qkv.stride(0), qkv.stride(1), cos2.stride(0), sin2.stride(0),
         k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
+        out_cache_loc.stride(0),
         NUM_Q=num_q_heads, NUM_KV=kv, HEAD_DIM=d, BLOCK_H=block_h, BLOCK_D=block_d,
         num_warps=_warps(block_h * block_d),
     )  # fmt: skip

@@ -4,6 +4,12 @@ Per layer: add+RMSNorm, qkv GEMM, rotary+KV write, attention (decode: 2 kernels)
 add+RMSNorm, gate_up GEMM, SiLU*mul, down GEMM. The residual stream travels beside the layer
 output and is added inside the next norm, as in SGLang; each value is rounded to the model dtype
 where the unfused path in models/llama.py rounds it (tests/models/test_fused_forward.py).
+
+A forward of at most `model.fused_gemv_max_rows` rows (decode, a small verify) runs the GEMV
+kernels of kernels/triton_gemv.py instead, which fold the pointwise ops into the GEMMs:
+[add+RMSNorm+qkv+rotary+KV write], attention, o GEMM, [add+RMSNorm+gate_up], [SiLU*mul+down].
+At that size every kernel is launch-bound, so the launch count is the cost. The batch-invariant
+mode keeps the kernels it was proved on (their results do not depend on the batch).
 """
 
 from __future__ import annotations
@@ -14,10 +20,18 @@ import torch
 from torch import nn
 
 from eagleserve.kernels.triton_fused import add_rms_norm, rope_store_kv_, silu_mul
+from eagleserve.kernels.triton_gemv import norm_gemm, norm_qkv_rope_store_kv, silu_mul_gemm
 from eagleserve.layers.forward_batch import ForwardBatch
 
 if TYPE_CHECKING:
-    from eagleserve.models.llama import BoundRotary, LlamaAttention, LlamaForCausalLM
+    from eagleserve.models.llama import (
+        BoundRotary,
+        LlamaAttention,
+        LlamaDecoderLayer,
+        LlamaForCausalLM,
+    )
+
+_GEMV_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _stacked(parts: list[nn.Linear]) -> nn.Linear:
@@ -52,9 +66,45 @@ def _attention(attn: LlamaAttention, x: torch.Tensor, fb: ForwardBatch, rotary: 
     pool = fb.kv_pool
     rope_store_kv_(qkv, nh, rotary.cos, rotary.signed_sin, pool.k_buffer[attn.layer_id],
                    pool.v_buffer[attn.layer_id], fb.out_cache_loc)  # fmt: skip
+    return _attend(attn, qkv, fb)
+
+
+def _attend(attn: LlamaAttention, qkv: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+    """Attention of the rotated qkv [T, H + 2Hkv, D] (k, v already in the pool), then o_proj."""
+    nh, nkv = attn.num_heads, attn.num_kv_heads
     q, k, v = qkv[:, :nh], qkv[:, nh : nh + nkv], qkv[:, nh + nkv :]
     out = fb.attn_backend.forward(q, k, v, attn.layer_id, fb, kv_stored=True)
-    return attn.o_proj(out.reshape(t, -1))
+    return attn.o_proj(out.reshape(qkv.shape[0], -1))
+
+
+def use_gemv(model: LlamaForCausalLM, rows: int, dtype: torch.dtype) -> bool:
+    """The GEMV kernels for a forward of `rows` rows: small batches of a plain float dtype, not
+    in the batch-invariant mode (its GEMMs and norms stay the batch-invariant kernels)."""
+    return rows <= model.fused_gemv_max_rows and dtype in _GEMV_DTYPES and not model.batch_invariant
+
+
+def _gemv_layer(
+    layer: LlamaDecoderLayer,
+    h: torch.Tensor,
+    residual: torch.Tensor | None,
+    fb: ForwardBatch,
+    rotary: BoundRotary,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(layer output, residual stream) in four launches besides attention."""
+    attn, mlp, pool = layer.self_attn, layer.mlp, fb.kv_pool
+    qkv_proj, gate_up_proj = attn.qkv_proj, mlp.gate_up_proj
+    assert isinstance(qkv_proj, nn.Linear) and isinstance(gate_up_proj, nn.Linear)
+    assert gate_up_proj.bias is None and mlp.down_proj.bias is None
+    norm = layer.input_layernorm
+    qkv, residual = norm_qkv_rope_store_kv(
+        h, residual, norm.weight, norm.eps, qkv_proj.weight, qkv_proj.bias, attn.num_heads,
+        rotary.cos, rotary.signed_sin, pool.k_buffer[attn.layer_id],
+        pool.v_buffer[attn.layer_id], fb.out_cache_loc,
+    )  # fmt: skip
+    h = _attend(attn, qkv, fb)
+    norm = layer.post_attention_layernorm
+    gate_up, residual = norm_gemm(h, residual, norm.weight, norm.eps, gate_up_proj.weight)
+    return silu_mul_gemm(gate_up, mlp.down_proj.weight), residual
 
 
 def fused_layers(
@@ -67,9 +117,13 @@ def fused_layers(
     """(final normed hidden [T, hidden], aux states [T, k * hidden] or None) from embeddings h."""
     residual: torch.Tensor | None = None
     aux: list[torch.Tensor] = []
+    gemv = use_gemv(model, h.shape[0], h.dtype)
     for i, layer in enumerate(model.model.layers):
         if i in aux_layer_ids:  # the stream entering layer i, as the unfused loop keeps it
             aux.append(h if residual is None else h + residual)
+        if gemv:
+            h, residual = _gemv_layer(layer, h, residual, fb, rotary)
+            continue
         norm = layer.input_layernorm
         x, residual = add_rms_norm(h, residual, norm.weight, norm.eps)
         h = _attention(layer.self_attn, x, fb, rotary)

@@ -248,6 +248,8 @@ class LlamaForCausalLM(nn.Module):
         # The layers on the fused Triton kernels (fused_forward.py; set by ModelRunner on a GPU
         # with merged q/k/v and gate/up).
         self.fused_kernels = False
+        # With them, forwards of at most this many rows run the GEMV kernels (fused_forward.py).
+        self.fused_gemv_max_rows = 16
 
     @property
     def lm_head_weight(self) -> torch.Tensor:

@@ -105,7 +105,8 @@ def test_rope_store_kv_matches_unfused(dtype: torch.dtype, shape: tuple, rows: i
         randn(slots, nkv, d, gen=gen, dtype=dtype),
         randn(slots, nkv, d, gen=gen, dtype=dtype),
     )
-    loc = torch.randperm(slots, generator=gen)[:rows].to(DEVICE)
+    # A column of a [T, 2] slot table: a strided out_cache_loc is read by its stride.
+    loc = torch.randperm(slots, generator=gen)[: 2 * rows].view(rows, 2)[:, 1].to(DEVICE)
     # Unfused: rotate q and k, then the pool's set_kv.
     q_ref, k_ref = bound(positions, qkv[:, :nh], qkv[:, nh : nh + nkv])
     v_ref = qkv[:, nh + nkv :].clone()

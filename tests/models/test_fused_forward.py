@@ -1,6 +1,7 @@
 """The decoder layers on the fused Triton kernels (models/fused_forward.py) equal the unfused
 torch layers: logits, hidden and aux states and the KV cache, over prefill, decode and extend,
-Llama (GQA, Llama-3 rope) and Qwen2 (q/k/v bias), fp32 and bf16."""
+Llama (GQA, Llama-3 rope) and Qwen2 (q/k/v bias), fp32 and bf16; with the small-batch GEMV
+kernels (kernels/triton_gemv.py) and without, and greedy decoding gives the same tokens."""
 
 from __future__ import annotations
 
@@ -14,18 +15,19 @@ from conftest import forward_tokens  # noqa: E402
 
 from eagleserve.config import ModelConfig  # noqa: E402
 from eagleserve.model_executor.model_runner import ModelRunner, use_fused_kernels  # noqa: E402
-from eagleserve.models.fused_forward import merge_projections  # noqa: E402
+from eagleserve.models.fused_forward import merge_projections, use_gemv  # noqa: E402
 
 AUX = (0, 2)
 
 
-def runner(path: str, dtype: torch.dtype, fused: bool) -> ModelRunner:
+def runner(path: str, dtype: torch.dtype, fused: bool, gemv_rows: int = 16) -> ModelRunner:
     r = ModelRunner(ModelConfig.from_dir(path), path, DEVICE, dtype, 96, 4, 64, "triton",
                     aux_layer_ids=AUX, fused_kernels=fused)  # fmt: skip
     if fused and not r.model.fused_kernels:  # a CPU host: set up as the runner does on a GPU
         merge_projections(r.model)
         r.model.fused_kernels = True
     assert r.model.fused_kernels == fused
+    r.model.fused_gemv_max_rows = gemv_rows  # 0: the per-op fused kernels at every size
     return r
 
 
@@ -35,13 +37,14 @@ def tol(dtype: torch.dtype) -> dict[str, float]:
     return {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 0.1, "rtol": 0.05}
 
 
+@pytest.mark.parametrize("gemv_rows", [0, 16])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("model", ["tiny_model_dir", "tiny_qwen2_dir"])
 def test_fused_layers_match_unfused(
-    model: str, dtype: torch.dtype, request: pytest.FixtureRequest
+    model: str, dtype: torch.dtype, gemv_rows: int, request: pytest.FixtureRequest
 ) -> None:
     path = request.getfixturevalue(model)
-    runners = [runner(path, dtype, fused) for fused in (False, True)]
+    runners = [runner(path, dtype, fused, gemv_rows) for fused in (False, True)]
     gen = torch.Generator().manual_seed(5)
     lens = [9, 5]
     steps = [
@@ -56,6 +59,8 @@ def test_fused_layers_match_unfused(
         r.req_to_token_pool.req_to_token[rows] = 0
         r.req_to_token_pool.req_to_token[rows, :20] = slots.view(2, 20).to(DEVICE)
     for mode, prefix, extend in steps:
+        # gemv_rows 16: every step (14 rows at most) takes the GEMV kernels; 0: none does.
+        assert use_gemv(runners[1].model, sum(extend), dtype) == (gemv_rows > 0)
         ids = torch.randint(3, 256, (sum(extend),), generator=gen).to(DEVICE)
         pos = torch.cat([torch.arange(p, p + e) for p, e in zip(prefix, extend, strict=True)])
         spans = enumerate(zip(prefix, extend, strict=True))
@@ -77,6 +82,50 @@ def test_fused_layers_match_unfused(
             torch.testing.assert_close(b, a, **tol(dtype))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemv_decode_gives_the_unfused_greedy_tokens(
+    tiny_model_dir: str, dtype: torch.dtype
+) -> None:
+    """Three requests prefilled, then greedy decode steps fed back: the same tokens on the GEMV
+    kernels (batch 3 <= the threshold) as on the unfused torch layers."""
+    runners = [runner(tiny_model_dir, dtype, fused) for fused in (False, True)]
+    assert use_gemv(runners[1].model, 3, dtype)
+    gen = torch.Generator().manual_seed(11)
+    bs, prompt, new = 3, 6, 6
+    slots = (torch.randperm(95, generator=gen) + 1)[: bs * (prompt + new)].view(bs, -1)
+    rows = torch.tensor([1, 3, 0])
+    for r in runners:
+        r.req_to_token_pool.req_to_token[rows, : prompt + new] = slots.to(DEVICE)
+    prompts = torch.randint(3, 256, (bs, prompt), generator=gen)
+    tokens = []
+    for r in runners:
+        out = forward_tokens(r, "extend", prompts.flatten().to(DEVICE),
+                             torch.arange(prompt).repeat(bs).to(DEVICE),
+                             slots[:, :prompt].flatten().to(DEVICE), rows.to(DEVICE),
+                             torch.zeros(bs, dtype=torch.long, device=DEVICE),
+                             torch.full((bs,), prompt, device=DEVICE))  # fmt: skip
+        last = out.logits.view(bs, prompt, -1)[:, -1].argmax(-1)
+        seq = [last]
+        for step in range(new - 1):
+            pos = prompt + step
+            # slots[:, pos] is a strided column: the kernels read out_cache_loc by its stride.
+            out = forward_tokens(r, "decode", last, torch.full((bs,), pos, device=DEVICE),
+                                 slots[:, pos].to(DEVICE), rows.to(DEVICE),
+                                 torch.full((bs,), pos, device=DEVICE),
+                                 torch.ones(bs, dtype=torch.long, device=DEVICE))  # fmt: skip
+            last = out.logits.argmax(-1)
+            seq.append(last)
+        tokens.append(torch.stack(seq, 1).tolist())
+    assert tokens[1] == tokens[0]
+
+
+def test_gemv_not_in_the_batch_invariant_mode(tiny_model_dir: str) -> None:
+    r = runner(tiny_model_dir, torch.float32, True)
+    assert use_gemv(r.model, 16, torch.float32) and not use_gemv(r.model, 17, torch.float32)
+    r.model.batch_invariant = True  # as make_batch_invariant sets it
+    assert not use_gemv(r.model, 1, torch.float32)
+
+
 def test_fused_kernels_only_on_a_gpu_with_plain_weights() -> None:
     gpu, cpu = torch.device("cuda"), torch.device("cpu")
     assert use_fused_kernels(gpu, "auto", None, None)
@@ -86,3 +135,57 @@ def test_fused_kernels_only_on_a_gpu_with_plain_weights() -> None:
     assert not use_fused_kernels(cpu, "triton", None, None)
     assert not use_fused_kernels(gpu, "auto", "model.gguf", None)
     assert not use_fused_kernels(gpu, "auto", None, object())
+
+
+@pytest.mark.skipif(DEVICE.type != "cpu", reason="counts the interpreter's launches")
+@pytest.mark.parametrize("gemv_rows", [0, 16])
+def test_decode_launches_per_layer(tiny_model_dir: str, gemv_rows: int) -> None:
+    """Kernels one decode's layers launch (Triton launches plus the aten ops that are not views,
+    each a device kernel on a GPU): 6 a layer on the GEMV kernels, 10 on the per-op ones."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from eagleserve.models import fused_forward
+
+    r = runner(tiny_model_dir, torch.float32, True, gemv_rows)
+    bs, pos = 2, 4
+    r.req_to_token_pool.req_to_token[:bs, : pos + 1] = torch.arange(1, 1 + bs * (pos + 1)).view(
+        bs, -1
+    )
+    count, inside = [0], [False]
+    views = ("view", "_unsafe_view", "reshape", "t", "slice", "select", "empty", "empty_like")
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+            if not inside[0] and func.overloadpacket.__name__ not in views:
+                count[0] += 1
+            return func(*args, **(kwargs or {}))
+
+    run, layers = InterpretedFunction.run, fused_forward.fused_layers
+
+    def counted_run(self, *args, **kwargs):  # noqa: ANN001, ANN202
+        count[0] += 1
+        inside[0] = True  # the interpreter's copies of the arguments are not kernels
+        try:
+            return run(self, *args, **kwargs)
+        finally:
+            inside[0] = False
+
+    def counted_layers(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        with Ops():
+            return layers(*args, **kwargs)
+
+    InterpretedFunction.run = counted_run  # type: ignore[method-assign]
+    fused_forward.fused_layers = counted_layers  # type: ignore[assignment]
+    try:
+        forward_tokens(r, "decode", torch.tensor([5, 7]), torch.full((bs,), pos),
+                       torch.tensor([pos + 1, 2 * pos + 2]), torch.arange(bs),
+                       torch.full((bs,), pos), torch.ones(bs, dtype=torch.long))  # fmt: skip
+    finally:
+        InterpretedFunction.run = run  # type: ignore[method-assign]
+        fused_forward.fused_layers = layers  # type: ignore[assignment]
+    n_layers = len(r.model.model.layers)
+    # Besides the layers: the final norm, the stream add of the aux layer past the first, and
+    # the aux states' concatenation.
+    per_layer = 6 if gemv_rows else 10
+    assert count[0] == per_layer * n_layers + 1 + (len(AUX) - 1) + 1

@@ -1,0 +1,109 @@
+"""The small-batch fused GEMV kernels (kernels/triton_gemv.py) against the unfused sequence of
+kernels/triton_fused.py and the torch Linear they replace, on fresh random inputs: the qkv
+output, the residual, and the KV cache at random slots (other slots untouched)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from triton_mode import DEVICE  # before triton is imported: picks the interpreter without a GPU
+
+pytest.importorskip("triton")
+
+from eagleserve.kernels import triton_fused as tf  # noqa: E402
+from eagleserve.kernels import triton_gemv as tg  # noqa: E402
+
+DTYPES = (torch.float32, torch.bfloat16)
+ROWS = (1, 3, 16)
+# (hidden, heads, kv heads, head_dim, intermediate): tiny (the interpreter is slow); hidden and
+# intermediate not multiples of BLOCK_K, and a head_dim whose half is not a power of two.
+SHAPES = ((96, 3, 1, 32, 80), (72, 2, 1, 24, 40))
+
+
+def close(out: torch.Tensor, ref: torch.Tensor) -> None:
+    """fp32: rounding-level; 16-bit: within one rounding step (only the dots' order differs)."""
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    if ref.dtype == torch.float32:
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    else:
+        torch.testing.assert_close(out.float(), ref.float(), atol=1e-2, rtol=2**-7)
+
+
+def randn(*shape: int, gen: torch.Generator, dtype: torch.dtype) -> torch.Tensor:
+    return torch.randn(*shape, generator=gen).to(dtype).to(DEVICE)
+
+
+def rotary(rows: int, d: int, gen: torch.Generator, dtype: torch.dtype):  # noqa: ANN201
+    """cos and signed sin [T, 1, D] of random positions, as RotaryEmbedding.at builds them."""
+    pos = torch.randint(0, 4096, (rows,), generator=gen).float()
+    freqs = pos[:, None] / (10000.0 ** (torch.arange(0, d, 2).float() / d))[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    sign = torch.cat((-torch.ones(d // 2), torch.ones(d // 2)))
+    return emb.cos().to(dtype)[:, None].to(DEVICE), (emb.sin() * sign).to(dtype)[:, None].to(DEVICE)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("with_res", [True, False])
+def test_norm_qkv_rope_store_kv_matches_unfused(
+    dtype: torch.dtype, shape: tuple, rows: int, with_res: bool
+) -> None:
+    hidden, nh, nkv, d, _ = shape
+    bias_too = rows == 3  # Qwen2's q/k/v bias
+    gen = torch.Generator().manual_seed(hidden * rows + nh + with_res)
+    x = randn(rows, hidden, gen=gen, dtype=dtype)
+    res = randn(rows, hidden, gen=gen, dtype=dtype) if with_res else None
+    norm_w = 1 + 0.1 * randn(hidden, gen=gen, dtype=dtype)
+    heads = nh + 2 * nkv
+    w = randn(heads * d, hidden, gen=gen, dtype=dtype) / hidden**0.5
+    bias = randn(heads * d, gen=gen, dtype=dtype) if bias_too else None
+    cos, sin = rotary(rows, d, gen, dtype)
+    slots = 2 * rows + 5
+    k_buf, v_buf = (randn(slots, nkv, d, gen=gen, dtype=dtype) for _ in range(2))
+    # A column of a [T, 2] slot table: a strided out_cache_loc is read by its stride.
+    loc = torch.randperm(slots, generator=gen)[: 2 * rows].view(rows, 2)[:, 1].to(DEVICE)
+    # Unfused: add_rms_norm, the Linear, rope_store_kv_.
+    k_ref, v_ref = k_buf.clone(), v_buf.clone()
+    normed, res_ref = tf.add_rms_norm(x, res, norm_w, 1e-5)
+    qkv_ref = F.linear(normed, w, bias).view(rows, heads, d)
+    tf.rope_store_kv_(qkv_ref, nh, cos, sin, k_ref, v_ref, loc)
+
+    qkv, new_res = tg.norm_qkv_rope_store_kv(x, res, norm_w, 1e-5, w, bias, nh, cos, sin,
+                                             k_buf, v_buf, loc)  # fmt: skip
+    if res is None:
+        assert new_res is x
+    else:
+        assert torch.equal(new_res, x + res)  # the model-dtype sum, bit for bit, written once
+    close(qkv, qkv_ref)
+    close(k_buf, k_ref)  # compared whole: the other slots are kept
+    close(v_buf, v_ref)
+    assert torch.equal(k_buf[loc], qkv[:, nh : nh + nkv])  # the cache holds what attention reads
+    assert torch.equal(v_buf[loc], qkv[:, nh + nkv :])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("rows", ROWS)
+def test_norm_gemm_matches_unfused(dtype: torch.dtype, shape: tuple, rows: int) -> None:
+    hidden, inter = shape[0], shape[4]
+    gen = torch.Generator().manual_seed(hidden + inter * rows)
+    x, res = randn(rows, hidden, gen=gen, dtype=dtype), randn(rows, hidden, gen=gen, dtype=dtype)
+    norm_w = 1 + 0.1 * randn(hidden, gen=gen, dtype=dtype)
+    w = randn(2 * inter, hidden, gen=gen, dtype=dtype) / hidden**0.5
+    normed, res_ref = tf.add_rms_norm(x, res, norm_w, 1e-6)
+    out, new_res = tg.norm_gemm(x, res, norm_w, 1e-6, w)
+    assert torch.equal(new_res, res_ref)
+    close(out, F.linear(normed, w))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("rows", ROWS)
+def test_silu_mul_gemm_matches_unfused(dtype: torch.dtype, shape: tuple, rows: int) -> None:
+    hidden, inter = shape[0], shape[4]
+    gen = torch.Generator().manual_seed(inter + hidden * rows)
+    gate_up = randn(rows, 2 * inter, gen=gen, dtype=dtype)
+    w = randn(hidden, inter, gen=gen, dtype=dtype) / inter**0.5
+    close(tg.silu_mul_gemm(gate_up, w), F.linear(tf.silu_mul(gate_up), w))
