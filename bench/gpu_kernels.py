@@ -87,6 +87,8 @@ def make_runner(path: str, device: torch.device, mode: str, graphs: bool) -> Mod
         runner.model.fused_kernels = True
     if mode == "fused":  # the per-op fused kernels at every batch size
         runner.model.fused_gemv_max_rows = 0
+    elif mode == "gemv":  # the GEMV kernels up to 16 rows, whatever the model's size
+        runner.model.fused_gemv_max_rows = 16
     if graphs:
         runner.capture_graphs(max(BATCHES), (), tree=False)
     return runner

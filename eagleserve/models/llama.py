@@ -230,6 +230,9 @@ class ModelOutput:
     graph_buffers: bool = False
 
 
+GEMV_MAX_HIDDEN = 2048
+
+
 class LlamaForCausalLM(nn.Module):
     def __init__(
         self, cfg: ModelConfig, max_positions: int, aux_layer_ids: tuple[int, ...] = ()
@@ -249,7 +252,10 @@ class LlamaForCausalLM(nn.Module):
         # with merged q/k/v and gate/up).
         self.fused_kernels = False
         # With them, forwards of at most this many rows run the GEMV kernels (fused_forward.py).
-        self.fused_gemv_max_rows = 16
+        # Small models only: their layers are launch-bound, so fewer kernels win; a large one
+        # streams its weights through cuBLAS faster than the GEMV's fixed tiles (until a GPU
+        # run shows otherwise: bench/gpu_kernels.py, mode gemv).
+        self.fused_gemv_max_rows = 16 if cfg.hidden_size <= GEMV_MAX_HIDDEN else 0
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
