@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import glob
 import hashlib
+import importlib.metadata
 import importlib.util
 import json
 import logging
@@ -30,6 +31,50 @@ def cache_dir() -> str:
     )
     os.makedirs(root, exist_ok=True)
     return root
+
+
+PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def source_digest(parts: Collection[str], root: str = PACKAGE_ROOT) -> str:
+    """A hash of eagleserve's source files named by `parts` (relative to `root`: a file, a
+    folder's .py/.cpp/.h files, or a glob), so a cache keyed by it misses after an edit."""
+    h = hashlib.sha256()
+    for part in parts:
+        full = os.path.join(root, part)
+        if "*" in part:
+            paths = sorted(glob.glob(full))
+        elif os.path.isfile(full):
+            paths = [full]
+        else:
+            paths = sorted(p for ext in ("py", "cpp", "h")
+                           for p in glob.glob(f"{full}/**/*.{ext}", recursive=True))  # fmt: skip
+        for path in paths:
+            h.update(os.path.relpath(path, root).encode())
+            with open(path, "rb") as f:
+                h.update(f.read())
+    return h.hexdigest()[:16]
+
+
+def files_identity(path: str) -> list[Any]:
+    """A file's, or a folder's files', absolute path, size and modification time: a changed
+    or replaced weight file changes it (weights are too large to hash at every start)."""
+    path = os.path.abspath(path)
+    names = sorted(os.listdir(path)) if os.path.isdir(path) else [""]
+    out: list[Any] = [path]
+    for name in names:
+        full = os.path.join(path, name) if name else path
+        if os.path.isfile(full):
+            st = os.stat(full)
+            out.append([name, st.st_size, st.st_mtime_ns])
+    return out
+
+
+def package_version() -> str:
+    try:
+        return importlib.metadata.version("eagleserve")
+    except importlib.metadata.PackageNotFoundError:  # a source tree: the source digest tells
+        return "source"
 
 
 def default_gguf_path() -> str:

@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import glob
 import hashlib
-import importlib.metadata
 import json
 import logging
 import os
@@ -36,7 +35,7 @@ from eagleserve.distributed.parallel import get_tp
 from eagleserve.kernels import cpu_ext
 from eagleserve.models.gguf_weights import QuantTensor
 from eagleserve.models.llama import LlamaForCausalLM
-from eagleserve.models.loader import cache_dir
+from eagleserve.models.loader import cache_dir, files_identity, package_version, source_digest
 from eagleserve.models.packed_model import FUSED_GROUPS, install_packed, pack_gguf_linears
 from eagleserve.models.quant import (
     BF16Linear,
@@ -51,7 +50,6 @@ logger = logging.getLogger(__name__)
 
 FORMAT = 1  # bump when the stored layout or what a stored module means changes
 MAX_FILES = 4  # the least recently used beyond this many are removed when one is stored
-_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The code whose output is stored: the packing, and the kernels' tile layouts.
 _PACKING_CODE = ("models/gguf_weights.py", "models/quant.py", "models/packed_model.py",
                  "models/weight_cache.py", "kernels/cpu_ext.py", "kernels/*.cpp",
@@ -59,23 +57,6 @@ _PACKING_CODE = ("models/gguf_weights.py", "models/quant.py", "models/packed_mod
 _CLASSES: dict[str, type[nn.Module]] = {
     c.__name__: c for c in (Int4Linear, Q8Int4Linear, Int8Linear, BF16Linear)
 }
-
-
-def _code_digest() -> str:
-    h = hashlib.sha256()
-    for pattern in _PACKING_CODE:
-        for path in sorted(glob.glob(os.path.join(_PACKAGE, pattern))):
-            h.update(os.path.relpath(path, _PACKAGE).encode())
-            with open(path, "rb") as f:
-                h.update(f.read())
-    return h.hexdigest()[:16]
-
-
-def _version() -> str:
-    try:
-        return importlib.metadata.version("eagleserve")
-    except importlib.metadata.PackageNotFoundError:  # a source tree: the code digest tells
-        return "source"
 
 
 def _linears_digest(model: nn.Module) -> str:
@@ -87,20 +68,6 @@ def _linears_digest(model: nn.Module) -> str:
     return h.hexdigest()[:16]
 
 
-def files_identity(path: str) -> list[Any]:
-    """A file's, or a folder's files', absolute path, size and modification time (a replaced
-    file changes it; weights are too large to hash at every start)."""
-    path = os.path.abspath(path)
-    names = sorted(os.listdir(path)) if os.path.isdir(path) else [""]
-    out: list[Any] = [path]
-    for name in names:
-        full = os.path.join(path, name) if name else path
-        if os.path.isfile(full):
-            st = os.stat(full)
-            out.append([name, st.st_size, st.st_mtime_ns])
-    return out
-
-
 def packed_key(
     model: nn.Module, gguf_path: str, checkpoint: str, compute_dtype: torch.dtype, q8_0: str,
     shard_id: tuple[int, int],
@@ -109,8 +76,8 @@ def packed_key(
     `checkpoint` is the folder the linears' biases come from."""
     return {
         "format": FORMAT,
-        "eagleserve": _version(),
-        "code": _code_digest(),
+        "eagleserve": package_version(),
+        "code": source_digest(_PACKING_CODE),
         "torch": str(torch.__version__),
         "kernels": cpu_ext.load(),
         "gguf": files_identity(gguf_path),
@@ -275,8 +242,8 @@ def linears_to_int8_cached(module: nn.Module, sources: tuple[str, ...]) -> None:
     key = {
         "format": FORMAT,
         "kind": "int8 linears",
-        "eagleserve": _version(),
-        "code": _code_digest(),
+        "eagleserve": package_version(),
+        "code": source_digest(_PACKING_CODE),
         "torch": str(torch.__version__),
         "kernels": cpu_ext.load(),
         "sources": [files_identity(s) for s in sources],

@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import glob
 import hashlib
-import importlib.metadata
 import json
 import logging
 import os
@@ -34,7 +33,15 @@ from eagleserve.config import ServerArgs
 from eagleserve.device import device_module
 from eagleserve.distributed.parallel import all_gather_object, get_tp
 from eagleserve.model_executor.model_runner import ModelRunner
-from eagleserve.models.loader import cache_dir, resolve_draft_path, resolve_model_path
+from eagleserve.models.loader import (
+    PACKAGE_ROOT,
+    cache_dir,
+    files_identity,
+    package_version,
+    resolve_draft_path,
+    resolve_model_path,
+    source_digest,
+)
 from eagleserve.spec import cost_model
 from eagleserve.spec.adaptive import CostTable
 from eagleserve.spec.draft_worker import EagleDraftWorker
@@ -45,7 +52,7 @@ FORMAT = 1  # bump when the stored layout or what a table means changes
 # The least recently used beyond this many are removed when one is stored (a test suite makes
 # a table per temporary model: they must not push out the served model's).
 MAX_TABLES = 256
-PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PACKAGE = PACKAGE_ROOT
 # The code a forward runs (the server's and training's do not move the timings).
 TIMED_CODE = ("kernels", "models", "layers", "model_executor", "mem_cache", "sampling", "spec",
               "core.py", "device.py", "config.py")  # fmt: skip
@@ -62,42 +69,9 @@ def device_name(device: torch.device) -> str:
     return f"{model or 'cpu'} x{os.cpu_count()}"
 
 
-def files_identity(path: str | None) -> list[Any] | None:
-    """A file's, or a folder's files', absolute path, size and modification time: a changed
-    or replaced weight file changes it (weights are too large to hash at every start)."""
-    if path is None:
-        return None
-    path = os.path.abspath(path)
-    names = sorted(os.listdir(path)) if os.path.isdir(path) else [""]
-    out: list[Any] = [path]
-    for name in names:
-        full = os.path.join(path, name) if name else path
-        if os.path.isfile(full):
-            st = os.stat(full)
-            out.append([name, st.st_size, st.st_mtime_ns])
-    return out
-
-
 def code_digest(root: str = PACKAGE) -> str:
     """A hash of the source a forward runs (TIMED_CODE), so an edited kernel is timed anew."""
-    h = hashlib.sha256()
-    for part in TIMED_CODE:
-        full = os.path.join(root, part)
-        paths = [full] if os.path.isfile(full) else sorted(
-            p for ext in ("py", "cpp", "h") for p in glob.glob(f"{full}/**/*.{ext}", recursive=True)
-        )  # fmt: skip
-        for p in paths:
-            h.update(os.path.relpath(p, root).encode())
-            with open(p, "rb") as f:
-                h.update(f.read())
-    return h.hexdigest()[:16]
-
-
-def package_version() -> str:
-    try:
-        return importlib.metadata.version("eagleserve")
-    except importlib.metadata.PackageNotFoundError:  # run from a source tree (the code digest
-        return "source"  # still tells versions apart)
+    return source_digest(TIMED_CODE, root)
 
 
 def table_key(
@@ -120,7 +94,7 @@ def table_key(
         "tp": [tp.rank, tp.size],
         "model": files_identity(resolve_model_path(args.model)),
         "load_format": args.load_format,
-        "packed_gguf": files_identity(runner.gguf_path),
+        "packed_gguf": files_identity(runner.gguf_path) if runner.gguf_path else None,
         "head": files_identity(resolve_draft_path(spec.draft_model_path)),
         "dtype": str(runner.dtype),
         "spec": [spec.algorithm, spec.num_steps, spec.eagle_topk, spec.num_draft_tokens],
