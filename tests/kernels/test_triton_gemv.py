@@ -11,6 +11,8 @@ from triton_mode import DEVICE  # before triton is imported: picks the interpret
 
 pytest.importorskip("triton")
 
+from test_triton_fused import close, randn  # noqa: E402
+
 from eagleserve.kernels import triton_fused as tf  # noqa: E402
 from eagleserve.kernels import triton_gemv as tg  # noqa: E402
 
@@ -19,19 +21,6 @@ ROWS = (1, 3, 16)
 # (hidden, heads, kv heads, head_dim, intermediate): tiny (the interpreter is slow); hidden and
 # intermediate not multiples of BLOCK_K, and a head_dim whose half is not a power of two.
 SHAPES = ((96, 3, 1, 32, 80), (72, 2, 1, 24, 40))
-
-
-def close(out: torch.Tensor, ref: torch.Tensor) -> None:
-    """fp32: rounding-level; 16-bit: within one rounding step (only the dots' order differs)."""
-    assert out.dtype == ref.dtype and out.shape == ref.shape
-    if ref.dtype == torch.float32:
-        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
-    else:
-        torch.testing.assert_close(out.float(), ref.float(), atol=1e-2, rtol=2**-7)
-
-
-def randn(*shape: int, gen: torch.Generator, dtype: torch.dtype) -> torch.Tensor:
-    return torch.randn(*shape, generator=gen).to(dtype).to(DEVICE)
 
 
 def rotary(rows: int, d: int, gen: torch.Generator, dtype: torch.dtype):  # noqa: ANN201

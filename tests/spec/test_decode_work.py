@@ -19,14 +19,14 @@ from typing import Any
 
 import pytest
 import torch
+from test_no_host_sync import head_dir
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from eagleserve import Engine, SamplingParams
-from eagleserve.config import ModelConfig
 from eagleserve.messages import GenerateReqInput
-from eagleserve.model_executor.model_runner import ModelRunner
 from eagleserve.spec.eagle_worker import EagleWorker
-from eagleserve.spec.head_loader import init_eagle_head, save_eagle_head
+
+__all__ = ["head_dir"]  # the module-scoped EAGLE3 head fixture shared with test_no_host_sync
 
 pytestmark = pytest.mark.usefixtures("torch_threads")
 
@@ -35,18 +35,6 @@ TREE = dict(speculative_num_steps=3, speculative_eagle_topk=2, speculative_num_d
 # Ops a k = 0 iteration may dispatch beyond a target-only decode's (outside the forward): its
 # result is built the same way; the scheduler's and worker's bookkeeping differ by a few ops.
 K0_EXTRA_OPS = 3
-
-
-@pytest.fixture(scope="module")
-def head_dir(tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> str:
-    runner = ModelRunner(
-        ModelConfig.from_dir(tiny_model_dir), tiny_model_dir, torch.device("cpu"),
-        torch.float32, 64, 1, 512,
-    )  # fmt: skip
-    head = init_eagle_head("EAGLE3", runner.model, draft_vocab_size=64, seed=5)
-    out = str(tmp_path_factory.mktemp("head"))
-    save_eagle_head(head, out)
-    return out
 
 
 def _prompts(seed: int, n: int) -> list[list[int]]:
