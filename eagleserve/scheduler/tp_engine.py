@@ -55,7 +55,7 @@ JOIN_POLL_S = 0.05
 # spawned process, which imports the main module again before it runs anything).
 GUARD_HINT = (
     "With --tp-size > 1 each other rank is a spawned process that imports the main module "
-    "again: a script must build the Engine under `if __name__ == \"__main__\":` (see that "
+    'again: a script must build the Engine under `if __name__ == "__main__":` (see that '
     "rank's traceback above)"
 )
 
