@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import random
 from collections import Counter
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
-from test_no_host_sync import head_dir
+from test_no_host_sync import HostReadError, head_dir
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from eagleserve import Engine, SamplingParams
@@ -165,17 +164,14 @@ def test_k0_iteration_dispatches_about_a_target_decodes_ops(
         assert h <= p + K0_EXTRA_OPS, (step, plain, held)
 
 
-class HostReadError(AssertionError):
-    pass
-
-
 _INDEX_OPS = (torch.ops.aten.index.Tensor, torch.ops.aten.index_put_.default)
 _READS = (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default,
           torch.ops.aten.masked_select.default)  # fmt: skip
 
 
 class _NoDeviceReads(TorchDispatchMode):
-    """Refuses host reads of device values and ops whose output shape depends on values."""
+    """Refuses host reads of device values and ops whose output shape depends on values
+    (stricter than test_no_host_sync's forward guard: a verify must not select rows by mask)."""
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if func in _READS:
@@ -185,16 +181,10 @@ class _NoDeviceReads(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@contextmanager
-def _no_device_reads() -> Iterator[None]:
-    with _NoDeviceReads():
-        yield
-
-
 def test_the_guard_catches_value_dependent_shapes() -> None:
     x, keep = torch.randn(5), torch.rand(5) > 0.5
     for read in (lambda: x[keep], lambda: keep.nonzero(), lambda: float(x.sum())):
-        with pytest.raises(HostReadError), _no_device_reads():
+        with pytest.raises(HostReadError), _NoDeviceReads():
             read()
 
 
@@ -223,7 +213,7 @@ def test_verify_reads_no_device_value(
     real = EagleWorker._draft_verify
 
     def guarded(*args: Any, **kwargs: Any) -> Any:
-        with _no_device_reads():
+        with _NoDeviceReads():
             return real(*args, **kwargs)
 
     monkeypatch.setattr(EagleWorker, "_draft_verify", guarded)
