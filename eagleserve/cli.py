@@ -66,7 +66,8 @@ FIELD_HELP: dict[str, str] = {
     "disable_cuda_graph": "do not capture CUDA graphs for decode",
     "disable_fused_kernels": "GPU: run the unfused torch decoder layers (no merged q/k/v and "
     "gate/up GEMMs, no fused norm/activation/rotary Triton kernels)",
-    "cuda_graph_max_bs": "largest batch size captured in a CUDA graph",
+    "cuda_graph_max_bs": "largest batch size captured in a CUDA graph (default: "
+    "--max-running-requests, at most 256)",
     "log_level": "debug | info | warning | error",
     "tp_size": "tensor parallelism: ranks (processes, one GPU each) that split the target's "
     "heads, MLP and vocabulary (gloo on CPU, NCCL/RCCL on GPUs)",

@@ -128,6 +128,7 @@ class SpecConfig:
 # stall in proportion to it; smaller chunks cost the long prompt's first token more
 # (bench/prefix_cpu.py --only-chunking). SGLang's GPU default for the GPU.
 CPU_PREFILL_CHUNK = 64
+GRAPH_MAX_BS = 256  # the default cuda_graph_max_bs's cap
 GPU_PREFILL_CHUNK = 8192
 
 
@@ -181,7 +182,8 @@ class ServerArgs:
     # GPU: the decoder layers on merged q/k/v and gate/up GEMMs and the fused Triton kernels of
     # kernels/triton_fused.py (models/fused_forward.py); set to run the unfused torch layers.
     disable_fused_kernels: bool = False
-    cuda_graph_max_bs: int = 32
+    # Default: graphs cover every running batch (max_running_requests), up to GRAPH_MAX_BS.
+    cuda_graph_max_bs: int | None = None
     log_level: str = "info"
     # Tensor-parallel ranks of one engine (processes; one GPU each on GPUs), and data-parallel
     # replicas, each a whole server on its own port (server/dp.py).
@@ -214,6 +216,13 @@ class ServerArgs:
         if self.disable_overlap_schedule is None:
             return device_type != "cpu"
         return not self.disable_overlap_schedule
+
+    def graph_max_bs(self) -> int:
+        """The largest batch a device graph is captured for: batches above it run eagerly, at
+        several times a replay's host cost, so by default graphs cover every batch that can
+        run (capped as SGLang caps its own default)."""
+        cap = GRAPH_MAX_BS if self.cuda_graph_max_bs is None else self.cuda_graph_max_bs
+        return max(1, min(cap, self.max_running_requests))
 
     def prefill_chunk_size(self, device_type: str) -> int | None:
         """Chunk size of chunked prefill, None when off. On a CPU a forward's cost grows with its

@@ -147,17 +147,22 @@ class GraphedForward:
         bs = fb.batch_size
         pb = bucket_for(self.buckets, bs)
         t, pt = bs * self.n, pb * self.n
+        # Padding rows (a batch smaller than its bucket) are reset to slot 0 every time: rows a
+        # larger batch left there hold live requests' slots, which they would overwrite.
+        pad = pb > bs
         for buf, src in (
             (self.input_ids, fb.input_ids),
             (self.positions, fb.positions),
             (self.out_cache_loc, fb.out_cache_loc),
         ):
             buf[:t].copy_(src)
-            buf[t:pt].zero_()
+            if pad:
+                buf[t:pt].zero_()
         self.req_pool_indices[:bs].copy_(fb.req_pool_indices)
-        self.req_pool_indices[bs:pb].zero_()
         self.prefix_lens[:bs].copy_(fb.prefix_lens)
-        self.prefix_lens[bs:pb].zero_()
+        if pad:
+            self.req_pool_indices[bs:pb].zero_()
+            self.prefix_lens[bs:pb].zero_()
         torch.add(self.prefix_lens[:pb], self.n, out=self.kv_lens[:pb])
         if self.tree_mask is not None and fb.tree_mask is not None:
             self.tree_mask[:bs].copy_(fb.tree_mask)

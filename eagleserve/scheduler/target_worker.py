@@ -17,7 +17,7 @@ class TargetWorker:
         self.req_to_token_pool = runner.req_to_token_pool
         self.token_to_kv_pool = runner.token_to_kv_pool
         if runner.graphs_enabled(args):
-            runner.capture_graphs(min(args.cuda_graph_max_bs, args.max_running_requests), (), False)
+            runner.capture_graphs(args.graph_max_bs(), (), False)
 
     def prepare_for_decode(self, batch: ScheduleBatch) -> None:
         batch.prepare_for_decode(self.req_to_token_pool, self.token_to_kv_pool)

@@ -29,9 +29,9 @@ from eagleserve.model_executor.cuda_graph_runner import GraphedForward
 from eagleserve.model_executor.model_runner import ModelRunner
 from eagleserve.models.loader import resolve_draft_path
 from eagleserve.spec.adaptive import acceptance_prior
+from eagleserve.spec.draft_extend import DraftExtendGraphs, last_rows_forward, seed_from_logits
 from eagleserve.spec.draft_lag import DraftLag, catch_up_batch
 from eagleserve.spec.draft_tree import DraftTree, draft_chain, draft_tree
-from eagleserve.spec.eagle_head import EagleHead
 from eagleserve.spec.head_loader import load_eagle_head, measured_acceptance
 from eagleserve.spec.tree import Topk1ChainBuffers
 
@@ -79,7 +79,7 @@ class EagleDraftWorker:
         )
         logger.info("start-up: draft head and its KV pool loaded in %.2f s",
                     time.perf_counter() - t0)  # fmt: skip
-        graph_bs = min(args.cuda_graph_max_bs, args.max_running_requests)
+        graph_bs = args.graph_max_bs()
         self.graph: GraphedForward | None = None
         if spec.is_chain and target.graphs_enabled(args):
             self.graph = GraphedForward(
@@ -114,6 +114,20 @@ class EagleDraftWorker:
             except Exception:  # the per-step graph still serves; tests/spec/test_gpu_paths.py
                 logger.exception("capturing the chain draft loop failed: drafting step by step")
                 self.loop_graphs = {}
+        # The seed extend after each verify as one graph per path width (draft_extend.py).
+        self.extend_graphs: DraftExtendGraphs | None = None
+        if (
+            self.graph is not None
+            and os.environ.get("EAGLESERVE_DISABLE_DRAFT_EXTEND_GRAPH") != "1"
+        ):
+            widths = [k + 1 for k in chain_lengths]
+            graphs = DraftExtendGraphs(self.head, self.kv_pool, self.attn_backend, device,
+                                       widths, graph_bs, target.dtype)  # fmt: skip
+            try:
+                graphs.capture()
+                self.extend_graphs = graphs
+            except Exception:  # the eager extend still serves; tests/spec/test_gpu_paths.py
+                logger.exception("capturing the draft extend failed: extending eagerly")
         # Adaptive: head inputs held while requests do not draft (flushed when the ring is full).
         self.lag = (
             DraftLag(args.max_running_requests, spec.adaptive_probe_interval)
@@ -141,10 +155,14 @@ class EagleDraftWorker:
         """Head forward over `fb`'s tokens (its layout, the head's KV): token j is paired with
         the target feature of the token before it. Returns the seed of the next draft; its top-k
         only among `allowed` [bs, V] (the grammar after the committed tokens) when given."""
+        if allowed is None and self.extend_graphs is not None:
+            seed = self.extend_graphs.replay(fb, features)
+            if seed is not None:
+                return seed
         logits, feats = self.extend_forward(fb, features, last_rows)
-        probs = torch.softmax(self._masked(logits, allowed), dim=-1)
-        topk_p, topk_ids = probs.topk(self.spec.eagle_topk, dim=-1)
-        return EagleDraftInput(topk_p, self.head.to_target_ids(topk_ids), feats)
+        return seed_from_logits(
+            self.head, self._masked(logits, allowed), feats, self.spec.eagle_topk
+        )
 
     def extend_forward(
         self, fb: ForwardBatch, features: torch.Tensor, last_rows: torch.Tensor
@@ -373,28 +391,3 @@ class EagleDraftWorker:
         probs = torch.softmax(self._masked(logits, allowed), dim=-1)
         topk_p, topk_ids = probs.topk(topk, dim=-1)  # [bs*topk, topk]
         return topk_p, self.head.to_target_ids(topk_ids), next_feats
-
-
-def last_rows_forward(
-    head: EagleHead, fb: ForwardBatch, features: torch.Tensor, last_rows: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(logits, next features) of each request's last row of the extend `fb` (`last_rows`, one
-    per request), with every row's head KV written. Only the last rows run the whole layer
-    (attention, MLP, lm_head): a draft starts from them, and the other rows' K/V depend on their
-    own inputs alone, so they stop after the K/V projection. Padding rows (out_cache_loc 0) may
-    follow a request's last one, at position prefix_lens + extend_lens - 1."""
-    if fb.input_ids.shape[0] == fb.batch_size:  # one row per request: all are last rows
-        with forward_context(fb):
-            return head(fb.input_ids, features, fb.positions)
-    last = dataclasses.replace(
-        fb,
-        input_ids=fb.input_ids[last_rows],
-        positions=fb.positions[last_rows],
-        out_cache_loc=fb.out_cache_loc[last_rows],
-        prefix_lens=fb.prefix_lens + fb.extend_lens - 1,
-        extend_lens=torch.ones_like(fb.extend_lens),
-        host=HostLens(1, fb.host.max_kv, True),
-    )
-    with forward_context(last):
-        head.write_kv(fb.input_ids, features, fb.positions, fb.out_cache_loc)
-        return head(last.input_ids, features[last_rows], last.positions)

@@ -29,7 +29,7 @@ from eagleserve.spec.accept import AcceptResult, accept, commit_tree_path
 from eagleserve.spec.adaptive import AdaptiveController, depth_choices
 from eagleserve.spec.cost_table_cache import cost_table
 from eagleserve.spec.draft_worker import EagleDraftWorker
-from eagleserve.spec.tree import build_tree
+from eagleserve.spec.tree import build_chain, build_tree
 
 
 class EagleWorker:
@@ -58,7 +58,7 @@ class EagleWorker:
             else (spec.num_draft_tokens,)
         )
         if runner.graphs_enabled(args):
-            max_bs = min(args.cuda_graph_max_bs, args.max_running_requests)
+            max_bs = args.graph_max_bs()
             runner.capture_graphs(max_bs, verify_sizes, tree=not spec.is_chain)
         self.controller: AdaptiveController | None = None
         if spec.adaptive:
@@ -274,13 +274,17 @@ class EagleWorker:
         grammar = batch.grammar
         tree = self.drafter.draft(batch, batch.spec_info, k, grammar)
         n = k + 1 if spec.is_chain else spec.num_draft_tokens
-        t = build_tree(
-            batch.input_ids,
-            tree.parent_list,
-            tree.top_scores_index,
-            tree.draft_tokens,
-            spec.eagle_topk,
-            n,
+        t = (
+            build_chain(batch.input_ids, tree.draft_tokens)
+            if spec.is_chain
+            else build_tree(
+                batch.input_ids,
+                tree.parent_list,
+                tree.top_scores_index,
+                tree.draft_tokens,
+                spec.eagle_topk,
+                n,
+            )
         )
         bs = batch.batch_size
         L = batch.seq_lens

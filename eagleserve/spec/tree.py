@@ -21,6 +21,7 @@ Everything here is pure tensor code without device-specific calls.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +30,7 @@ __all__ = [
     "InvalidChainConfig",
     "Topk1ChainBuffers",
     "TreeInfo",
+    "build_chain",
     "build_tree",
     "num_candidates",
     "organize_draft_results",
@@ -316,3 +318,27 @@ def build_tree(
 
     tokens = torch.cat([verified_id.long().view(bs, 1), draft_tokens.long()], dim=1)  # [bs, n]
     return TreeInfo(draft_tokens=tokens, parents=parents, depths=depths, tree_mask=mask)
+
+
+@functools.lru_cache(maxsize=32)
+def _chain_layout(n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A chain of n nodes: parents [n] (i - 1), depths [n] (i), ancestor mask [n, n] (lower
+    triangle). Constants per (n, device): every chain verify of that width shares them."""
+    node = torch.arange(n, device=device)
+    return node - 1, node, torch.ones(n, n, dtype=torch.bool, device=device).tril()
+
+
+def build_chain(verified_id: torch.Tensor, draft_tokens: torch.Tensor) -> TreeInfo:
+    """`build_tree` for a top-1 chain (draft_tokens [bs, k] in drafting order): the same
+    TreeInfo, from one concatenation. Parents, depths and mask are read-only views of shared
+    constants (a chain's shape does not depend on its tokens); a chain verify then launches
+    no tree-building kernels."""
+    bs, k = draft_tokens.shape
+    parents, depths, mask = _chain_layout(k + 1, draft_tokens.device)
+    tokens = torch.cat([verified_id.long().view(bs, 1), draft_tokens.long()], dim=1)  # [bs, n]
+    return TreeInfo(
+        draft_tokens=tokens,
+        parents=parents.expand(bs, k + 1),
+        depths=depths.expand(bs, k + 1),
+        tree_mask=mask.expand(bs, k + 1, k + 1),
+    )

@@ -73,3 +73,14 @@ def test_stage_copies_the_batch_and_pads_to_its_bucket(bs: int, n: int) -> None:
     assert not graph.prefix_lens[bs:pb].any()
     assert torch.equal(graph.kv_lens[:pb], graph.prefix_lens[:pb] + n)
     assert torch.equal(graph.extras["features"][:t], feats)
+
+
+@pytest.mark.parametrize("running", [1, 24, 64, 300])
+def test_graphs_cover_the_running_batch_by_default(running: int) -> None:
+    """Batches above the largest graph run eagerly: by default every batch that can run has a
+    graph (up to the cap); an explicit --cuda-graph-max-bs wins, never above the running max."""
+    from eagleserve.config import GRAPH_MAX_BS, ServerArgs
+
+    assert ServerArgs(max_running_requests=running).graph_max_bs() == min(running, GRAPH_MAX_BS)
+    explicit = ServerArgs(max_running_requests=running, cuda_graph_max_bs=16)
+    assert explicit.graph_max_bs() == min(16, running)

@@ -15,7 +15,7 @@ from eagleserve.layers.attention import TorchAttnBackend
 from eagleserve.layers.forward_batch import ForwardBatch, forward_context
 from eagleserve.mem_cache.kv_cache import ReqToTokenPool, TokenToKVPool
 from eagleserve.model_executor.model_runner import ModelRunner
-from eagleserve.spec.draft_worker import last_rows_forward
+from eagleserve.spec.draft_extend import last_rows_forward
 from eagleserve.spec.eagle_head import EagleHead
 from eagleserve.spec.head_loader import init_eagle_head
 

@@ -10,6 +10,7 @@ import torch
 from eagleserve.spec.tree import (
     InvalidChainConfig,
     Topk1ChainBuffers,
+    build_chain,
     build_tree,
     num_candidates,
     organize_draft_results,
@@ -209,6 +210,21 @@ def test_chain_tree_is_trivial(num_steps: int) -> None:
     assert torch.equal(tree.draft_tokens[:, 1:], torch.cat(token_list, dim=1))
     seq_lens = torch.randint(5, 50, (bs,), generator=gen)
     assert torch.equal(tree.positions(seq_lens), seq_lens[:, None] + torch.arange(n))
+
+
+@pytest.mark.parametrize("num_steps", [1, 2, 3, 5])
+def test_build_chain_equals_build_tree_for_chains(num_steps: int) -> None:
+    gen = torch.Generator().manual_seed(200 + num_steps)
+    n = num_steps + 1
+    for bs in (1, 4, 7):
+        score_list, token_list, parents_list, _ = _run_draft(bs, 1, num_steps, gen)
+        parent_list, tsi, draft = organize_draft_results(score_list, token_list, parents_list, n)
+        verified = torch.randint(0, VOCAB, (bs,), generator=gen)
+        slow = build_tree(verified, parent_list, tsi, draft, 1, n, validate=True)
+        fast = build_chain(verified, torch.cat(token_list, dim=1))
+        for name in ("draft_tokens", "parents", "depths", "tree_mask"):
+            a, b = getattr(fast, name), getattr(slow, name)
+            assert a.dtype == b.dtype and torch.equal(a, b), name
 
 
 def _assert_same(fast: tuple, slow: tuple) -> None:

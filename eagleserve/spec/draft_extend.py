@@ -1,0 +1,146 @@
+"""The head's extend: a forward over committed tokens whose last row per request seeds the next
+draft, eager (`last_rows_forward`) or, after a verify on an accelerator, replayed from a device
+graph (`DraftExtendGraphs`; SGLang's EAGLEDraftExtendCudaGraphRunner).
+
+After a verify an accelerator keeps the extend at a fixed shape (spec/eagle_worker.py,
+`_path_extend`): every request holds all `width` rows of its accepted path, a row past its
+accept length writes its head K/V to slot 0 and seeds nothing. That is a forward of `width`
+tokens per request, the shape a graph replays; only the accept lengths vary, and they enter as
+data. Eager, the same extend costs a hundred-odd small kernels launched from the host per
+iteration.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import torch
+
+from eagleserve.core import EagleDraftInput
+from eagleserve.layers.attention import AttentionBackend
+from eagleserve.layers.forward_batch import ForwardBatch, HostLens, forward_context
+from eagleserve.mem_cache.kv_cache import TokenToKVPool
+from eagleserve.model_executor.cuda_graph_runner import GraphedForward
+from eagleserve.spec.eagle_head import EagleHead
+
+logger = logging.getLogger(__name__)
+
+
+def last_rows_forward(
+    head: EagleHead, fb: ForwardBatch, features: torch.Tensor, last_rows: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logits, next features) of each request's last row of the extend `fb` (`last_rows`, one
+    per request), with every row's head KV written. Only the last rows run the whole layer
+    (attention, MLP, lm_head): a draft starts from them, and the other rows' K/V depend on their
+    own inputs alone, so they stop after the K/V projection. Padding rows (out_cache_loc 0) may
+    follow a request's last one, at position prefix_lens + extend_lens - 1."""
+    if fb.input_ids.shape[0] == fb.batch_size:  # one row per request: all are last rows
+        with forward_context(fb):
+            return head(fb.input_ids, features, fb.positions)
+    last = dataclasses.replace(
+        fb,
+        input_ids=fb.input_ids[last_rows],
+        positions=fb.positions[last_rows],
+        out_cache_loc=fb.out_cache_loc[last_rows],
+        prefix_lens=fb.prefix_lens + fb.extend_lens - 1,
+        extend_lens=torch.ones_like(fb.extend_lens),
+        host=HostLens(1, fb.host.max_kv, True),
+    )
+    with forward_context(last):
+        head.write_kv(fb.input_ids, features, fb.positions, fb.out_cache_loc)
+        return head(last.input_ids, features[last_rows], last.positions)
+
+
+def seed_from_logits(
+    head: EagleHead, logits: torch.Tensor, features: torch.Tensor, topk: int
+) -> EagleDraftInput:
+    """The next draft's seed: the head's top-k (target ids) and the features it continues from."""
+    topk_p, topk_ids = torch.softmax(logits, dim=-1).topk(topk, dim=-1)
+    return EagleDraftInput(topk_p, head.to_target_ids(topk_ids), features)
+
+
+class DraftExtendGraphs:
+    """One device graph per path width (chain length + 1) of the chain seed extend: inputs the
+    path rows (ids, positions, slots), the requests' slots and committed lengths, the target
+    features and each row's request accept length; outputs the seed (top-1 probability and
+    target id, next features) per request."""
+
+    def __init__(
+        self,
+        head: EagleHead,
+        kv_pool: TokenToKVPool,
+        attn_backend: AttentionBackend,
+        device: torch.device,
+        widths: list[int],
+        max_bs: int,
+        dtype: torch.dtype,
+    ) -> None:
+        self.head, self.attn_backend = head, attn_backend
+        extras = {"features": ((head.feature_size,), dtype), "accept_lens": ((), torch.long)}
+        self.graphs = {
+            w: GraphedForward(
+                self.path_seed,
+                "extend",
+                kv_pool,
+                attn_backend,
+                device,
+                max_bs,
+                w,
+                extra_shapes=extras,
+                own_context=False,  # the write and the last rows each open their own
+            )  # fmt: skip
+            for w in widths
+        }
+
+    def capture(self) -> None:
+        for graph in self.graphs.values():
+            graph.capture()
+
+    def path_seed(
+        self, fb: ForwardBatch, extras: dict[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`last_rows_forward` over a fixed-shape path extend (`width` rows per request) and
+        its seed, with nothing read from the host: the last rows come from the accept lengths
+        on the device, and their attention metadata from the static buffers where the backend
+        has them. A bucket's padding rows have accept length 0: taken as 1 (slot 0, an empty
+        prefix), so they read valid memory."""
+        width, bs = fb.host.max_extend, fb.batch_size
+        a = extras["accept_lens"].view(bs, width)[:, 0].clamp(min=1)
+        last_rows = torch.arange(bs, device=a.device) * width + a - 1
+        committed = fb.prefix_lens + a - 1
+        static = hasattr(self.attn_backend, "init_forward_metadata_static")
+        last = ForwardBatch(
+            mode="draft",
+            input_ids=fb.input_ids[last_rows],
+            positions=fb.positions[last_rows],
+            out_cache_loc=fb.out_cache_loc[last_rows],
+            req_pool_indices=fb.req_pool_indices,
+            prefix_lens=committed,
+            extend_lens=torch.ones_like(a),
+            host=HostLens(1, fb.host.max_kv, True),
+            kv_pool=fb.kv_pool,
+            attn_backend=self.attn_backend,
+            kv_lens=committed + 1 if static else None,
+        )
+        if static:
+            self.attn_backend.init_forward_metadata_static(last)  # type: ignore[attr-defined]
+        features = extras["features"]
+        with forward_context(last):
+            self.head.write_kv(fb.input_ids, features, fb.positions, fb.out_cache_loc)
+            logits, next_feats = self.head(last.input_ids, features[last_rows], last.positions)
+        seed = seed_from_logits(self.head, logits, next_feats, 1)
+        return seed.topk_p, seed.topk_index, seed.hidden_states
+
+    def replay(self, fb: ForwardBatch, features: torch.Tensor) -> EagleDraftInput | None:
+        """The seed of the path extend `fb` (the head's KV and backend), or None when no graph
+        computes it (another width, a larger batch, rows not `width` per request). The seed
+        is copied out: a later replay overwrites the graph's outputs."""
+        width, bs = fb.host.max_extend, fb.batch_size
+        graph = self.graphs.get(width)
+        if graph is None or not 0 < bs <= graph.max_bs or fb.input_ids.shape[0] != bs * width:
+            return None
+        accept_lens = fb.extend_lens.repeat_interleave(width)
+        out = graph.replay(fb, features=features, accept_lens=accept_lens)
+        topk_p, topk_index, hidden = (o[:bs].clone() for o in out)  # per request, not per row
+        return EagleDraftInput(topk_p, topk_index, hidden)

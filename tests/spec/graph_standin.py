@@ -1,0 +1,99 @@
+"""Device graphs on a CPU, for tests: the engine's accelerator path (graph replays of decode,
+verify, draft steps, the draft loop and the seed extend; fixed-shape extends) run end to end
+under the Triton interpreter.
+
+A stand-in capture runs the graph's function once per bucket on the static batch; a replay runs
+it again there, under the no-host-read guard (a host read inside a captured function fails its
+capture on a GPU), and copies the results into the captured outputs. Static inputs in, static
+outputs out: what a replay computes. Ops inside replays are counted apart, as a GPU would launch
+them from the graph instead of from the host.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from test_no_host_sync import no_host_reads
+
+from eagleserve.config import ServerArgs
+from eagleserve.layers.forward_batch import ForwardBatch
+from eagleserve.model_executor.cuda_graph_runner import GraphedForward
+from eagleserve.model_executor.model_runner import ModelRunner
+
+
+class ReplayCount:
+    """Replays per GraphedForward, and whether a replay is running."""
+
+    def __init__(self) -> None:
+        self.by_graph: dict[int, int] = {}
+        self.inside = False
+
+    def of(self, graph: GraphedForward) -> int:
+        return self.by_graph.get(id(graph), 0)
+
+
+class StandInGraph:
+    def __init__(
+        self,
+        graph: GraphedForward,
+        bs: int,
+        fb: ForwardBatch,
+        extras: dict[str, torch.Tensor],
+        count: ReplayCount,
+    ) -> None:
+        self.graph, self.bs, self.fb, self.extras, self.count = graph, bs, fb, extras, count
+
+    def replay(self) -> None:
+        self.count.by_graph[id(self.graph)] = self.count.of(self.graph) + 1
+        self.count.inside = True
+        try:
+            with no_host_reads():
+                fresh = self.graph.run_fn(self.fb, self.extras)
+        finally:
+            self.count.inside = False
+        for out, new in zip(self.graph.outputs[self.bs], fresh, strict=True):
+            out.copy_(new)
+
+
+@contextlib.contextmanager
+def graphs_on_cpu(monkeypatch: pytest.MonkeyPatch) -> Iterator[ReplayCount]:
+    """While open, engines built on a CPU with the Triton backend capture stand-in graphs."""
+    count = ReplayCount()
+
+    @torch.inference_mode()
+    def capture(self: GraphedForward) -> None:
+        for bs in reversed(self.buckets):
+            fb, extras = self.bucket_batch(bs)
+            with no_host_reads():
+                out = self.run_fn(fb, extras)
+            self.batches[bs], self.outputs[bs] = fb, tuple(o.clone() for o in out)
+            self.graphs[bs] = StandInGraph(self, bs, fb, extras, count)
+
+    def enabled(self: ModelRunner, args: ServerArgs) -> bool:
+        return not args.disable_cuda_graph and hasattr(
+            self.attn_backend, "init_forward_metadata_static"
+        )
+
+    monkeypatch.setattr(GraphedForward, "capture", capture)
+    monkeypatch.setattr(ModelRunner, "graphs_enabled", enabled)
+    yield count
+
+
+def outside_replays(count: ReplayCount) -> tuple[type, dict[str, int]]:
+    """A dispatch mode class counting ops dispatched outside stand-in replays, and its tally."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    tally = {"ops": 0}
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                               kwargs: Any = None) -> Any:  # fmt: skip
+            if not count.inside:
+                tally["ops"] += 1
+            return func(*args, **(kwargs or {}))
+
+    return Count, tally
