@@ -66,6 +66,7 @@ from bench.host_probes import (  # noqa: E402
     StageClock,
     instrument,
     prompts,
+    sync_sites,
 )
 from eagleserve import Engine, SamplingParams  # noqa: E402
 
@@ -287,6 +288,7 @@ def run(
             counter.close()
             if profile_gpu:
                 row["gpu_overlap_off"] = gpu_idle(eng, bs, new_tokens, vocab)
+                row["syncs_per_iteration"] = sync_sites(eng, bs, min(new_tokens, 16), vocab)
             res["rows"].append(row)
             table.append([name, bs, len(rows), *(round(us[k]) for k in (*STAGES, "total")),
                           *(row["per_iteration"][k] for k in COUNTS)])  # fmt: skip
@@ -304,6 +306,11 @@ def run(
     print(f"{res['device']}; {machine()}; mean us per decode iteration, overlap off")
     print(format_table(["setting", "bs", "iters", *STAGES, "total", *COUNTS], table))
     for row in res["rows"]:
+        syncs = row.get("syncs_per_iteration")
+        if syncs:
+            top = ", ".join(f"{site} x{n}" for site, n in list(syncs.items())[:4])
+            print(f"{row['setting']} bs {row['batch']}: {sum(syncs.values()):.1f} device syncs "
+                  f"per iteration (overlap off): {top}")  # fmt: skip
         for key in ("gpu_overlap_off", "gpu_overlap_default"):
             if key in row:
                 g = row[key]

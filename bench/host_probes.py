@@ -164,3 +164,83 @@ class OpCounter:
 def prompts(n: int, vocab: int, length: int, seed: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(3, vocab - 1, (length,), generator=g).tolist() for _ in range(n)]
+
+
+class SyncCensus:
+    """Where the host waits for the device: every synchronizing call of the open decode
+    iterations (on CUDA, torch's sync debug mode warns at each: an `.item()`, a `.tolist()`, a
+    blocking copy, a value-dependent shape), attributed to the innermost eagleserve frame, per
+    iteration. A sync inside the overlap scheduler's result read is the one by design; any
+    other on the hot path stalls the device's queue."""
+
+    MARK = "synchroniz"  # torch: "called a synchronizing CUDA operation"
+
+    def __init__(self) -> None:
+        self.sites: dict[str, int] = defaultdict(int)
+
+    def record(self, message: Warning | str) -> None:
+        if self.MARK not in str(message):
+            return
+        import traceback
+
+        frames = [f for f in traceback.extract_stack() if "/eagleserve/" in f.filename]
+        where = frames[-1] if frames else None
+        self.sites[f"{where.filename.split('/eagleserve/')[-1]}:{where.lineno} {where.name}"
+                   if where else "outside eagleserve"] += 1  # fmt: skip
+
+    def watch(self) -> Any:
+        """A context in which every such warning is recorded (and not printed)."""
+        import contextlib
+        import warnings
+
+        census = self
+
+        @contextlib.contextmanager
+        def ctx() -> Any:
+            with warnings.catch_warnings():
+                warnings.simplefilter("always")
+                shown = warnings.showwarning
+
+                def show(message: Warning | str, *rest: Any, **kw: Any) -> None:
+                    if census.MARK in str(message):
+                        census.record(message)
+                    else:
+                        shown(message, *rest, **kw)
+
+                warnings.showwarning = show
+                yield census
+
+        return ctx()
+
+    def per_iteration(self, iterations: int) -> dict[str, float]:
+        return {k: round(v / max(iterations, 1), 2)
+                for k, v in sorted(self.sites.items(), key=lambda kv: -kv[1])}  # fmt: skip
+
+
+def sync_sites(engine: Engine, batch: int, new: int, vocab: int) -> dict[str, float]:
+    """Synchronizing calls per decode iteration by site, overlap off (one thread), from a
+    generate of `batch` prompts; {} where the device has no sync debug mode."""
+    dev = engine.scheduler.device
+    mod = torch.get_device_module(dev)
+    if not hasattr(mod, "set_sync_debug_mode"):
+        return {}
+    params = SamplingParams(max_new_tokens=new, temperature=0.0, ignore_eos=True)
+    ps = prompts(batch, vocab, 24, 11)
+    engine.generate(ps, params)  # warm
+    census = SyncCensus()
+    s = engine.scheduler
+    run_batch, iterations = s.run_batch, [0]
+
+    def counted(batch: Any) -> Any:
+        iterations[0] += batch.mode == "decode"
+        return run_batch(batch)
+
+    s.run_batch = counted  # type: ignore[method-assign]
+    with census.watch():
+        mod.set_sync_debug_mode("warn")
+        try:
+            engine.generate(ps, params)
+        finally:
+            mod.set_sync_debug_mode("default")
+            s.run_batch = run_batch  # type: ignore[method-assign]
+    return census.per_iteration(iterations[0])

@@ -59,7 +59,7 @@ def measure_costs(
     drafter: EagleDraftWorker,
     buckets: tuple[int, ...],
     choices: tuple[int, ...],
-    repeats: int = REPEATS,
+    repeats: int | None = None,
 ) -> CostTable:
     """Times every (bucket, k in choices) on scratch slots; the pools are as before afterwards.
     A tree (topk > 1) verifies num_draft_tokens per request and drafts topk per step."""
@@ -83,7 +83,8 @@ def measure_costs(
         rpi_all = torch.tensor(rows, dtype=torch.long, device=runner.device)
         r2t_pool.req_to_token[rpi_all, :width] = loc.view(bs_max, width)
         for bs in buckets:
-            times = _part_times(runner, drafter, rpi_all[:bs], choices, context, repeats)
+            times = _part_times(runner, drafter, rpi_all[:bs], choices, context,
+                                REPEATS if repeats is None else repeats)  # fmt: skip
             for k in choices:
                 verify = k + 1 if spec.is_chain else spec.num_draft_tokens
                 table.seconds[(bs, k)] = (

@@ -1,0 +1,144 @@
+"""The accelerator path of speculative decoding, run on a CPU before any GPU sees it: Triton
+attention under the interpreter, device graphs through the stand-in of graph_standin.py (decode,
+verify, draft steps, the draft loop, the seed extend), fixed-shape extends after a verify, host
+reads refused inside every graph. Greedy output equals target-only's on the same path, for
+EAGLE-1 and EAGLE-3, chains, a tree and adaptive depth, overlap on and off. The seed extend
+after a verify replays its own graph (spec/draft_extend.py), and what is left for the host to
+launch per iteration stays small.
+
+The same configurations run for real in tests/spec/test_gpu_paths.py on a GPU; this catches
+what breaks the graph paths (a capture that cannot run, a host read, a stale static buffer)
+without one."""
+
+from __future__ import annotations
+
+import os
+import random
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():  # before triton is imported
+    os.environ["TRITON_INTERPRET"] = "1"
+pytest.importorskip("triton")
+
+from graph_standin import ReplayCount, graphs_on_cpu, outside_replays  # noqa: E402
+from test_eagle_lossless import VOCAB, heads, target_dir  # noqa: E402
+
+from eagleserve import Engine, SamplingParams  # noqa: E402
+from eagleserve.messages import GenerateReqInput  # noqa: E402
+from eagleserve.spec import cost_model  # noqa: E402
+
+__all__ = ["heads", "target_dir"]  # module-scoped fixtures shared with the lossless test
+
+CHAIN3 = dict(speculative_num_steps=3, speculative_eagle_topk=1, speculative_num_draft_tokens=4)
+CASES = {
+    "EAGLE3 chain 2, overlap": ("EAGLE3", dict(speculative_num_steps=2, speculative_eagle_topk=1,
+                                               speculative_num_draft_tokens=3), True),
+    "EAGLE tree 2x2/4": ("EAGLE", dict(speculative_num_steps=2, speculative_eagle_topk=2,
+                                       speculative_num_draft_tokens=4), False),
+    "EAGLE adaptive 0..3, overlap": ("EAGLE", dict(speculative_num_steps=3,
+                                                   speculative_eagle_topk=1,
+                                                   speculative_num_draft_tokens=4,
+                                                   speculative_adaptive=True), True),
+}  # fmt: skip
+
+
+@pytest.fixture
+def graphs(monkeypatch: pytest.MonkeyPatch) -> Iterator[ReplayCount]:
+    with graphs_on_cpu(monkeypatch) as count:
+        yield count
+
+
+def accelerator_engine(target_dir: str, overlap: bool, **spec: object) -> Engine:
+    """An engine on the accelerator path (with the stand-in graphs open)."""
+    eng = Engine(model=target_dir, device="cpu", kv_cache_tokens=192, max_running_requests=3,
+                 attention_backend="triton", disable_overlap_schedule=not overlap,
+                 disable_radix_cache=True, **spec)  # fmt: skip
+    worker = eng.scheduler.worker
+    if hasattr(worker, "fixed_shape_extend"):
+        worker.fixed_shape_extend = True  # as on an accelerator: every path row runs
+    return eng
+
+
+def random_prompts(n: int) -> list[list[int]]:
+    rng = random.Random()
+    return [[rng.randrange(1, VOCAB - 1) for _ in range(rng.randrange(3, 12))] for _ in range(n)]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_speculative_output_is_the_targets_on_the_graph_path(
+    target_dir: str,
+    heads: dict[str, str],
+    graphs: ReplayCount,
+    monkeypatch: pytest.MonkeyPatch,
+    case: str,
+) -> None:
+    algorithm, spec, overlap = CASES[case]
+    # Adaptive times its cost table at start: once per part, as the interpreter is slow.
+    monkeypatch.setattr(cost_model, "REPEATS", 1)
+    prompts = random_prompts(3)
+    params = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+    want = accelerator_engine(target_dir, False).generate(prompts, params)
+    eng = accelerator_engine(target_dir, overlap, speculative_algorithm=algorithm,
+                             speculative_draft_model_path=heads[algorithm], **spec)  # fmt: skip
+    got = eng.generate(prompts, params)
+    assert [o["token_ids"] for o in got] == [o["token_ids"] for o in want]
+    runner = eng.scheduler.worker.runner
+    assert runner.graphs and any(graphs.of(g) for g in runner.graphs)  # verify replayed
+
+
+def test_seed_extend_replays_its_graph_and_output_stays_the_targets(
+    target_dir: str, heads: dict[str, str], graphs: ReplayCount
+) -> None:
+    prompts = random_prompts(3)
+    params = SamplingParams(max_new_tokens=14, temperature=0.0, ignore_eos=True)
+    want = accelerator_engine(target_dir, False).generate(prompts, params)
+    eng = accelerator_engine(target_dir, False, speculative_algorithm="EAGLE",
+                             speculative_draft_model_path=heads["EAGLE"], **CHAIN3)  # fmt: skip
+    drafter = eng.scheduler.worker.drafter
+    assert drafter.extend_graphs is not None and drafter.loop_graphs
+    got = eng.generate(prompts, params)
+    assert [o["token_ids"] for o in got] == [o["token_ids"] for o in want]
+    assert graphs.of(drafter.extend_graphs.graphs[4]) > 0
+    assert graphs.of(drafter.loop_graphs[3]) > 0
+    stats = eng.stats()
+    assert stats.spec_accepted_tokens_total > 0  # the quality-1 head gets drafts accepted
+
+
+def _ops_per_iteration(eng: Engine, graphs: ReplayCount) -> float:
+    """Ops dispatched outside graph replays per decode iteration of 2 requests."""
+    sched = eng.scheduler
+    params = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+    for i, ids in enumerate(random_prompts(2)):
+        sched.add_request(GenerateReqInput(f"r{i}", ids, params))
+    mode, tally = outside_replays(graphs)
+    counts = []
+    while sched.has_work():
+        decode = sched.running_batch is not None and not sched.waiting
+        before = tally["ops"]
+        with mode():
+            sched.step()
+        if decode and len(sched.running_batch.reqs if sched.running_batch else []) == 2:
+            counts.append(tally["ops"] - before)
+    counts.sort()
+    return counts[len(counts) // 2]
+
+
+def test_a_chain_iteration_leaves_the_host_few_launches(
+    target_dir: str, heads: dict[str, str], graphs: ReplayCount, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A graph replay is one launch from the host; the ops around replays are each a launch (or
+    host work) on an accelerator. With the seed extend in a graph, a chain-3 iteration
+    dispatches a fraction of what it did with the extend eager."""
+    spec = dict(speculative_algorithm="EAGLE", speculative_draft_model_path=heads["EAGLE"],
+                **CHAIN3)  # fmt: skip
+    target_only = _ops_per_iteration(accelerator_engine(target_dir, False), graphs)
+    graphed = _ops_per_iteration(accelerator_engine(target_dir, False, **spec), graphs)
+    monkeypatch.setenv("EAGLESERVE_DISABLE_DRAFT_EXTEND_GRAPH", "1")
+    eager = _ops_per_iteration(accelerator_engine(target_dir, False, **spec), graphs)
+    print(f"ops outside replays per iteration: target-only {target_only}, chain 3 {graphed} "
+          f"(eager extend {eager})")  # fmt: skip
+    assert eager - graphed >= 50
+    assert graphed <= 8 * target_only
