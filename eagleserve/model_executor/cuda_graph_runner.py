@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import dataclasses
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -43,6 +44,17 @@ def graphs_supported(device: torch.device, disable: bool, attn_backend: object) 
         and not disable
         and hasattr(attn_backend, "init_forward_metadata_static")
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class StagedViews:
+    """Views of a GraphedForward's static buffers for one batch size."""
+
+    bucket: int
+    inputs: tuple[torch.Tensor, ...]  # input_ids, positions, out_cache_loc, slots, prefixes
+    padding: tuple[torch.Tensor, ...]  # the bucket's rows past the batch
+    extras: dict[str, torch.Tensor]
+    outputs: tuple[torch.Tensor, ...]  # the captured outputs' rows of the batch
 
 
 class GraphedForward:
@@ -84,6 +96,7 @@ class GraphedForward:
             for k, (shape, dtype) in (extra_shapes or {}).items()
         }
         self.graphs: dict[int, object] = {}
+        self.views: dict[int, StagedViews] = {}
         # The captured kernels read metadata and scratch owned by these: keep them alive.
         self.batches: dict[int, ForwardBatch] = {}
         self.outputs: dict[int, tuple[torch.Tensor, ...]] = {}
@@ -126,7 +139,11 @@ class GraphedForward:
             self.graphs[bs], self.outputs[bs], self.batches[bs] = graph, out, fb
 
     def run_fn(self, fb: ForwardBatch, extras: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
-        """`fn` on a bucket's static batch, as warm-up and capture run it."""
+        """`fn` on a bucket's static batch, as warm-up and capture run it. The KV lengths the
+        static metadata reads are computed first, inside the graph: one launch fewer per
+        replay."""
+        if fb.kv_lens is not None:
+            torch.add(fb.prefix_lens, self.n, out=fb.kv_lens)
         with forward_context(fb) if self.own_context else contextlib.nullcontext():
             return self.fn(fb, extras)
 
@@ -137,38 +154,48 @@ class GraphedForward:
     def replay(self, fb: ForwardBatch, **extras: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Runs `fb` (bs * n tokens, n each) padded to its bucket. Outputs are views of static
         buffers, valid until the next replay of this object."""
-        pb, t = self.stage(fb, **extras)
+        pb = self.stage(fb, **extras)
         self.graphs[pb].replay()
-        return tuple(o[:t] for o in self.outputs[pb])
+        return self._views(fb.batch_size).outputs
 
-    def stage(self, fb: ForwardBatch, **extras: torch.Tensor) -> tuple[int, int]:
+    def stage(self, fb: ForwardBatch, **extras: torch.Tensor) -> int:
         """Copies `fb`'s inputs into the static buffers, the rows up to its bucket padded (slot
-        0, an empty prefix); returns (bucket, real tokens). Device work only: no host read."""
-        bs = fb.batch_size
-        pb = bucket_for(self.buckets, bs)
-        t, pt = bs * self.n, pb * self.n
+        0, an empty prefix); returns the bucket. Device work only: no host read."""
+        v = self._views(fb.batch_size)
+        sources = (fb.input_ids, fb.positions, fb.out_cache_loc, fb.req_pool_indices,
+                   fb.prefix_lens)  # fmt: skip
+        for dst, src in zip(v.inputs, sources, strict=True):
+            dst.copy_(src)
         # Padding rows (a batch smaller than its bucket) are reset to slot 0 every time: rows a
         # larger batch left there hold live requests' slots, which they would overwrite.
-        pad = pb > bs
-        for buf, src in (
-            (self.input_ids, fb.input_ids),
-            (self.positions, fb.positions),
-            (self.out_cache_loc, fb.out_cache_loc),
-        ):
-            buf[:t].copy_(src)
-            if pad:
-                buf[t:pt].zero_()
-        self.req_pool_indices[:bs].copy_(fb.req_pool_indices)
-        self.prefix_lens[:bs].copy_(fb.prefix_lens)
-        if pad:
-            self.req_pool_indices[bs:pb].zero_()
-            self.prefix_lens[bs:pb].zero_()
-        torch.add(self.prefix_lens[:pb], self.n, out=self.kv_lens[:pb])
+        for pad in v.padding:
+            pad.zero_()
         if self.tree_mask is not None and fb.tree_mask is not None:
-            self.tree_mask[:bs].copy_(fb.tree_mask)
-        for k, v in extras.items():
-            self.extras[k][:t].copy_(v)
-        return pb, t
+            self.tree_mask[: fb.batch_size].copy_(fb.tree_mask)
+        for k, src in extras.items():
+            v.extras[k].copy_(src)
+        return v.bucket
+
+    def _views(self, bs: int) -> StagedViews:
+        """The static buffers' views a batch of `bs` stages into and reads back, made once per
+        size: slicing is host work a replay need not repeat."""
+        v = self.views.get(bs)
+        if v is None:
+            pb = bucket_for(self.buckets, bs)
+            t, pt = bs * self.n, pb * self.n
+            per_token = (self.input_ids, self.positions, self.out_cache_loc)
+            per_req = (self.req_pool_indices, self.prefix_lens)
+            padding = [b[t:pt] for b in per_token] + [b[bs:pb] for b in per_req] if pb > bs else []
+            v = StagedViews(
+                bucket=pb,
+                inputs=tuple(b[:t] for b in per_token) + tuple(b[:bs] for b in per_req),
+                padding=tuple(padding),
+                extras={k: b[:t] for k, b in self.extras.items()},
+                outputs=tuple(o[:t] for o in self.outputs[pb]) if pb in self.outputs else (),
+            )
+            if v.outputs or not self.outputs:  # outputs exist once the bucket is captured
+                self.views[bs] = v
+        return v
 
     def can_replay(self, fb: ForwardBatch) -> bool:
         """A forward this graph computes: its mode, n new tokens per request, a causal or tree

@@ -149,18 +149,23 @@ def verify_greedy(
 def verify_greedy_chain(draft_tokens: torch.Tensor, target_predict: torch.Tensor) -> AcceptResult:
     """`verify_greedy` for a chain (parents[:, i] = i - 1): node c is accepted while every node
     up to it carries the target's argmax after its parent, so the accepted length is one plus
-    the leading run of matches: a fixed handful of ops whatever n is (the walk costs several
-    per node)."""
+    the leading run of matches. An accepted node's token is the argmax after the node before
+    it, so the committed tokens are the target's argmaxes at nodes 0 .. len - 1 (the last one
+    the bonus): a dozen ops whatever n is, each a kernel launched from the host on a GPU (the
+    walk costs several per node)."""
     _check_shapes(draft_tokens, draft_tokens, None)
     bs, n = draft_tokens.shape
-    tokens = draft_tokens.long()
     predict = target_predict.long()
-    match = (tokens[:, 1:] == predict[:, :-1]).long()  # [bs, n - 1]
-    lens = 1 + match.cumprod(dim=1).sum(dim=1)  # [bs]
-    nodes = torch.arange(n, device=tokens.device).expand(bs, n)
-    accept_index = torch.where(nodes < lens.unsqueeze(1), nodes, -1)
-    bonus = torch.gather(predict, 1, (lens - 1).unsqueeze(1)).squeeze(1)
-    return _assemble(tokens, accept_index, lens, bonus)
+    match = draft_tokens[:, 1:] == predict[:, :-1]  # [bs, n - 1]
+    lens = 1 + match.long().cumprod(dim=1).sum(dim=1)  # [bs]
+    nodes = torch.arange(n, device=predict.device).expand(bs, n)
+    live = nodes < lens.unsqueeze(1)
+    return AcceptResult(
+        accept_index=torch.where(live, nodes, -1),
+        accept_lens=lens,
+        output_tokens=torch.where(live, predict, -1),
+        bonus_tokens=torch.gather(predict, 1, (lens - 1).unsqueeze(1)).squeeze(1),
+    )
 
 
 def _draw_uniforms(

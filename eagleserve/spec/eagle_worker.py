@@ -328,7 +328,12 @@ class EagleWorker:
         a = acc.accept_lens
         rows = acc.accept_index.clamp(min=0) + (self._iota(bs) * n)[:, None]  # verify rows
         extend_fb, path_rows, last_rows = self._path_extend(batch, acc, max_len)
-        feats = self._features(out)[rows.reshape(-1)[path_rows]]
+        if spec.is_chain and self.fixed_shape_extend:
+            # A chain's path row j is its verify row j; rows past the accept length seed
+            # nothing, so every verify row's feature is used as it is, without a gather.
+            feats = self._features(out)
+        else:
+            feats = self._features(out)[rows.reshape(-1)[path_rows]]
         # Producer of new lengths: the scheduler's refresh point recomputes the host mirror.
         batch.seq_lens = L + a
         batch.seq_lens_cpu = None

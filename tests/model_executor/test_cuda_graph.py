@@ -4,6 +4,8 @@ themselves are captured and replayed only on an accelerator: tests/spec/test_gpu
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -60,8 +62,8 @@ def test_stage_copies_the_batch_and_pads_to_its_bucket(bs: int, n: int) -> None:
         attn_backend=graph.attn_backend,
     )
     feats = torch.randn(t, 6, generator=g)
-    pb, real = graph.stage(fb, features=feats)
-    assert (pb, real) == (bucket_for(graph.buckets, bs), t)
+    pb = graph.stage(fb, features=feats)
+    assert pb == bucket_for(graph.buckets, bs)
     pt = pb * n
     for buf, src in ((graph.input_ids, fb.input_ids), (graph.positions, fb.positions),
                      (graph.out_cache_loc, fb.out_cache_loc)):  # fmt: skip
@@ -71,7 +73,13 @@ def test_stage_copies_the_batch_and_pads_to_its_bucket(bs: int, n: int) -> None:
     assert not graph.req_pool_indices[bs:pb].any()  # request slot 0, never handed out
     assert torch.equal(graph.prefix_lens[:bs], prefix)
     assert not graph.prefix_lens[bs:pb].any()
-    assert torch.equal(graph.kv_lens[:pb], graph.prefix_lens[:pb] + n)
+    # The KV lengths the static metadata reads are computed inside the graph, before `fn`.
+    static = dataclasses.replace(
+        fb, prefix_lens=graph.prefix_lens[:pb], kv_lens=graph.kv_lens[:pb]
+    )  # fmt: skip
+    graph.fn, graph.own_context = lambda fb, ex: (fb.kv_lens.clone(),), False
+    (kv_lens,) = graph.run_fn(static, {})
+    assert torch.equal(kv_lens, graph.prefix_lens[:pb] + n)
     assert torch.equal(graph.extras["features"][:t], feats)
 
 
