@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import glob
 import hashlib
 import importlib.metadata
@@ -99,6 +101,35 @@ def gguf_source(model: str) -> str | None:
     return None
 
 
+@contextlib.contextmanager
+def gguf_parsed_once() -> Iterator[None]:
+    """While open, one `gguf.GGUFReader` per file and one tensor-name map per (architecture,
+    layers). transformers' GGUF loading parses the file's header (the tokenizer's ~100 k
+    strings, element by element) for the config, again for the weights and again for the
+    tokenizer, and rebuilds gguf's name map for every tensor: most of a conversion's time. The
+    readers are read-only views of the file, so sharing one changes nothing they return."""
+    try:
+        import gguf
+    except ImportError:  # transformers then says what is missing
+        yield
+        return
+    reader_class, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    readers: dict[tuple[str, str], Any] = {}
+
+    def reader(path: str | os.PathLike[str], mode: str = "r") -> Any:
+        key = (os.path.abspath(path), mode)
+        if key not in readers:
+            readers[key] = reader_class(path, mode)
+        return readers[key]
+
+    gguf.GGUFReader = reader  # type: ignore[assignment, misc]
+    gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(name_map)
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = reader_class, name_map
+
+
 def convert_gguf(gguf_path: str, out_dir: str) -> str:
     """De-quantizes a GGUF once into an HF folder (safetensors + config + tokenizer)."""
     from safetensors.torch import save_file
@@ -106,8 +137,9 @@ def convert_gguf(gguf_path: str, out_dir: str) -> str:
 
     folder, name = os.path.split(os.path.abspath(gguf_path))
     logger.info("converting %s to %s (one time)", gguf_path, out_dir)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    with gguf_parsed_once():
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     tmp = out_dir + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
