@@ -12,7 +12,8 @@ from typing import Any
 import pytest
 import torch
 from conftest import assert_kv_accounted, track
-from test_eagle_lossless import VOCAB, heads, script_choices, target_dir  # noqa: F401
+from test_adaptive_lossless import script_choices
+from test_eagle_lossless import VOCAB, heads, target_dir  # noqa: F401
 
 from eagleserve import Engine, SamplingParams
 from eagleserve.messages import GenerateReqInput
