@@ -25,6 +25,7 @@ os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
 pytest.importorskip("triton")
 
 from graph_standin import ReplayCount, graphs_on_cpu, outside_replays  # noqa: E402
+from test_adaptive_lossless import script_choices  # noqa: E402
 from test_eagle_lossless import VOCAB, heads, target_dir  # noqa: E402
 
 from eagleserve import Engine, SamplingParams  # noqa: E402
@@ -143,3 +144,19 @@ def test_a_chain_iteration_leaves_the_host_few_launches(
           f"(eager extend {eager})")  # fmt: skip
     assert eager - graphed >= 50
     assert graphed <= 8 * target_only
+
+
+def test_adaptive_at_k0_leaves_the_host_a_target_decodes_launches(
+    target_dir: str, heads: dict[str, str], graphs: ReplayCount, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The shipped config drafts nothing where drafts do not pay: those iterations must cost
+    what a plain decode costs, on the host as on the device."""
+    monkeypatch.setattr(cost_model, "REPEATS", 1)  # the start-up cost table, as above
+    target_only = _ops_per_iteration(accelerator_engine(target_dir, False), graphs)
+    eng = accelerator_engine(target_dir, False, speculative_algorithm="EAGLE",
+                             speculative_draft_model_path=heads["EAGLE"],
+                             speculative_adaptive=True, **CHAIN3)  # fmt: skip
+    script_choices(eng, [0])
+    held = _ops_per_iteration(eng, graphs)
+    print(f"ops outside replays per iteration: target-only {target_only}, adaptive at k = 0 {held}")
+    assert held <= target_only + 6
