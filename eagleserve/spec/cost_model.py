@@ -5,6 +5,10 @@ For each batch-size bucket and chain length k, one iteration is
 - k >= 1: (k - 1) head draft steps (the first draft comes from the last extend's seed), a
   target verify of k + 1 tokens per request (a tree: num_draft_tokens), and a head extend over
   up to k + 1 tokens.
+Each part runs the way serving runs it: from its device graph where one is captured (the
+target's decode and verify, a chain's draft step, loop and seed extend), else eagerly; eager
+head steps on a GPU cost several times their graph, which would keep the controller from
+drafting where drafting pays.
 Each part is timed on dummy requests (a context of up to CONTEXT tokens of scratch KV slots,
 freed afterwards) through the same forwards serving uses, synchronized, best of a few repetitions.
 The sum misses sampling and accept bookkeeping, which `CostTable.observe` refines online.
@@ -87,10 +91,12 @@ def measure_costs(
                                 REPEATS if repeats is None else repeats)  # fmt: skip
             for k in choices:
                 verify = k + 1 if spec.is_chain else spec.num_draft_tokens
+                # k - 1 head steps: one replay of the chain's loop graph where it has one.
+                steps = times.get(("draft loop", k), (k - 1) * times["draft"])
                 table.seconds[(bs, k)] = (
                     times["verify", 1]
                     if k == 0
-                    else times["verify", verify] + (k - 1) * times["draft"] + times["extend", k + 1]
+                    else times["verify", verify] + steps + times["extend", k + 1]
                 )
             # A catch-up extends a few held tokens per request: about the longest extend.
             table.catch_up[bs] = times["extend", max(choices) + 1]
@@ -132,23 +138,43 @@ def _part_times(
         )
 
     def draft_step(n: int) -> Callable[[], object]:
+        """One head step of n rows per request, replayed from its graph where one serves it."""
         feats = torch.randn(bs * n, hidden, device=dev, dtype=runner.dtype)
+        graph = drafter.graph
 
         def run() -> object:
             f = fb(n, "draft", drafter.kv_pool, drafter.attn_backend)
-            with torch.inference_mode(), forward_context(f):
-                return drafter.head(f.input_ids, feats, f.positions)
+            with torch.inference_mode():
+                if graph is not None and graph.can_replay(f):
+                    return graph.replay(f, features=feats)
+                with forward_context(f):
+                    return drafter.head(f.input_ids, feats, f.positions)
+
+        return run
+
+    def draft_loop(k: int) -> Callable[[], object]:
+        """The chain's k-step draft as its loop graph replays it (drafter.draft)."""
+        loop = drafter.loop_graphs[k]
+        seed = (torch.rand(bs, 1, device=dev, dtype=runner.dtype),
+                torch.randint(0, runner.config.vocab_size, (bs, 1), device=dev),
+                torch.randn(bs, hidden, device=dev, dtype=runner.dtype))  # fmt: skip
+
+        def run() -> object:
+            f = fb(1, "draft", drafter.kv_pool, drafter.attn_backend)
+            with torch.inference_mode():  # as serving drafts (EagleWorker's forward)
+                return loop.replay(f, topk_p=seed[0], topk_index=seed[1], hidden=seed[2])
 
         return run
 
     def extend(n: int) -> Callable[[], object]:
+        """The seed extend after a verify of n tokens per request (its graph where captured)."""
         feats = torch.randn(bs * n, feature, device=dev, dtype=runner.dtype)
         last_rows = torch.arange(1, bs + 1, device=dev) * n - 1
 
         def run() -> object:
             f = fb(n, "extend", drafter.kv_pool, drafter.attn_backend)
             with torch.inference_mode():
-                return drafter.extend_forward(f, feats, last_rows)
+                return drafter.extend(f, feats, last_rows)
 
         return run
 
@@ -163,6 +189,8 @@ def _part_times(
     for k in choices:
         if k:
             parts["extend", k + 1] = extend(k + 1)
+        if k in drafter.loop_graphs and bs <= drafter.loop_graphs[k].max_bs:
+            parts["draft loop", k] = draft_loop(k)
     # Tree branches run side by side (topk rows per request; the causal mask of this timing
     # costs about what the region mask does).
     parts["draft"] = draft_step(spec.eagle_topk)

@@ -50,13 +50,13 @@ class StandInGraph:
     def replay(self) -> None:
         self.count.by_graph[id(self.graph)] = self.count.of(self.graph) + 1
         self.count.inside = True
-        try:
-            with no_host_reads():
+        try:  # under inference mode, as the capture ran (its outputs are inference tensors)
+            with torch.inference_mode(), no_host_reads():
                 fresh = self.graph.run_fn(self.fb, self.extras)
+                for out, new in zip(self.graph.outputs[self.bs], fresh, strict=True):
+                    out.copy_(new)
         finally:
             self.count.inside = False
-        for out, new in zip(self.graph.outputs[self.bs], fresh, strict=True):
-            out.copy_(new)
 
 
 @contextlib.contextmanager

@@ -160,3 +160,30 @@ def test_adaptive_at_k0_leaves_the_host_a_target_decodes_launches(
     held = _ops_per_iteration(eng, graphs)
     print(f"ops outside replays per iteration: target-only {target_only}, adaptive at k = 0 {held}")
     assert held <= target_only + 6
+
+
+def test_the_cost_table_times_what_serving_replays(
+    target_dir: str, heads: dict[str, str], graphs: ReplayCount, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The adaptive controller compares the costs it timed at start: timed eagerly, a GPU's
+    head steps and extends cost several times their graphs, and drafting never looks worth it.
+    Every head forward of the timing runs inside a graph replay: draft step, loop, extend."""
+    monkeypatch.setattr(cost_model, "REPEATS", 1)
+    eng = accelerator_engine(target_dir, False, speculative_algorithm="EAGLE",
+                             speculative_draft_model_path=heads["EAGLE"],
+                             speculative_adaptive=True, **CHAIN3)  # fmt: skip
+    worker = eng.scheduler.worker
+    drafter = worker.drafter
+    assert drafter.extend_graphs is not None
+    timed = [*drafter.loop_graphs.values(), *drafter.extend_graphs.graphs.values()]
+    before = [graphs.of(g) for g in timed]
+    eager: list[int] = []
+    head_forward = drafter.head.forward
+    drafter.head.forward = lambda *a: (eager.append(0) if not graphs.inside else None,
+                                       head_forward(*a))[1]  # fmt: skip
+    table = cost_model.measure_costs(worker.runner, drafter, (1, 2), (0, 1, 2, 3), repeats=1)
+    assert not eager
+    assert all(graphs.of(g) > n for g, n in zip(timed, before, strict=True))
+    assert sorted(drafter.loop_graphs) == [2, 3]
+    assert sorted(drafter.extend_graphs.graphs) == [2, 3, 4]
+    assert all(0 < s < float("inf") for s in table.seconds.values())
