@@ -133,11 +133,10 @@ def distill(
     dtype = "bfloat16" if dev.type != "cpu" else "float32"
     prompts = distill_prompts(tok, convs, keys, cfg)
     kv = cfg.batch_size * (cfg.max_prompt_tokens + cfg.max_new_tokens + 8)
-    extra = {} if dev.type == "cpu" else {"cuda_graph_max_bs": cfg.batch_size}
 
-    def make_engine() -> object:
+    def make_engine() -> object:  # graphs cover the whole batch by default (up to 256 rows)
         return Engine(model=ns.model, device=dev.type, dtype=dtype, kv_cache_tokens=kv,
-                      max_running_requests=cfg.batch_size, **extra)  # fmt: skip
+                      max_running_requests=cfg.batch_size)  # fmt: skip
 
     key = cache_key(model_identity(resolve_model_path(ns.model)), f"{dev.type}/{dtype}", cfg,
                     prompts)  # fmt: skip
