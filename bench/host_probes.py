@@ -231,9 +231,9 @@ def sync_sites(engine: Engine, batch: int, new: int, vocab: int) -> dict[str, fl
     s = engine.scheduler
     run_batch, iterations = s.run_batch, [0]
 
-    def counted(batch: Any) -> Any:
+    def counted(batch: Any, *args: Any) -> Any:
         iterations[0] += batch.mode == "decode"
-        return run_batch(batch)
+        return run_batch(batch, *args)
 
     s.run_batch = counted  # type: ignore[method-assign]
     with census.watch():
