@@ -326,14 +326,13 @@ class EagleWorker:
         if not spec.is_chain:
             commit_tree_path(r2t, batch.req_pool_indices, L, acc.accept_index, n)
         a = acc.accept_lens
-        rows = acc.accept_index.clamp(min=0) + (self._iota(bs) * n)[:, None]  # verify rows
         extend_fb, path_rows, last_rows = self._path_extend(batch, acc, max_len)
         if spec.is_chain and self.fixed_shape_extend:
             # A chain's path row j is its verify row j; rows past the accept length seed
             # nothing, so every verify row's feature is used as it is, without a gather.
             feats = self._features(out)
         else:
-            feats = self._features(out)[rows.reshape(-1)[path_rows]]
+            feats = self._features(out)[self._path_verify_rows(acc, n).reshape(-1)[path_rows]]
         # Producer of new lengths: the scheduler's refresh point recomputes the host mirror.
         batch.seq_lens = L + a
         batch.seq_lens_cpu = None
@@ -346,6 +345,7 @@ class EagleWorker:
         result = GenerationBatchResult(acc.output_tokens, a, num_drafts=k)
         if any(r.sampling_params.logprobs is not None for r in batch.reqs):
             k = max((r.sampling_params.logprobs or 0) for r in batch.reqs)
+            rows = self._path_verify_rows(acc, n)
             row_logits = logits.reshape(bs * n, -1)[rows.reshape(-1)]
             chosen, vals, ids = top_logprobs(
                 row_logits, acc.output_tokens.clamp(min=0).reshape(-1), k
@@ -354,6 +354,11 @@ class EagleWorker:
             result.top_logprob_vals = vals.view(*rows.shape, -1)
             result.top_logprob_ids = ids.view(*rows.shape, -1)
         return result
+
+    def _path_verify_rows(self, acc: AcceptResult, n: int) -> torch.Tensor:
+        """[bs, width]: the verify row of each accepted path node (row 0's where none)."""
+        bs = acc.accept_index.shape[0]
+        return acc.accept_index.clamp(min=0) + (self._iota(bs) * n)[:, None]
 
     def _path_extend(
         self, batch: ScheduleBatch, acc: AcceptResult, max_len: int
