@@ -8,7 +8,7 @@ Needs nothing but the checkout and the default model file (no network). Stages, 
 in its own child process with a time limit (one failure or hang does not stop the rest), each
 writing DIR/<stage>.json (and .log); DIR/summary.json is rewritten after every stage:
   tests     pytest -q tests/spec/test_gpu_paths.py tests/kernels (CPU-kernel files left out),
-            the fused-forward and deterministic-inference tests
+            the fused-forward, batch-invariant switch and deterministic-inference tests
   table     the default model: target-only, EAGLE3 chain 3, chain 5, tree (3 steps, top-4, 8
             tokens), the shipped config (configs/smollm2-135m-eagle.yaml, adaptive); batch 1
             (8 held-out prompts one after another), 16 and 64; greedy, EOS ignored; tok/s, x
@@ -138,7 +138,8 @@ def stage_hang(args: argparse.Namespace, st: Stage) -> None:
 def stage_tests(args: argparse.Namespace, st: Stage, limit: float) -> None:
     cmd = [sys.executable, "-m", "pytest", "-q", "tests/spec/test_gpu_paths.py",
            "tests/kernels", "--ignore-glob=tests/kernels/test_cpu_*",
-           "tests/models/test_fused_forward.py", "tests/spec/test_deterministic_inference.py",
+           "tests/models/test_fused_forward.py", "tests/models/test_batch_invariant_switch.py",
+           "tests/spec/test_deterministic_inference.py",
            f"--junitxml={os.path.join(args.out, 'tests.xml')}"]  # fmt: skip
     if args.quick:
         cmd += ["-k", "not graphs"]

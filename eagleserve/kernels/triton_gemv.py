@@ -15,6 +15,12 @@ and after the weight, each projection output (bias added first), silu(gate), the
 rotated q/k. Only each dot product's summation order differs from cuBLAS's. The RMS of a row is
 recomputed by every program (the row is small and re-read from cache), and the new residual is
 written by the programs of the first column block only, once per row.
+
+Batch-invariant: the tiles, the K order and the compiled kernel are the same for any number of
+rows (T is not specialized), so a row's result does not depend on the rows around it; the
+batch-invariant mode runs these kernels at every size (models/fused_forward.py). The row block
+is grid axis 0, so the programs sharing a weight tile run side by side and read it once from
+memory when a forward has many row blocks.
 """
 
 from __future__ import annotations
@@ -65,7 +71,9 @@ def _normed_tile(X, Res, NormW, ResOut, stride_x, stride_r, stride_ro, rows, row
     return (normed * w[None, :]).to(x.dtype)
 
 
-@triton.jit
+# T is never specialized (Triton compiles T == 1 apart otherwise): every batch size runs one
+# compiled kernel, so a row's bits do not depend on the batch (the batch-invariant mode).
+@triton.jit(do_not_specialize=["T"])
 def _norm_qkv_rope_kernel(
     X, Res, NormW, W, Bias, Cos, SignedSin,  # x, res [T, K]; W [(H + 2Hkv) * D, K]; cos [T, D]
     QKV, ResOut, KBuf, VBuf, Loc,  # QKV [T, H + 2Hkv, D]; KBuf, VBuf [S, Hkv, D]; Loc [T]
@@ -76,9 +84,9 @@ def _norm_qkv_rope_kernel(
     HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr,
 ):  # fmt: skip
-    head = tl.program_id(0)
-    pid_c = tl.program_id(1)
-    rows = (tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    head = tl.program_id(1)
+    pid_c = tl.program_id(2)
     row_ok = rows < T
     HALF: tl.constexpr = HEAD_DIM // 2
     offs_c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -133,7 +141,7 @@ def _norm_qkv_rope_kernel(
     tl.store(v_dst + HALF, hi.to(VBuf.dtype.element_ty), mask=mask & is_v)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _norm_gemm_kernel(
     X, Res, NormW, W, Out, ResOut,  # x, res [T, K]; W [N, K]; Out [T, N]
     T, N, K, eps,
@@ -141,8 +149,8 @@ def _norm_gemm_kernel(
     HAS_RES: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    pid_n = tl.program_id(0)
-    rows = (tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    pid_n = tl.program_id(1)
     row_ok = rows < T
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
@@ -160,7 +168,7 @@ def _norm_gemm_kernel(
              mask=row_ok[:, None] & n_ok[None, :])  # fmt: skip
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _silu_mul_gemm_kernel(
     GateUp, W, Out,  # GateUp [T, 2K]; W [N, K]; Out [T, N]
     T, N, K,
@@ -168,8 +176,8 @@ def _silu_mul_gemm_kernel(
     IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    pid_n = tl.program_id(0)
-    rows = (tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    pid_n = tl.program_id(1)
     row_ok = rows < T
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
@@ -231,7 +239,7 @@ def norm_qkv_rope_store_kv(
     if t == 0:
         return qkv, res_out
     res = residual if residual is not None else x
-    _norm_qkv_rope_kernel[(heads, triton.cdiv(d // 2, BLOCK_C), triton.cdiv(t, BLOCK_M))](
+    _norm_qkv_rope_kernel[(triton.cdiv(t, BLOCK_M), heads, triton.cdiv(d // 2, BLOCK_C))](
         x, res, norm_weight, weight, bias if bias is not None else weight, cos2, sin2,
         qkv, res_out, k_buffer, v_buffer, out_cache_loc,
         t, k_dim, eps,
@@ -266,7 +274,7 @@ def norm_gemm(
     if t == 0:
         return out, res_out
     res = residual if residual is not None else x
-    _norm_gemm_kernel[(triton.cdiv(n, block_n), triton.cdiv(t, BLOCK_M))](
+    _norm_gemm_kernel[(triton.cdiv(t, BLOCK_M), triton.cdiv(n, block_n))](
         x, res, norm_weight, weight, out, res_out,
         t, n, k_dim, eps,
         x.stride(0), res.stride(0), weight.stride(0), out.stride(0), res_out.stride(0),
@@ -285,7 +293,7 @@ def silu_mul_gemm(gate_up: torch.Tensor, weight: torch.Tensor, block_n: int = 16
     out = torch.empty((t, n), dtype=gate_up.dtype, device=gate_up.device)
     if t == 0:
         return out
-    _silu_mul_gemm_kernel[(triton.cdiv(n, block_n), triton.cdiv(t, BLOCK_M))](
+    _silu_mul_gemm_kernel[(triton.cdiv(t, BLOCK_M), triton.cdiv(n, block_n))](
         gate_up, weight, out, t, n, inter,
         gate_up.stride(0), weight.stride(0), out.stride(0),
         IEEE=_ieee_dot(gate_up),

@@ -254,7 +254,8 @@ class LlamaForCausalLM(nn.Module):
         # With them, forwards of at most this many rows run the GEMV kernels (fused_forward.py).
         # Small models only: their layers are launch-bound, so fewer kernels win; a large one
         # streams its weights through cuBLAS faster than the GEMV's fixed tiles (until a GPU
-        # run shows otherwise: bench/gpu_kernels.py, mode gemv).
+        # run shows otherwise: bench/gpu_kernels.py, mode gemv). In the batch-invariant mode
+        # such a model runs them at every size (fused_forward.use_gemv).
         self.fused_gemv_max_rows = 16 if cfg.hidden_size <= GEMV_MAX_HIDDEN else 0
 
     @property

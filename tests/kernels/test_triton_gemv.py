@@ -96,3 +96,40 @@ def test_silu_mul_gemm_matches_unfused(dtype: torch.dtype, shape: tuple, rows: i
     gate_up = randn(rows, 2 * inter, gen=gen, dtype=dtype)
     w = randn(hidden, inter, gen=gen, dtype=dtype) / inter**0.5
     close(tg.silu_mul_gemm(gate_up, w), F.linear(tf.silu_mul(gate_up), w))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rows_do_not_depend_on_the_batch(dtype: torch.dtype) -> None:
+    """The batch-invariant mode runs these kernels at every size: each output row (and its K/V
+    write) is bitwise the same alone, at the front of a batch of 1..40 rows (one to three row
+    blocks) and anywhere inside it."""
+    hidden, nh, nkv, d, inter = SHAPES[0]
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,))))
+    rows, heads = 40, nh + 2 * nkv
+    x, res = randn(rows, hidden, gen=gen, dtype=dtype), randn(rows, hidden, gen=gen, dtype=dtype)
+    norm_w = 1 + 0.1 * randn(hidden, gen=gen, dtype=dtype)
+    w_qkv = randn(heads * d, hidden, gen=gen, dtype=dtype) / hidden**0.5
+    w_gate_up = randn(2 * inter, hidden, gen=gen, dtype=dtype) / hidden**0.5
+    w_down = randn(hidden, inter, gen=gen, dtype=dtype) / inter**0.5
+    cos, sin = rotary(rows, d, gen, dtype)
+    loc = torch.randperm(rows + 9, generator=gen)[:rows].to(DEVICE)
+    kv_bufs = [randn(rows + 9, nkv, d, gen=gen, dtype=dtype) for _ in range(2)]
+
+    def layer(sel: slice) -> list[torch.Tensor]:
+        k_buf, v_buf = (b.clone() for b in kv_bufs)
+        qkv, stream = tg.norm_qkv_rope_store_kv(
+            x[sel], res[sel], norm_w, 1e-5, w_qkv, None, nh, cos[sel], sin[sel], k_buf, v_buf,
+            loc[sel],
+        )  # fmt: skip
+        gate_up, stream2 = tg.norm_gemm(qkv.view(qkv.shape[0], -1)[:, :hidden].contiguous(),
+                                        stream, norm_w, 1e-5, w_gate_up)  # fmt: skip
+        down = tg.silu_mul_gemm(gate_up, w_down)
+        return [qkv, stream, gate_up, stream2, down, k_buf[loc[sel]], v_buf[loc[sel]]]
+
+    full = layer(slice(0, rows))
+    for m in (1, 3, 16, 17, 33):
+        for got, want in zip(layer(slice(0, m)), full, strict=True):
+            assert torch.equal(got, want[:m]), m
+    for i in (0, 15, 16, 39):  # a row alone, from any block and any place in it
+        for got, want in zip(layer(slice(i, i + 1)), full, strict=True):
+            assert torch.equal(got, want[i : i + 1]), i

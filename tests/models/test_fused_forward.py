@@ -119,10 +119,12 @@ def test_gemv_decode_gives_the_unfused_greedy_tokens(
     assert tokens[1] == tokens[0]
 
 
-def test_gemv_not_in_the_batch_invariant_mode(tiny_model_dir: str) -> None:
+def test_gemv_at_every_size_in_the_batch_invariant_mode(tiny_model_dir: str) -> None:
     r = runner(tiny_model_dir, torch.float32, True)
     assert use_gemv(r.model, 16, torch.float32) and not use_gemv(r.model, 17, torch.float32)
     r.model.batch_invariant = True  # as make_batch_invariant sets it
+    assert use_gemv(r.model, 1, torch.float32) and use_gemv(r.model, 4096, torch.float32)
+    r.model.fused_gemv_max_rows = 0  # a large model: the batch-invariant GEMM at every size
     assert not use_gemv(r.model, 1, torch.float32)
 
 
