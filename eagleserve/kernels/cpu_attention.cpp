@@ -209,20 +209,25 @@ RowPlan plan_rows(int64_t T, const at::Tensor& req_to_token, const at::Tensor& r
   return plan;
 }
 
-at::Tensor attend_rows(const RowPlan& plan, const at::Tensor& q, const at::Tensor& k_buf,
+HeadRows head_rows(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 3 && x.scalar_type() == at::kFloat && x.stride(2) == 1 &&
+                  x.stride(1) == x.size(2),
+              "[T, heads, D] float32, each row's heads contiguous");
+  return {x.data_ptr<float>(), x.size(0), x.size(1), x.size(2), x.stride(0)};
+}
+
+at::Tensor attend_rows(const RowPlan& plan, const HeadRows& q, const at::Tensor& k_buf,
                        const at::Tensor& v_buf, double sm_scale) {
-  // q may be a view of a fused q/k/v projection: its heads contiguous, any row stride.
-  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.stride(2) == 1 &&
-                  q.stride(1) == q.size(2) && q.size(0) == plan.rows,
-              "q [T, H, D] float32, each row's heads contiguous, one row per planned row");
+  // q may be a slice of a fused q/k/v projection: its heads contiguous, any row stride.
+  TORCH_CHECK(q.rows == plan.rows, "one query row per planned row");
   TORCH_CHECK(k_buf.scalar_type() == at::kFloat && k_buf.is_contiguous() &&
                   v_buf.is_contiguous() && k_buf.sizes() == v_buf.sizes(),
               "k/v buffers [slots, kv_heads, D] float32");
-  const int64_t T = q.size(0), H = q.size(1), D = q.size(2), Hkv = k_buf.size(1);
+  const int64_t T = q.rows, H = q.heads, D = q.dim, Hkv = k_buf.size(1);
   TORCH_CHECK(D % 8 == 0 && H % Hkv == 0 && k_buf.size(2) == D, "head shapes");
-  at::Tensor out = at::empty({T, H, D}, q.options());
-  const int64_t q_row = q.stride(0);
-  const float* qp = q.data_ptr<float>();
+  at::Tensor out = at::empty({T, H, D}, k_buf.options());
+  const int64_t q_row = q.row_stride;
+  const float* qp = q.data;
   const float* kp = k_buf.data_ptr<float>();
   const float* vp = v_buf.data_ptr<float>();
   float* op = out.data_ptr<float>();
@@ -291,28 +296,27 @@ at::Tensor attend_rows(const RowPlan& plan, const at::Tensor& q, const at::Tenso
 
 // k_buf[loc[i]] = k[i] and v_buf[loc[i]] = v[i]: the new tokens' K/V into the fp32 pool in one
 // call (k and v may be views of a fused projection: heads contiguous, any row stride).
-void store_kv_(const at::Tensor& k_buf, const at::Tensor& v_buf, const at::Tensor& loc_in,
-               const at::Tensor& k, const at::Tensor& v) {
+void store_kv_rows(const at::Tensor& k_buf, const at::Tensor& v_buf, const int64_t* loc,
+                   const HeadRows& k, const HeadRows& v) {
   TORCH_CHECK(k_buf.scalar_type() == at::kFloat && k_buf.is_contiguous() &&
                   v_buf.is_contiguous() && k_buf.sizes() == v_buf.sizes(),
               "k/v buffers [slots, kv_heads, D] float32");
-  const int64_t T = k.size(0), width = k_buf.size(1) * k_buf.size(2), slots = k_buf.size(0);
-  for (const at::Tensor* x : {&k, &v}) {
-    TORCH_CHECK(x->scalar_type() == at::kFloat && x->dim() == 3 && x->size(0) == T &&
-                    x->size(1) * x->size(2) == width && x->stride(2) == 1 &&
-                    x->stride(1) == x->size(2),
-                "k, v [T, kv_heads, D] float32, each row's heads contiguous");
-  }
-  const at::Tensor loc = loc_in.to(at::kLong).contiguous();
-  TORCH_CHECK(loc.numel() == T, "one slot per new token");
-  const int64_t* lp = loc.data_ptr<int64_t>();
+  const int64_t T = k.rows, width = k_buf.size(1) * k_buf.size(2), slots = k_buf.size(0);
+  TORCH_CHECK(v.rows == T && k.heads * k.dim == width && v.heads * v.dim == width,
+              "k, v [T, kv_heads, D] as the buffers' rows");
+  float *kb = k_buf.data_ptr<float>(), *vb = v_buf.data_ptr<float>();
   for (int64_t i = 0; i < T; ++i) {
-    TORCH_CHECK(lp[i] >= 0 && lp[i] < slots, "slot out of range");
-    std::copy_n(k.data_ptr<float>() + i * k.stride(0), width,
-                k_buf.data_ptr<float>() + lp[i] * width);
-    std::copy_n(v.data_ptr<float>() + i * v.stride(0), width,
-                v_buf.data_ptr<float>() + lp[i] * width);
+    TORCH_CHECK(loc[i] >= 0 && loc[i] < slots, "slot out of range");
+    std::copy_n(k.data + i * k.row_stride, width, kb + loc[i] * width);
+    std::copy_n(v.data + i * v.row_stride, width, vb + loc[i] * width);
   }
+}
+
+void store_kv_(const at::Tensor& k_buf, const at::Tensor& v_buf, const at::Tensor& loc_in,
+               const at::Tensor& k, const at::Tensor& v) {
+  const at::Tensor loc = loc_in.to(at::kLong).contiguous();
+  TORCH_CHECK(loc.numel() == k.size(0), "one slot per new token");
+  store_kv_rows(k_buf, v_buf, loc.data_ptr<int64_t>(), head_rows(k), head_rows(v));
 }
 
 }  // namespace eagleserve_cpu
@@ -326,7 +330,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_buf, const a
                            double sm_scale) {
   const eagleserve_cpu::RowPlan plan = eagleserve_cpu::plan_rows(
       q.size(0), req_to_token, req_pool_indices, prefix_lens, extend_lens, kv_lens, tree_mask);
-  return eagleserve_cpu::attend_rows(plan, q, k_buf, v_buf, sm_scale);
+  return eagleserve_cpu::attend_rows(plan, eagleserve_cpu::head_rows(q), k_buf, v_buf, sm_scale);
 }
 
 }  // namespace

@@ -7,7 +7,9 @@
 - `cpu_norm.cpp`: RMSNorm of fp32 rows in one call (`rms_norm`);
 - `cpu_pointwise.cpp`: rotary of the fused q/k heads in place (`rope_`) and `silu_mul`;
 - `cpu_layers.cpp`: a packed target's decoder layers in one call (`decoder_layers`), the
-  kernels above in the order the modules call them.
+  kernels above in the order the modules call them;
+- `cpu_argmax.cpp`: argmax over the last dim of fp32 rows (`argmax_rows`), torch.argmax's
+  answer in one vectorized pass per row.
 
 All keep a row's result independent of the rows beside it (what makes a verify reproduce the
 decodes bit for bit). The sources are compiled once per (sources, torch version, flags) into
@@ -36,7 +38,7 @@ _SOURCES = [
     os.path.join(os.path.dirname(os.path.abspath(__file__)), name)
     for name in (
         "cpu_gemv.cpp", "cpu_gemv_avx512.cpp", "cpu_attention.cpp", "cpu_norm.cpp",
-        "cpu_pointwise.cpp", "cpu_layers.cpp",
+        "cpu_pointwise.cpp", "cpu_layers.cpp", "cpu_argmax.cpp",
     )
 ]  # fmt: skip
 _HEADERS = [os.path.join(os.path.dirname(_SOURCES[0]), n) for n in ("cpu_simd.h", "cpu_kernels.h")]
@@ -111,6 +113,12 @@ def load() -> bool:
         except (RuntimeError, OSError) as e:
             logger.warning("AVX2 CPU kernels unavailable, using torch's: %s", e)
         return _loaded
+
+
+def loaded() -> bool:
+    """Whether the kernels are loaded in this process (never builds them: for callers with a
+    torch fallback that should not pay for a build, such as sampling)."""
+    return _loaded is True
 
 
 def pack_q4(nibbles: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -218,6 +226,12 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """weight * (x / sqrt(mean(x^2, -1) + eps)) for fp32 x [..., K]."""
     return torch.ops.eagleserve_cpu.rms_norm(x, weight, eps)
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """logits.argmax(-1) for fp32 logits [..., V], the same indices (ties: the first; NaN:
+    the first NaN)."""
+    return torch.ops.eagleserve_cpu.argmax_rows(logits)
 
 
 def decoder_layers(

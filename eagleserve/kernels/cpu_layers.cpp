@@ -37,7 +37,12 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers(
   const int64_t T = h_in.size(0), D = k_buffers[0].size(2);
   const RowPlan plan = plan_rows(T, req_to_token, req_pool_indices, prefix_lens, extend_lens,
                                  kv_lens, tree_mask);
-  at::Tensor h = h_in;
+  // The residual stream, added to in place (the same fp32 adds as `h + x`, no allocation).
+  at::Tensor h = h_in.clone();
+  // The new rows' slots, read by every layer's K/V write.
+  const at::Tensor loc = out_cache_loc.to(at::kLong).contiguous();
+  TORCH_CHECK(loc.numel() == T, "one slot per new token");
+  const int64_t* slots = loc.data_ptr<int64_t>();
   // The states entering aux_layers side by side, [T, aux_layers * hidden]: what the module
   // path's torch.cat builds, written here so that no op runs for it after the call.
   const int64_t hidden = h_in.size(1);
@@ -55,15 +60,18 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers(
     at::Tensor x = rms_norm(h, w[0], eps);
     at::Tensor qkv = q4_matmul(x, w[1], w[2], w[3], n[0]).view({T, heads + 2 * kv_heads, D});
     rope_(qkv, cos, signed_sin, heads + kv_heads);
-    const at::Tensor q = qkv.narrow(1, 0, heads), k = qkv.narrow(1, heads, kv_heads);
-    const at::Tensor v = qkv.narrow(1, heads + kv_heads, kv_heads);
-    store_kv_(k_buffers[i], v_buffers[i], out_cache_loc, k, v);
+    // q, k and v: the fused projection's head ranges, row stride (heads + 2 kv_heads) * D.
+    const float* base = qkv.data_ptr<float>();
+    const int64_t row = (heads + 2 * kv_heads) * D;
+    const HeadRows q{base, T, heads, D, row}, k{base + heads * D, T, kv_heads, D, row};
+    const HeadRows v{base + (heads + kv_heads) * D, T, kv_heads, D, row};
+    store_kv_rows(k_buffers[i], v_buffers[i], slots, k, v);
     const at::Tensor attn = attend_rows(plan, q, k_buffers[i], v_buffers[i], sm_scale);
-    h = h + q4_matmul(attn.view({T, -1}), w[4], w[5], w[6], n[1]);
+    h.add_(q4_matmul(attn.view({T, -1}), w[4], w[5], w[6], n[1]));
     // ... then h + mlp(post_attention_layernorm(h))
     x = rms_norm(h, w[7], eps);
     const at::Tensor act = silu_mul(q4_matmul(x, w[8], w[9], w[10], n[2]));
-    h = h + q4_matmul(act, w[11], w[12], w[13], n[3]);
+    h.add_(q4_matmul(act, w[11], w[12], w[13], n[3]));
   }
   TORCH_CHECK(next_aux == num_aux, "aux layers: ascending layer indices");
   return {h, aux};

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from eagleserve.distributed.parallel import broadcast_from_first
-from eagleserve.sampling.sampler import SamplingInfo, logits_to_probs
+from eagleserve.sampling.sampler import SamplingInfo, greedy_ids, logits_to_probs
 
 __all__ = [
     "AcceptResult",
@@ -303,7 +303,7 @@ def accept(
     parallelism every rank takes rank 0's result: the ranks then commit the same tokens and KV
     paths."""
     n = logits.shape[1]
-    predict = logits.argmax(dim=-1)
+    predict = greedy_ids(logits)
     acc = verify_greedy_chain(tokens, predict) if chain else verify_greedy(
         tokens, parents, predict
     )  # fmt: skip

@@ -89,11 +89,21 @@ def draft_chain(
     buffers: Topk1ChainBuffers,
     track_paths: bool = False,
 ) -> DraftTree:
-    score_list, token_list, parents_list = _run_steps(info, num_steps, 1, step_fn, track_paths)
-    parent_list, top_scores_index, draft_tokens = buffers.organize(
-        score_list, token_list, parents_list, num_steps + 1
-    )
-    return DraftTree(parent_list, top_scores_index, draft_tokens)
+    """The tree `draft_tree` builds for topk == 1, without its bookkeeping: one branch, whose
+    only candidate each step is the next node (scores, parents and the selection are the
+    identity). Each step feeds back the step's token and features as they are."""
+    ids, feats = info.topk_index.flatten(), info.hidden_states
+    tokens = [info.topk_index]
+    paths = None
+    for depth in range(1, num_steps):
+        if track_paths:  # [bs, 1, depth]: the tokens drafted so far, newest last
+            new = ids.view(-1, 1, 1)
+            paths = new if paths is None else torch.cat([paths, new], dim=2)
+        _, topk_index, feats = step_fn(ids, feats, depth, None, paths)
+        tokens.append(topk_index)
+        ids = topk_index.flatten()
+    parent_list, top_scores_index = buffers.constants(ids.shape[0], num_steps)
+    return DraftTree(parent_list, top_scores_index, torch.cat(tokens, dim=1))
 
 
 def draft_tree(

@@ -185,7 +185,8 @@ class EagleHead(nn.Module):
         """input_ids [T] (token t[j+1]), features [T, feature_size or h] (aligned with t[j]),
         positions [T]. Returns (logits [T, draft_vocab] fp32, next_features [T, h])."""
         attn_in, residual = self._attention_input(input_ids, features)
-        x = residual + self.attn(attn_in, positions, self.rotary_emb)
+        # Bound once: a fused q/k/v then rotates q and k together (one kernel on a CPU).
+        x = residual + self.attn(attn_in, positions, self.rotary_emb.at(positions, attn_in.dtype))
         if self.algorithm == "EAGLE":
             layer = self.layers[0]
             out = x + layer.mlp(layer.post_attention_layernorm(x))
@@ -214,7 +215,7 @@ class EagleHead(nn.Module):
                 k, v = attn.k_proj(attn_in).view(t, *shape), attn.v_proj(attn_in).view(t, *shape)
             k = self.rotary_emb.at(positions, attn_in.dtype).apply(k)
         else:
-            _, k, v = attn.project(attn_in, positions, self.rotary_emb)
+            _, k, v = attn.project(attn_in, positions, self.rotary_emb.at(positions, attn_in.dtype))
         get_forward_batch().kv_pool.set_kv(attn.layer_id, out_cache_loc, k, v)
 
     @torch.no_grad()
@@ -237,10 +238,13 @@ class EagleHead(nn.Module):
                 delattr(module, n)
 
     def use_row_kernels(self) -> None:
-        """The one-call RMSNorm and SiLU gate of kernels/ (a head next to a packed target)."""
+        """The one-call RMSNorm, rotary and SiLU gate of kernels/ (a head next to a packed
+        target; the same bits as the modules' torch ops)."""
         for module in self.modules():
             if isinstance(module, (RMSNorm, LlamaMLP)):
                 module.row_kernel = True
+            elif isinstance(module, LlamaAttention):  # the rotary kernel's vector width
+                module.row_kernel = module.head_dim % 16 == 0
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         if self.algorithm == "EAGLE":

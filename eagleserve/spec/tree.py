@@ -164,7 +164,8 @@ class Topk1ChainBuffers:
 
     With one candidate per step all num_steps candidates are kept, so cat/topk/sort/gather is the
     identity: parents are `arange(-1, num_steps - 1)` (width 0 for a single step, matching the
-    slow path) and score indices `arange(num_steps)`. Only the tokens change per iteration.
+    slow path) and score indices `arange(num_steps)`. Only the tokens change per iteration
+    (draft_tree.draft_chain cats them).
     """
 
     def __init__(
@@ -203,33 +204,17 @@ class Topk1ChainBuffers:
         self.num_steps = num_steps
         self.num_draft_tokens = num_draft_tokens
 
-    def organize(
-        self,
-        score_list: list[torch.Tensor],
-        token_list: list[torch.Tensor],
-        parents_list: list[torch.Tensor],
-        num_draft_tokens: int,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Same values as organize_draft_results, without the kernels when possible.
-
-        Falls back to the slow path when the batch exceeds the buffers or the inputs do not
-        describe the chain the buffers were built for (e.g. num_steps changed without a
-        rebuild), so the result is always correct.
-        """
-        bs = token_list[0].shape[0]
-        if (
-            bs <= self.max_bs
-            and len(token_list) == self.num_steps
-            and num_draft_tokens == self.num_draft_tokens
-            and token_list[0].shape[1] == 1
-        ):
-            # Row slices of a contiguous buffer are contiguous views: no copy, no kernel.
-            return (
-                self._topk1_parents_prealloc[:bs],
-                self._topk1_score_indices_prealloc[:bs],
-                torch.cat(token_list, dim=1),  # [bs, num_steps]
-            )
-        return organize_draft_results(score_list, token_list, parents_list, num_draft_tokens)
+    def constants(self, bs: int, num_steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(parent_list [bs, W], top_scores_index [bs, num_steps]) of a chain of num_steps: row
+        slices of the buffers (contiguous views: no copy, no kernel) where they fit, built
+        afresh otherwise."""
+        if bs <= self.max_bs and num_steps == self.num_steps:
+            return self._topk1_parents_prealloc[:bs], self._topk1_score_indices_prealloc[:bs]
+        width = num_steps if num_steps > 1 else 0
+        row = torch.arange(-1, width - 1, dtype=torch.long, device=self.device)
+        return row.expand(bs, -1).contiguous(), torch.arange(
+            num_steps, dtype=torch.long, device=self.device
+        ).expand(bs, -1).contiguous()
 
 
 @dataclass

@@ -101,7 +101,7 @@ def _speculate(
             hidden = branch.unsqueeze(1)
             topk_p, topk_index = draft[branch].topk(topk, dim=-1)
         organized = (
-            chain.organize(*lists, num_draft_tokens)
+            (*chain.constants(bs, num_steps), torch.cat(lists[1], dim=1))
             if chain is not None
             else organize_draft_results(*lists, num_draft_tokens)
         )

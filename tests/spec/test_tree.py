@@ -236,6 +236,14 @@ def _assert_same(fast: tuple, slow: tuple) -> None:
     assert fast[0].is_contiguous() and fast[1].is_contiguous()
 
 
+def _chain_organized(
+    buffers: Topk1ChainBuffers, token_list: list[torch.Tensor], num_steps: int
+) -> tuple[torch.Tensor, ...]:
+    """What draft_tree.draft_chain returns for a chain's tokens."""
+    parents, score_index = buffers.constants(token_list[0].shape[0], num_steps)
+    return parents, score_index, torch.cat(token_list, dim=1)
+
+
 @pytest.mark.parametrize("num_steps", [1, 2, 3, 4, 5])
 def test_chain_fast_path_matches_slow_path(num_steps: int) -> None:
     gen = torch.Generator().manual_seed(100 + num_steps)
@@ -244,12 +252,12 @@ def test_chain_fast_path_matches_slow_path(num_steps: int) -> None:
     for bs in (1, 3, max_bs, max_bs + 1, 2 * max_bs + 3):
         score_list, token_list, parents_list, _ = _run_draft(bs, 1, num_steps, gen)
         slow = organize_draft_results(score_list, token_list, parents_list, num_steps + 1)
-        fast = buffers.organize(score_list, token_list, parents_list, num_steps + 1)
+        fast = _chain_organized(buffers, token_list, num_steps)
         _assert_same(fast, slow)
         if bs <= max_bs:  # served from the preallocated buffers
             assert fast[0].data_ptr() == buffers._topk1_parents_prealloc.data_ptr()
             assert fast[1].data_ptr() == buffers._topk1_score_indices_prealloc.data_ptr()
-        else:  # batch larger than the buffers: slow path, same values
+        else:  # batch larger than the buffers: built afresh, same values
             assert fast[1].data_ptr() != buffers._topk1_score_indices_prealloc.data_ptr()
 
 
@@ -257,14 +265,14 @@ def test_chain_buffers_rebuild_for_new_num_steps() -> None:
     gen = torch.Generator().manual_seed(11)
     buffers = Topk1ChainBuffers(4, 3, 4, "cpu")
     for num_steps in (1, 5, 2, 4):
-        # Stale buffers: the inputs describe another chain, so organize takes the slow path.
+        # Stale buffers: another chain's constants are built afresh.
         score_list, token_list, parents_list, _ = _run_draft(3, 1, num_steps, gen)
         slow = organize_draft_results(score_list, token_list, parents_list, num_steps + 1)
-        _assert_same(buffers.organize(score_list, token_list, parents_list, num_steps + 1), slow)
+        _assert_same(_chain_organized(buffers, token_list, num_steps), slow)
         buffers._rebuild_topk1_chain_buffers(num_steps, num_steps + 1)
         assert buffers._topk1_parents_prealloc.shape == (4, slow[0].shape[1])
         assert buffers._topk1_score_indices_prealloc.shape == (4, num_steps)
-        fast = buffers.organize(score_list, token_list, parents_list, num_steps + 1)
+        fast = _chain_organized(buffers, token_list, num_steps)
         _assert_same(fast, slow)
         assert fast[1].data_ptr() == buffers._topk1_score_indices_prealloc.data_ptr()
 

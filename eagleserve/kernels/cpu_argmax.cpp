@@ -1,0 +1,81 @@
+// argmax over the last dim of fp32 rows (greedy sampling and the greedy verify of a packed CPU
+// target), AVX2: one pass for each row's maximum, one for its first position.
+//
+// torch.argmax's answer exactly: the first index of the maximum; a row holding a NaN answers
+// its first NaN (torch propagates NaN as the maximum); a row of -inf answers 0. Each row alone
+// decides its result (the batch invariance the other kernels of this extension keep).
+
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <torch/library.h>
+#include <torch/torch.h>
+
+#include <cmath>
+#include <limits>
+
+namespace eagleserve_cpu {
+
+namespace {
+
+// The first i in [0, n) with x[i] == target (the caller knows there is one), or with x[i]
+// NaN when find_nan.
+int64_t first_index(const float* x, int64_t n, float target, bool find_nan) {
+  const __m256 t = _mm256_set1_ps(target);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    const __m256 hit = find_nan ? _mm256_cmp_ps(v, v, _CMP_UNORD_Q) : _mm256_cmp_ps(v, t, _CMP_EQ_OQ);
+    const int mask = _mm256_movemask_ps(hit);
+    if (mask != 0) return i + __builtin_ctz(static_cast<unsigned>(mask));
+  }
+  for (; i < n; ++i) {
+    if (find_nan ? std::isnan(x[i]) : x[i] == target) return i;
+  }
+  return 0;
+}
+
+int64_t argmax_row(const float* x, int64_t n) {
+  __m256 best = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  __m256 nan = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    best = _mm256_max_ps(best, v);
+  }
+  float lanes[8];
+  _mm256_storeu_ps(lanes, best);
+  float m = lanes[0];
+  for (int j = 1; j < 8; ++j) m = lanes[j] > m ? lanes[j] : m;
+  bool has_nan = _mm256_movemask_ps(nan) != 0;
+  for (; i < n; ++i) {
+    has_nan = has_nan || std::isnan(x[i]);
+    m = x[i] > m ? x[i] : m;
+  }
+  return first_index(x, n, m, has_nan);
+}
+
+}  // namespace
+
+// logits [..., V] fp32 -> int64 [...].
+at::Tensor argmax_rows(const at::Tensor& logits_in) {
+  TORCH_CHECK(logits_in.scalar_type() == at::kFloat && logits_in.dim() >= 1, "float32 [..., V]");
+  const at::Tensor x = logits_in.contiguous();
+  const int64_t V = x.size(-1), rows = V ? x.numel() / V : 0;
+  TORCH_CHECK(V > 0, "argmax over an empty dimension");
+  std::vector<int64_t> shape = x.sizes().vec();
+  shape.pop_back();
+  at::Tensor out = at::empty(shape, x.options().dtype(at::kLong));
+  const float* xp = x.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) op[r] = argmax_row(xp + r * V, V);
+  });
+  return out;
+}
+
+}  // namespace eagleserve_cpu
+
+TORCH_LIBRARY_FRAGMENT(eagleserve_cpu, lib) {
+  lib.def("argmax_rows(Tensor logits) -> Tensor", &eagleserve_cpu::argmax_rows);
+}
