@@ -6,8 +6,9 @@
 - `cpu_attention.cpp`: paged attention for decode/verify rows (`paged_attention`), fp32;
 - `cpu_norm.cpp`: RMSNorm of fp32 rows in one call (`rms_norm`);
 - `cpu_pointwise.cpp`: rotary of the fused q/k heads in place (`rope_`) and `silu_mul`;
-- `cpu_layers.cpp`: a packed target's decoder layers in one call (`decoder_layers`), the
-  kernels above in the order the modules call them;
+- `cpu_layers.cpp`: a packed target's decoder layers in one call (`decoder_layers`), an
+  EAGLE-3 head's layer and lm_head in another (`eagle3_layer`), the kernels above in the
+  order the modules call them;
 - `cpu_argmax.cpp`: argmax over the last dim of fp32 rows (`argmax_rows`), torch.argmax's
   answer in one vectorized pass per row.
 
@@ -257,3 +258,24 @@ def decoder_layers(
         h, weights, out_features, eps, heads, kv_heads, *rotary, *kv, *rows, sm_scale, aux_layers
     )
     return out, aux if aux_layers else None
+
+
+def eagle3_layer(
+    emb: torch.Tensor,
+    g: torch.Tensor,
+    weights: list[torch.Tensor],
+    out_features: list[int],
+    shape: tuple[float, int, int],
+    rotary: tuple[torch.Tensor, torch.Tensor],
+    kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    rows: tuple[torch.Tensor | None, ...],
+    sm_scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """An EAGLE-3 head's layer and lm_head over emb, g [T, hidden] fp32 (cpu_layers.cpp):
+    weights 19 and out_features 5 (models/cpu_layers.py, CpuHeadLayer builds both); shape,
+    rotary and rows as `decoder_layers` takes them; kv (K buffer, V buffer, the new tokens'
+    slots). Returns (logits [T, draft vocab], the layer's output)."""
+    eps, heads, kv_heads = shape
+    return torch.ops.eagleserve_cpu.eagle3_layer(
+        emb, g, weights, out_features, eps, heads, kv_heads, *rotary, *kv, *rows, sm_scale
+    )

@@ -250,13 +250,17 @@ at::Tensor q4_matmul(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
 
 }  // namespace eagleserve_cpu
 
-namespace {
+namespace eagleserve_cpu {
 
 at::Tensor q8_matmul(const at::Tensor& x, const at::Tensor& w, const at::Tensor& d,
                      const at::Tensor& wsum, int64_t n) {
   TORCH_CHECK(w.scalar_type() == at::kChar && wsum.scalar_type() == at::kInt, "q8 tiles");
   return tiled_matmul<false>(x, w, d, wsum, n);
 }
+
+}  // namespace eagleserve_cpu
+
+namespace {
 
 // "avx2" or "avx512_vnni" (where the CPU has it) for every later call, "auto" the best here,
 // "" to ask; returns the ISA now in use.
@@ -280,5 +284,6 @@ TORCH_LIBRARY(eagleserve_cpu, lib) {
   lib.def("gemv_isa(str isa) -> str", &gemv_isa);
   lib.def("q4_matmul(Tensor x, Tensor w, Tensor d, Tensor m, int n) -> Tensor",
           &eagleserve_cpu::q4_matmul);
-  lib.def("q8_matmul(Tensor x, Tensor w, Tensor d, Tensor wsum, int n) -> Tensor", &q8_matmul);
+  lib.def("q8_matmul(Tensor x, Tensor w, Tensor d, Tensor wsum, int n) -> Tensor",
+          &eagleserve_cpu::q8_matmul);
 }

@@ -11,6 +11,8 @@ namespace eagleserve_cpu {
 
 at::Tensor q4_matmul(const at::Tensor& x, const at::Tensor& w, const at::Tensor& d,
                      const at::Tensor& m, int64_t n);
+at::Tensor q8_matmul(const at::Tensor& x, const at::Tensor& w, const at::Tensor& d,
+                     const at::Tensor& wsum, int64_t n);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps);
 void rope_(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& signed_sin,
            int64_t rotated_heads);

@@ -1,9 +1,9 @@
-// The decoder layers of a packed CPU target in one call (model/cpu_layers.py): per layer the
-// kernels model/llama.py's modules call one by one from Python, in the same order on the same
-// tensors (rms_norm, the q4 tiles, rope_, store_kv_, the paged attention, silu_mul, and
-// torch's own adds for the residual), so the bits are theirs. What goes is the Python between
-// them (module calls, views, dispatch) and the attention's row bookkeeping, planned once for
-// every layer of the forward.
+// The decoder layers of a packed CPU target in one call (models/cpu_layers.py), and an EAGLE-3
+// head's layer with its lm_head in another: the kernels models/llama.py's modules call one by
+// one from Python, in the same order on the same tensors (rms_norm, the q4 / q8 tiles, rope_,
+// the K/V store, the paged attention, silu_mul, and torch's own adds for the residual), so the
+// bits are theirs. What goes is the Python between them (module calls, views, dispatch) and
+// the attention's row bookkeeping, planned once for every layer of the forward.
 
 #include <torch/library.h>
 #include <torch/torch.h>
@@ -77,9 +77,57 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers(
   return {h, aux};
 }
 
+// The EAGLE-3 head's layer and lm_head (spec/eagle_head.py, EagleHead.forward) for a head on
+// the int8 kernels beside a packed target, the modules' kernels in their order: emb [T, h] the
+// new tokens' embeddings, g [T, h] the features it continues from (after fc). Weights, in
+// order: input norm, hidden norm, q/k/v tiles (w, d, wsum), o tiles, post-attention norm,
+// gate/up tiles, down tiles, final norm, lm_head tiles. Returns (logits [T, draft vocab], the
+// layer's output, the next draft step's features).
+std::tuple<at::Tensor, at::Tensor> eagle3_layer(
+    const at::Tensor& emb, const at::Tensor& g, at::TensorList w, at::IntArrayRef n,
+    double eps, int64_t heads, int64_t kv_heads, const at::Tensor& cos,
+    const at::Tensor& signed_sin, const at::Tensor& k_buf, const at::Tensor& v_buf,
+    const at::Tensor& out_cache_loc, const at::Tensor& req_to_token,
+    const at::Tensor& req_pool_indices, const at::Tensor& prefix_lens,
+    const at::Tensor& extend_lens, const at::Tensor& kv_lens,
+    const c10::optional<at::Tensor>& tree_mask, double sm_scale) {
+  using namespace eagleserve_cpu;
+  TORCH_CHECK(w.size() == 19 && n.size() == 5, "19 weight tensors, 5 output sizes");
+  TORCH_CHECK(emb.dim() == 2 && emb.scalar_type() == at::kFloat && g.sizes() == emb.sizes() &&
+                  g.scalar_type() == at::kFloat,
+              "emb, g [T, hidden] float32");
+  const int64_t T = emb.size(0), D = k_buf.size(2);
+  const RowPlan plan = plan_rows(T, req_to_token, req_pool_indices, prefix_lens, extend_lens,
+                                 kv_lens, tree_mask);
+  const at::Tensor loc = out_cache_loc.to(at::kLong).contiguous();
+  TORCH_CHECK(loc.numel() == T, "one slot per new token");
+  // Eagle3MidLayer: attention over cat(input_layernorm(emb), hidden_norm(g)), residual g ...
+  const at::Tensor attn_in = at::cat({rms_norm(emb, w[0], eps), rms_norm(g, w[1], eps)}, 1);
+  at::Tensor qkv = q8_matmul(attn_in, w[2], w[3], w[4], n[0]).view({T, heads + 2 * kv_heads, D});
+  rope_(qkv, cos, signed_sin, heads + kv_heads);
+  const float* base = qkv.data_ptr<float>();
+  const int64_t row = (heads + 2 * kv_heads) * D;
+  const HeadRows q{base, T, heads, D, row}, k{base + heads * D, T, kv_heads, D, row};
+  const HeadRows v{base + (heads + kv_heads) * D, T, kv_heads, D, row};
+  store_kv_rows(k_buf, v_buf, loc.data_ptr<int64_t>(), k, v);
+  const at::Tensor attn = attend_rows(plan, q, k_buf, v_buf, sm_scale);
+  const at::Tensor x = g + q8_matmul(attn.view({T, -1}), w[5], w[6], w[7], n[1]);
+  // ... then x + mlp(post_attention_layernorm(x)); the logits read norm(out).
+  const at::Tensor act = silu_mul(q8_matmul(rms_norm(x, w[8], eps), w[9], w[10], w[11], n[2]));
+  const at::Tensor out = x + q8_matmul(act, w[12], w[13], w[14], n[3]);
+  return {q8_matmul(rms_norm(out, w[15], eps), w[16], w[17], w[18], n[4]), out};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(eagleserve_cpu, lib) {
+  lib.def(
+      "eagle3_layer(Tensor emb, Tensor g, Tensor[] weights, int[] out_features, float eps, "
+      "int heads, int kv_heads, Tensor cos, Tensor signed_sin, Tensor k_buf, Tensor v_buf, "
+      "Tensor out_cache_loc, Tensor req_to_token, Tensor req_pool_indices, Tensor prefix_lens, "
+      "Tensor extend_lens, Tensor kv_lens, Tensor? tree_mask, float sm_scale) "
+      "-> (Tensor, Tensor)",
+      &eagle3_layer);
   lib.def(
       "decoder_layers(Tensor h, Tensor[] weights, int[] out_features, float eps, int heads, "
       "int kv_heads, Tensor cos, Tensor signed_sin, Tensor[] k_buffers, Tensor[] v_buffers, "

@@ -1,4 +1,5 @@
-"""A packed CPU target's decoder layers in one kernel call (kernels/cpu_layers.cpp).
+"""A packed CPU target's decoder layers in one kernel call (kernels/cpu_layers.cpp), and an
+EAGLE-3 head's layer with its lm_head in another (`CpuHeadLayer`).
 
 The kernel runs, per layer, the kernels the modules of models/llama.py call one by one (the
 RMSNorm, the q4 tiles, rotary, the K/V store, paged attention, the SiLU gate, torch's residual
@@ -24,11 +25,13 @@ if TYPE_CHECKING:
     from eagleserve.models.llama import BoundRotary, LlamaForCausalLM
 
 
-def _q4_tiles(linear: nn.Module | None) -> tuple[list[torch.Tensor], int] | None:
-    """A packed Q4 linear's tiles (w, d, m) and output size; None for anything else (a Q8
-    linear's tiles are int8, a bias would be left out)."""
+def _tiles(
+    linear: nn.Module | None, dtype: torch.dtype = torch.uint8
+) -> tuple[list[torch.Tensor], int] | None:
+    """A packed linear's tiles and output size: Q4 (w, d, m; uint8 w) or Q8 (w, d, wsum; int8
+    w) as `dtype` says; None for anything else (a bias would be left out)."""
     blocked = getattr(linear, "blocked", None)
-    if linear is None or blocked is None or blocked[0].dtype != torch.uint8:
+    if linear is None or blocked is None or blocked[0].dtype != dtype:
         return None
     if linear.bias is not None:
         return None
@@ -55,8 +58,8 @@ class CpuLayers:
                 return None
             if attn.row_parallel or mlp.row_parallel:
                 return None
-            tiles = [_q4_tiles(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
-                                            mlp.down_proj)]  # fmt: skip
+            tiles = [_tiles(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
+                                         mlp.down_proj)]  # fmt: skip
             if any(t is None for t in tiles):
                 return None
             (qkv, n_qkv), (o, n_o), (gate_up, n_gu), (down, n_down) = tiles  # type: ignore[misc]
@@ -77,6 +80,14 @@ class CpuLayers:
             and backend.uses_row_kernel(fb)
         )
 
+    @staticmethod
+    def attention_rows(fb: ForwardBatch) -> tuple[torch.Tensor | None, ...]:
+        """What the kernels plan a forward's attention rows from (as `paged_attention`)."""
+        backend = fb.attn_backend
+        assert isinstance(backend, TorchAttnBackend)
+        return (backend.req_to_token, fb.req_pool_indices, fb.prefix_lens, fb.extend_lens,
+                fb.attn_metadata, fb.tree_mask)  # fmt: skip
+
     def forward(
         self, h: torch.Tensor, fb: ForwardBatch, rotary: BoundRotary, aux_layers: list[int]
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -85,8 +96,6 @@ class CpuLayers:
         backend = fb.attn_backend
         assert isinstance(backend, TorchAttnBackend)
         pool = fb.kv_pool
-        rows = (backend.req_to_token, fb.req_pool_indices, fb.prefix_lens, fb.extend_lens,
-                fb.attn_metadata, fb.tree_mask)  # fmt: skip
         return cpu_ext.decoder_layers(
             h,
             self.weights,
@@ -94,7 +103,53 @@ class CpuLayers:
             self.shape,
             (rotary.cos, rotary.signed_sin),
             (pool.k_buffer, pool.v_buffer, fb.out_cache_loc),
-            rows,
+            self.attention_rows(fb),  # type: ignore[arg-type]
             backend.sm_scale,
             aux_layers,
         )
+
+
+class CpuHeadLayer:
+    """An EAGLE-3 head's layer and lm_head on int8 tiles in one kernel call (cpu_layers.cpp,
+    `eagle3_layer`): the modules' kernels in their order, so the bits are theirs. Built where
+    every linear is Q8-tiled without bias and the norms, rotary and SiLU gate run the row
+    kernels (a head beside a packed target, spec/eagle_head.py's use_row_kernels)."""
+
+    def __init__(self, weights: list[torch.Tensor], out_features: list[int],
+                 shape: tuple[float, int, int], layer_id: int) -> None:  # fmt: skip
+        self.weights, self.out_features, self.shape = weights, out_features, shape
+        self.layer_id = layer_id  # its K/V's layer in the head's pool
+
+    @staticmethod
+    def build(layer: nn.Module, norm: nn.Module, lm_head: nn.Module) -> CpuHeadLayer | None:
+        """From an Eagle3MidLayer (input_layernorm, hidden_norm, self_attn, post-attention
+        norm, mlp), the head's final norm and its lm_head; None where the kernel cannot run
+        them."""
+        attn, mlp = layer.self_attn, layer.mlp
+        norms = (layer.input_layernorm, layer.hidden_norm, layer.post_attention_layernorm, norm)
+        if not (all(n.row_kernel for n in norms) and attn.row_kernel and mlp.row_kernel):
+            return None
+        tiles = [_tiles(m, torch.int8) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
+                                                 mlp.down_proj, lm_head)]  # fmt: skip
+        if any(t is None for t in tiles) or len({float(n.eps) for n in norms}) != 1:
+            return None
+        (qkv, n_qkv), (o, n_o), (gate_up, n_gu), (down, n_down), (head, n_vocab) = tiles  # type: ignore[misc]
+        w = [n.weight.detach() for n in norms]
+        weights = [w[0], w[1], *qkv, *o, w[2], *gate_up, *down, w[3], *head]
+        shape = (float(norms[0].eps), attn.num_heads, attn.num_kv_heads)
+        return CpuHeadLayer(weights, [n_qkv, n_o, n_gu, n_down, n_vocab], shape, attn.layer_id)
+
+    def forward(
+        self, emb: torch.Tensor, g: torch.Tensor, fb: ForwardBatch, rotary: BoundRotary
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits [T, draft vocab] fp32, the layer's output [T, hidden]) of the rows whose
+        embeddings are `emb` and features (after fc) `g`."""
+        backend = fb.attn_backend
+        assert isinstance(backend, TorchAttnBackend)
+        pool = fb.kv_pool
+        return cpu_ext.eagle3_layer(
+            emb, g, self.weights, self.out_features, self.shape,
+            (rotary.cos, rotary.signed_sin),
+            (pool.k_buffer[self.layer_id], pool.v_buffer[self.layer_id], fb.out_cache_loc),
+            CpuLayers.attention_rows(fb), backend.sm_scale,
+        )  # fmt: skip

@@ -18,7 +18,8 @@ import torch
 from torch import nn
 
 from eagleserve.config import ModelConfig
-from eagleserve.layers.forward_batch import get_forward_batch
+from eagleserve.layers.forward_batch import get_forward_batch, in_forward
+from eagleserve.models.cpu_layers import CpuHeadLayer, CpuLayers
 from eagleserve.models.llama import (
     LlamaAttention,
     LlamaForCausalLM,
@@ -149,6 +150,7 @@ class EagleHead(nn.Module):
             self.register_buffer("d2t", torch.zeros(self.draft_vocab_size, dtype=torch.int64))
         self.rotary_emb = RotaryEmbedding(cfg, target.model.rotary_emb.max_positions)
         self.kv_proj: nn.Linear | None = None  # set by fuse_projections
+        self.cpu_layer: CpuHeadLayer | None = None  # set by use_row_kernels
 
     @property
     def target(self) -> LlamaForCausalLM:
@@ -159,10 +161,10 @@ class EagleHead(nn.Module):
         layer = self.layers[0] if self.algorithm == "EAGLE" else self.midlayer
         return layer.self_attn
 
-    def _attention_input(
+    def _inputs(
         self, input_ids: torch.Tensor, features: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the layer's attention input, its residual stream) of these rows."""
+        """(the rows' token embeddings, their features in the embeddings' dtype)."""
         width = features.shape[-1]
         if width not in (self.feature_size, self.hidden_size):
             raise ValueError(
@@ -170,12 +172,22 @@ class EagleHead(nn.Module):
                 f"{self.feature_size} (target) or {self.hidden_size} (previous draft step)"
             )
         emb = self.target.model.embed_tokens(input_ids)  # [T, h]
-        features = features.to(emb.dtype)
+        return emb, features.to(emb.dtype)
+
+    def _fused_features(self, features: torch.Tensor) -> torch.Tensor:
+        """EAGLE3's g [T, h]: target features (k*h) fused by fc; a later step's h-wide output
+        as it is."""
+        return self.fc(features) if features.shape[-1] != self.hidden_size else features
+
+    def _attention_input(
+        self, input_ids: torch.Tensor, features: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the layer's attention input, its residual stream) of these rows."""
+        emb, features = self._inputs(input_ids, features)
         if self.algorithm == "EAGLE":
             x = self.fc(torch.cat((emb, features), dim=-1))  # [T, h]
             return x, x
-        # Target features (k*h) are fused by fc; later steps feed back the h-wide output.
-        g = self.fc(features) if width != self.hidden_size else features  # [T, h]
+        g = self._fused_features(features)  # [T, h]
         m = self.midlayer
         return torch.cat((m.input_layernorm(emb), m.hidden_norm(g)), dim=-1), g  # [T, 2h]
 
@@ -184,6 +196,12 @@ class EagleHead(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """input_ids [T] (token t[j+1]), features [T, feature_size or h] (aligned with t[j]),
         positions [T]. Returns (logits [T, draft_vocab] fp32, next_features [T, h])."""
+        if self.cpu_layer is not None and in_forward():
+            fb = get_forward_batch()
+            emb, feats = self._inputs(input_ids, features)
+            if CpuLayers.applies(fb, emb):  # the layer and lm_head in one kernel call
+                rotary = self.rotary_emb.at(positions, emb.dtype)
+                return self.cpu_layer.forward(emb, self._fused_features(feats), fb, rotary)
         attn_in, residual = self._attention_input(input_ids, features)
         # Bound once: a fused q/k/v then rotates q and k together (one kernel on a CPU).
         x = residual + self.attn(attn_in, positions, self.rotary_emb.at(positions, attn_in.dtype))
@@ -239,12 +257,15 @@ class EagleHead(nn.Module):
 
     def use_row_kernels(self) -> None:
         """The one-call RMSNorm, rotary and SiLU gate of kernels/ (a head next to a packed
-        target; the same bits as the modules' torch ops)."""
+        target; the same bits as the modules' torch ops), and an EAGLE3 head's whole layer
+        and lm_head in one call where its linears are on the int8 tiles."""
         for module in self.modules():
             if isinstance(module, (RMSNorm, LlamaMLP)):
                 module.row_kernel = True
             elif isinstance(module, LlamaAttention):  # the rotary kernel's vector width
                 module.row_kernel = module.head_dim % 16 == 0
+        if self.algorithm == "EAGLE3":
+            self.cpu_layer = CpuHeadLayer.build(self.midlayer, self.norm, self.lm_head)
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         if self.algorithm == "EAGLE":

@@ -112,3 +112,63 @@ def test_a_layer_the_kernel_does_not_cover_keeps_the_modules(runner: ModelRunner
     finally:
         attn.row_parallel = False
     assert CpuLayers.build(runner.model) is not None
+
+
+def test_the_heads_one_call_equals_its_modules(runner: ModelRunner) -> None:
+    """An EAGLE-3 head beside the packed target (int8 tiles, row kernels) runs its layer and
+    lm_head in one call: the same logits, next features and head K/V as its modules, for an
+    extend of two requests (target features) and a draft step (the head's own features)."""
+    from conftest import make_forward_batch
+
+    from eagleserve.layers.attention import create_attn_backend
+    from eagleserve.layers.forward_batch import forward_context
+    from eagleserve.mem_cache.kv_cache import TokenToKVPool
+    from eagleserve.models.quant import linears_to_int8
+    from eagleserve.spec.head_loader import init_eagle_head
+
+    seed = int(torch.randint(0, 2**31, ()))
+    head = init_eagle_head("EAGLE3", runner.model, draft_vocab_size=1024, seed=seed)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():  # norms away from 1, so a norm left out would show
+        for name, p in head.named_parameters():
+            if name.endswith("norm.weight"):
+                p.mul_(1 + 0.2 * torch.randn(p.shape, generator=g))
+    head.fuse_projections()
+    linears_to_int8(head)
+    head.use_row_kernels()
+    one_call = head.cpu_layer
+    assert one_call is not None, "an int8 EAGLE-3 head beside a packed target takes the kernel"
+    hc = head.config
+    pool = TokenToKVPool(96, 1, hc.num_key_value_heads, hc.head_dim, torch.float32, "cpu")
+    r2t = torch.zeros(4, 64, dtype=torch.long)
+    backend = create_attn_backend("auto", torch.device("cpu"), r2t, hc.head_dim**-0.5,
+                                  shape_invariant=True)  # fmt: skip
+    lens = [int(torch.randint(3, 30, (), generator=g)) for _ in range(2)]
+    rpi = torch.tensor([2, 0])
+    slots = (torch.randperm(95, generator=g) + 1)[: 2 * 32].view(2, 32)
+    r2t[rpi, :32] = slots
+
+    def both(mode: str, ids: torch.Tensor, feats: torch.Tensor, prefix: list[int],
+             ext: list[int]) -> None:  # fmt: skip
+        pos = torch.cat([torch.arange(p, p + e) for p, e in zip(prefix, ext, strict=True)])
+        loc = torch.cat([slots[i, p : p + e] for i, (p, e) in enumerate(zip(prefix, ext))])
+        outs, kv = [], []
+        for layer in (one_call, None):
+            head.cpu_layer = layer
+            fb = make_forward_batch(mode=mode, input_ids=ids, positions=pos, out_cache_loc=loc,
+                                    req_pool_indices=rpi, prefix_lens=torch.tensor(prefix),
+                                    extend_lens=torch.tensor(ext), kv_pool=pool,
+                                    attn_backend=backend)  # fmt: skip
+            with forward_context(fb):
+                outs.append(head(ids, feats, pos))
+            kv.append((pool.k_buffer[0][loc].clone(), pool.v_buffer[0][loc].clone()))
+        head.cpu_layer = one_call
+        for a, b in zip(*outs, strict=True):
+            assert torch.equal(a, b)
+        assert all(torch.equal(a, b) for a, b in zip(*kv, strict=True))
+
+    n = sum(lens)
+    both("extend", torch.randint(0, 49152, (n,), generator=g),
+         torch.randn(n, head.feature_size, generator=g), [0, 0], lens)  # fmt: skip
+    both("draft", torch.randint(0, 49152, (2,), generator=g),
+         torch.randn(2, head.hidden_size, generator=g), lens, [1, 1])  # fmt: skip
