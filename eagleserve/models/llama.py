@@ -81,13 +81,15 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         # rotate_half(x) * sin == roll(x, dim/2) * signed_sin, bit for bit (negation is exact).
         sign = torch.cat((-torch.ones_like(freqs[0]), torch.ones_like(freqs[0])))
-        self.register_buffer("cos_cache", emb.cos(), persistent=False)
-        self.register_buffer("signed_sin_cache", emb.sin() * sign, persistent=False)
+        # [max_pos, 1, D]: a lookup is [T, 1, D], the heads' broadcast shape, in one op.
+        self.register_buffer("cos_cache", emb.cos()[:, None, :], persistent=False)
+        self.register_buffer("signed_sin_cache", (emb.sin() * sign)[:, None, :], persistent=False)
 
     def at(self, positions: torch.Tensor, dtype: torch.dtype) -> BoundRotary:
         """The rotation of these positions, looked up once per forward for every layer."""
-        cos = self.cos_cache[positions].to(dtype)[:, None, :]  # [T, 1, D]
-        sin = self.signed_sin_cache[positions].to(dtype)[:, None, :]
+        cos, sin = self.cos_cache[positions], self.signed_sin_cache[positions]  # [T, 1, D]
+        if dtype != cos.dtype:
+            cos, sin = cos.to(dtype), sin.to(dtype)
         return BoundRotary(cos, sin)
 
     def forward(
