@@ -180,10 +180,10 @@ class EagleHead(nn.Module):
         return self.fc(features) if features.shape[-1] != self.hidden_size else features
 
     def _attention_input(
-        self, input_ids: torch.Tensor, features: torch.Tensor
+        self, emb: torch.Tensor, features: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the layer's attention input, its residual stream) of these rows."""
-        emb, features = self._inputs(input_ids, features)
+        """(the layer's attention input, its residual stream) of rows with these embeddings
+        and features (`_inputs`)."""
         if self.algorithm == "EAGLE":
             x = self.fc(torch.cat((emb, features), dim=-1))  # [T, h]
             return x, x
@@ -196,15 +196,15 @@ class EagleHead(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """input_ids [T] (token t[j+1]), features [T, feature_size or h] (aligned with t[j]),
         positions [T]. Returns (logits [T, draft_vocab] fp32, next_features [T, h])."""
+        emb, feats = self._inputs(input_ids, features)
+        # Bound once: a fused q/k/v then rotates q and k together (one kernel on a CPU).
+        rotary = self.rotary_emb.at(positions, emb.dtype)
         if self.cpu_layer is not None and in_forward():
             fb = get_forward_batch()
-            emb, feats = self._inputs(input_ids, features)
             if CpuLayers.applies(fb, emb):  # the layer and lm_head in one kernel call
-                rotary = self.rotary_emb.at(positions, emb.dtype)
                 return self.cpu_layer.forward(emb, self._fused_features(feats), fb, rotary)
-        attn_in, residual = self._attention_input(input_ids, features)
-        # Bound once: a fused q/k/v then rotates q and k together (one kernel on a CPU).
-        x = residual + self.attn(attn_in, positions, self.rotary_emb.at(positions, attn_in.dtype))
+        attn_in, residual = self._attention_input(emb, feats)
+        x = residual + self.attn(attn_in, positions, rotary)
         if self.algorithm == "EAGLE":
             layer = self.layers[0]
             out = x + layer.mlp(layer.post_attention_layernorm(x))
@@ -223,7 +223,7 @@ class EagleHead(nn.Module):
     ) -> None:
         """Writes these rows' K/V to `out_cache_loc` in the active forward's KV pool and
         nothing else: the head is one layer, so a row's K/V depend on its own input alone."""
-        attn_in, _ = self._attention_input(input_ids, features)
+        attn_in, _ = self._attention_input(*self._inputs(input_ids, features))
         attn = self.attn
         t, shape = attn_in.shape[0], (attn.num_kv_heads, attn.head_dim)
         if attn.qkv_proj is None or self.kv_proj is not None:  # q is not needed here
