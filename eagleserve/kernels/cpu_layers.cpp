@@ -19,6 +19,21 @@ namespace {
 // weight; gate/up tiles; down tiles.
 constexpr int64_t kPerLayer = 14;
 
+// A layer's attention from its fused projection qkv [T, heads + 2 kv_heads, D] (q and k
+// rotated): k and v into their slots, then every planned row attends. q, k and v are the
+// projection's head ranges, read in place (row stride (heads + 2 kv_heads) * D).
+at::Tensor attend_projection(const eagleserve_cpu::RowPlan& plan, const at::Tensor& qkv,
+                             int64_t heads, int64_t kv_heads, const at::Tensor& k_buf,
+                             const at::Tensor& v_buf, const int64_t* slots, double sm_scale) {
+  using eagleserve_cpu::HeadRows;
+  const int64_t T = qkv.size(0), D = qkv.size(2), row = (heads + 2 * kv_heads) * D;
+  const float* base = qkv.data_ptr<float>();
+  const HeadRows q{base, T, heads, D, row}, k{base + heads * D, T, kv_heads, D, row};
+  const HeadRows v{base + (heads + kv_heads) * D, T, kv_heads, D, row};
+  eagleserve_cpu::store_kv_rows(k_buf, v_buf, slots, k, v);
+  return eagleserve_cpu::attend_rows(plan, q, k_buf, v_buf, sm_scale);
+}
+
 std::tuple<at::Tensor, at::Tensor> decoder_layers(
     const at::Tensor& h_in, at::TensorList weights, at::IntArrayRef out_features, double eps,
     int64_t heads, int64_t kv_heads, const at::Tensor& cos, const at::Tensor& signed_sin,
@@ -60,13 +75,8 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers(
     at::Tensor x = rms_norm(h, w[0], eps);
     at::Tensor qkv = q4_matmul(x, w[1], w[2], w[3], n[0]).view({T, heads + 2 * kv_heads, D});
     rope_(qkv, cos, signed_sin, heads + kv_heads);
-    // q, k and v: the fused projection's head ranges, row stride (heads + 2 kv_heads) * D.
-    const float* base = qkv.data_ptr<float>();
-    const int64_t row = (heads + 2 * kv_heads) * D;
-    const HeadRows q{base, T, heads, D, row}, k{base + heads * D, T, kv_heads, D, row};
-    const HeadRows v{base + (heads + kv_heads) * D, T, kv_heads, D, row};
-    store_kv_rows(k_buffers[i], v_buffers[i], slots, k, v);
-    const at::Tensor attn = attend_rows(plan, q, k_buffers[i], v_buffers[i], sm_scale);
+    const at::Tensor attn = attend_projection(plan, qkv, heads, kv_heads, k_buffers[i],
+                                              v_buffers[i], slots, sm_scale);
     h.add_(q4_matmul(attn.view({T, -1}), w[4], w[5], w[6], n[1]));
     // ... then h + mlp(post_attention_layernorm(h))
     x = rms_norm(h, w[7], eps);
@@ -105,12 +115,8 @@ std::tuple<at::Tensor, at::Tensor> eagle3_layer(
   const at::Tensor attn_in = at::cat({rms_norm(emb, w[0], eps), rms_norm(g, w[1], eps)}, 1);
   at::Tensor qkv = q8_matmul(attn_in, w[2], w[3], w[4], n[0]).view({T, heads + 2 * kv_heads, D});
   rope_(qkv, cos, signed_sin, heads + kv_heads);
-  const float* base = qkv.data_ptr<float>();
-  const int64_t row = (heads + 2 * kv_heads) * D;
-  const HeadRows q{base, T, heads, D, row}, k{base + heads * D, T, kv_heads, D, row};
-  const HeadRows v{base + (heads + kv_heads) * D, T, kv_heads, D, row};
-  store_kv_rows(k_buf, v_buf, loc.data_ptr<int64_t>(), k, v);
-  const at::Tensor attn = attend_rows(plan, q, k_buf, v_buf, sm_scale);
+  const at::Tensor attn = attend_projection(plan, qkv, heads, kv_heads, k_buf, v_buf,
+                                            loc.data_ptr<int64_t>(), sm_scale);
   const at::Tensor x = g + q8_matmul(attn.view({T, -1}), w[5], w[6], w[7], n[1]);
   // ... then x + mlp(post_attention_layernorm(x)); the logits read norm(out).
   const at::Tensor act = silu_mul(q8_matmul(rms_norm(x, w[8], eps), w[9], w[10], w[11], n[2]));
