@@ -24,6 +24,21 @@ class ReqToTokenPool:
         assert idx not in self._free, f"request slot {idx} freed twice"
         self._free.append(idx)
 
+    def write_spans(self, spans: list[tuple[int, int, int]], loc: torch.Tensor) -> None:
+        """req_to_token[row, start:end] for each (row, start, end) in order = the next slots of
+        `loc`, in one write: a slice for one span, else one flat index built on the host and
+        copied without waiting (a tensor made on an accelerator from a Python list is a
+        synchronous copy, a stream sync per call)."""
+        r2t = self.req_to_token
+        if len(spans) == 1:
+            row, start, end = spans[0]
+            r2t[row, start:end] = loc
+            return
+        width = r2t.shape[1]
+        flat = [row * width + col for row, start, end in spans for col in range(start, end)]
+        index = torch.tensor(flat, dtype=torch.long).to(r2t.device, non_blocking=True)
+        r2t.view(-1)[index] = loc
+
 
 class TokenToKVPool:
     """K/V buffers indexed by KV slot. Slot 0 is never handed out: padded rows write there."""

@@ -31,6 +31,8 @@ from eagleserve.spec.cost_table_cache import cost_table
 from eagleserve.spec.draft_worker import EagleDraftWorker
 from eagleserve.spec.tree import build_chain, build_tree
 
+PathSlots = tuple[torch.Tensor, torch.Tensor]  # positions, KV slots [bs, width]
+
 
 class EagleWorker:
     def __init__(self, runner: ModelRunner, spec: SpecConfig, args: ServerArgs) -> None:
@@ -120,18 +122,8 @@ class EagleWorker:
             return
         loc = self.token_to_kv_pool.alloc(sum(end - start for _, start, end in spans))
         assert loc is not None, "EAGLE decode: KV pool exhausted (caller must retract)"
-        r2t = self.req_to_token_pool.req_to_token
-        if len(spans) == 1:  # a slice: cheaper than building index tensors
-            req, start, end = spans[0]
-            r2t[req.req_pool_idx, start:end] = loc
-        else:
-            # One flat index built on the host and copied without waiting: a tensor made on an
-            # accelerator from a Python list is a synchronous copy (a stream sync per call).
-            width = r2t.shape[1]
-            flat = [req.req_pool_idx * width + col for req, start, end in spans
-                    for col in range(start, end)]  # fmt: skip
-            index = torch.tensor(flat, dtype=torch.long).to(r2t.device, non_blocking=True)
-            r2t.view(-1)[index] = loc
+        rows = [(req.req_pool_idx, start, end) for req, start, end in spans]
+        self.req_to_token_pool.write_spans(rows, loc)
         for req, _, end in spans:
             req.kv_allocated_len = end
 
@@ -291,13 +283,15 @@ class EagleWorker:
         assert batch.seq_lens_cpu is not None
         max_len = int(batch.seq_lens_cpu.max())
         r2t = self.req_to_token_pool.req_to_token
-        node = self._iota(n)
+        # A chain's node i sits at depth i, and its accepted path is its first nodes: the path
+        # extend reuses these positions and slots.
+        cols, slots = self._path_slots(L, batch.req_pool_indices, n)
         out = self.runner.forward(
             ForwardBatch(
                 mode="verify",
                 input_ids=t.draft_tokens.reshape(-1),
-                positions=(L[:, None] + t.depths).reshape(-1),
-                out_cache_loc=r2t[batch.req_pool_indices[:, None], L[:, None] + node].reshape(-1),
+                positions=(cols if spec.is_chain else L[:, None] + t.depths).reshape(-1),
+                out_cache_loc=slots.reshape(-1),
                 req_pool_indices=batch.req_pool_indices,
                 prefix_lens=L,
                 extend_lens=torch.full_like(L, n),
@@ -326,7 +320,8 @@ class EagleWorker:
         if not spec.is_chain:
             commit_tree_path(r2t, batch.req_pool_indices, L, acc.accept_index, n)
         a = acc.accept_lens
-        extend_fb, path_rows, last_rows = self._path_extend(batch, acc, max_len)
+        path = (cols, slots) if spec.is_chain else None
+        extend_fb, path_rows, last_rows = self._path_extend(batch, acc, max_len, path)
         if spec.is_chain and self.fixed_shape_extend:
             # A chain's path row j is its verify row j; rows past the accept length seed
             # nothing, so every verify row's feature is used as it is, without a gather.
@@ -355,13 +350,18 @@ class EagleWorker:
             result.top_logprob_ids = ids.view(*rows.shape, -1)
         return result
 
+    def _path_slots(self, L: torch.Tensor, rpi: torch.Tensor, width: int) -> PathSlots:
+        """Positions L + j and their KV slots, [bs, width] each."""
+        cols = L[:, None] + self._iota(width)
+        return cols, self.req_to_token_pool.req_to_token[rpi[:, None], cols]
+
     def _path_verify_rows(self, acc: AcceptResult, n: int) -> torch.Tensor:
         """[bs, width]: the verify row of each accepted path node (row 0's where none)."""
         bs = acc.accept_index.shape[0]
         return acc.accept_index.clamp(min=0) + (self._iota(bs) * n)[:, None]
 
     def _path_extend(
-        self, batch: ScheduleBatch, acc: AcceptResult, max_len: int
+        self, batch: ScheduleBatch, acc: AcceptResult, max_len: int, path: PathSlots | None = None
     ) -> tuple[ForwardBatch, torch.Tensor | slice, torch.Tensor]:
         """The head extend over each request's accepted path (token after node k with the
         feature of node k): its ForwardBatch, which of the [bs * width] path rows it holds, and
@@ -369,12 +369,11 @@ class EagleWorker:
         (a fixed shape: selecting the accepted ones would give a shape that depends on values,
         a device->host sync); a row past a request's accept length writes its head K/V to slot
         0 (never handed out) and is no request's last row. On a CPU, where that selection costs
-        no sync, only the accepted rows run."""
+        no sync, only the accepted rows run. `path`: its positions and slots, if known."""
         L, rpi, a = batch.seq_lens, batch.req_pool_indices, acc.accept_lens
         bs, width = acc.accept_index.shape
         valid = acc.accept_index >= 0  # [bs, width]
-        cols = L[:, None] + self._iota(width)[None, :]
-        slots = self.req_to_token_pool.req_to_token[rpi[:, None], cols]
+        cols, slots = path or self._path_slots(L, rpi, width)
         if self.fixed_shape_extend:
             keep: torch.Tensor | slice = slice(None)
             ids, positions = acc.output_tokens.clamp(min=0).reshape(-1), cols.reshape(-1)
