@@ -186,21 +186,9 @@ class Topk1ChainBuffers:
                 f"topk=1 chain needs num_steps >= 1 and num_draft_tokens == num_steps + 1, "
                 f"got num_steps={num_steps}, num_draft_tokens={num_draft_tokens}"
             )
-        # The slow path's parent_list is cat(parents_list[:-1]): [-1, 0] from step 0 then [i]
-        # from step i, i.e. arange(-1, num_steps - 1); with one step it is empty.
-        width = num_steps if num_steps > 1 else 0
-        self._topk1_parents_prealloc = (
-            torch.arange(-1, width - 1, dtype=torch.long, device=self.device)
-            .unsqueeze(0)
-            .repeat(self.max_bs, 1)
-            .contiguous()
-        )  # [max_bs, W]
-        self._topk1_score_indices_prealloc = (
-            torch.arange(num_steps, dtype=torch.long, device=self.device)
-            .unsqueeze(0)
-            .repeat(self.max_bs, 1)
-            .contiguous()
-        )  # [max_bs, num_steps]
+        self._topk1_parents_prealloc, self._topk1_score_indices_prealloc = self._chain_rows(
+            self.max_bs, num_steps
+        )
         self.num_steps = num_steps
         self.num_draft_tokens = num_draft_tokens
 
@@ -210,11 +198,16 @@ class Topk1ChainBuffers:
         afresh otherwise."""
         if bs <= self.max_bs and num_steps == self.num_steps:
             return self._topk1_parents_prealloc[:bs], self._topk1_score_indices_prealloc[:bs]
+        return self._chain_rows(bs, num_steps)
+
+    def _chain_rows(self, bs: int, num_steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Fresh contiguous (parent_list [bs, W], top_scores_index [bs, num_steps]). The slow
+        path's parent_list is cat(parents_list[:-1]): [-1, 0] from step 0 then [i] from step i,
+        i.e. arange(-1, num_steps - 1); with one step it is empty."""
         width = num_steps if num_steps > 1 else 0
-        row = torch.arange(-1, width - 1, dtype=torch.long, device=self.device)
-        return row.expand(bs, -1).contiguous(), torch.arange(
-            num_steps, dtype=torch.long, device=self.device
-        ).expand(bs, -1).contiguous()
+        parents = torch.arange(-1, width - 1, dtype=torch.long, device=self.device)
+        scores = torch.arange(num_steps, dtype=torch.long, device=self.device)
+        return parents.expand(bs, -1).contiguous(), scores.expand(bs, -1).contiguous()
 
 
 @dataclass
