@@ -152,7 +152,7 @@ def stage_gpu(args: argparse.Namespace, st: Stage, limit: float) -> None:
         st.data["skipped"] = "bench/gpu.py needs a GPU"
         return
     cmd = [sys.executable, os.path.join(HERE, "gpu.py"), "--skip-hf", "--deterministic",
-           "--out", os.path.join(args.out, "gpu.json")]  # fmt: skip
+           "--out", os.path.join(args.out, "gpu_result.json")]  # fmt: skip
     run_child(st, cmd, limit, child_env())
 
 

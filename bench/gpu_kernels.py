@@ -134,8 +134,9 @@ def time_ms(fn: Any, device: torch.device, iters: int) -> float:
     return 1000 * (time.perf_counter() - t0) / iters
 
 
-def kernel_launches(runner: ModelRunner, bs: int) -> int:
-    """Device kernels of one eager decode forward (copies and fills not counted)."""
+def kernel_launches(runner: ModelRunner, bs: int) -> tuple[int, list[dict[str, Any]]]:
+    """Device kernels of one eager decode forward (copies and fills not counted), and the
+    kernels that take the most device time (name, launches, total µs)."""
     from torch.profiler import ProfilerActivity, profile
 
     eager(runner, bs)
@@ -143,8 +144,13 @@ def kernel_launches(runner: ModelRunner, bs: int) -> int:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         eager(runner, bs)
         synchronize(runner.device)
-    names = [e.name for e in prof.events() if e.device_type.name in ("CUDA", "HIP")]
-    return sum(1 for n in names if not n.startswith(("Memcpy", "Memset")))
+    kernels = [e for e in prof.events() if e.device_type.name in ("CUDA", "HIP")]
+    by_name: dict[str, list[float]] = {}
+    for e in kernels:
+        by_name.setdefault(e.name[:80], []).append(e.time_range.elapsed_us())
+    top = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:12]
+    launches = sum(1 for e in kernels if not e.name.startswith(("Memcpy", "Memset")))
+    return launches, [{"kernel": n, "launches": len(t), "us": round(sum(t), 1)} for n, t in top]
 
 
 _VIEW_OPS = ("view", "_unsafe_view", "reshape", "t", "transpose", "slice", "select", "expand",
@@ -191,7 +197,7 @@ def batch_row(runner: ModelRunner, bs: int, iters: int) -> dict[str, Any]:
     if device.type != "cpu":
         fb = decode_batch(runner, bs)
         row["graph_ms"] = time_ms(lambda: runner.forward(fb), device, iters)
-        row["launches"] = kernel_launches(runner, bs)
+        row["launches"], row["top_kernels"] = kernel_launches(runner, bs)
     elif runner.model.fused_kernels:  # the unfused CPU path is not the GPU's kernels
         row["launches"] = counted_launches(runner, bs)
     if "launches" in row:
@@ -257,6 +263,11 @@ def main() -> None:
             f"{r.get('graph_ms', 0):>10.3f}{r['eager_ms']:>10.3f}{r['floor_ms'] or 0:>10.3f}"
             f"  {r['max_logit_diff']:.3g}"
         )
+    for r in rows:
+        if r["batch"] == 1 and r.get("top_kernels"):
+            top = r["top_kernels"][:6]
+            print(f"{r['shape']} batch 1 {r['mode']}: " + ", ".join(
+                f"{k['kernel'][:40]} x{k['launches']} {k['us']:.0f} us" for k in top))  # fmt: skip
     _save(res, args.out)
 
 
