@@ -5,12 +5,11 @@ add+RMSNorm, gate_up GEMM, SiLU*mul, down GEMM. The residual stream travels besi
 output and is added inside the next norm, as in SGLang; each value is rounded to the model dtype
 where the unfused path in models/llama.py rounds it (tests/models/test_fused_forward.py).
 
-A forward of at most `model.fused_gemv_max_rows` rows (decode, a small verify) runs the GEMV
-kernels of kernels/triton_gemv.py instead, which fold the pointwise ops into the GEMMs:
+In the batch-invariant mode a small model (`model.gemv_capable`) runs the GEMV kernels of
+kernels/triton_gemv.py instead, at every size, which fold the pointwise ops into the GEMMs:
 [add+RMSNorm+qkv+rotary+KV write], attention, o GEMM, [add+RMSNorm+gate_up], [SiLU*mul+down].
-At that size every kernel is launch-bound, so the launch count is the cost. In the
-batch-invariant mode a model that takes the GEMV kernels takes them at every size: their rows do
-not depend on the batch, and a verify row must run the kernels its decode runs.
+Their rows do not depend on the batch, and a verify row must run the kernels its decode runs.
+Outside the mode they run forwards of at most `model.fused_gemv_max_rows` rows (0 by default).
 """
 
 from __future__ import annotations
@@ -79,13 +78,12 @@ def _attend(attn: LlamaAttention, qkv: torch.Tensor, fb: ForwardBatch) -> torch.
 
 
 def use_gemv(model: LlamaForCausalLM, rows: int, dtype: torch.dtype) -> bool:
-    """The GEMV kernels for a forward of `rows` rows: small batches of a plain float dtype, for
-    a model that takes them at all (fused_gemv_max_rows > 0). In the batch-invariant mode every
-    forward of such a model does: one kernel per op for any batch keeps a row's bits the same in
-    a decode of one row, a verify of many and a prefill, and at the small batches speculation
-    serves, these kernels are the fast ones (the rest of the layer, o_proj and the logits, runs
-    the batch-invariant GEMM)."""
-    if dtype not in _GEMV_DTYPES or model.fused_gemv_max_rows <= 0:
+    """The GEMV kernels for a forward of `rows` rows of a plain float dtype. In the
+    batch-invariant mode every forward of a model that takes them (gemv_capable) does: one
+    kernel per op for any batch keeps a row's bits the same in a decode of one row, a verify of
+    many and a prefill (the rest of the layer, o_proj and the logits, runs the batch-invariant
+    GEMM). Outside it, forwards of at most `fused_gemv_max_rows` rows."""
+    if dtype not in _GEMV_DTYPES or not model.gemv_capable:
         return False
     return model.batch_invariant or rows <= model.fused_gemv_max_rows
 

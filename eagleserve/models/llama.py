@@ -253,12 +253,14 @@ class LlamaForCausalLM(nn.Module):
         # The layers on the fused Triton kernels (fused_forward.py; set by ModelRunner on a GPU
         # with merged q/k/v and gate/up).
         self.fused_kernels = False
-        # With them, forwards of at most this many rows run the GEMV kernels (fused_forward.py).
-        # Small models only: their layers are launch-bound, so fewer kernels win; a large one
-        # streams its weights through cuBLAS faster than the GEMV's fixed tiles (until a GPU
-        # run shows otherwise: bench/gpu_kernels.py, mode gemv). In the batch-invariant mode
-        # such a model runs them at every size (fused_forward.use_gemv).
-        self.fused_gemv_max_rows = 16 if cfg.hidden_size <= GEMV_MAX_HIDDEN else 0
+        # With them, a small model takes the GEMV kernels (fused_forward.py) in the
+        # batch-invariant mode, at every size (fused_forward.use_gemv): their tiles and K order
+        # do not depend on the rows. A large one runs the batch-invariant GEMM there instead.
+        self.gemv_capable = cfg.hidden_size <= GEMV_MAX_HIDDEN
+        # Outside that mode, forwards of at most this many rows take them. 0: their long
+        # sequential K loops made the default model's decode slower than cuBLAS with the per-op
+        # fused kernels at batch 1 and 16 on a GPU (bench/gpu_kernels.py, modes fused and gemv).
+        self.fused_gemv_max_rows = 0
 
     @property
     def lm_head_weight(self) -> torch.Tensor:

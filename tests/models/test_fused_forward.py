@@ -120,12 +120,23 @@ def test_gemv_decode_gives_the_unfused_greedy_tokens(
 
 
 def test_gemv_at_every_size_in_the_batch_invariant_mode(tiny_model_dir: str) -> None:
-    r = runner(tiny_model_dir, torch.float32, True)
+    r = runner(tiny_model_dir, torch.float32, True, gemv_rows=0)
+    assert r.model.gemv_capable
+    assert not use_gemv(r.model, 1, torch.float32)  # off by default outside the mode
+    r.model.fused_gemv_max_rows = 16
     assert use_gemv(r.model, 16, torch.float32) and not use_gemv(r.model, 17, torch.float32)
     r.model.batch_invariant = True  # as make_batch_invariant sets it
     assert use_gemv(r.model, 1, torch.float32) and use_gemv(r.model, 4096, torch.float32)
-    r.model.fused_gemv_max_rows = 0  # a large model: the batch-invariant GEMM at every size
+    r.model.gemv_capable = False  # a large model: the batch-invariant GEMM at every size
     assert not use_gemv(r.model, 1, torch.float32)
+
+
+def test_the_default_decode_is_off_the_gemv_kernels(tiny_model_dir: str) -> None:
+    """As a ModelRunner builds it (no override): a decode takes cuBLAS and the per-op kernels."""
+    r = ModelRunner(ModelConfig.from_dir(tiny_model_dir), tiny_model_dir, DEVICE, torch.bfloat16,
+                    96, 4, 64, "triton", fused_kernels=True)  # fmt: skip
+    assert r.model.gemv_capable and r.model.fused_gemv_max_rows == 0
+    assert not use_gemv(r.model, 1, torch.bfloat16)
 
 
 def test_fused_kernels_only_on_a_gpu_with_plain_weights() -> None:
