@@ -323,15 +323,38 @@ class GenerationBatchResult:
     num_drafts: int | None = None  # spec: draft tokens per request this iteration
     prompt_logprobs: Any = None  # a prefill's sampling/prompt_logprobs.py PromptLogprobs, if any
 
+    # On an accelerator, set by to_host(): fires once the host copies are complete.
+    copy_done: Any = None
+
     def to_host(self) -> GenerationBatchResult:
-        """Copies the tensors to the host (waits for the forward that made them)."""
-        cpu = lambda t: None if t is None else t.to("cpu")
-        return GenerationBatchResult(
-            cpu(self.next_token_ids),
-            cpu(self.accept_lens),
-            cpu(self.logprobs),
-            cpu(self.top_logprob_vals),
-            cpu(self.top_logprob_ids),
+        """Host copies of the tensors, queued behind the forward that made them without waiting
+        for it (pinned memory on an accelerator), so the overlap scheduler's forward thread can
+        launch the next batch at once; readers call `wait_host()` first. (A prefill's prompt
+        logprobs are copied synchronously.)"""
+        device = self.next_token_ids.device
+        accel = device.type != "cpu"
+
+        def host(t: torch.Tensor | None) -> torch.Tensor | None:
+            if t is None or not accel:
+                return t
+            out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            return out.copy_(t, non_blocking=True)
+
+        result = GenerationBatchResult(
+            host(self.next_token_ids),  # type: ignore[arg-type]
+            host(self.accept_lens),
+            host(self.logprobs),
+            host(self.top_logprob_vals),
+            host(self.top_logprob_ids),
             self.num_drafts,
             None if self.prompt_logprobs is None else self.prompt_logprobs.to_host(),
         )
+        if accel:
+            result.copy_done = torch.Event(device=device)
+            result.copy_done.record()  # on the current (the forward's) stream
+        return result
+
+    def wait_host(self) -> None:
+        """Blocks until to_host()'s copies are complete (a device fault surfaces here)."""
+        if self.copy_done is not None:
+            self.copy_done.synchronize()

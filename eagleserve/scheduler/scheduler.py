@@ -199,12 +199,19 @@ class Scheduler:
     ) -> None:
         reqs, fut, partial = launched
         exc = fut.exception()
+        result = None
+        if exc is None:
+            result = fut.result()
+            try:  # the forward thread returned once it queued the work: wait for the copies
+                result.wait_host()
+            except Exception as e:  # an asynchronous device fault
+                exc = e
         if exc is not None:
             self._fail_requests(reqs, exc)
         # Requests released while that forward ran may now give their slots back.
         self._flush_deferred_release()
-        if exc is None:
-            self.process_batch_result(reqs, fut.result(), partial)
+        if result is not None and exc is None:
+            self.process_batch_result(reqs, result, partial)
 
     def _finish_inflight(self) -> None:
         launched, self.inflight = self.inflight, None

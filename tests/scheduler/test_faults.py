@@ -29,8 +29,19 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     return path
 
 
-@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
-def test_forward_exception_fails_only_its_batch(model_dir: str, overlap: bool) -> None:
+class _FailingCopy:
+    """A device fault that surfaces when the host waits for a result's copies (to_host)."""
+
+    def synchronize(self) -> None:
+        raise RuntimeError("injected device fault")
+
+
+@pytest.mark.parametrize(
+    ("overlap", "site"),
+    [(True, "forward"), (False, "forward"), (True, "copy")],
+    ids=["overlap", "no-overlap", "overlap-copy"],
+)
+def test_forward_exception_fails_only_its_batch(model_dir: str, overlap: bool, site: str) -> None:
     eng = Engine(
         model=model_dir,
         device="cpu",
@@ -46,12 +57,26 @@ def test_forward_exception_fails_only_its_batch(model_dir: str, overlap: bool) -
     worker = sched.worker
     real = worker.forward_batch_generation
 
+    def is_bad(batch) -> bool:  # noqa: ANN001
+        return any(r.rid == "bad" for r in batch.reqs) and batch.mode == "extend"
+
     def faulty(batch, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
-        if any(r.rid == "bad" for r in batch.reqs) and batch.mode == "extend":
+        if is_bad(batch):
             raise RuntimeError("injected fault")
         return real(batch, *args, **kwargs)
 
-    worker.forward_batch_generation = faulty
+    if site == "forward":
+        worker.forward_batch_generation = faulty
+    else:  # the forward thread returns; the fault shows when the scheduler waits for its copies
+        real_forward = sched.forwarder._forward
+
+        def faulty_copy(batch):  # noqa: ANN001, ANN202
+            result = real_forward(batch)
+            if is_bad(batch):
+                result.copy_done = _FailingCopy()
+            return result
+
+        sched.forwarder._forward = faulty_copy
     outs: dict[str, list] = {"good-0": [], "bad": [], "good-1": []}
     errors = {}
     sched.add_request(GenerateReqInput("good-0", prompts[0], params))
@@ -72,6 +97,8 @@ def test_forward_exception_fails_only_its_batch(model_dir: str, overlap: bool) -
     assert_kv_accounted(sched)
     # The engine keeps serving, with exact tokens, after the fault.
     worker.forward_batch_generation = real
+    if site == "copy":
+        del sched.forwarder._forward  # the class's method again
     again = [o["token_ids"] for o in eng.generate(prompts, params)]
     assert again == expected
     assert outs["good-0"] == expected[0]
