@@ -4,7 +4,9 @@ Inputs of N+1 that depend on N's results are futures: decode input ids are `-fut
 placeholders, and with EAGLE the relay state (bonus token, top-k, hidden state, new seq lens)
 goes through the FutureMap. The forward runs on one forward thread (and, on an accelerator,
 on its own stream), so forwards execute in launch order and a batch's resolve always sees the
-previous batch's stash.
+previous batch's stash. The forward thread returns once a batch's work and its result's copy to
+the host are queued (not done), so on an accelerator it launches N+1 while N still runs; the
+scheduler waits for N's copies in `collect`.
 
 Grammar masks are not futures: they need the committed tokens on the host, so a forward holding a
 grammar request reads its tokens back and advances the matchers before it returns; the next
@@ -74,6 +76,23 @@ class OverlapForwarder:
             if batch.without_drafts:
                 batch.add_one_token()
         return fut
+
+    @staticmethod
+    def collect(
+        fut: Future[GenerationBatchResult],
+    ) -> tuple[GenerationBatchResult | None, BaseException | None]:
+        """A launched batch's host result, or the exception that failed it. The forward thread
+        returns once its work is queued, so this waits for the result's copies too: a device
+        fault surfaces here."""
+        exc = fut.exception()
+        if exc is not None:
+            return None, exc
+        result = fut.result()
+        try:
+            result.wait_host()
+        except Exception as e:
+            return None, e
+        return result, None
 
     def _run(self, batch: ScheduleBatch, caller_stream: Any) -> GenerationBatchResult:
         if self.stream is None:

@@ -157,14 +157,8 @@ class Scheduler:
 
     # ---- the loop --------------------------------------------------------------------------
     def has_work(self) -> bool:
-        return bool(
-            self.waiting
-            or self.running_batch
-            or self.pending_outputs
-            or self.inflight
-            or self.deferred_release
-            or self.chunked_req
-        )
+        return bool(self.waiting or self.running_batch or self.pending_outputs or self.inflight
+                    or self.deferred_release or self.chunked_req)  # fmt: skip
 
     def step(self) -> list[TokenOutput]:
         """One iteration. With overlap: launch batch N+1, then process batch N's results."""
@@ -198,19 +192,12 @@ class Scheduler:
         self, launched: tuple[list[Req], Future[GenerationBatchResult], Req | None]
     ) -> None:
         reqs, fut, partial = launched
-        exc = fut.exception()
-        result = None
-        if exc is None:
-            result = fut.result()
-            try:  # the forward thread returned once it queued the work: wait for the copies
-                result.wait_host()
-            except Exception as e:  # an asynchronous device fault
-                exc = e
+        result, exc = OverlapForwarder.collect(fut)
         if exc is not None:
             self._fail_requests(reqs, exc)
         # Requests released while that forward ran may now give their slots back.
         self._flush_deferred_release()
-        if result is not None and exc is None:
+        if result is not None:
             self.process_batch_result(reqs, result, partial)
 
     def _finish_inflight(self) -> None:
