@@ -60,7 +60,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "--epochs", type=float, default=2, help="passes over the data (may be fractional)"
     )
     p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--batch-size", type=int, default=None,
+                   help="default 8 (--recipe gpu on an accelerator: 64)")  # fmt: skip
     p.add_argument("--max-len", type=int, default=384)
     p.add_argument("--ttt-steps", type=int, default=4, help="unrolled draft depths per batch")
     p.add_argument("--max-minutes", type=float, default=60.0, help="training time budget")
@@ -121,6 +122,7 @@ def evaluate(head: object, data: Data, idx: list[int], cfg: TrainConfig) -> dict
 def run(ns: argparse.Namespace) -> int:
     if ns.recipe == "gpu":
         return run_recipe(ns)
+    ns.batch_size = ns.batch_size or 8
     if ns.data_source == "teacher-forced":
         return run_teacher_forced(ns)
     from eagleserve import Engine

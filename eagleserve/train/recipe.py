@@ -55,9 +55,10 @@ def add_recipe_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--extract-seconds", type=float, default=None, help="stop extracting "
                    "after this long (default: a third of --time-budget)")  # fmt: skip
     g.add_argument("--max-shard-mb", type=float, default=16.0, help="largest head file")
-    g.add_argument("--ttt-attention", default="dense", choices=["dense", "sdpa"],
+    g.add_argument("--ttt-attention", default=None, choices=["dense", "sdpa"],
                    help="depth >= 1 attention: dense scores, or one masked SDPA call (no [T, T] "
-                   "scores kept: larger batches fit)")  # fmt: skip
+                   "scores kept: larger batches fit); default sdpa on an accelerator, dense on "
+                   "a CPU")  # fmt: skip
     g.add_argument("--max-conversations", type=int, default=None,
                    help="use only this many training conversations (default: all)")  # fmt: skip
     g.add_argument("--tokenize-procs", type=int, default=None, help="default: all CPU cores")
@@ -67,6 +68,16 @@ def add_recipe_args(p: argparse.ArgumentParser) -> None:
                    help="more training conversations from a PyPI wheel: chitchat (BYU "
                    "Chit-Chat Challenge, 4 k human-human chats, MIT)")  # fmt: skip
     add_self_distill_args(p)
+
+
+def device_defaults(ns: argparse.Namespace, dev: torch.device) -> None:
+    """Fills the flags left unset for `dev`: on an accelerator, SDPA depth attention at batch
+    64, the setting that trained the most token-passes a second of those bench/train_step.py
+    measured (dense scores keep [T, T] per head, so they stop at smaller batches); dense at
+    batch 8 on a CPU."""
+    accel = dev.type != "cpu"
+    ns.batch_size = ns.batch_size or (64 if accel else 8)
+    ns.ttt_attention = ns.ttt_attention or ("sdpa" if accel else "dense")
 
 
 def _tokenize(conv: list[dict[str, str]]) -> Item | None:
@@ -162,6 +173,7 @@ def run_recipe(ns: argparse.Namespace) -> int:
         torch.set_num_threads(ns.threads)
     torch.manual_seed(ns.seed)
     dev = _device(ns.device)
+    device_defaults(ns, dev)
     os.makedirs(ns.out, exist_ok=True)
     # Tokenizing forks workers: done before the device is touched.
     tok = load_tokenizer(resolve_model_path(ns.model))

@@ -4,6 +4,7 @@ sharded head that loads as the trained one, and reports held-out accuracy by dep
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 
@@ -15,6 +16,7 @@ from eagleserve.spec.head_loader import init_eagle_head, load_eagle_head
 from eagleserve.train.cli import main
 from eagleserve.train.features import IGNORE, label_map
 from eagleserve.train.online import StoreSource, build_store, cut_windows, store_batch
+from eagleserve.train.recipe import device_defaults
 from eagleserve.train.target import load_target, target_layer_ids
 from eagleserve.train.teacher import teacher_targets
 from eagleserve.train.ttt import head_step
@@ -139,3 +141,16 @@ def test_recipe_trains_saves_sharded_and_evaluates(chat_target: str, tmp_path) -
     base = json.load(open(os.path.join(out2, "training_log.json")))
     base = base["baseline_val_accuracy_by_depth"]
     assert base["head"] == out and all(abs(base[k] - val[k]) < 1e-6 for k in val), (base, val)
+
+
+def test_device_defaults_fill_only_the_flags_left_unset() -> None:
+    gpu, cpu = torch.device("cuda"), torch.device("cpu")
+    ns = argparse.Namespace(batch_size=None, ttt_attention=None)
+    device_defaults(ns, gpu)
+    assert (ns.batch_size, ns.ttt_attention) == (64, "sdpa")
+    ns = argparse.Namespace(batch_size=None, ttt_attention=None)
+    device_defaults(ns, cpu)
+    assert (ns.batch_size, ns.ttt_attention) == (8, "dense")
+    ns = argparse.Namespace(batch_size=12, ttt_attention="dense")  # what the user gave stays
+    device_defaults(ns, gpu)
+    assert (ns.batch_size, ns.ttt_attention) == (12, "dense")
