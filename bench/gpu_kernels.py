@@ -35,12 +35,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.gpu import _save, device_bandwidth, llama3_8b_config  # noqa: E402
 from eagleserve.config import ModelConfig  # noqa: E402
 from eagleserve.device import pick_device, synchronize  # noqa: E402
+from eagleserve.kernels import triton_gemv  # noqa: E402
 from eagleserve.layers.forward_batch import ForwardBatch, HostLens, forward_context  # noqa: E402
 from eagleserve.model_executor.model_runner import ModelRunner  # noqa: E402
 
 CONTEXT = 128
 BATCHES = (1, 16, 32)
 MODES = ("unfused", "fused", "gemv")
+DEFAULT_GEMV_BLOCK_K = triton_gemv.BLOCK_K
 
 
 def smollm2_135m_config(layers: int) -> dict[str, Any]:
@@ -74,6 +76,8 @@ def tiny_config(layers: int) -> dict[str, Any]:
 
 def make_runner(path: str, device: torch.device, mode: str, graphs: bool) -> ModelRunner:
     fused = mode != "unfused"
+    if mode.startswith("gemv"):  # "gemv:k128": the GEMV kernels' K step for this runner
+        triton_gemv.BLOCK_K = int(mode.partition(":k")[2] or DEFAULT_GEMV_BLOCK_K)
     runner = ModelRunner(
         ModelConfig.from_dir(path), path, device, torch.bfloat16,
         kv_cache_tokens=max(BATCHES) * (CONTEXT + 2) + 8, max_running_requests=max(BATCHES),
@@ -87,7 +91,7 @@ def make_runner(path: str, device: torch.device, mode: str, graphs: bool) -> Mod
         runner.model.fused_kernels = True
     if mode == "fused":  # the per-op fused kernels at every batch size
         runner.model.fused_gemv_max_rows = 0
-    elif mode == "gemv":  # the GEMV kernels up to 16 rows, whatever the model's size
+    elif mode.startswith("gemv"):  # the GEMV kernels up to 16 rows, whatever the model's size
         runner.model.fused_gemv_max_rows = 16
     if graphs:
         runner.capture_graphs(max(BATCHES), (), tree=False)
@@ -222,7 +226,12 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=0, help="override the layer count (smoke runs)")
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--device", default="auto")
-    ap.add_argument("--modes", default=",".join(MODES), help="of " + ", ".join(MODES))
+    ap.add_argument(
+        "--modes",
+        default=",".join(MODES),
+        help="of " + ", ".join(MODES) + "; "
+        "gemv:kN sets the GEMV kernels' K step to N (a sweep: gemv,gemv:k128)",
+    )
     args = ap.parse_args()
     device = pick_device(args.device)
     gpu = device.type != "cpu"
@@ -255,10 +264,10 @@ def main() -> None:
         _save(res, args.out)
     print(f"device: {name}; bandwidth {res['bandwidth_gb_s']:.0f} GB/s; context {CONTEXT}")
     head = ("shape", "batch", "mode", "launches", "/layer", "graph ms", "eager ms", "floor ms")
-    print("{:<14}{:>6}{:>9}{:>10}{:>8}{:>10}{:>10}{:>10}  max|dlogit|".format(*head))
+    print("{:<14}{:>6}{:>10}{:>10}{:>8}{:>10}{:>10}{:>10}  max|dlogit|".format(*head))
     for r in rows:
         print(
-            f"{r['shape']:<14}{r['batch']:>6}{r['mode']:>9}"
+            f"{r['shape']:<14}{r['batch']:>6}{r['mode']:>10}"
             f"{r.get('launches', 0):>10}{r.get('launches_per_layer', 0):>8.1f}"
             f"{r.get('graph_ms', 0):>10.3f}{r['eager_ms']:>10.3f}{r['floor_ms'] or 0:>10.3f}"
             f"  {r['max_logit_diff']:.3g}"
