@@ -42,18 +42,17 @@ def soft_cross_entropy(
 def label_loss(
     logits: torch.Tensor,
     batch: Batch,
-    sel: torch.Tensor,
+    at: tuple[torch.Tensor, torch.Tensor],
     lab: torch.Tensor,
-    cols: slice,
     soft: bool,
 ) -> torch.Tensor:
-    """CE of `logits` (rows `sel` of the label columns `cols`) against the soft labels when
-    `soft` and the batch has them, else against the hard labels `lab`."""
+    """CE of `logits` (the positions `at`: batch rows and columns) against the soft labels
+    when `soft` and the batch has them, else against the hard labels `lab`."""
     if logits.shape[0] == 0:  # a host-known shape: no device sync
         return logits.sum()  # zero, keeps the graph
     if soft and batch.soft_ids is not None:
-        ids = batch.soft_ids[:, cols][sel]
-        return soft_cross_entropy(logits, ids, batch.soft_p[:, cols][sel])
+        assert batch.soft_p is not None
+        return soft_cross_entropy(logits, batch.soft_ids[at], batch.soft_p[at])
     return F.cross_entropy(logits, lab)
 
 

@@ -164,6 +164,14 @@ def _store_group(
         store.top_p[dst] = top_p
 
 
+def _host_to(dev: torch.device, values: list[int]) -> torch.Tensor:
+    """`values` on `dev`, queued without waiting for the device: a copy from pageable memory
+    would wait for every kernel queued before it (the previous step's)."""
+    if dev.type == "cpu":
+        return torch.tensor(values)
+    return torch.tensor(values, pin_memory=True).to(dev, non_blocking=True)
+
+
 def store_batch(
     store: FeatureStore, wins: list[Window], label_map: torch.Tensor, depths: int
 ) -> Batch:
@@ -173,8 +181,8 @@ def store_batch(
     in the draft vocabulary."""
     dev = store.ids.device
     n = max(m for _, m in wins)
-    start = torch.tensor([a for a, _ in wins], device=dev)
-    lens = torch.tensor([m for _, m in wins], device=dev)
+    start = _host_to(dev, [a for a, _ in wins])
+    lens = _host_to(dev, [m for _, m in wins])
     col = torch.arange(n + depths, device=dev)
     fmask = col[None, :] < lens[:, None]
     idx = torch.where(fmask, start[:, None] + col[None, :], 0)

@@ -102,15 +102,37 @@ def memory_batch(data: Data, idx: list[int], cfg: TrainConfig) -> Batch:
     return sequence_batch(d.seqs, d.prompt_lens, d.feats, d.label_map, idx, cfg.max_len, cfg.depths)
 
 
+def labelled_rows(
+    batch: Batch, depths: int, t: int, keep: list[torch.Tensor] | None = None
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per depth s, the (batch row, label column) index pairs of the labelled positions of
+    columns s+1 .. s+t, in row-major order (as boolean indexing orders them); `keep[s]` [B, t]
+    masks them further. One selection for every depth: the step's one wait for the device."""
+    valid = torch.stack([batch.y[:, s + 1 : s + 1 + t] != IGNORE for s in range(depths)])
+    if keep is not None:
+        valid &= torch.stack(keep)
+    per_depth = valid.flatten(1).sum(1)  # queued before the read, so ready after it
+    nz = valid.nonzero()  # [n, 3]: (depth, row, j), sorted; waits for the device
+    counts: list[int] = per_depth.tolist()
+    return [(part[:, 1], part[:, 2] + s + 1) for s, part in enumerate(nz.split(counts))]
+
+
 def train_step(
     head: EagleHead, batch: Batch, cfg: TrainConfig, step: int
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """(loss, per-depth accuracy as 0-d device tensors). The only host sync is the row
-    selection's (`hid[sel]`): metrics stay on the device until the caller reads them."""
+    """(loss, per-depth accuracy as 0-d device tensors). The only host read is the labelled
+    rows' selection, once for all depths (EAGLE's feature loss reads its mask too): metrics stay
+    on the device until the caller reads them."""
     x, f, y, fmask = batch.x, batch.f, batch.y, batch.fmask
     t = f.shape[1] - cfg.depths - 1  # rows j: depth 0 needs x[j+1]
     w = lm_head_weight(head)
-    gen = torch.Generator(device=x.device).manual_seed(cfg.seed * 1_000_003 + step)
+    keep = None
+    if head.algorithm == "EAGLE":  # full-vocab CE on a random share of the rows
+        gen = torch.Generator(device=x.device).manual_seed(cfg.seed * 1_000_003 + step)
+        shape = (x.shape[0], t)
+        keep = [torch.rand(shape, generator=gen, device=x.device) < cfg.ce_fraction
+                for _ in range(cfg.depths)]  # fmt: skip
+    rows = labelled_rows(batch, cfg.depths, t, keep)
     feats = f[:, :t]
     past: list = []
     loss = torch.zeros((), device=x.device)
@@ -120,19 +142,16 @@ def train_step(
         pos = (torch.arange(t, device=x.device) + s).expand(x.shape[0], t)
         hid, out, kv = head_step(head, ids, feats, pos, past, cfg.ttt_attention)
         past.append(kv)
-        cols = slice(s + 1, s + 1 + t)
-        lab = y[:, cols]
-        sel = lab != IGNORE
-        if head.algorithm == "EAGLE":
-            sel &= torch.rand(sel.shape, generator=gen, device=x.device) < cfg.ce_fraction
-        logits = F.linear(hid[sel], w).float()
-        term = label_loss(logits, batch, sel, lab[sel], cols, cfg.soft_labels)
+        bi, col = rows[s]
+        lab = y[bi, col]
+        logits = F.linear(hid[bi, col - (s + 1)], w).float()
+        term = label_loss(logits, batch, (bi, col), lab, cfg.soft_labels)
         if head.algorithm == "EAGLE":
             fm = fmask[:, s + 1 : s + 1 + t]
             nxt = f[:, s + 1 : s + 1 + t]
             term = term + cfg.feature_weight * F.smooth_l1_loss(out[fm].float(), nxt[fm])
         loss = loss + cfg.depth_decay**s * term
-        hits = (logits.argmax(-1) == lab[sel]).float()
+        hits = (logits.argmax(-1) == lab).float()
         metrics[f"acc{s}"] = hits.mean() if hits.shape[0] else torch.zeros((), device=x.device)
         feats = out
     return loss, metrics

@@ -1,0 +1,81 @@
+"""The training step: its label selection equals boolean indexing, and it waits for the device
+once (a host read drains the GPU's queue, and the step is launched from the host)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from eagleserve.spec.head_loader import init_eagle_head
+from eagleserve.train.batches import Batch
+from eagleserve.train.features import IGNORE
+from eagleserve.train.target import load_target
+from eagleserve.train.trainer import TrainConfig, labelled_rows, train_step
+
+pytestmark = pytest.mark.usefixtures("torch_threads")
+
+
+def _batch(b: int, t: int, depths: int, width: int, vocab: int, g: torch.Generator) -> Batch:
+    n, k = t + depths + 1, 4
+    y = torch.randint(0, vocab, (b, n), generator=g)
+    y[torch.rand(b, n, generator=g) < 0.4] = IGNORE  # prompts, padding, outside the vocabulary
+    soft_ids = torch.randint(-1, vocab, (b, n, k), generator=g)
+    soft_p = torch.softmax(torch.randn(b, n, k, generator=g), -1)
+    x = torch.randint(0, vocab, (b, n), generator=g)
+    f = torch.randn(b, n, width, generator=g)
+    return Batch(x, f, y, torch.ones(b, n, dtype=torch.bool), soft_ids, soft_p)
+
+
+def test_labelled_rows_equal_boolean_indexing() -> None:
+    g = torch.Generator().manual_seed(int(torch.randint(0, 10**6, ())))
+    b, t, depths = 5, 13, 4
+    batch = _batch(b, t, depths, 3, 50, g)
+    keep = [torch.rand(b, t, generator=g) < 0.5 for _ in range(depths)]
+    for mask in (None, keep):
+        rows = labelled_rows(batch, depths, t, mask)
+        for s, (bi, col) in enumerate(rows):
+            lab = batch.y[:, s + 1 : s + 1 + t]
+            sel = lab != IGNORE
+            if mask is not None:
+                sel &= mask[s]
+            assert sel.sum() > 0
+            assert torch.equal(batch.y[bi, col], lab[sel])
+            # the same positions, in the same order, of any [B, t] tensor (the head's rows)
+            rowid = torch.arange(b * t).view(b, t)
+            assert torch.equal(rowid[bi, col - (s + 1)], rowid[sel])
+            assert torch.equal(batch.soft_p[bi, col], batch.soft_p[:, s + 1 : s + 1 + t][sel])
+
+
+class _DeviceReads(TorchDispatchMode):
+    """Counts the ops that make the host wait for the device on a GPU."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        name = func.overloadpacket.__name__
+        bool_index = name == "index" and any(
+            isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] or ())
+        )
+        if name in ("nonzero", "masked_select", "_local_scalar_dense", "item") or bool_index:
+            self.reads.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("soft", [True, False])
+def test_a_training_step_waits_for_the_device_once(tiny_model_dir: str, soft: bool) -> None:
+    target, _ = load_target(tiny_model_dir, "float32", 64)
+    head = init_eagle_head("EAGLE3", target, seed=int(torch.randint(0, 1000, ())))
+    g = torch.Generator().manual_seed(int(torch.randint(0, 10**6, ())))
+    depths, t = 3, 9
+    vocab = head.lm_head.weight.shape[0]
+    batch = _batch(2, t, depths, head.feature_size, vocab, g)
+    cfg = TrainConfig(out_dir="", depths=depths, soft_labels=soft)
+    with _DeviceReads() as mode:
+        loss, metrics = train_step(head, batch, cfg, 0)
+        loss.backward()
+    assert mode.reads == ["nonzero"]
+    assert torch.isfinite(loss) and loss > 0 and set(metrics) == {"acc0", "acc1", "acc2"}
+    assert all(p.grad is not None for p in head.parameters() if p.requires_grad)
