@@ -52,4 +52,5 @@ def test_sdpa_chain_equals_dense(tiny_model_dir: str, algorithm: str) -> None:
     torch.testing.assert_close(sdpa, dense, rtol=1e-5, atol=1e-5)
     assert len(g_dense) == len(g_sdpa) > 3
     for a, c in zip(g_sdpa, g_dense, strict=True):
-        torch.testing.assert_close(a, c, rtol=1e-4, atol=1e-5)
+        # fp32 sums of terms up to max|c| leave absolute errors in proportion to it
+        torch.testing.assert_close(a, c, rtol=1e-4, atol=1e-5 + 1e-7 * c.abs().max().item())
