@@ -6,6 +6,7 @@ slots before attending. Tree verify is one more metadata kind (a `tree_mask` on 
 
 from __future__ import annotations
 
+import os
 from typing import Protocol
 
 import torch
@@ -122,6 +123,11 @@ def create_attn_backend(
     if shape_invariant and not deterministic:
         raise ValueError(f"the {name} attention backend cannot guarantee shape invariance")
     if name == "triton":
+        if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError(
+                "the triton attention backend runs on a GPU; on a CPU use torch (the default), "
+                "or set TRITON_INTERPRET=1 to run its kernels in Triton's interpreter (slow)"
+            )
         from eagleserve.layers.triton_backend import TritonAttnBackend
 
         return TritonAttnBackend(req_to_token, sm_scale, deterministic)

@@ -38,6 +38,19 @@ def test_backend_choice() -> None:
     assert not create_attn_backend("triton", gpu, r2t, 0.1).deterministic
 
 
+def test_triton_on_a_cpu_without_the_interpreter_is_a_clear_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Not an engine's internal error at the first request (Triton finds no GPU driver)."""
+    r2t = torch.zeros(2, 8, dtype=torch.long)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="runs on a GPU.*TRITON_INTERPRET=1"):
+        create_attn_backend("triton", torch.device("cpu"), r2t, 0.1)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert isinstance(create_attn_backend("triton", torch.device("cpu"), r2t, 0.1),
+                      TritonAttnBackend)  # fmt: skip
+
+
 def test_make_batch_invariant_keeps_weights_and_matches_linear() -> None:
     cfg = ModelConfig(
         hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
