@@ -42,7 +42,7 @@ from eagleserve.model_executor.model_runner import ModelRunner  # noqa: E402
 CONTEXT = 128
 BATCHES = (1, 16, 32)
 MODES = ("unfused", "fused", "gemv")
-DEFAULT_GEMV_BLOCK_K = triton_gemv.BLOCK_K
+DEFAULT_GEMV_BLOCK_K, DEFAULT_GEMV_WARPS = triton_gemv.BLOCK_K, triton_gemv.NUM_WARPS
 
 
 def smollm2_135m_config(layers: int) -> dict[str, Any]:
@@ -76,8 +76,10 @@ def tiny_config(layers: int) -> dict[str, Any]:
 
 def make_runner(path: str, device: torch.device, mode: str, graphs: bool) -> ModelRunner:
     fused = mode != "unfused"
-    if mode.startswith("gemv"):  # "gemv:k128": the GEMV kernels' K step for this runner
-        triton_gemv.BLOCK_K = int(mode.partition(":k")[2] or DEFAULT_GEMV_BLOCK_K)
+    if mode.startswith("gemv"):  # "gemv:k128:w8": the GEMV kernels' K step and warps
+        opts = dict((o[0], int(o[1:])) for o in mode.split(":")[1:])
+        triton_gemv.BLOCK_K = opts.get("k", DEFAULT_GEMV_BLOCK_K)
+        triton_gemv.NUM_WARPS = opts.get("w", DEFAULT_GEMV_WARPS)
     runner = ModelRunner(
         ModelConfig.from_dir(path), path, device, torch.bfloat16,
         kv_cache_tokens=max(BATCHES) * (CONTEXT + 2) + 8, max_running_requests=max(BATCHES),

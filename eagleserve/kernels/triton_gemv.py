@@ -33,8 +33,11 @@ from eagleserve.kernels import triton_interpreter  # noqa: F401  (before any lau
 from eagleserve.kernels.triton_common import _dot, _ieee_dot
 
 BLOCK_M = 16  # rows per program: tl.dot's least M; a batch of at most this many is one block
-BLOCK_K = 64
 BLOCK_C = 16  # columns of each rotary half per program (tl.dot's least N)
+# Read at each call (bench/gpu_kernels.py sweeps them): the K step and the warps per program.
+# Both are the same for every batch size, so a row's bits still do not depend on the batch.
+BLOCK_K = 64
+NUM_WARPS = 4
 
 
 @triton.jit
@@ -251,7 +254,7 @@ def norm_qkv_rope_store_kv(
         HAS_RES=residual is not None, HAS_BIAS=bias is not None,
         IEEE=_ieee_dot(x),
         BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K, BLOCK_C=BLOCK_C,
-        num_warps=4,
+        num_warps=NUM_WARPS,
     )  # fmt: skip
     return qkv, res_out
 
@@ -279,7 +282,7 @@ def norm_gemm(
         t, n, k_dim, eps,
         x.stride(0), res.stride(0), weight.stride(0), out.stride(0), res_out.stride(0),
         HAS_RES=residual is not None, IEEE=_ieee_dot(x),
-        BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=BLOCK_K, num_warps=4,
+        BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=BLOCK_K, num_warps=NUM_WARPS,
     )  # fmt: skip
     return out, res_out
 
@@ -297,6 +300,6 @@ def silu_mul_gemm(gate_up: torch.Tensor, weight: torch.Tensor, block_n: int = 16
         gate_up, weight, out, t, n, inter,
         gate_up.stride(0), weight.stride(0), out.stride(0),
         IEEE=_ieee_dot(gate_up),
-        BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=BLOCK_K, num_warps=4,
+        BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=BLOCK_K, num_warps=NUM_WARPS,
     )  # fmt: skip
     return out
