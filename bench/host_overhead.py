@@ -34,7 +34,9 @@ On a GPU nothing here synchronizes: a stage's time is what the host spent in it,
 makes included (that is the point: a sync is host time the GPU does not overlap). With
 `--profile` (default on a GPU) the GPU's idle share of the decode iterations is measured from
 the torch profiler: 1 - (union of device kernel/memcpy intervals) / wall, with the overlap
-scheduler off and on. The stage split runs with overlap off (one thread; with overlap the
+scheduler off and on, and the device syncs per iteration by site, overlap off and on (on,
+its forward thread's included: a sync there empties the GPU's queue). The stage split runs
+with overlap off (one thread; with overlap the
 forward runs on its own thread and the stages interleave).
 
 `--model tiny` (the default on a CPU) is a random 8-layer Llama (hidden 64, vocab 512) with a
@@ -300,17 +302,22 @@ def run(
             for row in res["rows"]:
                 if row["setting"] == name:
                     row["gpu_overlap_default"] = gpu_idle(eng, row["batch"], new_tokens, vocab)
+                    # with the forward thread: a sync there leaves the GPU's queue empty
+                    row["syncs_per_iteration_overlap"] = sync_sites(
+                        eng, row["batch"], min(new_tokens, 16), vocab
+                    )
             del eng
         if out:
             _save(res, out)
     print(f"{res['device']}; {machine()}; mean us per decode iteration, overlap off")
     print(format_table(["setting", "bs", "iters", *STAGES, "total", *COUNTS], table))
     for row in res["rows"]:
-        syncs = row.get("syncs_per_iteration")
-        if syncs:
-            top = ", ".join(f"{site} x{n}" for site, n in list(syncs.items())[:4])
-            print(f"{row['setting']} bs {row['batch']}: {sum(syncs.values()):.1f} device syncs "
-                  f"per iteration (overlap off): {top}")  # fmt: skip
+        for key, mode in (("syncs_per_iteration", "off"), ("syncs_per_iteration_overlap", "on")):
+            syncs = row.get(key)
+            if syncs:
+                top = ", ".join(f"{site} x{n}" for site, n in list(syncs.items())[:4])
+                print(f"{row['setting']} bs {row['batch']}: {sum(syncs.values()):.1f} device "
+                      f"syncs per iteration (overlap {mode}): {top}")  # fmt: skip
         for key in ("gpu_overlap_off", "gpu_overlap_default"):
             if key in row:
                 g = row[key]

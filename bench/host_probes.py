@@ -218,8 +218,9 @@ class SyncCensus:
 
 
 def sync_sites(engine: Engine, batch: int, new: int, vocab: int) -> dict[str, float]:
-    """Synchronizing calls per decode iteration by site, overlap off (one thread), from a
-    generate of `batch` prompts; {} where the device has no sync debug mode."""
+    """Synchronizing calls per decode iteration by site (with the overlap scheduler, its
+    forward thread's too), from a generate of `batch` prompts; {} where the device has no sync
+    debug mode."""
     dev = engine.scheduler.device
     mod = torch.get_device_module(dev)
     if not hasattr(mod, "set_sync_debug_mode"):
