@@ -29,3 +29,13 @@ def device_module(device: torch.device) -> Any:
 def synchronize(device: torch.device) -> None:
     if device.type != "cpu":
         device_module(device).synchronize()
+
+
+def host_to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host tensor `t` on `device`, queued without waiting for the work queued there: from
+    pageable memory a copy waits for its stream to drain (on the overlap scheduler's forward
+    thread, the previous batch's forward; in training, the previous step); from pinned memory
+    it is queued behind that work."""
+    if device.type == "cpu":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from eagleserve.core import ForwardMode, ScheduleBatch
+from eagleserve.device import host_to
 from eagleserve.kernels import cpu_ext
 
 if TYPE_CHECKING:
@@ -89,14 +90,14 @@ class ForwardBatch:
             ext = torch.tensor(batch.extend_lens, dtype=torch.long)
             pre = torch.tensor(batch.prefix_lens, dtype=torch.long)
             positions = torch.cat([torch.arange(p, p + n) for p, n in zip(pre.tolist(), ext)])
-            extend_lens = ext.to(dev)
+            extend_lens = host_to(ext, dev)
             return cls(
                 mode="extend",
                 input_ids=batch.input_ids,
-                positions=positions.to(dev),
+                positions=host_to(positions, dev),
                 out_cache_loc=batch.out_cache_loc,
                 req_pool_indices=batch.req_pool_indices,
-                prefix_lens=pre.to(dev),
+                prefix_lens=host_to(pre, dev),
                 extend_lens=extend_lens,
                 host=HostLens.of(batch.extend_lens, (pre + ext).tolist()),
                 kv_pool=kv_pool,

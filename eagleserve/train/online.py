@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 from tqdm import tqdm
 
+from eagleserve.device import host_to
 from eagleserve.models.llama import LlamaForCausalLM
 from eagleserve.train.batches import Batch
 from eagleserve.train.dense_backend import padded_features_and_final
@@ -164,14 +165,6 @@ def _store_group(
         store.top_p[dst] = top_p
 
 
-def _host_to(dev: torch.device, values: list[int]) -> torch.Tensor:
-    """`values` on `dev`, queued without waiting for the device: a copy from pageable memory
-    would wait for every kernel queued before it (the previous step's)."""
-    if dev.type == "cpu":
-        return torch.tensor(values)
-    return torch.tensor(values, pin_memory=True).to(dev, non_blocking=True)
-
-
 def store_batch(
     store: FeatureStore, wins: list[Window], label_map: torch.Tensor, depths: int
 ) -> Batch:
@@ -181,8 +174,8 @@ def store_batch(
     in the draft vocabulary."""
     dev = store.ids.device
     n = max(m for _, m in wins)
-    start = _host_to(dev, [a for a, _ in wins])
-    lens = _host_to(dev, [m for _, m in wins])
+    start = host_to(torch.tensor([a for a, _ in wins]), dev)
+    lens = host_to(torch.tensor([m for _, m in wins]), dev)
     col = torch.arange(n + depths, device=dev)
     fmask = col[None, :] < lens[:, None]
     idx = torch.where(fmask, start[:, None] + col[None, :], 0)
