@@ -324,7 +324,7 @@ class GenerationBatchResult:
     prompt_logprobs: Any = None  # a prefill's sampling/prompt_logprobs.py PromptLogprobs, if any
 
     # On an accelerator, set by to_host(): fires once the host copies are complete.
-    copy_done: Any = None
+    copy_done: torch.Event | None = None
 
     def to_host(self) -> GenerationBatchResult:
         """Host copies of the tensors, queued behind the forward that made them without waiting

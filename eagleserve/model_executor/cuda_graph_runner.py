@@ -162,15 +162,15 @@ class GraphedForward:
         """Copies `fb`'s inputs into the static buffers, the rows up to its bucket padded (slot
         0, an empty prefix); returns the bucket. Device work only: no host read."""
         v = self._views(fb.batch_size)
-        sources = [fb.input_ids, fb.positions, fb.out_cache_loc, fb.req_pool_indices,
-                   fb.prefix_lens]  # fmt: skip
+        sources = (fb.input_ids, fb.positions, fb.out_cache_loc, fb.req_pool_indices,
+                   fb.prefix_lens)  # fmt: skip
         # One multi-tensor launch on a GPU for the five int64 inputs (per-tensor copies where
         # a source's layout rules that out).
-        torch._foreach_copy_(list(v.inputs), sources)
+        torch._foreach_copy_(v.inputs, sources)
         # Padding rows (a batch smaller than its bucket) are reset to slot 0 every time: rows a
         # larger batch left there hold live requests' slots, which they would overwrite.
         if v.padding:
-            torch._foreach_zero_(list(v.padding))
+            torch._foreach_zero_(v.padding)
         if self.tree_mask is not None and fb.tree_mask is not None:
             self.tree_mask[: fb.batch_size].copy_(fb.tree_mask)
         for k, src in extras.items():

@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 import torch
+from device_reads import device_read
 from test_no_host_sync import HostReadError, head_dir
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -176,20 +177,14 @@ def test_k0_iteration_dispatches_about_a_target_decodes_ops(
         assert h <= p + K0_EXTRA_OPS, (step, plain, held)
 
 
-_INDEX_OPS = (torch.ops.aten.index.Tensor, torch.ops.aten.index_put_.default)
-_READS = (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default,
-          torch.ops.aten.masked_select.default)  # fmt: skip
-
-
 class _NoDeviceReads(TorchDispatchMode):
     """Refuses host reads of device values and ops whose output shape depends on values
     (stricter than test_no_host_sync's forward guard: a verify must not select rows by mask)."""
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if func in _READS:
-            raise HostReadError(f"{func} reads a device value on the host")
-        if func in _INDEX_OPS and any(t is not None and t.dtype == torch.bool for t in args[1]):
-            raise HostReadError(f"{func} with a boolean mask: its shape depends on values")
+        read = device_read(func, args)
+        if read is not None:
+            raise HostReadError(read)
         return func(*args, **(kwargs or {}))
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from device_reads import device_read
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from eagleserve.spec.head_loader import init_eagle_head
@@ -55,12 +56,8 @@ class _DeviceReads(TorchDispatchMode):
         self.reads: list[str] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
-        name = func.overloadpacket.__name__
-        bool_index = name == "index" and any(
-            isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] or ())
-        )
-        if name in ("nonzero", "masked_select", "_local_scalar_dense", "item") or bool_index:
-            self.reads.append(name)
+        if device_read(func, args) is not None:
+            self.reads.append(func.overloadpacket.__name__)
         return func(*args, **(kwargs or {}))
 
 
