@@ -170,7 +170,8 @@ def stage_train(args: argparse.Namespace, st: Stage, limit: float) -> None:
     cmd = [sys.executable, os.path.join(HERE, "train_step.py"), "--model", args.model,
            "--device", device, "--out", os.path.join(args.out, "train_step.json")]  # fmt: skip
     if args.quick:
-        cmd += ["--rows", "dense:2,sdpa:2", "--max-len", "64", "--steps", "2", "--warmup", "1"]
+        rows = "dense:2,sdpa:2,merge:2"
+        cmd += ["--rows", rows, "--max-len", "64", "--steps", "2", "--warmup", "1"]
     run_child(st, cmd, limit, {**child_env(), "TQDM_DISABLE": "1"})  # the table, not the bars
 
 

@@ -158,7 +158,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument(
         "--rows",
-        default="dense:16,sdpa:16,sdpa:32,sdpa:64",
+        default="sdpa:64,merge:64,merge:128",
         help="settings, ttt_attention:batch_size, comma-separated",
     )
     ap.add_argument("--max-len", type=int, default=2048)

@@ -33,6 +33,7 @@ from eagleserve.train.online import (
 )
 from eagleserve.train.self_distill import add_self_distill_args
 from eagleserve.train.training_log import write_training_log
+from eagleserve.train.ttt import TTT_ATTENTION
 
 _WORKER: tuple | None = None  # (tokenizer, probe keys, max tokens), inherited by forked workers
 
@@ -55,10 +56,11 @@ def add_recipe_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--extract-seconds", type=float, default=None, help="stop extracting "
                    "after this long (default: a third of --time-budget)")  # fmt: skip
     g.add_argument("--max-shard-mb", type=float, default=16.0, help="largest head file")
-    g.add_argument("--ttt-attention", default=None, choices=["dense", "sdpa"],
-                   help="depth >= 1 attention: dense scores, or one masked SDPA call (no [T, T] "
-                   "scores kept: larger batches fit); default sdpa on an accelerator, dense on "
-                   "a CPU")  # fmt: skip
+    g.add_argument("--ttt-attention", default="merge", choices=list(TTT_ATTENTION),
+                   help="depth >= 1 attention: merge (a causal SDPA over the context merged "
+                   "with the chain's own keys: the least work), sdpa (one masked SDPA over "
+                   "every depth's keys) or dense (the [T, T] scores); all compute the same "
+                   "values")  # fmt: skip
     g.add_argument("--max-conversations", type=int, default=None,
                    help="use only this many training conversations (default: all)")  # fmt: skip
     g.add_argument("--tokenize-procs", type=int, default=None, help="default: all CPU cores")
@@ -71,13 +73,9 @@ def add_recipe_args(p: argparse.ArgumentParser) -> None:
 
 
 def device_defaults(ns: argparse.Namespace, dev: torch.device) -> None:
-    """Fills the flags left unset for `dev`: on an accelerator, SDPA depth attention at batch
-    64, the setting that trained the most token-passes a second of those bench/train_step.py
-    measured (dense scores keep [T, T] per head, so they stop at smaller batches); dense at
-    batch 8 on a CPU."""
-    accel = dev.type != "cpu"
-    ns.batch_size = ns.batch_size or (64 if accel else 8)
-    ns.ttt_attention = ns.ttt_attention or ("sdpa" if accel else "dense")
+    """Fills --batch-size if left unset: 64 on an accelerator (bench/train_step.py measured the
+    most token-passes a second there), 8 on a CPU."""
+    ns.batch_size = ns.batch_size or (64 if dev.type != "cpu" else 8)
 
 
 def _tokenize(conv: list[dict[str, str]]) -> Item | None:

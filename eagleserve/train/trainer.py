@@ -48,7 +48,7 @@ class TrainConfig:
     # Wall-time budget in seconds (None: none). The schedule's length is re-estimated from the
     # measured step time after CALIBRATION_STEPS, so the cosine ends when the budget does.
     budget_s: float | None = None
-    ttt_attention: str = "dense"  # train/ttt.py TTT_ATTENTION: how depths >= 1 attend
+    ttt_attention: str = "merge"  # train/ttt.py TTT_ATTENTION: how depths >= 1 attend
 
 
 @dataclass

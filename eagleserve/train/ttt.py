@@ -5,6 +5,13 @@ worker's draft extend does. Depth s >= 1 at row j is the s-th draft step after a
 committed j+1 tokens: input token x[j+s+1], the head's own depth s-1 output as feature, position
 j+s. Its attention sees exactly what the draft KV pool holds then: the depth-0 keys of rows
 <= j (the committed context) plus the depth 1..s keys of row j itself (its own chain).
+
+Three forms of that depth >= 1 attention compute the same values (TTT_ATTENTION):
+- "dense": the [T, T] context scores and the chain's diagonal terms, one softmax;
+- "sdpa": one SDPA call over every depth's keys with a boolean mask: no [T, T] kept for the
+  backward, but a masked call does the work of (1 + s) full [T, T] products;
+- "merge": a causal SDPA over the context alone (the flash kernels' half [T, T]) and the
+  chain's s diagonal terms, merged by their softmax weights (`merge_chain`).
 """
 
 from __future__ import annotations
@@ -15,7 +22,7 @@ import torch.nn.functional as F
 from eagleserve.spec.eagle_head import EagleHead
 
 KV = tuple[torch.Tensor, torch.Tensor]  # k, v [B, Hkv, T, D] after rotary
-TTT_ATTENTION = ("dense", "sdpa")
+TTT_ATTENTION = ("dense", "sdpa", "merge")
 
 
 def chain_mask(t: int, n_chain: int, device: torch.device) -> torch.Tensor:
@@ -35,6 +42,72 @@ def _sdpa_chain(q: torch.Tensor, chain: list[KV], rep: int) -> torch.Tensor:
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
+def context_with_sink(
+    q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor, sink: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q [B, H, T, D] and the context k0, v0 [B, Hkv, T, D] widened for one causal SDPA that
+    also reports the context's softmax mass: a sink key at row 0 that query i scores
+    `sink[b, h, i]` (q's column D holds sink / scale, the sink key a 1 there; q's row 0 is a
+    dummy) and two value columns, D (1 at the sink) and D + 1 (1 at every context key). The
+    width is rounded up to a multiple of 8 (the fused kernels' head sizes). Row i + 1 of the
+    output is then [A_i Z_i, e^sink_i, Z_i] / (e^sink_i + Z_i), with A_i the causal attention
+    of query i and Z_i its context's sum of exp(score). `sink` must be exact in q's dtype once
+    divided by `scale` (the caller rounds it)."""
+    d = q.shape[-1]
+    width = -(-(d + 2) // 8) * 8
+    col = (sink / scale).to(q.dtype)[..., None]
+    qs = F.pad(torch.cat([q, col], -1), (0, width - d - 1, 1, 0))
+    marks = torch.zeros(k0.shape[2] + 1, width, dtype=v0.dtype, device=v0.device)
+    marks[0, d] = 1  # the sink's key and value
+    ks = F.pad(k0, (0, width - d, 1, 0)) + marks.to(k0.dtype)
+    marks[1:, d + 1] = 1  # the context's values
+    vs = F.pad(v0, (0, width - d, 1, 0)) + marks
+    return qs, ks, vs
+
+
+def _chain_scores(q: torch.Tensor, chain: list[KV], scale: float) -> torch.Tensor:
+    """[B, H, T, n] fp32: query i against its own key of each chain depth."""
+    bsz, nh, t, d = q.shape
+    nkv = chain[0][0].shape[1]
+    qg = q.float().reshape(bsz, nkv, nh // nkv, t, d)
+    keys = torch.stack([kk.float() for kk, _ in chain], 3)  # [B, Hkv, T, n, D]
+    return torch.einsum("bgrtd,bgtnd->bgrtn", qg, keys).reshape(bsz, nh, t, -1) * scale
+
+
+def merge_chain(
+    o_sink: torch.Tensor, scores: torch.Tensor, sink: torch.Tensor, chain: list[KV]
+) -> torch.Tensor:
+    """The attention over [context; chain] from the sink SDPA's output rows o_sink
+    [B, H, T, width] (`context_with_sink`, dummy row dropped), the chain scores e_j
+    (`_chain_scores`), the sink's scores and the chain's values [B, Hkv, T, D]. With
+    a = A Z / (e^sink + Z), s = e^sink / (e^sink + Z), r = Z / (e^sink + Z), the softmax over
+    all keys is (a + s sum_j e^(e_j - sink) u_j) / (r + s sum_j e^(e_j - sink)), in fp32. With
+    the sink at the chain's largest score no exponent overflows, and whichever side
+    underflows (s or r) carries less than e^-87 of the mass."""
+    bsz, nh, t, _ = scores.shape
+    nkv = chain[0][1].shape[1]
+    d = chain[0][1].shape[-1]
+    o = o_sink.float()
+    a, s, r = o[..., :d], o[..., d], o[..., d + 1]
+    wts = (scores - sink[..., None]).exp() * s[..., None]  # [B, H, T, n]
+    vals = torch.stack([vv.float() for _, vv in chain], 3)  # [B, Hkv, T, n, D]
+    chain_out = torch.einsum("bgrtn,bgtnd->bgrtd", wts.reshape(bsz, nkv, nh // nkv, t, -1), vals)
+    return (a + chain_out.reshape(bsz, nh, t, d)) / (r + wts.sum(-1))[..., None]
+
+
+def _merged_chain(q: torch.Tensor, chain: list[KV], scale: float) -> torch.Tensor:
+    """The depth >= 1 attention as a causal SDPA over the context (`context_with_sink`) and the
+    chain's diagonal terms (`merge_chain`). The result does not depend on the sink's score
+    (numerator and denominator scale alike), so it is a detached, dtype-exact shift."""
+    k0, v0 = chain[0]
+    scores = _chain_scores(q, chain[1:], scale)
+    sink = ((scores.detach().amax(-1) / scale).to(q.dtype).float() * scale).detach()
+    qs, ks, vs = context_with_sink(q, k0, v0, sink, scale)
+    rep = q.shape[1] // k0.shape[1]
+    o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=rep > 1)
+    return merge_chain(o[:, :, 1:], scores, sink, chain[1:]).to(q.dtype)
+
+
 def _attention(
     attn: torch.nn.Module,
     head: EagleHead,
@@ -44,8 +117,7 @@ def _attention(
     impl: str = "dense",
 ) -> tuple[torch.Tensor, KV]:
     """x [B, T, in] -> [B, T, h]; `past` = keys/values of depths 0..s-1 (empty at depth 0).
-    `impl` (TTT_ATTENTION) picks how depths >= 1 compute the same attention: "dense" builds
-    the [T, T] scores and the chain's diagonal terms, "sdpa" one masked SDPA call."""
+    `impl` (TTT_ATTENTION) picks how depths >= 1 compute the same attention."""
     bsz, t, _ = x.shape
     nh, nkv, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
     q = attn.q_proj(x).reshape(bsz * t, nh, d)
@@ -59,6 +131,8 @@ def _attention(
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=nh != nkv)
     elif impl == "sdpa":
         o = _sdpa_chain(q, [*past, (k, v)], nh // nkv)
+    elif impl == "merge":
+        o = _merged_chain(q, [*past, (k, v)], scale)
     else:
         rep = nh // nkv
         k0, v0 = (z.repeat_interleave(rep, dim=1) for z in past[0])

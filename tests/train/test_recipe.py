@@ -143,14 +143,14 @@ def test_recipe_trains_saves_sharded_and_evaluates(chat_target: str, tmp_path) -
     assert base["head"] == out and all(abs(base[k] - val[k]) < 1e-6 for k in val), (base, val)
 
 
-def test_device_defaults_fill_only_the_flags_left_unset() -> None:
+def test_device_defaults_fill_only_the_batch_size_left_unset() -> None:
     gpu, cpu = torch.device("cuda"), torch.device("cpu")
-    ns = argparse.Namespace(batch_size=None, ttt_attention=None)
+    ns = argparse.Namespace(batch_size=None)
     device_defaults(ns, gpu)
-    assert (ns.batch_size, ns.ttt_attention) == (64, "sdpa")
-    ns = argparse.Namespace(batch_size=None, ttt_attention=None)
+    assert ns.batch_size == 64
+    ns = argparse.Namespace(batch_size=None)
     device_defaults(ns, cpu)
-    assert (ns.batch_size, ns.ttt_attention) == (8, "dense")
-    ns = argparse.Namespace(batch_size=12, ttt_attention="dense")  # what the user gave stays
+    assert ns.batch_size == 8
+    ns = argparse.Namespace(batch_size=12)  # what the user gave stays
     device_defaults(ns, gpu)
-    assert (ns.batch_size, ns.ttt_attention) == (12, "dense")
+    assert ns.batch_size == 12

@@ -1,5 +1,6 @@
-"""The unrolled head's depth >= 1 attention: the fused masked-SDPA form computes what the dense
-form computes (outputs and gradients), for EAGLE and EAGLE3 heads, over several depths."""
+"""The unrolled head's depth >= 1 attention: the masked-SDPA form and the causal-SDPA-plus-chain
+merge compute what the dense form computes (outputs and gradients), for EAGLE and EAGLE3 heads,
+over several depths."""
 
 from __future__ import annotations
 
@@ -22,8 +23,9 @@ def test_chain_mask_sees_context_and_own_chain() -> None:
         assert seen == list(range(j + 1)) + [t + j, 2 * t + j]
 
 
+@pytest.mark.parametrize("impl", ["sdpa", "merge"])
 @pytest.mark.parametrize("algorithm", ["EAGLE", "EAGLE3"])
-def test_sdpa_chain_equals_dense(tiny_model_dir: str, algorithm: str) -> None:
+def test_chain_forms_equal_dense(tiny_model_dir: str, algorithm: str, impl: str) -> None:
     target, _ = load_target(tiny_model_dir, "float32", 64)
     head = init_eagle_head(algorithm, target, seed=int(torch.randint(0, 1000, ())))
     b, t, depths = 3, 11, 4
@@ -48,9 +50,48 @@ def test_sdpa_chain_equals_dense(tiny_model_dir: str, algorithm: str) -> None:
         return torch.stack(outs), [gr for gr in grads if gr is not None]
 
     dense, g_dense = unroll("dense")
-    sdpa, g_sdpa = unroll("sdpa")
-    torch.testing.assert_close(sdpa, dense, rtol=1e-5, atol=1e-5)
-    assert len(g_dense) == len(g_sdpa) > 3
-    for a, c in zip(g_sdpa, g_dense, strict=True):
+    other, g_other = unroll(impl)
+    torch.testing.assert_close(other, dense, rtol=1e-5, atol=1e-5)
+    assert len(g_dense) == len(g_other) > 3
+    for a, c in zip(g_other, g_dense, strict=True):
         # fp32 sums of terms up to max|c| leave absolute errors in proportion to it
         torch.testing.assert_close(a, c, rtol=1e-4, atol=1e-5 + 1e-7 * c.abs().max().item())
+
+
+def _reference_chain_attention(
+    q: torch.Tensor, chain: list[tuple[torch.Tensor, torch.Tensor]], scale: float
+) -> torch.Tensor:
+    """Softmax over [causal context keys; each chain depth's own-row key], in float64."""
+    rep = q.shape[1] // chain[0][0].shape[1]
+    q = q.double()
+    ks = [k.double().repeat_interleave(rep, 1) for k, _ in chain]
+    vs = [v.double().repeat_interleave(rep, 1) for _, v in chain]
+    t = q.shape[2]
+    s0 = (q @ ks[0].transpose(-1, -2)) * scale
+    s0 = s0.masked_fill(~torch.ones(t, t, dtype=torch.bool).tril(), float("-inf"))
+    diag = [(q * k).sum(-1, keepdim=True) * scale for k in ks[1:]]
+    p = torch.softmax(torch.cat([s0, *diag], -1), -1)
+    out = p[..., :t] @ vs[0]
+    for i, v in enumerate(vs[1:]):
+        out = out + p[..., t + i : t + i + 1] * v
+    return out
+
+
+@pytest.mark.parametrize("magnitude", [0.1, 1.0, 12.0])
+def test_merged_chain_equals_softmax_over_all_keys(magnitude: float) -> None:
+    """Large magnitudes put the softmax mass on a few keys (the context's or the chain's):
+    the log-space merge must not overflow, underflow to NaN or lose the small side."""
+    from eagleserve.train.ttt import _merged_chain
+
+    b, nkv, rep, t, d, n = 2, 2, 3, 9, 16, 3
+    g = torch.Generator().manual_seed(int(torch.randint(0, 10**6, ())))
+    q = torch.randn(b, nkv * rep, t, d, generator=g) * magnitude
+    chain = [
+        (torch.randn(b, nkv, t, d, generator=g) * magnitude, torch.randn(b, nkv, t, d, generator=g))
+        for _ in range(1 + n)
+    ]
+    scale = d**-0.5
+    got = _merged_chain(q, chain, scale)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got.double(), _reference_chain_attention(q, chain, scale),
+                               rtol=1e-4, atol=1e-5)  # fmt: skip
