@@ -266,10 +266,10 @@ def main() -> None:
         _save(res, args.out)
     print(f"device: {name}; bandwidth {res['bandwidth_gb_s']:.0f} GB/s; context {CONTEXT}")
     head = ("shape", "batch", "mode", "launches", "/layer", "graph ms", "eager ms", "floor ms")
-    print("{:<14}{:>6}{:>10}{:>10}{:>8}{:>10}{:>10}{:>10}  max|dlogit|".format(*head))
+    print("{:<14}{:>6}{:>15}{:>10}{:>8}{:>10}{:>10}{:>10}  max|dlogit|".format(*head))
     for r in rows:
         print(
-            f"{r['shape']:<14}{r['batch']:>6}{r['mode']:>10}"
+            f"{r['shape']:<14}{r['batch']:>6}{r['mode']:>15}"
             f"{r.get('launches', 0):>10}{r.get('launches_per_layer', 0):>8.1f}"
             f"{r.get('graph_ms', 0):>10.3f}{r['eager_ms']:>10.3f}{r['floor_ms'] or 0:>10.3f}"
             f"  {r['max_logit_diff']:.3g}"
