@@ -68,7 +68,9 @@ def profile_row(
     k: int, draft_vocab: int, warmup: int, steps: int, top: int,
 ) -> dict[str, Any]:  # fmt: skip
     """One setting: `steps` timed steps, then `steps` more under the profiler (its own host
-    overhead kept out of the step time)."""
+    overhead kept out of the step time). `impl`: a TTT_ATTENTION form, "+compile" for
+    --enable-torch-compile (the warm-up steps pay for the compile)."""
+    attention, _, option = impl.partition("+")
     vocab = target.config.vocab_size
     layers = target_layer_ids("EAGLE3", target.config.num_hidden_layers)
     width = len(layers) * target.config.hidden_size
@@ -82,7 +84,8 @@ def profile_row(
         cfg = TrainConfig(out_dir=tempfile.mkdtemp(prefix="train-step-"), lr=1e-3,
                           batch_size=batch_size, max_len=max_len, epochs=1.0, depths=depths,
                           compute_dtype="bfloat16", save_every=10**9, max_steps=n_steps,
-                          soft_labels=True, ttt_attention=impl)  # fmt: skip
+                          soft_labels=True, ttt_attention=attention,
+                          enable_torch_compile=option == "compile")  # fmt: skip
         synchronize(dev)
         t0 = time.perf_counter()
         train_head(head, source, cfg)
@@ -158,8 +161,8 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument(
         "--rows",
-        default="sdpa:64,merge:64,merge:128",
-        help="settings, ttt_attention:batch_size, comma-separated",
+        default="sdpa:64,merge:64,merge+compile:64,merge+compile:128",
+        help="settings, ttt_attention[+compile]:batch_size, comma-separated",
     )
     ap.add_argument("--max-len", type=int, default=2048)
     ap.add_argument("--ttt-steps", type=int, default=5)

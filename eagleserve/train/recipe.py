@@ -61,6 +61,9 @@ def add_recipe_args(p: argparse.ArgumentParser) -> None:
                    "with the chain's own keys: the least work), sdpa (one masked SDPA over "
                    "every depth's keys) or dense (the [T, T] scores); all compute the same "
                    "values")  # fmt: skip
+    g.add_argument("--enable-torch-compile", action="store_true",
+                   help="torch.compile each depth's forward and loss (fuses their pointwise "
+                   "ops; the first step pays for the compile)")  # fmt: skip
     g.add_argument("--max-conversations", type=int, default=None,
                    help="use only this many training conversations (default: all)")  # fmt: skip
     g.add_argument("--tokenize-procs", type=int, default=None, help="default: all CPU cores")
@@ -230,7 +233,7 @@ def run_recipe(ns: argparse.Namespace) -> int:
         epochs=ns.epochs, max_minutes=ns.max_minutes, depths=ns.ttt_steps,
         compute_dtype=ns.compute_dtype, save_every=10**9, seed=ns.seed,
         max_steps=ns.max_steps, soft_labels=ns.loss == "soft", budget_s=budget,
-        ttt_attention=ns.ttt_attention,
+        ttt_attention=ns.ttt_attention, enable_torch_compile=ns.enable_torch_compile,
     )  # fmt: skip
     source = StoreSource(store, lmap, ns.batch_size, ns.ttt_steps, ns.seed)
     head.train()

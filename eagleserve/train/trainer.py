@@ -10,10 +10,12 @@ the step, so `--resume` reproduces an uninterrupted run.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -49,6 +51,9 @@ class TrainConfig:
     # measured step time after CALIBRATION_STEPS, so the cosine ends when the budget does.
     budget_s: float | None = None
     ttt_attention: str = "merge"  # train/ttt.py TTT_ATTENTION: how depths >= 1 attend
+    # torch.compile the depth's forward and its loss (dynamic shapes: one graph per depth):
+    # fuses the norms, rotary, activations and the soft-label loss's pointwise work.
+    enable_torch_compile: bool = False
 
 
 @dataclass
@@ -117,13 +122,37 @@ def labelled_rows(
     return [(part[:, 1], part[:, 2] + s + 1) for s, part in enumerate(nz.split(counts))]
 
 
+def depth_loss(
+    hid: torch.Tensor,
+    w: torch.Tensor,
+    at: tuple[torch.Tensor, torch.Tensor],
+    local_col: torch.Tensor,
+    batch: Batch,
+    soft: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss, accuracy) of one depth's hidden rows `hid` [B, t, h] at the labelled positions
+    `at` (batch row, label column; `local_col` the column within `hid`)."""
+    bi, col = at
+    lab = batch.y[bi, col]
+    logits = F.linear(hid[bi, local_col], w).float()
+    term = label_loss(logits, batch, at, lab, soft)
+    hits = (logits.argmax(-1) == lab).float()
+    acc = hits.mean() if hits.shape[0] else torch.zeros((), device=hid.device)
+    return term, acc
+
+
+@functools.cache
+def _compiled(fn: Callable) -> Callable:
+    return torch.compile(fn, dynamic=True)
+
+
 def train_step(
     head: EagleHead, batch: Batch, cfg: TrainConfig, step: int
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """(loss, per-depth accuracy as 0-d device tensors). The only host read is the labelled
     rows' selection, once for all depths (EAGLE's feature loss reads its mask too): metrics stay
     on the device until the caller reads them."""
-    x, f, y, fmask = batch.x, batch.f, batch.y, batch.fmask
+    x, f, fmask = batch.x, batch.f, batch.fmask
     t = f.shape[1] - cfg.depths - 1  # rows j: depth 0 needs x[j+1]
     w = lm_head_weight(head)
     keep = None
@@ -133,6 +162,9 @@ def train_step(
         keep = [torch.rand(shape, generator=gen, device=x.device) < cfg.ce_fraction
                 for _ in range(cfg.depths)]  # fmt: skip
     rows = labelled_rows(batch, cfg.depths, t, keep)
+    forward, loss_of = head_step, depth_loss
+    if cfg.enable_torch_compile:
+        forward, loss_of = _compiled(head_step), _compiled(depth_loss)
     feats = f[:, :t]
     past: list = []
     loss = torch.zeros((), device=x.device)
@@ -140,19 +172,16 @@ def train_step(
     for s in range(cfg.depths):
         ids = x[:, s + 1 : s + 1 + t]
         pos = (torch.arange(t, device=x.device) + s).expand(x.shape[0], t)
-        hid, out, kv = head_step(head, ids, feats, pos, past, cfg.ttt_attention)
+        hid, out, kv = forward(head, ids, feats, pos, past, cfg.ttt_attention)
         past.append(kv)
         bi, col = rows[s]
-        lab = y[bi, col]
-        logits = F.linear(hid[bi, col - (s + 1)], w).float()
-        term = label_loss(logits, batch, (bi, col), lab, cfg.soft_labels)
+        term, metrics[f"acc{s}"] = loss_of(hid, w, (bi, col), col - (s + 1), batch,
+                                           cfg.soft_labels)  # fmt: skip
         if head.algorithm == "EAGLE":
             fm = fmask[:, s + 1 : s + 1 + t]
             nxt = f[:, s + 1 : s + 1 + t]
             term = term + cfg.feature_weight * F.smooth_l1_loss(out[fm].float(), nxt[fm])
         loss = loss + cfg.depth_decay**s * term
-        hits = (logits.argmax(-1) == lab).float()
-        metrics[f"acc{s}"] = hits.mean() if hits.shape[0] else torch.zeros((), device=x.device)
         feats = out
     return loss, metrics
 

@@ -1,5 +1,6 @@
-"""The training step: its label selection equals boolean indexing, and it waits for the device
-once (a host read drains the GPU's queue, and the step is launched from the host)."""
+"""The training step: its label selection equals boolean indexing, it waits for the device once
+(a host read drains the GPU's queue, and the step is launched from the host), and compiled it
+computes what it computes eagerly."""
 
 from __future__ import annotations
 
@@ -76,3 +77,31 @@ def test_a_training_step_waits_for_the_device_once(tiny_model_dir: str, soft: bo
     assert mode.reads == ["nonzero"]
     assert torch.isfinite(loss) and loss > 0 and set(metrics) == {"acc0", "acc1", "acc2"}
     assert all(p.grad is not None for p in head.parameters() if p.requires_grad)
+
+
+def test_compiled_step_equals_eager(tiny_model_dir: str) -> None:
+    """--enable-torch-compile changes how the step runs, not what it computes: the loss, the
+    accuracies and every gradient match eager, on two batches of different lengths (the second
+    runs the dynamic-shape graphs the first compiled)."""
+    target, _ = load_target(tiny_model_dir, "float32", 64)
+    head = init_eagle_head("EAGLE3", target, seed=int(torch.randint(0, 1000, ())))
+    g = torch.Generator().manual_seed(int(torch.randint(0, 10**6, ())))
+    depths = 3
+    vocab = head.lm_head.weight.shape[0]
+    params = [p for p in head.parameters() if p.requires_grad]
+    for t in (9, 14):
+        batch = _batch(2, t, depths, head.feature_size, vocab, g)
+        results = []
+        for compiled in (False, True):
+            cfg = TrainConfig(out_dir="", depths=depths, soft_labels=True,
+                              enable_torch_compile=compiled)  # fmt: skip
+            loss, metrics = train_step(head, batch, cfg, 0)
+            grads = torch.autograd.grad(loss, params)
+            results.append((loss, metrics, grads))
+        (l0, m0, g0), (l1, m1, g1) = results
+        torch.testing.assert_close(l1, l0, rtol=1e-5, atol=1e-6)
+        assert set(m0) == set(m1)
+        for k in m0:  # a near-tie's argmax may flip one row
+            torch.testing.assert_close(m1[k], m0[k], atol=0.15, rtol=0)
+        for a, b in zip(g1, g0, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6 + 1e-6 * b.abs().max().item())
