@@ -28,6 +28,8 @@ BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
 # fn(fb, extras) -> output tensors, run inside forward_context(fb); rows follow the tokens.
 GraphFn = Callable[[ForwardBatch, dict[str, torch.Tensor]], tuple[torch.Tensor, ...]]
+# More outputs of a target graph, from its static batch and the forward's logits.
+GraphEpilogue = Callable[[ForwardBatch, torch.Tensor], tuple[torch.Tensor, ...]]
 
 
 def bucket_for(buckets: list[int], bs: int) -> int:
@@ -192,7 +194,11 @@ class GraphedForward:
                 inputs=tuple(b[:t] for b in per_token) + tuple(b[:bs] for b in per_req),
                 padding=tuple(padding),
                 extras={k: b[:t] for k, b in self.extras.items()},
-                outputs=tuple(o[:t] for o in self.outputs[pb]) if pb in self.outputs else (),
+                # Per-token outputs have bucket * n rows, per-request ones (an epilogue's
+                # accept lengths) bucket rows.
+                outputs=tuple(o[: t if o.shape[0] == pt else bs] for o in self.outputs[pb])
+                if pb in self.outputs
+                else (),
             )
             if v.outputs or not self.outputs:  # outputs exist once the bucket is captured
                 self.views[bs] = v

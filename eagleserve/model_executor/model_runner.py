@@ -13,7 +13,11 @@ from eagleserve.distributed.parallel import get_tp
 from eagleserve.layers.attention import create_attn_backend
 from eagleserve.layers.forward_batch import ForwardBatch, forward_context
 from eagleserve.mem_cache.kv_cache import ReqToTokenPool, TokenToKVPool
-from eagleserve.model_executor.cuda_graph_runner import GraphedForward, graphs_supported
+from eagleserve.model_executor.cuda_graph_runner import (
+    GraphedForward,
+    GraphEpilogue,
+    graphs_supported,
+)
 from eagleserve.models.llama import LlamaForCausalLM, ModelOutput
 from eagleserve.models.loader import load_weights
 from eagleserve.models.tp_shard import TpShard
@@ -190,14 +194,23 @@ class ModelRunner:
     def graphs_enabled(self, args: ServerArgs) -> bool:
         return graphs_supported(self.device, args.disable_cuda_graph, self.attn_backend)
 
-    def capture_graphs(self, max_bs: int, verify_tokens: tuple[int, ...], tree: bool) -> None:
-        """Device graphs for decode, and for verify with each of `verify_tokens` per request."""
+    def capture_graphs(
+        self,
+        max_bs: int,
+        verify_tokens: tuple[int, ...],
+        tree: bool,
+        verify_epilogue: GraphEpilogue | None = None,
+    ) -> None:
+        """Device graphs for decode, and for verify with each of `verify_tokens` per request.
+        `verify_epilogue(fb, logits)`: tensors each verify graph also computes after its
+        forward (a chain's greedy acceptance), in the replay's ModelOutput.epilogue."""
         t0 = time.perf_counter()
         kinds: list[tuple[ForwardMode, int, bool]] = [("decode", 1, False)]
         kinds += [("verify", n, tree) for n in verify_tokens]
         for mode, n, with_tree in kinds:
+            epilogue = verify_epilogue if mode == "verify" else None
             graph = GraphedForward(
-                lambda fb, extras: self._graph_outputs(self.model()),
+                lambda fb, extras, epilogue=epilogue: self._graph_outputs(fb, epilogue),
                 mode,
                 self.token_to_kv_pool,
                 self.attn_backend,
@@ -211,17 +224,23 @@ class ModelRunner:
         logger.info("start-up: %d target graphs captured in %.2f s", len(kinds),
                     time.perf_counter() - t0)  # fmt: skip
 
-    def _graph_outputs(self, out: ModelOutput) -> tuple[torch.Tensor, ...]:
+    def _graph_outputs(
+        self, fb: ForwardBatch, epilogue: GraphEpilogue | None
+    ) -> tuple[torch.Tensor, ...]:
+        """(logits, hidden, [aux hidden: EAGLE3 targets], *epilogue)."""
+        out = self.model()
         aux = () if out.aux_hidden_states is None else (out.aux_hidden_states,)
-        return (out.logits, out.hidden_states, *aux)
+        more = () if epilogue is None else epilogue(fb, out.logits)
+        return (out.logits, out.hidden_states, *aux, *more)
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> ModelOutput:
         """One target forward: a captured graph when one computes `fb`, else eager."""
         for graph in self.graphs:
             if graph.can_replay(fb):
-                logits, hidden, *aux = graph.replay(fb)
-                return ModelOutput(logits, hidden, aux[0] if aux else None, graph_buffers=True)
+                logits, hidden, *rest = graph.replay(fb)
+                aux = rest.pop(0) if self.model.aux_layer_ids else None
+                return ModelOutput(logits, hidden, aux, graph_buffers=True, epilogue=tuple(rest))
         with forward_context(fb):
             return self.model()
 

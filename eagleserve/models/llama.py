@@ -230,6 +230,8 @@ class ModelOutput:
     aux_hidden_states: torch.Tensor | None  # [T, k * hidden] residual entering aux layers
     # Views of a CUDA graph's output buffers, which its next replay overwrites.
     graph_buffers: bool = False
+    # What the replayed graph's epilogue computed after the forward (ModelRunner.capture_graphs).
+    epilogue: tuple[torch.Tensor, ...] = ()
 
 
 GEMV_MAX_HIDDEN = 2048

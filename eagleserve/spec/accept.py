@@ -168,6 +168,23 @@ def verify_greedy_chain(draft_tokens: torch.Tensor, target_predict: torch.Tensor
     )
 
 
+def packed_greedy_chain(tokens: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """`verify_greedy_chain` of the target's argmax at each of the chain's `tokens` [bs, n],
+    packed into one [bs, 2n + 2] tensor (accept_index, output_tokens, accept_lens,
+    bonus_tokens): a chain's verify graph computes it after its forward, so an all-greedy
+    chain's acceptance launches nothing from the host (`unpack_greedy_chain`)."""
+    bs, n = tokens.shape
+    acc = verify_greedy_chain(tokens, greedy_ids(logits).view(bs, n))
+    return torch.cat([acc.accept_index, acc.output_tokens, acc.accept_lens[:, None],
+                      acc.bonus_tokens[:, None]], dim=1)  # fmt: skip
+
+
+def unpack_greedy_chain(packed: torch.Tensor) -> AcceptResult:
+    """The AcceptResult of `packed_greedy_chain`'s output: views of it, no copy."""
+    n = (packed.shape[1] - 2) // 2
+    return AcceptResult(packed[:, :n], packed[:, 2 * n], packed[:, n : 2 * n], packed[:, -1])
+
+
 def _draw_uniforms(
     bs: int,
     n: int,
@@ -297,16 +314,20 @@ def accept(
     parents: torch.Tensor,
     logits: torch.Tensor,
     chain: bool = False,
+    greedy_chain: AcceptResult | None = None,
 ) -> AcceptResult:
     """Greedy rows accept the target's argmax path; sampled rows the lossless stochastic walk.
-    `chain`: every row's tree is a chain (a top-1 draft), walked in a few ops. Under tensor
-    parallelism every rank takes rank 0's result: the ranks then commit the same tokens and KV
-    paths."""
+    `chain`: every row's tree is a chain (a top-1 draft), walked in a few ops; `greedy_chain`:
+    that walk already done on these logits (a verify graph's `packed_greedy_chain`, unpacked),
+    written over in place for sampled rows. Under tensor parallelism every rank takes rank 0's
+    result: the ranks then commit the same tokens and KV paths."""
     n = logits.shape[1]
-    predict = greedy_ids(logits)
-    acc = verify_greedy_chain(tokens, predict) if chain else verify_greedy(
-        tokens, parents, predict
-    )  # fmt: skip
+    if greedy_chain is not None:
+        acc = greedy_chain
+    elif chain:
+        acc = verify_greedy_chain(tokens, greedy_ids(logits))
+    else:
+        acc = verify_greedy(tokens, parents, greedy_ids(logits))
     if not info.all_greedy:
         sampled_rows = [i for i, g in enumerate(info.is_greedy) if not g]
         idx = torch.tensor(sampled_rows, device=logits.device)

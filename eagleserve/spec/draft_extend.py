@@ -3,7 +3,7 @@ draft, eager (`last_rows_forward`) or, after a verify on an accelerator, replaye
 graph (`DraftExtendGraphs`; SGLang's EAGLEDraftExtendCudaGraphRunner).
 
 After a verify an accelerator keeps the extend at a fixed shape (spec/eagle_worker.py,
-`_path_extend`): every request holds all `width` rows of its accepted path, a row past its
+`AcceptedPaths.extend`): every request holds all `width` rows of its accepted path, a row past its
 accept length writes its head K/V to slot 0 and seeds nothing. That is a forward of `width`
 tokens per request, the shape a graph replays; only the accept lengths vary, and they enter as
 data. Eager, the same extend costs a hundred-odd small kernels launched from the host per

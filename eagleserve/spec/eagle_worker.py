@@ -25,13 +25,17 @@ from eagleserve.model_executor.model_runner import ModelRunner
 from eagleserve.models.llama import ModelOutput
 from eagleserve.sampling.prompt_logprobs import score_prompts, wants_prompt_logprobs
 from eagleserve.sampling.sampler import SamplingInfo, sample_next, top_logprobs
-from eagleserve.spec.accept import AcceptResult, accept, commit_tree_path
+from eagleserve.spec.accept import (
+    accept,
+    commit_tree_path,
+    packed_greedy_chain,
+    unpack_greedy_chain,
+)
+from eagleserve.spec.accepted_path import AcceptedPaths
 from eagleserve.spec.adaptive import AdaptiveController, depth_choices
 from eagleserve.spec.cost_table_cache import cost_table
 from eagleserve.spec.draft_worker import EagleDraftWorker
 from eagleserve.spec.tree import build_chain, build_tree
-
-PathSlots = tuple[torch.Tensor, torch.Tensor]  # positions, KV slots [bs, width]
 
 
 class EagleWorker:
@@ -42,12 +46,8 @@ class EagleWorker:
         self.req_to_token_pool = runner.req_to_token_pool
         self.token_to_kv_pool = runner.token_to_kv_pool
         self.drafter = EagleDraftWorker(runner, spec, args)
-        # The head extend after a verify keeps a fixed shape (`_path_extend`) off the CPU.
-        self.fixed_shape_extend = self.device.type != "cpu"
-        # 0, 1, 2, ... on the device, sliced by the verify instead of built every iteration.
-        self.iota = torch.arange(
-            max(args.max_running_requests, spec.num_draft_tokens, spec.num_steps + 1) + 1,
-            device=self.device,
+        self.paths = AcceptedPaths(
+            runner, max(args.max_running_requests, spec.num_draft_tokens, spec.num_steps + 1) + 1
         )
         # The overlap scheduler prepares N+1 before it knows N's accept lengths: 2x covers the
         # one-iteration lag of the host's committed length.
@@ -61,7 +61,9 @@ class EagleWorker:
         )
         if runner.graphs_enabled(args):
             max_bs = args.graph_max_bs()
-            runner.capture_graphs(max_bs, verify_sizes, tree=not spec.is_chain)
+            # A chain's verify graphs also walk its greedy acceptance (packed_greedy_chain).
+            epilogue = _chain_epilogue if spec.is_chain else None
+            runner.capture_graphs(max_bs, verify_sizes, not spec.is_chain, epilogue)
         self.controller: AdaptiveController | None = None
         if spec.adaptive:
             buckets = tuple(b for b in BUCKETS if b < args.max_running_requests)
@@ -136,10 +138,6 @@ class EagleWorker:
         if batch.mode == "extend":
             return self._forward_prefill(batch, on_verified)
         return self._forward_decode(batch, on_verified)
-
-    def _iota(self, n: int) -> torch.Tensor:
-        """[0, n) on the device (a view of a tensor built once when long enough)."""
-        return self.iota[:n] if n <= self.iota.shape[0] else torch.arange(n, device=self.device)
 
     def _sampling_info(self, batch: ScheduleBatch) -> SamplingInfo:
         return SamplingInfo.of_batch(batch, self.runner.config.vocab_size)
@@ -285,7 +283,7 @@ class EagleWorker:
         r2t = self.req_to_token_pool.req_to_token
         # A chain's node i sits at depth i, and its accepted path is its first nodes: the path
         # extend reuses these positions and slots.
-        cols, slots = self._path_slots(L, batch.req_pool_indices, n)
+        cols, slots = self.paths.slots(L, batch.req_pool_indices, n)
         out = self.runner.forward(
             ForwardBatch(
                 mode="verify",
@@ -312,7 +310,10 @@ class EagleWorker:
         if grammar is not None:  # node i: the grammar after its own path (a host sync)
             scored = mask_logits(scored, grammar.tree_allowed(t.draft_tokens, t.parents,
                                                               self.device))  # fmt: skip
-        acc = accept(info, t.draft_tokens, t.parents, scored, spec.is_chain)
+        done = None  # the graph's walk is of the raw logits; the next replay overwrites it
+        if out.epilogue and scored is logits:
+            done = unpack_greedy_chain(out.epilogue[0].clone())
+        acc = accept(info, t.draft_tokens, t.parents, scored, spec.is_chain, done)
         if pen is not None:
             pen.commit(state, batch.req_pool_indices, acc.output_tokens, acc.output_tokens >= 0)
         if grammar is not None:
@@ -321,13 +322,13 @@ class EagleWorker:
             commit_tree_path(r2t, batch.req_pool_indices, L, acc.accept_index, n)
         a = acc.accept_lens
         path = (cols, slots) if spec.is_chain else None
-        extend_fb, path_rows, last_rows = self._path_extend(batch, acc, max_len, path)
-        if spec.is_chain and self.fixed_shape_extend:
+        extend_fb, path_rows, last_rows = self.paths.extend(batch, acc, max_len, path)
+        if spec.is_chain and self.paths.fixed_shape:
             # A chain's path row j is its verify row j; rows past the accept length seed
             # nothing, so every verify row's feature is used as it is, without a gather.
             feats = self._features(out)
         else:
-            feats = self._features(out)[self._path_verify_rows(acc, n).reshape(-1)[path_rows]]
+            feats = self._features(out)[self.paths.verify_rows(acc, n).reshape(-1)[path_rows]]
         # Producer of new lengths: the scheduler's refresh point recomputes the host mirror.
         batch.seq_lens = L + a
         batch.seq_lens_cpu = None
@@ -340,7 +341,7 @@ class EagleWorker:
         result = GenerationBatchResult(acc.output_tokens, a, num_drafts=k)
         if any(r.sampling_params.logprobs is not None for r in batch.reqs):
             k = max((r.sampling_params.logprobs or 0) for r in batch.reqs)
-            rows = self._path_verify_rows(acc, n)
+            rows = self.paths.verify_rows(acc, n)
             row_logits = logits.reshape(bs * n, -1)[rows.reshape(-1)]
             chosen, vals, ids = top_logprobs(
                 row_logits, acc.output_tokens.clamp(min=0).reshape(-1), k
@@ -350,50 +351,6 @@ class EagleWorker:
             result.top_logprob_ids = ids.view(*rows.shape, -1)
         return result
 
-    def _path_slots(self, L: torch.Tensor, rpi: torch.Tensor, width: int) -> PathSlots:
-        """Positions L + j and their KV slots, [bs, width] each."""
-        cols = L[:, None] + self._iota(width)
-        return cols, self.req_to_token_pool.req_to_token[rpi[:, None], cols]
 
-    def _path_verify_rows(self, acc: AcceptResult, n: int) -> torch.Tensor:
-        """[bs, width]: the verify row of each accepted path node (row 0's where none)."""
-        bs = acc.accept_index.shape[0]
-        return acc.accept_index.clamp(min=0) + (self._iota(bs) * n)[:, None]
-
-    def _path_extend(
-        self, batch: ScheduleBatch, acc: AcceptResult, max_len: int, path: PathSlots | None = None
-    ) -> tuple[ForwardBatch, torch.Tensor | slice, torch.Tensor]:
-        """The head extend over each request's accepted path (token after node k with the
-        feature of node k): its ForwardBatch, which of the [bs * width] path rows it holds, and
-        each request's last row in it. On an accelerator every request keeps all `width` rows
-        (a fixed shape: selecting the accepted ones would give a shape that depends on values,
-        a device->host sync); a row past a request's accept length writes its head K/V to slot
-        0 (never handed out) and is no request's last row. On a CPU, where that selection costs
-        no sync, only the accepted rows run. `path`: its positions and slots, if known."""
-        L, rpi, a = batch.seq_lens, batch.req_pool_indices, acc.accept_lens
-        bs, width = acc.accept_index.shape
-        valid = acc.accept_index >= 0  # [bs, width]
-        cols, slots = path or self._path_slots(L, rpi, width)
-        if self.fixed_shape_extend:
-            keep: torch.Tensor | slice = slice(None)
-            ids, positions = acc.output_tokens.clamp(min=0).reshape(-1), cols.reshape(-1)
-            locs = torch.where(valid, slots, 0).reshape(-1)
-            last_rows = self._iota(bs) * width + a - 1
-        else:
-            keep = valid.reshape(-1)
-            ids, positions, locs = acc.output_tokens[valid], cols[valid], slots[valid]
-            last_rows = torch.cumsum(a, 0) - 1
-        fb = ForwardBatch(
-            mode="extend",
-            input_ids=ids,
-            positions=positions,
-            out_cache_loc=locs,
-            req_pool_indices=rpi,
-            prefix_lens=L,
-            extend_lens=a,
-            # Accept lengths are not on the host: bound them by the path width.
-            host=HostLens(width, max_len + width, width == 1),
-            kv_pool=self.token_to_kv_pool,
-            attn_backend=self.runner.attn_backend,
-        )
-        return fb, keep, last_rows
+def _chain_epilogue(fb: ForwardBatch, logits: torch.Tensor) -> tuple[torch.Tensor]:
+    return (packed_greedy_chain(fb.input_ids.view(fb.batch_size, -1), logits),)

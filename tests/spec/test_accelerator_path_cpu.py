@@ -12,6 +12,7 @@ without one."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 from collections.abc import Iterator
@@ -59,8 +60,8 @@ def accelerator_engine(target_dir: str, overlap: bool, **spec: object) -> Engine
                  attention_backend="triton", disable_overlap_schedule=not overlap,
                  disable_radix_cache=True, **spec)  # fmt: skip
     worker = eng.scheduler.worker
-    if hasattr(worker, "fixed_shape_extend"):
-        worker.fixed_shape_extend = True  # as on an accelerator: every path row runs
+    if hasattr(worker, "paths"):
+        worker.paths.fixed_shape = True  # as on an accelerator: every path row runs
     return eng
 
 
@@ -107,6 +108,47 @@ def test_seed_extend_replays_its_graph_and_output_stays_the_targets(
     assert graphs.of(drafter.loop_graphs[3]) > 0
     stats = eng.stats()
     assert stats.spec_accepted_tokens_total > 0  # the quality-1 head gets drafts accepted
+
+
+def test_a_chains_acceptance_runs_in_its_verify_graph(
+    target_dir: str, heads: dict[str, str], graphs: ReplayCount
+) -> None:
+    """A chain's verify graph also walks its greedy acceptance (packed_greedy_chain): no argmax
+    is launched from the host in a decode iteration. A batch mixing greedy and seeded sampled
+    requests commits what the eager verify commits (the sampled rows are written over the
+    graph's walk)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    spec = dict(speculative_algorithm="EAGLE3", speculative_draft_model_path=heads["EAGLE3"],
+                **CHAIN3)  # fmt: skip
+    eng = accelerator_engine(target_dir, False, **spec)
+    seed = random.randrange(2**31)
+    plist = [
+        SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True),
+        SamplingParams(max_new_tokens=12, temperature=0.9, seed=seed, ignore_eos=True),
+    ]
+    prompts = random_prompts(2)
+    host_ops: list[str] = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+            if not graphs.inside:
+                host_ops.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    sched = eng.scheduler
+    for i, ids in enumerate(prompts):
+        sched.add_request(GenerateReqInput(f"g{i}", ids, plist[0]))
+    while sched.has_work():
+        decode = sched.running_batch is not None and not sched.waiting
+        with Record() if decode else contextlib.nullcontext():
+            sched.step()
+    assert host_ops and "argmax" not in host_ops
+    mixed = eng.generate(prompts, plist)
+    eager = accelerator_engine(target_dir, False, disable_cuda_graph=True, **spec)
+    assert [o["token_ids"] for o in mixed] == [
+        o["token_ids"] for o in eager.generate(prompts, plist)
+    ]
 
 
 def _ops_per_iteration(eng: Engine, graphs: ReplayCount) -> float:

@@ -9,6 +9,8 @@ import torch
 
 from eagleserve.spec.accept import (
     AcceptResult,
+    packed_greedy_chain,
+    unpack_greedy_chain,
     verify_greedy,
     verify_greedy_chain,
     verify_sampling,
@@ -116,6 +118,20 @@ def test_greedy_chain_equals_the_walk(bs: int, n: int, vocab: int) -> None:
             assert torch.equal(getattr(fast, name), getattr(walk, name)), name
         seen |= set(walk.accept_lens.tolist())
     assert seen >= {1, min(n, 3)}
+
+
+@pytest.mark.parametrize(("bs", "n"), [(1, 2), (7, 4), (16, 6)])
+def test_packed_greedy_chain_unpacks_to_the_chain_walk(bs: int, n: int) -> None:
+    """What a chain's verify graph computes (the argmax of its logits, walked and packed into
+    one tensor) unpacks to `verify_greedy_chain` of that argmax, field for field."""
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 10**6, ())))
+    vocab = 3  # small: rejections, partial and full runs all occur
+    logits = torch.randn(bs * n, vocab, generator=gen)
+    tokens = torch.randint(0, vocab, (bs, n), generator=gen)
+    got = unpack_greedy_chain(packed_greedy_chain(tokens, logits))
+    want = verify_greedy_chain(tokens, logits.argmax(-1).view(bs, n))
+    for name in ("accept_index", "accept_lens", "output_tokens", "bonus_tokens"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
 
 
 def test_greedy_hand_built_tree() -> None:

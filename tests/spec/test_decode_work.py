@@ -215,8 +215,8 @@ def test_verify_reads_no_device_value(
     eng = make_engine(tiny_model_dir, max_running_requests=4, speculative_algorithm="EAGLE3",
                       speculative_draft_model_path=head_dir, **spec)  # fmt: skip
     worker = eng.scheduler.worker
-    assert isinstance(worker, EagleWorker) and not worker.fixed_shape_extend  # a CPU's choice
-    worker.fixed_shape_extend = True
+    assert isinstance(worker, EagleWorker) and not worker.paths.fixed_shape  # a CPU's choice
+    worker.paths.fixed_shape = True
     real = EagleWorker._draft_verify
 
     def guarded(*args: Any, **kwargs: Any) -> Any:
