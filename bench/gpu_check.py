@@ -139,10 +139,13 @@ def stage_hang(args: argparse.Namespace, st: Stage) -> None:
 
 def stage_tests(args: argparse.Namespace, st: Stage, limit: float) -> None:
     # Most telling first (each test compiles its Triton kernels: the stage may hit its limit):
-    # the batch-invariant mode's row tests, the GPU paths, then every other GPU kernel test.
-    first = ["tests/models/test_batch_invariant_switch.py", "tests/kernels/test_triton_gemv.py",
-             "tests/kernels/test_batch_invariant.py", "tests/spec/test_deterministic_inference.py",
-             "tests/spec/test_gpu_paths.py"]  # fmt: skip
+    # the GPU paths (real graphs, the verify graph's acceptance), the training attention on
+    # the GPU's SDPA kernels, the batch-invariant mode's row tests, then every other GPU
+    # kernel test.
+    first = ["tests/spec/test_gpu_paths.py", "tests/train/test_ttt.py",
+             "tests/models/test_batch_invariant_switch.py", "tests/kernels/test_triton_gemv.py",
+             "tests/kernels/test_batch_invariant.py",
+             "tests/spec/test_deterministic_inference.py"]  # fmt: skip
     rest = sorted(
         os.path.relpath(f, ROOT) for f in glob.glob(os.path.join(ROOT, "tests/kernels/test_*.py"))
         if not os.path.basename(f).startswith("test_cpu_")

@@ -77,10 +77,16 @@ def _reference_chain_attention(
     return out
 
 
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("magnitude", [0.1, 1.0, 12.0])
-def test_merged_chain_equals_softmax_over_all_keys(magnitude: float) -> None:
+def test_merged_chain_equals_softmax_over_all_keys(magnitude: float, device: str) -> None:
     """Large magnitudes put the softmax mass on a few keys (the context's or the chain's):
-    the log-space merge must not overflow, underflow to NaN or lose the small side."""
+    the merge must not overflow, underflow to NaN or lose the small side. Values and the
+    gradients of q, keys and values, against a float64 softmax over all keys (on a GPU the
+    SDPA kernels there; bf16 too, with bf16's tolerance)."""
     from eagleserve.train.ttt import _merged_chain
 
     b, nkv, rep, t, d, n = 2, 2, 3, 9, 16, 3
@@ -90,8 +96,24 @@ def test_merged_chain_equals_softmax_over_all_keys(magnitude: float) -> None:
         (torch.randn(b, nkv, t, d, generator=g) * magnitude, torch.randn(b, nkv, t, d, generator=g))
         for _ in range(1 + n)
     ]
+    leaves = [q, *(x for kv in chain for x in kv)]
+    w = torch.randn(b, nkv * rep, t, d, generator=g)
     scale = d**-0.5
-    got = _merged_chain(q, chain, scale)
-    assert torch.isfinite(got).all()
-    torch.testing.assert_close(got.double(), _reference_chain_attention(q, chain, scale),
-                               rtol=1e-4, atol=1e-5)  # fmt: skip
+    ref = [x.double().requires_grad_() for x in leaves]
+    want = _reference_chain_attention(ref[0], list(zip(ref[1::2], ref[2::2])), scale)
+    want_grads = torch.autograd.grad((want * w.double()).sum(), ref)
+    dtypes = [torch.float32] + ([torch.bfloat16] if device == "cuda" else [])
+    for dtype in dtypes:
+        # fp32 scores of size magnitude^2 carry absolute errors in proportion to it, and so
+        # do their exponentials' weights
+        fp32 = dict(rtol=1e-4, atol=1e-5 * (1 + magnitude**2))
+        tol = fp32 if dtype == torch.float32 else dict(rtol=0.05, atol=0.05)
+        xs = [x.to(device, dtype).requires_grad_() for x in leaves]
+        got = _merged_chain(xs[0], list(zip(xs[1::2], xs[2::2])), scale)
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got.double().cpu(), want.detach(), **tol)
+        grads = torch.autograd.grad((got * w.to(device, dtype)).sum(), xs)
+        for a, c in zip(grads, want_grads, strict=True):
+            big = c.abs().max().item()
+            torch.testing.assert_close(a.double().cpu(), c, rtol=tol["rtol"],
+                                       atol=tol["atol"] * max(1.0, big))  # fmt: skip
