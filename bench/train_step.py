@@ -133,8 +133,10 @@ def profile_row(
 
 def profile_rows(
     model: str, device: str, rows: list[tuple[str, int]], max_len: int, depths: int, k: int,
-    draft_vocab: int, warmup: int, steps: int, top: int,
+    draft_vocab: int, warmup: int, steps: int, top: int, out_path: str | None = None,
 ) -> dict[str, Any]:  # fmt: skip
+    """Every row in turn, each printed and (with `out_path`) the JSON rewritten as it is done:
+    a run stopped at its time limit keeps the rows it finished."""
     dev = torch.device(device)
     target, _ = load_target(model, "float32", max_len + 16, dev.type)
     out: dict[str, Any] = {
@@ -152,7 +154,27 @@ def profile_rows(
         if dev.type != "cpu":
             torch.get_device_module(dev).empty_cache()
         out["rows"].append(row)
+        print(row_line(row), flush=True)
+        if out_path:
+            os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
+            with open(out_path, "w") as f:
+                json.dump(out, f, indent=1)
     return out
+
+
+def row_line(r: dict[str, Any]) -> str:
+    if "error" in r:
+        return f"{r['ttt_attention']:>13} {r['batch_size']:>5}  {r['error'][:60]}"
+    frac, peak = r["device_busy_fraction"], r["peak_gb"]
+    busy = "-" if frac is None else f"{100 * frac:.0f}"
+    peak_s = "-" if peak is None else f"{peak:.1f}"
+    return (f"{r['ttt_attention']:>13} {r['batch_size']:>5} {r['step_ms']:>8.1f} "
+            f"{r['token_passes_per_s']:>15,.0f} {busy:>7} {r['launches_per_step']:>8.0f} "
+            f"{peak_s:>8}")  # fmt: skip
+
+
+HEADER = (f"{'attention':>13} {'batch':>5} {'step ms':>8} {'token-passes/s':>15} {'busy %':>7} "
+          f"{'launches':>8} {'peak GB':>8}")  # fmt: skip
 
 
 def main() -> None:
@@ -174,31 +196,19 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     rows = [(r.split(":")[0], int(r.split(":")[1])) for r in a.rows.split(",")]
+    print(HEADER, flush=True)
     res = profile_rows(a.model, a.device, rows, a.max_len, a.ttt_steps, a.top_k,
-                       a.draft_vocab_size, a.warmup, a.steps, a.top)  # fmt: skip
+                       a.draft_vocab_size, a.warmup, a.steps, a.top, a.out)  # fmt: skip
     print(res["device"])
-    print(f"{'attention':>9} {'batch':>5} {'step ms':>8} {'token-passes/s':>15} {'busy %':>7} "
-          f"{'launches':>8} {'peak GB':>8}")  # fmt: skip
+    print(HEADER)
     for r in res["rows"]:
-        if "error" in r:
-            print(f"{r['ttt_attention']:>9} {r['batch_size']:>5}  {r['error'][:60]}")
-            continue
-        frac, peak = r["device_busy_fraction"], r["peak_gb"]
-        busy = "-" if frac is None else f"{100 * frac:.0f}"
-        peak_s = "-" if peak is None else f"{peak:.1f}"
-        print(f"{r['ttt_attention']:>9} {r['batch_size']:>5} {r['step_ms']:>8.1f} "
-              f"{r['token_passes_per_s']:>15,.0f} {busy:>7} {r['launches_per_step']:>8.0f} "
-              f"{peak_s:>8}")  # fmt: skip
+        print(row_line(r))
     for r in res["rows"]:
         if "top_ops" in r:
             print(f"\n{r['ttt_attention']} batch {r['batch_size']}: {'op':<70} {'calls':>7} "
                   f"{'ms/step':>8}")  # fmt: skip
             for o in r["top_ops"]:
                 print(f"  {o['op']:<88} {o['count_per_step']:>7.1f} {o['ms_per_step']:>8.2f}")
-    if a.out:
-        os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-        with open(a.out, "w") as f:
-            json.dump(res, f, indent=1)
 
 
 if __name__ == "__main__":
