@@ -106,13 +106,14 @@ class ForwardBatch:
             )
         assert batch.seq_lens_cpu is not None, "decode needs the scheduler's host seq lens"
         max_kv = int(batch.seq_lens_cpu.max()) if batch.batch_size else 0
+        last = batch.seq_lens - 1  # a decode token's position is its prefix length: one launch
         return cls(
             mode="decode",
             input_ids=batch.input_ids,
-            positions=batch.seq_lens - 1,
+            positions=last,
             out_cache_loc=batch.out_cache_loc,
             req_pool_indices=batch.req_pool_indices,
-            prefix_lens=batch.seq_lens - 1,
+            prefix_lens=last,
             extend_lens=torch.ones_like(batch.seq_lens),
             host=HostLens.per_request(1, max_kv - 1, batch.batch_size),
             kv_pool=kv_pool,
