@@ -225,7 +225,9 @@ class LlamaModel(nn.Module):
 
 @dataclass
 class ModelOutput:
-    logits: torch.Tensor  # [n, vocab] fp32, rows = logits_indices (all rows when None)
+    # [n, vocab] in the model dtype, rows = logits_indices (all rows when None). Whatever
+    # computes on them upcasts first (sampling, penalties, logprobs); an argmax needs not.
+    logits: torch.Tensor
     hidden_states: torch.Tensor  # [T, hidden] final normed hidden state of every token
     aux_hidden_states: torch.Tensor | None  # [T, k * hidden] residual entering aux layers
     # Views of a CUDA graph's output buffers, which its next replay overwrites.
@@ -274,8 +276,8 @@ class LlamaForCausalLM(nn.Module):
         if self.batch_invariant:  # needs triton, which a CPU-only install may lack
             from eagleserve.kernels.batch_invariant import matmul
 
-            return matmul(hidden, self.lm_head_weight).float()
-        return F.linear(hidden, self.lm_head_weight).float()
+            return matmul(hidden, self.lm_head_weight)
+        return F.linear(hidden, self.lm_head_weight)
 
     def forward(self) -> ModelOutput:
         fb = get_forward_batch()

@@ -69,7 +69,7 @@ def score_prompts(
     rows: list[int],
 ) -> PromptLogprobs:
     """Prompt logprobs of `rows` of an extend batch. `hidden` [T, H] are the final hidden states
-    of every extend token; `compute_logits` maps hidden rows to fp32 logits."""
+    of every extend token; `compute_logits` maps hidden rows to logits (model dtype)."""
     assert batch.prefix_lens is not None and batch.extend_lens is not None
     starts = [0]
     for n in batch.extend_lens[:-1]:
@@ -94,7 +94,8 @@ def score_prompts(
     vals = [torch.zeros(0, k, device=dev)]
     ids = [torch.zeros(0, k, dtype=torch.long, device=dev)]
     for lo in range(0, len(flat), ROWS_PER_CHUNK):
-        logp = torch.log_softmax(compute_logits(hidden[idx[lo : lo + ROWS_PER_CHUNK]]), dim=-1)
+        rows_logits = compute_logits(hidden[idx[lo : lo + ROWS_PER_CHUNK]]).float()
+        logp = torch.log_softmax(rows_logits, dim=-1)
         chosen.append(logp.gather(-1, tgt[lo : lo + ROWS_PER_CHUNK, None]).squeeze(-1))
         top = logp.topk(k, dim=-1)
         vals.append(top.values)
