@@ -33,8 +33,11 @@ pytestmark = pytest.mark.usefixtures("torch_threads")
 CHAIN = dict(speculative_num_steps=3, speculative_eagle_topk=1, speculative_num_draft_tokens=4)
 TREE = dict(speculative_num_steps=3, speculative_eagle_topk=2, speculative_num_draft_tokens=5)
 # Ops a k = 0 iteration may dispatch beyond a target-only decode's (outside the forward): its
-# result is built the same way; the scheduler's and worker's bookkeeping differ by a few ops.
-K0_EXTRA_OPS = 3
+# result is built the same way; the scheduler's and worker's bookkeeping differ by a few ops
+# (the k = 0 decode reads its slots back from req_to_token, where a target-only decode
+# allocates one per request; the target-only decode's positions and prefix lengths share one
+# tensor, as the k = 0 decode's always did).
+K0_EXTRA_OPS = 4
 
 
 def _prompts(seed: int, n: int) -> list[list[int]]:
