@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
+from eagleserve.device import host_to, tensor_to
 from eagleserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -196,15 +197,14 @@ class ScheduleBatch:
         self.prefix_lens, self.extend_lens = starts, list(extend_lens)
         dev = self.device
         ids = [t for f, s, e in zip(fills, starts, ends) for t in f[s:e]]
-        self.input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
+        # Each copied to the device without waiting for the forward in flight (overlap).
+        self.input_ids = tensor_to(ids, torch.long, dev)
         if any(e < len(f) for f, e in zip(fills, ends)):
             nxt = [f[e] if e < len(f) else -1 for f, e in zip(fills, ends)]
-            self.next_prompt_ids = torch.tensor(nxt, dtype=torch.long, device=dev)
-        self.req_pool_indices = torch.tensor(
-            [r.req_pool_idx for r in self.reqs], dtype=torch.long, device=dev
-        )
+            self.next_prompt_ids = tensor_to(nxt, torch.long, dev)
+        self.req_pool_indices = tensor_to([r.req_pool_idx for r in self.reqs], torch.long, dev)
         self.seq_lens_cpu = torch.tensor(ends, dtype=torch.long)
-        self.seq_lens = self.seq_lens_cpu.to(dev)
+        self.seq_lens = host_to(self.seq_lens_cpu, dev)
         self.refresh_seq_lens_cpu(sync=False)
 
     def prepare_for_decode(self, req_to_token_pool: ReqToTokenPool, kv_pool: TokenToKVPool) -> None:

@@ -39,3 +39,10 @@ def host_to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type == "cpu":
         return t
     return t.pin_memory().to(device, non_blocking=True)
+
+
+def tensor_to(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """`torch.tensor(values, dtype=dtype, device=device)` without its wait: made on an
+    accelerator, that tensor is a synchronous copy (the host waits for everything queued on
+    the stream); this one is `host_to`'s pinned copy, queued behind that work."""
+    return host_to(torch.tensor(values, dtype=dtype), device)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from eagleserve.device import host_to, tensor_to
+
 
 class ReqToTokenPool:
     """`req_to_token[req_pool_idx, pos]` is the KV slot of position `pos` of that request."""
@@ -27,8 +29,7 @@ class ReqToTokenPool:
     def write_spans(self, spans: list[tuple[int, int, int]], loc: torch.Tensor) -> None:
         """req_to_token[row, start:end] for each (row, start, end) in order = the next slots of
         `loc`, in one write: a slice for one span, else one flat index built on the host and
-        copied without waiting (a tensor made on an accelerator from a Python list is a
-        synchronous copy, a stream sync per call)."""
+        copied without waiting (`tensor_to`)."""
         r2t = self.req_to_token
         if len(spans) == 1:
             row, start, end = spans[0]
@@ -36,7 +37,7 @@ class ReqToTokenPool:
             return
         width = r2t.shape[1]
         flat = [row * width + col for row, start, end in spans for col in range(start, end)]
-        index = torch.tensor(flat, dtype=torch.long).to(r2t.device, non_blocking=True)
+        index = tensor_to(flat, torch.long, r2t.device)
         r2t.view(-1)[index] = loc
 
 
@@ -71,7 +72,7 @@ class TokenToKVPool:
             return None
         out = self._free[self._num_free - n : self._num_free].clone()
         self._num_free -= n
-        return out.to(self.device, non_blocking=True)
+        return host_to(out, self.device)
 
     def free(self, slots: torch.Tensor) -> None:
         n = slots.numel()

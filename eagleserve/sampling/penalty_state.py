@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from eagleserve.core import Req
+from eagleserve.device import tensor_to
 from eagleserve.sampling.penalties import PenaltyRows, apply_all, path_counts
 
 
@@ -47,21 +48,21 @@ class PenaltyState:
         assert self.counts is not None and self.prompt_mask is not None
         assert self.out_lens is not None
         dev = self.device
-        idx = torch.tensor(slots, dtype=torch.long, device=dev)
+        idx = tensor_to(slots, torch.long, dev)
         self.counts[idx] = 0
         self.prompt_mask[idx] = False
-        self.out_lens[idx] = torch.tensor([len(o) for o in outputs], device=dev)
+        self.out_lens[idx] = tensor_to([len(o) for o in outputs], torch.int64, dev)
         p_rows = [s for s, p in zip(slots, prompts) for _ in p]
         p_toks = [t for p in prompts for t in p]
-        self.prompt_mask[torch.tensor(p_rows, dtype=torch.long, device=dev),
-                         torch.tensor(p_toks, dtype=torch.long, device=dev)] = True  # fmt: skip
+        self.prompt_mask[tensor_to(p_rows, torch.long, dev),
+                         tensor_to(p_toks, torch.long, dev)] = True  # fmt: skip
         o_rows = [s for s, o in zip(slots, outputs) for _ in o]
         o_toks = [t for o in outputs for t in o]
         if o_toks:
             ones = torch.ones(len(o_toks), dtype=torch.int32, device=dev)
             self.counts.index_put_(
-                (torch.tensor(o_rows, dtype=torch.long, device=dev),
-                 torch.tensor(o_toks, dtype=torch.long, device=dev)), ones, accumulate=True
+                (tensor_to(o_rows, torch.long, dev), tensor_to(o_toks, torch.long, dev)),
+                ones, accumulate=True,
             )  # fmt: skip
 
     def commit(self, slots: torch.Tensor, tokens: torch.Tensor, valid: torch.Tensor | None) -> None:
@@ -106,7 +107,7 @@ class BatchPenalties:
         stops = [(j, t) for j, i in enumerate(rows) for t in stop_tokens(reqs[i], vocab_size)]
 
         def tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype, device=device)
+            return tensor_to(values, dtype, device)
 
         params = PenaltyRows(
             frequency=tensor([p.frequency_penalty for p in ps], torch.float32),

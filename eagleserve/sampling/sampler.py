@@ -19,6 +19,7 @@ import torch
 from eagleserve.constrained.grammar_batch import BatchGrammar
 from eagleserve.constrained.grammar_mask import mask_logits
 from eagleserve.core import GenerationBatchResult, Req, ScheduleBatch
+from eagleserve.device import tensor_to
 from eagleserve.distributed.parallel import broadcast_from_first
 from eagleserve.kernels import cpu_ext
 from eagleserve.sampling.penalty_state import BatchPenalties, PenaltyState
@@ -64,15 +65,16 @@ class SamplingInfo:
         ps = [r.sampling_params for r in reqs]
         greedy = [p.is_greedy for p in ps]
         return cls(
-            temperatures=torch.tensor(
-                [1.0 if g else p.temperature for p, g in zip(ps, greedy)], device=device
+            temperatures=tensor_to(
+                [1.0 if g else p.temperature for p, g in zip(ps, greedy)], torch.float32, device
             ).view(-1, 1),
-            top_ps=torch.tensor([p.top_p for p in ps], device=device),
-            top_ks=torch.tensor(
+            top_ps=tensor_to([p.top_p for p in ps], torch.float32, device),
+            top_ks=tensor_to(
                 [vocab_size if p.top_k < 0 else min(p.top_k, vocab_size) for p in ps],
-                device=device,
+                torch.int64,
+                device,
             ),
-            min_ps=torch.tensor([p.min_p for p in ps], device=device),
+            min_ps=tensor_to([p.min_p for p in ps], torch.float32, device),
             is_greedy=greedy,
             generators=[r.generator for r in reqs],
             needs_top_k=any(0 < p.top_k < vocab_size for p, g in zip(ps, greedy) if not g),
@@ -84,7 +86,7 @@ class SamplingInfo:
     def rows(self, rows: list[int]) -> SamplingInfo:
         """The info of a subset of the batch's rows, in the order given, for logits that are
         already penalized (no penalties)."""
-        idx = torch.tensor(rows, dtype=torch.long, device=self.top_ps.device)
+        idx = tensor_to(rows, torch.long, self.top_ps.device)
         return SamplingInfo(
             self.temperatures[idx],
             self.top_ps[idx],

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from eagleserve.device import tensor_to
 from eagleserve.distributed.parallel import broadcast_from_first
 from eagleserve.sampling.sampler import SamplingInfo, greedy_ids, logits_to_probs
 
@@ -330,7 +331,7 @@ def accept(
         acc = verify_greedy(tokens, parents, greedy_ids(logits))
     if not info.all_greedy:
         sampled_rows = [i for i, g in enumerate(info.is_greedy) if not g]
-        idx = torch.tensor(sampled_rows, device=logits.device)
+        idx = tensor_to(sampled_rows, torch.long, logits.device)
         sub = info.rows(sampled_rows)
         probs = logits_to_probs(
             logits[idx].reshape(len(sampled_rows) * n, -1), sub.repeat_interleave(n)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from eagleserve.core import ScheduleBatch
+from eagleserve.device import host_to, tensor_to
 from eagleserve.layers.attention import AttentionBackend
 from eagleserve.layers.forward_batch import ForwardBatch, HostLens
 from eagleserve.mem_cache.kv_cache import TokenToKVPool
@@ -83,7 +84,7 @@ class DraftLag:
                     total += feats.shape[0]
                 index.append(offset + row)
             del pairs[:m]
-        idx = torch.tensor(index, dtype=torch.long, device=feat_parts[0].device)
+        idx = tensor_to(index, torch.long, feat_parts[0].device)
         return torch.cat(ids_parts)[idx], torch.cat(feat_parts)[idx]
 
 
@@ -101,11 +102,11 @@ def catch_up_batch(
     rows = [i for i, m in enumerate(lags) if m > 0]
     counts = [lags[i] for i in rows]
     dev = batch.req_pool_indices.device
-    sel = torch.tensor(rows, dtype=torch.long, device=dev)
-    m = torch.tensor(counts, dtype=torch.long, device=dev)
+    sel = tensor_to(rows, torch.long, dev)
+    m = tensor_to(counts, torch.long, dev)
     rpi = batch.req_pool_indices[sel]
     L = batch.seq_lens[sel]
-    j = torch.cat([torch.arange(c) for c in counts]).to(dev)  # ring index of each row
+    j = host_to(torch.cat([torch.arange(c) for c in counts]), dev)  # ring index of each row
     rpi_rows = rpi.repeat_interleave(m)
     positions = (L - m).repeat_interleave(m) + j
     assert batch.seq_lens_cpu is not None

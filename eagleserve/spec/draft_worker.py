@@ -22,6 +22,7 @@ from eagleserve.config import ServerArgs, SpecConfig
 from eagleserve.constrained.grammar_batch import BatchGrammar
 from eagleserve.constrained.grammar_mask import mask_logits, to_draft_vocab
 from eagleserve.core import EagleDraftInput, ScheduleBatch
+from eagleserve.device import tensor_to
 from eagleserve.layers.attention import create_attn_backend
 from eagleserve.layers.forward_batch import ForwardBatch, HostLens, forward_context
 from eagleserve.mem_cache.kv_cache import TokenToKVPool
@@ -198,7 +199,7 @@ class EagleDraftWorker:
             self.head.write_kv(fb.input_ids, features, fb.positions, fb.out_cache_loc)
         held = [i for i, m in enumerate(batch.draft_lags) if m]
         if held:  # copies of the held rows: a prefill's features are too large to keep
-            rows = last_rows[torch.tensor(held, dtype=torch.long, device=self.device)]
+            rows = last_rows[tensor_to(held, torch.long, self.device)]
             slots = [batch.reqs[i].req_pool_idx for i in held]
             self.lag.hold(slots, [0] * len(held), fb.input_ids[rows], features[rows])
         bs, topk = batch.batch_size, self.spec.eagle_topk
@@ -218,7 +219,7 @@ class EagleDraftWorker:
         fb, features, last_rows, rows = catch_up_batch(
             self.lag, batch, batch.draft_lags, self.req_to_token, self.kv_pool, self.attn_backend
         )
-        idx = torch.tensor(rows, dtype=torch.long, device=self.device)
+        idx = tensor_to(rows, torch.long, self.device)
         fresh = self.extend(fb, features, last_rows, None if allowed is None else allowed[idx])
         topk_p, topk_index, hidden = (
             info.topk_p.clone(), info.topk_index.clone(), info.hidden_states.clone()
