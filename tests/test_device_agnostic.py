@@ -25,3 +25,29 @@ def test_pattern_catches_a_use() -> None:
     assert PATTERN.search("x = torch.cuda.Event()")
     assert PATTERN.search("from torch import cuda")
     assert not PATTERN.search("torch.get_device_module(device)")
+
+
+# `torch.tensor(..., device=...)` made on an accelerator is a synchronous copy: the host waits
+# for everything queued on the stream, the forward in flight included. Serving code uses
+# `device.tensor_to` (a pinned copy queued behind that work); start-up and training may wait.
+SYNC_TENSOR = re.compile(r"torch\s*\.\s*tensor\((?:[^()]|\([^()]*\))*?\bdevice\s*=", re.S)
+MAY_WAIT = ("device.py", "spec/cost_model.py", "train/")
+
+
+def test_serving_code_makes_no_synchronous_device_tensors() -> None:
+    offenders = []
+    for path in ROOT.rglob("*.py"):
+        rel = path.relative_to(ROOT).as_posix()
+        if rel.startswith(MAY_WAIT) or rel in MAY_WAIT:
+            continue
+        text = path.read_text()
+        for m in SYNC_TENSOR.finditer(text):
+            line = text.count("\n", 0, m.start()) + 1
+            offenders.append(f"eagleserve/{rel}:{line}")
+    assert not offenders, "torch.tensor(..., device=) in serving code:\n" + "\n".join(offenders)
+
+
+def test_sync_tensor_pattern_catches_a_use() -> None:
+    assert SYNC_TENSOR.search("x = torch.tensor([len(o) for o in outs], device=dev)")
+    assert SYNC_TENSOR.search("x = torch.tensor(\n    rows,\n    dtype=torch.long,\n    device=d)")
+    assert not SYNC_TENSOR.search("x = torch.tensor(rows, dtype=torch.long).to(dev)")

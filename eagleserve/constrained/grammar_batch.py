@@ -20,6 +20,7 @@ from eagleserve.constrained.grammar_mask import (
     unpack_bitmask,
 )
 from eagleserve.core import Req
+from eagleserve.device import tensor_to
 
 
 @dataclass
@@ -66,7 +67,7 @@ class BatchGrammar:
         node 0 is the committed root)."""
         bs, n = tokens.shape
         bm = self._bitmask(bs * n)
-        idx = torch.tensor(self.rows, dtype=torch.long, device=tokens.device)
+        idx = tensor_to(self.rows, torch.long, tokens.device)
         toks, pars = tokens[idx].tolist(), parents[idx].tolist()
         for k, (row, g) in enumerate(zip(self.rows, self.grammars)):
             paths = [[toks[k][j] for j in p] for p in node_paths(pars[k])]
@@ -77,7 +78,7 @@ class BatchGrammar:
         """paths [bs, b, d]: draft tokens of each branch -> [bs * b, V] masks after them."""
         bs, b, _ = paths.shape
         bm = self._bitmask(bs * b)
-        idx = torch.tensor(self.rows, dtype=torch.long, device=paths.device)
+        idx = tensor_to(self.rows, torch.long, paths.device)
         host = paths[idx].tolist()
         for k, (row, g) in enumerate(zip(self.rows, self.grammars)):
             g.fill_paths(host[k], bm, row * b)

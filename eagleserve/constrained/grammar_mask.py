@@ -31,8 +31,7 @@ def allow_all_where_empty(bitmask: torch.Tensor) -> torch.Tensor:
 
 def mask_logits(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
     """Disallowed tokens get -inf (rows of `allowed` must allow some token)."""
-    return torch.where(allowed, logits, torch.tensor(float("-inf"), dtype=logits.dtype,
-                                                     device=logits.device))  # fmt: skip
+    return torch.where(allowed, logits, float("-inf"))  # a scalar: no device tensor to copy
 
 
 def to_draft_vocab(allowed: torch.Tensor, draft_to_target: torch.Tensor) -> torch.Tensor:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from eagleserve.core import ScheduleBatch
+from eagleserve.device import tensor_to
 
 ROWS_PER_CHUNK = 512  # logits rows materialized at once (fp32 [rows, V])
 
@@ -87,8 +88,8 @@ def score_prompts(
     ks = [batch.reqs[i].sampling_params.prompt_logprobs or 0 for i in rows]
     k = max(ks)
     dev = hidden.device
-    idx = torch.tensor(flat, dtype=torch.long, device=dev)
-    tgt = torch.tensor(targets, dtype=torch.long, device=dev)
+    idx = tensor_to(flat, torch.long, dev)
+    tgt = tensor_to(targets, torch.long, dev)
     first = [batch.prefix_lens[i] == 0 for i in rows]
     chosen = [torch.zeros(0, device=dev)]  # one-token prompts score nothing but the None
     vals = [torch.zeros(0, k, device=dev)]

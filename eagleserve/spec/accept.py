@@ -205,7 +205,7 @@ def _draw_uniforms(
     u = torch.empty(bs, n, device=device)
     unseeded = [i for i, g in enumerate(generators) if g is None]
     if unseeded:
-        rows = torch.tensor(unseeded, dtype=torch.long, device=device)
+        rows = tensor_to(unseeded, torch.long, device)
         u[rows] = torch.rand(len(unseeded), n, device=device)
     for i, g in enumerate(generators):
         if g is not None:
