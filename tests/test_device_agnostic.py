@@ -9,15 +9,19 @@ ROOT = pathlib.Path(__file__).resolve().parents[1] / "eagleserve"
 PATTERN = re.compile(r"torch\s*\.\s*cuda\b|from\s+torch\s+import\s+cuda\b")
 
 
+def _sources(skip: tuple[str, ...]) -> list[tuple[str, str]]:
+    """(path relative to eagleserve/, text) of every module but those under `skip` prefixes."""
+    return [(rel, path.read_text()) for path in sorted(ROOT.rglob("*.py"))
+            if not (rel := path.relative_to(ROOT).as_posix()).startswith(skip)]  # fmt: skip
+
+
 def test_torch_cuda_only_in_device_module() -> None:
     offenders = []
-    for path in ROOT.rglob("*.py"):
-        if path.name == "device.py" and path.parent == ROOT:
-            continue
-        for lineno, line in enumerate(path.read_text().splitlines(), 1):
+    for rel, text in _sources(("device.py",)):
+        for lineno, line in enumerate(text.splitlines(), 1):
             code = re.sub(r"`[^`]*`", "", line.split("#", 1)[0])  # prose mentions don't count
             if PATTERN.search(code):
-                offenders.append(f"{path.relative_to(ROOT.parent)}:{lineno}: {line.strip()}")
+                offenders.append(f"eagleserve/{rel}:{lineno}: {line.strip()}")
     assert not offenders, "torch.cuda outside eagleserve/device.py:\n" + "\n".join(offenders)
 
 
@@ -36,11 +40,7 @@ MAY_WAIT = ("device.py", "spec/cost_model.py", "train/")
 
 def test_serving_code_makes_no_synchronous_device_tensors() -> None:
     offenders = []
-    for path in ROOT.rglob("*.py"):
-        rel = path.relative_to(ROOT).as_posix()
-        if rel.startswith(MAY_WAIT) or rel in MAY_WAIT:
-            continue
-        text = path.read_text()
+    for rel, text in _sources(MAY_WAIT):
         for m in SYNC_TENSOR.finditer(text):
             line = text.count("\n", 0, m.start()) + 1
             offenders.append(f"eagleserve/{rel}:{line}")

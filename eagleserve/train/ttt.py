@@ -101,7 +101,7 @@ def _merged_chain(q: torch.Tensor, chain: list[KV], scale: float) -> torch.Tenso
     (numerator and denominator scale alike), so it is a detached, dtype-exact shift."""
     k0, v0 = chain[0]
     scores = _chain_scores(q, chain[1:], scale)
-    sink = ((scores.detach().amax(-1) / scale).to(q.dtype).float() * scale).detach()
+    sink = (scores.detach().amax(-1) / scale).to(q.dtype).float() * scale
     qs, ks, vs = context_with_sink(q, k0, v0, sink, scale)
     rep = q.shape[1] // k0.shape[1]
     o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=rep > 1)
