@@ -176,21 +176,20 @@ class ScheduleBatch:
         assert self.mode == "extend"
         fills = [r.fill_ids for r in self.reqs]
         starts = [r.kv_committed_len for r in self.reqs]
-        r2t = req_to_token_pool.req_to_token
-        missing = [len(f) - r.kv_allocated_len for f, r in zip(fills, self.reqs)]
-        loc = kv_pool.alloc(sum(missing))
-        assert loc is not None, "prepare_for_extend: KV pool exhausted (caller must check)"
-        at = 0
-        for req, fill, n in zip(self.reqs, fills, missing):
-            assert req.req_pool_idx is not None and n >= 0
-            if n:
-                r2t[req.req_pool_idx, req.kv_allocated_len : len(fill)] = loc[at : at + n]
+        spans = []
+        for req, fill in zip(self.reqs, fills):
+            assert req.req_pool_idx is not None and req.kv_allocated_len <= len(fill)
+            if req.kv_allocated_len < len(fill):
+                spans.append((req.req_pool_idx, req.kv_allocated_len, len(fill)))
                 req.kv_allocated_len = len(fill)
-                at += n
+        if spans:
+            slots = kv_pool.alloc_host(sum(end - start for _, start, end in spans))
+            assert slots is not None, "prepare_for_extend: KV pool exhausted (caller must check)"
+            req_to_token_pool.write_spans(spans, slots)
         ends = [s + n for s, n in zip(starts, extend_lens)]
-        self.out_cache_loc = torch.cat(
-            [r2t[r.req_pool_idx, s:e] for r, s, e in zip(self.reqs, starts, ends)]
-        )
+        host = req_to_token_pool.req_to_token_host
+        loc = torch.cat([host[r.req_pool_idx, s:e] for r, s, e in zip(self.reqs, starts, ends)])
+        self.out_cache_loc = host_to(loc, self.device)
         for req, end in zip(self.reqs, ends):
             req.kv_committed_len = end
             req.draft_lag = 0  # a prefill runs the head over every token
@@ -213,12 +212,13 @@ class ScheduleBatch:
         `input_ids` already hold the last sampled token of each request (or its placeholder).
         """
         self.mode = "decode"
-        loc = kv_pool.alloc(self.batch_size)
-        assert loc is not None, "prepare_for_decode: KV pool exhausted (caller must retract)"
-        req_to_token_pool.req_to_token[self.req_pool_indices, self.seq_lens] = loc
+        slots = kv_pool.alloc_host(self.batch_size)
+        assert slots is not None, "prepare_for_decode: KV pool exhausted (caller must retract)"
+        # A target-only request holds slots up to its length: the new one goes at seq_len.
+        spans = [(r.req_pool_idx, r.kv_allocated_len, r.kv_allocated_len + 1) for r in self.reqs]
+        self.out_cache_loc = req_to_token_pool.write_spans(spans, slots)
         for req in self.reqs:
             req.kv_allocated_len += 1
-        self.out_cache_loc = loc
         self.add_one_token()
 
     def mix_with_running(self, running: ScheduleBatch) -> None:

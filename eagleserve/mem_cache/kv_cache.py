@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from eagleserve.device import host_to, tensor_to
+from eagleserve.device import host_to
 
 
 class ReqToTokenPool:
@@ -14,6 +14,13 @@ class ReqToTokenPool:
         self.size = size
         self.max_context_len = max_context_len
         self.req_to_token = torch.zeros((size, max_context_len), dtype=torch.int64, device=device)
+        # The host's copy, written with the device rows by `write_spans`, so that building a
+        # prefill's slots or freeing a finished request reads no device value (on an
+        # accelerator such a read waits for the forward in flight). A tree's accepted path
+        # permutes its row on the device only (spec/accept.py::commit_tree_path): such rows are
+        # in `_permuted` and read back from the device.
+        self.req_to_token_host = torch.zeros((size, max_context_len), dtype=torch.int64)
+        self._permuted: set[int] = set()
         self._free: list[int] = list(range(size))
 
     def available_size(self) -> int:
@@ -24,21 +31,37 @@ class ReqToTokenPool:
 
     def free(self, idx: int) -> None:
         assert idx not in self._free, f"request slot {idx} freed twice"
+        self._permuted.discard(idx)
         self._free.append(idx)
 
-    def write_spans(self, spans: list[tuple[int, int, int]], loc: torch.Tensor) -> None:
-        """req_to_token[row, start:end] for each (row, start, end) in order = the next slots of
-        `loc`, in one write: a slice for one span, else one flat index built on the host and
-        copied without waiting (`tensor_to`)."""
-        r2t = self.req_to_token
+    def write_spans(self, spans: list[tuple[int, int, int]], slots: torch.Tensor) -> torch.Tensor:
+        """req_to_token[row, start:end] for each (row, start, end) in order = the next of the
+        host `slots`, on the host and the device; returns `slots` on the device. One write each:
+        a slice for one span, else one flat index built on the host (copied without waiting)."""
+        assert slots.device.type == "cpu", "write_spans takes host slots (alloc_host)"
+        r2t, host = self.req_to_token, self.req_to_token_host
+        loc = host_to(slots, r2t.device)
         if len(spans) == 1:
             row, start, end = spans[0]
+            host[row, start:end] = slots
             r2t[row, start:end] = loc
-            return
+            return loc
         width = r2t.shape[1]
         flat = [row * width + col for row, start, end in spans for col in range(start, end)]
-        index = tensor_to(flat, torch.long, r2t.device)
-        r2t.view(-1)[index] = loc
+        index = torch.tensor(flat, dtype=torch.long)
+        host.view(-1)[index] = slots
+        r2t.view(-1)[host_to(index, r2t.device)] = loc
+        return loc
+
+    def mark_permuted(self, rows: list[int]) -> None:
+        """These rows' slots were reordered on the device: `row_slots` reads them back there."""
+        self._permuted.update(rows)
+
+    def row_slots(self, idx: int, n: int) -> torch.Tensor:
+        """The first `n` slots of request slot `idx`, on the host."""
+        if idx in self._permuted:
+            return self.req_to_token[idx, :n].to("cpu")
+        return self.req_to_token_host[idx, :n].clone()
 
 
 class TokenToKVPool:
@@ -66,13 +89,18 @@ class TokenToKVPool:
     def available_size(self) -> int:
         return self._num_free
 
-    def alloc(self, n: int) -> torch.Tensor | None:
-        """Returns `n` free slots on the pool's device, or None when fewer are free."""
+    def alloc_host(self, n: int) -> torch.Tensor | None:
+        """Returns `n` free slots on the host, or None when fewer are free."""
         if n > self._num_free:
             return None
         out = self._free[self._num_free - n : self._num_free].clone()
         self._num_free -= n
-        return host_to(out, self.device)
+        return out
+
+    def alloc(self, n: int) -> torch.Tensor | None:
+        """Returns `n` free slots on the pool's device, or None when fewer are free."""
+        out = self.alloc_host(n)
+        return None if out is None else host_to(out, self.device)
 
     def free(self, slots: torch.Tensor) -> None:
         n = slots.numel()

@@ -95,8 +95,7 @@ class PrefixCache:
             prefix_len = slots.numel()
             self.tree.lock(node)
             if prefix_len:
-                r2t = self.req_to_token_pool.req_to_token
-                r2t[idx, :prefix_len] = slots.to(r2t.device, non_blocking=True)
+                self.req_to_token_pool.write_spans([(idx, 0, prefix_len)], slots)
         self._held[idx] = (node, prefix_len)
         req.req_pool_idx = idx
         req.kv_committed_len = req.kv_allocated_len = prefix_len
@@ -113,7 +112,7 @@ class PrefixCache:
         idx = req.req_pool_idx
         assert idx is not None
         node, prefix_len = self._held.pop(idx)
-        slots = self.req_to_token_pool.req_to_token[idx, : req.kv_allocated_len].to("cpu")
+        slots = self.req_to_token_pool.row_slots(idx, req.kv_allocated_len)
         valid = cacheable_len(req) if cache and self.tree is not None else 0
         if self.tree is not None and valid > prefix_len:
             keys = pair_keys(req.fill_ids[: valid + 1], self.vocab_size)

@@ -122,10 +122,10 @@ class EagleWorker:
         spans = [(req, start, end) for req, start, end in spans if end > start]
         if not spans:
             return
-        loc = self.token_to_kv_pool.alloc(sum(end - start for _, start, end in spans))
-        assert loc is not None, "EAGLE decode: KV pool exhausted (caller must retract)"
+        slots = self.token_to_kv_pool.alloc_host(sum(end - start for _, start, end in spans))
+        assert slots is not None, "EAGLE decode: KV pool exhausted (caller must retract)"
         rows = [(req.req_pool_idx, start, end) for req, start, end in spans]
-        self.req_to_token_pool.write_spans(rows, loc)
+        self.req_to_token_pool.write_spans(rows, slots)
         for req, _, end in spans:
             req.kv_allocated_len = end
 
@@ -320,6 +320,7 @@ class EagleWorker:
             grammar.advance(acc.output_tokens, acc.accept_lens)
         if not spec.is_chain:
             commit_tree_path(r2t, batch.req_pool_indices, L, acc.accept_index, n)
+            self.req_to_token_pool.mark_permuted([req.req_pool_idx for req in batch.reqs])
         a = acc.accept_lens
         path = (cols, slots) if spec.is_chain else None
         extend_fb, path_rows, last_rows = self.paths.extend(batch, acc, max_len, path)

@@ -1,5 +1,6 @@
 """mem_cache/kv_cache.py: a decode's slot reservation writes each request's new slots into its
-req_to_token row, in order, and touches nothing else (one span or many)."""
+req_to_token row, in order, and touches nothing else (one span or many); the host's copy of the
+rows follows, and a row permuted on the device is read back from there."""
 
 from __future__ import annotations
 
@@ -20,10 +21,29 @@ def test_write_spans_fills_each_span_with_the_next_slots(num_spans: int) -> None
         start = int(torch.randint(0, 28, ()))
         spans.append((row, start, start + int(torch.randint(1, 32 - start + 1, ()))))
     total = sum(end - start for _, start, end in spans)
+    pool.req_to_token_host.copy_(before)
     loc = torch.randperm(5000)[:total] + 1000  # slots no row held before
-    pool.write_spans(spans, loc)
+    assert torch.equal(pool.write_spans(spans, loc), loc)
     want, off = before.clone(), 0
     for row, start, end in spans:
         want[row, start:end] = loc[off : off + end - start]
         off += end - start
     assert torch.equal(pool.req_to_token, want)
+    assert torch.equal(pool.req_to_token_host, want)
+    for row in rows:
+        assert torch.equal(pool.row_slots(row, 32), want[row])
+
+
+def test_a_row_permuted_on_the_device_is_read_back_from_there() -> None:
+    pool = ReqToTokenPool(4, 16, torch.device("cpu"))
+    row = pool.alloc()
+    assert row is not None
+    slots = torch.randperm(900)[:10] + 1
+    pool.write_spans([(row, 0, 10)], slots)
+    order = torch.randperm(10)
+    pool.req_to_token[row, :10] = slots[order]  # as commit_tree_path reorders a tree's path
+    assert torch.equal(pool.row_slots(row, 10), slots)  # the host's copy, unmarked: stale
+    pool.mark_permuted([row])
+    assert torch.equal(pool.row_slots(row, 10), slots[order])
+    pool.free(row)  # the next request in this row reads the host's copy again
+    assert row not in pool._permuted

@@ -14,8 +14,10 @@ import torch
 from conftest import assert_kv_accounted, track
 from test_adaptive_lossless import script_choices
 from test_eagle_lossless import VOCAB, heads, target_dir  # noqa: F401
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from eagleserve import Engine, SamplingParams
+from eagleserve.mem_cache.prefix_cache import PrefixCache
 from eagleserve.messages import GenerateReqInput
 
 pytestmark = pytest.mark.usefixtures("torch_threads")
@@ -125,6 +127,55 @@ def test_small_pool_evicts_then_retracts_and_keeps_tokens(
     stats = small.stats()
     assert stats.prefix_cache_evicted_tokens_total > 0, stats
     assert stats.prefix_cache_hit_tokens_total > 0, stats
+
+
+class _Touches(TorchDispatchMode):
+    """Counts the ops that read or write a given tensor's storage."""
+
+    def __init__(self, table: torch.Tensor) -> None:
+        super().__init__()
+        self.ptr, self.count = table.untyped_storage().data_ptr(), 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        flat = torch.utils._pytree.tree_leaves((args, kwargs or {}))
+        if any(isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() == self.ptr
+               for t in flat):  # fmt: skip
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("spec", ["target", "chain", "tree", "adaptive"])
+def test_a_finished_request_is_freed_and_cached_from_the_hosts_copy_of_its_slots(
+    target_dir: str,  # noqa: F811
+    heads: dict[str, str],  # noqa: F811
+    spec: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On an accelerator, reading a finished request's req_to_token row back waits for the
+    forward in flight. The host keeps its own copy of every row: at each release it equals the
+    device row, and release touches the device table only for a tree's rows (their accepted
+    paths are reordered on the device)."""
+    releases: list[tuple[bool, int]] = []  # (row permuted on the device, device table touches)
+    release = PrefixCache.release
+
+    def checked(self: PrefixCache, req: Any, cache: bool) -> None:
+        pool, idx, n = self.req_to_token_pool, req.req_pool_idx, req.kv_allocated_len
+        permuted = idx in pool._permuted
+        if not permuted:
+            assert torch.equal(pool.req_to_token_host[idx, :n], pool.req_to_token[idx, :n])
+        with _Touches(pool.req_to_token) as touches:
+            release(self, req, cache)
+        releases.append((permuted, touches.count))
+
+    monkeypatch.setattr(PrefixCache, "release", checked)
+    params = SamplingParams(max_new_tokens=14, temperature=0.0, ignore_eos=True)
+    eng = engine(target_dir, heads["EAGLE"], spec, True, True)
+    conversation(eng, int(torch.randint(1 << 30, ())), params)
+    assert len(releases) == 11 and eng.stats().prefix_cache_hit_tokens_total > 150
+    if spec == "tree":
+        assert all(permuted and touches for permuted, touches in releases), releases
+    else:
+        assert releases == [(False, 0)] * 11
 
 
 def prefilled_kv(eng: Engine, cached: list[int], prompt: list[int]) -> tuple[Any, ...]:
