@@ -36,22 +36,24 @@ class ReqToTokenPool:
 
     def write_spans(self, spans: list[tuple[int, int, int]], slots: torch.Tensor) -> torch.Tensor:
         """req_to_token[row, start:end] for each (row, start, end) in order = the next of the
-        host `slots`, on the host and the device; returns `slots` on the device. One write each:
-        a slice for one span, else one flat index built on the host (copied without waiting)."""
+        host `slots`, on the host and the device; returns `slots` on the device. One copy to the
+        device (without waiting) and one write: a slice for one span, else a flat index built
+        on the host and copied with the slots."""
         assert slots.device.type == "cpu", "write_spans takes host slots (alloc_host)"
         r2t, host = self.req_to_token, self.req_to_token_host
-        loc = host_to(slots, r2t.device)
         if len(spans) == 1:
             row, start, end = spans[0]
             host[row, start:end] = slots
+            loc = host_to(slots, r2t.device)
             r2t[row, start:end] = loc
             return loc
         width = r2t.shape[1]
         flat = [row * width + col for row, start, end in spans for col in range(start, end)]
         index = torch.tensor(flat, dtype=torch.long)
         host.view(-1)[index] = slots
-        r2t.view(-1)[host_to(index, r2t.device)] = loc
-        return loc
+        index_loc = host_to(torch.stack([index, slots]), r2t.device)
+        r2t.view(-1)[index_loc[0]] = index_loc[1]
+        return index_loc[1]
 
     def mark_permuted(self, rows: list[int]) -> None:
         """These rows' slots were reordered on the device: `row_slots` reads them back there."""
