@@ -83,10 +83,9 @@ class SamplingInfo:
             penalties=BatchPenalties.of_reqs(reqs, vocab_size, device, prefill_rows),
         )
 
-    def rows(self, rows: list[int]) -> SamplingInfo:
-        """The info of a subset of the batch's rows, in the order given, for logits that are
-        already penalized (no penalties)."""
-        idx = tensor_to(rows, torch.long, self.top_ps.device)
+    def rows(self, rows: list[int], idx: torch.Tensor) -> SamplingInfo:
+        """The info of a subset of the batch's rows, in the order given (`idx`: `rows` on the
+        device), for logits that are already penalized (no penalties)."""
         return SamplingInfo(
             self.temperatures[idx],
             self.top_ps[idx],

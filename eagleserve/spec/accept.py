@@ -332,7 +332,7 @@ def accept(
     if not info.all_greedy:
         sampled_rows = [i for i, g in enumerate(info.is_greedy) if not g]
         idx = tensor_to(sampled_rows, torch.long, logits.device)
-        sub = info.rows(sampled_rows)
+        sub = info.rows(sampled_rows, idx)
         probs = logits_to_probs(
             logits[idx].reshape(len(sampled_rows) * n, -1), sub.repeat_interleave(n)
         ).view(len(sampled_rows), n, -1)

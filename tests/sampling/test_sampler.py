@@ -90,4 +90,4 @@ def test_sampling_info_is_built_once_per_batch_membership() -> None:
     batch.filter_batch([1])
     second = SamplingInfo.of_batch(batch, 40)
     assert second is not first and second.is_greedy == [True]
-    assert torch.equal(first.rows([0]).top_ps, torch.tensor([0.5]))
+    assert torch.equal(first.rows([0], torch.tensor([0])).top_ps, torch.tensor([0.5]))
