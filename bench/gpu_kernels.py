@@ -42,7 +42,7 @@ from eagleserve.model_executor.model_runner import ModelRunner  # noqa: E402
 CONTEXT = 128
 BATCHES = (1, 16, 32)
 MODES = ("unfused", "fused", "gemv")
-DEFAULT_GEMV_BLOCK_K, DEFAULT_GEMV_WARPS = triton_gemv.BLOCK_K, triton_gemv.NUM_WARPS
+DEFAULT_GEMV = (triton_gemv.BLOCK_K, triton_gemv.NUM_WARPS, triton_gemv.SPLIT_K)
 
 
 def smollm2_135m_config(layers: int) -> dict[str, Any]:
@@ -76,10 +76,12 @@ def tiny_config(layers: int) -> dict[str, Any]:
 
 def make_runner(path: str, device: torch.device, mode: str, graphs: bool) -> ModelRunner:
     fused = mode != "unfused"
-    if mode.startswith("gemv"):  # "gemv:k128:w8": the GEMV kernels' K step and warps
+    if mode.startswith("gemv"):  # "gemv:k128:w8:s4": K step, warps, the down projection's K split
         opts = dict((o[0], int(o[1:])) for o in mode.split(":")[1:])
-        triton_gemv.BLOCK_K = opts.get("k", DEFAULT_GEMV_BLOCK_K)
-        triton_gemv.NUM_WARPS = opts.get("w", DEFAULT_GEMV_WARPS)
+        block_k, warps, split_k = DEFAULT_GEMV
+        triton_gemv.BLOCK_K = opts.get("k", block_k)
+        triton_gemv.NUM_WARPS = opts.get("w", warps)
+        triton_gemv.SPLIT_K = opts.get("s", split_k)
     runner = ModelRunner(
         ModelConfig.from_dir(path), path, device, torch.bfloat16,
         kv_cache_tokens=max(BATCHES) * (CONTEXT + 2) + 8, max_running_requests=max(BATCHES),
@@ -232,7 +234,8 @@ def main() -> None:
         "--modes",
         default=",".join(MODES),
         help="of " + ", ".join(MODES) + "; "
-        "gemv:kN sets the GEMV kernels' K step to N (a sweep: gemv,gemv:k128)",
+        "gemv:kN sets the GEMV kernels' K step to N, :wN their warps, :sN the down "
+        "projection's K split (a sweep: gemv,gemv:k128,gemv:k128:s4)",
     )
     args = ap.parse_args()
     device = pick_device(args.device)

@@ -7,7 +7,10 @@ GEMMs, so a decode layer is five or six launches (models/fused_forward.py):
   apart, so the rotation pairs them in registers; a head's halves split into D/2 / BLOCK_C
   programs keep a large model's GPU busy.
 - `norm_gemm`: residual add + RMSNorm and a projection (gate_up), one launch.
-- `silu_mul_gemm`: SiLU(gate) * up of a gate_up output and a projection (down), one launch.
+- `silu_mul_gemm`: SiLU(gate) * up of a gate_up output and a projection (down), one launch;
+  with SPLIT_K > 1, its K range is cut into SPLIT_K ranges run by programs of their own (the
+  down projection has few output columns, so few programs walk a long K range), and a second
+  launch sums their fp32 partials in split order.
 
 Every value is rounded to the model dtype where the unfused kernels of kernels/triton_fused.py
 (and the torch path of models/llama.py) round it: the sum x + residual, the normed row before
@@ -38,6 +41,7 @@ BLOCK_C = 16  # columns of each rotary half per program (tl.dot's least N)
 # Both are the same for every batch size, so a row's bits still do not depend on the batch.
 BLOCK_K = 64
 NUM_WARPS = 4
+SPLIT_K = 1  # K ranges of the down projection (fixed: the split is the same for any batch)
 
 
 @triton.jit
@@ -173,19 +177,21 @@ def _norm_gemm_kernel(
 
 @triton.jit(do_not_specialize=["T"])
 def _silu_mul_gemm_kernel(
-    GateUp, W, Out,  # GateUp [T, 2K]; W [N, K]; Out [T, N]
-    T, N, K,
-    stride_g, stride_w, stride_o,
+    GateUp, W, Out,  # GateUp [T, 2K]; W [N, K]; Out [S, T, N]: split s's sums (S = 1: the output)
+    T, N, K, K_PER,  # K_PER: the K range of a split, a multiple of BLOCK_K
+    stride_g, stride_w, stride_os, stride_o,
     IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     pid_n = tl.program_id(1)
+    split = tl.program_id(2)
     row_ok = rows < T
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    k_start = split * K_PER
+    for k0 in range(k_start, tl.minimum(k_start + K_PER, K), BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         mask = row_ok[:, None] & (offs_k < K)[None, :]
         ptr = GateUp + rows[:, None] * stride_g + offs_k[None, :]
@@ -198,8 +204,25 @@ def _silu_mul_gemm_kernel(
         w = tl.load(W + offs_n[None, :] * stride_w + offs_k[:, None],
                     mask=(offs_k < K)[:, None] & n_ok[None, :], other=0.0)  # fmt: skip
         acc += _dot(a, w, IEEE)
+    out = Out + split * stride_os + rows[:, None] * stride_o + offs_n[None, :]
+    tl.store(out, acc.to(Out.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["T"])
+def _sum_splits_kernel(
+    Part, Out,  # Part [S, T, N] fp32; Out [T, N]
+    T, N, stride_ps, stride_pt, stride_o,
+    SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rows < T)[:, None] & (offs_n < N)[None, :]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for s in tl.static_range(SPLITS):  # in split order, whatever order the splits ran in
+        part = Part + s * stride_ps + rows[:, None] * stride_pt + offs_n[None, :]
+        acc += tl.load(part, mask=mask, other=0.0)
     tl.store(Out + rows[:, None] * stride_o + offs_n[None, :], acc.to(Out.dtype.element_ty),
-             mask=row_ok[:, None] & n_ok[None, :])  # fmt: skip
+             mask=mask)  # fmt: skip
 
 
 def _check_rows(x: torch.Tensor, residual: torch.Tensor | None) -> None:
@@ -296,10 +319,21 @@ def silu_mul_gemm(gate_up: torch.Tensor, weight: torch.Tensor, block_n: int = 16
     out = torch.empty((t, n), dtype=gate_up.dtype, device=gate_up.device)
     if t == 0:
         return out
-    _silu_mul_gemm_kernel[(triton.cdiv(t, BLOCK_M), triton.cdiv(n, block_n))](
-        gate_up, weight, out, t, n, inter,
-        gate_up.stride(0), weight.stride(0), out.stride(0),
+    steps = triton.cdiv(inter, BLOCK_K)
+    splits = min(SPLIT_K, steps)  # every split gets at least one K step
+    k_per = triton.cdiv(steps, splits) * BLOCK_K
+    splits = triton.cdiv(inter, k_per)
+    part = out[None] if splits == 1 else out.new_empty((splits, t, n), dtype=torch.float32)
+    grid = (triton.cdiv(t, BLOCK_M), triton.cdiv(n, block_n))
+    _silu_mul_gemm_kernel[(*grid, splits)](
+        gate_up, weight, part, t, n, inter, k_per,
+        gate_up.stride(0), weight.stride(0), part.stride(0), part.stride(1),
         IEEE=_ieee_dot(gate_up),
         BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=BLOCK_K, num_warps=NUM_WARPS,
     )  # fmt: skip
+    if splits > 1:
+        _sum_splits_kernel[grid](
+            part, out, t, n, part.stride(0), part.stride(1), out.stride(0),
+            SPLITS=splits, BLOCK_M=BLOCK_M, BLOCK_N=block_n,
+        )  # fmt: skip
     return out

@@ -90,19 +90,32 @@ def test_norm_gemm_matches_unfused(dtype: torch.dtype, shape: tuple, rows: int) 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("rows", ROWS)
-def test_silu_mul_gemm_matches_unfused(dtype: torch.dtype, shape: tuple, rows: int) -> None:
+@pytest.mark.parametrize("split_k", [1, 3])
+def test_silu_mul_gemm_matches_unfused(
+    dtype: torch.dtype, shape: tuple, rows: int, split_k: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """split_k 3 with K steps of 16: three K ranges (the last one shorter) summed in order."""
+    if split_k > 1:
+        monkeypatch.setattr(tg, "BLOCK_K", 16)
+        monkeypatch.setattr(tg, "SPLIT_K", split_k)
     hidden, inter = shape[0], shape[4]
-    gen = torch.Generator().manual_seed(inter + hidden * rows)
+    gen = torch.Generator().manual_seed(inter + hidden * rows + split_k)
     gate_up = randn(rows, 2 * inter, gen=gen, dtype=dtype)
     w = randn(hidden, inter, gen=gen, dtype=dtype) / inter**0.5
     close(tg.silu_mul_gemm(gate_up, w), F.linear(tf.silu_mul(gate_up), w))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_rows_do_not_depend_on_the_batch(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("split_k", [1, 3])
+def test_rows_do_not_depend_on_the_batch(
+    dtype: torch.dtype, split_k: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The batch-invariant mode runs these kernels at every size: each output row (and its K/V
     write) is bitwise the same alone, at the front of a batch of 1..40 rows (one to three row
-    blocks) and anywhere inside it."""
+    blocks) and anywhere inside it; with the down projection's K split too."""
+    if split_k > 1:
+        monkeypatch.setattr(tg, "BLOCK_K", 16)
+        monkeypatch.setattr(tg, "SPLIT_K", split_k)
     hidden, nh, nkv, d, inter = SHAPES[0]
     gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,))))
     rows, heads = 40, nh + 2 * nkv
