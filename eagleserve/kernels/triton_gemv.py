@@ -323,11 +323,11 @@ def silu_mul_gemm(gate_up: torch.Tensor, weight: torch.Tensor, block_n: int = 16
     splits = min(SPLIT_K, steps)  # every split gets at least one K step
     k_per = triton.cdiv(steps, splits) * BLOCK_K
     splits = triton.cdiv(inter, k_per)
-    part = out[None] if splits == 1 else out.new_empty((splits, t, n), dtype=torch.float32)
+    part = out if splits == 1 else out.new_empty((splits, t, n), dtype=torch.float32)
     grid = (triton.cdiv(t, BLOCK_M), triton.cdiv(n, block_n))
     _silu_mul_gemm_kernel[(*grid, splits)](
         gate_up, weight, part, t, n, inter, k_per,
-        gate_up.stride(0), weight.stride(0), part.stride(0), part.stride(1),
+        gate_up.stride(0), weight.stride(0), 0 if splits == 1 else part.stride(0), part.stride(-2),
         IEEE=_ieee_dot(gate_up),
         BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=BLOCK_K, num_warps=NUM_WARPS,
     )  # fmt: skip
