@@ -254,7 +254,7 @@ class ScheduleBatch:
         """Keeps the requests at positions `keep` (a running batch between decode steps)."""
         idx = torch.tensor(keep, dtype=torch.long)
         self.reqs = [self.reqs[i] for i in keep]
-        dev_idx = idx.to(self.device)
+        dev_idx = host_to(idx, self.device)  # a pageable copy would wait for the forward in flight
         self.req_pool_indices = self.req_pool_indices[dev_idx]
         self.seq_lens = self.seq_lens[dev_idx]
         self.input_ids = self.input_ids[dev_idx]

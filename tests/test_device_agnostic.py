@@ -32,22 +32,31 @@ def test_pattern_catches_a_use() -> None:
 
 
 # `torch.tensor(..., device=...)` made on an accelerator is a synchronous copy: the host waits
-# for everything queued on the stream, the forward in flight included. Serving code uses
-# `device.tensor_to` (a pinned copy queued behind that work); start-up and training may wait.
+# for everything queued on the stream, the forward in flight included; so is a host tensor's
+# plain `.to(device)` (pageable memory). Serving code uses `device.tensor_to` / `host_to` (a
+# pinned copy queued behind that work); start-up and training may wait.
 SYNC_TENSOR = re.compile(r"torch\s*\.\s*tensor\((?:[^()]|\([^()]*\))*?\bdevice\s*=", re.S)
-MAY_WAIT = ("device.py", "spec/cost_model.py", "train/")
+SYNC_COPY = re.compile(r"\.to\(\s*(?:self\.)?(?:device|dev)\s*\)")
+MAY_WAIT = ("device.py", "spec/cost_model.py", "spec/head_loader.py", "train/")
 
 
 def test_serving_code_makes_no_synchronous_device_tensors() -> None:
     offenders = []
     for rel, text in _sources(MAY_WAIT):
-        for m in SYNC_TENSOR.finditer(text):
-            line = text.count("\n", 0, m.start()) + 1
-            offenders.append(f"eagleserve/{rel}:{line}")
-    assert not offenders, "torch.tensor(..., device=) in serving code:\n" + "\n".join(offenders)
+        for pattern in (SYNC_TENSOR, SYNC_COPY):
+            for m in pattern.finditer(text):
+                line = text.count("\n", 0, m.start()) + 1
+                offenders.append(f"eagleserve/{rel}:{line}: {m.group(0)}")
+    assert not offenders, "synchronous copies to the device in serving code:\n" + "\n".join(
+        offenders
+    )
 
 
-def test_sync_tensor_pattern_catches_a_use() -> None:
+def test_sync_patterns_catch_a_use() -> None:
     assert SYNC_TENSOR.search("x = torch.tensor([len(o) for o in outs], device=dev)")
     assert SYNC_TENSOR.search("x = torch.tensor(\n    rows,\n    dtype=torch.long,\n    device=d)")
     assert not SYNC_TENSOR.search("x = torch.tensor(rows, dtype=torch.long).to(dev)")
+    assert SYNC_COPY.search("dev_idx = idx.to(self.device)")
+    assert SYNC_COPY.search("mask.to(device)")
+    assert not SYNC_COPY.search("idx.to(dev, non_blocking=True)")
+    assert not SYNC_COPY.search("host_to(idx, self.device)")

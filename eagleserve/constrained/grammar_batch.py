@@ -20,7 +20,7 @@ from eagleserve.constrained.grammar_mask import (
     unpack_bitmask,
 )
 from eagleserve.core import Req
-from eagleserve.device import tensor_to
+from eagleserve.device import host_to, tensor_to
 
 
 @dataclass
@@ -43,7 +43,7 @@ class BatchGrammar:
         return torch.full((n, (self.vocab_size + BITS - 1) // BITS), -1, dtype=torch.int32)
 
     def _unpack(self, bitmask: torch.Tensor, device: torch.device) -> torch.Tensor:
-        return unpack_bitmask(allow_all_where_empty(bitmask).to(device), self.vocab_size)
+        return unpack_bitmask(host_to(allow_all_where_empty(bitmask), device), self.vocab_size)
 
     def next_allowed(self, device: torch.device) -> torch.Tensor:
         """[bs, V] bool: each row's next-token mask at its committed state."""

@@ -209,7 +209,7 @@ def _draw_uniforms(
         u[rows] = torch.rand(len(unseeded), n, device=device)
     for i, g in enumerate(generators):
         if g is not None:
-            u[i] = torch.rand(n, generator=g, device=g.device).to(device)
+            u[i] = torch.rand(n, generator=g, device=device)  # made on the engine's device
     return u
 
 
