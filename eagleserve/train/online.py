@@ -64,6 +64,20 @@ class FeatureStore:
     def tokens(self) -> int:
         return sum(n for _, n in self.windows)
 
+    def sample(self, tokens: int, seed: int) -> FeatureStore:
+        """A view of a seeded random subset of the windows, of at least `tokens` rows (or all):
+        training windows scored as the held-out ones are, over as many rows."""
+        wins = list(self.windows)
+        random.Random(seed).shuffle(wins)
+        keep: list[Window] = []
+        rows = 0
+        for w in wins:
+            if rows >= tokens:
+                break
+            keep.append(w)
+            rows += w[1]
+        return FeatureStore(self.ids, self.nxt_answer, self.feats, self.top_ids, self.top_p, keep)
+
 
 @torch.inference_mode()
 def build_store(

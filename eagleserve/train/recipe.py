@@ -248,6 +248,11 @@ def run_recipe(ns: argparse.Namespace) -> int:
     saved = load_eagle_head(ns.out, "EAGLE3", target, dev, torch.float32)
     val = evaluate_shards(saved, StoreSource(vstore, lmap, ns.batch_size, ns.ttt_steps, ns.seed),
                           cfg)  # fmt: skip
+    # As many trained-on rows, scored the same way: held-out accuracy well below it means the
+    # head memorizes; close to it, that it is short of data or capacity.
+    seen = StoreSource(store.sample(vstore.tokens, ns.seed), lmap, ns.batch_size, ns.ttt_steps,
+                       ns.seed)  # fmt: skip
+    train_acc = evaluate_shards(saved, seen, cfg)
     baseline = None
     if ns.eval_head:
         from eagleserve.train.assets import resolve_head_path
@@ -300,9 +305,10 @@ def run_recipe(ns: argparse.Namespace) -> int:
         },
         "train_metrics_ema": metrics,
         "val_accuracy_by_depth": val,
+        "train_sample_accuracy_by_depth": train_acc,
         "baseline_val_accuracy_by_depth": baseline,
     }
-    write_training_log(
-        ns, log, ("tokens", "token_passes", "seconds", "tok_per_s", "val_accuracy_by_depth")
-    )
+    shown = ("tokens", "token_passes", "seconds", "tok_per_s", "val_accuracy_by_depth",
+             "train_sample_accuracy_by_depth")  # fmt: skip
+    write_training_log(ns, log, shown)
     return 0

@@ -15,7 +15,13 @@ from safetensors.torch import load_file
 from eagleserve.spec.head_loader import init_eagle_head, load_eagle_head
 from eagleserve.train.cli import main
 from eagleserve.train.features import IGNORE, label_map
-from eagleserve.train.online import StoreSource, build_store, cut_windows, store_batch
+from eagleserve.train.online import (
+    FeatureStore,
+    StoreSource,
+    build_store,
+    cut_windows,
+    store_batch,
+)
 from eagleserve.train.recipe import device_defaults
 from eagleserve.train.target import load_target, target_layer_ids
 from eagleserve.train.teacher import teacher_targets
@@ -112,6 +118,8 @@ def test_recipe_trains_saves_sharded_and_evaluates(chat_target: str, tmp_path) -
     }
     val = log["val_accuracy_by_depth"]
     assert {"acc0", "acc1", "acc2"} <= set(val) and 0 <= val["acc0"] <= 1
+    seen = log["train_sample_accuracy_by_depth"]  # the same measure on trained-on windows
+    assert set(seen) == set(val) and all(0 <= seen[k] <= 1 for k in seen)
 
     # the sharded head loads as the trained one (fp32 master weights kept in --work-dir)
     state = torch.load(os.path.join(work, "trainer_state.pt"), weights_only=False)["head"]
@@ -141,6 +149,24 @@ def test_recipe_trains_saves_sharded_and_evaluates(chat_target: str, tmp_path) -
     base = json.load(open(os.path.join(out2, "training_log.json")))
     base = base["baseline_val_accuracy_by_depth"]
     assert base["head"] == out and all(abs(base[k] - val[k]) < 1e-6 for k in val), (base, val)
+
+
+def test_a_store_sample_is_a_seeded_subset_of_its_windows_of_enough_rows() -> None:
+    g = torch.Generator().manual_seed(int(torch.randint(1 << 30, ())))
+    lens = torch.randint(1, 40, (50,), generator=g).tolist()
+    starts = torch.tensor([0, *lens]).cumsum(0).tolist()
+    n = sum(lens)
+    store = FeatureStore(torch.zeros(n, dtype=torch.int32), torch.zeros(n, dtype=torch.bool),
+                         torch.zeros(n, 2), torch.zeros(n, 1, dtype=torch.int32),
+                         torch.zeros(n, 1), list(zip(starts, lens)))  # fmt: skip
+    want = int(torch.randint(1, n // 2, (), generator=g))
+    part = store.sample(want, seed=3)
+    assert len(set(part.windows)) == len(part.windows) and set(part.windows) <= set(store.windows)
+    assert want <= part.tokens < want + max(lens)  # enough rows, one window past at most
+    assert part.windows == store.sample(want, seed=3).windows
+    assert part.windows != store.sample(want, seed=4).windows
+    assert part.feats is store.feats  # a view: nothing copied
+    assert store.sample(n + 1, seed=3).tokens == n
 
 
 def test_device_defaults_fill_only_the_batch_size_left_unset() -> None:
