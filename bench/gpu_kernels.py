@@ -246,39 +246,45 @@ def main() -> None:
     res["bandwidth_gb_s"] = bw / 1e9
     configs = {"smollm2-135m": (smollm2_135m_config, 30), "llama3-8b": (llama3_8b_config, 32),
                "tiny": (tiny_config, 2)}  # fmt: skip
-    rows = []
+    rows: list[dict[str, Any]] = []
+    print(f"device: {name}; bandwidth {res['bandwidth_gb_s']:.0f} GB/s; context {CONTEXT}")
+    head = ("shape", "batch", "mode", "launches", "/layer", "graph ms", "eager ms", "floor ms")
+    print("{:<14}{:>6}{:>15}{:>10}{:>8}{:>10}{:>10}{:>10}  max|dlogit|".format(*head), flush=True)
     for shape in args.shapes.split(","):
         make, layers = configs[shape]
         tmp = tempfile.mkdtemp()
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump(make(args.layers or layers), f)
-        runs = []
+        ref = None  # the first mode measured (unfused by default) is the logits' reference
         for mode in args.modes.split(","):
-            runs.append(measure(tmp, device, mode, args.iters))
-            gc.collect()  # a runner's weights and graphs go before the next is built
-            if gpu:
-                torch.get_device_module(device).empty_cache()
-        ref = runs[0]  # the first mode (unfused by default) is the logits' reference
-        for bs in BATCHES:
-            floor_ms = 1000 * ref["weight_bytes"] / bw if bw else None
-            for m in runs:
-                diff = (m["logits"][bs] - ref["logits"][bs]).abs().max().item()
-                rows.append({"shape": shape, "batch": bs, "mode": m["mode"], **m[bs],
-                             "floor_ms": floor_ms, "max_logit_diff": diff})  # fmt: skip
-        res["rows"] = rows
-        _save(res, args.out)
-    print(f"device: {name}; bandwidth {res['bandwidth_gb_s']:.0f} GB/s; context {CONTEXT}")
-    head = ("shape", "batch", "mode", "launches", "/layer", "graph ms", "eager ms", "floor ms")
-    print("{:<14}{:>6}{:>15}{:>10}{:>8}{:>10}{:>10}{:>10}  max|dlogit|".format(*head))
+            try:
+                run = measure(tmp, device, mode, args.iters)
+            except Exception as e:  # a setting that fails to compile or run costs its rows only
+                rows.append({"shape": shape, "mode": mode, "error": repr(e)[:500]})
+                print(f"{shape:<14}{'':>6}{mode:>15}  failed: {repr(e)[:200]}", flush=True)
+                continue
+            finally:
+                gc.collect()  # a runner's weights and graphs go before the next is built
+                if gpu:
+                    torch.get_device_module(device).empty_cache()
+            ref = ref or run
+            for bs in BATCHES:
+                floor_ms = 1000 * ref["weight_bytes"] / bw if bw else None
+                diff = (run["logits"][bs] - ref["logits"][bs]).abs().max().item()
+                r = {"shape": shape, "batch": bs, "mode": mode, **run[bs], "floor_ms": floor_ms,
+                     "max_logit_diff": diff}  # fmt: skip
+                rows.append(r)
+                print(
+                    f"{shape:<14}{bs:>6}{mode:>15}"
+                    f"{r.get('launches', 0):>10}{r.get('launches_per_layer', 0):>8.1f}"
+                    f"{r.get('graph_ms', 0):>10.3f}{r['eager_ms']:>10.3f}{floor_ms or 0:>10.3f}"
+                    f"  {diff:.3g}",
+                    flush=True,
+                )
+            res["rows"] = rows
+            _save(res, args.out)  # each mode as it is measured: a run stopped early keeps them
     for r in rows:
-        print(
-            f"{r['shape']:<14}{r['batch']:>6}{r['mode']:>15}"
-            f"{r.get('launches', 0):>10}{r.get('launches_per_layer', 0):>8.1f}"
-            f"{r.get('graph_ms', 0):>10.3f}{r['eager_ms']:>10.3f}{r['floor_ms'] or 0:>10.3f}"
-            f"  {r['max_logit_diff']:.3g}"
-        )
-    for r in rows:
-        if r["batch"] == 1 and r.get("top_kernels"):
+        if r.get("batch") == 1 and r.get("top_kernels"):
             top = r["top_kernels"][:6]
             print(f"{r['shape']} batch 1 {r['mode']}: " + ", ".join(
                 f"{k['kernel'][:40]} x{k['launches']} {k['us']:.0f} us" for k in top))  # fmt: skip
