@@ -1,7 +1,9 @@
 """Decoder-layer kernels side by side (run on a lent GPU; random weights, no download): the
 unfused torch layers, the per-op fused Triton kernels (`fused`: kernels/triton_fused.py) and,
 for batches of at most 16 rows, the GEMV kernels that fold norm/rotary/KV write/SiLU into the
-GEMMs (`gemv`: kernels/triton_gemv.py; above 16 rows it is the `fused` path). Kernel launches
+GEMMs (`gemv`: kernels/triton_gemv.py, with the device's tuned settings from
+kernels/gemv_config.py where bench/tune_gemv.py wrote them; above 16 rows it is the `fused`
+path; `gemv:k256:w8:s4` overrides the K step, warps and down-projection split). Kernel launches
 per target decode and per layer (torch profiler, eager) and decode ms (device graphs replayed,
 as the server runs it, and eager), for the default model's shape (SmolLM2-135M) and the
 Llama-3-8B shape, batch 1, 16 and 32, each over a 128-token context.
@@ -20,6 +22,7 @@ ops that are not views (each a device kernel on a GPU).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -35,14 +38,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.gpu import _save, device_bandwidth, llama3_8b_config  # noqa: E402
 from eagleserve.config import ModelConfig  # noqa: E402
 from eagleserve.device import pick_device, synchronize  # noqa: E402
-from eagleserve.kernels import triton_gemv  # noqa: E402
+from eagleserve.kernels import gemv_config  # noqa: E402
 from eagleserve.layers.forward_batch import ForwardBatch, HostLens, forward_context  # noqa: E402
 from eagleserve.model_executor.model_runner import ModelRunner  # noqa: E402
 
 CONTEXT = 128
 BATCHES = (1, 16, 32)
 MODES = ("unfused", "fused", "gemv")
-DEFAULT_GEMV = (triton_gemv.BLOCK_K, triton_gemv.NUM_WARPS, triton_gemv.SPLIT_K)
+_GEMV_FIELDS = {"n": "block_n", "k": "block_k", "w": "num_warps", "s": "split_k", "p": "num_stages"}
 
 
 def smollm2_135m_config(layers: int) -> dict[str, Any]:
@@ -74,14 +77,15 @@ def tiny_config(layers: int) -> dict[str, Any]:
             "head_dim": 16}  # fmt: skip
 
 
+def gemv_settings(mode: str) -> contextlib.AbstractContextManager[None]:
+    """The GEMV kernels' settings a mode fixes for every kernel ("gemv:k128:w8:s4": K step,
+    warps, the down projection's K split; n: column block, p: stages); none: the tuned table."""
+    opts = {_GEMV_FIELDS[o[0]]: int(o[1:]) for o in mode.split(":")[1:]}
+    return gemv_config.overriding(**opts)
+
+
 def make_runner(path: str, device: torch.device, mode: str, graphs: bool) -> ModelRunner:
     fused = mode != "unfused"
-    if mode.startswith("gemv"):  # "gemv:k128:w8:s4": K step, warps, the down projection's K split
-        opts = dict((o[0], int(o[1:])) for o in mode.split(":")[1:])
-        block_k, warps, split_k = DEFAULT_GEMV
-        triton_gemv.BLOCK_K = opts.get("k", block_k)
-        triton_gemv.NUM_WARPS = opts.get("w", warps)
-        triton_gemv.SPLIT_K = opts.get("s", split_k)
     runner = ModelRunner(
         ModelConfig.from_dir(path), path, device, torch.bfloat16,
         kv_cache_tokens=max(BATCHES) * (CONTEXT + 2) + 8, max_running_requests=max(BATCHES),
@@ -89,10 +93,9 @@ def make_runner(path: str, device: torch.device, mode: str, graphs: bool) -> Mod
         fused_kernels=fused,
     )  # fmt: skip
     if fused and not runner.model.fused_kernels:  # a CPU smoke run (Triton interpreter)
-        from eagleserve.models.fused_forward import merge_projections
+        from eagleserve.models.fused_forward import enable_fused_kernels
 
-        merge_projections(runner.model)
-        runner.model.fused_kernels = True
+        enable_fused_kernels(runner.model, device)
     if mode == "fused":  # the per-op fused kernels at every batch size
         runner.model.fused_gemv_max_rows = 0
     elif mode.startswith("gemv"):  # the GEMV kernels up to 16 rows, whatever the model's size
@@ -258,7 +261,8 @@ def main() -> None:
         ref = None  # the first mode measured (unfused by default) is the logits' reference
         for mode in args.modes.split(","):
             try:
-                run = measure(tmp, device, mode, args.iters)
+                with gemv_settings(mode):
+                    run = measure(tmp, device, mode, args.iters)
             except Exception as e:  # a setting that fails to compile or run costs its rows only
                 rows.append({"shape": shape, "mode": mode, "error": repr(e)[:500]})
                 print(f"{shape:<14}{'':>6}{mode:>15}  failed: {repr(e)[:200]}", flush=True)

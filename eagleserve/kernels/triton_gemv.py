@@ -8,9 +8,12 @@ GEMMs, so a decode layer is five or six launches (models/fused_forward.py):
   programs keep a large model's GPU busy.
 - `norm_gemm`: residual add + RMSNorm and a projection (gate_up), one launch.
 - `silu_mul_gemm`: SiLU(gate) * up of a gate_up output and a projection (down), one launch;
-  with SPLIT_K > 1, its K range is cut into SPLIT_K ranges run by programs of their own (the
+  with split_k > 1, its K range is cut into split_k ranges run by programs of their own (the
   down projection has few output columns, so few programs walk a long K range), and a second
   launch sums their fp32 partials in split order.
+
+The column block, K step, split and warps of each launch come from kernels/gemv_config.py: per
+weight shape and device, tuned by bench/tune_gemv.py, the same for any number of rows.
 
 Every value is rounded to the model dtype where the unfused kernels of kernels/triton_fused.py
 (and the torch path of models/llama.py) round it: the sum x + residual, the normed row before
@@ -20,10 +23,10 @@ recomputed by every program (the row is small and re-read from cache), and the n
 written by the programs of the first column block only, once per row.
 
 Batch-invariant: the tiles, the K order and the compiled kernel are the same for any number of
-rows (T is not specialized), so a row's result does not depend on the rows around it; the
-batch-invariant mode runs these kernels at every size (models/fused_forward.py). The row block
-is grid axis 0, so the programs sharing a weight tile run side by side and read it once from
-memory when a forward has many row blocks.
+rows (T is not specialized; the settings are keyed by the weight, not the rows), so a row's
+result does not depend on the rows around it; the batch-invariant mode runs these kernels at
+every size (models/fused_forward.py). The row block is grid axis 0, so the programs sharing a
+weight tile run side by side and read it once from memory when a forward has many row blocks.
 """
 
 from __future__ import annotations
@@ -33,15 +36,10 @@ import triton
 import triton.language as tl
 
 from eagleserve.kernels import triton_interpreter  # noqa: F401  (before any launch)
+from eagleserve.kernels.gemv_config import config_for
 from eagleserve.kernels.triton_common import _dot, _ieee_dot
 
 BLOCK_M = 16  # rows per program: tl.dot's least M; a batch of at most this many is one block
-BLOCK_C = 16  # columns of each rotary half per program (tl.dot's least N)
-# Read at each call (bench/gpu_kernels.py sweeps them): the K step and the warps per program.
-# Both are the same for every batch size, so a row's bits still do not depend on the batch.
-BLOCK_K = 64
-NUM_WARPS = 4
-SPLIT_K = 1  # K ranges of the down projection (fixed: the split is the same for any batch)
 
 
 @triton.jit
@@ -265,7 +263,8 @@ def norm_qkv_rope_store_kv(
     if t == 0:
         return qkv, res_out
     res = residual if residual is not None else x
-    _norm_qkv_rope_kernel[(triton.cdiv(t, BLOCK_M), heads, triton.cdiv(d // 2, BLOCK_C))](
+    cfg = config_for("norm_qkv_rope", heads * d, k_dim, weight.dtype, x.device)
+    _norm_qkv_rope_kernel[(triton.cdiv(t, BLOCK_M), heads, triton.cdiv(d // 2, cfg.block_n))](
         x, res, norm_weight, weight, bias if bias is not None else weight, cos2, sin2,
         qkv, res_out, k_buffer, v_buffer, out_cache_loc,
         t, k_dim, eps,
@@ -276,8 +275,8 @@ def norm_qkv_rope_store_kv(
         NUM_Q=num_q_heads, NUM_KV=kv, HEAD_DIM=d,
         HAS_RES=residual is not None, HAS_BIAS=bias is not None,
         IEEE=_ieee_dot(x),
-        BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K, BLOCK_C=BLOCK_C,
-        num_warps=NUM_WARPS,
+        BLOCK_M=BLOCK_M, BLOCK_K=cfg.block_k, BLOCK_C=cfg.block_n,
+        **cfg.launch_options(),
     )  # fmt: skip
     return qkv, res_out
 
@@ -288,7 +287,6 @@ def norm_gemm(
     norm_weight: torch.Tensor,
     eps: float,
     weight: torch.Tensor,  # [N, K], no bias
-    block_n: int = 32,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(RMSNorm(x + residual) @ weight.T [T, N], x + residual), one launch."""
     _check_rows(x, residual)
@@ -300,17 +298,18 @@ def norm_gemm(
     if t == 0:
         return out, res_out
     res = residual if residual is not None else x
-    _norm_gemm_kernel[(triton.cdiv(t, BLOCK_M), triton.cdiv(n, block_n))](
+    cfg = config_for("norm_gemm", n, k_dim, weight.dtype, x.device)
+    _norm_gemm_kernel[(triton.cdiv(t, BLOCK_M), triton.cdiv(n, cfg.block_n))](
         x, res, norm_weight, weight, out, res_out,
         t, n, k_dim, eps,
         x.stride(0), res.stride(0), weight.stride(0), out.stride(0), res_out.stride(0),
         HAS_RES=residual is not None, IEEE=_ieee_dot(x),
-        BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=BLOCK_K, num_warps=NUM_WARPS,
+        BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, **cfg.launch_options(),
     )  # fmt: skip
     return out, res_out
 
 
-def silu_mul_gemm(gate_up: torch.Tensor, weight: torch.Tensor, block_n: int = 16) -> torch.Tensor:
+def silu_mul_gemm(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """(SiLU(gate_up[:, :I]) * gate_up[:, I:]) @ weight.T -> [T, N], one launch."""
     assert gate_up.dim() == 2 and gate_up.stride(1) == 1 and gate_up.shape[1] % 2 == 0
     t, inter = gate_up.shape[0], gate_up.shape[1] // 2
@@ -319,9 +318,11 @@ def silu_mul_gemm(gate_up: torch.Tensor, weight: torch.Tensor, block_n: int = 16
     out = torch.empty((t, n), dtype=gate_up.dtype, device=gate_up.device)
     if t == 0:
         return out
-    steps = triton.cdiv(inter, BLOCK_K)
-    splits = min(SPLIT_K, steps)  # every split gets at least one K step
-    k_per = triton.cdiv(steps, splits) * BLOCK_K
+    cfg = config_for("silu_mul_gemm", n, inter, weight.dtype, gate_up.device)
+    block_n, block_k = cfg.block_n, cfg.block_k
+    steps = triton.cdiv(inter, block_k)
+    splits = min(cfg.split_k, steps)  # every split gets at least one K step
+    k_per = triton.cdiv(steps, splits) * block_k
     splits = triton.cdiv(inter, k_per)
     part = out if splits == 1 else out.new_empty((splits, t, n), dtype=torch.float32)
     grid = (triton.cdiv(t, BLOCK_M), triton.cdiv(n, block_n))
@@ -329,7 +330,7 @@ def silu_mul_gemm(gate_up: torch.Tensor, weight: torch.Tensor, block_n: int = 16
         gate_up, weight, part, t, n, inter, k_per,
         gate_up.stride(0), weight.stride(0), 0 if splits == 1 else part.stride(0), part.stride(-2),
         IEEE=_ieee_dot(gate_up),
-        BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=BLOCK_K, num_warps=NUM_WARPS,
+        BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, **cfg.launch_options(),
     )  # fmt: skip
     if splits > 1:
         _sum_splits_kernel[grid](

@@ -126,10 +126,9 @@ class ModelRunner:
         if shard is not None:
             shard.gather_logits(model)
         if fused_kernels and use_fused_kernels(device, attention_backend, gguf_path, shard):
-            from eagleserve.models.fused_forward import merge_projections
+            from eagleserve.models.fused_forward import enable_fused_kernels
 
-            merge_projections(model)
-            model.fused_kernels = True
+            enable_fused_kernels(model, device)
         self.model = model.eval()
         t1 = time.perf_counter()
         logger.info("start-up: target model loaded in %.2f s", t1 - t0)

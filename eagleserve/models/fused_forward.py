@@ -9,7 +9,9 @@ In the batch-invariant mode a small model (`model.gemv_capable`) runs the GEMV k
 kernels/triton_gemv.py instead, at every size, which fold the pointwise ops into the GEMMs:
 [add+RMSNorm+qkv+rotary+KV write], attention, o GEMM, [add+RMSNorm+gate_up], [SiLU*mul+down].
 Their rows do not depend on the batch, and a verify row must run the kernels its decode runs.
-Outside the mode they run forwards of at most `model.fused_gemv_max_rows` rows (0 by default).
+Outside the mode they run forwards of at most `model.fused_gemv_max_rows` rows: as many as
+bench/tune_gemv.py measured them faster than the per-op kernels on this device for this layer
+shape (kernels/gemv_config.py), 0 on a device it has not measured.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from eagleserve.kernels.gemv_config import gemv_max_rows
 from eagleserve.kernels.triton_fused import add_rms_norm, rope_store_kv_, silu_mul
 from eagleserve.kernels.triton_gemv import norm_gemm, norm_qkv_rope_store_kv, silu_mul_gemm
 from eagleserve.layers.forward_batch import ForwardBatch
@@ -57,6 +60,16 @@ def merge_projections(model: LlamaForCausalLM) -> None:
         if mlp.gate_up_proj is None:
             mlp.gate_up_proj = _stacked([mlp.gate_proj, mlp.up_proj])
             del mlp.gate_proj, mlp.up_proj
+
+
+def enable_fused_kernels(model: LlamaForCausalLM, device: torch.device) -> None:
+    """The layers on the fused kernels (projections merged), with the GEMV kernels for forwards
+    of at most as many rows as this device measured them faster for the model's layer shape."""
+    merge_projections(model)
+    model.fused_kernels = True
+    cfg, dtype = model.config, model.model.embed_tokens.weight.dtype
+    rows = gemv_max_rows(cfg.hidden_size, cfg.intermediate_size, dtype, device)
+    model.fused_gemv_max_rows = rows if model.gemv_capable else 0
 
 
 def _attention(attn: LlamaAttention, x: torch.Tensor, fb: ForwardBatch, rotary: BoundRotary):  # noqa: ANN202

@@ -261,9 +261,8 @@ class LlamaForCausalLM(nn.Module):
         # batch-invariant mode, at every size (fused_forward.use_gemv): their tiles and K order
         # do not depend on the rows. A large one runs the batch-invariant GEMM there instead.
         self.gemv_capable = cfg.hidden_size <= GEMV_MAX_HIDDEN
-        # Outside that mode, forwards of at most this many rows take them. 0: their long
-        # sequential K loops made the default model's decode slower than cuBLAS with the per-op
-        # fused kernels at batch 1 and 16 on a GPU (bench/gpu_kernels.py, modes fused and gemv).
+        # Outside that mode, forwards of at most this many rows take them: set with the fused
+        # kernels from the device's tuned table (kernels/gemv_config.py), 0 without one.
         self.fused_gemv_max_rows = 0
 
     @property

@@ -13,6 +13,7 @@ pytest.importorskip("triton")
 
 from test_triton_fused import close, randn  # noqa: E402
 
+from eagleserve.kernels import gemv_config  # noqa: E402
 from eagleserve.kernels import triton_fused as tf  # noqa: E402
 from eagleserve.kernels import triton_gemv as tg  # noqa: E402
 
@@ -92,30 +93,31 @@ def test_norm_gemm_matches_unfused(dtype: torch.dtype, shape: tuple, rows: int) 
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("split_k", [1, 3])
 def test_silu_mul_gemm_matches_unfused(
-    dtype: torch.dtype, shape: tuple, rows: int, split_k: int, monkeypatch: pytest.MonkeyPatch
+    dtype: torch.dtype, shape: tuple, rows: int, split_k: int
 ) -> None:
     """split_k 3 with K steps of 16: three K ranges (the last one shorter) summed in order."""
-    if split_k > 1:
-        monkeypatch.setattr(tg, "BLOCK_K", 16)
-        monkeypatch.setattr(tg, "SPLIT_K", split_k)
     hidden, inter = shape[0], shape[4]
     gen = torch.Generator().manual_seed(inter + hidden * rows + split_k)
     gate_up = randn(rows, 2 * inter, gen=gen, dtype=dtype)
     w = randn(hidden, inter, gen=gen, dtype=dtype) / inter**0.5
-    close(tg.silu_mul_gemm(gate_up, w), F.linear(tf.silu_mul(gate_up), w))
+    with split(split_k):
+        got = tg.silu_mul_gemm(gate_up, w)
+    close(got, F.linear(tf.silu_mul(gate_up), w))
+
+
+def split(split_k: int):  # noqa: ANN201
+    """Every GEMV launch with the down projection's K cut into split_k ranges of 16-steps."""
+    if split_k == 1:
+        return gemv_config.overriding()
+    return gemv_config.overriding(block_k=16, split_k=split_k)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("split_k", [1, 3])
-def test_rows_do_not_depend_on_the_batch(
-    dtype: torch.dtype, split_k: int, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_rows_do_not_depend_on_the_batch(dtype: torch.dtype, split_k: int) -> None:
     """The batch-invariant mode runs these kernels at every size: each output row (and its K/V
     write) is bitwise the same alone, at the front of a batch of 1..40 rows (one to three row
     blocks) and anywhere inside it; with the down projection's K split too."""
-    if split_k > 1:
-        monkeypatch.setattr(tg, "BLOCK_K", 16)
-        monkeypatch.setattr(tg, "SPLIT_K", split_k)
     hidden, nh, nkv, d, inter = SHAPES[0]
     gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,))))
     rows, heads = 40, nh + 2 * nkv
@@ -139,10 +141,11 @@ def test_rows_do_not_depend_on_the_batch(
         down = tg.silu_mul_gemm(gate_up, w_down)
         return [qkv, stream, gate_up, stream2, down, k_buf[loc[sel]], v_buf[loc[sel]]]
 
-    full = layer(slice(0, rows))
-    for m in (1, 3, 16, 17, 33):
-        for got, want in zip(layer(slice(0, m)), full, strict=True):
-            assert torch.equal(got, want[:m]), m
-    for i in (0, 15, 16, 39):  # a row alone, from any block and any place in it
-        for got, want in zip(layer(slice(i, i + 1)), full, strict=True):
-            assert torch.equal(got, want[i : i + 1]), i
+    with split(split_k):
+        full = layer(slice(0, rows))
+        for m in (1, 3, 16, 17, 33):
+            for got, want in zip(layer(slice(0, m)), full, strict=True):
+                assert torch.equal(got, want[:m]), m
+        for i in (0, 15, 16, 39):  # a row alone, from any block and any place in it
+            for got, want in zip(layer(slice(i, i + 1)), full, strict=True):
+                assert torch.equal(got, want[i : i + 1]), i

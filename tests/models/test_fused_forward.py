@@ -5,6 +5,8 @@ kernels (kernels/triton_gemv.py) and without, and greedy decoding gives the same
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from triton_mode import DEVICE  # before triton is imported: picks the interpreter without a GPU
@@ -14,8 +16,9 @@ pytest.importorskip("triton")
 from conftest import forward_tokens  # noqa: E402
 
 from eagleserve.config import ModelConfig  # noqa: E402
+from eagleserve.kernels import gemv_config  # noqa: E402
 from eagleserve.model_executor.model_runner import ModelRunner, use_fused_kernels  # noqa: E402
-from eagleserve.models.fused_forward import merge_projections, use_gemv  # noqa: E402
+from eagleserve.models.fused_forward import enable_fused_kernels, use_gemv  # noqa: E402
 
 AUX = (0, 2)
 
@@ -24,8 +27,7 @@ def runner(path: str, dtype: torch.dtype, fused: bool, gemv_rows: int = 16) -> M
     r = ModelRunner(ModelConfig.from_dir(path), path, DEVICE, dtype, 96, 4, 64, "triton",
                     aux_layer_ids=AUX, fused_kernels=fused)  # fmt: skip
     if fused and not r.model.fused_kernels:  # a CPU host: set up as the runner does on a GPU
-        merge_projections(r.model)
-        r.model.fused_kernels = True
+        enable_fused_kernels(r.model, DEVICE)
     assert r.model.fused_kernels == fused
     r.model.fused_gemv_max_rows = gemv_rows  # 0: the per-op fused kernels at every size
     return r
@@ -131,12 +133,39 @@ def test_gemv_at_every_size_in_the_batch_invariant_mode(tiny_model_dir: str) -> 
     assert not use_gemv(r.model, 1, torch.float32)
 
 
-def test_the_default_decode_is_off_the_gemv_kernels(tiny_model_dir: str) -> None:
-    """As a ModelRunner builds it (no override): a decode takes cuBLAS and the per-op kernels."""
+def test_the_default_decode_is_off_the_gemv_kernels(
+    tiny_model_dir: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As a ModelRunner builds it, on a device with no tuned table: a decode takes cuBLAS and
+    the per-op kernels."""
+    monkeypatch.setattr(gemv_config, "CONFIG_DIR", tmp_path)
     r = ModelRunner(ModelConfig.from_dir(tiny_model_dir), tiny_model_dir, DEVICE, torch.bfloat16,
                     96, 4, 64, "triton", fused_kernels=True)  # fmt: skip
+    if not r.model.fused_kernels:  # a CPU host: as the runner sets them up on a GPU
+        enable_fused_kernels(r.model, DEVICE)
     assert r.model.gemv_capable and r.model.fused_gemv_max_rows == 0
     assert not use_gemv(r.model, 1, torch.bfloat16)
+
+
+def test_the_gemv_rows_come_from_the_devices_tuned_table(
+    tiny_model_dir: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where bench/tune_gemv.py measured the GEMV kernels faster up to some row count for this
+    layer shape and dtype on this device, forwards of at most that many rows take them; another
+    dtype (not measured) keeps them off."""
+    cfg = ModelConfig.from_dir(tiny_model_dir)
+    rows = int(torch.randint(1, 17, (1,)))
+    key = gemv_config.layer_key(cfg.hidden_size, cfg.intermediate_size, torch.bfloat16)
+    path = gemv_config.table_path(gemv_config.device_name(DEVICE), tmp_path)
+    gemv_config.write_table(path, gemv_config.GemvTable({}, {key: rows}), {"device": "test"})
+    monkeypatch.setattr(gemv_config, "CONFIG_DIR", tmp_path)
+    for dtype, want in ((torch.bfloat16, rows), (torch.float32, 0)):
+        r = ModelRunner(cfg, tiny_model_dir, DEVICE, dtype, 96, 4, 64, "triton")
+        if not r.model.fused_kernels:
+            enable_fused_kernels(r.model, DEVICE)
+        assert r.model.fused_gemv_max_rows == want, dtype
+        assert use_gemv(r.model, max(want, 1), dtype) == (want > 0)
+        assert not use_gemv(r.model, want + 1, dtype)
 
 
 def test_fused_kernels_only_on_a_gpu_with_plain_weights() -> None:

@@ -1,0 +1,348 @@
+"""Tune the GEMV kernels (kernels/triton_gemv.py) on this device and write their settings.
+
+For each layer shape and each of the three kernels, every candidate setting (column block, K
+step, down-projection split, warps) is compiled in parallel processes, its output checked
+against the default setting's, and timed replayed from a device graph at 1, 4, 8 and 16 rows.
+The fastest (summed over the row counts) goes into
+eagleserve/kernels/configs/gemv_<device>.json (kernels/gemv_config.py reads it at run time),
+with `gemv_max_rows`: the largest row count up to which the layer's three tuned GEMV kernels beat
+the per-op fused kernels and cuBLAS doing the same work, which the server then uses.
+
+    PYTHONPATH=. python bench/tune_gemv.py [--shapes smollm2-135m] [--procs 12]
+    TRITON_INTERPRET=1 PYTHONPATH=. python bench/tune_gemv.py --device cpu --shapes tiny \
+        --config-dir /tmp/cfg --out /tmp/tune.json    # CPU smoke run: timings mean nothing
+
+Prints each kernel's default and best time per row count, and writes every candidate's times
+to bench/results/tune_gemv.json (`--out`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.common import print_table  # noqa: E402
+from bench.gpu import _save, llama3_8b_config  # noqa: E402
+from bench.gpu_kernels import smollm2_135m_config, tiny_config  # noqa: E402
+from eagleserve.device import pick_device, synchronize  # noqa: E402
+from eagleserve.kernels import gemv_config as gc  # noqa: E402
+from eagleserve.kernels import triton_fused as tf  # noqa: E402
+from eagleserve.kernels import triton_gemv as tg  # noqa: E402
+from eagleserve.kernels.gemv_config import GemvConfig, GemvTable  # noqa: E402
+
+ROWS = (1, 4, 8, 16)
+SHAPES = {"smollm2-135m": smollm2_135m_config, "llama3-8b": llama3_8b_config, "tiny": tiny_config}
+
+
+@dataclass(frozen=True)
+class Layer:
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+
+    @classmethod
+    def of(cls, shape: str) -> Layer:
+        c = SHAPES[shape](1)
+        d = c.get("head_dim", c["hidden_size"] // c["num_attention_heads"])
+        return cls(c["hidden_size"], c["intermediate_size"], c["num_attention_heads"],
+                   c["num_key_value_heads"], d)  # fmt: skip
+
+    def weight(self, kernel: str) -> tuple[int, int]:
+        """The kernel's weight [N, K]."""
+        qkv = (self.heads + 2 * self.kv_heads) * self.head_dim
+        shapes = {
+            "norm_qkv_rope": (qkv, self.hidden),
+            "norm_gemm": (2 * self.intermediate, self.hidden),
+            "silu_mul_gemm": (self.hidden, self.intermediate),
+        }
+        return shapes[kernel]
+
+
+def _pow2_upto(limit: int, choices: tuple[int, ...]) -> list[int]:
+    """The choices up to the next power of two of `limit` (a larger block only masks)."""
+    top = 1 << max(0, (limit - 1).bit_length())
+    return [c for c in choices if c <= max(16, top)]
+
+
+def candidates(kernel: str, layer: Layer, warps: tuple[int, ...], stages: tuple[int | None, ...]
+               ) -> list[GemvConfig]:  # fmt: skip
+    """Every setting worth timing; splits that come out the same count once."""
+    n, k = layer.weight(kernel)
+    cols = layer.head_dim // 2 if kernel == "norm_qkv_rope" else n
+    block_ns = _pow2_upto(cols, (16, 32, 64))
+    block_ks = _pow2_upto(k, (16, 32, 64, 128, 256, 512, 1024))
+    block_ks = [b for b in block_ks if b >= 64] or block_ks  # short K steps: tiny shapes only
+    out: list[GemvConfig] = []
+    for bn in block_ns:
+        for bk in block_ks:
+            steps = -(-k // bk)
+            splits = sorted({-(-k // (-(-steps // s) * bk)) for s in (1, 2, 4, 8) if s <= steps})
+            for s in splits if kernel == "silu_mul_gemm" else [1]:
+                out += [GemvConfig(bn, bk, s, w, st) for w in warps for st in stages]
+    return out
+
+
+class Inputs:
+    """Random inputs of one layer shape for up to max(ROWS) rows, fixed for every candidate."""
+
+    def __init__(self, layer: Layer, dtype: torch.dtype, device: torch.device, rows: int) -> None:
+        g = torch.Generator().manual_seed(layer.hidden * 7 + layer.intermediate)
+
+        def randn(*shape: int, scale: float = 1.0) -> torch.Tensor:
+            return (scale * torch.randn(*shape, generator=g)).to(dtype).to(device)
+
+        h, i, d = layer.hidden, layer.intermediate, layer.head_dim
+        heads = layer.heads + 2 * layer.kv_heads
+        self.layer = layer
+        self.x, self.res = randn(rows, h), randn(rows, h)
+        self.norm_w = 1 + randn(h, scale=0.1)
+        self.w_qkv = randn(heads * d, h, scale=h**-0.5)
+        self.w_gate_up = randn(2 * i, h, scale=h**-0.5)
+        self.w_down = randn(h, i, scale=i**-0.5)
+        self.gate_up = randn(rows, 2 * i)
+        angle = torch.rand(rows, d // 2, generator=g) * 6.28
+        emb = torch.cat((angle, angle), dim=-1)
+        sign = torch.cat((-torch.ones(d // 2), torch.ones(d // 2)))
+        self.cos, self.sin = emb.cos().to(dtype).to(device), (emb.sin() * sign).to(dtype).to(device)
+        slots = 2 * rows + 3
+        self.k_buf, self.v_buf = randn(slots, layer.kv_heads, d), randn(slots, layer.kv_heads, d)
+        self.loc = torch.randperm(slots, generator=g)[:rows].to(device)
+
+
+def launch(kernel: str, inp: Inputs, rows: int) -> list[torch.Tensor]:
+    """The GEMV kernel over the first `rows` rows; its outputs (the K/V rows it wrote too)."""
+    r = slice(0, rows)
+    if kernel == "norm_qkv_rope":
+        qkv, res = tg.norm_qkv_rope_store_kv(
+            inp.x[r], inp.res[r], inp.norm_w, 1e-5, inp.w_qkv, None, inp.layer.heads,
+            inp.cos[r], inp.sin[r], inp.k_buf, inp.v_buf, inp.loc[r],
+        )  # fmt: skip
+        return [qkv, res, inp.k_buf[inp.loc[r]], inp.v_buf[inp.loc[r]]]
+    if kernel == "norm_gemm":
+        return list(tg.norm_gemm(inp.x[r], inp.res[r], inp.norm_w, 1e-5, inp.w_gate_up))
+    return [tg.silu_mul_gemm(inp.gate_up[r], inp.w_down)]
+
+
+def launch_fused(kernel: str, inp: Inputs, rows: int) -> None:
+    """The same work on the per-op fused kernels and cuBLAS (what runs without the GEMVs)."""
+    r = slice(0, rows)
+    if kernel == "norm_qkv_rope":
+        x, _ = tf.add_rms_norm(inp.x[r], inp.res[r], inp.norm_w, 1e-5)
+        qkv = F.linear(x, inp.w_qkv).view(rows, -1, inp.layer.head_dim)
+        tf.rope_store_kv_(qkv, inp.layer.heads, inp.cos[r], inp.sin[r], inp.k_buf, inp.v_buf,
+                          inp.loc[r])  # fmt: skip
+    elif kernel == "norm_gemm":
+        x, _ = tf.add_rms_norm(inp.x[r], inp.res[r], inp.norm_w, 1e-5)
+        F.linear(x, inp.w_gate_up)
+    else:
+        F.linear(tf.silu_mul(inp.gate_up[r]), inp.w_down)
+
+
+def time_fused(kernel: str, inp: Inputs, rows: int, device: torch.device) -> float:
+    return time_us(lambda: launch_fused(kernel, inp, rows), device)
+
+
+def agrees(out: list[torch.Tensor], ref: list[torch.Tensor]) -> bool:
+    """Within summation-order rounding of the default setting's outputs (fp32: 1e-4 relative;
+    16-bit: two rounding steps of the values' magnitude)."""
+    for o, r in zip(out, ref, strict=True):
+        tol = 1e-4 if r.dtype == torch.float32 else 2.0**-6
+        scale = r.float().abs().amax().clamp_min(1e-6)
+        if o.shape != r.shape or not bool(((o.float() - r.float()).abs() <= tol * scale).all()):
+            return False
+    return True
+
+
+def time_us(fn: Callable[[], Any], device: torch.device, calls: int = 20, reps: int = 5) -> float:
+    """Microseconds per call: `calls` calls captured in a device graph, replayed `reps` times
+    (the median); on a CPU, plain calls."""
+    fn()
+    synchronize(device)
+    if device.type == "cpu":
+        t0 = time.perf_counter()
+        for _ in range(2):
+            fn()
+        return 1e6 * (time.perf_counter() - t0) / 2
+    mod = torch.get_device_module(device)
+    graph = torch.cuda.CUDAGraph()
+    stream = mod.Stream(device)
+    stream.wait_stream(mod.current_stream(device))
+    with mod.stream(stream):  # warm-up off the capture stream, as torch.cuda.graphs advises
+        fn()
+    mod.current_stream(device).wait_stream(stream)
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    times = []
+    for _ in range(reps):
+        start, end = mod.Event(enable_timing=True), mod.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(1e3 * start.elapsed_time(end) / calls)
+    return statistics.median(times)
+
+
+def _compile(job: tuple[str, str, str, str, dict[str, Any]]) -> str | None:
+    """(worker) Compile one candidate into Triton's cache by running it once; its error, if any."""
+    kernel, shape, dtype, device, config = job
+    dev = torch.device(device)
+    try:
+        with gc.overriding(**config):
+            launch(kernel, Inputs(Layer.of(shape), getattr(torch, dtype), dev, 1), 1)
+        synchronize(dev)
+    except Exception as e:  # out of registers or shared memory: a setting this device cannot run
+        return repr(e)[:300]
+    return None
+
+
+def tune_kernel(kernel: str, inp: Inputs, cands: list[GemvConfig],
+                errors: dict[GemvConfig, str], rows: tuple[int, ...], device: torch.device
+                ) -> list[dict[str, Any]]:  # fmt: skip
+    """Every candidate's times per row count (or why it was left out), the default first."""
+    default = gc.DEFAULTS[kernel]
+    ref = {r: [t.clone() for t in launch(kernel, inp, r)] for r in rows}
+    results = []
+    for c in [default, *(c for c in cands if c != default)]:
+        row: dict[str, Any] = {"config": asdict(c), "default": c == default}
+        if c in errors:
+            results.append({**row, "error": errors[c]})
+            continue
+        try:
+            with gc.overriding(**asdict(c)):
+                if not all(agrees(launch(kernel, inp, r), ref[r]) for r in rows):
+                    results.append({**row, "error": "output differs from the default setting's"})
+                    continue
+                row["us"] = {r: time_us(lambda r=r: launch(kernel, inp, r), device) for r in rows}
+        except Exception as e:
+            results.append({**row, "error": repr(e)[:300]})
+            continue
+        results.append(row)
+    return results
+
+
+def best(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """The candidate with the least time summed over the row counts."""
+    ran = [r for r in results if "us" in r]
+    if not ran:
+        raise RuntimeError(f"no setting ran: {results[0].get('error')}")
+    return min(ran, key=lambda r: sum(r["us"].values()))
+
+
+def gemv_max_rows(gemv_us: dict[int, float], fused_us: dict[int, float]) -> int:
+    """The largest row count up to which the GEMV layer is at least as fast at every count."""
+    rows = 0
+    for r in sorted(gemv_us):
+        if gemv_us[r] > fused_us[r]:
+            break
+        rows = r
+    return rows
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shapes", default="smollm2-135m")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--rows", default=",".join(map(str, ROWS)))
+    ap.add_argument("--warps", default="4,8")
+    ap.add_argument("--stages", default="", help="num_stages to try besides Triton's default")
+    ap.add_argument(
+        "--procs",
+        type=int,
+        default=min(12, os.cpu_count() or 1),
+        help="processes compiling candidates ahead of the timing (0: none)",
+    )
+    ap.add_argument("--config-dir", default=str(gc.CONFIG_DIR))
+    ap.add_argument("--out", default="bench/results/tune_gemv.json")
+    args = ap.parse_args(argv)
+    device, dtype = pick_device(args.device), getattr(torch, args.dtype)
+    rows = tuple(int(r) for r in args.rows.split(","))
+    warps = tuple(int(w) for w in args.warps.split(","))
+    stages = (None, *(int(s) for s in args.stages.split(",") if s))
+    name = gc.device_name(device)
+    path = gc.table_path(name, Path(args.config_dir))
+    old = gc.read_table(path)
+    configs = {k: dict(v) for k, v in old.configs.items()}
+    max_rows = dict(old.max_rows)
+    res: dict[str, Any] = {"device": name, "torch": torch.__version__, "dtype": args.dtype,
+                           "rows": list(rows), "config_file": str(path), "shapes": {}}  # fmt: skip
+    t_start = time.perf_counter()
+    for shape in args.shapes.split(","):
+        layer = Layer.of(shape)
+        inp = Inputs(layer, dtype, device, max(rows))
+        cands = {k: candidates(k, layer, warps, stages) for k in gc.DEFAULTS}
+        errors: dict[GemvConfig, str] = {}
+        if args.procs and device.type != "cpu":
+            jobs = [(k, c) for k in gc.DEFAULTS for c in cands[k]]
+            t0 = time.perf_counter()
+            ctx = mp.get_context("spawn")
+            with ProcessPoolExecutor(args.procs, mp_context=ctx) as pool:
+                done = pool.map(_compile, [(k, shape, args.dtype, str(device), asdict(c))
+                                           for k, c in jobs])  # fmt: skip
+                errors = {c: e for (_, c), e in zip(jobs, done, strict=True) if e is not None}
+            print(f"{shape}: {len(jobs)} candidates compiled in {time.perf_counter() - t0:.0f} s "
+                  f"({len(errors)} failed)", flush=True)  # fmt: skip
+        shape_res: dict[str, Any] = {"layer": asdict(layer), "kernels": {}}
+        gemv_total = dict.fromkeys(rows, 0.0)
+        fused_total = dict.fromkeys(rows, 0.0)
+        table = []
+        for kernel in gc.DEFAULTS:
+            results = tune_kernel(kernel, inp, cands[kernel], errors, rows, device)
+            win = best(results)
+            fused = {r: time_fused(kernel, inp, r, device) for r in rows}
+            n, k = layer.weight(kernel)
+            configs.setdefault(kernel, {})[gc.shape_key(n, k, dtype)] = GemvConfig(**win["config"])
+            for r in rows:
+                gemv_total[r] += win["us"][r]
+                fused_total[r] += fused[r]
+            default = results[0].get("us", {})
+            for r in rows:
+                table.append((kernel, r, default.get(r, float("nan")), win["us"][r], fused[r]))
+            shape_res["kernels"][kernel] = {"best": win["config"], "fused_us": fused,
+                                            "candidates": results}  # fmt: skip
+        layer_rows = gemv_max_rows(gemv_total, fused_total)
+        max_rows[gc.layer_key(layer.hidden, layer.intermediate, dtype)] = layer_rows
+        shape_res.update(gemv_us=gemv_total, fused_us=fused_total, gemv_max_rows=layer_rows)
+        res["shapes"][shape] = shape_res
+        print_table(("kernel", "rows", "default us", "tuned us", "fused+cuBLAS us"), table,
+                    title=f"{shape} on {name} ({args.dtype})")  # fmt: skip
+        for kernel in gc.DEFAULTS:
+            print(f"  {kernel}: {shape_res['kernels'][kernel]['best']}")
+        print("  layer (3 kernels) tuned GEMV vs fused, us by rows: "
+              + ", ".join(f"{r}: {gemv_total[r]:.1f} vs {fused_total[r]:.1f}" for r in rows)
+              + f" -> gemv_max_rows {layer_rows}", flush=True)  # fmt: skip
+    meta = {"device": name, "torch": torch.__version__, "triton": _triton_version(),
+            "written_by": "bench/tune_gemv.py --shapes " + args.shapes}  # fmt: skip
+    gc.write_table(path, GemvTable(configs, max_rows), meta)
+    res["seconds"] = time.perf_counter() - t_start
+    _save(res, args.out)
+    print(f"wrote {path} and {args.out} ({res['seconds']:.0f} s)")
+    return res
+
+
+def _triton_version() -> str:
+    import triton
+
+    return str(triton.__version__)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,194 @@
+"""The GEMV kernels' per-device settings (kernels/gemv_config.py) and their tuner
+(bench/tune_gemv.py): a tuned setting reaches the launch of its weight shape only, keeps the
+output and the batch invariance, a bad table is refused by name, and the tuner writes a table
+the kernels then run with."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from triton_mode import DEVICE  # before triton is imported: picks the interpreter without a GPU
+
+pytest.importorskip("triton")
+
+from test_triton_fused import close, randn  # noqa: E402
+
+from bench import tune_gemv  # noqa: E402
+from eagleserve.kernels import gemv_config as gc  # noqa: E402
+from eagleserve.kernels import triton_fused as tf  # noqa: E402
+from eagleserve.kernels import triton_gemv as tg  # noqa: E402
+from eagleserve.kernels.gemv_config import GemvConfig, GemvTable  # noqa: E402
+
+
+@pytest.fixture
+def config_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """An empty config folder in place of the shipped one."""
+    monkeypatch.setattr(gc, "CONFIG_DIR", tmp_path)
+    return tmp_path
+
+
+def write(config_dir: Path, configs: dict[str, dict[str, GemvConfig]], rows: dict[str, int]
+          ) -> None:  # fmt: skip
+    path = gc.table_path(gc.device_name(DEVICE), config_dir)
+    gc.write_table(path, GemvTable(configs, rows), {"device": gc.device_name(DEVICE)})
+
+
+class LaunchSpy:
+    """Records the grid of each launch of a Triton kernel and forwards it."""
+
+    def __init__(self, kernel: Any) -> None:
+        self.kernel, self.grids = kernel, []
+
+    def __getitem__(self, grid: tuple[int, ...]) -> Any:
+        self.grids.append(tuple(grid))
+        return self.kernel[grid]
+
+
+def test_a_tuned_setting_reaches_the_launch_of_its_weight_shape_only(
+    config_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A down projection [N, K] with a tuned split: its launch takes it (three K ranges summed
+    by a second launch) and still equals the unfused result; another shape, and the same shape
+    in another dtype, run the defaults."""
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,))))
+    n, k = 24 + 8 * int(torch.randint(0, 4, (1,))), 80
+    tuned = GemvConfig(block_n=32, block_k=16, split_k=3, num_warps=2, num_stages=2)
+    write(config_dir, {"silu_mul_gemm": {gc.shape_key(n, k, torch.float32): tuned}}, {})
+    assert gc.config_for("silu_mul_gemm", n, k, torch.float32, DEVICE) == tuned
+    default = gc.DEFAULTS["silu_mul_gemm"]
+    assert gc.config_for("silu_mul_gemm", n, 2 * k, torch.float32, DEVICE) == default
+    assert gc.config_for("silu_mul_gemm", n, k, torch.bfloat16, DEVICE) == default
+    assert gc.config_for("norm_gemm", n, k, torch.float32, DEVICE) == gc.DEFAULTS["norm_gemm"]
+
+    spy = LaunchSpy(tg._silu_mul_gemm_kernel)
+    monkeypatch.setattr(tg, "_silu_mul_gemm_kernel", spy)
+    sums = LaunchSpy(tg._sum_splits_kernel)
+    monkeypatch.setattr(tg, "_sum_splits_kernel", sums)
+    rows = 5
+    gate_up = randn(rows, 2 * k, gen=gen, dtype=torch.float32)
+    w = randn(n, k, gen=gen, dtype=torch.float32) / k**0.5
+    close(tg.silu_mul_gemm(gate_up, w), F.linear(tf.silu_mul(gate_up), w))
+    # K 80 in steps of 16 is 5 steps: 3 splits of 2, 2 and 1 steps; columns in blocks of 32.
+    assert spy.grids == [(1, -(-n // 32), 3)] and sums.grids == [(1, -(-n // 32))]
+    w2 = randn(n, 2 * k, gen=gen, dtype=torch.float32) / k**0.5
+    tg.silu_mul_gemm(randn(rows, 4 * k, gen=gen, dtype=torch.float32), w2)
+    assert spy.grids[1] == (1, -(-n // 16), 1) and len(sums.grids) == 1  # the default
+
+
+def test_tuned_settings_keep_rows_independent_of_the_batch(config_dir: Path) -> None:
+    """Settings are keyed by the weight, never the rows: with a tuned setting for each kernel,
+    a row is bitwise the same alone as inside a batch of 1..33 rows."""
+    hidden, nh, nkv, d, inter = 96, 3, 1, 32, 80
+    dtype = torch.bfloat16
+    write(config_dir, {
+        "norm_qkv_rope": {gc.shape_key((nh + 2 * nkv) * d, hidden, dtype): GemvConfig(16, 32)},
+        "norm_gemm": {gc.shape_key(2 * inter, hidden, dtype): GemvConfig(64, 128, num_warps=8)},
+        "silu_mul_gemm": {gc.shape_key(hidden, inter, dtype): GemvConfig(16, 32, split_k=2)},
+    }, {})  # fmt: skip
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,))))
+    rows = 33
+    x, res = randn(rows, hidden, gen=gen, dtype=dtype), randn(rows, hidden, gen=gen, dtype=dtype)
+    norm_w = 1 + 0.1 * randn(hidden, gen=gen, dtype=dtype)
+    w_qkv = randn((nh + 2 * nkv) * d, hidden, gen=gen, dtype=dtype) / hidden**0.5
+    w_gate_up = randn(2 * inter, hidden, gen=gen, dtype=dtype) / hidden**0.5
+    w_down = randn(hidden, inter, gen=gen, dtype=dtype) / inter**0.5
+    cos = randn(rows, d, gen=gen, dtype=dtype)
+    sin = randn(rows, d, gen=gen, dtype=dtype)
+    loc = torch.randperm(rows + 4, generator=gen)[:rows].to(DEVICE)
+    kv = [randn(rows + 4, nkv, d, gen=gen, dtype=dtype) for _ in range(2)]
+
+    def layer(sel: slice) -> list[torch.Tensor]:
+        k_buf, v_buf = (b.clone() for b in kv)
+        qkv, stream = tg.norm_qkv_rope_store_kv(
+            x[sel], res[sel], norm_w, 1e-5, w_qkv, None, nh, cos[sel], sin[sel], k_buf, v_buf,
+            loc[sel],
+        )  # fmt: skip
+        gate_up, _ = tg.norm_gemm(x[sel], stream, norm_w, 1e-5, w_gate_up)
+        return [qkv, gate_up, tg.silu_mul_gemm(gate_up, w_down), k_buf[loc[sel]]]
+
+    full = layer(slice(0, rows))
+    for m in (1, 16, 17):
+        for got, want in zip(layer(slice(0, m)), full, strict=True):
+            assert torch.equal(got, want[:m]), m
+    for i in (5, 32):
+        for got, want in zip(layer(slice(i, i + 1)), full, strict=True):
+            assert torch.equal(got, want[i : i + 1]), i
+
+
+@pytest.mark.parametrize(
+    "entry, message",
+    [
+        ({"block_n": 16, "block_k": 48}, "block_k must be a power of two"),
+        ({"block_n": 8}, "block_n must be a power of two >= 16"),
+        ({"block_n": 16, "split_k": 0}, "split_k"),
+        ({"block_n": 16, "blockk": 64}, "unknown GEMV config fields ['blockk']"),
+    ],
+)
+def test_a_bad_setting_in_a_table_is_refused_by_name(
+    config_dir: Path, entry: dict[str, Any], message: str
+) -> None:
+    path = gc.table_path(gc.device_name(DEVICE), config_dir)
+    path.write_text(json.dumps({"configs": {"norm_gemm": {"N=64,K=64,float32": entry}}}))
+    gc.clear_cache()
+    with pytest.raises(ValueError) as err:
+        gc.config_for("norm_gemm", 64, 64, torch.float32, DEVICE)
+    assert message in str(err.value)
+
+
+def test_a_table_for_an_unknown_kernel_is_refused(config_dir: Path) -> None:
+    path = gc.table_path(gc.device_name(DEVICE), config_dir)
+    path.write_text(json.dumps({"configs": {"gemm_fp8": {"N=64,K=64,float32": {"block_n": 16}}}}))
+    gc.clear_cache()
+    with pytest.raises(ValueError, match="unknown GEMV kernels"):
+        gc.config_for("norm_gemm", 64, 64, torch.float32, DEVICE)
+
+
+def test_device_names_make_file_names() -> None:
+    assert gc.table_path("NVIDIA H200", Path("/c")) == Path("/c/gemv_NVIDIA_H200.json")
+    assert gc.table_path("AMD Instinct MI300X", Path("/c")).name == "gemv_AMD_Instinct_MI300X.json"
+
+
+def test_the_gemv_layer_is_taken_up_to_the_rows_it_wins_at_every_count() -> None:
+    gemv = {1: 10.0, 4: 11.0, 8: 15.0, 16: 20.0}
+    assert tune_gemv.gemv_max_rows(gemv, {1: 12.0, 4: 11.0, 8: 14.0, 16: 30.0}) == 4
+    assert tune_gemv.gemv_max_rows(gemv, {1: 9.0, 4: 30.0, 8: 30.0, 16: 30.0}) == 0
+    assert tune_gemv.gemv_max_rows(gemv, {r: 99.0 for r in gemv}) == 16
+
+
+def test_the_tuner_accepts_summation_order_and_refuses_a_wrong_output() -> None:
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,))))
+    ref = torch.randn(4, 64, generator=gen).to(torch.bfloat16)
+    step = (ref.float().abs().amax() * 2.0**-8).item()  # one bf16 rounding step at the top
+    assert tune_gemv.agrees([(ref.float() + step).to(torch.bfloat16)], [ref])
+    wrong = ref.clone()
+    wrong[int(torch.randint(0, 4, (1,))), int(torch.randint(0, 64, (1,)))] += 0.5
+    assert not tune_gemv.agrees([wrong], [ref])
+    assert not tune_gemv.agrees([ref[:2]], [ref])
+
+
+def test_the_tuner_writes_a_table_the_kernels_then_run(config_dir: Path, tmp_path: Path) -> None:
+    """A CPU smoke run (the interpreter; its timings mean nothing): every kernel gets the fastest
+    of its candidates that ran and agreed, the layer's GEMV row limit is recorded, and both are
+    what the kernels and the model then read for that shape on this device."""
+    out = tmp_path / "tune.json"
+    res = tune_gemv.main(["--device", str(DEVICE), "--shapes", "tiny", "--rows", "1,3",
+                          "--warps", "4", "--procs", "0", "--dtype", "float32",
+                          "--config-dir", str(config_dir), "--out", str(out)])  # fmt: skip
+    assert json.loads(out.read_text())["shapes"]["tiny"]["gemv_max_rows"] in (0, 1, 3)
+    layer = tune_gemv.Layer.of("tiny")
+    shape = res["shapes"]["tiny"]
+    for kernel in gc.DEFAULTS:
+        ran = [c for c in shape["kernels"][kernel]["candidates"] if "us" in c]
+        assert len(ran) >= 1 and ran[0]["default"]
+        fastest = min(ran, key=lambda c: sum(c["us"].values()))["config"]
+        n, k = layer.weight(kernel)
+        assert gc.config_for(kernel, n, k, torch.float32, DEVICE) == GemvConfig(**fastest)
+    key = gc.layer_key(layer.hidden, layer.intermediate, torch.float32)
+    limit = gc.gemv_max_rows(layer.hidden, layer.intermediate, torch.float32, DEVICE)
+    assert limit == shape["gemv_max_rows"]
+    assert gc.read_table(Path(res["config_file"])).max_rows == {key: shape["gemv_max_rows"]}
