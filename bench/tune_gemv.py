@@ -126,17 +126,25 @@ class Inputs:
 
 
 def launch(kernel: str, inp: Inputs, rows: int) -> list[torch.Tensor]:
-    """The GEMV kernel over the first `rows` rows; its outputs (the K/V rows it wrote too)."""
+    """The GEMV kernel over the first `rows` rows (what is timed); its outputs."""
     r = slice(0, rows)
     if kernel == "norm_qkv_rope":
-        qkv, res = tg.norm_qkv_rope_store_kv(
+        return list(tg.norm_qkv_rope_store_kv(
             inp.x[r], inp.res[r], inp.norm_w, 1e-5, inp.w_qkv, None, inp.layer.heads,
             inp.cos[r], inp.sin[r], inp.k_buf, inp.v_buf, inp.loc[r],
-        )  # fmt: skip
-        return [qkv, res, inp.k_buf[inp.loc[r]], inp.v_buf[inp.loc[r]]]
+        ))  # fmt: skip
     if kernel == "norm_gemm":
         return list(tg.norm_gemm(inp.x[r], inp.res[r], inp.norm_w, 1e-5, inp.w_gate_up))
     return [tg.silu_mul_gemm(inp.gate_up[r], inp.w_down)]
+
+
+def outputs(kernel: str, inp: Inputs, rows: int) -> list[torch.Tensor]:
+    """What a launch produces, the K/V rows it wrote included (what is checked)."""
+    out = launch(kernel, inp, rows)
+    if kernel == "norm_qkv_rope":
+        loc = inp.loc[:rows]
+        out += [inp.k_buf[loc], inp.v_buf[loc]]
+    return out
 
 
 def launch_fused(kernel: str, inp: Inputs, rows: int) -> None:
@@ -218,7 +226,7 @@ def tune_kernel(kernel: str, inp: Inputs, cands: list[GemvConfig],
                 ) -> list[dict[str, Any]]:  # fmt: skip
     """Every candidate's times per row count (or why it was left out), the default first."""
     default = gc.DEFAULTS[kernel]
-    ref = {r: [t.clone() for t in launch(kernel, inp, r)] for r in rows}
+    ref = {r: [t.clone() for t in outputs(kernel, inp, r)] for r in rows}
     results = []
     for c in [default, *(c for c in cands if c != default)]:
         row: dict[str, Any] = {"config": asdict(c), "default": c == default}
@@ -227,7 +235,7 @@ def tune_kernel(kernel: str, inp: Inputs, cands: list[GemvConfig],
             continue
         try:
             with gc.overriding(**asdict(c)):
-                if not all(agrees(launch(kernel, inp, r), ref[r]) for r in rows):
+                if not all(agrees(outputs(kernel, inp, r), ref[r]) for r in rows):
                     results.append({**row, "error": "output differs from the default setting's"})
                     continue
                 row["us"] = {r: time_us(lambda r=r: launch(kernel, inp, r), device) for r in rows}
@@ -267,8 +275,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument(
         "--procs",
         type=int,
-        default=min(12, os.cpu_count() or 1),
-        help="processes compiling candidates ahead of the timing (0: none)",
+        default=None,
+        help="processes compiling candidates ahead of the timing (0: none; default: up to 12 "
+        "on a GPU, none on a CPU)",
     )
     ap.add_argument("--config-dir", default=str(gc.CONFIG_DIR))
     ap.add_argument("--out", default="bench/results/tune_gemv.json")
@@ -290,11 +299,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         inp = Inputs(layer, dtype, device, max(rows))
         cands = {k: candidates(k, layer, warps, stages) for k in gc.DEFAULTS}
         errors: dict[GemvConfig, str] = {}
-        if args.procs and device.type != "cpu":
+        procs = args.procs if args.procs is not None else (0 if device.type == "cpu" else 12)
+        if procs:
             jobs = [(k, c) for k in gc.DEFAULTS for c in cands[k]]
             t0 = time.perf_counter()
             ctx = mp.get_context("spawn")
-            with ProcessPoolExecutor(args.procs, mp_context=ctx) as pool:
+            with ProcessPoolExecutor(min(procs, os.cpu_count() or 1), mp_context=ctx) as pool:
                 done = pool.map(_compile, [(k, shape, args.dtype, str(device), asdict(c))
                                            for k, c in jobs])  # fmt: skip
                 errors = {c: e for (_, c), e in zip(jobs, done, strict=True) if e is not None}
