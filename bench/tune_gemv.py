@@ -1,11 +1,11 @@
 """Tune the GEMV kernels (kernels/triton_gemv.py) on this device and write their settings.
 
-For each layer shape and each of the three kernels, every candidate setting (column block, K
-step, down-projection split, warps) is compiled in parallel processes, its output checked
-against the default setting's, and timed replayed from a device graph at 1, 4, 8 and 16 rows.
-The fastest (summed over the row counts) goes into
+For each layer shape and each of the four kernels (o_proj's plain `gemm` too), every candidate
+setting (column block, K step, down-projection split, warps) is compiled in parallel processes,
+its output checked against the default setting's, and timed replayed from a device graph at 1,
+4, 8 and 16 rows. The fastest (summed over the row counts) goes into
 eagleserve/kernels/configs/gemv_<device>.json (kernels/gemv_config.py reads it at run time),
-with `gemv_max_rows`: the largest row count up to which the layer's three tuned GEMV kernels beat
+with `gemv_max_rows`: the largest row count up to which the layer's four tuned GEMV kernels beat
 the per-op fused kernels and cuBLAS doing the same work, which the server then uses.
 
     PYTHONPATH=. python bench/tune_gemv.py [--shapes smollm2-135m] [--procs 12]
@@ -69,6 +69,7 @@ class Layer:
         shapes = {
             "norm_qkv_rope": (qkv, self.hidden),
             "norm_gemm": (2 * self.intermediate, self.hidden),
+            "gemm": (self.hidden, self.heads * self.head_dim),  # o_proj
             "silu_mul_gemm": (self.hidden, self.intermediate),
         }
         return shapes[kernel]
@@ -116,6 +117,8 @@ class Inputs:
         self.w_gate_up = randn(2 * i, h, scale=h**-0.5)
         self.w_down = randn(h, i, scale=i**-0.5)
         self.gate_up = randn(rows, 2 * i)
+        self.attn_out = randn(rows, layer.heads * d)
+        self.w_o = randn(h, layer.heads * d, scale=(layer.heads * d) ** -0.5)
         angle = torch.rand(rows, d // 2, generator=g) * 6.28
         emb = torch.cat((angle, angle), dim=-1)
         sign = torch.cat((-torch.ones(d // 2), torch.ones(d // 2)))
@@ -135,6 +138,8 @@ def launch(kernel: str, inp: Inputs, rows: int) -> list[torch.Tensor]:
         ))  # fmt: skip
     if kernel == "norm_gemm":
         return list(tg.norm_gemm(inp.x[r], inp.res[r], inp.norm_w, 1e-5, inp.w_gate_up))
+    if kernel == "gemm":
+        return [tg.gemm(inp.attn_out[r], inp.w_o)]
     return [tg.silu_mul_gemm(inp.gate_up[r], inp.w_down)]
 
 
@@ -158,6 +163,8 @@ def launch_fused(kernel: str, inp: Inputs, rows: int) -> None:
     elif kernel == "norm_gemm":
         x, _ = tf.add_rms_norm(inp.x[r], inp.res[r], inp.norm_w, 1e-5)
         F.linear(x, inp.w_gate_up)
+    elif kernel == "gemm":
+        F.linear(inp.attn_out[r], inp.w_o)
     else:
         F.linear(tf.silu_mul(inp.gate_up[r]), inp.w_down)
 
@@ -336,7 +343,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     title=f"{shape} on {name} ({args.dtype})")  # fmt: skip
         for kernel in gc.DEFAULTS:
             print(f"  {kernel}: {shape_res['kernels'][kernel]['best']}")
-        print("  layer (3 kernels) tuned GEMV vs fused, us by rows: "
+        print("  layer (4 kernels) tuned GEMV vs fused, us by rows: "
               + ", ".join(f"{r}: {gemv_total[r]:.1f} vs {fused_total[r]:.1f}" for r in rows)
               + f" -> gemv_max_rows {layer_rows}", flush=True)  # fmt: skip
     meta = {"device": name, "torch": torch.__version__, "triton": _triton_version(),

@@ -60,6 +60,7 @@ class GemvConfig:
 DEFAULTS: dict[str, GemvConfig] = {
     "norm_qkv_rope": GemvConfig(block_n=16),
     "norm_gemm": GemvConfig(block_n=32),
+    "gemm": GemvConfig(block_n=16),
     "silu_mul_gemm": GemvConfig(block_n=16),
 }
 

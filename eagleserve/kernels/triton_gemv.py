@@ -6,7 +6,8 @@ GEMMs, so a decode layer is five or six launches (models/fused_forward.py):
   rotary half of one head (c and c + D/2) for BLOCK_M rows and accumulates the two halves
   apart, so the rotation pairs them in registers; a head's halves split into D/2 / BLOCK_C
   programs keep a large model's GPU busy.
-- `norm_gemm`: residual add + RMSNorm and a projection (gate_up), one launch.
+- `norm_gemm`: residual add + RMSNorm and a projection (gate_up), one launch; `gemm`, the
+  same kernel without the norm: a plain projection (o_proj).
 - `silu_mul_gemm`: SiLU(gate) * up of a gate_up output and a projection (down), one launch;
   with split_k > 1, its K range is cut into split_k ranges run by programs of their own (the
   down projection has few output columns, so few programs walk a long K range), and a second
@@ -151,7 +152,7 @@ def _norm_gemm_kernel(
     X, Res, NormW, W, Out, ResOut,  # x, res [T, K]; W [N, K]; Out [T, N]
     T, N, K, eps,
     stride_x, stride_r, stride_w, stride_o, stride_ro,
-    HAS_RES: tl.constexpr, IEEE: tl.constexpr,
+    HAS_NORM: tl.constexpr, HAS_RES: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
@@ -159,13 +160,20 @@ def _norm_gemm_kernel(
     row_ok = rows < T
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
-    rstd = _row_rstd(X, Res, stride_x, stride_r, rows, row_ok, K, eps,
-                     HAS_RES, BLOCK_M, BLOCK_K)  # fmt: skip
+    if HAS_NORM:
+        rstd = _row_rstd(X, Res, stride_x, stride_r, rows, row_ok, K, eps,
+                         HAS_RES, BLOCK_M, BLOCK_K)  # fmt: skip
+    else:
+        rstd = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        a = _normed_tile(X, Res, NormW, ResOut, stride_x, stride_r, stride_ro, rows, row_ok,
-                         offs_k, K, rstd, pid_n == 0, HAS_RES)  # fmt: skip
+        if HAS_NORM:
+            a = _normed_tile(X, Res, NormW, ResOut, stride_x, stride_r, stride_ro, rows, row_ok,
+                             offs_k, K, rstd, pid_n == 0, HAS_RES)  # fmt: skip
+        else:  # a plain GEMM (o_proj): the rows as they are
+            a = tl.load(X + rows[:, None] * stride_x + offs_k[None, :],
+                        mask=row_ok[:, None] & (offs_k < K)[None, :], other=0.0)  # fmt: skip
         w = tl.load(W + offs_n[None, :] * stride_w + offs_k[:, None],
                     mask=(offs_k < K)[:, None] & n_ok[None, :], other=0.0)  # fmt: skip
         acc += _dot(a, w, IEEE)
@@ -303,10 +311,30 @@ def norm_gemm(
         x, res, norm_weight, weight, out, res_out,
         t, n, k_dim, eps,
         x.stride(0), res.stride(0), weight.stride(0), out.stride(0), res_out.stride(0),
-        HAS_RES=residual is not None, IEEE=_ieee_dot(x),
+        HAS_NORM=True, HAS_RES=residual is not None, IEEE=_ieee_dot(x),
         BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, **cfg.launch_options(),
     )  # fmt: skip
     return out, res_out
+
+
+def gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ weight.T -> [T, N] (o_proj), one launch; rounded once to the dtype, as a Linear."""
+    _check_rows(x, None)
+    t, k_dim = x.shape
+    n = weight.shape[0]
+    assert weight.shape == (n, k_dim) and weight.stride(1) == 1, weight.shape
+    out = torch.empty((t, n), dtype=x.dtype, device=x.device)
+    if t == 0:
+        return out
+    cfg = config_for("gemm", n, k_dim, weight.dtype, x.device)
+    _norm_gemm_kernel[(triton.cdiv(t, BLOCK_M), triton.cdiv(n, cfg.block_n))](
+        x, x, weight, weight, out, out,  # no norm weight, residual or new residual
+        t, n, k_dim, 0.0,
+        x.stride(0), x.stride(0), weight.stride(0), out.stride(0), out.stride(0),
+        HAS_NORM=False, HAS_RES=False, IEEE=_ieee_dot(x),
+        BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, **cfg.launch_options(),
+    )  # fmt: skip
+    return out
 
 
 def silu_mul_gemm(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -7,8 +7,9 @@ where the unfused path in models/llama.py rounds it (tests/models/test_fused_for
 
 In the batch-invariant mode a small model (`model.gemv_capable`) runs the GEMV kernels of
 kernels/triton_gemv.py instead, at every size, which fold the pointwise ops into the GEMMs:
-[add+RMSNorm+qkv+rotary+KV write], attention, o GEMM, [add+RMSNorm+gate_up], [SiLU*mul+down].
-Their rows do not depend on the batch, and a verify row must run the kernels its decode runs.
+[add+RMSNorm+qkv+rotary+KV write], attention, o GEMM (a GEMV kernel too), [add+RMSNorm+gate_up],
+[SiLU*mul+down]. Their rows do not depend on the batch, and a verify row must run the kernels its
+decode runs.
 Outside the mode they run forwards of at most `model.fused_gemv_max_rows` rows: as many as
 bench/tune_gemv.py measured them faster than the per-op kernels on this device for this layer
 shape (kernels/gemv_config.py), 0 on a device it has not measured.
@@ -23,7 +24,7 @@ from torch import nn
 
 from eagleserve.kernels.gemv_config import gemv_max_rows
 from eagleserve.kernels.triton_fused import add_rms_norm, rope_store_kv_, silu_mul
-from eagleserve.kernels.triton_gemv import norm_gemm, norm_qkv_rope_store_kv, silu_mul_gemm
+from eagleserve.kernels.triton_gemv import gemm, norm_gemm, norm_qkv_rope_store_kv, silu_mul_gemm
 from eagleserve.layers.forward_batch import ForwardBatch
 
 if TYPE_CHECKING:
@@ -82,20 +83,26 @@ def _attention(attn: LlamaAttention, x: torch.Tensor, fb: ForwardBatch, rotary: 
     return _attend(attn, qkv, fb)
 
 
-def _attend(attn: LlamaAttention, qkv: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
-    """Attention of the rotated qkv [T, H + 2Hkv, D] (k, v already in the pool), then o_proj."""
+def _attend(
+    attn: LlamaAttention, qkv: torch.Tensor, fb: ForwardBatch, gemv: bool = False
+) -> torch.Tensor:
+    """Attention of the rotated qkv [T, H + 2Hkv, D] (k, v already in the pool), then o_proj
+    (on the GEMV kernel with the others, where it has no bias)."""
     nh, nkv = attn.num_heads, attn.num_kv_heads
     q, k, v = qkv[:, :nh], qkv[:, nh : nh + nkv], qkv[:, nh + nkv :]
     out = fb.attn_backend.forward(q, k, v, attn.layer_id, fb, kv_stored=True)
-    return attn.o_proj(out.reshape(qkv.shape[0], -1))
+    rows = out.reshape(qkv.shape[0], -1)
+    if gemv and attn.o_proj.bias is None:
+        return gemm(rows, attn.o_proj.weight)
+    return attn.o_proj(rows)
 
 
 def use_gemv(model: LlamaForCausalLM, rows: int, dtype: torch.dtype) -> bool:
     """The GEMV kernels for a forward of `rows` rows of a plain float dtype. In the
     batch-invariant mode every forward of a model that takes them (gemv_capable) does: one
     kernel per op for any batch keeps a row's bits the same in a decode of one row, a verify of
-    many and a prefill (the rest of the layer, o_proj and the logits, runs the batch-invariant
-    GEMM). Outside it, forwards of at most `fused_gemv_max_rows` rows."""
+    many and a prefill (the logits run the batch-invariant GEMM). Outside it, forwards of at
+    most `fused_gemv_max_rows` rows."""
     if dtype not in _GEMV_DTYPES or not model.gemv_capable:
         return False
     return model.batch_invariant or rows <= model.fused_gemv_max_rows
@@ -108,7 +115,8 @@ def _gemv_layer(
     fb: ForwardBatch,
     rotary: BoundRotary,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(layer output, residual stream) in four launches besides attention."""
+    """(layer output, residual stream) in four launches besides attention (five with the down
+    projection's K split)."""
     attn, mlp, pool = layer.self_attn, layer.mlp, fb.kv_pool
     qkv_proj, gate_up_proj = attn.qkv_proj, mlp.gate_up_proj
     assert isinstance(qkv_proj, nn.Linear) and isinstance(gate_up_proj, nn.Linear)
@@ -119,7 +127,7 @@ def _gemv_layer(
         rotary.cos, rotary.signed_sin, pool.k_buffer[attn.layer_id],
         pool.v_buffer[attn.layer_id], fb.out_cache_loc,
     )  # fmt: skip
-    h = _attend(attn, qkv, fb)
+    h = _attend(attn, qkv, fb, gemv=True)
     norm = layer.post_attention_layernorm
     gate_up, residual = norm_gemm(h, residual, norm.weight, norm.eps, gate_up_proj.weight)
     return silu_mul_gemm(gate_up, mlp.down_proj.weight), residual

@@ -91,6 +91,18 @@ def test_norm_gemm_matches_unfused(dtype: torch.dtype, shape: tuple, rows: int) 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("rows", ROWS)
+def test_gemm_matches_linear(dtype: torch.dtype, shape: tuple, rows: int) -> None:
+    """o_proj: [T, H * D] @ W.T, K not a multiple of the K step."""
+    hidden, nh, d = shape[0], shape[1], shape[3]
+    gen = torch.Generator().manual_seed(hidden * rows + nh)
+    x = randn(rows, nh * d, gen=gen, dtype=dtype)
+    w = randn(hidden, nh * d, gen=gen, dtype=dtype) / (nh * d) ** 0.5
+    close(tg.gemm(x, w), F.linear(x, w))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("split_k", [1, 3])
 def test_silu_mul_gemm_matches_unfused(
     dtype: torch.dtype, shape: tuple, rows: int, split_k: int
@@ -126,6 +138,7 @@ def test_rows_do_not_depend_on_the_batch(dtype: torch.dtype, split_k: int) -> No
     w_qkv = randn(heads * d, hidden, gen=gen, dtype=dtype) / hidden**0.5
     w_gate_up = randn(2 * inter, hidden, gen=gen, dtype=dtype) / hidden**0.5
     w_down = randn(hidden, inter, gen=gen, dtype=dtype) / inter**0.5
+    w_o = randn(hidden, nh * d, gen=gen, dtype=dtype) / (nh * d) ** 0.5
     cos, sin = rotary(rows, d, gen, dtype)
     loc = torch.randperm(rows + 9, generator=gen)[:rows].to(DEVICE)
     kv_bufs = [randn(rows + 9, nkv, d, gen=gen, dtype=dtype) for _ in range(2)]
@@ -139,7 +152,8 @@ def test_rows_do_not_depend_on_the_batch(dtype: torch.dtype, split_k: int) -> No
         gate_up, stream2 = tg.norm_gemm(qkv.view(qkv.shape[0], -1)[:, :hidden].contiguous(),
                                         stream, norm_w, 1e-5, w_gate_up)  # fmt: skip
         down = tg.silu_mul_gemm(gate_up, w_down)
-        return [qkv, stream, gate_up, stream2, down, k_buf[loc[sel]], v_buf[loc[sel]]]
+        o = tg.gemm(qkv.view(qkv.shape[0], -1)[:, : nh * d].contiguous(), w_o)
+        return [qkv, stream, gate_up, stream2, down, o, k_buf[loc[sel]], v_buf[loc[sel]]]
 
     with split(split_k):
         full = layer(slice(0, rows))
