@@ -69,8 +69,7 @@ def enable_fused_kernels(model: LlamaForCausalLM, device: torch.device) -> None:
     merge_projections(model)
     model.fused_kernels = True
     cfg, dtype = model.config, model.model.embed_tokens.weight.dtype
-    rows = gemv_max_rows(cfg.hidden_size, cfg.intermediate_size, dtype, device)
-    model.fused_gemv_max_rows = rows if model.gemv_capable else 0
+    model.fused_gemv_max_rows = gemv_max_rows(cfg.hidden_size, cfg.intermediate_size, dtype, device)
 
 
 def _attention(attn: LlamaAttention, x: torch.Tensor, fb: ForwardBatch, rotary: BoundRotary):  # noqa: ANN202
@@ -99,13 +98,16 @@ def _attend(
 
 def use_gemv(model: LlamaForCausalLM, rows: int, dtype: torch.dtype) -> bool:
     """The GEMV kernels for a forward of `rows` rows of a plain float dtype. In the
-    batch-invariant mode every forward of a model that takes them (gemv_capable) does: one
-    kernel per op for any batch keeps a row's bits the same in a decode of one row, a verify of
-    many and a prefill (the logits run the batch-invariant GEMM). Outside it, forwards of at
-    most `fused_gemv_max_rows` rows."""
-    if dtype not in _GEMV_DTYPES or not model.gemv_capable:
+    batch-invariant mode every forward of a small model (gemv_capable) does: one kernel per op
+    for any batch keeps a row's bits the same in a decode of one row, a verify of many and a
+    prefill (the logits run the batch-invariant GEMM); a large one never does (its prefills
+    would run them too). Outside the mode, forwards of at most `fused_gemv_max_rows` rows, for
+    a model of any size: as many as the device's tuned table says beat cuBLAS."""
+    if dtype not in _GEMV_DTYPES:
         return False
-    return model.batch_invariant or rows <= model.fused_gemv_max_rows
+    if model.batch_invariant:
+        return model.gemv_capable
+    return rows <= model.fused_gemv_max_rows
 
 
 def _gemv_layer(

@@ -261,8 +261,9 @@ class LlamaForCausalLM(nn.Module):
         # batch-invariant mode, at every size (fused_forward.use_gemv): their tiles and K order
         # do not depend on the rows. A large one runs the batch-invariant GEMM there instead.
         self.gemv_capable = cfg.hidden_size <= GEMV_MAX_HIDDEN
-        # Outside that mode, forwards of at most this many rows take them: set with the fused
-        # kernels from the device's tuned table (kernels/gemv_config.py), 0 without one.
+        # Outside that mode, forwards of at most this many rows take them, at any model size:
+        # set with the fused kernels from the device's tuned table (kernels/gemv_config.py),
+        # 0 without one.
         self.fused_gemv_max_rows = 0
 
     @property

@@ -131,6 +131,8 @@ def test_gemv_at_every_size_in_the_batch_invariant_mode(tiny_model_dir: str) -> 
     assert use_gemv(r.model, 1, torch.float32) and use_gemv(r.model, 4096, torch.float32)
     r.model.gemv_capable = False  # a large model: the batch-invariant GEMM at every size
     assert not use_gemv(r.model, 1, torch.float32)
+    r.model.batch_invariant = False  # outside the mode, the tuned row limit at any size
+    assert use_gemv(r.model, 16, torch.float32) and not use_gemv(r.model, 17, torch.float32)
 
 
 def test_the_default_decode_is_off_the_gemv_kernels(
