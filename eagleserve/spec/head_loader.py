@@ -198,8 +198,10 @@ def init_eagle_head(
     draft_vocab_size: int | None = None,
     seed: int = 0,
     draft_token_ids: torch.Tensor | None = None,
+    intermediate_size: int | None = None,
 ) -> EagleHead:
-    """A fresh head for `target`, on the target's device and dtype, deterministic in `seed`.
+    """A fresh head for `target`, on the target's device and dtype, deterministic in `seed`;
+    its MLP `intermediate_size` wide (default: the target's).
 
     Linear weights ~ N(0, 0.02), biases 0, norms 1. EAGLE gets an fc bias (the reference
     default). EAGLE3's lm_head starts as the target's lm_head rows of the draft vocab, whose
@@ -215,6 +217,7 @@ def init_eagle_head(
         attention_bias=False,
         eos_token_ids=(),
         bos_token_id=None,
+        intermediate_size=intermediate_size or tcfg.intermediate_size,
     )
     ref = target.model.embed_tokens.weight
     kwargs: dict = {"fc_bias": True}

@@ -50,6 +50,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--out", required=True, help="output folder (checkpoints, data cache, log)")
     p.add_argument("--algorithm", default="EAGLE3", choices=["EAGLE", "EAGLE3"])
     p.add_argument("--draft-vocab-size", type=int, default=8192, help="EAGLE3 draft vocabulary")
+    p.add_argument("--draft-intermediate-size", type=int, default=None,
+                   help="the head's MLP width (default: the target's)")  # fmt: skip
     p.add_argument("--num-prompts", type=int, default=1500, help="ShareGPT prompts to answer")
     p.add_argument("--prompt-ids-file", help="JSON list of token-id prompts (no tokenizer)")
     p.add_argument("--data", nargs="*", default=(), help="reuse generated data files (merged)")
@@ -155,7 +157,13 @@ def run(ns: argparse.Namespace) -> int:
         tr_seqs = [seqs[i] for i in train_idx]
         tr_lens = [prompt_lens[i] for i in train_idx]
         draft_ids = draft_vocab(tr_seqs, tr_lens, min(ns.draft_vocab_size, vocab), vocab)
-    head = init_eagle_head(ns.algorithm, target, seed=ns.seed, draft_token_ids=draft_ids)
+    head = init_eagle_head(
+        ns.algorithm,
+        target,
+        seed=ns.seed,
+        draft_token_ids=draft_ids,
+        intermediate_size=ns.draft_intermediate_size,
+    )
     state = None
     ckpt = os.path.join(ns.out, "trainer_state.pt")
     if ns.resume and os.path.exists(ckpt):

@@ -225,7 +225,13 @@ def run_recipe(ns: argparse.Namespace) -> int:
     # The head trains in fp32 (master weights) next to an fp32 target: it reads the target's
     # embeddings; the matmuls run in bf16 under autocast.
     target.float()
-    head = init_eagle_head("EAGLE3", target, seed=ns.seed, draft_token_ids=draft_ids)
+    head = init_eagle_head(
+        "EAGLE3",
+        target,
+        seed=ns.seed,
+        draft_token_ids=draft_ids,
+        intermediate_size=ns.draft_intermediate_size,
+    )
     work = ns.work_dir or tempfile.mkdtemp(prefix="eagle-train-")
     budget = max(1.0, ns.time_budget - (time.time() - t0) - ns.eval_reserve)
     cfg = TrainConfig(

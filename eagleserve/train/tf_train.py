@@ -96,7 +96,13 @@ def train_on_shards(ns: argparse.Namespace, extract_stats: dict) -> int:
             size = min(ns.draft_vocab_size, vocab)
             draft_ids = vocab_from_counts(answer_token_counts(entries), size, vocab)
             torch.save(draft_ids, vocab_path)
-    head = init_eagle_head(ns.algorithm, target, seed=ns.seed, draft_token_ids=draft_ids)
+    head = init_eagle_head(
+        ns.algorithm,
+        target,
+        seed=ns.seed,
+        draft_token_ids=draft_ids,
+        intermediate_size=ns.draft_intermediate_size,
+    )
     ckpt = os.path.join(ns.out, "trainer_state.pt")
     state = torch.load(ckpt, weights_only=False) if ns.resume and os.path.exists(ckpt) else None
     if state is not None:

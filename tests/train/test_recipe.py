@@ -92,15 +92,19 @@ def need_of(win: tuple[list[int], list[bool]]) -> torch.Tensor:
 
 
 def test_recipe_trains_saves_sharded_and_evaluates(chat_target: str, tmp_path) -> None:
+    """With a head MLP wider than the target's (--draft-intermediate-size): trained, saved and
+    loaded at that width."""
     out, work = str(tmp_path / "head"), str(tmp_path / "work")
+    target, _ = load_target(chat_target, "float32", 64)
+    wide = target.config.intermediate_size * int(torch.randint(2, 4, (1,))) + 16
     args = ["train-draft", "--model", chat_target, "--out", out, "--recipe", "gpu",
             "--device", "cpu", "--work-dir", work, "--max-conversations", "16",
             "--max-seq-len", "400", "--max-len", "32", "--batch-size", "4", "--ttt-steps", "3",
             "--draft-vocab-size", "64", "--top-k", "4", "--val-tokens", "300",
             "--max-tokens", "1500", "--extract-batch-tokens", "128", "--max-shard-mb", "0.02",
             "--time-budget", "300", "--epochs", "3", "--lr", "3e-3", "--dtype", "float32",
-            "--tokenize-procs", "2", "--val-fraction", "0.01"]  # fmt: skip
-    target, _ = load_target(chat_target, "float32", 64)
+            "--tokenize-procs", "2", "--val-fraction", "0.01",
+            "--draft-intermediate-size", str(wide)]  # fmt: skip
     assert main(args) == 0
     shards = sorted(f for f in os.listdir(out) if f.endswith(".safetensors"))
     assert len(shards) >= 2 and "model.safetensors" not in shards
@@ -124,12 +128,16 @@ def test_recipe_trains_saves_sharded_and_evaluates(chat_target: str, tmp_path) -
     # the sharded head loads as the trained one (fp32 master weights kept in --work-dir)
     state = torch.load(os.path.join(work, "trainer_state.pt"), weights_only=False)["head"]
     loaded = load_eagle_head(out, "EAGLE3", target, torch.device("cpu"), torch.float32)
+    assert json.load(open(os.path.join(out, "config.json")))["intermediate_size"] == wide
+    assert loaded.config.intermediate_size == wide
     trained = init_eagle_head("EAGLE3", target, draft_token_ids=loaded.to_target_ids(
-        torch.arange(64)))  # fmt: skip
+        torch.arange(64)), intermediate_size=wide)  # fmt: skip
     trained.load_state_dict(state)
     assert not torch.equal(
         state["fc.weight"],
-        init_eagle_head("EAGLE3", target, draft_token_ids=torch.arange(64)).fc.weight,
+        init_eagle_head(
+            "EAGLE3", target, draft_token_ids=torch.arange(64), intermediate_size=wide
+        ).fc.weight,  # fmt: skip
     )  # it did train
     g = torch.Generator().manual_seed(7)
     ids = torch.randint(0, 256, (2, 10), generator=g)
