@@ -152,11 +152,10 @@ def gpu_idle(engine: Engine, batch: int, new: int, vocab: int) -> dict[str, floa
         engine.generate(ps, params)
         mod.synchronize()
         wall = time.perf_counter() - t0
-    spans = sorted(
-        (e.time_range.start, e.time_range.end)
-        for e in prof.events()
-        if e.device_type.name in ("CUDA", "HIP", "PrivateUse1")
-    )
+    device_events = [
+        e for e in prof.events() if e.device_type.name in ("CUDA", "HIP", "PrivateUse1")
+    ]
+    spans = sorted((e.time_range.start, e.time_range.end) for e in device_events)
     busy, cur_s, cur_e = 0.0, None, None
     for a, b in spans:
         if cur_e is None or a > cur_e:
@@ -169,8 +168,14 @@ def gpu_idle(engine: Engine, batch: int, new: int, vocab: int) -> dict[str, floa
         busy += cur_e - cur_s
     kernels = len(spans)
     steps = max(engine.stats().spec_verify_calls_total, 1)
-    # Where the host's time went (syncs, copies, launches, compiles show up by name).
+    # Where the host's time went (syncs, copies, launches, compiles show up by name), and the
+    # device's: kernels by name (a graph's one by one), launches and µs per step of the batch
+    # (the run generates `new` tokens per request).
     top = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:15]
+    by_kernel: dict[str, list[float]] = {}
+    for e in device_events:
+        by_kernel.setdefault(e.name[:80], []).append(e.time_range.elapsed_us())
+    kernels_top = sorted(by_kernel.items(), key=lambda kv: -sum(kv[1]))[:15]
     return {
         "wall_ms": 1e3 * wall,
         "device_busy_ms": busy / 1e3,
@@ -178,6 +183,9 @@ def gpu_idle(engine: Engine, batch: int, new: int, vocab: int) -> dict[str, floa
         "device_ops": kernels,
         "verify_calls_total": steps,
         "top_host_ops": [[e.key, e.count, round(e.self_cpu_time_total)] for e in top],
+        "top_device_ops_per_token_step": [
+            [name, round(len(ts) / new, 2), round(sum(ts) / new, 1)] for name, ts in kernels_top
+        ],
     }
 
 
