@@ -322,6 +322,10 @@ class GenerationBatchResult:
     top_logprob_ids: torch.Tensor | None = None  # [..., k]
     num_drafts: int | None = None  # spec: draft tokens per request this iteration
     prompt_logprobs: Any = None  # a prefill's sampling/prompt_logprobs.py PromptLogprobs, if any
+    # A tree verify: each row's accepted node per path step (-1 past its path) among its
+    # `tree_nodes` nodes; the scheduler reorders the host's req_to_token rows as the device's.
+    tree_path: torch.Tensor | None = None
+    tree_nodes: int | None = None
 
     # On an accelerator, set by to_host(): fires once the host copies are complete.
     copy_done: torch.Event | None = None
@@ -348,6 +352,8 @@ class GenerationBatchResult:
             host(self.top_logprob_ids),
             self.num_drafts,
             None if self.prompt_logprobs is None else self.prompt_logprobs.to_host(),
+            host(self.tree_path),
+            self.tree_nodes,
         )
         if accel:
             result.copy_done = torch.Event(device=device)

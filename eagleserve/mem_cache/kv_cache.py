@@ -16,11 +16,12 @@ class ReqToTokenPool:
         self.req_to_token = torch.zeros((size, max_context_len), dtype=torch.int64, device=device)
         # The host's copy, written with the device rows by `write_spans`, so that building a
         # prefill's slots or freeing a finished request reads no device value (on an
-        # accelerator such a read waits for the forward in flight). A tree's accepted path
-        # permutes its row on the device only (spec/accept.py::commit_tree_path): such rows are
-        # in `_permuted` and read back from the device.
+        # accelerator such a read waits for the forward in flight). A tree verify's accepted
+        # path reorders a row on the device (spec/accept.py::commit_tree_path) and the
+        # scheduler reorders the host's row alike when it reads that verify's result; a row
+        # whose request finished before then keeps its slots in the order before, which changes
+        # neither the set a release frees nor the committed prefix it caches.
         self.req_to_token_host = torch.zeros((size, max_context_len), dtype=torch.int64)
-        self._permuted: set[int] = set()
         self._free: list[int] = list(range(size))
 
     def available_size(self) -> int:
@@ -31,7 +32,6 @@ class ReqToTokenPool:
 
     def free(self, idx: int) -> None:
         assert idx not in self._free, f"request slot {idx} freed twice"
-        self._permuted.discard(idx)
         self._free.append(idx)
 
     def write_spans(self, spans: list[tuple[int, int, int]], slots: torch.Tensor) -> torch.Tensor:
@@ -55,14 +55,8 @@ class ReqToTokenPool:
         r2t.view(-1)[index_loc[0]] = index_loc[1]
         return index_loc[1]
 
-    def mark_permuted(self, rows: list[int]) -> None:
-        """These rows' slots were reordered on the device: `row_slots` reads them back there."""
-        self._permuted.update(rows)
-
     def row_slots(self, idx: int, n: int) -> torch.Tensor:
-        """The first `n` slots of request slot `idx`, on the host."""
-        if idx in self._permuted:
-            return self.req_to_token[idx, :n].to("cpu")
+        """The first `n` slots of request slot `idx`, from the host's copy."""
         return self.req_to_token_host[idx, :n].clone()
 
 

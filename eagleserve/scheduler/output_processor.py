@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import time
 
+import torch
+
 from eagleserve.core import FinishReason, GenerationBatchResult, Req
+from eagleserve.mem_cache.kv_cache import ReqToTokenPool
 from eagleserve.messages import TokenOutput
+from eagleserve.spec.accept import commit_tree_path
 
 TopLogprobs = list[list[tuple[int, float]]]
 
@@ -130,3 +134,22 @@ def make_output(req: Req) -> TokenOutput:
         out.prefill_time_s = time.monotonic() - start
     req.num_sent_tokens = len(req.output_ids)
     return out
+
+
+def commit_tree_paths_host(
+    pool: ReqToTokenPool, reqs: list[Req], result: GenerationBatchResult, partial: Req | None
+) -> None:
+    """A tree verify reordered each row's accepted path on the device; the host's copy of the
+    rows whose requests go on is reordered alike, from their committed lengths before this
+    result (where that verify started). Called before the result's tokens are appended."""
+    live = [i for i, r in enumerate(reqs) if not r.finished and r is not partial]
+    if not live:
+        return
+    assert result.tree_path is not None and result.tree_nodes is not None
+    commit_tree_path(
+        pool.req_to_token_host,
+        torch.tensor([reqs[i].req_pool_idx for i in live]),
+        torch.tensor([reqs[i].kv_committed_len for i in live]),
+        result.tree_path[live],
+        result.tree_nodes,
+    )

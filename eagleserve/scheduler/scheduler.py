@@ -25,6 +25,7 @@ from eagleserve.scheduler.future_map import FutureMap
 from eagleserve.scheduler.output_processor import (
     StopChecker,
     append_tokens,
+    commit_tree_paths_host,
     committed_rows,
     eos_token_ids,
     make_output,
@@ -333,6 +334,8 @@ class Scheduler:
     ) -> None:
         outputs = self.pending_outputs
         rows = committed_rows(result)
+        if result.tree_path is not None:
+            commit_tree_paths_host(self.req_to_token_pool, reqs, result, partial)
         scored = {} if result.prompt_logprobs is None else {
             row: (lps, tops) for row, lps, tops in result.prompt_logprobs.per_row()
         }  # fmt: skip

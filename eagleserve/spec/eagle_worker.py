@@ -5,7 +5,8 @@ draft KV valid for positions 0..L-1); `input_ids` = the bonus token b at positio
 `spec_info` = top-k of the head's prediction for position L+1 and its feature.
 Slots for positions [L, L + alloc_len) are reserved before the iteration: drafting writes head
 KV there (region node r at L + r), verify writes target KV (tree node i at L + i), and after
-acceptance the row is permuted so the accepted path sits at L, L+1, ... (no KV copy).
+acceptance the row is permuted so the accepted path sits at L, L+1, ... (no KV copy); the
+scheduler permutes the host's copy of the row alike when it reads the result.
 """
 
 from __future__ import annotations
@@ -318,9 +319,8 @@ class EagleWorker:
             pen.commit(state, batch.req_pool_indices, acc.output_tokens, acc.output_tokens >= 0)
         if grammar is not None:
             grammar.advance(acc.output_tokens, acc.accept_lens)
-        if not spec.is_chain:
+        if not spec.is_chain:  # the host's copy follows when the scheduler reads the result
             commit_tree_path(r2t, batch.req_pool_indices, L, acc.accept_index, n)
-            self.req_to_token_pool.mark_permuted([req.req_pool_idx for req in batch.reqs])
         a = acc.accept_lens
         path = (cols, slots) if spec.is_chain else None
         extend_fb, path_rows, last_rows = self.paths.extend(batch, acc, max_len, path)
@@ -340,6 +340,8 @@ class EagleWorker:
         allowed = self._next_allowed(batch)
         batch.spec_info = self.drafter.extend(extend_fb, feats, last_rows, allowed)
         result = GenerationBatchResult(acc.output_tokens, a, num_drafts=k)
+        if not spec.is_chain:
+            result.tree_path, result.tree_nodes = acc.accept_index, n
         if any(r.sampling_params.logprobs is not None for r in batch.reqs):
             k = max((r.sampling_params.logprobs or 0) for r in batch.reqs)
             rows = self.paths.verify_rows(acc, n)

@@ -1,6 +1,6 @@
 """mem_cache/kv_cache.py: a decode's slot reservation writes each request's new slots into its
 req_to_token row, in order, and touches nothing else (one span or many); the host's copy of the
-rows follows, and a row permuted on the device is read back from there."""
+rows follows."""
 
 from __future__ import annotations
 
@@ -32,18 +32,3 @@ def test_write_spans_fills_each_span_with_the_next_slots(num_spans: int) -> None
     assert torch.equal(pool.req_to_token_host, want)
     for row in rows:
         assert torch.equal(pool.row_slots(row, 32), want[row])
-
-
-def test_a_row_permuted_on_the_device_is_read_back_from_there() -> None:
-    pool = ReqToTokenPool(4, 16, torch.device("cpu"))
-    row = pool.alloc()
-    assert row is not None
-    slots = torch.randperm(900)[:10] + 1
-    pool.write_spans([(row, 0, 10)], slots)
-    order = torch.randperm(10)
-    pool.req_to_token[row, :10] = slots[order]  # as commit_tree_path reorders a tree's path
-    assert torch.equal(pool.row_slots(row, 10), slots)  # the host's copy, unmarked: stale
-    pool.mark_permuted([row])
-    assert torch.equal(pool.row_slots(row, 10), slots[order])
-    pool.free(row)  # the next request in this row reads the host's copy again
-    assert row not in pool._permuted

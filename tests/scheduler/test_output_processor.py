@@ -1,0 +1,58 @@
+"""scheduler/output_processor.py: a tree verify's accepted paths reorder the host's copy of the
+req_to_token rows exactly as they reordered the device's, for the requests that go on."""
+
+from __future__ import annotations
+
+import torch
+
+from eagleserve.core import FinishReason, GenerationBatchResult, Req, SamplingParams
+from eagleserve.mem_cache.kv_cache import ReqToTokenPool
+from eagleserve.scheduler.output_processor import commit_tree_paths_host
+from eagleserve.spec.accept import commit_tree_path
+
+
+def random_paths(bs: int, n: int, depth: int, gen: torch.Generator) -> torch.Tensor:
+    """[bs, depth + 1] accepted node per path step: node 0 (the root) first, then distinct
+    increasing nodes, -1 past a random path length."""
+    paths = torch.full((bs, depth + 1), -1, dtype=torch.long)
+    for b in range(bs):
+        length = int(torch.randint(1, depth + 2, (1,), generator=gen))
+        nodes = torch.randperm(n - 1, generator=gen)[: length - 1].sort().values + 1
+        paths[b, 0] = 0
+        paths[b, 1:length] = nodes
+    return paths
+
+
+def test_the_hosts_rows_follow_the_devices_tree_paths() -> None:
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,))))
+    bs, n, depth, width = 5, 8, 3, 40
+    pool = ReqToTokenPool(bs + 2, width, torch.device("cpu"))
+    rows = torch.randperm(bs + 2, generator=gen)[:bs]
+    slots = torch.randperm(2000, generator=gen)[: (bs + 2) * width].view(bs + 2, width) + 1
+    pool.req_to_token.copy_(slots)
+    pool.req_to_token_host.copy_(slots)
+    reqs = []
+    for b in range(bs):
+        req = Req(f"r{b}", [1, 2, 3], SamplingParams(max_new_tokens=8))
+        req.req_pool_idx = int(rows[b])
+        req.kv_committed_len = int(torch.randint(3, width - n, (1,), generator=gen))
+        reqs.append(req)
+    reqs[1].finish_reason = FinishReason.STOP  # finished while the verify ran: left as it was
+    partial = reqs[3]  # a request part-way through its prefill commits nothing
+    paths = random_paths(bs, n, depth, gen)
+    paths[0, :2], paths[0, 2:] = torch.tensor([0, n - 1]), -1  # at least one row moves a node
+    lens = torch.tensor([r.kv_committed_len for r in reqs])
+    commit_tree_path(pool.req_to_token, rows, lens, paths, n)  # what the verify did
+    result = GenerationBatchResult(torch.zeros(bs, depth + 1, dtype=torch.long))
+    result.tree_path, result.tree_nodes = paths, n
+    commit_tree_paths_host(pool, reqs, result, partial)
+    for b, req in enumerate(reqs):
+        host, device = pool.req_to_token_host[rows[b]], pool.req_to_token[rows[b]]
+        if req.finished or req is partial:
+            assert torch.equal(host, slots[rows[b]])
+            continue
+        assert torch.equal(host, device)
+        path = paths[b][paths[b] >= 0]  # the accepted nodes now sit at L, L + 1, ...
+        L = req.kv_committed_len
+        assert torch.equal(host[L : L + len(path)], slots[rows[b], L + path])
+    assert not torch.equal(pool.req_to_token_host, slots)
