@@ -215,13 +215,19 @@ def time_us(fn: Callable[[], Any], device: torch.device, calls: int = 20, reps: 
     return statistics.median(times)
 
 
+_worker_inputs: dict[tuple[str, str, str], Inputs] = {}  # a compile process's, built once
+
+
 def _compile(job: tuple[str, str, str, str, dict[str, Any]]) -> str | None:
     """(worker) Compile one candidate into Triton's cache by running it once; its error, if any."""
     kernel, shape, dtype, device, config = job
     dev = torch.device(device)
+    key = (shape, dtype, device)
+    if key not in _worker_inputs:
+        _worker_inputs[key] = Inputs(Layer.of(shape), getattr(torch, dtype), dev, 1)
     try:
         with gc.overriding(**config):
-            launch(kernel, Inputs(Layer.of(shape), getattr(torch, dtype), dev, 1), 1)
+            launch(kernel, _worker_inputs[key], 1)
         synchronize(dev)
     except Exception as e:  # out of registers or shared memory: a setting this device cannot run
         return repr(e)[:300]
