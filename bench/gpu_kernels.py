@@ -237,8 +237,9 @@ def main() -> None:
         "--modes",
         default=",".join(MODES),
         help="of " + ", ".join(MODES) + "; "
-        "gemv:kN sets the GEMV kernels' K step to N, :wN their warps, :sN the down "
-        "projection's K split (a sweep: gemv,gemv:k128,gemv:k128:s4)",
+        "gemv: the GEMV kernels with the device's tuned settings (bench/tune_gemv.py) or the "
+        "defaults; gemv:kN sets every kernel's K step to N, :wN warps, :sN the down "
+        "projection's K split, :nN the column block, :pN stages (gemv,gemv:k128:s4)",
     )
     args = ap.parse_args()
     device = pick_device(args.device)
