@@ -128,7 +128,8 @@ def run(ns: argparse.Namespace) -> int:
     if ns.data_source == "teacher-forced":
         return run_teacher_forced(ns)
     from eagleserve import Engine
-    from eagleserve.spec.head_loader import init_eagle_head, save_eagle_head
+    from eagleserve.spec.head_loader import save_eagle_head
+    from eagleserve.train.target import fresh_head
 
     if ns.threads:
         torch.set_num_threads(ns.threads)
@@ -157,13 +158,7 @@ def run(ns: argparse.Namespace) -> int:
         tr_seqs = [seqs[i] for i in train_idx]
         tr_lens = [prompt_lens[i] for i in train_idx]
         draft_ids = draft_vocab(tr_seqs, tr_lens, min(ns.draft_vocab_size, vocab), vocab)
-    head = init_eagle_head(
-        ns.algorithm,
-        target,
-        seed=ns.seed,
-        draft_token_ids=draft_ids,
-        intermediate_size=ns.draft_intermediate_size,
-    )
+    head = fresh_head(ns, ns.algorithm, target, draft_ids)
     state = None
     ckpt = os.path.join(ns.out, "trainer_state.pt")
     if ns.resume and os.path.exists(ckpt):

@@ -162,10 +162,10 @@ def distill(
 
 def run_recipe(ns: argparse.Namespace) -> int:
     from eagleserve.models.loader import load_tokenizer, resolve_model_path
-    from eagleserve.spec.head_loader import init_eagle_head, load_eagle_head, save_eagle_head
+    from eagleserve.spec.head_loader import load_eagle_head, save_eagle_head
     from eagleserve.train.data import sharegpt_path
     from eagleserve.train.features import label_map
-    from eagleserve.train.target import load_target, target_layer_ids
+    from eagleserve.train.target import fresh_head, load_target, target_layer_ids
     from eagleserve.train.tf_train import evaluate_shards
     from eagleserve.train.trainer import TrainConfig, train_head
 
@@ -225,13 +225,7 @@ def run_recipe(ns: argparse.Namespace) -> int:
     # The head trains in fp32 (master weights) next to an fp32 target: it reads the target's
     # embeddings; the matmuls run in bf16 under autocast.
     target.float()
-    head = init_eagle_head(
-        "EAGLE3",
-        target,
-        seed=ns.seed,
-        draft_token_ids=draft_ids,
-        intermediate_size=ns.draft_intermediate_size,
-    )
+    head = fresh_head(ns, "EAGLE3", target, draft_ids)
     work = ns.work_dir or tempfile.mkdtemp(prefix="eagle-train-")
     budget = max(1.0, ns.time_budget - (time.time() - t0) - ns.eval_reserve)
     cfg = TrainConfig(

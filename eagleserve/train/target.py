@@ -1,11 +1,19 @@
-"""The frozen target that teacher-forced extraction and training read, and the layers whose
-features an EAGLE head takes. Its own module so tf_cli (extraction) and tf_train (training)
-both use it without importing each other."""
+"""The frozen target that teacher-forced extraction and training read, the layers whose
+features an EAGLE head takes, and the fresh head trained on them. Its own module so tf_cli
+(extraction), tf_train, cli and the recipe (training) use it without importing each other."""
 
 from __future__ import annotations
 
-from eagleserve.spec.eagle_head import eagle3_aux_layer_ids
+import argparse
+from typing import TYPE_CHECKING
+
+import torch
+
+from eagleserve.spec.eagle_head import EagleHead, eagle3_aux_layer_ids
 from eagleserve.train.features import feature_layers
+
+if TYPE_CHECKING:
+    from eagleserve.models.llama import LlamaForCausalLM
 
 
 def load_target(
@@ -29,3 +37,16 @@ def load_target(
 def target_layer_ids(algorithm: str, n_layers: int) -> tuple[int, ...]:
     aux = tuple(eagle3_aux_layer_ids({}, n_layers)) if algorithm == "EAGLE3" else ()
     return feature_layers(algorithm, aux, n_layers)
+
+
+def fresh_head(
+    ns: argparse.Namespace,
+    algorithm: str,
+    target: LlamaForCausalLM,
+    draft_ids: torch.Tensor | None,
+) -> EagleHead:
+    """The head a train-draft run starts from: seeded, its MLP --draft-intermediate-size wide."""
+    from eagleserve.spec.head_loader import init_eagle_head
+
+    return init_eagle_head(algorithm, target, seed=ns.seed, draft_token_ids=draft_ids,
+                           intermediate_size=ns.draft_intermediate_size)  # fmt: skip

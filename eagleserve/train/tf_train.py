@@ -79,8 +79,8 @@ def eval_head_on_shards(ns: argparse.Namespace) -> int:
 
 
 def train_on_shards(ns: argparse.Namespace, extract_stats: dict) -> int:
-    from eagleserve.spec.head_loader import init_eagle_head, save_eagle_head
-    from eagleserve.train.target import load_target
+    from eagleserve.spec.head_loader import save_eagle_head
+    from eagleserve.train.target import fresh_head, load_target
 
     t0 = time.time()
     # The head trains in fp32 next to an fp32 target (it reads the target's embeddings).
@@ -96,13 +96,7 @@ def train_on_shards(ns: argparse.Namespace, extract_stats: dict) -> int:
             size = min(ns.draft_vocab_size, vocab)
             draft_ids = vocab_from_counts(answer_token_counts(entries), size, vocab)
             torch.save(draft_ids, vocab_path)
-    head = init_eagle_head(
-        ns.algorithm,
-        target,
-        seed=ns.seed,
-        draft_token_ids=draft_ids,
-        intermediate_size=ns.draft_intermediate_size,
-    )
+    head = fresh_head(ns, ns.algorithm, target, draft_ids)
     ckpt = os.path.join(ns.out, "trainer_state.pt")
     state = torch.load(ckpt, weights_only=False) if ns.resume and os.path.exists(ckpt) else None
     if state is not None:

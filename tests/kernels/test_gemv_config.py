@@ -17,6 +17,7 @@ from triton_mode import DEVICE  # before triton is imported: picks the interpret
 pytest.importorskip("triton")
 
 from test_triton_fused import close, randn  # noqa: E402
+from test_triton_gemv import SHAPES, assert_rows_do_not_depend_on_the_batch  # noqa: E402
 
 from bench import tune_gemv  # noqa: E402
 from eagleserve.kernels import gemv_config as gc  # noqa: E402
@@ -81,43 +82,18 @@ def test_a_tuned_setting_reaches_the_launch_of_its_weight_shape_only(
 
 
 def test_tuned_settings_keep_rows_independent_of_the_batch(config_dir: Path) -> None:
-    """Settings are keyed by the weight, never the rows: with a tuned setting for each kernel,
-    a row is bitwise the same alone as inside a batch of 1..33 rows."""
-    hidden, nh, nkv, d, inter = 96, 3, 1, 32, 80
+    """Settings are keyed by the weight, never the rows: with a tuned setting for each of a
+    layer's kernels, a row is bitwise the same alone as inside a batch of 1..40 rows."""
+    hidden, nh, nkv, d, inter = SHAPES[0]
     dtype = torch.bfloat16
     write(config_dir, {
         "norm_qkv_rope": {gc.shape_key((nh + 2 * nkv) * d, hidden, dtype): GemvConfig(16, 32)},
         "norm_gemm": {gc.shape_key(2 * inter, hidden, dtype): GemvConfig(64, 128, num_warps=8)},
+        "gemm": {gc.shape_key(hidden, nh * d, dtype): GemvConfig(32, 16, num_stages=1)},
         "silu_mul_gemm": {gc.shape_key(hidden, inter, dtype): GemvConfig(16, 32, split_k=2)},
     }, {})  # fmt: skip
-    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,))))
-    rows = 33
-    x, res = randn(rows, hidden, gen=gen, dtype=dtype), randn(rows, hidden, gen=gen, dtype=dtype)
-    norm_w = 1 + 0.1 * randn(hidden, gen=gen, dtype=dtype)
-    w_qkv = randn((nh + 2 * nkv) * d, hidden, gen=gen, dtype=dtype) / hidden**0.5
-    w_gate_up = randn(2 * inter, hidden, gen=gen, dtype=dtype) / hidden**0.5
-    w_down = randn(hidden, inter, gen=gen, dtype=dtype) / inter**0.5
-    cos = randn(rows, d, gen=gen, dtype=dtype)
-    sin = randn(rows, d, gen=gen, dtype=dtype)
-    loc = torch.randperm(rows + 4, generator=gen)[:rows].to(DEVICE)
-    kv = [randn(rows + 4, nkv, d, gen=gen, dtype=dtype) for _ in range(2)]
-
-    def layer(sel: slice) -> list[torch.Tensor]:
-        k_buf, v_buf = (b.clone() for b in kv)
-        qkv, stream = tg.norm_qkv_rope_store_kv(
-            x[sel], res[sel], norm_w, 1e-5, w_qkv, None, nh, cos[sel], sin[sel], k_buf, v_buf,
-            loc[sel],
-        )  # fmt: skip
-        gate_up, _ = tg.norm_gemm(x[sel], stream, norm_w, 1e-5, w_gate_up)
-        return [qkv, gate_up, tg.silu_mul_gemm(gate_up, w_down), k_buf[loc[sel]]]
-
-    full = layer(slice(0, rows))
-    for m in (1, 16, 17):
-        for got, want in zip(layer(slice(0, m)), full, strict=True):
-            assert torch.equal(got, want[:m]), m
-    for i in (5, 32):
-        for got, want in zip(layer(slice(i, i + 1)), full, strict=True):
-            assert torch.equal(got, want[i : i + 1]), i
+    assert gc.config_for("silu_mul_gemm", hidden, inter, dtype, DEVICE).split_k == 2
+    assert_rows_do_not_depend_on_the_batch(dtype)
 
 
 @pytest.mark.parametrize(
