@@ -6,7 +6,9 @@ goes through the FutureMap. The forward runs on one forward thread (and, on an a
 on its own stream), so forwards execute in launch order and a batch's resolve always sees the
 previous batch's stash. The forward thread returns once a batch's work and its result's copy to
 the host are queued (not done), so on an accelerator it launches N+1 while N still runs; the
-scheduler waits for N's copies in `collect`.
+scheduler waits for N's copies in `collect`. Until then every tensor N was launched with stays
+referenced (tests/scheduler/test_overlap_inputs.py): the scheduler's stream must not reuse a
+block N's forward has yet to read.
 
 Grammar masks are not futures: they need the committed tokens on the host, so a forward holding a
 grammar request reads its tokens back and advances the matchers before it returns; the next
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import logging
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -46,6 +49,16 @@ class OverlapForwarder:
         self.device = device
         self.is_spec = is_spec
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="eagleserve-fwd")
+        # The last two batches as they were launched (the forward replaces some of its
+        # snapshot's tensors), so every tensor a forward reads stays referenced until its result
+        # has been collected: the scheduler collects N after launching N+1, and `collect` waits
+        # for the copies queued behind N's forward, so N's kernels are done when N+2 launches.
+        # A tensor the scheduler made for N (input ids, slots, lengths) and dropped sooner goes
+        # back to the pool of the scheduler's stream, which orders its reuse after that
+        # stream's work only: the next batch's inputs could take the block and overwrite it
+        # while N's forward, on the forward stream, has yet to read it (SGLang's overlap thread
+        # keeps its last two batches for the same reason).
+        self._launched: deque[ScheduleBatch] = deque(maxlen=2)
         mod = device_module(device) if device.type != "cpu" else None
         self.stream = mod.Stream() if mod is not None else None
         self._mod = mod
@@ -61,6 +74,7 @@ class OverlapForwarder:
     def launch(self, batch: ScheduleBatch) -> Future[GenerationBatchResult]:
         """Submits `batch`, then rewrites the host batch's next inputs as futures."""
         snapshot = copy.copy(batch)  # the host mutates `batch` while the forward runs
+        self._launched.append(copy.copy(batch))
         if self.is_spec:
             self.future_map.expect_publish()
         caller_stream = self._mod.current_stream() if self._mod is not None else None
