@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -241,7 +242,8 @@ def tune_kernel(kernel: str, inp: Inputs, cands: list[GemvConfig],
     default = gc.DEFAULTS[kernel]
     ref = {r: [t.clone() for t in outputs(kernel, inp, r)] for r in rows}
     results = []
-    for c in [default, *(c for c in cands if c != default)]:
+    todo = [default, *(c for c in cands if c != default)]
+    for c in tqdm(todo, desc=f"{kernel} settings", mininterval=5, leave=False):
         row: dict[str, Any] = {"config": asdict(c), "default": c == default}
         if c in errors:
             results.append({**row, "error": errors[c]})
