@@ -18,11 +18,14 @@ from eagleserve import Engine, SamplingParams
 from eagleserve.scheduler.overlap import OverlapForwarder
 from eagleserve.spec.head_loader import init_eagle_head, save_eagle_head
 
+# On a GPU host the forward runs on its own stream there, where the hazard is real.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
 
 @pytest.fixture(scope="module")
 def head_dir(model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> str:  # noqa: F811
     """A random EAGLE head for the model."""
-    eng = Engine(model=model_dir, device="cpu", kv_cache_tokens=256)
+    eng = Engine(model=model_dir, device=DEVICE, kv_cache_tokens=256)
     head = init_eagle_head("EAGLE", eng.scheduler.worker.runner.model, seed=3)
     path = str(tmp_path_factory.mktemp("overlap-head"))
     save_eagle_head(head, path)
@@ -41,7 +44,7 @@ def test_a_launched_batchs_tensors_live_until_its_result_is_collected(
                  speculative_num_draft_tokens=4)  # fmt: skip
     eng = Engine(
         model=model_dir,
-        device="cpu",
+        device=DEVICE,
         kv_cache_tokens=1024,
         max_running_requests=8,
         disable_overlap_schedule=False,  # an accelerator's default
