@@ -304,63 +304,89 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     name = gc.device_name(device)
     path = gc.table_path(name, Path(args.config_dir))
     old = gc.read_table(path)
-    configs = {k: dict(v) for k, v in old.configs.items()}
-    max_rows = dict(old.max_rows)
+    table = GemvTable({k: dict(v) for k, v in old.configs.items()}, dict(old.max_rows))
     res: dict[str, Any] = {"device": name, "torch": torch.__version__, "dtype": args.dtype,
                            "rows": list(rows), "config_file": str(path), "shapes": {}}  # fmt: skip
-    t_start = time.perf_counter()
-    for shape in args.shapes.split(","):
-        layer = Layer.of(shape)
-        inp = Inputs(layer, dtype, device, max(rows))
-        cands = {k: candidates(k, layer, warps, stages) for k in gc.DEFAULTS}
-        errors: dict[GemvConfig, str] = {}
-        procs = args.procs if args.procs is not None else (0 if device.type == "cpu" else 12)
-        if procs:
-            jobs = [(k, c) for k in gc.DEFAULTS for c in cands[k]]
-            t0 = time.perf_counter()
-            ctx = mp.get_context("spawn")
-            with ProcessPoolExecutor(min(procs, os.cpu_count() or 1), mp_context=ctx) as pool:
-                done = pool.map(_compile, [(k, shape, args.dtype, str(device), asdict(c))
-                                           for k, c in jobs])  # fmt: skip
-                errors = {c: e for (_, c), e in zip(jobs, done, strict=True) if e is not None}
-            print(f"{shape}: {len(jobs)} candidates compiled in {time.perf_counter() - t0:.0f} s "
-                  f"({len(errors)} failed)", flush=True)  # fmt: skip
-        shape_res: dict[str, Any] = {"layer": asdict(layer), "kernels": {}}
-        gemv_total = dict.fromkeys(rows, 0.0)
-        fused_total = dict.fromkeys(rows, 0.0)
-        table = []
-        for kernel in gc.DEFAULTS:
-            results = tune_kernel(kernel, inp, cands[kernel], errors, rows, device)
-            win = best(results)
-            fused = {r: time_fused(kernel, inp, r, device) for r in rows}
-            n, k = layer.weight(kernel)
-            configs.setdefault(kernel, {})[gc.shape_key(n, k, dtype)] = GemvConfig(**win["config"])
-            for r in rows:
-                gemv_total[r] += win["us"][r]
-                fused_total[r] += fused[r]
-            default = results[0].get("us", {})
-            for r in rows:
-                table.append((kernel, r, default.get(r, float("nan")), win["us"][r], fused[r]))
-            shape_res["kernels"][kernel] = {"best": win["config"], "fused_us": fused,
-                                            "candidates": results}  # fmt: skip
-        layer_rows = gemv_max_rows(gemv_total, fused_total)
-        max_rows[gc.layer_key(layer.hidden, layer.intermediate, dtype)] = layer_rows
-        shape_res.update(gemv_us=gemv_total, fused_us=fused_total, gemv_max_rows=layer_rows)
-        res["shapes"][shape] = shape_res
-        print_table(("kernel", "rows", "default us", "tuned us", "fused+cuBLAS us"), table,
-                    title=f"{shape} on {name} ({args.dtype})")  # fmt: skip
-        for kernel in gc.DEFAULTS:
-            print(f"  {kernel}: {shape_res['kernels'][kernel]['best']}")
-        print("  layer (4 kernels) tuned GEMV vs fused, us by rows: "
-              + ", ".join(f"{r}: {gemv_total[r]:.1f} vs {fused_total[r]:.1f}" for r in rows)
-              + f" -> gemv_max_rows {layer_rows}", flush=True)  # fmt: skip
     meta = {"device": name, "torch": torch.__version__, "triton": _triton_version(),
             "written_by": "bench/tune_gemv.py --shapes " + args.shapes}  # fmt: skip
-    gc.write_table(path, GemvTable(configs, max_rows), meta)
-    res["seconds"] = time.perf_counter() - t_start
-    _save(res, args.out)
+    t_start = time.perf_counter()
+
+    def save() -> None:  # after every kernel: a run stopped early keeps what it measured
+        gc.write_table(path, table, meta)
+        res["seconds"] = time.perf_counter() - t_start
+        _save(res, args.out)
+
+    procs = args.procs if args.procs is not None else (0 if device.type == "cpu" else 12)
+    for shape in args.shapes.split(","):
+        res["shapes"][shape] = {}
+        tune_shape(shape, dtype, device, rows, candidates_of(shape, warps, stages), procs,
+                   table, res["shapes"][shape], save)  # fmt: skip
     print(f"wrote {path} and {args.out} ({res['seconds']:.0f} s)")
     return res
+
+
+def candidates_of(shape: str, warps: tuple[int, ...], stages: tuple[int | None, ...]
+                  ) -> dict[str, list[GemvConfig]]:  # fmt: skip
+    layer = Layer.of(shape)
+    return {k: candidates(k, layer, warps, stages) for k in gc.DEFAULTS}
+
+
+def compile_all(
+    shape: str, dtype: torch.dtype, device: torch.device, cands: dict[str, list[GemvConfig]],
+    procs: int,
+) -> dict[GemvConfig, str]:  # fmt: skip
+    """Every candidate compiled into Triton's cache by `procs` processes; the ones that failed."""
+    jobs = [(k, c) for k in gc.DEFAULTS for c in cands[k]]
+    t0 = time.perf_counter()
+    ctx = mp.get_context("spawn")
+    with ProcessPoolExecutor(min(procs, os.cpu_count() or 1), mp_context=ctx) as pool:
+        done = pool.map(_compile, [(k, shape, gc.dtype_name(dtype), str(device), asdict(c))
+                                   for k, c in jobs])  # fmt: skip
+        errors = {c: e for (_, c), e in zip(jobs, done, strict=True) if e is not None}
+    print(f"{shape}: {len(jobs)} candidates compiled in {time.perf_counter() - t0:.0f} s "
+          f"({len(errors)} failed)", flush=True)  # fmt: skip
+    return errors
+
+
+def tune_shape(shape: str, dtype: torch.dtype, device: torch.device, rows: tuple[int, ...],
+               cands: dict[str, list[GemvConfig]], procs: int, table: GemvTable,
+               shape_res: dict[str, Any], save: Callable[[], None]) -> None:  # fmt: skip
+    """Each kernel of one layer shape tuned into `table` (saved after each), then the layer's
+    GEMV row limit; every candidate's times into `shape_res`."""
+    layer = Layer.of(shape)
+    inp = Inputs(layer, dtype, device, max(rows))
+    errors = compile_all(shape, dtype, device, cands, procs) if procs else {}
+    shape_res.update(layer=asdict(layer), kernels={})
+    gemv_total = dict.fromkeys(rows, 0.0)
+    fused_total = dict.fromkeys(rows, 0.0)
+    lines = []
+    for kernel in gc.DEFAULTS:
+        results = tune_kernel(kernel, inp, cands[kernel], errors, rows, device)
+        win = best(results)
+        fused = {r: time_fused(kernel, inp, r, device) for r in rows}
+        n, k = layer.weight(kernel)
+        table.configs.setdefault(kernel, {})[gc.shape_key(n, k, dtype)] = GemvConfig(
+            **win["config"]
+        )
+        default = results[0].get("us", {})
+        for r in rows:
+            gemv_total[r] += win["us"][r]
+            fused_total[r] += fused[r]
+            lines.append((kernel, r, default.get(r, float("nan")), win["us"][r], fused[r]))
+        shape_res["kernels"][kernel] = {"best": win["config"], "fused_us": fused,
+                                        "candidates": results}  # fmt: skip
+        save()
+    layer_rows = gemv_max_rows(gemv_total, fused_total)
+    table.max_rows[gc.layer_key(layer.hidden, layer.intermediate, dtype)] = layer_rows
+    shape_res.update(gemv_us=gemv_total, fused_us=fused_total, gemv_max_rows=layer_rows)
+    save()
+    print_table(("kernel", "rows", "default us", "tuned us", "fused+cuBLAS us"), lines,
+                title=f"{shape} on {gc.device_name(device)} ({gc.dtype_name(dtype)})")  # fmt: skip
+    for kernel in gc.DEFAULTS:
+        print(f"  {kernel}: {shape_res['kernels'][kernel]['best']}")
+    print("  layer (4 kernels) tuned GEMV vs fused, us by rows: "
+          + ", ".join(f"{r}: {gemv_total[r]:.1f} vs {fused_total[r]:.1f}" for r in rows)
+          + f" -> gemv_max_rows {layer_rows}", flush=True)  # fmt: skip
 
 
 def _triton_version() -> str:
