@@ -103,13 +103,16 @@ def read_table(path: Path) -> GemvTable:
     if not path.is_file():
         return GemvTable({}, {})
     raw = json.loads(path.read_text())
-    configs = {
-        kernel: {key: GemvConfig.from_json(c) for key, c in by_shape.items()}
-        for kernel, by_shape in raw.get("configs", {}).items()
-    }
-    unknown = set(configs) - set(DEFAULTS)
+    unknown = set(raw.get("configs", {})) - set(DEFAULTS)
     if unknown:
         raise ValueError(f"{path}: unknown GEMV kernels {sorted(unknown)}")
+    configs: dict[str, dict[str, GemvConfig]] = {}
+    for kernel, by_shape in raw.get("configs", {}).items():
+        for key, entry in by_shape.items():
+            try:
+                configs.setdefault(kernel, {})[key] = GemvConfig.from_json(entry)
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"{path}: {kernel} {key}: {e}") from None
     return GemvTable(configs, {k: int(v) for k, v in raw.get("gemv_max_rows", {}).items()})
 
 
