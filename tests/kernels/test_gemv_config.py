@@ -17,7 +17,11 @@ from triton_mode import DEVICE  # before triton is imported: picks the interpret
 pytest.importorskip("triton")
 
 from test_triton_fused import close, randn  # noqa: E402
-from test_triton_gemv import SHAPES, assert_rows_do_not_depend_on_the_batch  # noqa: E402
+from test_triton_gemv import (  # noqa: E402
+    SHAPES,
+    assert_rows_do_not_depend_on_the_batch,
+    rotary,
+)
 
 from bench import tune_gemv  # noqa: E402
 from eagleserve.kernels import gemv_config as gc  # noqa: E402
@@ -94,6 +98,31 @@ def test_tuned_settings_keep_rows_independent_of_the_batch(config_dir: Path) -> 
     }, {})  # fmt: skip
     assert gc.config_for("silu_mul_gemm", hidden, inter, dtype, DEVICE).split_k == 2
     assert_rows_do_not_depend_on_the_batch(dtype)
+
+
+@pytest.mark.parametrize("block_c", [16, 32, 64])
+def test_a_large_models_head_size_with_wider_column_blocks(block_c: int) -> None:
+    """head_dim 128 (Llama-3-8B's; GQA group 4), whose rotary halves take column blocks up to
+    64, as the tuner tries them: the qkv kernel still equals add_rms_norm, the Linear and
+    rope_store_kv_, the K/V slots included."""
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,))))
+    dtype, rows, hidden, nh, nkv, d = torch.bfloat16, 3, 64, 4, 1, 128
+    x, res = randn(rows, hidden, gen=gen, dtype=dtype), randn(rows, hidden, gen=gen, dtype=dtype)
+    norm_w = 1 + 0.1 * randn(hidden, gen=gen, dtype=dtype)
+    w = randn((nh + 2 * nkv) * d, hidden, gen=gen, dtype=dtype) / hidden**0.5
+    cos, sin = rotary(rows, d, gen, dtype)
+    k_buf, v_buf = (randn(rows + 4, nkv, d, gen=gen, dtype=dtype) for _ in range(2))
+    loc = torch.randperm(rows + 4, generator=gen)[:rows].to(DEVICE)
+    k_ref, v_ref = k_buf.clone(), v_buf.clone()
+    normed, _ = tf.add_rms_norm(x, res, norm_w, 1e-5)
+    qkv_ref = F.linear(normed, w).view(rows, nh + 2 * nkv, d)
+    tf.rope_store_kv_(qkv_ref, nh, cos, sin, k_ref, v_ref, loc)
+    with gc.overriding(block_n=block_c, block_k=32):
+        qkv, _ = tg.norm_qkv_rope_store_kv(x, res, norm_w, 1e-5, w, None, nh, cos, sin, k_buf,
+                                           v_buf, loc)  # fmt: skip
+    close(qkv, qkv_ref)
+    close(k_buf, k_ref)
+    close(v_buf, v_ref)
 
 
 @pytest.mark.parametrize(
