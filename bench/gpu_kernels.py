@@ -84,6 +84,18 @@ def gemv_settings(mode: str) -> contextlib.AbstractContextManager[None]:
     return gemv_config.overriding(**opts)
 
 
+def settings_in_force(shape: str, device: torch.device) -> dict[str, dict[str, Any]]:
+    """The GEMV kernels' settings for `shape`'s bf16 weights (tuned table or defaults, with a
+    mode's overrides), as the launches of a mode read them."""
+    from dataclasses import asdict
+
+    from bench.tune_gemv import Layer  # (it imports this module)
+
+    layer = Layer.of(shape)
+    return {k: asdict(gemv_config.config_for(k, *layer.weight(k), torch.bfloat16, device))
+            for k in gemv_config.DEFAULTS}  # fmt: skip
+
+
 def make_runner(path: str, device: torch.device, mode: str, graphs: bool) -> ModelRunner:
     fused = mode != "unfused"
     runner = ModelRunner(
@@ -264,6 +276,10 @@ def main() -> None:
             try:
                 with gemv_settings(mode):
                     run = measure(tmp, device, mode, args.iters)
+                    if mode.startswith("gemv") and shape != "tiny":
+                        res.setdefault("gemv_settings", {}).setdefault(shape, {})[mode] = (
+                            settings_in_force(shape, device)
+                        )
             except Exception as e:  # a setting that fails to compile or run costs its rows only
                 rows.append({"shape": shape, "mode": mode, "error": repr(e)[:500]})
                 print(f"{shape:<14}{'':>6}{mode:>15}  failed: {repr(e)[:200]}", flush=True)
