@@ -41,24 +41,27 @@ class AcceptedPaths:
 
     def extend(
         self, batch: ScheduleBatch, acc: AcceptResult, max_len: int, path: PathSlots | None = None
-    ) -> tuple[ForwardBatch, torch.Tensor | slice, torch.Tensor]:
+    ) -> tuple[ForwardBatch, torch.Tensor | slice, torch.Tensor | None]:
         """The head extend over each request's accepted path (token after node k with the
         feature of node k): its ForwardBatch, which of the [bs * width] path rows it holds, and
         each request's last row in it. On an accelerator every request keeps all `width` rows
         (a fixed shape: selecting the accepted ones would give a shape that depends on values,
-        a device->host sync); a row past a request's accept length writes its head K/V to slot
-        0 (never handed out) and is no request's last row. On a CPU, where that selection costs
-        no sync, only the accepted rows run. `path`: its positions and slots, if known."""
+        a device->host sync), as the verify left them: a row past a request's accept length
+        still holds its rejected node (token -1, its slot). `mask_path_rows`
+        (spec/draft_extend.py) sends those to token 0 and slot 0 (never handed out), inside the
+        extend graph or before an eager extend, and finds the last rows (None here). On a CPU,
+        where selecting costs no sync, only the accepted rows run. `path`: the positions and
+        slots, if known."""
         L, rpi, a = batch.seq_lens, batch.req_pool_indices, acc.accept_lens
         bs, width = acc.accept_index.shape
-        valid = acc.accept_index >= 0  # [bs, width]
         cols, slots = path or self.slots(L, rpi, width)
+        last_rows: torch.Tensor | None = None
         if self.fixed_shape:
             keep: torch.Tensor | slice = slice(None)
-            ids, positions = acc.output_tokens.clamp(min=0).reshape(-1), cols.reshape(-1)
-            locs = torch.where(valid, slots, 0).reshape(-1)
-            last_rows = self.iota(bs) * width + a - 1
+            ids, positions = acc.output_tokens.reshape(-1), cols.reshape(-1)
+            locs = slots.reshape(-1)
         else:
+            valid = acc.accept_index >= 0  # [bs, width]
             keep = valid.reshape(-1)
             ids, positions, locs = acc.output_tokens[valid], cols[valid], slots[valid]
             last_rows = torch.cumsum(a, 0) - 1

@@ -4,7 +4,8 @@ graph (`DraftExtendGraphs`; SGLang's EAGLEDraftExtendCudaGraphRunner).
 
 After a verify an accelerator keeps the extend at a fixed shape (spec/eagle_worker.py,
 `AcceptedPaths.extend`): every request holds all `width` rows of its accepted path, a row past its
-accept length writes its head K/V to slot 0 and seeds nothing. That is a forward of `width`
+accept length writes its head K/V to slot 0 and seeds nothing (`mask_path_rows`, done inside the
+graph: no launch from the host). That is a forward of `width`
 tokens per request, the shape a graph replays; only the accept lengths vary, and they enter as
 data. Eager, the same extend costs a hundred-odd small kernels launched from the host per
 iteration.
@@ -28,13 +29,16 @@ logger = logging.getLogger(__name__)
 
 
 def last_rows_forward(
-    head: EagleHead, fb: ForwardBatch, features: torch.Tensor, last_rows: torch.Tensor
+    head: EagleHead, fb: ForwardBatch, features: torch.Tensor, last_rows: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(logits, next features) of each request's last row of the extend `fb` (`last_rows`, one
     per request), with every row's head KV written. Only the last rows run the whole layer
     (attention, MLP, lm_head): a draft starts from them, and the other rows' K/V depend on their
     own inputs alone, so they stop after the K/V projection. Padding rows (out_cache_loc 0) may
-    follow a request's last one, at position prefix_lens + extend_lens - 1."""
+    follow a request's last one, at position prefix_lens + extend_lens - 1. `last_rows` None:
+    a fixed-shape path extend as the verify left it, masked first (`mask_path_rows`)."""
+    if last_rows is None:
+        fb, last_rows = mask_path_rows(fb)
     if fb.input_ids.shape[0] == fb.batch_size:  # one row per request: all are last rows
         with forward_context(fb):
             return head(fb.input_ids, features, fb.positions)
@@ -50,6 +54,23 @@ def last_rows_forward(
     with forward_context(last):
         head.write_kv(fb.input_ids, features, fb.positions, fb.out_cache_loc)
         return head(last.input_ids, features[last_rows], last.positions)
+
+
+def mask_path_rows(fb: ForwardBatch) -> tuple[ForwardBatch, torch.Tensor]:
+    """A fixed-shape path extend (`width` rows per request, `extend_lens` of them accepted) as
+    it runs, and each request's last row: a row past its request's accept length gets token 0
+    and KV slot 0 (never handed out), so it writes no K/V anyone reads. A batch already masked
+    comes out the same."""
+    width, bs = fb.host.max_extend, fb.batch_size
+    a = fb.extend_lens
+    step = torch.arange(width, device=a.device)
+    valid = (step[None, :] < a[:, None]).reshape(-1)
+    masked = dataclasses.replace(
+        fb,
+        input_ids=fb.input_ids.clamp(min=0),
+        out_cache_loc=torch.where(valid, fb.out_cache_loc, 0),
+    )
+    return masked, torch.arange(bs, device=a.device) * width + a - 1
 
 
 def seed_from_logits(
@@ -106,15 +127,19 @@ class DraftExtendGraphs:
         has them. A bucket's padding rows have accept length 0: taken as 1 (slot 0, an empty
         prefix), so they read valid memory."""
         width, bs = fb.host.max_extend, fb.batch_size
-        a = extras["accept_lens"].view(bs, width)[:, 0].clamp(min=1)
+        row_lens = extras["accept_lens"]
+        step = torch.arange(bs * width, device=row_lens.device) % width
+        ids = fb.input_ids.clamp(min=0)  # as mask_path_rows: rejected rows to token 0, slot 0
+        locs = torch.where(step < row_lens, fb.out_cache_loc, 0)
+        a = row_lens.view(bs, width)[:, 0].clamp(min=1)
         last_rows = torch.arange(bs, device=a.device) * width + a - 1
         committed = fb.prefix_lens + a - 1
         static = hasattr(self.attn_backend, "init_forward_metadata_static")
         last = ForwardBatch(
             mode="draft",
-            input_ids=fb.input_ids[last_rows],
+            input_ids=ids[last_rows],
             positions=fb.positions[last_rows],
-            out_cache_loc=fb.out_cache_loc[last_rows],
+            out_cache_loc=locs[last_rows],
             req_pool_indices=fb.req_pool_indices,
             prefix_lens=committed,
             extend_lens=torch.ones_like(a),
@@ -127,7 +152,7 @@ class DraftExtendGraphs:
             self.attn_backend.init_forward_metadata_static(last)  # type: ignore[attr-defined]
         features = extras["features"]
         with forward_context(last):
-            self.head.write_kv(fb.input_ids, features, fb.positions, fb.out_cache_loc)
+            self.head.write_kv(ids, features, fb.positions, locs)
             logits, next_feats = self.head(last.input_ids, features[last_rows], last.positions)
         seed = seed_from_logits(self.head, logits, next_feats, 1)
         return seed.topk_p, seed.topk_index, seed.hidden_states

@@ -150,12 +150,13 @@ class EagleDraftWorker:
         self,
         fb: ForwardBatch,
         features: torch.Tensor,
-        last_rows: torch.Tensor,
+        last_rows: torch.Tensor | None,
         allowed: torch.Tensor | None = None,
     ) -> EagleDraftInput:
         """Head forward over `fb`'s tokens (its layout, the head's KV): token j is paired with
         the target feature of the token before it. Returns the seed of the next draft; its top-k
-        only among `allowed` [bs, V] (the grammar after the committed tokens) when given."""
+        only among `allowed` [bs, V] (the grammar after the committed tokens) when given.
+        `last_rows` None: a fixed-shape path extend as the verify left it (mask_path_rows)."""
         if allowed is None and self.extend_graphs is not None:
             seed = self.extend_graphs.replay(fb, features)
             if seed is not None:
@@ -166,7 +167,7 @@ class EagleDraftWorker:
         )
 
     def extend_forward(
-        self, fb: ForwardBatch, features: torch.Tensor, last_rows: torch.Tensor
+        self, fb: ForwardBatch, features: torch.Tensor, last_rows: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`last_rows_forward` of the head over `fb`'s tokens, in the head's KV."""
         return last_rows_forward(self.head, self._in_head_kv(fb), features, last_rows)

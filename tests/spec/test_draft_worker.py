@@ -1,5 +1,6 @@
 """The head's extend runs the whole layer only on each request's last row: the KV it leaves and
-the seed it returns equal those of the whole layer over every row."""
+the seed it returns equal those of the whole layer over every row. A fixed-shape path extend's
+rejected rows are masked to token 0 and slot 0 before it runs."""
 
 from __future__ import annotations
 
@@ -12,10 +13,10 @@ from conftest import SPEC_VOCAB, make_forward_batch, save_spec_target
 
 from eagleserve.config import ModelConfig
 from eagleserve.layers.attention import TorchAttnBackend
-from eagleserve.layers.forward_batch import ForwardBatch, forward_context
+from eagleserve.layers.forward_batch import ForwardBatch, HostLens, forward_context
 from eagleserve.mem_cache.kv_cache import ReqToTokenPool, TokenToKVPool
 from eagleserve.model_executor.model_runner import ModelRunner
-from eagleserve.spec.draft_extend import last_rows_forward
+from eagleserve.spec.draft_extend import last_rows_forward, mask_path_rows
 from eagleserve.spec.eagle_head import EagleHead
 from eagleserve.spec.head_loader import init_eagle_head
 
@@ -131,3 +132,41 @@ def test_fused_projections_leave_a_packed_head_unchanged(
     assert bool(pools[0].k_buffer[0][loc].abs().sum() > 0)
     assert torch.equal(pools[0].k_buffer[0], pools[1].k_buffer[0])
     assert torch.equal(pools[0].v_buffer[0], pools[1].v_buffer[0])
+
+
+def test_a_path_extend_is_masked_past_each_accept_length() -> None:
+    """As the verify leaves it, a fixed-shape path extend holds every node: a rejected one has
+    token -1 and its own slot. Masked, such a row has token 0 and slot 0 (never handed out),
+    accepted rows are kept as they are, the last row of each request is its last accepted
+    one, and masking a masked batch changes nothing."""
+    bs, width = int(torch.randint(2, 6, ())), int(torch.randint(2, 6, ()))
+    a = torch.randint(1, width + 1, (bs,))
+    a[0] = 1  # at least one rejected node
+    step = torch.arange(width)
+    accepted = step[None, :] < a[:, None]
+    tokens = torch.where(accepted, torch.randint(0, SPEC_VOCAB, (bs, width)), -1).reshape(-1)
+    slots = (torch.randperm(500)[: bs * width] + 1).reshape(-1)
+    prefix = torch.randint(0, 50, (bs,))
+    fb = ForwardBatch(
+        mode="extend",
+        input_ids=tokens,
+        positions=(prefix[:, None] + step[None, :]).reshape(-1),
+        out_cache_loc=slots,
+        req_pool_indices=torch.randperm(bs),
+        prefix_lens=prefix,
+        extend_lens=a,
+        host=HostLens(width, int(prefix.max()) + width, width == 1),
+        kv_pool=None,  # type: ignore[arg-type]
+        attn_backend=None,  # type: ignore[arg-type]
+    )
+    masked, last_rows = mask_path_rows(fb)
+    keep = accepted.reshape(-1)
+    assert torch.equal(masked.input_ids[keep], tokens[keep])
+    assert torch.equal(masked.out_cache_loc[keep], slots[keep])
+    assert (masked.input_ids[~keep] == 0).all() and (masked.out_cache_loc[~keep] == 0).all()
+    assert torch.equal(masked.positions, fb.positions)
+    assert last_rows.tolist() == [b * width + int(a[b]) - 1 for b in range(bs)]
+    again, rows_again = mask_path_rows(masked)
+    assert torch.equal(again.input_ids, masked.input_ids)
+    assert torch.equal(again.out_cache_loc, masked.out_cache_loc)
+    assert torch.equal(rows_again, last_rows)
