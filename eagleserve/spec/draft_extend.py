@@ -127,19 +127,16 @@ class DraftExtendGraphs:
         has them. A bucket's padding rows have accept length 0: taken as 1 (slot 0, an empty
         prefix), so they read valid memory."""
         width, bs = fb.host.max_extend, fb.batch_size
-        row_lens = extras["accept_lens"]
-        step = torch.arange(bs * width, device=row_lens.device) % width
-        ids = fb.input_ids.clamp(min=0)  # as mask_path_rows: rejected rows to token 0, slot 0
-        locs = torch.where(step < row_lens, fb.out_cache_loc, 0)
-        a = row_lens.view(bs, width)[:, 0].clamp(min=1)
-        last_rows = torch.arange(bs, device=a.device) * width + a - 1
+        a = extras["accept_lens"].view(bs, width)[:, 0].clamp(min=1)
+        # Padding requests' rows hold slot 0 already; a real request accepts at least 1.
+        path, last_rows = mask_path_rows(dataclasses.replace(fb, extend_lens=a))
         committed = fb.prefix_lens + a - 1
         static = hasattr(self.attn_backend, "init_forward_metadata_static")
         last = ForwardBatch(
             mode="draft",
-            input_ids=ids[last_rows],
+            input_ids=path.input_ids[last_rows],
             positions=fb.positions[last_rows],
-            out_cache_loc=locs[last_rows],
+            out_cache_loc=path.out_cache_loc[last_rows],
             req_pool_indices=fb.req_pool_indices,
             prefix_lens=committed,
             extend_lens=torch.ones_like(a),
@@ -152,7 +149,7 @@ class DraftExtendGraphs:
             self.attn_backend.init_forward_metadata_static(last)  # type: ignore[attr-defined]
         features = extras["features"]
         with forward_context(last):
-            self.head.write_kv(ids, features, fb.positions, locs)
+            self.head.write_kv(path.input_ids, features, fb.positions, path.out_cache_loc)
             logits, next_feats = self.head(last.input_ids, features[last_rows], last.positions)
         seed = seed_from_logits(self.head, logits, next_feats, 1)
         return seed.topk_p, seed.topk_index, seed.hidden_states
