@@ -146,10 +146,12 @@ def commit_tree_paths_host(
     if not live:
         return
     assert result.tree_path is not None and result.tree_nodes is not None
+    # A synchronous forward hands its result over on the device (the overlap path's to_host
+    # copy is already on the host); its tokens were read back by now, so this waits for nothing.
     commit_tree_path(
         pool.req_to_token_host,
         torch.tensor([reqs[i].req_pool_idx for i in live]),
         torch.tensor([reqs[i].kv_committed_len for i in live]),
-        result.tree_path[live],
+        result.tree_path[live].cpu(),
         result.tree_nodes,
     )

@@ -3,6 +3,7 @@ req_to_token rows exactly as they reordered the device's, for the requests that 
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from eagleserve.core import FinishReason, GenerationBatchResult, Req, SamplingParams
@@ -23,10 +24,15 @@ def random_paths(bs: int, n: int, depth: int, gen: torch.Generator) -> torch.Ten
     return paths
 
 
-def test_the_hosts_rows_follow_the_devices_tree_paths() -> None:
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+# A synchronous forward's result stays on its device (the overlap path copies it to the host).
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_hosts_rows_follow_the_devices_tree_paths(device: str) -> None:
     gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,))))
     bs, n, depth, width = 5, 8, 3, 40
-    pool = ReqToTokenPool(bs + 2, width, torch.device("cpu"))
+    pool = ReqToTokenPool(bs + 2, width, torch.device(device))
     rows = torch.randperm(bs + 2, generator=gen)[:bs]
     slots = torch.randperm(2000, generator=gen)[: (bs + 2) * width].view(bs + 2, width) + 1
     pool.req_to_token.copy_(slots)
@@ -42,16 +48,17 @@ def test_the_hosts_rows_follow_the_devices_tree_paths() -> None:
     paths = random_paths(bs, n, depth, gen)
     paths[0, :2], paths[0, 2:] = torch.tensor([0, n - 1]), -1  # at least one row moves a node
     lens = torch.tensor([r.kv_committed_len for r in reqs])
-    commit_tree_path(pool.req_to_token, rows, lens, paths, n)  # what the verify did
-    result = GenerationBatchResult(torch.zeros(bs, depth + 1, dtype=torch.long))
-    result.tree_path, result.tree_nodes = paths, n
+    on = torch.device(device)
+    commit_tree_path(pool.req_to_token, rows.to(on), lens.to(on), paths.to(on), n)  # the verify
+    result = GenerationBatchResult(torch.zeros(bs, depth + 1, dtype=torch.long, device=on))
+    result.tree_path, result.tree_nodes = paths.to(on), n
     commit_tree_paths_host(pool, reqs, result, partial)
     for b, req in enumerate(reqs):
-        host, device = pool.req_to_token_host[rows[b]], pool.req_to_token[rows[b]]
+        host, on_device = pool.req_to_token_host[rows[b]], pool.req_to_token[rows[b]].cpu()
         if req.finished or req is partial:
             assert torch.equal(host, slots[rows[b]])
             continue
-        assert torch.equal(host, device)
+        assert torch.equal(host, on_device)
         path = paths[b][paths[b] >= 0]  # the accepted nodes now sit at L, L + 1, ...
         L = req.kv_committed_len
         assert torch.equal(host[L : L + len(path)], slots[rows[b], L + path])
