@@ -47,8 +47,9 @@ class TrainConfig:
     seed: int = 0
     max_steps: int | None = None  # stop early; --resume continues the same schedule
     soft_labels: bool = False  # CE against the target's top-k where a batch carries it
-    # Wall-time budget in seconds (None: none). The schedule's length is re-estimated from the
-    # measured step time after CALIBRATION_STEPS, so the cosine ends when the budget does.
+    # Wall-time budget in seconds (None: none). The schedule's length is estimated from the
+    # measured step time after CALIBRATION_STEPS and re-estimated at every device wait, so the
+    # cosine ends when the budget does.
     budget_s: float | None = None
     ttt_attention: str = "merge"  # train/ttt.py TTT_ATTENTION: how depths >= 1 attend
     # torch.compile the depth's forward and its loss (dynamic shapes: one graph per depth):
@@ -197,7 +198,7 @@ def train_head(
     fused = params[0].device.type != "cpu" or None
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0, betas=(0.9, 0.95), fused=fused)
     per_epoch = source.per_epoch
-    total = math.ceil(per_epoch * cfg.epochs)
+    total = data_steps = math.ceil(per_epoch * cfg.epochs)
     warm = max(1, min(50, total // 20))
     step, ema = 0, {}
     if start_state is not None:
@@ -233,16 +234,25 @@ def train_head(
         elapsed = time.time() - t0
         stop = elapsed / 60 > cfg.max_minutes or step == cfg.max_steps
         stop = stop or (cfg.budget_s is not None and elapsed > cfg.budget_s)
-        if cfg.budget_s is not None:
-            if step == first + CALIBRATION_SKIP:
-                t_cal = elapsed  # the first steps pay for warm-up (allocator, kernels)
-            elif step == first + CALIBRATION_SKIP + CALIBRATION_STEPS:
-                total = budget_steps(total, step, elapsed, t_cal, cfg.budget_s)
-                bar.total = total
-        save = step % cfg.save_every == 0 or step == total or stop
-        if save or step % POSTFIX_EVERY == 0:  # reading the metrics waits for the device
+        synced = step % POSTFIX_EVERY == 0
+        if synced:  # reading the metrics waits for the device
             ema = {k: float(v) for k, v in dev_ema.items()}
             bar.set_postfix({k: f"{v:.3f}" for k, v in ema.items()})
+            elapsed = time.time() - t0
+        if cfg.budget_s is not None and not stop:
+            measured = step - first - CALIBRATION_SKIP
+            if measured == 0:
+                t_cal = elapsed  # the first steps pay for warm-up (allocator, kernels)
+            elif measured == CALIBRATION_STEPS or (measured > CALIBRATION_STEPS and synced):
+                # Re-sized at every device wait, where the host's clock is the device's, from
+                # all steps since the warm-up: batches differ in length, and a first estimate
+                # taken while the host ran ahead of the device, or on a few long batches, would
+                # end the schedule early or late.
+                total = budget_steps(data_steps, step, elapsed, t_cal, measured, cfg.budget_s)
+                bar.total = total
+        save = step % cfg.save_every == 0 or step == total or stop
+        if save and not synced:
+            ema = {k: float(v) for k, v in dev_ema.items()}
         bar.update(1)
         if save:
             save_checkpoint(head, opt, step, ema, cfg.out_dir)
@@ -260,10 +270,12 @@ CALIBRATION_SKIP = 3
 CALIBRATION_STEPS = 10
 
 
-def budget_steps(total: int, step: int, elapsed: float, t_cal: float, budget_s: float) -> int:
-    """The schedule length that ends within `budget_s` at the step time measured over the
-    last CALIBRATION_STEPS steps (never longer than `total`, never before `step`)."""
-    per_step = max(1e-9, (elapsed - t_cal) / CALIBRATION_STEPS)
+def budget_steps(
+    total: int, step: int, elapsed: float, t_cal: float, measured: int, budget_s: float
+) -> int:
+    """The schedule length that ends within `budget_s` at the mean step time of the `measured`
+    steps since `t_cal` (never longer than `total`, the data's length; never before `step`)."""
+    per_step = max(1e-9, (elapsed - t_cal) / measured)
     return max(step + 1, min(total, step + int((budget_s - elapsed) / per_step)))
 
 

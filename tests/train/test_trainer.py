@@ -105,3 +105,49 @@ def test_compiled_step_equals_eager(tiny_model_dir: str) -> None:
             torch.testing.assert_close(m1[k], m0[k], atol=0.15, rtol=0)
         for a, b in zip(g1, g0, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6 + 1e-6 * b.abs().max().item())
+
+
+class _Clock:
+    """time.time for the trainer: each batch costs `slow` seconds for the first `warm` steps
+    (allocator, kernels, long batches), then `fast`."""
+
+    def __init__(self, warm: int, slow: float, fast: float) -> None:
+        self.now, self.steps, self.warm, self.slow, self.fast = 1000.0, 0, warm, slow, fast
+
+    def time(self) -> float:
+        return self.now
+
+    def advance(self) -> None:
+        self.now += self.slow if self.steps < self.warm else self.fast
+        self.steps += 1
+
+
+def test_a_budgeted_run_trains_until_its_budget(
+    tiny_model_dir: str, tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Slow first steps must not end the cosine schedule early: the run stops on its schedule
+    with most of the budget used, not a third of it."""
+    from eagleserve.train import trainer
+
+    target, _ = load_target(tiny_model_dir, "float32", 64)
+    head = init_eagle_head("EAGLE3", target, seed=int(torch.randint(0, 1000, ())))
+    g = torch.Generator().manual_seed(int(torch.randint(0, 10**6, ())))
+    depths, vocab = 2, head.lm_head.weight.shape[0]
+    fast = float(torch.empty(()).uniform_(0.1, 0.3, generator=g))
+    clock = _Clock(warm=20, slow=5 * fast, fast=fast)
+    budget = 60 * fast * 5
+
+    class Source:
+        per_epoch = 50
+
+        def batch(self, epoch: int, within: int) -> Batch:
+            clock.advance()
+            return _batch(2, 7, depths, head.feature_size, vocab, g)
+
+    monkeypatch.setattr(trainer, "time", clock)
+    cfg = TrainConfig(out_dir=str(tmp_path), depths=depths, epochs=100.0, save_every=10**6,
+                      budget_s=budget, lr=1e-3)  # fmt: skip
+    out = trainer.train_head(head, Source(), cfg)
+    used = clock.now - 1000.0
+    assert out["steps"] == out["total_steps"] < 50 * 100  # ended by the schedule, not the data
+    assert 0.9 * budget <= used <= budget + fast, (used, budget, out["steps"])
