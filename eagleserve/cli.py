@@ -64,6 +64,9 @@ FIELD_HELP: dict[str, str] = {
     "verify or extend row is computed bit for bit as its decode, so greedy speculative output "
     "equals the target's own on a GPU in bf16 too (Triton attention backend)",
     "disable_cuda_graph": "do not capture CUDA graphs for decode",
+    "skip_server_warmup": "on a GPU, report ready without the start-up warm-up generations "
+    "(one request alone, then 16 together), which compile the Triton kernels the first "
+    "requests would otherwise wait for",
     "disable_fused_kernels": "GPU: run the unfused torch decoder layers (no merged q/k/v and "
     "gate/up GEMMs, no fused norm/activation/rotary Triton kernels)",
     "cuda_graph_max_bs": "largest batch size captured in a CUDA graph (default: "
@@ -144,7 +147,8 @@ FIELD_GROUPS: dict[str, tuple[str, ...]] = {
                              "speculative_adaptive_probe_interval",
                              "speculative_adaptive_retime"),
     "GPU": ("device", "attention_backend", "enable_deterministic_inference",
-            "disable_cuda_graph", "disable_fused_kernels", "cuda_graph_max_bs"),
+            "disable_cuda_graph", "disable_fused_kernels", "cuda_graph_max_bs",
+            "skip_server_warmup"),
     "scaling out": ("tp_size", "dp_size", "dist_timeout"),
 }  # fmt: skip
 

@@ -179,6 +179,10 @@ class ServerArgs:
     # On a GPU: the Triton attention backend and Triton GEMMs/RMSNorm (kernels/batch_invariant.py).
     enable_deterministic_inference: bool = False
     disable_cuda_graph: bool = False
+    # On an accelerator, generate once alone and once in a batch of 16 before reporting ready,
+    # so Triton's first-launch compiles do not stall the first requests (scheduler/warmup.py;
+    # SGLang's flag name).
+    skip_server_warmup: bool = False
     # GPU: the decoder layers on merged q/k/v and gate/up GEMMs and the fused Triton kernels of
     # kernels/triton_fused.py (models/fused_forward.py); set to run the unfused torch layers.
     disable_fused_kernels: bool = False

@@ -34,6 +34,7 @@ from eagleserve.scheduler.overlap import OverlapForwarder
 from eagleserve.scheduler.prefill_adder import plan_prefill
 from eagleserve.scheduler.spec_stats import SpecStats
 from eagleserve.scheduler.target_worker import TargetWorker
+from eagleserve.scheduler.warmup import warm_up, warm_up_needed
 from eagleserve.spec.eagle_worker import EagleWorker
 
 logger = logging.getLogger(__name__)
@@ -108,6 +109,8 @@ class Scheduler:
         self.num_retracted = 0
         eagle = self.worker if isinstance(self.worker, EagleWorker) else None
         self.spec_stats = SpecStats(self.spec_config, eagle and eagle.drafter.acceptance_prior)
+        if warm_up_needed(args, self.device):
+            warm_up(self)
 
     # ---- admission -------------------------------------------------------------------------
     def add_request(self, msg: GenerateReqInput) -> None:
