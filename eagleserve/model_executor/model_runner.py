@@ -18,6 +18,7 @@ from eagleserve.model_executor.cuda_graph_runner import (
     GraphEpilogue,
     graphs_supported,
 )
+from eagleserve.model_executor.prefill_graphs import PrefillGraphs
 from eagleserve.models.llama import LlamaForCausalLM, ModelOutput
 from eagleserve.models.loader import load_weights
 from eagleserve.models.tp_shard import TpShard
@@ -162,6 +163,7 @@ class ModelRunner:
         logger.info("start-up: KV pool of %d tokens in %.2f s", kv_cache_tokens,
                     time.perf_counter() - t1)  # fmt: skip
         self.graphs: list[GraphedForward] = []
+        self.prefill_graphs: PrefillGraphs | None = None
 
     @classmethod
     def from_args(
@@ -200,9 +202,10 @@ class ModelRunner:
         tree: bool,
         verify_epilogue: GraphEpilogue | None = None,
     ) -> None:
-        """Device graphs for decode, and for verify with each of `verify_tokens` per request.
-        `verify_epilogue(fb, logits)`: tensors each verify graph also computes after its
-        forward (a chain's greedy acceptance), in the replay's ModelOutput.epilogue."""
+        """Device graphs for decode, for verify with each of `verify_tokens` per request, and
+        for a single request's prefill (prefill_graphs.py). `verify_epilogue(fb, logits)`:
+        tensors each verify graph also computes after its forward (a chain's greedy
+        acceptance), in the replay's ModelOutput.epilogue."""
         t0 = time.perf_counter()
         kinds: list[tuple[ForwardMode, int, bool]] = [("decode", 1, False)]
         kinds += [("verify", n, tree) for n in verify_tokens]
@@ -220,8 +223,12 @@ class ModelRunner:
             )
             graph.capture()
             self.graphs.append(graph)
-        logger.info("start-up: %d target graphs captured in %.2f s", len(kinds),
-                    time.perf_counter() - t0)  # fmt: skip
+        prefill = PrefillGraphs(lambda fb, extras: self._graph_outputs(fb, None),
+                                self.token_to_kv_pool, self.attn_backend, self.device)  # fmt: skip
+        prefill.capture()
+        self.prefill_graphs = prefill
+        logger.info("start-up: %d target graphs captured in %.2f s",
+                    len(kinds) + len(prefill.graphs), time.perf_counter() - t0)  # fmt: skip
 
     def _graph_outputs(
         self, fb: ForwardBatch, epilogue: GraphEpilogue | None
@@ -235,6 +242,13 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> ModelOutput:
         """One target forward: a captured graph when one computes `fb`, else eager."""
+        n = None if self.prefill_graphs is None else self.prefill_graphs.bucket(fb)
+        if n is not None:
+            assert self.prefill_graphs is not None
+            logits, hidden, *rest = self.prefill_graphs.replay(fb, n)
+            new = fb.host.max_extend  # the eager forward's rows: logits of its last token only
+            aux = rest[0][:new] if self.model.aux_layer_ids else None
+            return ModelOutput(logits[new - 1 : new], hidden[:new], aux, graph_buffers=True)
         for graph in self.graphs:
             if graph.can_replay(fb):
                 logits, hidden, *rest = graph.replay(fb)

@@ -231,3 +231,52 @@ def test_the_cost_table_times_what_serving_replays(
     assert sorted(drafter.loop_graphs) == [2, 3]
     assert sorted(drafter.extend_graphs.graphs) == [2, 3, 4]
     assert all(0 < s < float("inf") for s in table.seconds.values())
+
+
+@pytest.mark.parametrize("spec", ["target-only", "EAGLE3 chain 3"])
+def test_a_prefill_replays_its_graph_and_equals_the_eager_prefill(
+    target_dir: str, heads: dict[str, str], graphs: ReplayCount, spec: str
+) -> None:
+    """A single request's prefill replays the prefill graph of its bucket (prompts of 1 to
+    ~50 new tokens: buckets 16, 32 and 64; a prefix-cache hit pads only its new tokens) and
+    gives the eager prefill's tokens and prompt logprobs; a batch of prefills runs eagerly."""
+    extra = {} if spec == "target-only" else dict(
+        speculative_algorithm="EAGLE3", speculative_draft_model_path=heads["EAGLE3"], **CHAIN3
+    )  # fmt: skip
+
+    def engine() -> Engine:
+        eng = Engine(model=target_dir, device="cpu", kv_cache_tokens=192,
+                     max_running_requests=3, attention_backend="triton",
+                     disable_overlap_schedule=True, **extra)  # fmt: skip
+        if extra:
+            eng.scheduler.worker.paths.fixed_shape = True  # as on an accelerator
+        return eng
+
+    rng = random.Random()
+    rand = lambda n: [rng.randrange(1, VOCAB - 1) for _ in range(n)]  # noqa: E731
+    system = rand(rng.randrange(20, 30))
+    prompts = [rand(rng.randrange(1, 15)), rand(rng.randrange(17, 40)), system + rand(5),
+               system + rand(rng.randrange(1, 9))]  # fmt: skip
+    scored = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True,
+                            prompt_logprobs=0)  # fmt: skip
+    plain = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
+    graphed, eager = engine(), engine()
+    eager.scheduler.worker.runner.prefill_graphs = None
+    runner = graphed.scheduler.worker.runner
+    assert runner.prefill_graphs is not None and len(runner.prefill_graphs.graphs) >= 3
+    # One at a time; scored prompts match no cached prefix, so the plain ones come last: the
+    # system prompt is cached by then.
+    runs = [(p, scored) for p in prompts] + [(p, plain) for p in prompts[2:]]
+    got = [graphed.generate([p], params)[0] for p, params in runs]
+    want = [eager.generate([p], params)[0] for p, params in runs]
+    assert [o["token_ids"] for o in got] == [o["token_ids"] for o in want]
+    for a, b in zip(got[: len(prompts)], want, strict=False):
+        assert a["prompt_logprobs"][0] is None and b["prompt_logprobs"][0] is None
+        assert a["prompt_logprobs"][1:] == pytest.approx(b["prompt_logprobs"][1:], abs=1e-4)
+    replays = {n: graphs.of(g) for n, g in runner.prefill_graphs.graphs.items()}
+    assert sum(replays.values()) == len(runs) and replays[16] and replays[32], replays
+    assert graphed.stats().prefix_cache_hit_tokens_total >= len(system)
+    before = sum(replays.values())
+    together = graphed.generate(prompts[:2], plain)  # one prefill batch of two: eager
+    assert sum(graphs.of(g) for g in runner.prefill_graphs.graphs.values()) == before
+    assert [o["token_ids"] for o in together] == [o["token_ids"] for o in want[:2]]
