@@ -225,10 +225,14 @@ class ModelRunner:
             self.graphs.append(graph)
         prefill = PrefillGraphs(lambda fb, extras: self._graph_outputs(fb, None),
                                 self.token_to_kv_pool, self.attn_backend, self.device)  # fmt: skip
-        prefill.capture()
-        self.prefill_graphs = prefill
+        try:
+            prefill.capture()
+            self.prefill_graphs = prefill
+        except Exception:  # prefills still run, eagerly; tests/spec/test_gpu_paths.py
+            logger.exception("capturing the prefill graphs failed: prefilling eagerly")
         logger.info("start-up: %d target graphs captured in %.2f s",
-                    len(kinds) + len(prefill.graphs), time.perf_counter() - t0)  # fmt: skip
+                    len(self.graphs) + len(getattr(self.prefill_graphs, "graphs", ())),
+                    time.perf_counter() - t0)  # fmt: skip
 
     def _graph_outputs(
         self, fb: ForwardBatch, epilogue: GraphEpilogue | None
