@@ -7,9 +7,9 @@ cost), which the throughput table cannot tell apart.
 
 Each config is built, warmed as bench/gpu_table.py warms (2 requests x 80 tokens), then runs two
 passes of 8 held-out prompts one at a time (each request timed) and, with `--batch`, two passes
-of `--batch` requests at once. The first batch-1 pass of `--profile` (a config name) runs under
-cProfile, its top functions by own time in the JSON. Greedy, EOS ignored. Prints a table; writes
-bench/results/request_times.json.
+of `--batch` requests at once. The first batch-1 pass and the second batch pass (warm) of
+`--profile` (a config name) run under cProfile, their top functions by own time in the JSON.
+Greedy, EOS ignored. Prints a table; writes bench/results/request_times.json.
 """
 
 from __future__ import annotations
@@ -66,6 +66,13 @@ def timed_pass(eng: Any, batches: list[list[list[int]]], params: Any, sync: Any,
             "iterations_per_k": per_k}  # fmt: skip
 
 
+def profile_top(prof: cProfile.Profile) -> list[str]:
+    """The profile's 25 functions with the most own time, as pstats prints them."""
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(25)
+    return out.getvalue().splitlines()[:40]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--model", required=True)
@@ -109,18 +116,19 @@ def main() -> None:
             prof = cProfile.Profile() if name == args.profile and p == 0 else None
             res = timed_pass(eng, [[q] for q in ids], params, lambda: synchronize(dev), prof)
             if prof is not None:
-                s = io.StringIO()
-                pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(25)
-                res["profile_top"] = s.getvalue().splitlines()[:40]
+                res["profile_top"] = profile_top(prof)
             row["batch_1"].append(res)
             print(f"{name:<32} batch 1, pass {p + 1}: {res['tok_s']:8.1f} tok/s  request ms "
                   f"{res['request_ms']}{'  (profiled)' if prof else ''}", flush=True)  # fmt: skip
         for p in range(2 if args.batch else 0):
             reqs = [[ids[i % len(ids)] for i in range(args.batch)]]
-            res = timed_pass(eng, reqs, params, lambda: synchronize(dev), None)
+            prof = cProfile.Profile() if name == args.profile and p == 1 else None
+            res = timed_pass(eng, reqs, params, lambda: synchronize(dev), prof)
+            if prof is not None:
+                res["profile_top"] = profile_top(prof)
             row["batch_n"].append(res)
-            print(f"{name:<32} batch {args.batch}, pass {p + 1}: {res['tok_s']:8.1f} tok/s",
-                  flush=True)  # fmt: skip
+            print(f"{name:<32} batch {args.batch}, pass {p + 1}: {res['tok_s']:8.1f} tok/s"
+                  f"{'  (profiled)' if prof else ''}", flush=True)  # fmt: skip
         result["configs"][name] = row
         os.makedirs(os.path.dirname(args.out), exist_ok=True)
         with open(args.out, "w") as f:
