@@ -19,8 +19,14 @@ from eagleserve.kernels.triton_common import (
     _split_kv_stage1,
 )
 
+# The split count and the scratch strides that follow from it are run-time values, not
+# specialisations: every count (1.._MAX_KV_SPLITS, chosen per forward from the batch and the
+# longest context) then runs one compiled kernel, where a constant would compile a variant the
+# first time a context or batch reaches a new count, mid-request on an accelerator.
+_SPLIT_ARGS = ["num_splits", "stride_mo_b", "stride_mo_h", "stride_ml_b", "stride_ml_h"]
 
-@triton.jit
+
+@triton.jit(do_not_specialize=_SPLIT_ARGS)
 def _decode_stage1_kernel(
     Q,  # [bs, H, D]
     K,  # [S, Hkv, D]
@@ -28,9 +34,10 @@ def _decode_stage1_kernel(
     ReqToToken,  # [R, L] int64
     ReqPoolIdx,  # [bs] int64
     SeqLens,  # [bs] int64
-    MidO,  # [bs, H, NUM_SPLITS, D] fp32, normalised partial outputs
-    MidLse,  # [bs, H, NUM_SPLITS] fp32, log2-sum-exp of each split (-inf when empty)
+    MidO,  # [bs, H, num_splits, D] fp32, normalised partial outputs
+    MidLse,  # [bs, H, num_splits] fp32, log2-sum-exp of each split (-inf when empty)
     qk_scale,  # sm_scale * log2(e)
+    num_splits,
     stride_qb,
     stride_qh,
     stride_ks,
@@ -46,7 +53,6 @@ def _decode_stage1_kernel(
     stride_ml_h,
     GROUP: tl.constexpr,  # query heads per KV head
     HEAD_DIM: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
     BLOCK_H: tl.constexpr,  # >= GROUP and >= 16 (tl.dot minimum); extra rows are masked
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -59,7 +65,7 @@ def _decode_stage1_kernel(
     seq_len = tl.load(SeqLens + b)
     req = tl.load(ReqPoolIdx + b)
     # Contiguous chunk of positions for this split; trailing splits of short requests are empty.
-    split_len = tl.cdiv(seq_len, NUM_SPLITS)
+    split_len = tl.cdiv(seq_len, num_splits)
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
     _split_kv_stage1(
@@ -70,11 +76,12 @@ def _decode_stage1_kernel(
     )  # fmt: skip
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_SPLIT_ARGS)
 def _decode_stage2_kernel(
-    MidO,  # [bs, H, NUM_SPLITS, D] fp32
-    MidLse,  # [bs, H, NUM_SPLITS] fp32
+    MidO,  # [bs, H, num_splits, D] fp32
+    MidLse,  # [bs, H, num_splits] fp32
     Out,  # [bs, H, D]
+    num_splits,
     stride_mo_b,
     stride_mo_h,
     stride_mo_s,
@@ -83,14 +90,13 @@ def _decode_stage2_kernel(
     stride_ob,
     stride_oh,
     HEAD_DIM: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
-    BLOCK_S: tl.constexpr,
+    BLOCK_S: tl.constexpr,  # >= every split count
     BLOCK_D: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
-    s_valid = offs_s < NUM_SPLITS
+    s_valid = offs_s < num_splits
     offs_d = tl.arange(0, BLOCK_D)
     d_valid = offs_d < HEAD_DIM
 
@@ -161,6 +167,7 @@ def _decode_attention(
         mid_o,
         mid_lse,
         sm_scale * _LOG2E,
+        num_kv_splits,
         q.stride(0),
         q.stride(1),
         k_buffer.stride(0),
@@ -176,7 +183,6 @@ def _decode_attention(
         mid_lse.stride(1),
         GROUP=group,
         HEAD_DIM=head_dim,
-        NUM_SPLITS=num_kv_splits,
         BLOCK_H=block_h,
         BLOCK_N=block_n,
         BLOCK_D=block_d,
@@ -188,6 +194,7 @@ def _decode_attention(
         mid_o,
         mid_lse,
         out,
+        num_kv_splits,
         mid_o.stride(0),
         mid_o.stride(1),
         mid_o.stride(2),
@@ -196,8 +203,7 @@ def _decode_attention(
         out.stride(0),
         out.stride(1),
         HEAD_DIM=head_dim,
-        NUM_SPLITS=num_kv_splits,
-        BLOCK_S=triton.next_power_of_2(num_kv_splits),
+        BLOCK_S=_MAX_KV_SPLITS,
         BLOCK_D=block_d,
         num_warps=4 if block_d >= 128 else 2,
     )
@@ -206,10 +212,10 @@ def _decode_attention(
 
 def choose_num_kv_splits(batch_size: int, kv_heads: int, max_seq_len: int) -> int:
     """Splits per request for decode: enough programs to fill the GPU, each split still at
-    least ~256 positions long so the merge stays cheap. A power of two: the count is a
-    compile-time constant of the kernels, so a growing context compiles at most
-    log2(_MAX_KV_SPLITS) + 1 variants (a new count mid-request is a compile inside a step).
-    Host ints only (no device sync)."""
+    least ~256 positions long so the merge stays cheap. A power of two, so a growing context
+    meets at most log2(_MAX_KV_SPLITS) + 1 counts (each a different grid and scratch size;
+    the kernels take the count at run time and compile once). Host ints only (no device
+    sync)."""
     if max_seq_len <= 256:
         return 1
     by_len = math.ceil(max_seq_len / 256)

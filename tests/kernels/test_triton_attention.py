@@ -111,6 +111,7 @@ def heads(group: int) -> tuple[int, int]:
         ([130, 1, 17, 64, 9], 4, 64, 4),
         ([3, 100], 4, 128, 7),  # more splits than positions for the short request
         ([40, 9], 3, 80, 2),  # head_dim not a power of two
+        ([700, 5, 64], 3, 64, 32),  # the most splits: stage 2 merges all it can hold
     ],
 )
 def test_decode_matches_reference(
@@ -128,8 +129,8 @@ def test_decode_matches_reference(
 
 
 def test_split_counts_are_few_powers_of_two() -> None:
-    """A context growing token by token meets at most log2(max) + 1 split counts (each a
-    kernel compile), every split over 128 positions long."""
+    """A context growing token by token meets at most log2(max) + 1 split counts, every split
+    over 128 positions long."""
     seen = set()
     for bs in (1, 3, 16):
         for n in range(1, 20_000, 7):
@@ -137,6 +138,27 @@ def test_split_counts_are_few_powers_of_two() -> None:
             assert k & (k - 1) == 0 and (k == 1 or n / k > 128)
             seen.add(k)
     assert len(seen) <= 6
+
+
+@pytest.mark.skipif(DEVICE.type == "cpu", reason="compiled kernels: a GPU (none interpreted)")
+def test_every_split_count_runs_one_compiled_kernel() -> None:
+    """The split count is a run-time value: a context or batch reaching a new count compiles
+    nothing (on a GPU that would be a compile inside a decode step)."""
+    gen = torch.Generator().manual_seed(11)
+    pg = Paged([900, 40, 3], 1, 64, gen)
+    q = torch.randn(3, 4, 64, generator=gen)
+    args = (q, pg.k, pg.v, pg.req_to_token, pg.req_pool_indices, torch.tensor([900, 40, 3]), 0.1)
+    want = ref.decode_attention_ref(*args)
+    for splits in (1, 2, 4, 8, 16, 32):
+        torch.testing.assert_close(tri._decode_attention(*args, splits), want, atol=ATOL, rtol=RTOL)
+    from eagleserve.kernels import triton_decode
+
+    for kernel in (triton_decode._decode_stage1_kernel, triton_decode._decode_stage2_kernel):
+        caches = getattr(kernel, "device_caches", None)
+        if caches is None:
+            pytest.skip("this Triton keeps its compiled kernels elsewhere")
+        compiled = caches[torch.cuda.current_device()][0]
+        assert len(compiled) == 1, list(compiled)
 
 
 def test_decode_public_wrapper() -> None:
