@@ -18,6 +18,8 @@ writing DIR/<stage>.json (and .log); DIR/summary.json is rewritten after every s
             batch-invariant mode's decode cost too)
   kernels   bench/gpu_kernels.py, if there: run(out_dir) or main()
   determinism  bench/deterministic_gpu.py, if there: run(out_dir) or main()
+  requests  bench/request_times.py: each request's time for target-only (graphed and eager
+            prefill), the shipped config and chain 3, alone and 16 at once, two passes
   host      bench/host_overhead.py on the default model: target-only, adaptive held at k = 0,
             adaptive, chain 3, tree (stages, ops and host reads per iteration, GPU idle share)
   train     bench/train_step.py on the default model (a training step's time, device busy
@@ -49,10 +51,10 @@ sys.path.insert(0, ROOT)
 
 from bench.gpu_table import chain, stage_table  # noqa: E402
 
-STAGES = ("tests", "table", "gpu", "kernels", "determinism", "host", "train", "hang")
+STAGES = ("tests", "table", "gpu", "kernels", "determinism", "requests", "host", "train", "hang")
 # Seconds each stage may run on the GPU (the whole check is also held to --budget-s).
 LIMITS = {"tests": 100, "table": 170, "gpu": 120, "kernels": 45, "determinism": 45,
-          "host": 150, "train": 90, "hang": 60}  # fmt: skip
+          "requests": 90, "host": 150, "train": 90, "hang": 60}  # fmt: skip
 HOOKS = {"kernels": "gpu_kernels.py", "determinism": "deterministic_gpu.py"}
 
 
@@ -180,6 +182,18 @@ def stage_train(args: argparse.Namespace, st: Stage, limit: float) -> None:
     run_child(st, cmd, limit, {**child_env(), "TQDM_DISABLE": "1"})  # the table, not the bars
 
 
+def stage_requests(args: argparse.Namespace, st: Stage, limit: float) -> None:
+    cmd = [sys.executable, os.path.join(HERE, "request_times.py"), "--model", args.model,
+           "--device", args.device, "--new-tokens", str(args.new_tokens),
+           "--out", os.path.join(args.out, "request_times.json")]  # fmt: skip
+    if args.quick:
+        cmd += ["--configs", "target-only,adaptive", "--batch", "2"]
+    else:
+        cmd += ["--configs", "target-only,target-only, eager prefill,adaptive,chain 3",
+                "--batch", "16"]  # fmt: skip
+    run_child(st, cmd, limit, {**child_env(), "TQDM_DISABLE": "1"})
+
+
 def run_child(st: Stage, cmd: list[str], limit: float, env: dict[str, str] | None = None) -> None:
     """cmd in the checkout, stopped 5 s before the stage's limit; its return code (or
     "timeout") and the tail of its output go into the stage's JSON and to stdout, and the
@@ -221,6 +235,8 @@ def run_stage(args: argparse.Namespace) -> None:
             stage_gpu(args, st, args.limit_s)
         elif args.stage == "train":
             stage_train(args, st, args.limit_s)
+        elif args.stage == "requests":
+            stage_requests(args, st, args.limit_s)
         st.data.setdefault("ok", "errors" not in st.data)
     except BaseException:
         st.data["ok"], st.data["error"] = False, traceback.format_exc()
