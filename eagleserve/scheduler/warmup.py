@@ -30,8 +30,10 @@ logger = logging.getLogger(__name__)
 
 WARM_BATCHES = (1, 16)  # alone, and a batch size divisible by 16
 PROMPT_TOKENS = 48
-# Past one adaptive probe interval, so the draft lag's flush and a probe's catch-up run too.
+# Past one adaptive probe interval, so the draft lag's flush and a probe's catch-up run too;
+# a longer interval (where probes are rare anyway) is not waited for at start-up.
 EXTRA_TOKENS = 8
+MAX_NEW_TOKENS = 128
 
 
 def warm_up_needed(args: ServerArgs, device: torch.device) -> bool:
@@ -44,7 +46,7 @@ def warm_up(sched: Scheduler) -> float:
     """Runs the warm-up generations to completion; returns their wall time in seconds."""
     spec = sched.spec_config
     new_tokens = spec.adaptive_probe_interval + EXTRA_TOKENS if spec and spec.adaptive else 16
-    new_tokens = min(new_tokens, sched.max_context_len // 2)
+    new_tokens = min(new_tokens, MAX_NEW_TOKENS, sched.max_context_len // 2)
     prompt_len = max(1, min(PROMPT_TOKENS, sched.max_context_len - new_tokens))
     params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     gen = torch.Generator().manual_seed(0)
