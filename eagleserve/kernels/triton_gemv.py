@@ -306,14 +306,8 @@ def norm_gemm(
     if t == 0:
         return out, res_out
     res = residual if residual is not None else x
-    cfg = config_for("norm_gemm", n, k_dim, weight.dtype, x.device)
-    _norm_gemm_kernel[(triton.cdiv(t, BLOCK_M), triton.cdiv(n, cfg.block_n))](
-        x, res, norm_weight, weight, out, res_out,
-        t, n, k_dim, eps,
-        x.stride(0), res.stride(0), weight.stride(0), out.stride(0), res_out.stride(0),
-        HAS_NORM=True, HAS_RES=residual is not None, IEEE=_ieee_dot(x),
-        BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, **cfg.launch_options(),
-    )  # fmt: skip
+    _launch_norm_gemm("norm_gemm", x, res, norm_weight, weight, out, res_out, eps,
+                      has_norm=True, has_res=residual is not None)  # fmt: skip
     return out, res_out
 
 
@@ -326,15 +320,34 @@ def gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     out = torch.empty((t, n), dtype=x.dtype, device=x.device)
     if t == 0:
         return out
-    cfg = config_for("gemm", n, k_dim, weight.dtype, x.device)
+    # No norm weight, residual or new residual: those arguments are never read.
+    _launch_norm_gemm("gemm", x, x, weight, weight, out, out, 0.0, has_norm=False, has_res=False)
+    return out
+
+
+def _launch_norm_gemm(
+    kernel: str,
+    x: torch.Tensor,
+    res: torch.Tensor,
+    norm_weight: torch.Tensor,
+    weight: torch.Tensor,
+    out: torch.Tensor,
+    res_out: torch.Tensor,
+    eps: float,
+    has_norm: bool,
+    has_res: bool,
+) -> None:
+    """`_norm_gemm_kernel` over x's rows with the tuned settings of `kernel` for this weight."""
+    t, k_dim = x.shape
+    n = weight.shape[0]
+    cfg = config_for(kernel, n, k_dim, weight.dtype, x.device)
     _norm_gemm_kernel[(triton.cdiv(t, BLOCK_M), triton.cdiv(n, cfg.block_n))](
-        x, x, weight, weight, out, out,  # no norm weight, residual or new residual
-        t, n, k_dim, 0.0,
-        x.stride(0), x.stride(0), weight.stride(0), out.stride(0), out.stride(0),
-        HAS_NORM=False, HAS_RES=False, IEEE=_ieee_dot(x),
+        x, res, norm_weight, weight, out, res_out,
+        t, n, k_dim, eps,
+        x.stride(0), res.stride(0), weight.stride(0), out.stride(0), res_out.stride(0),
+        HAS_NORM=has_norm, HAS_RES=has_res, IEEE=_ieee_dot(x),
         BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, **cfg.launch_options(),
     )  # fmt: skip
-    return out
 
 
 def silu_mul_gemm(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
