@@ -10,28 +10,19 @@ import pytest
 import torch
 from conftest import track
 from test_faults import model_dir  # noqa: F401  (the fixture)
+from test_overlap_inputs import head_dir  # noqa: F401  (a random EAGLE head for it)
 
 from eagleserve import Engine, SamplingParams
 from eagleserve.config import ServerArgs
 from eagleserve.scheduler import warmup
-from eagleserve.spec.head_loader import init_eagle_head, save_eagle_head
 
 
-@pytest.fixture(scope="module")
-def head_dir(model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> str:  # noqa: F811
-    eng = Engine(model=model_dir, device="cpu", kv_cache_tokens=256)
-    head = init_eagle_head("EAGLE", eng.scheduler.worker.runner.model, seed=11)
-    path = str(tmp_path_factory.mktemp("warmup-head"))
-    save_eagle_head(head, path)
-    return path
-
-
-def _engine(model_dir: str, head_dir: str, spec: bool) -> Engine:  # noqa: F811
-    adaptive = dict(speculative_algorithm="EAGLE", speculative_draft_model_path=head_dir,
+def _engine(model: str, head: str, spec: bool) -> Engine:
+    adaptive = dict(speculative_algorithm="EAGLE", speculative_draft_model_path=head,
                     speculative_num_steps=3, speculative_eagle_topk=1,
                     speculative_num_draft_tokens=4, speculative_adaptive=True,
                     speculative_adaptive_probe_interval=8)  # fmt: skip
-    eng = Engine(model=model_dir, device="cpu", kv_cache_tokens=2048, max_running_requests=16,
+    eng = Engine(model=model, device="cpu", kv_cache_tokens=2048, max_running_requests=16,
                  disable_overlap_schedule=False, **(adaptive if spec else {}))  # fmt: skip
     return track(eng)  # type: ignore[return-value]
 
@@ -39,7 +30,7 @@ def _engine(model_dir: str, head_dir: str, spec: bool) -> Engine:  # noqa: F811
 @pytest.mark.parametrize("spec", [False, True], ids=["target-only", "eagle-adaptive"])
 def test_the_warm_up_leaves_the_scheduler_as_it_found_it(
     model_dir: str,  # noqa: F811
-    head_dir: str,
+    head_dir: str,  # noqa: F811
     spec: bool,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
