@@ -79,7 +79,7 @@ def tiny_config(layers: int) -> dict[str, Any]:
 
 def gemv_settings(mode: str) -> contextlib.AbstractContextManager[None]:
     """The GEMV kernels' settings a mode fixes for every kernel ("gemv:k128:w8:s4": K step,
-    warps, the down projection's K split; n: column block, p: stages); none: the tuned table."""
+    warps, K split; n: column block, p: stages); none: the tuned table."""
     opts = {_GEMV_FIELDS[o[0]]: int(o[1:]) for o in mode.split(":")[1:]}
     return gemv_config.overriding(**opts)
 

@@ -1,7 +1,7 @@
 """Tune the GEMV kernels (kernels/triton_gemv.py) on this device and write their settings.
 
 For each layer shape and each of the four kernels (o_proj's plain `gemm` too), every candidate
-setting (column block, K step, down-projection split, warps) is compiled in parallel processes,
+setting (column block, K step, K split, warps) is compiled in parallel processes,
 its output checked against the default setting's, and timed replayed from a device graph at 1,
 4, 8 and 16 rows. The fastest (summed over the row counts) goes into
 eagleserve/kernels/configs/gemv_<device>.json (kernels/gemv_config.py reads it at run time),
@@ -43,6 +43,7 @@ from eagleserve.device import pick_device, synchronize  # noqa: E402
 from eagleserve.kernels import gemv_config as gc  # noqa: E402
 from eagleserve.kernels import triton_fused as tf  # noqa: E402
 from eagleserve.kernels import triton_gemv as tg  # noqa: E402
+from eagleserve.kernels import triton_qkv_rope as tq  # noqa: E402
 from eagleserve.kernels.gemv_config import GemvConfig, GemvTable  # noqa: E402
 
 ROWS = (1, 4, 8, 16)
@@ -82,22 +83,33 @@ def _pow2_upto(limit: int, choices: tuple[int, ...]) -> list[int]:
     return [c for c in choices if c <= max(16, top)]
 
 
-def candidates(kernel: str, layer: Layer, warps: tuple[int, ...], stages: tuple[int | None, ...]
-               ) -> list[GemvConfig]:  # fmt: skip
-    """Every setting worth timing; splits that come out the same count once."""
+def candidates(kernel: str, layer: Layer, warps: tuple[int, ...], stages: tuple[int | None, ...],
+               sms: int) -> list[GemvConfig]:  # fmt: skip
+    """Every setting worth timing. K splits where the column blocks alone give fewer than two
+    programs per SM of the device's `sms` (more only add a summing launch); splits that come
+    out the same count once."""
     n, k = layer.weight(kernel)
     cols = layer.head_dim // 2 if kernel == "norm_qkv_rope" else n
-    block_ns = _pow2_upto(cols, (16, 32, 64))
+    col_sets = n // (2 * cols) if kernel == "norm_qkv_rope" else 1  # a program per head and block
+    block_ns = _pow2_upto(cols, (16, 32, 64, 128))
     block_ks = _pow2_upto(k, (16, 32, 64, 128, 256, 512, 1024))
     block_ks = [b for b in block_ks if b >= 64] or block_ks  # short K steps: tiny shapes only
     out: list[GemvConfig] = []
     for bn in block_ns:
+        split_ok = col_sets * -(-cols // bn) < 2 * sms
         for bk in block_ks:
             steps = -(-k // bk)
             splits = sorted({-(-k // (-(-steps // s) * bk)) for s in (1, 2, 4, 8) if s <= steps})
-            for s in splits if kernel == "silu_mul_gemm" else [1]:
+            for s in splits if split_ok else [1]:
                 out += [GemvConfig(bn, bk, s, w, st) for w in warps for st in stages]
     return out
+
+
+def device_sms(device: torch.device) -> int:
+    """The device's multiprocessors (SMs or CUs); 4 for the interpreter's smoke runs."""
+    if device.type == "cpu":
+        return 4
+    return torch.get_device_module(device.type).get_device_properties(device).multi_processor_count
 
 
 class Inputs:
@@ -133,7 +145,7 @@ def launch(kernel: str, inp: Inputs, rows: int) -> list[torch.Tensor]:
     """The GEMV kernel over the first `rows` rows (what is timed); its outputs."""
     r = slice(0, rows)
     if kernel == "norm_qkv_rope":
-        return list(tg.norm_qkv_rope_store_kv(
+        return list(tq.norm_qkv_rope_store_kv(
             inp.x[r], inp.res[r], inp.norm_w, 1e-5, inp.w_qkv, None, inp.layer.heads,
             inp.cos[r], inp.sin[r], inp.k_buf, inp.v_buf, inp.loc[r],
         ))  # fmt: skip
@@ -317,18 +329,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         _save(res, args.out)
 
     procs = args.procs if args.procs is not None else (0 if device.type == "cpu" else 12)
+    sms = device_sms(device)
     for shape in args.shapes.split(","):
         res["shapes"][shape] = {}
-        tune_shape(shape, dtype, device, rows, candidates_of(shape, warps, stages), procs,
+        tune_shape(shape, dtype, device, rows, candidates_of(shape, warps, stages, sms), procs,
                    table, res["shapes"][shape], save)  # fmt: skip
     print(f"wrote {path} and {args.out} ({res['seconds']:.0f} s)")
     return res
 
 
-def candidates_of(shape: str, warps: tuple[int, ...], stages: tuple[int | None, ...]
+def candidates_of(shape: str, warps: tuple[int, ...], stages: tuple[int | None, ...], sms: int
                   ) -> dict[str, list[GemvConfig]]:  # fmt: skip
     layer = Layer.of(shape)
-    return {k: candidates(k, layer, warps, stages) for k in gc.DEFAULTS}
+    return {k: candidates(k, layer, warps, stages, sms) for k in gc.DEFAULTS}
 
 
 def compile_all(

@@ -24,7 +24,8 @@ from torch import nn
 
 from eagleserve.kernels.gemv_config import gemv_max_rows
 from eagleserve.kernels.triton_fused import add_rms_norm, rope_store_kv_, silu_mul
-from eagleserve.kernels.triton_gemv import gemm, norm_gemm, norm_qkv_rope_store_kv, silu_mul_gemm
+from eagleserve.kernels.triton_gemv import gemm, norm_gemm, silu_mul_gemm
+from eagleserve.kernels.triton_qkv_rope import norm_qkv_rope_store_kv
 from eagleserve.layers.forward_batch import ForwardBatch
 
 if TYPE_CHECKING:
@@ -117,8 +118,8 @@ def _gemv_layer(
     fb: ForwardBatch,
     rotary: BoundRotary,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(layer output, residual stream) in four launches besides attention (five with the down
-    projection's K split)."""
+    """(layer output, residual stream) in four launches besides attention (one more for each
+    kernel whose K is split)."""
     attn, mlp, pool = layer.self_attn, layer.mlp, fb.kv_pool
     qkv_proj, gate_up_proj = attn.qkv_proj, mlp.gate_up_proj
     assert isinstance(qkv_proj, nn.Linear) and isinstance(gate_up_proj, nn.Linear)

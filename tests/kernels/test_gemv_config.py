@@ -27,6 +27,7 @@ from bench import tune_gemv  # noqa: E402
 from eagleserve.kernels import gemv_config as gc  # noqa: E402
 from eagleserve.kernels import triton_fused as tf  # noqa: E402
 from eagleserve.kernels import triton_gemv as tg  # noqa: E402
+from eagleserve.kernels import triton_qkv_rope as tq  # noqa: E402
 from eagleserve.kernels.gemv_config import GemvConfig, GemvTable  # noqa: E402
 
 
@@ -118,7 +119,7 @@ def test_a_large_models_head_size_with_wider_column_blocks(block_c: int) -> None
     qkv_ref = F.linear(normed, w).view(rows, nh + 2 * nkv, d)
     tf.rope_store_kv_(qkv_ref, nh, cos, sin, k_ref, v_ref, loc)
     with gc.overriding(block_n=block_c, block_k=32):
-        qkv, _ = tg.norm_qkv_rope_store_kv(x, res, norm_w, 1e-5, w, None, nh, cos, sin, k_buf,
+        qkv, _ = tq.norm_qkv_rope_store_kv(x, res, norm_w, 1e-5, w, None, nh, cos, sin, k_buf,
                                            v_buf, loc)  # fmt: skip
     close(qkv, qkv_ref)
     close(k_buf, k_ref)
@@ -197,3 +198,23 @@ def test_the_tuner_writes_a_table_the_kernels_then_run(config_dir: Path, tmp_pat
     limit = gc.gemv_max_rows(layer.hidden, layer.intermediate, torch.float32, DEVICE)
     assert limit == shape["gemv_max_rows"]
     assert gc.read_table(Path(res["config_file"])).max_rows == {key: shape["gemv_max_rows"]}
+
+
+def test_the_tuner_splits_k_only_where_column_blocks_leave_the_sms_idle() -> None:
+    """Llama-3-8B's layer on a 132-SM GPU: a K split is tried only with a column block that
+    gives fewer than two programs per SM (48 GQA heads of qkv, the down projection's 4,096
+    columns, gate_up's 28,672 at blocks of 128), never where the blocks alone fill the GPU."""
+    layer = tune_gemv.Layer.of("llama3-8b")
+    cands = tune_gemv.candidates_of("llama3-8b", (4,), (None,), sms=132)
+    heads = layer.heads + 2 * layer.kv_heads
+
+    def programs(kernel: str, block_n: int) -> int:
+        if kernel == "norm_qkv_rope":
+            return heads * -(-(layer.head_dim // 2) // block_n)
+        return -(-layer.weight(kernel)[0] // block_n)
+
+    for kernel, configs in cands.items():
+        split = {c.block_n for c in configs if c.split_k > 1}
+        assert split == {c.block_n for c in configs if programs(kernel, c.block_n) < 264}
+    assert {c.block_n for c in cands["norm_gemm"] if c.split_k > 1} == {128}
+    assert {1, 2, 4, 8} <= {c.split_k for c in cands["silu_mul_gemm"]}

@@ -16,6 +16,7 @@ from test_triton_fused import close, randn  # noqa: E402
 from eagleserve.kernels import gemv_config  # noqa: E402
 from eagleserve.kernels import triton_fused as tf  # noqa: E402
 from eagleserve.kernels import triton_gemv as tg  # noqa: E402
+from eagleserve.kernels import triton_qkv_rope as tq  # noqa: E402
 
 DTYPES = (torch.float32, torch.bfloat16)
 ROWS = (1, 3, 16)
@@ -37,9 +38,12 @@ def rotary(rows: int, d: int, gen: torch.Generator, dtype: torch.dtype):  # noqa
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("with_res", [True, False])
+@pytest.mark.parametrize("split_k", [1, 3])
 def test_norm_qkv_rope_store_kv_matches_unfused(
-    dtype: torch.dtype, shape: tuple, rows: int, with_res: bool
+    dtype: torch.dtype, shape: tuple, rows: int, with_res: bool, split_k: int
 ) -> None:
+    """split_k 3: the K of the projection in three ranges (the last shorter), their partials
+    summed in order by the epilogue launch, which does the bias, rotary and stores."""
     hidden, nh, nkv, d, _ = shape
     bias_too = rows == 3  # Qwen2's q/k/v bias
     gen = torch.Generator().manual_seed(hidden * rows + nh + with_res)
@@ -60,8 +64,9 @@ def test_norm_qkv_rope_store_kv_matches_unfused(
     qkv_ref = F.linear(normed, w, bias).view(rows, heads, d)
     tf.rope_store_kv_(qkv_ref, nh, cos, sin, k_ref, v_ref, loc)
 
-    qkv, new_res = tg.norm_qkv_rope_store_kv(x, res, norm_w, 1e-5, w, bias, nh, cos, sin,
-                                             k_buf, v_buf, loc)  # fmt: skip
+    with split(split_k):
+        qkv, new_res = tq.norm_qkv_rope_store_kv(x, res, norm_w, 1e-5, w, bias, nh, cos, sin,
+                                                 k_buf, v_buf, loc)  # fmt: skip
     if res is None:
         assert new_res is x
     else:
@@ -76,14 +81,18 @@ def test_norm_qkv_rope_store_kv_matches_unfused(
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("rows", ROWS)
-def test_norm_gemm_matches_unfused(dtype: torch.dtype, shape: tuple, rows: int) -> None:
+@pytest.mark.parametrize("split_k", [1, 3])
+def test_norm_gemm_matches_unfused(dtype: torch.dtype, shape: tuple, rows: int, split_k: int
+                                   ) -> None:  # fmt: skip
+    """split_k 3: each split writes the new residual over its own K range."""
     hidden, inter = shape[0], shape[4]
-    gen = torch.Generator().manual_seed(hidden + inter * rows)
+    gen = torch.Generator().manual_seed(hidden + inter * rows + split_k)
     x, res = randn(rows, hidden, gen=gen, dtype=dtype), randn(rows, hidden, gen=gen, dtype=dtype)
     norm_w = 1 + 0.1 * randn(hidden, gen=gen, dtype=dtype)
     w = randn(2 * inter, hidden, gen=gen, dtype=dtype) / hidden**0.5
     normed, res_ref = tf.add_rms_norm(x, res, norm_w, 1e-6)
-    out, new_res = tg.norm_gemm(x, res, norm_w, 1e-6, w)
+    with split(split_k):
+        out, new_res = tg.norm_gemm(x, res, norm_w, 1e-6, w)
     assert torch.equal(new_res, res_ref)
     close(out, F.linear(normed, w))
 
@@ -91,13 +100,15 @@ def test_norm_gemm_matches_unfused(dtype: torch.dtype, shape: tuple, rows: int) 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("rows", ROWS)
-def test_gemm_matches_linear(dtype: torch.dtype, shape: tuple, rows: int) -> None:
+@pytest.mark.parametrize("split_k", [1, 3])
+def test_gemm_matches_linear(dtype: torch.dtype, shape: tuple, rows: int, split_k: int) -> None:
     """o_proj: [T, H * D] @ W.T, K not a multiple of the K step."""
     hidden, nh, d = shape[0], shape[1], shape[3]
-    gen = torch.Generator().manual_seed(hidden * rows + nh)
+    gen = torch.Generator().manual_seed(hidden * rows + nh + split_k)
     x = randn(rows, nh * d, gen=gen, dtype=dtype)
     w = randn(hidden, nh * d, gen=gen, dtype=dtype) / (nh * d) ** 0.5
-    close(tg.gemm(x, w), F.linear(x, w))
+    with split(split_k):
+        close(tg.gemm(x, w), F.linear(x, w))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -118,18 +129,24 @@ def test_silu_mul_gemm_matches_unfused(
 
 
 def split(split_k: int):  # noqa: ANN201
-    """Every GEMV launch with the down projection's K cut into split_k ranges of 16-steps."""
+    """Every GEMV launch with its K cut into split_k ranges of 16-steps."""
     if split_k == 1:
         return gemv_config.overriding()
     return gemv_config.overriding(block_k=16, split_k=split_k)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("split_k", [1, 3])
-def test_rows_do_not_depend_on_the_batch(dtype: torch.dtype, split_k: int) -> None:
+@pytest.mark.parametrize("split_k, chunked", [(1, False), (3, False), (3, True)])
+def test_rows_do_not_depend_on_the_batch(
+    dtype: torch.dtype, split_k: int, chunked: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The batch-invariant mode runs these kernels at every size: each output row (and its K/V
     write) is bitwise the same alone, at the front of a batch of 1..40 rows (one to three row
-    blocks) and anywhere inside it; with the down projection's K split too."""
+    blocks) and anywhere inside it; with every kernel's K split too, and with the partials of
+    a split launch capped to one row block (a long batch then runs block after block)."""
+    if chunked:
+        monkeypatch.setattr(tg, "_MAX_PARTIALS", 1)
+        assert len(tg.row_chunks(40, 3, 8)) == 3
     with split(split_k):
         assert_rows_do_not_depend_on_the_batch(dtype)
 
@@ -151,7 +168,7 @@ def assert_rows_do_not_depend_on_the_batch(dtype: torch.dtype) -> None:
 
     def layer(sel: slice) -> list[torch.Tensor]:
         k_buf, v_buf = (b.clone() for b in kv_bufs)
-        qkv, stream = tg.norm_qkv_rope_store_kv(
+        qkv, stream = tq.norm_qkv_rope_store_kv(
             x[sel], res[sel], norm_w, 1e-5, w_qkv, None, nh, cos[sel], sin[sel], k_buf, v_buf,
             loc[sel],
         )  # fmt: skip
