@@ -5,7 +5,8 @@ random weights built on the device (nothing is downloaded).
 
 Reports: target-only decode tokens/s at batch 1, 8 and 32 against transformers' `generate` on the
 same weights and against the bandwidth floor (weight bytes / measured device bandwidth), and with
---deterministic the same decode rows with --enable-deterministic-inference; the cost of the
+--deterministic the same decode rows with --enable-deterministic-inference (with --pdl, with
+--enable-pdl); the cost of the
 draft stage (a 3-step chain) and one verify relative to one target decode; kernel launches per
 speculative iteration with the compiled spec-extras gather and the top-k=1 chain buffers on and off.
 """
@@ -139,6 +140,7 @@ def main() -> None:
     ap.add_argument(
         "--deterministic", action="store_true", help="also decode in the batch-invariant mode"
     )
+    ap.add_argument("--pdl", action="store_true", help="also decode with --enable-pdl")
     args = ap.parse_args()
     device = pick_device("auto")
     assert device.type != "cpu", "bench/gpu.py needs a GPU"
@@ -178,18 +180,23 @@ def main() -> None:
         del hf
     res["decode"] = rows
     _save(res, args.out)
-    if args.deterministic:
-        eng.close()
-        del eng
-        torch.get_device_module(device).empty_cache()
-        deng = Engine(model=tmp, enable_deterministic_inference=True, **common)
-        for row in rows:
-            tok_s, _ = engine_tok_s(deng, row["batch"], args.new_tokens, vocab)
-            row["deterministic_tok_s"] = tok_s
-            row["deterministic_vs_off"] = tok_s / row["eagleserve_tok_s"]
-        deng.close()
-        del deng
+    # Other settings' decode rows, each on an engine of its own after the default one.
+    others = {"deterministic": dict(enable_deterministic_inference=True),
+              "pdl": dict(enable_pdl=True)}  # fmt: skip
+    for key, kw in others.items():
+        if not getattr(args, key):
+            continue
+        if eng is not None:
+            eng.close()
         eng = None
+        torch.get_device_module(device).empty_cache()
+        other = Engine(model=tmp, **kw, **common)
+        for row in rows:
+            tok_s, _ = engine_tok_s(other, row["batch"], args.new_tokens, vocab)
+            row[f"{key}_tok_s"] = tok_s
+            row[f"{key}_vs_off"] = tok_s / row["eagleserve_tok_s"]
+        other.close()
+        del other
         _save(res, args.out)
 
     # Draft step and verify cost relative to one target decode (batch 1, chain of 3).
@@ -240,11 +247,13 @@ def main() -> None:
         f"device: {name}; weights {res['weight_gb']:.1f} GB; "
         f"bandwidth {res['bandwidth_gb_s']:.0f} GB/s"
     )
-    print(f"{'batch':>6}{'eagleserve':>12}{'transformers':>14}{'floor':>10}{'deterministic':>15}")
+    print(f"{'batch':>6}{'eagleserve':>12}{'transformers':>14}{'floor':>10}{'deterministic':>15}"
+          f"{'pdl':>10}")  # fmt: skip
     for r in rows:
         print(
             f"{r['batch']:>6}{r['eagleserve_tok_s']:>12.1f}{r.get('hf_tok_s', 0):>14.1f}"
             f"{r['floor_tok_s']:>10.1f}{r.get('deterministic_tok_s', 0):>15.1f}"
+            f"{r.get('pdl_tok_s', 0):>10.1f}"
         )
     for k, v in res["costs_ms"].items():
         print(f"{k:<18}{v:8.2f} ms  ({res['costs_rel'][k]:.2f}x decode)")

@@ -19,7 +19,8 @@ writing DIR/<stage>.json (and .log); DIR/summary.json is rewritten after every s
   kernels   bench/gpu_kernels.py, if there: run(out_dir) or main()
   determinism  bench/deterministic_gpu.py, if there: run(out_dir) or main()
   requests  bench/request_times.py: each request's time for target-only (graphed and eager
-            prefill), the shipped config and chain 3, alone and 16 at once, two passes
+            prefill, and with --enable-pdl), the shipped config and chain 3 (with and without
+            --enable-pdl), alone and 16 at once, two passes
   host      bench/host_overhead.py on the default model: target-only, adaptive held at k = 0,
             adaptive, chain 3, tree (stages, ops and host reads per iteration, GPU idle share)
   train     bench/train_step.py on the default model (a training step's time, device busy
@@ -189,7 +190,8 @@ def stage_requests(args: argparse.Namespace, st: Stage, limit: float) -> None:
     if args.quick:
         cmd += ["--configs", "target-only,adaptive", "--batch", "2"]
     else:
-        cmd += ["--configs", "target-only,target-only, eager prefill,adaptive,chain 3",
+        cmd += ["--configs", "target-only,target-only (eager prefill),target-only (PDL),"
+                "adaptive,chain 3,chain 3 (PDL)",
                 "--batch", "16"]  # fmt: skip
     run_child(st, cmd, limit, {**child_env(), "TQDM_DISABLE": "1"})
 

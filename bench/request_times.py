@@ -31,16 +31,19 @@ from bench.gpu_table import chain, chat_ids, held_out_prompts, shipped_config  #
 
 
 def configs() -> dict[str, tuple[dict[str, Any], bool]]:
-    """name -> (Engine keywords, prefill graphs kept)."""
+    """name (no comma: --configs is a comma-separated list) -> (Engine keywords, prefill
+    graphs kept)."""
     adaptive = shipped_config()
     return {
         "target-only": ({}, True),
-        "target-only, eager prefill": ({}, False),
+        "target-only (eager prefill)": ({}, False),
+        "target-only (PDL)": ({"enable_pdl": True}, True),
         "adaptive": (adaptive, True),
-        "adaptive, probe interval 100000": (
+        "adaptive (probe interval 100000)": (
             dict(adaptive, speculative_adaptive_probe_interval=100000), True),
-        "adaptive, overlap off": (dict(adaptive, disable_overlap_schedule=True), True),
+        "adaptive (overlap off)": (dict(adaptive, disable_overlap_schedule=True), True),
         "chain 3": (chain(3), True),
+        "chain 3 (PDL)": (dict(chain(3), enable_pdl=True), True),
     }  # fmt: skip
 
 

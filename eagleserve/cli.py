@@ -69,6 +69,9 @@ FIELD_HELP: dict[str, str] = {
     "requests would otherwise wait for",
     "disable_fused_kernels": "GPU: run the unfused torch decoder layers (no merged q/k/v and "
     "gate/up GEMMs, no fused norm/activation/rotary Triton kernels)",
+    "enable_pdl": "NVIDIA GPUs of compute capability 9.0 and later (H100, H200): launch the "
+    "Triton kernels with programmatic dependent launch, so each kernel's launch overlaps the "
+    "end of the one before it",
     "cuda_graph_max_bs": "largest batch size captured in a CUDA graph (default: "
     "--max-running-requests, at most 256)",
     "log_level": "debug | info | warning | error",
@@ -147,7 +150,7 @@ FIELD_GROUPS: dict[str, tuple[str, ...]] = {
                              "speculative_adaptive_probe_interval",
                              "speculative_adaptive_retime"),
     "GPU": ("device", "attention_backend", "enable_deterministic_inference",
-            "disable_cuda_graph", "disable_fused_kernels", "cuda_graph_max_bs",
+            "disable_cuda_graph", "disable_fused_kernels", "enable_pdl", "cuda_graph_max_bs",
             "skip_server_warmup"),
     "scaling out": ("tp_size", "dp_size", "dist_timeout"),
 }  # fmt: skip

@@ -186,6 +186,9 @@ class ServerArgs:
     # GPU: the decoder layers on merged q/k/v and gate/up GEMMs and the fused Triton kernels of
     # kernels/triton_fused.py (models/fused_forward.py); set to run the unfused torch layers.
     disable_fused_kernels: bool = False
+    # NVIDIA Hopper and later: launch the Triton kernels with programmatic dependencies, so each
+    # one's launch overlaps the tail of the one before (kernels/pdl.py).
+    enable_pdl: bool = False
     # Default: graphs cover every running batch (max_running_requests), up to GRAPH_MAX_BS.
     cuda_graph_max_bs: int | None = None
     log_level: str = "info"

@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from eagleserve.kernels import pdl
 from eagleserve.kernels.triton_common import (
     _LOG2E,
     _block_d,
@@ -29,6 +30,7 @@ from eagleserve.kernels.triton_common import (
     _ieee_dot,
     _load_kv_tile,
     _online_softmax_step,
+    wait_previous,
 )
 from eagleserve.kernels.triton_decode import (  # noqa: F401  (re-exported API)
     _decode_attention,
@@ -72,7 +74,9 @@ def _prefill_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     IEEE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_previous(PDL)
     # One program per (request, KV head, block of BLOCK_M rows). Rows pack (query, head of the
     # GQA group) query-major: row r is query r // GROUP, head kv_head * GROUP + r % GROUP. All
     # rows share the KV head, so each K/V tile is loaded once for the whole group; for short
@@ -235,6 +239,7 @@ def _prefill_attention(
         IEEE=_ieee_dot(q),
         num_warps=4,
         num_stages=2,
+        **pdl.launch_options(q.device),
     )
     return out
 

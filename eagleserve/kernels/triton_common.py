@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from eagleserve.kernels import triton_interpreter  # noqa: F401  (before any launch)
 
@@ -19,6 +20,15 @@ _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # ---------------------------------------------------------------------------------------------
 # jit helpers
 # ---------------------------------------------------------------------------------------------
+@triton.jit
+def wait_previous(PDL: tl.constexpr):
+    """A kernel's first statement (kernels/pdl.py): launched with PDL, it lets the next kernel
+    launch, then waits for the previous one's writes."""
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
+
+
 @triton.jit
 def _dot(a, b, IEEE: tl.constexpr):
     # IEEE is set for fp32 inputs, so results match the fp32 reference (the NVIDIA default is

@@ -8,6 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
+from eagleserve.kernels import pdl
 from eagleserve.kernels.triton_common import (
     _LOG2E,
     _MAX_KV_SPLITS,
@@ -17,6 +18,7 @@ from eagleserve.kernels.triton_common import (
     _check_qkv,
     _ieee_dot,
     _split_kv_stage1,
+    wait_previous,
 )
 
 # The split count and the scratch strides that follow from it are run-time values, not
@@ -57,7 +59,9 @@ def _decode_stage1_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     IEEE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_previous(PDL)
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -92,7 +96,9 @@ def _decode_stage2_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_S: tl.constexpr,  # >= every split count
     BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_previous(PDL)
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
@@ -189,6 +195,7 @@ def _decode_attention(
         IEEE=ieee,
         num_warps=4,
         num_stages=2,
+        **pdl.launch_options(q.device),
     )
     _decode_stage2_kernel[(bs, num_heads)](
         mid_o,
@@ -206,6 +213,7 @@ def _decode_attention(
         BLOCK_S=_MAX_KV_SPLITS,
         BLOCK_D=block_d,
         num_warps=4 if block_d >= 128 else 2,
+        **pdl.launch_options(out.device),
     )
     return out
 

@@ -14,7 +14,11 @@ import torch
 import triton
 import triton.language as tl
 
-from eagleserve.kernels import triton_interpreter  # noqa: F401  (before any launch)
+from eagleserve.kernels import (
+    pdl,
+    triton_interpreter,  # noqa: F401  (before any launch)
+)
+from eagleserve.kernels.triton_common import wait_previous
 
 
 @triton.jit
@@ -32,7 +36,9 @@ def _add_rms_norm_kernel(
     eps,
     HAS_RES: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
@@ -60,7 +66,9 @@ def _silu_mul_kernel(
     stride_o,
     INTER,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < INTER
@@ -94,7 +102,9 @@ def _rope_store_kv_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_previous(PDL)
     t = tl.program_id(0).to(tl.int64)
     heads = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
@@ -150,6 +160,7 @@ def add_rms_norm(
         x.stride(0), res.stride(0), out.stride(0), res_out.stride(0),
         n, eps,
         HAS_RES=residual is not None, BLOCK=block, num_warps=_warps(block),
+        **pdl.launch_options(x.device),
     )  # fmt: skip
     return out, res_out
 
@@ -163,7 +174,14 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         return out
     block = min(1024, triton.next_power_of_2(inter))
     _silu_mul_kernel[(t, triton.cdiv(inter, block))](
-        gate_up, out, gate_up.stride(0), out.stride(0), inter, BLOCK=block, num_warps=4
+        gate_up,
+        out,
+        gate_up.stride(0),
+        out.stride(0),
+        inter,
+        BLOCK=block,
+        num_warps=4,
+        **pdl.launch_options(gate_up.device),
     )
     return out
 
@@ -196,6 +214,7 @@ def rope_store_kv_(
         out_cache_loc.stride(0),
         NUM_Q=num_q_heads, NUM_KV=kv, HEAD_DIM=d, BLOCK_H=block_h, BLOCK_D=block_d,
         num_warps=_warps(block_h * block_d),
+        **pdl.launch_options(qkv.device),
     )  # fmt: skip
 
 

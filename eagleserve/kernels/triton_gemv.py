@@ -35,9 +35,12 @@ import torch
 import triton
 import triton.language as tl
 
-from eagleserve.kernels import triton_interpreter  # noqa: F401  (before any launch)
+from eagleserve.kernels import (
+    pdl,
+    triton_interpreter,  # noqa: F401  (before any launch)
+)
 from eagleserve.kernels.gemv_config import GemvConfig, config_for
-from eagleserve.kernels.triton_common import _dot, _ieee_dot
+from eagleserve.kernels.triton_common import _dot, _ieee_dot, wait_previous
 
 BLOCK_M = 16  # rows per program: tl.dot's least M; a batch of at most this many is one block
 # The fp32 partials of one split launch hold at most this many values; a longer batch (a
@@ -86,7 +89,9 @@ def _norm_gemm_kernel(
     stride_x, stride_r, stride_w, stride_os, stride_o, stride_ro,
     HAS_NORM: tl.constexpr, HAS_RES: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
+    wait_previous(PDL)
     rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     pid_n = tl.program_id(1)
     split = tl.program_id(2)
@@ -122,7 +127,9 @@ def _silu_mul_gemm_kernel(
     stride_g, stride_w, stride_os, stride_o,
     IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
+    wait_previous(PDL)
     rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     pid_n = tl.program_id(1)
     split = tl.program_id(2)
@@ -153,7 +160,9 @@ def _sum_splits_kernel(
     Part, Out,  # Part [S, T, N] fp32; Out [T, N]
     T, N, stride_ps, stride_pt, stride_o,
     SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
+    wait_previous(PDL)
     rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (rows < T)[:, None] & (offs_n < N)[None, :]
@@ -208,6 +217,7 @@ def sum_splits(part: torch.Tensor, out: torch.Tensor, block_n: int) -> None:
     _sum_splits_kernel[(triton.cdiv(t, BLOCK_M), triton.cdiv(n, block_n))](
         part, out, t, n, part.stride(0), part.stride(1), out.stride(0),
         SPLITS=part.shape[0], BLOCK_M=BLOCK_M, BLOCK_N=block_n,
+        **pdl.launch_options(out.device),
     )  # fmt: skip
 
 
@@ -272,6 +282,7 @@ def _launch_norm_gemm(
             x.stride(0), res.stride(0), weight.stride(0), stride_ps, stride_pt, res_out.stride(0),
             HAS_NORM=has_norm, HAS_RES=has_res, IEEE=_ieee_dot(x),
             BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, **cfg.launch_options(),
+            **pdl.launch_options(x.device),
         )  # fmt: skip
         if splits > 1:
             sum_splits(part, out[r], cfg.block_n)
@@ -295,6 +306,7 @@ def silu_mul_gemm(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
             gate_up.stride(0), weight.stride(0), stride_ps, stride_pt,
             IEEE=_ieee_dot(gate_up),
             BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, **cfg.launch_options(),
+            **pdl.launch_options(gate_up.device),
         )  # fmt: skip
         if splits > 1:
             sum_splits(part, out[r], cfg.block_n)

@@ -16,9 +16,12 @@ import torch
 import triton
 import triton.language as tl
 
-from eagleserve.kernels import triton_interpreter  # noqa: F401  (before any launch)
+from eagleserve.kernels import (
+    pdl,
+    triton_interpreter,  # noqa: F401  (before any launch)
+)
 from eagleserve.kernels.gemv_config import config_for
-from eagleserve.kernels.triton_common import _dot, _ieee_dot
+from eagleserve.kernels.triton_common import _dot, _ieee_dot, wait_previous
 from eagleserve.kernels.triton_gemv import (
     BLOCK_M,
     _check_rows,
@@ -91,7 +94,9 @@ def _norm_qkv_rope_kernel(
     NUM_Q: tl.constexpr, NUM_KV: tl.constexpr, HEAD_DIM: tl.constexpr,
     HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, PARTIAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
+    wait_previous(PDL)
     rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     head = tl.program_id(1)
     HALF: tl.constexpr = HEAD_DIM // 2
@@ -136,8 +141,10 @@ def _sum_rope_store_kernel(
     stride_ks, stride_kh, stride_vs, stride_vh, stride_loc,
     NUM_Q: tl.constexpr, NUM_KV: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_BIAS: tl.constexpr,
     SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     """A split launch's epilogue: the partials summed in split order, then as unsplit."""
+    wait_previous(PDL)
     rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     head = tl.program_id(1)
     offs_c = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -206,6 +213,7 @@ def norm_qkv_rope_store_kv(
             HAS_RES=residual is not None, IEEE=_ieee_dot(x), PARTIAL=splits > 1,
             BLOCK_M=BLOCK_M, BLOCK_K=cfg.block_k, BLOCK_C=cfg.block_n,
             **heads_const, **cfg.launch_options(),
+            **pdl.launch_options(x.device),
         )  # fmt: skip
         if splits > 1:
             _sum_rope_store_kernel[grid](
@@ -213,5 +221,6 @@ def norm_qkv_rope_store_kv(
                 rows, stride_ps, stride_pt, cos2.stride(0), sin2.stride(0),
                 qkv.stride(0), qkv.stride(1), *kv_strides, loc.stride(0),
                 SPLITS=splits, BLOCK_M=BLOCK_M, BLOCK_C=cfg.block_n, **heads_const,
+                **pdl.launch_options(x.device),
             )  # fmt: skip
     return qkv, res_out

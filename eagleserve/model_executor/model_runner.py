@@ -10,6 +10,7 @@ import torch
 from eagleserve.config import ModelConfig, ServerArgs
 from eagleserve.core import ForwardMode, ScheduleBatch
 from eagleserve.distributed.parallel import get_tp
+from eagleserve.kernels import pdl
 from eagleserve.layers.attention import create_attn_backend
 from eagleserve.layers.forward_batch import ForwardBatch, forward_context
 from eagleserve.mem_cache.kv_cache import ReqToTokenPool, TokenToKVPool
@@ -174,8 +175,11 @@ class ModelRunner:
         device: torch.device,
         max_context_len: int,
     ) -> ModelRunner:
-        """The served target as `args` ask for it (dtype, pools, backend, packed GGUF weights)."""
+        """The served target as `args` ask for it (dtype, pools, backend, packed GGUF weights);
+        the Triton kernels' launches with programmatic dependencies where asked for."""
         from eagleserve.models.loader import packed_gguf_path
+
+        pdl.configure(args.enable_pdl, device)
 
         return cls(
             model_config,

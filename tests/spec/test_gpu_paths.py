@@ -73,6 +73,37 @@ def test_gpu_greedy_equals_cpu(
     assert got == reference
 
 
+@pytest.mark.parametrize(("algo", "steps", "topk", "ndt"), [SPEC_CASES[0], SPEC_CASES[4]])
+def test_gpu_greedy_with_pdl_equals_cpu(
+    target_dir: str,
+    heads: dict[str, str],
+    reference: list[list[int]],
+    algo: str | None,
+    steps: int,
+    topk: int,
+    ndt: int,
+) -> None:
+    """--enable-pdl: the Triton kernels of every captured graph launched with programmatic
+    dependencies give the CPU path's greedy tokens, target-only and with an EAGLE3 chain."""
+    from eagleserve.kernels import pdl
+
+    if not pdl.supported(torch.device("cuda")):
+        pytest.skip("needs an NVIDIA GPU of compute capability 9.0 or later")
+    kw = {}
+    if algo:
+        kw = dict(speculative_algorithm=algo, speculative_draft_model_path=heads[algo],
+                  speculative_num_steps=steps, speculative_eagle_topk=topk,
+                  speculative_num_draft_tokens=ndt)  # fmt: skip
+    try:
+        eng = Engine(model=target_dir, device="cuda", dtype="float32", kv_cache_tokens=2048,
+                     max_running_requests=8, attention_backend="triton", cuda_graph_max_bs=8,
+                     enable_pdl=True, **kw)  # fmt: skip
+        assert pdl.launch_options(torch.device("cuda"))["launch_pdl"]
+        assert run_staggered(eng, _prompts(0), _params()) == reference
+    finally:
+        pdl.configure(False, torch.device("cuda"))
+
+
 def _joint_counts(eng: Engine, params: SamplingParams, n: int) -> np.ndarray:
     """Counts of the first three sampled tokens over n seeded requests of the same prompt."""
     seeded = [dataclasses.replace(params, seed=i) for i in range(n)]
