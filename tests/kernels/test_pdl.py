@@ -14,7 +14,7 @@ from triton_mode import DEVICE  # before triton is imported: picks the interpret
 pytest.importorskip("triton")
 
 from test_triton_fused import randn  # noqa: E402
-from test_triton_gemv import rotary  # noqa: E402
+from test_triton_gemv import layer_weights, rotary  # noqa: E402
 
 from eagleserve.kernels import gemv_config, pdl  # noqa: E402
 from eagleserve.kernels import triton_decode as td  # noqa: E402
@@ -56,13 +56,9 @@ def test_a_decode_layer_replayed_with_pdl_gives_the_same_bits() -> None:
     assert pdl.configure(True, DEVICE)
     gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,))))
     dtype, rows, hidden, nh, nkv, d, inter = torch.bfloat16, 4, 256, 8, 2, 64, 512
-    heads, slots = nh + 2 * nkv, 64
+    slots = 64
     x, res = randn(rows, hidden, gen=gen, dtype=dtype), randn(rows, hidden, gen=gen, dtype=dtype)
-    norm_w = 1 + 0.1 * randn(hidden, gen=gen, dtype=dtype)
-    w_qkv = randn(heads * d, hidden, gen=gen, dtype=dtype) / hidden**0.5
-    w_gate_up = randn(2 * inter, hidden, gen=gen, dtype=dtype) / hidden**0.5
-    w_down = randn(hidden, inter, gen=gen, dtype=dtype) / inter**0.5
-    w_o = randn(hidden, nh * d, gen=gen, dtype=dtype) / (nh * d) ** 0.5
+    norm_w, w_qkv, w_gate_up, w_down, w_o = layer_weights(gen, dtype, hidden, nh, nkv, d, inter)
     cos, sin = rotary(rows, d, gen, dtype)
     req_to_token = torch.randperm(slots, generator=gen).view(rows, -1).to(DEVICE)
     seq_lens = torch.tensor([16, 3, 9, 12], device=DEVICE)

@@ -34,6 +34,19 @@ def rotary(rows: int, d: int, gen: torch.Generator, dtype: torch.dtype):  # noqa
     return emb.cos().to(dtype)[:, None].to(DEVICE), (emb.sin() * sign).to(dtype)[:, None].to(DEVICE)
 
 
+def layer_weights(gen: torch.Generator, dtype: torch.dtype, hidden: int, nh: int, nkv: int,
+                  d: int, inter: int) -> tuple[torch.Tensor, ...]:  # fmt: skip
+    """A decoder layer's random weights: (norm, qkv, gate_up, down, o), each projection scaled
+    by 1 / sqrt(its K)."""
+    heads = nh + 2 * nkv
+    norm_w = 1 + 0.1 * randn(hidden, gen=gen, dtype=dtype)
+    w_qkv = randn(heads * d, hidden, gen=gen, dtype=dtype) / hidden**0.5
+    w_gate_up = randn(2 * inter, hidden, gen=gen, dtype=dtype) / hidden**0.5
+    w_down = randn(hidden, inter, gen=gen, dtype=dtype) / inter**0.5
+    w_o = randn(hidden, nh * d, gen=gen, dtype=dtype) / (nh * d) ** 0.5
+    return norm_w, w_qkv, w_gate_up, w_down, w_o
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("rows", ROWS)
@@ -155,13 +168,9 @@ def assert_rows_do_not_depend_on_the_batch(dtype: torch.dtype) -> None:
     """The four kernels of a layer of shape SHAPES[0], with the settings in force."""
     hidden, nh, nkv, d, inter = SHAPES[0]
     gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,))))
-    rows, heads = 40, nh + 2 * nkv
+    rows = 40
     x, res = randn(rows, hidden, gen=gen, dtype=dtype), randn(rows, hidden, gen=gen, dtype=dtype)
-    norm_w = 1 + 0.1 * randn(hidden, gen=gen, dtype=dtype)
-    w_qkv = randn(heads * d, hidden, gen=gen, dtype=dtype) / hidden**0.5
-    w_gate_up = randn(2 * inter, hidden, gen=gen, dtype=dtype) / hidden**0.5
-    w_down = randn(hidden, inter, gen=gen, dtype=dtype) / inter**0.5
-    w_o = randn(hidden, nh * d, gen=gen, dtype=dtype) / (nh * d) ** 0.5
+    norm_w, w_qkv, w_gate_up, w_down, w_o = layer_weights(gen, dtype, *SHAPES[0])
     cos, sin = rotary(rows, d, gen, dtype)
     loc = torch.randperm(rows + 9, generator=gen)[:rows].to(DEVICE)
     kv_bufs = [randn(rows + 9, nkv, d, gen=gen, dtype=dtype) for _ in range(2)]

@@ -31,6 +31,18 @@ SPEC_CASES = [
 ]
 
 
+def gpu_engine(target_dir: str, heads: dict[str, str], algo: str | None, steps: int, topk: int,
+               ndt: int, **kw: object) -> Engine:  # fmt: skip
+    """A float32 engine of the tiny target on the GPU's Triton path, with the head of `algo`."""
+    if algo:
+        kw.update(speculative_algorithm=algo, speculative_draft_model_path=heads[algo],
+                  speculative_num_steps=steps, speculative_eagle_topk=topk,
+                  speculative_num_draft_tokens=ndt)  # fmt: skip
+    return Engine(model=target_dir, device="cuda", dtype="float32", kv_cache_tokens=2048,
+                  max_running_requests=8, attention_backend="triton", cuda_graph_max_bs=8,
+                  **kw)  # fmt: skip
+
+
 @pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "no-graphs"])
 @pytest.mark.parametrize(("algo", "steps", "topk", "ndt"), SPEC_CASES)
 def test_gpu_greedy_equals_cpu(
@@ -43,27 +55,8 @@ def test_gpu_greedy_equals_cpu(
     ndt: int,
     graphs: bool,
 ) -> None:
-    kw = {}
-    if algo:
-        kw = dict(
-            speculative_algorithm=algo,
-            speculative_draft_model_path=heads[algo],
-            speculative_num_steps=steps,
-            speculative_eagle_topk=topk,
-            speculative_num_draft_tokens=ndt,
-        )
-    eng = Engine(
-        model=target_dir,
-        device="cuda",
-        dtype="float32",
-        kv_cache_tokens=2048,
-        max_running_requests=8,
-        attention_backend="triton",
-        cuda_graph_max_bs=8,
-        disable_cuda_graph=not graphs,
-        **kw,
-    )
-    runner = eng.scheduler.worker.runner if algo is None else eng.scheduler.worker.runner
+    eng = gpu_engine(target_dir, heads, algo, steps, topk, ndt, disable_cuda_graph=not graphs)
+    runner = eng.scheduler.worker.runner
     assert bool(runner.graphs) == graphs
     # Single prefills replay their bucket's graph (a failed capture, logged, fails here).
     assert (runner.prefill_graphs is not None) == graphs
@@ -89,15 +82,8 @@ def test_gpu_greedy_with_pdl_equals_cpu(
 
     if not pdl.supported(torch.device("cuda")):
         pytest.skip("needs an NVIDIA GPU of compute capability 9.0 or later")
-    kw = {}
-    if algo:
-        kw = dict(speculative_algorithm=algo, speculative_draft_model_path=heads[algo],
-                  speculative_num_steps=steps, speculative_eagle_topk=topk,
-                  speculative_num_draft_tokens=ndt)  # fmt: skip
     try:
-        eng = Engine(model=target_dir, device="cuda", dtype="float32", kv_cache_tokens=2048,
-                     max_running_requests=8, attention_backend="triton", cuda_graph_max_bs=8,
-                     enable_pdl=True, **kw)  # fmt: skip
+        eng = gpu_engine(target_dir, heads, algo, steps, topk, ndt, enable_pdl=True)
         assert pdl.launch_options(torch.device("cuda"))["launch_pdl"]
         assert run_staggered(eng, _prompts(0), _params()) == reference
     finally:
