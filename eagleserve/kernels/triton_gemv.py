@@ -14,6 +14,13 @@ partials in split order. The column block, K step, split and warps of each launc
 kernels/gemv_config.py: per weight shape and device, tuned by bench/tune_gemv.py, the same for
 any number of rows.
 
+Where a launch's K step covers all of K and it is not split (`one_tile`), the qkv and norm_gemm
+kernels have no K loop: the row, its residual and the weight tile are loaded at once, and the
+row's RMS comes from the same registers, where the loop reads the row twice (its RMS first)
+and the weight only after. A small model's projections are a few microseconds of latency each,
+not of bandwidth: one round trip to memory instead of several is the saving. The bits are the
+loop's with the same setting.
+
 Every value is rounded to the model dtype where the unfused kernels of kernels/triton_fused.py
 (and the torch path of models/llama.py) round it: the sum x + residual, the normed row before
 and after the weight, each projection output (bias added first), silu(gate), the product, the
@@ -66,20 +73,48 @@ def _row_rstd(X, Res, stride_x, stride_r, rows, row_ok, K, eps,
 
 
 @triton.jit
-def _normed_tile(X, Res, NormW, ResOut, stride_x, stride_r, stride_ro, rows, row_ok, offs_k,
-                 K, rstd, write_res, HAS_RES: tl.constexpr):  # fmt: skip
-    """RMSNorm(x + residual)[rows, offs_k] in the model dtype, rounded as add_rms_norm rounds;
-    where write_res (a program of the first column block), also stores the rounded sum (the
-    new residual)."""
+def _summed_tile(X, Res, ResOut, stride_x, stride_r, stride_ro, rows, row_ok, offs_k, K,
+                 write_res, HAS_RES: tl.constexpr):  # fmt: skip
+    """(x + residual)[rows, offs_k] rounded to the model dtype (x alone without a residual);
+    where write_res (a program of the first column block), also stored: the new residual."""
     mask = row_ok[:, None] & (offs_k < K)[None, :]
     x = tl.load(X + rows[:, None] * stride_x + offs_k[None, :], mask=mask, other=0.0)
     if HAS_RES:
         r = tl.load(Res + rows[:, None] * stride_r + offs_k[None, :], mask=mask, other=0.0)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
         tl.store(ResOut + rows[:, None] * stride_ro + offs_k[None, :], x, mask=mask & write_res)
+    return x
+
+
+@triton.jit
+def _scaled_tile(x, rstd, NormW, offs_k, K):
+    """RMSNorm of a summed tile given its rows' 1 / rms, rounded as add_rms_norm rounds."""
     normed = (x.to(tl.float32) * rstd[:, None]).to(x.dtype).to(tl.float32)
     w = tl.load(NormW + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
     return (normed * w[None, :]).to(x.dtype)
+
+
+@triton.jit
+def _normed_tile(X, Res, NormW, ResOut, stride_x, stride_r, stride_ro, rows, row_ok, offs_k,
+                 K, rstd, write_res, HAS_RES: tl.constexpr):  # fmt: skip
+    """RMSNorm(x + residual)[rows, offs_k] in the model dtype (the rows' rstd from
+    _row_rstd); where write_res, the new residual stored too."""
+    x = _summed_tile(X, Res, ResOut, stride_x, stride_r, stride_ro, rows, row_ok, offs_k, K,
+                     write_res, HAS_RES)  # fmt: skip
+    return _scaled_tile(x, rstd, NormW, offs_k, K)
+
+
+@triton.jit
+def _normed_row(X, Res, NormW, ResOut, stride_x, stride_r, stride_ro, rows, row_ok, K, eps,
+                write_res, HAS_RES: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+    """_normed_tile of a whole row (K <= BLOCK_K) with its rstd from the same registers: the
+    bits of _row_rstd's one step and _normed_tile, one read of the row instead of two."""
+    offs_k = tl.arange(0, BLOCK_K)
+    x = _summed_tile(X, Res, ResOut, stride_x, stride_r, stride_ro, rows, row_ok, offs_k, K,
+                     write_res, HAS_RES)  # fmt: skip
+    xf = x.to(tl.float32)
+    rstd = 1.0 / tl.sqrt((0.0 + tl.sum(xf * xf, 1)) / K + eps)
+    return _scaled_tile(x, rstd, NormW, offs_k, K)
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -88,6 +123,7 @@ def _norm_gemm_kernel(
     T, N, K, K_PER, eps,  # K_PER: the K range of a split, a multiple of BLOCK_K
     stride_x, stride_r, stride_w, stride_os, stride_o, stride_ro,
     HAS_NORM: tl.constexpr, HAS_RES: tl.constexpr, IEEE: tl.constexpr,
+    ONE_TILE: tl.constexpr,  # K <= BLOCK_K, unsplit: the row and the weight tile read at once
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PDL: tl.constexpr,
 ):  # fmt: skip
@@ -98,24 +134,36 @@ def _norm_gemm_kernel(
     row_ok = rows < T
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
-    if HAS_NORM:
-        rstd = _row_rstd(X, Res, stride_x, stride_r, rows, row_ok, K, eps,
-                         HAS_RES, BLOCK_M, BLOCK_K)  # fmt: skip
-    else:
-        rstd = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    k_start = split * K_PER
-    for k0 in range(k_start, tl.minimum(k_start + K_PER, K), BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        if HAS_NORM:
-            a = _normed_tile(X, Res, NormW, ResOut, stride_x, stride_r, stride_ro, rows, row_ok,
-                             offs_k, K, rstd, pid_n == 0, HAS_RES)  # fmt: skip
-        else:  # a plain GEMM (o_proj): the rows as they are
-            a = tl.load(X + rows[:, None] * stride_x + offs_k[None, :],
-                        mask=row_ok[:, None] & (offs_k < K)[None, :], other=0.0)  # fmt: skip
+    if ONE_TILE:  # no loop: the weight tile's load is not held behind the row's norm
+        offs_k = tl.arange(0, BLOCK_K)
         w = tl.load(W + offs_n[None, :] * stride_w + offs_k[:, None],
                     mask=(offs_k < K)[:, None] & n_ok[None, :], other=0.0)  # fmt: skip
-        acc += _dot(a, w, IEEE)
+        if HAS_NORM:
+            a = _normed_row(X, Res, NormW, ResOut, stride_x, stride_r, stride_ro, rows, row_ok,
+                            K, eps, pid_n == 0, HAS_RES, BLOCK_K)  # fmt: skip
+        else:
+            a = tl.load(X + rows[:, None] * stride_x + offs_k[None, :],
+                        mask=row_ok[:, None] & (offs_k < K)[None, :], other=0.0)  # fmt: skip
+        acc = 0.0 + _dot(a, w, IEEE)
+    else:
+        if HAS_NORM:
+            rstd = _row_rstd(X, Res, stride_x, stride_r, rows, row_ok, K, eps,
+                             HAS_RES, BLOCK_M, BLOCK_K)  # fmt: skip
+        else:
+            rstd = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        k_start = split * K_PER
+        for k0 in range(k_start, tl.minimum(k_start + K_PER, K), BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            if HAS_NORM:
+                a = _normed_tile(X, Res, NormW, ResOut, stride_x, stride_r, stride_ro, rows,
+                                 row_ok, offs_k, K, rstd, pid_n == 0, HAS_RES)  # fmt: skip
+            else:  # a plain GEMM (o_proj): the rows as they are
+                a = tl.load(X + rows[:, None] * stride_x + offs_k[None, :],
+                            mask=row_ok[:, None] & (offs_k < K)[None, :], other=0.0)  # fmt: skip
+            w = tl.load(W + offs_n[None, :] * stride_w + offs_k[:, None],
+                        mask=(offs_k < K)[:, None] & n_ok[None, :], other=0.0)  # fmt: skip
+            acc += _dot(a, w, IEEE)
     out = Out + split * stride_os + rows[:, None] * stride_o + offs_n[None, :]
     tl.store(out, acc.to(Out.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
 
@@ -190,6 +238,11 @@ def split_k_range(k_dim: int, cfg: GemvConfig) -> tuple[int, int]:
     steps = triton.cdiv(k_dim, cfg.block_k)
     k_per = triton.cdiv(steps, min(cfg.split_k, steps)) * cfg.block_k
     return triton.cdiv(k_dim, k_per), k_per
+
+
+def one_tile(k_dim: int, cfg: GemvConfig, splits: int) -> bool:
+    """Whether a launch reads its whole K in one tile (no K loop): unsplit, block_k >= K."""
+    return splits == 1 and cfg.block_k >= k_dim
 
 
 def row_chunks(t: int, splits: int, n: int) -> list[slice]:
@@ -281,6 +334,7 @@ def _launch_norm_gemm(
             t, n, k_dim, k_per, eps,
             x.stride(0), res.stride(0), weight.stride(0), stride_ps, stride_pt, res_out.stride(0),
             HAS_NORM=has_norm, HAS_RES=has_res, IEEE=_ieee_dot(x),
+            ONE_TILE=one_tile(k_dim, cfg, splits),
             BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, **cfg.launch_options(),
             **pdl.launch_options(x.device),
         )  # fmt: skip

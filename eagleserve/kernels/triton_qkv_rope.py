@@ -26,8 +26,10 @@ from eagleserve.kernels.triton_gemv import (
     BLOCK_M,
     _check_rows,
     _new_residual,
+    _normed_row,
     _normed_tile,
     _row_rstd,
+    one_tile,
     partials,
     row_chunks,
     split_k_range,
@@ -93,6 +95,7 @@ def _norm_qkv_rope_kernel(
     stride_ks, stride_kh, stride_vs, stride_vh, stride_loc, stride_ps, stride_pt,
     NUM_Q: tl.constexpr, NUM_KV: tl.constexpr, HEAD_DIM: tl.constexpr,
     HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, PARTIAL: tl.constexpr,
+    ONE_TILE: tl.constexpr,  # K <= BLOCK_K, unsplit: the row and the weight tiles read at once
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr,
     PDL: tl.constexpr,
 ):  # fmt: skip
@@ -107,21 +110,34 @@ def _norm_qkv_rope_kernel(
     offs_c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
     c_ok = offs_c < HALF
     lo_cols = head * HEAD_DIM + offs_c  # weight rows of the head's first half
-    rstd = _row_rstd(X, Res, stride_x, stride_r, rows, row_ok, K, eps,
-                     HAS_RES, BLOCK_M, BLOCK_K)  # fmt: skip
-    acc_lo = tl.zeros((BLOCK_M, BLOCK_C), dtype=tl.float32)
-    acc_hi = tl.zeros((BLOCK_M, BLOCK_C), dtype=tl.float32)
-    k_start = split * K_PER
-    for k0 in range(k_start, tl.minimum(k_start + K_PER, K), BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        a = _normed_tile(X, Res, NormW, ResOut, stride_x, stride_r, stride_ro, rows, row_ok,
-                         offs_k, K, rstd, (head == 0) & (pid_c == 0), HAS_RES)  # fmt: skip
+    write_res = (head == 0) & (pid_c == 0)
+    if ONE_TILE:  # no loop: the weight tiles' loads are not held behind the row's norm
+        offs_k = tl.arange(0, BLOCK_K)
         w_mask = (offs_k < K)[:, None] & c_ok[None, :]
         w_lo = tl.load(W + lo_cols[None, :] * stride_w + offs_k[:, None], mask=w_mask, other=0.0)
         w_hi = tl.load(W + (lo_cols + HALF)[None, :] * stride_w + offs_k[:, None], mask=w_mask,
                        other=0.0)  # fmt: skip
-        acc_lo += _dot(a, w_lo, IEEE)  # IEEE: fp32 as cuBLAS computes it (no TF32)
-        acc_hi += _dot(a, w_hi, IEEE)
+        a = _normed_row(X, Res, NormW, ResOut, stride_x, stride_r, stride_ro, rows, row_ok, K,
+                        eps, write_res, HAS_RES, BLOCK_K)  # fmt: skip
+        acc_lo = 0.0 + _dot(a, w_lo, IEEE)
+        acc_hi = 0.0 + _dot(a, w_hi, IEEE)
+    else:
+        rstd = _row_rstd(X, Res, stride_x, stride_r, rows, row_ok, K, eps,
+                         HAS_RES, BLOCK_M, BLOCK_K)  # fmt: skip
+        acc_lo = tl.zeros((BLOCK_M, BLOCK_C), dtype=tl.float32)
+        acc_hi = tl.zeros((BLOCK_M, BLOCK_C), dtype=tl.float32)
+        k_start = split * K_PER
+        for k0 in range(k_start, tl.minimum(k_start + K_PER, K), BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            a = _normed_tile(X, Res, NormW, ResOut, stride_x, stride_r, stride_ro, rows, row_ok,
+                             offs_k, K, rstd, write_res, HAS_RES)  # fmt: skip
+            w_mask = (offs_k < K)[:, None] & c_ok[None, :]
+            w_lo = tl.load(W + lo_cols[None, :] * stride_w + offs_k[:, None], mask=w_mask,
+                           other=0.0)  # fmt: skip
+            w_hi = tl.load(W + (lo_cols + HALF)[None, :] * stride_w + offs_k[:, None],
+                           mask=w_mask, other=0.0)  # fmt: skip
+            acc_lo += _dot(a, w_lo, IEEE)  # IEEE: fp32 as cuBLAS computes it (no TF32)
+            acc_hi += _dot(a, w_hi, IEEE)
     if PARTIAL:
         part = Part + split * stride_ps + rows[:, None] * stride_pt + lo_cols[None, :]
         mask = row_ok[:, None] & c_ok[None, :]
@@ -211,6 +227,7 @@ def norm_qkv_rope_store_kv(
             qkv.stride(0), qkv.stride(1), res_out.stride(0), *kv_strides, loc.stride(0),
             stride_ps, stride_pt,
             HAS_RES=residual is not None, IEEE=_ieee_dot(x), PARTIAL=splits > 1,
+            ONE_TILE=one_tile(k_dim, cfg, splits),
             BLOCK_M=BLOCK_M, BLOCK_K=cfg.block_k, BLOCK_C=cfg.block_n,
             **heads_const, **cfg.launch_options(),
             **pdl.launch_options(x.device),

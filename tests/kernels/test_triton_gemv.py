@@ -149,19 +149,62 @@ def split(split_k: int):  # noqa: ANN201
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("split_k, chunked", [(1, False), (3, False), (3, True)])
+@pytest.mark.parametrize("split_k, chunked", [(1, False), (3, False), (3, True), (0, False)])
 def test_rows_do_not_depend_on_the_batch(
     dtype: torch.dtype, split_k: int, chunked: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The batch-invariant mode runs these kernels at every size: each output row (and its K/V
     write) is bitwise the same alone, at the front of a batch of 1..40 rows (one to three row
-    blocks) and anywhere inside it; with every kernel's K split too, and with the partials of
-    a split launch capped to one row block (a long batch then runs block after block)."""
+    blocks) and anywhere inside it; with every kernel's K split too, with the partials of a
+    split launch capped to one row block (a long batch then runs block after block), and
+    (split_k 0 here) with every K read in one tile."""
     if chunked:
         monkeypatch.setattr(tg, "_MAX_PARTIALS", 1)
         assert len(tg.row_chunks(40, 3, 8)) == 3
-    with split(split_k):
+    with split(split_k) if split_k else gemv_config.overriding(block_k=128):
         assert_rows_do_not_depend_on_the_batch(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_one_tile_of_k_gives_the_loops_bits(
+    dtype: torch.dtype, shape: tuple, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A K step of 128 covers these shapes' K: the kernels read the row and the weight tile at
+    once (no K loop), and give bit for bit what the K loop gives with the same setting (the
+    row's sum of squares and every rounding the same), the new residual and K/V included."""
+    hidden, nh, nkv, d, inter = shape
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,))))
+    rows = 5
+    x, res = randn(rows, hidden, gen=gen, dtype=dtype), randn(rows, hidden, gen=gen, dtype=dtype)
+    norm_w, w_qkv, w_gate_up, _, w_o = layer_weights(gen, dtype, *shape)
+    cos, sin = rotary(rows, d, gen, dtype)
+    loc = torch.randperm(rows + 3, generator=gen)[:rows].to(DEVICE)
+    kv_bufs = [randn(rows + 3, nkv, d, gen=gen, dtype=dtype) for _ in range(2)]
+    attn = randn(rows, nh * d, gen=gen, dtype=dtype)
+    launches: list[bool] = []
+
+    def outputs() -> list[torch.Tensor]:
+        k_buf, v_buf = (b.clone() for b in kv_bufs)
+        qkv, stream = tq.norm_qkv_rope_store_kv(x, res, norm_w, 1e-5, w_qkv, None, nh, cos, sin,
+                                                k_buf, v_buf, loc)  # fmt: skip
+        gate_up, stream2 = tg.norm_gemm(x, res, norm_w, 1e-5, w_gate_up)
+        return [qkv, stream, gate_up, stream2, tg.gemm(attn, w_o), k_buf, v_buf]
+
+    def spy(k_dim: int, cfg: gemv_config.GemvConfig, splits: int) -> bool:
+        launches.append(decide(k_dim, cfg, splits))
+        return launches[-1]
+
+    decide = tg.one_tile
+    monkeypatch.setattr(tg, "one_tile", spy)
+    monkeypatch.setattr(tq, "one_tile", spy)
+    with gemv_config.overriding(block_k=128):
+        one_tile = outputs()
+        assert launches == [True] * 3
+        decide = lambda *_: False  # noqa: E731  (the K loop, one step of 128)
+        looped = outputs()
+    for a, b in zip(one_tile, looped, strict=True):
+        assert torch.equal(a, b)
 
 
 def assert_rows_do_not_depend_on_the_batch(dtype: torch.dtype) -> None:
