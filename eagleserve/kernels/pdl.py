@@ -3,7 +3,9 @@
 A kernel launched with PDL may start while the kernel before it on the stream still runs. Each
 of ours begins with `wait_previous` (kernels/triton_common.py): it lets the next kernel launch too
 (`griddepcontrol.launch_dependents`), then waits until the previous kernel has completed and its
-writes are visible (`griddepcontrol.wait`), before it reads or writes global memory. What
+writes are visible (`griddepcontrol.wait`), before it reads or writes global memory that a
+kernel writes (a GEMV kernel whose K is one tile loads its weight tile first: no kernel writes
+a weight, and that load then overlaps the previous kernel too). What
 overlaps is a kernel's launch and scheduling with the tail of the one before: the gaps between
 the many small kernels of a small-batch decode, inside a device graph too (CUDA 12.3 and later
 capture the programmatic edges). Only kernels that wait are launched with PDL, so none starts

@@ -127,7 +127,6 @@ def _norm_gemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PDL: tl.constexpr,
 ):  # fmt: skip
-    wait_previous(PDL)
     rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     pid_n = tl.program_id(1)
     split = tl.program_id(2)
@@ -136,8 +135,10 @@ def _norm_gemm_kernel(
     n_ok = offs_n < N
     if ONE_TILE:  # no loop: the weight tile's load is not held behind the row's norm
         offs_k = tl.arange(0, BLOCK_K)
+        # No kernel writes a weight: with PDL its load overlaps the previous kernel's tail.
         w = tl.load(W + offs_n[None, :] * stride_w + offs_k[:, None],
                     mask=(offs_k < K)[:, None] & n_ok[None, :], other=0.0)  # fmt: skip
+        wait_previous(PDL)
         if HAS_NORM:
             a = _normed_row(X, Res, NormW, ResOut, stride_x, stride_r, stride_ro, rows, row_ok,
                             K, eps, pid_n == 0, HAS_RES, BLOCK_K)  # fmt: skip
@@ -146,6 +147,7 @@ def _norm_gemm_kernel(
                         mask=row_ok[:, None] & (offs_k < K)[None, :], other=0.0)  # fmt: skip
         acc = 0.0 + _dot(a, w, IEEE)
     else:
+        wait_previous(PDL)
         if HAS_NORM:
             rstd = _row_rstd(X, Res, stride_x, stride_r, rows, row_ok, K, eps,
                              HAS_RES, BLOCK_M, BLOCK_K)  # fmt: skip

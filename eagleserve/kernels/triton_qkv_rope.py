@@ -99,7 +99,6 @@ def _norm_qkv_rope_kernel(
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr,
     PDL: tl.constexpr,
 ):  # fmt: skip
-    wait_previous(PDL)
     rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     head = tl.program_id(1)
     HALF: tl.constexpr = HEAD_DIM // 2
@@ -117,11 +116,13 @@ def _norm_qkv_rope_kernel(
         w_lo = tl.load(W + lo_cols[None, :] * stride_w + offs_k[:, None], mask=w_mask, other=0.0)
         w_hi = tl.load(W + (lo_cols + HALF)[None, :] * stride_w + offs_k[:, None], mask=w_mask,
                        other=0.0)  # fmt: skip
+        wait_previous(PDL)  # the weight tiles (no kernel writes them) were loaded before it
         a = _normed_row(X, Res, NormW, ResOut, stride_x, stride_r, stride_ro, rows, row_ok, K,
                         eps, write_res, HAS_RES, BLOCK_K)  # fmt: skip
         acc_lo = 0.0 + _dot(a, w_lo, IEEE)
         acc_hi = 0.0 + _dot(a, w_hi, IEEE)
     else:
+        wait_previous(PDL)
         rstd = _row_rstd(X, Res, stride_x, stride_r, rows, row_ok, K, eps,
                          HAS_RES, BLOCK_M, BLOCK_K)  # fmt: skip
         acc_lo = tl.zeros((BLOCK_M, BLOCK_C), dtype=tl.float32)

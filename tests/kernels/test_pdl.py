@@ -49,10 +49,13 @@ def test_asked_for_where_unsupported_it_stays_off_and_says_so(
     DEVICE.type != "cuda" or not pdl.supported(DEVICE),
     reason="needs an NVIDIA GPU of compute capability 9.0 or later",
 )
-def test_a_decode_layer_replayed_with_pdl_gives_the_same_bits() -> None:
-    """The GEMV kernels (every K split as the tuner may pick it), the decode attention and the
-    per-op kernels, one after another as a layer runs them, captured in one graph with PDL and
-    in one without: the replays' outputs and K/V writes are bitwise equal."""
+@pytest.mark.parametrize("settings", [{"split_k": 4, "block_k": 64}, {"block_k": 512}],
+                         ids=["split-k", "one-tile"])  # fmt: skip
+def test_a_decode_layer_replayed_with_pdl_gives_the_same_bits(settings: dict[str, int]) -> None:
+    """The GEMV kernels (every K split as the tuner may pick it, or every K in one tile, whose
+    weight tiles load before the wait), the decode attention and the per-op kernels, one after
+    another as a layer runs them, captured in one graph with PDL and in one without: the
+    replays' outputs and K/V writes are bitwise equal."""
     assert pdl.configure(True, DEVICE)
     gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,))))
     dtype, rows, hidden, nh, nkv, d, inter = torch.bfloat16, 4, 256, 8, 2, 64, 512
@@ -80,7 +83,7 @@ def test_a_decode_layer_replayed_with_pdl_gives_the_same_bits() -> None:
     def replayed(on: bool) -> list[torch.Tensor]:
         pdl.configure(on, DEVICE)
         kv = [t.clone() for t in kv_init]
-        with gemv_config.overriding(split_k=4, block_k=64):
+        with gemv_config.overriding(**settings):
             layer(kv)  # compiles outside the capture
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
