@@ -1,5 +1,6 @@
 """Small-batch (GEMV-shaped) Triton kernels that fold a decoder layer's pointwise ops into its
-GEMMs, so a decode layer is five to eight launches (models/fused_forward.py):
+GEMMs, so a decode layer is four launches besides attention, one more for each split K
+(models/fused_forward.py):
 
 - `norm_qkv_rope_store_kv` (kernels/triton_qkv_rope.py): residual add + RMSNorm, the qkv
   projection, neox rotary of q and k and the K/V write to their KV-pool slots.
