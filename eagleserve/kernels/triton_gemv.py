@@ -206,6 +206,16 @@ def _silu_mul_gemm_kernel(
     tl.store(out, acc.to(Out.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
 
 
+@triton.jit
+def summed_partials(part, stride_ps, mask, SPLITS: tl.constexpr):
+    """The fp32 sum over S of part [S, ...] (the pointers of split 0; split s at s * stride_ps),
+    in split order whatever order the splits ran in."""
+    acc = tl.load(part, mask=mask, other=0.0)
+    for s in tl.static_range(1, SPLITS):
+        acc += tl.load(part + s * stride_ps, mask=mask, other=0.0)
+    return acc
+
+
 @triton.jit(do_not_specialize=["T"])
 def _sum_splits_kernel(
     Part, Out,  # Part [S, T, N] fp32; Out [T, N]
@@ -217,10 +227,8 @@ def _sum_splits_kernel(
     rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (rows < T)[:, None] & (offs_n < N)[None, :]
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for s in tl.static_range(SPLITS):  # in split order, whatever order the splits ran in
-        part = Part + s * stride_ps + rows[:, None] * stride_pt + offs_n[None, :]
-        acc += tl.load(part, mask=mask, other=0.0)
+    acc = summed_partials(Part + rows[:, None] * stride_pt + offs_n[None, :], stride_ps, mask,
+                          SPLITS)  # fmt: skip
     tl.store(Out + rows[:, None] * stride_o + offs_n[None, :], acc.to(Out.dtype.element_ty),
              mask=mask)  # fmt: skip
 
@@ -352,12 +360,12 @@ def silu_mul_gemm(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     n = weight.shape[0]
     assert weight.shape == (n, inter) and weight.stride(1) == 1, weight.shape
     out = torch.empty((gate_up.shape[0], n), dtype=gate_up.dtype, device=gate_up.device)
+    if gate_up.shape[0] == 0:
+        return out
     cfg = config_for("silu_mul_gemm", n, inter, weight.dtype, gate_up.device)
     splits, k_per = split_k_range(inter, cfg)
     for r in row_chunks(gate_up.shape[0], splits, n):
         t, (part, stride_ps, stride_pt) = gate_up[r].shape[0], partials(out[r], splits)
-        if t == 0:
-            break
         _silu_mul_gemm_kernel[(triton.cdiv(t, BLOCK_M), triton.cdiv(n, cfg.block_n), splits)](
             gate_up[r], weight, part, t, n, inter, k_per,
             gate_up.stride(0), weight.stride(0), stride_ps, stride_pt,

@@ -33,6 +33,7 @@ from eagleserve.kernels.triton_gemv import (
     partials,
     row_chunks,
     split_k_range,
+    summed_partials,
 )
 
 
@@ -169,11 +170,8 @@ def _sum_rope_store_kernel(
     c_ok = offs_c < HEAD_DIM // 2
     mask = row_ok[:, None] & c_ok[None, :]
     part = Part + rows[:, None] * stride_pt + (head * HEAD_DIM + offs_c)[None, :]
-    acc_lo = tl.zeros((BLOCK_M, BLOCK_C), dtype=tl.float32)
-    acc_hi = tl.zeros((BLOCK_M, BLOCK_C), dtype=tl.float32)
-    for s in tl.static_range(SPLITS):
-        acc_lo += tl.load(part + s * stride_ps, mask=mask, other=0.0)
-        acc_hi += tl.load(part + s * stride_ps + HEAD_DIM // 2, mask=mask, other=0.0)
+    acc_lo = summed_partials(part, stride_ps, mask, SPLITS)
+    acc_hi = summed_partials(part + HEAD_DIM // 2, stride_ps, mask, SPLITS)
     _rope_store(acc_lo, acc_hi, Bias, Cos, SignedSin, QKV, KBuf, VBuf, Loc, rows, row_ok,
                 head, offs_c, c_ok, stride_cos, stride_sin, stride_qt, stride_qh, stride_ks,
                 stride_kh, stride_vs, stride_vh, stride_loc,
