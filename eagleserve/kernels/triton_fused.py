@@ -140,13 +140,20 @@ def _rope_store_kv_kernel(
 
 
 def add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(RMSNorm(x + residual) * weight, x + residual), one launch; without a residual the second
-    is `x` itself. x, residual [T, N] with a contiguous last dim."""
+    is `x` itself. x, residual [T, N] with a contiguous last dim; `out`: where the first goes
+    (a [T, N] view with a contiguous last dim, e.g. half of a wider row), else a new tensor."""
     assert x.dim() == 2 and x.stride(1) == 1, (x.shape, x.stride())
     t, n = x.shape
-    out = torch.empty((t, n), dtype=x.dtype, device=x.device)
+    if out is None:
+        out = torch.empty((t, n), dtype=x.dtype, device=x.device)
+    assert out.shape == (t, n) and out.stride(1) == 1, (out.shape, out.stride())
     res_out = x
     if residual is not None:
         assert residual.shape == x.shape and residual.dtype == x.dtype and residual.stride(1) == 1

@@ -80,10 +80,10 @@ def _attention(attn: LlamaAttention, x: torch.Tensor, fb: ForwardBatch, rotary: 
     pool = fb.kv_pool
     rope_store_kv_(qkv, nh, rotary.cos, rotary.signed_sin, pool.k_buffer[attn.layer_id],
                    pool.v_buffer[attn.layer_id], fb.out_cache_loc)  # fmt: skip
-    return _attend(attn, qkv, fb)
+    return attend(attn, qkv, fb)
 
 
-def _attend(
+def attend(
     attn: LlamaAttention, qkv: torch.Tensor, fb: ForwardBatch, gemv: bool = False
 ) -> torch.Tensor:
     """Attention of the rotated qkv [T, H + 2Hkv, D] (k, v already in the pool), then o_proj
@@ -130,7 +130,7 @@ def _gemv_layer(
         rotary.cos, rotary.signed_sin, pool.k_buffer[attn.layer_id],
         pool.v_buffer[attn.layer_id], fb.out_cache_loc,
     )  # fmt: skip
-    h = _attend(attn, qkv, fb, gemv=True)
+    h = attend(attn, qkv, fb, gemv=True)
     norm = layer.post_attention_layernorm
     gate_up, residual = norm_gemm(h, residual, norm.weight, norm.eps, gate_up_proj.weight)
     return silu_mul_gemm(gate_up, mlp.down_proj.weight), residual

@@ -84,13 +84,20 @@ class RotaryEmbedding(nn.Module):
         # [max_pos, 1, D]: a lookup is [T, 1, D], the heads' broadcast shape, in one op.
         self.register_buffer("cos_cache", emb.cos()[:, None, :], persistent=False)
         self.register_buffer("signed_sin_cache", (emb.sin() * sign)[:, None, :], persistent=False)
+        # The caches rounded to a model dtype (on their device), made at its first lookup, which
+        # a graph's warm-up runs before its capture: a lookup is then two gathers, not two
+        # gathers and two casts (the same values: rounding commutes with a gather).
+        self.rounded: dict[tuple[torch.dtype, torch.device], tuple[torch.Tensor, ...]] = {}
 
     def at(self, positions: torch.Tensor, dtype: torch.dtype) -> BoundRotary:
         """The rotation of these positions, looked up once per forward for every layer."""
-        cos, sin = self.cos_cache[positions], self.signed_sin_cache[positions]  # [T, 1, D]
+        cos, sin = self.cos_cache, self.signed_sin_cache
         if dtype != cos.dtype:
-            cos, sin = cos.to(dtype), sin.to(dtype)
-        return BoundRotary(cos, sin)
+            key = (dtype, cos.device)
+            if key not in self.rounded:
+                self.rounded[key] = (cos.to(dtype), sin.to(dtype))
+            cos, sin = self.rounded[key]
+        return BoundRotary(cos[positions], sin[positions])  # [T, 1, D]
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor

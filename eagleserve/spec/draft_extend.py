@@ -73,11 +73,24 @@ def mask_path_rows(fb: ForwardBatch) -> tuple[ForwardBatch, torch.Tensor]:
     return masked, torch.arange(bs, device=a.device) * width + a - 1
 
 
+def top_candidates(logits: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The `topk` most likely draft ids of each row of head logits [rows, Vd] (any float dtype)
+    and their fp32 probabilities, highest first. One candidate is the row's max: on a GPU one
+    reduction, where a top-k select is a radix select several times its cost; on a tie, the
+    lowest id."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    if topk == 1:
+        top_p, top_ids = probs.max(dim=-1, keepdim=True)
+        return top_p, top_ids
+    top_p, top_ids = probs.topk(topk, dim=-1)
+    return top_p, top_ids
+
+
 def seed_from_logits(
     head: EagleHead, logits: torch.Tensor, features: torch.Tensor, topk: int
 ) -> EagleDraftInput:
     """The next draft's seed: the head's top-k (target ids) and the features it continues from."""
-    topk_p, topk_ids = torch.softmax(logits, dim=-1).topk(topk, dim=-1)
+    topk_p, topk_ids = top_candidates(logits, topk)
     return EagleDraftInput(topk_p, head.to_target_ids(topk_ids), features)
 
 

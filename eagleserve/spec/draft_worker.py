@@ -57,6 +57,8 @@ class EagleDraftWorker:
             self.head.fuse_projections()  # packed once, kept in the cache directory
             linears_to_int8_cached(self.head, (head_path, target.gguf_path))
             self.head.use_row_kernels()
+        elif target.model.fused_kernels:  # the layer on the target's kernels, fewer launches
+            self.head.use_fused_kernels()
         if target.batch_invariant:  # the head's drafts are then the same in any batch too
             from eagleserve.models.batch_invariant import make_batch_invariant
 
@@ -337,8 +339,8 @@ class EagleDraftWorker:
                 self.attn_backend.init_forward_metadata_static(sfb)
             with forward_context(sfb):
                 logits, next_feats = self.head(ids, feats, positions)
-            topk_p, topk_ids = torch.softmax(logits, dim=-1).topk(1, dim=-1)
-            return topk_p, self.head.to_target_ids(topk_ids), next_feats
+            seed = seed_from_logits(self.head, logits, next_feats, 1)
+            return seed.topk_p, seed.topk_index, seed.hidden_states
 
         info = EagleDraftInput(extras["topk_p"], extras["topk_index"], extras["hidden"])
         tree = draft_chain(info, k, step, self.chain_buffers[k])
@@ -390,6 +392,5 @@ class EagleDraftWorker:
         else:
             with forward_context(fb):
                 logits, next_feats = self.head(input_ids, feats, positions)
-        probs = torch.softmax(self._masked(logits, allowed), dim=-1)
-        topk_p, topk_ids = probs.topk(topk, dim=-1)  # [bs*topk, topk]
-        return topk_p, self.head.to_target_ids(topk_ids), next_feats
+        seed = seed_from_logits(self.head, self._masked(logits, allowed), next_feats, topk)
+        return seed.topk_p, seed.topk_index, seed.hidden_states  # p, ids [bs*topk, topk]; features

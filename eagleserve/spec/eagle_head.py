@@ -151,6 +151,7 @@ class EagleHead(nn.Module):
         self.rotary_emb = RotaryEmbedding(cfg, target.model.rotary_emb.max_positions)
         self.kv_proj: nn.Linear | None = None  # set by fuse_projections
         self.cpu_layer: CpuHeadLayer | None = None  # set by use_row_kernels
+        self.fused_kernels = False  # set by use_fused_kernels (spec/fused_head.py)
 
     @property
     def target(self) -> LlamaForCausalLM:
@@ -195,7 +196,8 @@ class EagleHead(nn.Module):
         self, input_ids: torch.Tensor, features: torch.Tensor, positions: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """input_ids [T] (token t[j+1]), features [T, feature_size or h] (aligned with t[j]),
-        positions [T]. Returns (logits [T, draft_vocab] fp32, next_features [T, h])."""
+        positions [T]. Returns (logits [T, draft_vocab], fp32 except on the fused kernels, which
+        keep the model dtype; next_features [T, h])."""
         emb, feats = self._inputs(input_ids, features)
         # Bound once: a fused q/k/v then rotates q and k together (one kernel on a CPU).
         rotary = self.rotary_emb.at(positions, emb.dtype)
@@ -203,6 +205,11 @@ class EagleHead(nn.Module):
             fb = get_forward_batch()
             if CpuLayers.applies(fb, emb):  # the layer and lm_head in one kernel call
                 return self.cpu_layer.forward(emb, self._fused_features(feats), fb, rotary)
+        if self.fused_kernels and in_forward():
+            from eagleserve.spec import fused_head  # imports triton: only where it runs
+
+            g = self._fused_features(feats)
+            return fused_head.layer_forward(self, emb, g, get_forward_batch(), rotary)
         attn_in, residual = self._attention_input(emb, feats)
         x = residual + self.attn(attn_in, positions, rotary)
         if self.algorithm == "EAGLE":
@@ -223,6 +230,14 @@ class EagleHead(nn.Module):
     ) -> None:
         """Writes these rows' K/V to `out_cache_loc` in the active forward's KV pool and
         nothing else: the head is one layer, so a row's K/V depend on its own input alone."""
+        if self.fused_kernels:
+            from eagleserve.spec import fused_head
+
+            emb, feats = self._inputs(input_ids, features)
+            rotary = self.rotary_emb.at(positions, emb.dtype)
+            fused_head.write_kv(self, emb, self._fused_features(feats), rotary,
+                                get_forward_batch(), out_cache_loc)  # fmt: skip
+            return
         attn_in, _ = self._attention_input(*self._inputs(input_ids, features))
         attn = self.attn
         t, shape = attn_in.shape[0], (attn.num_kv_heads, attn.head_dim)
@@ -254,6 +269,18 @@ class EagleHead(nn.Module):
                 self.kv_proj = _stacked([p.weight for p in parts[1:]])
             for n in names:
                 delattr(module, n)
+
+    def use_fused_kernels(self) -> bool:
+        """An EAGLE3 head on the fused Triton kernels its target runs (spec/fused_head.py):
+        projections fused, then its forwards and K/V writes there. False where they do not
+        apply (an EAGLE-1 head, biased projections): the head stays on the torch ops."""
+        if self.algorithm != "EAGLE3":
+            return False
+        self.fuse_projections()
+        m = self.midlayer
+        self.fused_kernels = (m.self_attn.qkv_proj is not None and m.mlp.gate_up_proj is not None
+                              and self.kv_proj is not None)  # fmt: skip
+        return self.fused_kernels
 
     def use_row_kernels(self) -> None:
         """The one-call RMSNorm, rotary and SiLU gate of kernels/ (a head next to a packed

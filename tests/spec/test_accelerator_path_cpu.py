@@ -280,3 +280,34 @@ def test_a_prefill_replays_its_graph_and_equals_the_eager_prefill(
     together = graphed.generate(prompts[:2], plain)  # one prefill batch of two: eager
     assert sum(graphs.of(g) for g in runner.prefill_graphs.graphs.values()) == before
     assert [o["token_ids"] for o in together] == [o["token_ids"] for o in want[:2]]
+
+
+def test_eagle3_on_the_fused_kernels_gives_the_targets_tokens(
+    target_dir: str, heads: dict[str, str], graphs: ReplayCount, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A GPU's layout: the target's layers and the EAGLE3 head's on the fused Triton kernels
+    (the GEMV ones for every forward here: their rows do not depend on the batch), inside the
+    stand-in graphs, with overlap. Greedy output equals target-only's on the same kernels, the
+    draft loop replaying its graph (tests/spec/test_fused_head.py checks the head's values)."""
+    from eagleserve.model_executor import model_runner
+    from eagleserve.models import fused_forward
+
+    monkeypatch.setattr(model_runner, "use_fused_kernels",
+                        lambda device, backend, gguf, shard: backend == "triton")  # fmt: skip
+    monkeypatch.setattr(fused_forward, "gemv_max_rows", lambda *args: 64)
+    prompts = random_prompts(3)
+    params = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+    # The interpreter is slow: rows of 48 tokens (prefill graphs of 16 and 32 only), and the
+    # reference eager (the same kernels: a graph replays them).
+    target = accelerator_engine(target_dir, False, max_context_len=48, disable_cuda_graph=True)
+    assert target.scheduler.worker.runner.model.fused_kernels
+    want = target.generate(prompts, params)
+    spec = dict(speculative_algorithm="EAGLE3", speculative_draft_model_path=heads["EAGLE3"],
+                **CHAIN3)  # fmt: skip
+    eng = accelerator_engine(target_dir, True, max_context_len=48, **spec)
+    drafter = eng.scheduler.worker.drafter
+    assert drafter.head.fused_kernels and drafter.loop_graphs and drafter.extend_graphs
+    got = eng.generate(prompts, params)
+    assert [o["token_ids"] for o in got] == [o["token_ids"] for o in want]
+    assert graphs.of(drafter.loop_graphs[3]) > 0
+    assert eng.stats().spec_verify_calls_total > 0
