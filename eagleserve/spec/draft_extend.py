@@ -51,9 +51,10 @@ def last_rows_forward(
         extend_lens=torch.ones_like(fb.extend_lens),
         host=HostLens(1, fb.host.max_kv, True),
     )
+    g = head.fused_features(features)
     with forward_context(last):
-        head.write_kv(fb.input_ids, features, fb.positions, fb.out_cache_loc)
-        return head(last.input_ids, features[last_rows], last.positions)
+        head.write_kv(fb.input_ids, g, fb.positions, fb.out_cache_loc)
+        return head(last.input_ids, g[last_rows], last.positions)
 
 
 def mask_path_rows(fb: ForwardBatch) -> tuple[ForwardBatch, torch.Tensor]:
@@ -160,10 +161,10 @@ class DraftExtendGraphs:
         )
         if static:
             self.attn_backend.init_forward_metadata_static(last)  # type: ignore[attr-defined]
-        features = extras["features"]
+        g = self.head.fused_features(extras["features"])
         with forward_context(last):
-            self.head.write_kv(path.input_ids, features, fb.positions, path.out_cache_loc)
-            logits, next_feats = self.head(last.input_ids, features[last_rows], last.positions)
+            self.head.write_kv(path.input_ids, g, fb.positions, path.out_cache_loc)
+            logits, next_feats = self.head(last.input_ids, g[last_rows], last.positions)
         seed = seed_from_logits(self.head, logits, next_feats, 1)
         return seed.topk_p, seed.topk_index, seed.hidden_states
 

@@ -175,10 +175,13 @@ class EagleHead(nn.Module):
         emb = self.target.model.embed_tokens(input_ids)  # [T, h]
         return emb, features.to(emb.dtype)
 
-    def _fused_features(self, features: torch.Tensor) -> torch.Tensor:
+    def fused_features(self, features: torch.Tensor) -> torch.Tensor:
         """EAGLE3's g [T, h]: target features (k*h) fused by fc; a later step's h-wide output
-        as it is."""
-        return self.fc(features) if features.shape[-1] != self.hidden_size else features
+        as it is (EAGLE-1's features too). Row by row: an extend fuses its rows once and hands
+        the K/V write and its last rows' forward the result."""
+        if features.shape[-1] == self.hidden_size:
+            return features
+        return self.fc(features.to(self.target.model.embed_tokens.weight.dtype))
 
     def _attention_input(
         self, emb: torch.Tensor, features: torch.Tensor
@@ -188,7 +191,7 @@ class EagleHead(nn.Module):
         if self.algorithm == "EAGLE":
             x = self.fc(torch.cat((emb, features), dim=-1))  # [T, h]
             return x, x
-        g = self._fused_features(features)  # [T, h]
+        g = self.fused_features(features)  # [T, h]
         m = self.midlayer
         return torch.cat((m.input_layernorm(emb), m.hidden_norm(g)), dim=-1), g  # [T, 2h]
 
@@ -204,11 +207,11 @@ class EagleHead(nn.Module):
         if self.cpu_layer is not None and in_forward():
             fb = get_forward_batch()
             if CpuLayers.applies(fb, emb):  # the layer and lm_head in one kernel call
-                return self.cpu_layer.forward(emb, self._fused_features(feats), fb, rotary)
+                return self.cpu_layer.forward(emb, self.fused_features(feats), fb, rotary)
         if self.fused_kernels and in_forward():
             from eagleserve.spec import fused_head  # imports triton: only where it runs
 
-            g = self._fused_features(feats)
+            g = self.fused_features(feats)
             return fused_head.layer_forward(self, emb, g, get_forward_batch(), rotary)
         attn_in, residual = self._attention_input(emb, feats)
         x = residual + self.attn(attn_in, positions, rotary)
@@ -235,7 +238,7 @@ class EagleHead(nn.Module):
 
             emb, feats = self._inputs(input_ids, features)
             rotary = self.rotary_emb.at(positions, emb.dtype)
-            fused_head.write_kv(self, emb, self._fused_features(feats), rotary,
+            fused_head.write_kv(self, emb, self.fused_features(feats), rotary,
                                 get_forward_batch(), out_cache_loc)  # fmt: skip
             return
         attn_in, _ = self._attention_input(*self._inputs(input_ids, features))
