@@ -21,7 +21,7 @@ from conftest import make_forward_batch  # noqa: E402
 
 from eagleserve.config import ModelConfig  # noqa: E402
 from eagleserve.layers.attention import create_attn_backend  # noqa: E402
-from eagleserve.layers.forward_batch import forward_context  # noqa: E402
+from eagleserve.layers.forward_batch import ForwardBatch, forward_context  # noqa: E402
 from eagleserve.mem_cache.kv_cache import ReqToTokenPool, TokenToKVPool  # noqa: E402
 from eagleserve.model_executor.model_runner import ModelRunner  # noqa: E402
 from eagleserve.models.fused_forward import enable_fused_kernels  # noqa: E402
@@ -66,12 +66,14 @@ class HeadKV:
         self.r2t = r2t
         self.backend = create_attn_backend("triton", DEVICE, r2t.req_to_token, cfg.head_dim**-0.5)
 
-    def batch(self, mode: str, prefix: list[int], extend: list[int]):  # noqa: ANN201
+    def batch(
+        self, mode: str, prefix: list[int], extend: list[int], ids: torch.Tensor
+    ) -> ForwardBatch:
         spans = list(zip(prefix, extend, strict=True))
         pos = torch.cat([torch.arange(p, p + e) for p, e in spans])
         loc = torch.cat([self.r2t.req_to_token[i, p : p + e] for i, (p, e) in enumerate(spans)])
         return make_forward_batch(
-            mode=mode, input_ids=torch.zeros(0), positions=pos.to(DEVICE), out_cache_loc=loc,
+            mode=mode, input_ids=ids, positions=pos.to(DEVICE), out_cache_loc=loc,
             req_pool_indices=torch.arange(2, device=DEVICE),
             prefix_lens=torch.tensor(prefix, device=DEVICE),
             extend_lens=torch.tensor(extend, device=DEVICE),
@@ -99,7 +101,7 @@ def test_fused_head_matches_the_head_on_torch_ops(
         feats = torch.randn(t, width, device=DEVICE).to(dtype)
         outs = []
         for head, kv in zip(pair, kvs, strict=True):
-            fb = kv.batch(mode, prefix, extend)
+            fb = kv.batch(mode, prefix, extend, ids)
             with torch.no_grad(), forward_context(fb):
                 outs.append(head(ids, feats, fb.positions))
         (ref_logits, ref_next), (logits, nxt) = outs
@@ -120,7 +122,7 @@ def test_fused_write_kv_matches(tiny_model_dir: str, dtype: torch.dtype) -> None
     ids = torch.randint(3, 256, (9,), device=DEVICE)
     feats = torch.randn(9, pair[0].feature_size, device=DEVICE).to(dtype)
     for head, kv in zip(pair, kvs, strict=True):
-        fb = kv.batch("extend", [0, 0], [5, 4])
+        fb = kv.batch("extend", [0, 0], [5, 4], ids)
         with torch.no_grad(), forward_context(fb):
             head.write_kv(ids, feats, fb.positions, fb.out_cache_loc)
     for name in ("k_buffer", "v_buffer"):
@@ -176,8 +178,8 @@ def test_a_fused_head_step_launches_a_fraction_of_the_kernels(tiny_model_dir: st
     counts = []
     for head in pair:
         kv = HeadKV(head, torch.bfloat16, slots)
-        fb = kv.batch("decode", [5, 3], [1, 1])
         ids = torch.randint(3, 256, (2,))
+        fb = kv.batch("decode", [5, 3], [1, 1], ids)
         feats = torch.randn(2, head.hidden_size).bfloat16()
         with torch.no_grad(), forward_context(fb):
             head(ids, feats, fb.positions)  # warm, as a graph's capture is
