@@ -26,7 +26,7 @@ from eagleserve.train.features import (
     target_features,
 )
 from eagleserve.train.recipe import add_recipe_args, run_recipe
-from eagleserve.train.tf_cli import add_tf_args, run_teacher_forced
+from eagleserve.train.tf_cli import add_tf_args, resolve_data_source, run_teacher_forced
 from eagleserve.train.trainer import (
     Data,
     MemorySource,
@@ -125,6 +125,7 @@ def run(ns: argparse.Namespace) -> int:
     if ns.recipe == "gpu":
         return run_recipe(ns)
     ns.batch_size = ns.batch_size or 8
+    ns.data_source = resolve_data_source(ns.data_source, ns.shards, ns.eval_head)
     if ns.data_source == "teacher-forced":
         return run_teacher_forced(ns)
     from eagleserve import Engine

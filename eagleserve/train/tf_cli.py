@@ -21,8 +21,9 @@ from eagleserve.train.target import load_target, target_layer_ids
 
 def add_tf_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("teacher-forced data (--data-source teacher-forced)")
-    g.add_argument("--data-source", default="self-distilled",
-                   choices=["self-distilled", "teacher-forced"])  # fmt: skip
+    g.add_argument("--data-source", default=None, choices=["self-distilled", "teacher-forced"],
+                   help="default: teacher-forced where --shards or --eval-head (both read "
+                   "shards) is given, else self-distilled")  # fmt: skip
     g.add_argument("--max-tokens", type=int, default=None,
                    help="training tokens to extract (default: 2 M into shards; with --recipe gpu, "
                    "as many as the feature store holds)")  # fmt: skip
@@ -73,6 +74,19 @@ def extract_data(ns: argparse.Namespace, target: object, tok: object) -> dict:
         stats[name] = extract(target, items, writer, layers, ns.top_k, budget, minutes, name)
         print(name, stats[name], flush=True)
     return stats
+
+
+def resolve_data_source(given: str | None, shards: list[str] | None, eval_head: str | None) -> str:
+    """--data-source as given, or by what else was asked for: --shards and --eval-head read
+    teacher-forced shards. Self-distilled data with either is refused: it would train a fresh
+    head and ignore them."""
+    reads_shards = shards is not None or eval_head is not None
+    if given is None:
+        return "teacher-forced" if reads_shards else "self-distilled"
+    if given == "self-distilled" and reads_shards:
+        raise SystemExit("train-draft: --shards and --eval-head read teacher-forced shards; "
+                         "they do not apply to --data-source self-distilled")  # fmt: skip
+    return given
 
 
 def run_teacher_forced(ns: argparse.Namespace) -> int:

@@ -181,6 +181,14 @@ def test_train_on_shards_resumes_bit_for_bit(tmp_path, tiny_model_dir: str, targ
     got = json.load(open(os.path.join(whole, "eval_whole.json")))
     assert val["acc0"] > 0 and set(val) <= set(got)
     assert all(abs(val[k] - got[k]) < 1e-6 for k in val), (val, got)
+    # --eval-head alone implies teacher-forced shards; with self-distilled data it is refused,
+    # not ignored while a fresh head trains.
+    bare = [a for a in ev if a not in ("--data-source", "teacher-forced")]
+    os.remove(os.path.join(whole, "eval_whole.json"))
+    assert main(bare) == 0
+    assert json.load(open(os.path.join(whole, "eval_whole.json"))) == got
+    with pytest.raises(SystemExit, match="teacher-forced shards"):
+        main([*bare, "--data-source", "self-distilled"])
 
 
 def test_window_batch_aligns_labels_with_rows() -> None:
