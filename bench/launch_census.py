@@ -1,0 +1,205 @@
+"""Kernel launches per decode iteration on the accelerator path, counted on a CPU: where a
+speculative iteration's launches go (host, target graphs, draft loop, seed extend) against a
+target-only decode's.
+
+    python bench/launch_census.py [--dtype bfloat16] [--out bench/results/launch_census_cpu.json]
+
+The engines run a GPU's layout under the Triton interpreter: the target's layers and the EAGLE3
+head's on the fused Triton kernels (the GEMV ones at these sizes), the device graphs replaced by
+the CPU stand-in of the tests (tests/spec/graph_standin.py: a replay runs the captured function
+again), overlap off so the host's own launches are counted apart. A launch is a Triton kernel
+or a torch op that computes (views, allocations and the interpreter's own copies are not); on a
+GPU each is one kernel, inside a graph or launched by the host. The target is the tests' random
+8-layer Llama (hidden 64) with a random EAGLE3 head: counts per layer and per head step are the
+default model's, only the layer count differs (30 there). One request, greedy, decode iterations
+3-6 averaged.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+for path in (ROOT, os.path.join(ROOT, "tests"), os.path.join(ROOT, "tests", "spec")):
+    sys.path.insert(0, path)
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from bench.common import format_table, machine  # noqa: E402
+
+FREE = {"view", "_unsafe_view", "reshape", "slice", "select", "expand", "unsqueeze", "squeeze",
+        "t", "transpose", "permute", "as_strided", "alias", "detach", "empty", "empty_like",
+        "new_empty", "empty_strided", "lift_fresh", "split", "chunk", "unbind",
+        "split_with_sizes", "_reshape_alias", "item", "_local_scalar_dense", "resolve_conj",
+        "resolve_neg", "flatten"}  # fmt: skip
+
+
+class Census:
+    """Launches by where they ran (the host, or the graph whose stand-in replay ran them)."""
+
+    def __init__(self) -> None:
+        self.where = "host"
+        self.active = False
+        self.in_triton = False
+        self.names: dict[int, str] = {}
+        self.tally: dict[str, collections.Counter[str]] = collections.defaultdict(
+            collections.Counter
+        )
+
+    def add(self, op: str) -> None:
+        if self.active:
+            self.tally[self.where][op] += 1
+
+
+@contextmanager
+def counting(census: Census) -> Iterator[None]:
+    import triton.runtime.interpreter as interp
+    from graph_standin import StandInGraph
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    real_launch, real_replay = interp.GridExecutor.__call__, StandInGraph.replay
+
+    def launch(self: Any, *args: Any, **kwargs: Any) -> Any:
+        census.add("triton " + self.fn.__name__)
+        census.in_triton = True
+        try:
+            return real_launch(self, *args, **kwargs)
+        finally:
+            census.in_triton = False
+
+    def replay(self: Any) -> None:
+        outer = census.where
+        census.where = census.names.get(id(self.graph), "other graph")
+        try:
+            real_replay(self)
+        finally:
+            census.where = outer
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                               kwargs: Any = None) -> Any:  # fmt: skip
+            name = func.overloadpacket.__name__
+            if not census.in_triton and name not in FREE:
+                census.add(name)
+            return func(*args, **(kwargs or {}))
+
+    interp.GridExecutor.__call__ = launch
+    StandInGraph.replay = replay
+    try:
+        with Ops():
+            yield
+    finally:
+        interp.GridExecutor.__call__, StandInGraph.replay = real_launch, real_replay
+
+
+def name_graphs(census: Census, worker: Any) -> None:
+    for g in worker.runner.graphs:
+        census.names[id(g)] = f"target {g.mode}"
+    drafter = getattr(worker, "drafter", None)
+    if drafter is None:
+        return
+    for k, g in drafter.loop_graphs.items():
+        census.names[id(g)] = f"draft loop (k={k})"
+    if drafter.extend_graphs is not None:
+        for w, g in drafter.extend_graphs.graphs.items():
+            census.names[id(g)] = f"seed extend (w={w})"
+    if drafter.graph is not None:
+        census.names[id(drafter.graph)] = "draft step"
+
+
+def run_setting(name: str, spec: dict[str, Any], target: str, dtype: str) -> dict[str, Any]:
+    from graph_standin import graphs_on_cpu
+
+    from eagleserve import Engine, SamplingParams
+    from eagleserve.messages import GenerateReqInput
+    from eagleserve.model_executor import model_runner
+    from eagleserve.models import fused_forward
+
+    census = Census()
+    mp = pytest.MonkeyPatch()
+    mp.setattr(model_runner, "use_fused_kernels", lambda device, backend, *_: backend == "triton")
+    mp.setattr(fused_forward, "gemv_max_rows", lambda *args: 64)
+    try:
+        with graphs_on_cpu(mp):
+            eng = Engine(model=target, device="cpu", kv_cache_tokens=256, dtype=dtype,
+                         max_running_requests=2, max_context_len=48, attention_backend="triton",
+                         disable_overlap_schedule=True, disable_radix_cache=True,
+                         **spec)  # fmt: skip
+            worker = eng.scheduler.worker
+            if hasattr(worker, "paths"):
+                worker.paths.fixed_shape = True  # as on an accelerator
+            name_graphs(census, worker)
+            sched = eng.scheduler
+            rng = random.Random(0)
+            params = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True)
+            ids = [rng.randrange(3, 90) for _ in range(9)]
+            sched.add_request(GenerateReqInput("census", ids, params))
+            decodes = counted = 0
+            with counting(census):
+                while sched.has_work():
+                    decode = sched.running_batch is not None and not sched.waiting
+                    census.active = decode and 2 <= decodes < 6
+                    counted += census.active
+                    sched.step()
+                    decodes += decode
+    finally:
+        mp.undo()
+    per_iter = {where: {op: n / counted for op, n in c.most_common()}
+                for where, c in census.tally.items()}  # fmt: skip
+    return {"setting": name, "iterations": counted,
+            "launches": {where: sum(ops.values()) for where, ops in per_iter.items()},
+            "ops": per_iter}  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> None:
+    from conftest import SPEC_VOCAB, save_spec_target
+
+    from eagleserve.config import ModelConfig
+    from eagleserve.model_executor.model_runner import ModelRunner
+    from eagleserve.spec.head_loader import init_eagle_head, save_eagle_head
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--out", default=os.path.join(HERE, "results", "launch_census_cpu.json"))
+    args = ap.parse_args(argv)
+    tmp = tempfile.mkdtemp()
+    target = save_spec_target(os.path.join(tmp, "target"), 1234, SPEC_VOCAB - 1, 0)
+    runner = ModelRunner(ModelConfig.from_dir(target), target, torch.device("cpu"),
+                         torch.float32, 64, 1, 512)  # fmt: skip
+    head = os.path.join(tmp, "head")
+    save_eagle_head(init_eagle_head("EAGLE3", runner.model, draft_vocab_size=48, seed=1), head)
+    chain3 = dict(speculative_algorithm="EAGLE3", speculative_draft_model_path=head,
+                  speculative_num_steps=3, speculative_eagle_topk=1,
+                  speculative_num_draft_tokens=4)  # fmt: skip
+    rows = [run_setting(name, spec, target, args.dtype)
+            for name, spec in (("target-only", {}), ("EAGLE3 chain 3", chain3))]  # fmt: skip
+    table = [[r["setting"], where, round(n, 1)] for r in rows for where, n in r["launches"].items()]
+    table += [[r["setting"], "total", round(sum(r["launches"].values()), 1)] for r in rows]
+    print(f"launches per decode iteration, {args.dtype}, 8-layer target (CPU stand-in graphs)")
+    print(format_table(["setting", "where", "launches"], table))
+    commit = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"],
+                            capture_output=True, text=True).stdout.strip()  # fmt: skip
+    res = {"machine": machine(), "commit": commit, "dtype": args.dtype,
+           "target": "random 8-layer Llama, hidden 64 (tests' spec target), EAGLE3 head",
+           "rows": rows}  # fmt: skip
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(res, f, indent=1)
+    print("wrote", args.out)
+
+
+if __name__ == "__main__":
+    main()
