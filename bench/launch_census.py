@@ -18,15 +18,12 @@ default model's, only the layer count differs (30 there). One request, greedy, d
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import os
 import random
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
@@ -37,75 +34,12 @@ for path in (ROOT, os.path.join(ROOT, "tests"), os.path.join(ROOT, "tests", "spe
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from graph_standin import LaunchCensus, graphs_on_cpu  # noqa: E402  (tests/spec)
 
 from bench.common import format_table, machine  # noqa: E402
 
-FREE = {"view", "_unsafe_view", "reshape", "slice", "select", "expand", "unsqueeze", "squeeze",
-        "t", "transpose", "permute", "as_strided", "alias", "detach", "empty", "empty_like",
-        "new_empty", "empty_strided", "lift_fresh", "split", "chunk", "unbind",
-        "split_with_sizes", "_reshape_alias", "item", "_local_scalar_dense", "resolve_conj",
-        "resolve_neg", "flatten"}  # fmt: skip
 
-
-class Census:
-    """Launches by where they ran (the host, or the graph whose stand-in replay ran them)."""
-
-    def __init__(self) -> None:
-        self.where = "host"
-        self.active = False
-        self.in_triton = False
-        self.names: dict[int, str] = {}
-        self.tally: dict[str, collections.Counter[str]] = collections.defaultdict(
-            collections.Counter
-        )
-
-    def add(self, op: str) -> None:
-        if self.active:
-            self.tally[self.where][op] += 1
-
-
-@contextmanager
-def counting(census: Census) -> Iterator[None]:
-    import triton.runtime.interpreter as interp
-    from graph_standin import StandInGraph
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    real_launch, real_replay = interp.GridExecutor.__call__, StandInGraph.replay
-
-    def launch(self: Any, *args: Any, **kwargs: Any) -> Any:
-        census.add("triton " + self.fn.__name__)
-        census.in_triton = True
-        try:
-            return real_launch(self, *args, **kwargs)
-        finally:
-            census.in_triton = False
-
-    def replay(self: Any) -> None:
-        outer = census.where
-        census.where = census.names.get(id(self.graph), "other graph")
-        try:
-            real_replay(self)
-        finally:
-            census.where = outer
-
-    class Ops(TorchDispatchMode):
-        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
-                               kwargs: Any = None) -> Any:  # fmt: skip
-            name = func.overloadpacket.__name__
-            if not census.in_triton and name not in FREE:
-                census.add(name)
-            return func(*args, **(kwargs or {}))
-
-    interp.GridExecutor.__call__ = launch
-    StandInGraph.replay = replay
-    try:
-        with Ops():
-            yield
-    finally:
-        interp.GridExecutor.__call__, StandInGraph.replay = real_launch, real_replay
-
-
-def name_graphs(census: Census, worker: Any) -> None:
+def name_graphs(census: LaunchCensus, worker: Any) -> None:
     for g in worker.runner.graphs:
         census.names[id(g)] = f"target {g.mode}"
     drafter = getattr(worker, "drafter", None)
@@ -121,14 +55,13 @@ def name_graphs(census: Census, worker: Any) -> None:
 
 
 def run_setting(name: str, spec: dict[str, Any], target: str, dtype: str) -> dict[str, Any]:
-    from graph_standin import graphs_on_cpu
-
     from eagleserve import Engine, SamplingParams
     from eagleserve.messages import GenerateReqInput
     from eagleserve.model_executor import model_runner
     from eagleserve.models import fused_forward
 
-    census = Census()
+    census = LaunchCensus()
+    census.active = False
     mp = pytest.MonkeyPatch()
     mp.setattr(model_runner, "use_fused_kernels", lambda device, backend, *_: backend == "triton")
     mp.setattr(fused_forward, "gemv_max_rows", lambda *args: 64)
@@ -148,7 +81,7 @@ def run_setting(name: str, spec: dict[str, Any], target: str, dtype: str) -> dic
             ids = [rng.randrange(3, 90) for _ in range(9)]
             sched.add_request(GenerateReqInput("census", ids, params))
             decodes = counted = 0
-            with counting(census):
+            with census.counting():
                 while sched.has_work():
                     decode = sched.running_batch is not None and not sched.waiting
                     census.active = decode and 2 <= decodes < 6

@@ -11,6 +11,7 @@ them from the graph instead of from the host.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 from collections.abc import Iterator
 from typing import Any
@@ -97,3 +98,71 @@ def outside_replays(count: ReplayCount) -> tuple[type, dict[str, int]]:
             return func(*args, **(kwargs or {}))
 
     return Count, tally
+
+
+# Torch ops that launch no kernel: views, allocations, host reads.
+NOT_KERNELS = {"view", "_unsafe_view", "reshape", "slice", "select", "expand", "unsqueeze",
+               "squeeze", "t", "transpose", "permute", "as_strided", "alias", "detach", "empty",
+               "empty_like", "new_empty", "empty_strided", "lift_fresh", "split", "chunk",
+               "unbind", "split_with_sizes", "_reshape_alias", "item", "_local_scalar_dense",
+               "resolve_conj", "resolve_neg", "flatten"}  # fmt: skip
+
+
+class LaunchCensus:
+    """Kernel launches by where they ran: the host, or the graph (by `names`, keyed by the
+    GraphedForward's id) whose stand-in replay ran them. A launch is a Triton kernel or a torch
+    op that computes; the interpreter's own copies inside a Triton launch are not counted."""
+
+    def __init__(self) -> None:
+        self.where = "host"
+        self.active = True
+        self.in_triton = False
+        self.names: dict[int, str] = {}
+        self.tally: dict[str, collections.Counter[str]] = collections.defaultdict(
+            collections.Counter
+        )
+
+    def add(self, op: str) -> None:
+        if self.active:
+            self.tally[self.where][op] += 1
+
+    @contextlib.contextmanager
+    def counting(self) -> Iterator[LaunchCensus]:
+        import triton.runtime.interpreter as interp
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        census = self
+        real_launch, real_replay = interp.GridExecutor.__call__, StandInGraph.replay
+
+        def launch(grid: Any, *args: Any, **kwargs: Any) -> Any:
+            census.add("triton " + grid.fn.__name__)
+            census.in_triton = True
+            try:
+                return real_launch(grid, *args, **kwargs)
+            finally:
+                census.in_triton = False
+
+        def replay(graph: StandInGraph) -> None:
+            outer = census.where
+            census.where = census.names.get(id(graph.graph), "other graph")
+            try:
+                real_replay(graph)
+            finally:
+                census.where = outer
+
+        class Ops(TorchDispatchMode):
+            def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                                   kwargs: Any = None) -> Any:  # fmt: skip
+                name = func.overloadpacket.__name__
+                if not census.in_triton and name not in NOT_KERNELS:
+                    census.add(name)
+                return func(*args, **(kwargs or {}))
+
+        interp.GridExecutor.__call__ = launch
+        StandInGraph.replay = replay  # type: ignore[method-assign]
+        try:
+            with Ops():
+                yield self
+        finally:
+            interp.GridExecutor.__call__ = real_launch
+            StandInGraph.replay = real_replay  # type: ignore[method-assign]

@@ -7,9 +7,6 @@ from __future__ import annotations
 
 import copy
 import random
-from collections import Counter
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import pytest
 import torch
@@ -18,6 +15,7 @@ from triton_mode import DEVICE  # before triton is imported: picks the interpret
 pytest.importorskip("triton")
 
 from conftest import make_forward_batch  # noqa: E402
+from graph_standin import LaunchCensus  # noqa: E402
 
 from eagleserve.config import ModelConfig  # noqa: E402
 from eagleserve.layers.attention import create_attn_backend  # noqa: E402
@@ -131,44 +129,6 @@ def test_fused_write_kv_matches(tiny_model_dir: str, dtype: torch.dtype) -> None
         torch.testing.assert_close(got, ref, **tol(dtype))
 
 
-@contextmanager
-def launch_census() -> Iterator[Counter[str]]:
-    """Kernels launched while open, by name: Triton launches, and the torch ops that compute
-    (a view, an allocation or the interpreter's own copies are not a kernel)."""
-    import triton.runtime.interpreter as interp
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    free = {"view", "_unsafe_view", "reshape", "slice", "select", "expand", "unsqueeze",
-            "squeeze", "t", "transpose", "permute", "as_strided", "alias", "detach", "empty",
-            "empty_like", "new_empty", "empty_strided", "lift_fresh", "split", "chunk",
-            "unbind", "split_with_sizes", "_reshape_alias"}  # fmt: skip
-    count: Counter[str] = Counter()
-    inside = [False]
-    real = interp.GridExecutor.__call__
-
-    def launch(self, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
-        count["triton " + self.fn.__name__] += 1
-        inside[0] = True
-        try:
-            return real(self, *args, **kwargs)
-        finally:
-            inside[0] = False
-
-    class Ops(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
-            name = func.overloadpacket.__name__
-            if not inside[0] and name not in free:
-                count[name] += 1
-            return func(*args, **(kwargs or {}))
-
-    interp.GridExecutor.__call__ = launch
-    try:
-        with Ops():
-            yield count
-    finally:
-        interp.GridExecutor.__call__ = real
-
-
 @pytest.mark.skipif(DEVICE.type != "cpu", reason="counts launches under the interpreter")
 def test_a_fused_head_step_launches_a_fraction_of_the_kernels(tiny_model_dir: str) -> None:
     """A chain step (one row per request, the head's own features fed back) in bf16: the
@@ -183,10 +143,10 @@ def test_a_fused_head_step_launches_a_fraction_of_the_kernels(tiny_model_dir: st
         feats = torch.randn(2, head.hidden_size).bfloat16()
         with torch.no_grad(), forward_context(fb):
             head(ids, feats, fb.positions)  # warm, as a graph's capture is
-            with launch_census() as count:
+            with LaunchCensus().counting() as census:
                 logits, _ = head(ids, feats, fb.positions)
                 top_candidates(logits, 1)
-        counts.append(count)
+        counts.append(census.tally["host"])
     unfused, fused = (sum(c.values()) for c in counts)
     print(f"kernels per head step: torch ops {unfused} {dict(counts[0])}, "
           f"fused {fused} {dict(counts[1])}")  # fmt: skip
