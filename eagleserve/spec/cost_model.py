@@ -72,13 +72,16 @@ def measure_costs(
     r2t_pool, kv_pool = runner.req_to_token_pool, runner.token_to_kv_pool
     bs_max = max(buckets)
     max_new = max(spec.num_draft_tokens, spec.num_steps * spec.eagle_topk, spec.num_steps + 1)
-    # A shorter context where the KV pool is small (it only shifts attention's share).
-    width = min(CONTEXT + max_new, kv_pool.available_size() // bs_max)
+    # A shorter context where the KV pool or a request's slot row is small (it only shifts
+    # attention's share).
+    max_context = r2t_pool.req_to_token.shape[1]
+    width = min(CONTEXT + max_new, kv_pool.available_size() // bs_max, max_context)
     context = width - max_new
     if context < 1:
         raise ValueError(
-            f"--kv-cache-tokens {kv_pool.size} is too small to measure speculation costs "
-            f"for batches of {bs_max}"
+            f"--kv-cache-tokens {kv_pool.size} and --max-context-len {max_context} leave no "
+            f"context to measure speculation costs on: batches of {bs_max} need "
+            f"{max_new + 1} KV slots each"
         )
     rows = [r2t_pool.alloc() for _ in range(bs_max)]
     loc = kv_pool.alloc(bs_max * width)

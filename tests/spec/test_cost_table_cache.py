@@ -211,3 +211,20 @@ def test_an_edit_to_the_forward_code_changes_the_key(tmp_path: Path) -> None:
         comment = "//" if edited.endswith(".cpp") else "#"
         f.write(f"\n{comment} {random.random()}\n")
     assert code_digest(str(root)) != before, edited
+
+
+def test_short_context_rows_still_time_the_table(cache: Path, model: tuple[str, str]) -> None:
+    """--max-context-len below the timing context: the start-up timing fits its scratch requests
+    in a request's slot row (it wrote 128 slots into rows of fewer and failed to start), and
+    the engine serves greedy output equal to target-only's."""
+    max_context = random.randrange(24, 64)
+    engine, costs = build(model, max_context_len=max_context)
+    assert all(0 < s < float("inf") for s in costs.seconds.values())
+    target, _ = model
+    plain = Engine(model=target, device="cpu", kv_cache_tokens=1024, max_running_requests=4,
+                   max_context_len=max_context)  # fmt: skip
+    prompts = [[random.randrange(3, SPEC_VOCAB - 1) for _ in range(random.randrange(3, 9))]
+               for _ in range(3)]  # fmt: skip
+    params = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+    got = [o["token_ids"] for o in engine.generate(prompts, params)]
+    assert got == [o["token_ids"] for o in plain.generate(prompts, params)]
