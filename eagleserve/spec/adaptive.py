@@ -9,8 +9,8 @@ a tree is drafted whole (k = num_steps) or not at all (k = 0, a plain decode).
   deep depths are judged only after every shallower draft was accepted, so their EMAs move
   rarely and a made-up start would steer the controller for a long time.
 - Expected committed tokens of one request with a k-chain (the bonus token always counts):
-  E[k] = 1 + sum_{j=1..k} prod_{d<j} alphas[d]  (`expected_tokens`); for a tree the same sum
-  over its per-depth acceptance (the accepted path is a chain through the tree).
+  E[k] = 1 + sum_{j=1..k} prod_{d<j} alphas[d]  (`expected_tokens`, every k at once); for a
+  tree the same sum over its per-depth acceptance (the accepted path is a chain through the tree).
 - Cost: `CostTable` holds the seconds of one decode iteration per batch-size bucket and k,
   measured at start-up and scaled per bucket by an EMA of measured iterations.
 - `choose_num_drafts`: argmax_k sum_r E_r[k] / cost(bs, k); k = 0 is a plain target decode,
@@ -60,14 +60,15 @@ def acceptance_prior(measured: Sequence[float] | None, num_steps: int) -> list[f
     return [min(max(measured[min(d, len(measured) - 1)], 0.01), 0.99) for d in range(num_steps)]
 
 
-def expected_tokens(alphas: Sequence[float], k: int) -> float:
-    """E[committed tokens] of a k-draft chain whose depth-d draft is accepted with probability
-    alphas[d] given all before it were (the bonus token included)."""
-    total, reach = 1.0, 1.0
-    for d in range(k):
+def expected_tokens(alphas: Sequence[float], depth: int) -> list[float]:
+    """E[committed tokens] of a k-draft chain for every k in 0..depth, whose depth-d draft is
+    accepted with probability alphas[d] given all before it were (the bonus token included).
+    One pass for all k: the controller runs this per request every iteration."""
+    out, reach = [1.0], 1.0
+    for d in range(depth):
         reach *= alphas[d]
-        total += reach
-    return total
+        out.append(out[-1] + reach)
+    return out
 
 
 def update_acceptance(alphas: list[float], num_drafts: int, accepted: int) -> None:
@@ -129,10 +130,11 @@ def choose_num_drafts(
     now also pays their catch-up (which makes a stretch without drafts end only when drafting
     clearly pays)."""
     bs = len(alphas_per_req)
+    per_req = (expected_tokens(a, choices[-1]) for a in alphas_per_req)
+    tokens_by_k = [sum(col) for col in zip(*per_req)]
     best_k, best_rate = 0, -1.0
     for k in choices:
-        tokens = sum(expected_tokens(a, k) for a in alphas_per_req)
-        rate = tokens / costs.cost(bs, k, catching_up)
+        rate = tokens_by_k[k] / costs.cost(bs, k, catching_up)
         if k == 0:
             rate *= 1 + DRAFT_MARGIN
         if rate > best_rate * (1 + 1e-9):

@@ -43,10 +43,12 @@ def simulate_tokens(alphas: list[float], k: int, rng: random.Random, n: int) -> 
 def test_expected_tokens_matches_simulation(seed: int) -> None:
     rng = random.Random(seed)
     alphas = [rng.uniform(0.1, 0.95) for _ in range(4)]
+    every_k = expected_tokens(alphas, 4)
+    assert len(every_k) == 5 and every_k[0] == 1.0
     for k in range(5):
         sim = simulate_tokens(alphas, k, rng, 40_000)
-        assert expected_tokens(alphas, k) == pytest.approx(sim, abs=0.03)
-    assert expected_tokens(alphas, 0) == 1.0
+        assert every_k[k] == pytest.approx(sim, abs=0.03)
+        assert expected_tokens(alphas, k) == every_k[: k + 1]  # a shallower depth, a prefix
 
 
 def test_acceptance_ema_converges_to_per_depth_rates() -> None:
@@ -108,7 +110,7 @@ def test_choice_is_the_argmax_on_random_inputs() -> None:
         alphas = [[rng.random() for _ in range(3)] for _ in range(rng.randint(1, 4))]
         k = choose_num_drafts(alphas, costs, CHAIN)
         rates = [
-            sum(expected_tokens(a, j) for a in alphas) / costs.cost(len(alphas), j)
+            sum(expected_tokens(a, j)[j] for a in alphas) / costs.cost(len(alphas), j)
             for j in range(4)
         ]
         rates[0] *= 1 + DRAFT_MARGIN  # a draft must beat a plain decode by the margin
