@@ -13,13 +13,18 @@ import triton.language as tl
 
 
 def _fix_interpreter() -> None:
-    """Two defects of Triton's CPU interpreter (3.6) that compiled kernels (a GPU) do not have:
+    """Three defects of Triton's CPU interpreter (3.6) that compiled kernels (a GPU) do not have:
     - it holds a kernel scalar as a 1-element array and gives it `__index__ = int(array)`, which
       numpy >= 2.4 refuses for ndim > 0: every `range(a, b)` with a loaded bound (all attention
       loops) fails with "only 0-dimensional arrays can be converted to Python scalars". Its
       per-launch patch is wrapped so `__index__` reads the one element.
     - its fp32 -> bf16 cast truncates, where a GPU (and torch) rounds to nearest even: the
-      cast is given the rounding mode the compiled kernel uses."""
+      cast is given the rounding mode the compiled kernel uses.
+    - its `tl.dot` is numpy's matmul in fp32, whose BLAS may reduce the rows of a tile's edge
+      micro-block in another order than the rest (OpenBLAS on an AVX2 EPYC does), so a row's
+      result depends on its place in the tile; a GPU's MMA reduces every output the same way.
+      Floating dots multiply in fp64 (each fp32 product exact) and round once to fp32, so no
+      row depends on where it sits."""
     if os.environ.get("TRITON_INTERPRET") != "1":
         return
     try:
@@ -51,6 +56,16 @@ def _fix_interpreter() -> None:
         return interpreter.TensorHandle(out, dst_type.scalar)
 
     builder.create_fp_trunc = fp_trunc
+    dot = builder.create_dot
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):  # noqa: ANN001, ANN202
+        kinds = (a.data.dtype.kind, b.data.dtype.kind, d.data.dtype)
+        if kinds != ("f", "f", np.float32):
+            return dot(self, a, b, d, input_precision, max_num_imprecise_acc)
+        exact = np.matmul(a.data.astype(np.float64), b.data.astype(np.float64))
+        return interpreter.TensorHandle((exact + d.data).astype(np.float32), d.dtype.scalar)
+
+    builder.create_dot = create_dot
 
 
 _fix_interpreter()
