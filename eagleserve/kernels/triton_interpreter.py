@@ -20,11 +20,11 @@ def _fix_interpreter() -> None:
       per-launch patch is wrapped so `__index__` reads the one element.
     - its fp32 -> bf16 cast truncates, where a GPU (and torch) rounds to nearest even: the
       cast is given the rounding mode the compiled kernel uses.
-    - its `tl.dot` is numpy's matmul in fp32, whose BLAS may reduce the rows of a tile's edge
-      micro-block in another order than the rest (OpenBLAS on an AVX2 EPYC does), so a row's
-      result depends on its place in the tile; a GPU's MMA reduces every output the same way.
-      Floating dots multiply in fp64 (each fp32 product exact) and round once to fp32, so no
-      row depends on where it sits."""
+    - its `tl.dot` is numpy's matmul in fp32, whose BLAS may reduce some rows of a tile in
+      another order than others (seen on a 2-core AMD EPYC), so a row's result depends on its
+      place in the tile; a GPU's MMA reduces every output the same way. Floating dots multiply
+      in fp64 (each fp32 product exact) and round once to fp32: sums in different orders then
+      round apart only within about 1e-16 of an fp32 rounding boundary."""
     if os.environ.get("TRITON_INTERPRET") != "1":
         return
     try:
