@@ -255,7 +255,9 @@ def test_a_prefill_replays_its_graph_and_equals_the_eager_prefill(
     rng = random.Random()
     rand = lambda n: [rng.randrange(1, VOCAB - 1) for _ in range(n)]  # noqa: E731
     system = rand(rng.randrange(20, 30))
-    prompts = [rand(rng.randrange(1, 15)), rand(rng.randrange(17, 40)), system + rand(5),
+    # Lengths drawn so that each of buckets 16 and 32 gets one prompt whatever the draw; the
+    # system prompt + 5 (25-34 tokens) lands in 32 or 64.
+    prompts = [rand(rng.randrange(1, 15)), rand(rng.randrange(17, 33)), system + rand(5),
                system + rand(rng.randrange(1, 9))]  # fmt: skip
     scored = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True,
                             prompt_logprobs=0)  # fmt: skip
