@@ -5,10 +5,10 @@
 // its first NaN (torch propagates NaN as the maximum); a row of -inf answers 0. Each row alone
 // decides its result (the batch invariance the other kernels of this extension keep).
 
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <torch/library.h>
-#include <torch/torch.h>
 
 #include <cmath>
 #include <limits>

@@ -15,10 +15,10 @@
 // what a decode at p computes, so one-shot, chunked and prefix-cached prefills write the same
 // KV and give the same logits. (No -ffast-math: order is the contract.)
 
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <torch/library.h>
-#include <torch/torch.h>
 
 #include "cpu_kernels.h"
 #include "cpu_simd.h"

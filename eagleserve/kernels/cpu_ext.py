@@ -29,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.nn.functional as F
@@ -46,8 +47,7 @@ _HEADERS = [os.path.join(os.path.dirname(_SOURCES[0]), n) for n in ("cpu_simd.h"
 # -ffp-contract=off: g++ would otherwise fuse a written mul + add into one fma where it sees
 # fit (intrinsics included); the kernels' op order is their row-invariance contract.
 _FLAGS = [
-    "-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared",
-    "-std=c++17",
+    "-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-fPIC", "-std=c++17",
 ]  # fmt: skip
 _lock = threading.Lock()
 _loaded: bool | None = None
@@ -73,6 +73,8 @@ def _cache_dir() -> str:
 
 
 def _build(out: str) -> None:
+    """One compiler process per source, as many at once as the host has cores (the sources
+    include ATen's headers, most of each one's compile time), then one link."""
     from torch.utils import cpp_extension
 
     cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
@@ -82,11 +84,19 @@ def _build(out: str) -> None:
     libs = [f"-L{p}" for p in cpp_extension.library_paths()]
     abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
     with tempfile.TemporaryDirectory(dir=os.path.dirname(out)) as tmp:
+
+        def run(cmd: list[str]) -> None:
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            if proc.returncode != 0:
+                raise RuntimeError(f"compiling the CPU kernels failed:\n{proc.stderr[-2000:]}")
+
+        objects = [os.path.join(tmp, f"{i}.o") for i in range(len(_SOURCES))]
+        compiles = [[cxx, *_FLAGS, abi, *inc, "-c", src, "-o", obj]
+                    for src, obj in zip(_SOURCES, objects, strict=True)]  # fmt: skip
+        with ThreadPoolExecutor(min(len(compiles), os.cpu_count() or 1)) as pool:
+            list(pool.map(run, compiles))
         tmp_out = os.path.join(tmp, "lib.so")
-        cmd = [cxx, *_FLAGS, abi, *inc, *_SOURCES, "-o", tmp_out, *libs, "-lc10", "-ltorch_cpu"]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise RuntimeError(f"compiling the CPU kernels failed:\n{proc.stderr[-2000:]}")
+        run([cxx, *_FLAGS, "-shared", *objects, "-o", tmp_out, *libs, "-lc10", "-ltorch_cpu"])
         os.replace(tmp_out, out)  # atomic: a concurrent process sees all of it or nothing
 
 

@@ -24,10 +24,10 @@
 // chosen once per process (the two sum their integer dots in different groupings but both
 // exactly, so they agree bit for bit too). (Build without -ffast-math.)
 
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <torch/library.h>
-#include <torch/torch.h>
 
 #include <algorithm>
 #include <cmath>

@@ -2,7 +2,7 @@
 // registers its own op as well). Included, not compiled alone.
 #pragma once
 
-#include <torch/torch.h>
+#include <ATen/ATen.h>
 
 #include <cstdint>
 #include <vector>

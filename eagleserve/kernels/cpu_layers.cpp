@@ -5,8 +5,8 @@
 // bits are theirs. What goes is the Python between them (module calls, views, dispatch) and
 // the attention's row bookkeeping, planned once for every layer of the forward.
 
+#include <ATen/ATen.h>
 #include <torch/library.h>
-#include <torch/torch.h>
 
 #include <tuple>
 #include <vector>

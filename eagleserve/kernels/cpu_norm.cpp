@@ -5,10 +5,10 @@
 // reduced in the same fixed order whatever the number of rows (the batch-invariance the other
 // kernels of this extension keep).
 
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <torch/library.h>
-#include <torch/torch.h>
 
 #include <cmath>
 

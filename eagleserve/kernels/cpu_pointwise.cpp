@@ -9,10 +9,10 @@
 // Each row is computed alone, by the same operations whatever the number of rows (the batch
 // invariance the other kernels of this extension keep). (No -ffast-math.)
 
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <torch/library.h>
-#include <torch/torch.h>
 
 #include <vector>
 

@@ -7,13 +7,15 @@ as a GPU would.
 from __future__ import annotations
 
 import os
+import threading
 
 import numpy as np
 import triton.language as tl
 
 
 def _fix_interpreter() -> None:
-    """Three defects of Triton's CPU interpreter (3.6) that compiled kernels (a GPU) do not have:
+    """Three defects of Triton's CPU interpreter (3.6) that compiled kernels (a GPU) do not have,
+    and one cost (`_patched_once_per_launch`):
     - it holds a kernel scalar as a 1-element array and gives it `__index__ = int(array)`, which
       numpy >= 2.4 refuses for ndim > 0: every `range(a, b)` with a loaded bound (all attention
       loops) fails with "only 0-dimensional arrays can be converted to Python scalars". Its
@@ -41,7 +43,7 @@ def _fix_interpreter() -> None:
         return scope
 
     patch_lang.scalar_index_fixed = True  # type: ignore[attr-defined]
-    interpreter._patch_lang = patch_lang
+    interpreter._patch_lang = _patched_once_per_launch(patch_lang, interpreter)
 
     builder = interpreter.InterpreterBuilder
     trunc = builder.create_fp_trunc
@@ -66,6 +68,36 @@ def _fix_interpreter() -> None:
         return interpreter.TensorHandle((exact + d.data).astype(np.float32), d.dtype.scalar)
 
     builder.create_dot = create_dot
+
+
+def _patched_once_per_launch(patch_lang, interpreter):  # noqa: ANN001, ANN202
+    """`patch_lang` that a device function called inside a launch skips when the launch has
+    already patched its language modules. The interpreter re-patches them at every such call
+    (most of a small kernel's time: each patch walks the modules' members) with equivalent
+    wrappers that nothing restores; the launch's own patch, restored when it ends, is the one
+    in force either way."""
+    state = threading.local()  # the language modules the running launch patched, per thread
+    grid_call = interpreter.GridExecutor.__call__
+
+    def launch(self, *args, **kwargs):  # noqa: ANN001, ANN202
+        state.patched = frozenset()
+        try:
+            return grid_call(self, *args, **kwargs)
+        finally:
+            state.patched = None
+
+    def patch_once(fn):  # noqa: ANN001, ANN202
+        langs = frozenset(id(v) for v in fn.__globals__.values() if v is tl or v is tl.core)
+        patched = getattr(state, "patched", None)
+        if patched and langs <= patched:
+            return interpreter._LangPatchScope()  # discarded by the caller, as its patch was
+        scope = patch_lang(fn)
+        if patched is not None and not patched:
+            state.patched = langs  # the launch's own patch
+        return scope
+
+    interpreter.GridExecutor.__call__ = launch
+    return patch_once
 
 
 _fix_interpreter()
