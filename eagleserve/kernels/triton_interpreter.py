@@ -71,11 +71,11 @@ def _fix_interpreter() -> None:
 
 
 def _patched_once_per_launch(patch_lang, interpreter):  # noqa: ANN001, ANN202
-    """`patch_lang` that a device function called inside a launch skips when the launch has
-    already patched its language modules. The interpreter re-patches them at every such call
-    (most of a small kernel's time: each patch walks the modules' members) with equivalent
-    wrappers that nothing restores; the launch's own patch, restored when it ends, is the one
-    in force either way."""
+    """`patch_lang` that a device function called inside a launch skips when its language
+    modules (`tl`, `tl.core`: a reduction's combine function sees only the latter) were
+    patched earlier in the launch. The interpreter re-patches them at every such call (most of
+    a small kernel's time: each patch walks the modules' members) with equivalent wrappers
+    that nothing restores, so the first patch of each module stays in force either way."""
     state = threading.local()  # the language modules the running launch patched, per thread
     grid_call = interpreter.GridExecutor.__call__
 
@@ -92,8 +92,8 @@ def _patched_once_per_launch(patch_lang, interpreter):  # noqa: ANN001, ANN202
         if patched and langs <= patched:
             return interpreter._LangPatchScope()  # discarded by the caller, as its patch was
         scope = patch_lang(fn)
-        if patched is not None and not patched:
-            state.patched = langs  # the launch's own patch
+        if patched is not None:  # in force until the launch ends (a nested patch is never undone)
+            state.patched = patched | langs
         return scope
 
     interpreter.GridExecutor.__call__ = launch

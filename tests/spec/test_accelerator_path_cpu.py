@@ -82,7 +82,7 @@ def test_speculative_output_is_the_targets_on_the_graph_path(
     # Adaptive times its cost table at start: once per part, as the interpreter is slow.
     monkeypatch.setattr(cost_model, "REPEATS", 1)
     prompts = random_prompts(3)
-    params = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
     want = accelerator_engine(target_dir, False).generate(prompts, params)
     eng = accelerator_engine(target_dir, overlap, speculative_algorithm=algorithm,
                              speculative_draft_model_path=heads[algorithm], **spec)  # fmt: skip
@@ -96,7 +96,7 @@ def test_seed_extend_replays_its_graph_and_output_stays_the_targets(
     target_dir: str, heads: dict[str, str], graphs: ReplayCount
 ) -> None:
     prompts = random_prompts(3)
-    params = SamplingParams(max_new_tokens=14, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True)
     want = accelerator_engine(target_dir, False).generate(prompts, params)
     eng = accelerator_engine(target_dir, False, speculative_algorithm="EAGLE",
                              speculative_draft_model_path=heads["EAGLE"], **CHAIN3)  # fmt: skip
@@ -124,8 +124,8 @@ def test_a_chains_acceptance_runs_in_its_verify_graph(
     eng = accelerator_engine(target_dir, False, **spec)
     seed = random.randrange(2**31)
     plist = [
-        SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True),
-        SamplingParams(max_new_tokens=12, temperature=0.9, seed=seed, ignore_eos=True),
+        SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True),
+        SamplingParams(max_new_tokens=8, temperature=0.9, seed=seed, ignore_eos=True),
     ]
     prompts = random_prompts(2)
     host_ops: list[str] = []
@@ -156,7 +156,7 @@ def _ops_per_iteration(eng: Engine, graphs: ReplayCount) -> float:
     enough iterations (a chain commits up to 4 tokens each) that the one where they finish
     (releases, batch filtering) is not it."""
     sched = eng.scheduler
-    params = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True)
     for i, ids in enumerate(random_prompts(2)):
         sched.add_request(GenerateReqInput(f"r{i}", ids, params))
     mode, tally = outside_replays(graphs)
@@ -244,10 +244,10 @@ def test_a_prefill_replays_its_graph_and_equals_the_eager_prefill(
         speculative_algorithm="EAGLE3", speculative_draft_model_path=heads["EAGLE3"], **CHAIN3
     )  # fmt: skip
 
-    def engine() -> Engine:
+    def engine(**graphs_off: bool) -> Engine:
         eng = Engine(model=target_dir, device="cpu", kv_cache_tokens=192,
                      max_running_requests=3, attention_backend="triton",
-                     disable_overlap_schedule=True, **extra)  # fmt: skip
+                     disable_overlap_schedule=True, **extra, **graphs_off)  # fmt: skip
         if extra:
             eng.scheduler.worker.paths.fixed_shape = True  # as on an accelerator
         return eng
@@ -262,8 +262,8 @@ def test_a_prefill_replays_its_graph_and_equals_the_eager_prefill(
     scored = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True,
                             prompt_logprobs=0)  # fmt: skip
     plain = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
-    graphed, eager = engine(), engine()
-    eager.scheduler.worker.runner.prefill_graphs = None
+    graphed, eager = engine(), engine(disable_cuda_graph=True)  # nothing captured: all eager
+    assert eager.scheduler.worker.runner.prefill_graphs is None
     runner = graphed.scheduler.worker.runner
     assert runner.prefill_graphs is not None and len(runner.prefill_graphs.graphs) >= 3
     # One at a time; scored prompts match no cached prefix, so the plain ones come last: the
@@ -298,7 +298,7 @@ def test_eagle3_on_the_fused_kernels_gives_the_targets_tokens(
                         lambda device, backend, gguf, shard: backend == "triton")  # fmt: skip
     monkeypatch.setattr(fused_forward, "gemv_max_rows", lambda *args: 64)
     prompts = random_prompts(3)
-    params = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
     # The interpreter is slow: rows of 48 tokens (prefill graphs of 16 and 32 only), and the
     # reference eager (the same kernels: a graph replays them).
     target = accelerator_engine(target_dir, False, max_context_len=48, disable_cuda_graph=True)
