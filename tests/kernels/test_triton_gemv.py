@@ -231,7 +231,7 @@ def assert_rows_do_not_depend_on_the_batch(dtype: torch.dtype) -> None:
         return [qkv, stream, gate_up, stream2, down, o, k_buf[loc[sel]], v_buf[loc[sel]]]
 
     full = layer(slice(0, rows))
-    for m in (1, 3, 16, 17, 33):
+    for m in (3, 16, 17, 33):  # m = 1 is i = 0 below
         for got, want in zip(layer(slice(0, m)), full, strict=True):
             assert torch.equal(got, want[:m]), m
     for i in (0, 15, 16, 39):  # a row alone, from any block and any place in it

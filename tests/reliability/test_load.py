@@ -29,7 +29,7 @@ def test_load_bench_with_spec(tiny_dirs: tuple[str, str], tmp_path: os.PathLike)
     out = os.path.join(tmp_path, "load.json")
     cmd = [sys.executable, os.path.join(REPO, "bench", "load.py"), "--model", target,
            "--dtype", "float32", "--spec", "--algorithm", "EAGLE", "--draft", head,
-           "--clients", "16", "--duration", "20",
+           "--clients", "16", "--duration", "12",
            "--kv-cache-tokens", str(SMALL_KV), "--max-running-requests", "16", "--max-tokens",
            "16", "--long-max-tokens", "48", "--long-repeats", "1,2", "--out", out]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -55,7 +55,7 @@ def test_load_bench_multi_turn(tiny_dirs: tuple[str, str], tmp_path: os.PathLike
     out = os.path.join(tmp_path, "load_multi_turn.json")
     cmd = [sys.executable, os.path.join(REPO, "bench", "load.py"), "--model", target,
            "--dtype", "float32", "--spec", "--algorithm", "EAGLE", "--draft", head,
-           "--multi-turn", "--turns", "3", "--clients", "8", "--duration", "15",
+           "--multi-turn", "--turns", "3", "--clients", "8", "--duration", "10",
            "--kv-cache-tokens", str(SMALL_KV), "--max-running-requests", "16", "--max-tokens",
            "16", "--long-max-tokens", "32", "--long-share", "0.1", "--long-repeats", "1,1",
            "--disconnect-share", "0.05", "--out", out]  # fmt: skip
