@@ -125,6 +125,7 @@ def run_engine(args: ServerArgs, in_addr: str, out_addr: str, tp_port: int | Non
     except Exception as exc:  # report any start-up failure to the parent, then exit non-zero
         send.send_pyobj(EngineStartupError(f"{type(exc).__name__}: {exc}", traceback.format_exc()))
         send.close()
+        recv.close(linger=0)  # ctx.term() waits for every socket: an open one hangs the exit
         ctx.term()
         sys.exit(1)
     logger.info("start-up: engine built in %.2f s", time.perf_counter() - t0)
