@@ -124,15 +124,19 @@ def run_engine(args: ServerArgs, in_addr: str, out_addr: str, tp_port: int | Non
         )
     except Exception as exc:  # report any start-up failure to the parent, then exit non-zero
         send.send_pyobj(EngineStartupError(f"{type(exc).__name__}: {exc}", traceback.format_exc()))
-        send.close()
-        recv.close(linger=0)  # ctx.term() waits for every socket: an open one hangs the exit
-        ctx.term()
+        _close(ctx, send, recv)
         sys.exit(1)
     logger.info("start-up: engine built in %.2f s", time.perf_counter() - t0)
     send.send_pyobj(ready)
     EngineLoop(scheduler, recv, send).run()
     if tp_port is not None:
         scheduler.close()
+    _close(ctx, send, recv)
+
+
+def _close(ctx: zmq.Context, send: zmq.Socket, recv: zmq.Socket) -> None:
+    """Every exit of the engine process: ctx.term() waits until each socket is closed (one
+    left open hangs the exit); `send` lingers until what it queued is delivered."""
     send.close()
     recv.close(linger=0)
     ctx.term()
