@@ -117,23 +117,23 @@ def _gemv_layer(
     residual: torch.Tensor | None,
     fb: ForwardBatch,
     rotary: BoundRotary,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(layer output, residual stream) in four launches besides attention (one more for each
-    kernel whose K is split)."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(layer output, residual stream, the stream entering the layer) in four launches besides
+    attention (one more for each kernel whose K is split)."""
     attn, mlp, pool = layer.self_attn, layer.mlp, fb.kv_pool
     qkv_proj, gate_up_proj = attn.qkv_proj, mlp.gate_up_proj
     assert isinstance(qkv_proj, nn.Linear) and isinstance(gate_up_proj, nn.Linear)
     assert gate_up_proj.bias is None and mlp.down_proj.bias is None
     norm = layer.input_layernorm
-    qkv, residual = norm_qkv_rope_store_kv(
+    qkv, entering = norm_qkv_rope_store_kv(
         h, residual, norm.weight, norm.eps, qkv_proj.weight, qkv_proj.bias, attn.num_heads,
         rotary.cos, rotary.signed_sin, pool.k_buffer[attn.layer_id],
         pool.v_buffer[attn.layer_id], fb.out_cache_loc,
     )  # fmt: skip
     h = attend(attn, qkv, fb, gemv=True)
     norm = layer.post_attention_layernorm
-    gate_up, residual = norm_gemm(h, residual, norm.weight, norm.eps, gate_up_proj.weight)
-    return silu_mul_gemm(gate_up, mlp.down_proj.weight), residual
+    gate_up, residual = norm_gemm(h, entering, norm.weight, norm.eps, gate_up_proj.weight)
+    return silu_mul_gemm(gate_up, mlp.down_proj.weight), residual, entering
 
 
 def fused_layers(
@@ -143,23 +143,25 @@ def fused_layers(
     rotary: BoundRotary,
     aux_layer_ids: tuple[int, ...],
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(final normed hidden [T, hidden], aux states [T, k * hidden] or None) from embeddings h."""
+    """(final normed hidden [T, hidden], aux states [T, k * hidden] or None) from embeddings h.
+    An aux state, the stream entering its layer (as the unfused loop keeps it), is the sum that
+    layer's first kernel writes anyway: no launch of its own."""
     residual: torch.Tensor | None = None
     aux: list[torch.Tensor] = []
     gemv = use_gemv(model, h.shape[0], h.dtype)
     for i, layer in enumerate(model.model.layers):
-        if i in aux_layer_ids:  # the stream entering layer i, as the unfused loop keeps it
-            aux.append(h if residual is None else h + residual)
         if gemv:
-            h, residual = _gemv_layer(layer, h, residual, fb, rotary)
-            continue
-        norm = layer.input_layernorm
-        x, residual = add_rms_norm(h, residual, norm.weight, norm.eps)
-        h = _attention(layer.self_attn, x, fb, rotary)
-        norm, mlp = layer.post_attention_layernorm, layer.mlp
-        x, residual = add_rms_norm(h, residual, norm.weight, norm.eps)
-        assert mlp.gate_up_proj is not None, "merge_projections first"
-        h = mlp.down_proj(silu_mul(mlp.gate_up_proj(x)))
+            h, residual, entering = _gemv_layer(layer, h, residual, fb, rotary)
+        else:
+            norm = layer.input_layernorm
+            x, entering = add_rms_norm(h, residual, norm.weight, norm.eps)
+            h = _attention(layer.self_attn, x, fb, rotary)
+            norm, mlp = layer.post_attention_layernorm, layer.mlp
+            x, residual = add_rms_norm(h, entering, norm.weight, norm.eps)
+            assert mlp.gate_up_proj is not None, "merge_projections first"
+            h = mlp.down_proj(silu_mul(mlp.gate_up_proj(x)))
+        if i in aux_layer_ids:
+            aux.append(entering)
     final = model.model.norm
     out, _ = add_rms_norm(h, residual, final.weight, final.eps)
     return out, torch.cat(aux, dim=-1) if aux else None

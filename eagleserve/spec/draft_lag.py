@@ -20,10 +20,12 @@ device value is read to build the catch-up.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from eagleserve.core import ScheduleBatch
-from eagleserve.device import host_to, tensor_to
+from eagleserve.device import tensor_to
 from eagleserve.layers.attention import AttentionBackend
 from eagleserve.layers.forward_batch import ForwardBatch, HostLens
 from eagleserve.mem_cache.kv_cache import TokenToKVPool
@@ -101,14 +103,18 @@ def catch_up_batch(
     request, the batch rows it covers)."""
     rows = [i for i, m in enumerate(lags) if m > 0]
     counts = [lags[i] for i in rows]
-    dev = batch.req_pool_indices.device
-    sel = tensor_to(rows, torch.long, dev)
-    m = tensor_to(counts, torch.long, dev)
-    rpi = batch.req_pool_indices[sel]
-    L = batch.seq_lens[sel]
-    j = host_to(torch.cat([torch.arange(c) for c in counts]), dev)  # ring index of each row
-    rpi_rows = rpi.repeat_interleave(m)
-    positions = (L - m).repeat_interleave(m) + j
+    # Every index is known on the host: one copy brings them all (a repeat_interleave by
+    # device counts would read their sum back, a sync in the middle of the iteration).
+    owner = [i for i, c in zip(rows, counts) for _ in range(c)]  # batch row of each pair
+    behind = [c - j for c in counts for j in range(c)]  # its position is L - behind
+    last = list(itertools.accumulate(counts, initial=-1))[1:]  # each request's last pair
+    packed = tensor_to([*rows, *counts, *last, *owner, *behind], torch.long,
+                       batch.req_pool_indices.device)  # fmt: skip
+    r, n = len(rows), len(owner)
+    sel, m, last_rows = packed[:r], packed[r : 2 * r], packed[2 * r : 3 * r]
+    owner_t, behind_t = packed[3 * r : 3 * r + n], packed[3 * r + n :]
+    rpi, L = batch.req_pool_indices[sel], batch.seq_lens[sel]
+    positions = batch.seq_lens[owner_t] - behind_t
     assert batch.seq_lens_cpu is not None
     max_len = int(batch.seq_lens_cpu[rows].max())
     ids, features = lag.take([batch.reqs[i].req_pool_idx for i in rows], counts)
@@ -116,7 +122,7 @@ def catch_up_batch(
         mode="extend",
         input_ids=ids,
         positions=positions,
-        out_cache_loc=req_to_token[rpi_rows, positions],
+        out_cache_loc=req_to_token[batch.req_pool_indices[owner_t], positions],
         req_pool_indices=rpi,
         prefix_lens=L - m,
         extend_lens=m,
@@ -124,4 +130,4 @@ def catch_up_batch(
         kv_pool=kv_pool,
         attn_backend=attn_backend,
     )
-    return fb, features, torch.cumsum(m, 0) - 1, rows
+    return fb, features, last_rows, rows

@@ -4,13 +4,16 @@ shared CPU say little; counts hold on any machine):
 - an adaptive iteration that drafts nothing (k = 0) runs the forwards a target-only decode runs,
   no head forward, and dispatches about as many tensor ops around them (on a GPU each op outside
   the graph-replayed forward is a kernel launch the host pays for);
-- a verify iteration (chain or tree) reads no device value back on the host: no `.item()`-like
-  read and no op whose output shape depends on values (boolean-mask indexing, nonzero), each of
-  which is a device sync on a GPU that stalls the overlap scheduler.
+- a verify iteration (chain or tree), and the head's catch-up and flush of the inputs an
+  adaptive engine held at k = 0, read no device value back on the host: no `.item()`-like read
+  and no op whose output shape depends on values (boolean-mask indexing, nonzero, a
+  repeat_interleave by device counts), each of which is a device sync on a GPU that stalls the
+  overlap scheduler.
 """
 
 from __future__ import annotations
 
+import itertools
 import random
 from collections import Counter
 from collections.abc import Callable
@@ -185,7 +188,7 @@ class _NoDeviceReads(TorchDispatchMode):
     (stricter than test_no_host_sync's forward guard: a verify must not select rows by mask)."""
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        read = device_read(func, args)
+        read = device_read(func, args, kwargs)
         if read is not None:
             raise HostReadError(read)
         return func(*args, **(kwargs or {}))
@@ -196,6 +199,14 @@ def test_the_guard_catches_value_dependent_shapes() -> None:
     for read in (lambda: x[keep], lambda: keep.nonzero(), lambda: float(x.sum())):
         with pytest.raises(HostReadError), _NoDeviceReads():
             read()
+    counts = torch.randint(1, 4, (3,))
+    total = int(counts.sum())
+    for mode in (torch.no_grad, torch.inference_mode):  # the op's overload differs
+        with mode():
+            with pytest.raises(HostReadError), _NoDeviceReads():
+                torch.arange(3).repeat_interleave(counts)
+            with _NoDeviceReads():  # its size given: no read
+                torch.arange(3).repeat_interleave(counts, output_size=total)
 
 
 @pytest.mark.parametrize("spec", [CHAIN, TREE], ids=["chain", "tree"])
@@ -231,3 +242,42 @@ def test_verify_reads_no_device_value(
     assert eng.stats().spec_verify_calls_total > 0
     assert [got[0], got[2]] == [expect[0], expect[2]]
     assert len(got[1]) == 14
+
+
+def test_adaptive_catch_up_and_flush_read_no_device_value(
+    tiny_model_dir: str,
+    head_dir: str,
+    make_engine: Callable[..., Engine],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An adaptive engine whose controller holds k = 0 for stretches longer than its ring of
+    held head inputs (the probe interval), so that requests fill the ring (a flush), then
+    drafts (a catch-up of every held input): both build their head extend from host counts
+    without reading the device, and greedy tokens equal target-only's."""
+    from eagleserve.spec.draft_worker import EagleDraftWorker
+
+    prompts = _prompts(random.randrange(2**31), 3)
+    params = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
+    target = make_engine(tiny_model_dir, max_running_requests=4)
+    expect = [o["token_ids"] for o in target.generate(prompts, params)]
+    ring = random.randint(2, 4)
+    eng = make_engine(tiny_model_dir, max_running_requests=4, speculative_algorithm="EAGLE3",
+                      speculative_draft_model_path=head_dir, speculative_adaptive=True,
+                      speculative_adaptive_probe_interval=ring, **CHAIN)  # fmt: skip
+    worker = eng.scheduler.worker
+    assert isinstance(worker, EagleWorker) and worker.controller is not None
+    plan = itertools.cycle([0] * random.randint(ring + 1, 2 * ring + 1) + [random.randint(1, 3)])
+    monkeypatch.setattr(worker.controller, "choose", lambda *args, **kwargs: next(plan))
+    calls: Counter[str] = Counter()
+    for name in ("flush", "catch_up"):
+        real = getattr(EagleDraftWorker, name)
+
+        def guarded(*args: Any, real: Any = real, name: str = name, **kwargs: Any) -> Any:
+            calls[name] += 1
+            with _NoDeviceReads():
+                return real(*args, **kwargs)
+
+        monkeypatch.setattr(EagleDraftWorker, name, guarded)
+    got = [o["token_ids"] for o in eng.generate(prompts, params)]
+    assert got == expect
+    assert calls["flush"] > 0 and calls["catch_up"] > 0, calls

@@ -57,7 +57,7 @@ class _DeviceReads(TorchDispatchMode):
         self.reads: list[str] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
-        if device_read(func, args) is not None:
+        if device_read(func, args, kwargs) is not None:
             self.reads.append(func.overloadpacket.__name__)
         return func(*args, **(kwargs or {}))
 
