@@ -190,8 +190,10 @@ def stage_requests(args: argparse.Namespace, st: Stage, limit: float) -> None:
     if args.quick:
         cmd += ["--configs", "target-only,adaptive", "--batch", "2"]
     else:
-        cmd += ["--configs", "target-only,target-only (eager prefill),target-only (PDL),"
-                "adaptive,chain 3,chain 3 (PDL)",
+        # Adaptive held at k = 0 against target-only: where the k = 0 path loses (its steps
+        # split by kind: plain, flush, probe with catch-up; the first token).
+        cmd += ["--configs", "target-only,adaptive (k = 0),adaptive,target-only (eager prefill),"
+                "chain 3",
                 "--batch", "16"]  # fmt: skip
     run_child(st, cmd, limit, {**child_env(), "TQDM_DISABLE": "1"})
 
