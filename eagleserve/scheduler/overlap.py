@@ -49,6 +49,9 @@ class OverlapForwarder:
         self.device = device
         self.is_spec = is_spec
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="eagleserve-fwd")
+        # Requests (by id) of the batch whose forward just failed: the batch launched after it
+        # holds them too, before the scheduler has failed them (forward thread only).
+        self.failed_reqs: set[int] = set()
         # The last two batches as they were launched (the forward replaces some of its
         # snapshot's tensors), so every tensor a forward reads stays referenced until its result
         # has been collected: the scheduler collects N after launching N+1, and `collect` waits
@@ -133,10 +136,14 @@ class OverlapForwarder:
         # An adaptive decode without drafts leaves every request's draft seed in its row, and
         # runs on the lengths the host resolved.
         drafts = not batch.without_drafts
+        failed, self.failed_reqs = self.failed_reqs, set()
         try:
             info = fm.resolve_future(batch, drafts)
             if info is not None:
                 batch.spec_info = info
+            lost = [i for i, r in enumerate(batch.reqs) if id(r) in failed]
+            if lost and isinstance(self.worker, EagleWorker):
+                self.worker.forget_held_inputs(batch, lost)
             # The lengths it starts from: what a failed forward leaves for the next one. No copy:
             # workers assign new seq_lens tensors, never write into this one.
             start_seq_lens = batch.seq_lens
@@ -150,6 +157,7 @@ class OverlapForwarder:
         except BaseException:
             # The scheduler fails this batch's requests when it collects the result; until
             # then the next batch must neither wait forever for the publish nor read garbage.
+            self.failed_reqs = {id(r) for r in batch.reqs}
             fm.stash_failed(fi, None if published else start_seq_lens)
             if self.is_spec and not published:
                 fm.publish()

@@ -197,10 +197,10 @@ class Scheduler:
     ) -> None:
         reqs, fut, partial = launched
         result, exc = OverlapForwarder.collect(fut)
+        # Slots released while it ran are free now; those it fails wait for the next batch.
+        self._flush_deferred_release()
         if exc is not None:
             self._fail_requests(reqs, exc)
-        # Requests released while that forward ran may now give their slots back.
-        self._flush_deferred_release()
         if result is not None:
             self.process_batch_result(reqs, result, partial)
 

@@ -140,6 +140,14 @@ class EagleWorker:
             return self._forward_prefill(batch, on_verified)
         return self._forward_decode(batch, on_verified)
 
+    def forget_held_inputs(self, batch: ScheduleBatch, rows: list[int]) -> None:
+        """Forward thread, before `batch` (overlap): its `rows` are requests whose previous
+        forward failed, at any point, so what they hold for the head (spec/draft_lag.py) is
+        undefined and their results will be dropped. They hold afresh and catch nothing up,
+        so the batch's other requests run as if those rows were new."""
+        if batch.draft_lags is not None:
+            batch.draft_lags = [0 if i in rows else m for i, m in enumerate(batch.draft_lags)]
+
     def _sampling_info(self, batch: ScheduleBatch) -> SamplingInfo:
         return SamplingInfo.of_batch(batch, self.runner.config.vocab_size)
 

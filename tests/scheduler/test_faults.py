@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from conftest import assert_kv_accounted
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from eagleserve import Engine, SamplingParams
+from eagleserve.config import ModelConfig
 from eagleserve.messages import GenerateReqInput
+from eagleserve.model_executor.model_runner import ModelRunner
+from eagleserve.spec.head_loader import init_eagle_head, save_eagle_head
 
 
 @pytest.fixture(scope="module")
@@ -36,18 +41,40 @@ class _FailingCopy:
         raise RuntimeError("injected device fault")
 
 
+@pytest.fixture(scope="module")
+def head_dir(model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> str:
+    runner = ModelRunner(ModelConfig.from_dir(model_dir), model_dir, torch.device("cpu"),
+                         torch.float32, 64, 1, 256)  # fmt: skip
+    out = str(tmp_path_factory.mktemp("fault-head"))
+    save_eagle_head(init_eagle_head("EAGLE", runner.model, seed=int(torch.randint(0, 99, ()))),
+                    out)  # fmt: skip
+    return out
+
+
 @pytest.mark.parametrize(
-    ("overlap", "site"),
-    [(True, "forward"), (False, "forward"), (True, "copy")],
-    ids=["overlap", "no-overlap", "overlap-copy"],
-)
-def test_forward_exception_fails_only_its_batch(model_dir: str, overlap: bool, site: str) -> None:
+    ("overlap", "site", "adaptive"),
+    [(True, "forward", False), (False, "forward", False), (True, "copy", False),
+     (True, "forward", True)],
+    ids=["overlap", "no-overlap", "overlap-copy", "overlap-adaptive"],
+)  # fmt: skip
+def test_forward_exception_fails_only_its_batch(
+    model_dir: str, head_dir: str, overlap: bool, site: str, adaptive: bool
+) -> None:
+    """With overlap, the batch launched after the faulty one already holds its requests: their
+    slots stay theirs until that batch is done (an adaptive k = 0 decode holds its requests'
+    head inputs by slot), and the healthy requests in it carry on."""
+    spec = {} if not adaptive else dict(
+        speculative_algorithm="EAGLE", speculative_draft_model_path=head_dir,
+        speculative_num_steps=3, speculative_eagle_topk=1, speculative_num_draft_tokens=4,
+        speculative_adaptive=True,
+    )  # fmt: skip
     eng = Engine(
         model=model_dir,
         device="cpu",
         kv_cache_tokens=1024,
         max_running_requests=8,
         disable_overlap_schedule=not overlap,
+        **spec,
     )
     params = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
     prompts = [torch.randint(1, 63, (n,)).tolist() for n in (5, 9, 3)]
@@ -55,6 +82,8 @@ def test_forward_exception_fails_only_its_batch(model_dir: str, overlap: bool, s
 
     sched = eng.scheduler
     worker = sched.worker
+    if adaptive:  # every decode the k = 0 path, as where drafting does not pay
+        worker.controller.choose = lambda *args, **kwargs: 0
     real = worker.forward_batch_generation
 
     def is_bad(batch) -> bool:  # noqa: ANN001
@@ -63,6 +92,10 @@ def test_forward_exception_fails_only_its_batch(model_dir: str, overlap: bool, s
     def faulty(batch, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
         if is_bad(batch):
             raise RuntimeError("injected fault")
+        if any(r.rid == "bad" for r in batch.reqs):
+            # The batch launched after the fault: let the scheduler handle the fault first,
+            # as a slow forward would.
+            time.sleep(0.2)
         return real(batch, *args, **kwargs)
 
     if site == "forward":
@@ -84,11 +117,14 @@ def test_forward_exception_fails_only_its_batch(model_dir: str, overlap: bool, s
         for o in sched.step():
             outs[o.rid].extend(o.new_token_ids)
     sched.add_request(GenerateReqInput("bad", prompts[1], params))
-    added = False
+    added, steps = False, 0
     while sched.has_work() or not added:
-        if not added and not sched.waiting:
+        # A few steps after the fault: the batch launched right after it decodes good-0 with
+        # the failed request, whose slots are still in use there.
+        if not added and steps >= 3:
             sched.add_request(GenerateReqInput("good-1", prompts[2], params))
             added = True
+        steps += 1
         for o in sched.step():
             if o.error:
                 errors[o.rid] = o.error_code
