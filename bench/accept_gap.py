@@ -8,7 +8,15 @@ position on the answer (train-draft --eval-head: depth d given correct earlier t
 head's own features fed back). If the two agree, the head's quality on this text, not the
 serving path, sets the acceptance.
 
+`--target-dtypes auto,float32` serves each set twice: with the default model as served on a
+CPU ("auto": the packed 4-bit weights, whose kernels quantize activations to int8 per block,
+as llama.cpp does) and with the same weights de-quantized ("float32", the target train-draft
+extracts its features from). Each row's teacher-forced accuracy is on that row's own tokens,
+from float32 features. Served acceptance that is lower with "auto" than with "float32" is the
+cost of serving on features the head was not trained on.
+
     python bench/accept_gap.py [--prompts-per-set 8] [--new-tokens 96] [--threads 2]
+        [--target-dtypes auto] [--out accept_gap.json]
 """
 
 from __future__ import annotations
@@ -42,50 +50,55 @@ def main() -> None:
     ap.add_argument("--prompts-per-set", type=int, default=8)
     ap.add_argument("--new-tokens", type=int, default=96)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--target-dtypes", default="auto",
+                    help="comma-separated: auto (packed, as served), float32")  # fmt: skip
+    ap.add_argument("--out", default="accept_gap.json", help="file name in bench/results")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    kw = dict(model="default", device="cpu", kv_cache_tokens=4096, max_running_requests=2,
-              disable_overlap_schedule=True)  # fmt: skip
-    base = Engine(**kw)
-    eagle = Engine(**kw, speculative_algorithm="EAGLE3", speculative_draft_model_path=args.head,
-                   **CHAIN)  # fmt: skip
     n = args.prompts_per_set
     sets = {"MT-bench": data.mt_bench(n), "HumanEval": data.human_eval(n), "math": data.math(n)}
     served, sequences = {}, {}
-    for name, prompts in sets.items():
-        ids = [chat_ids(base.tokenizer, p) for p in prompts]
-        b = run_engine(base, ids, 1, args.new_tokens)
-        e = run_engine(eagle, ids, 1, args.new_tokens)
-        served[name] = dict(tau=e["tau"], accept=e["accept_by_depth"],
-                            lossless=e["tokens"] == b["tokens"])  # fmt: skip
-        sequences[name] = ([i + t for i, t in zip(ids, b["tokens"])], [len(i) for i in ids])
-    del base, eagle
+    for dtype in args.target_dtypes.split(","):
+        kw = dict(model="default", device="cpu", kv_cache_tokens=4096, max_running_requests=2,
+                  disable_overlap_schedule=True, dtype=dtype)  # fmt: skip
+        base = Engine(**kw)
+        eagle = Engine(**kw, speculative_algorithm="EAGLE3",
+                       speculative_draft_model_path=args.head, **CHAIN)  # fmt: skip
+        for name, prompts in sets.items():
+            ids = [chat_ids(base.tokenizer, p) for p in prompts]
+            b = run_engine(base, ids, 1, args.new_tokens)
+            e = run_engine(eagle, ids, 1, args.new_tokens)
+            served[name, dtype] = dict(tau=e["tau"], accept=e["accept_by_depth"],
+                                       lossless=e["tokens"] == b["tokens"])  # fmt: skip
+            sequences[name, dtype] = ([i + t for i, t in zip(ids, b["tokens"])],
+                                      [len(i) for i in ids])  # fmt: skip
+        del base, eagle
     target, _ = load_target("default", "float32", 2048)
     layers = target_layer_ids("EAGLE3", target.config.num_hidden_layers)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for name, (seqs, lens) in sequences.items():
-            shard_dir = os.path.join(tmp, name)
+        for (name, dtype), (seqs, lens) in sequences.items():
+            shard_dir = os.path.join(tmp, f"{name}-{dtype}")
             meta = {"layer_ids": list(layers), "k": 32, "extract_dtype": "float32", "sources": name}
             writer = ShardWriter(shard_dir, 65536, meta)
             extract(target, self_distilled_items(seqs, lens), writer, layers, 32, 10**9, 1e9, name)
             ns = SimpleNamespace(model="default", eval_head=args.head, algorithm="EAGLE3",
-                                 shards=[shard_dir], out=os.path.join(tmp, f"eval_{name}"),
+                                 shards=[shard_dir], out=os.path.join(tmp, f"eval_{name}_{dtype}"),
                                  max_len=512, batch_size=8, ttt_steps=DEPTHS, seed=0)  # fmt: skip
             tf = head_accuracy(ns)
-            rows.append(dict(set=name, **served[name],
+            rows.append(dict(set=name, target_dtype=dtype, **served[name, dtype],
                              teacher_forced=[tf[f"acc{d}"] for d in range(DEPTHS)],
                              outside_draft_vocab=tf["argmax_outside_draft_vocab"]))  # fmt: skip
     print(f"machine: {machine()}; head {args.head}; chain 3, batch 1, greedy, "
           f"{args.new_tokens} new tokens, {n} prompts per set")  # fmt: skip
     print_table(
-        ["set", "tau", "served P(accept >= d)", "teacher-forced acc by depth", "outside vocab",
-         "lossless"],
-        [[r["set"], f"{r['tau']:.2f}", " ".join(f"{a:.3f}" for a in r["accept"]),
+        ["set", "target", "tau", "served P(accept >= d)", "teacher-forced acc by depth",
+         "outside vocab", "lossless"],
+        [[r["set"], r["target_dtype"], f"{r['tau']:.2f}", " ".join(f"{a:.3f}" for a in r["accept"]),
           " ".join(f"{a:.3f}" for a in r["teacher_forced"]), f"{r['outside_draft_vocab']:.1%}",
           str(r["lossless"])] for r in rows],
     )  # fmt: skip
-    write_json("accept_gap.json", {"args": vars(args), "machine": machine(), "rows": rows})
+    write_json(args.out, {"args": vars(args), "machine": machine(), "rows": rows})
 
 
 if __name__ == "__main__":
