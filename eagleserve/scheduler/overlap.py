@@ -141,8 +141,8 @@ class OverlapForwarder:
             info = fm.resolve_future(batch, drafts)
             if info is not None:
                 batch.spec_info = info
-            lost = [i for i, r in enumerate(batch.reqs) if id(r) in failed]
-            if lost and isinstance(self.worker, EagleWorker):
+            if failed and isinstance(self.worker, EagleWorker):  # right after a failed forward
+                lost = [i for i, r in enumerate(batch.reqs) if id(r) in failed]
                 self.worker.forget_held_inputs(batch, lost)
             # The lengths it starts from: what a failed forward leaves for the next one. No copy:
             # workers assign new seq_lens tensors, never write into this one.

@@ -145,7 +145,7 @@ class EagleWorker:
         forward failed, at any point, so what they hold for the head (spec/draft_lag.py) is
         undefined and their results will be dropped. They hold afresh and catch nothing up,
         so the batch's other requests run as if those rows were new."""
-        if batch.draft_lags is not None:
+        if rows and batch.draft_lags is not None:
             batch.draft_lags = [0 if i in rows else m for i, m in enumerate(batch.draft_lags)]
 
     def _sampling_info(self, batch: ScheduleBatch) -> SamplingInfo:
