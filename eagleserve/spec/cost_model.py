@@ -156,10 +156,10 @@ def _part_times(
         return run
 
     def draft_loop(k: int) -> Callable[[], object]:
-        """The chain's k-step draft as its loop graph replays it (drafter.draft)."""
-        loop = drafter.loop_graphs[k]
-        seed = (torch.rand(bs, 1, device=dev, dtype=runner.dtype),
-                torch.randint(0, runner.config.vocab_size, (bs, 1), device=dev),
+        """The k-step draft as its loop graph replays it (drafter.draft)."""
+        loop, topk = drafter.loop_graphs[k], drafter.spec.eagle_topk
+        seed = (torch.rand(bs, topk, device=dev, dtype=runner.dtype),
+                torch.randint(0, runner.config.vocab_size, (bs, topk), device=dev),
                 torch.randn(bs, hidden, device=dev, dtype=runner.dtype))  # fmt: skip
 
         def run() -> object:

@@ -32,6 +32,7 @@ from eagleserve.models.loader import resolve_draft_path
 from eagleserve.spec.adaptive import acceptance_prior
 from eagleserve.spec.draft_extend import DraftExtendGraphs, last_rows_forward, seed_from_logits
 from eagleserve.spec.draft_lag import DraftLag, catch_up_batch
+from eagleserve.spec.draft_loop import DraftLoops, tree_step_batch
 from eagleserve.spec.draft_tree import DraftTree, draft_chain, draft_tree
 from eagleserve.spec.head_loader import load_eagle_head, measured_acceptance
 from eagleserve.spec.tree import Topk1ChainBuffers
@@ -105,17 +106,22 @@ class EagleDraftWorker:
             k: Topk1ChainBuffers(max(graph_bs, args.max_running_requests), k, k + 1, device)
             for k in (chain_lengths if spec.is_chain else ())
         }
-        # The whole k-step chain draft as one graph per k (the per-step graph above replays k
-        # times with eager ops between). EAGLESERVE_DISABLE_DRAFT_LOOP_GRAPH=1 keeps the steps.
+        # The whole k-step draft, chain or tree, as one graph per k (a chain's per-step graph
+        # above replays k times with eager ops between; a tree has no other graph).
+        # EAGLESERVE_DISABLE_DRAFT_LOOP_GRAPH=1 keeps the steps.
+        self.loops = DraftLoops(self.head, self.kv_pool, self.attn_backend, self.req_to_token,
+                                spec.eagle_topk, spec.num_draft_tokens,
+                                self.chain_buffers)  # fmt: skip
         self.loop_graphs: dict[int, GraphedForward] = {}
-        if self.graph is not None and os.environ.get("EAGLESERVE_DISABLE_DRAFT_LOOP_GRAPH") != "1":
+        graphs_on = target.graphs_enabled(args)
+        if graphs_on and os.environ.get("EAGLESERVE_DISABLE_DRAFT_LOOP_GRAPH") != "1":
             try:
-                for k in chain_lengths:
+                for k in chain_lengths if spec.is_chain else (spec.num_steps,):
                     if k > 1:  # one step drafts from the seed alone: no head forward
-                        self.loop_graphs[k] = self._loop_graph(k, graph_bs, target.dtype)
+                        self.loop_graphs[k] = self.loops.graph(k, graph_bs, target.dtype, device)
                         self.loop_graphs[k].capture()
-            except Exception:  # the per-step graph still serves; tests/spec/test_gpu_paths.py
-                logger.exception("capturing the chain draft loop failed: drafting step by step")
+            except Exception:  # the eager steps still serve; tests/spec/test_gpu_paths.py
+                logger.exception("capturing the draft loop failed: drafting step by step")
                 self.loop_graphs = {}
         # The seed extend after each verify as one graph per path width (draft_extend.py).
         self.extend_graphs: DraftExtendGraphs | None = None
@@ -254,7 +260,19 @@ class EagleDraftWorker:
         of the paths: one sync per step)."""
         spec = self.spec
         assert batch.seq_lens_cpu is not None, "drafting needs the scheduler's host seq lens"
-        max_len = int(batch.seq_lens_cpu.max())
+        L = batch.seq_lens
+        base = ForwardBatch(  # the requests and their committed lengths, in the head's KV
+            mode="draft",
+            input_ids=info.topk_index[:, 0],
+            positions=L,
+            out_cache_loc=L,
+            req_pool_indices=batch.req_pool_indices,
+            prefix_lens=L,
+            extend_lens=torch.ones_like(L),
+            host=HostLens(1, int(batch.seq_lens_cpu.max()), True),
+            kv_pool=self.kv_pool,
+            attn_backend=self.attn_backend,
+        )
 
         def step(
             ids: torch.Tensor,
@@ -266,131 +284,49 @@ class EagleDraftWorker:
             allowed = None
             if grammar is not None and paths is not None:
                 allowed = grammar.branch_allowed(paths, self.device)
-            return self._step(batch, max_len, ids, feats, depth, mask, allowed)
+            return self._step(base, ids, feats, depth, mask, allowed)
 
         track = grammar is not None
-        loop = self.loop_graphs.get(num_steps) if spec.is_chain and not track else None
+        loop = None if track else self.loop_graphs.get(num_steps)
         if loop is not None and batch.batch_size <= loop.max_bs:
-            L = batch.seq_lens
-            fb = ForwardBatch(
-                mode="draft",
-                input_ids=info.topk_index.reshape(-1),
-                positions=L,
-                out_cache_loc=L,
-                req_pool_indices=batch.req_pool_indices,
-                prefix_lens=L,
-                extend_lens=torch.ones_like(L),
-                host=HostLens(1, max_len, True),
-                kv_pool=self.kv_pool,
-                attn_backend=self.attn_backend,
-            )
             parents, scores_index, tokens = loop.replay(
-                fb, topk_p=info.topk_p, topk_index=info.topk_index, hidden=info.hidden_states
+                base, topk_p=info.topk_p, topk_index=info.topk_index, hidden=info.hidden_states
             )
             return DraftTree(parents, scores_index, tokens)
         if spec.is_chain:
             return draft_chain(info, num_steps, step, self.chain_buffers[num_steps], track)
         return draft_tree(info, num_steps, spec.eagle_topk, spec.num_draft_tokens, step, track)
 
-    def _loop_graph(self, k: int, max_bs: int, dtype: torch.dtype) -> GraphedForward:
-        """A graph of `draft_chain` over k steps: inputs the seed (extras) and the committed
-        lengths (prefix_lens), outputs the DraftTree's tensors."""
-        h = self.head.hidden_size
-        extras = {"topk_p": ((1,), dtype), "topk_index": ((1,), torch.long),
-                  "hidden": ((h,), dtype)}  # fmt: skip
-        return GraphedForward(
-            lambda fb, ex: self.chain_loop(fb, ex, k), "draft", self.kv_pool, self.attn_backend,
-            self.device, max_bs, 1, extra_shapes=extras,
-            own_context=False,  # each of the k steps opens its own forward context
-        )  # fmt: skip
-
-    def chain_loop(
-        self, fb: ForwardBatch, extras: dict[str, torch.Tensor], k: int
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The chain draft of `_step` with nothing read from the host: each step's metadata is
-        built from device tensors (static metadata where the backend has it), so a graph can
-        hold all k steps. `fb` carries the requests' slots, committed lengths (prefix_lens)
-        and their bound (host.max_kv)."""
-        L, rpi = fb.prefix_lens, fb.req_pool_indices
-        max_row = self.req_to_token.shape[1]
-        # The longest committed length bounds an eager step's KV range as in `_step`; a graph
-        # passes the longest row (its static metadata covers every length).
-        max_len = fb.host.max_kv
-        static = hasattr(self.attn_backend, "init_forward_metadata_static")
-
-        def step(
-            ids: torch.Tensor, feats: torch.Tensor, depth: int, *_: object
-        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-            positions = L + (depth - 1)
-            sfb = ForwardBatch(
-                mode="draft",
-                input_ids=ids,
-                positions=positions,
-                out_cache_loc=self.req_to_token[rpi, positions],
-                req_pool_indices=rpi,
-                prefix_lens=positions,
-                extend_lens=fb.extend_lens,
-                host=HostLens(1, min(max_len + depth, max_row), True),
-                kv_pool=self.kv_pool,
-                attn_backend=self.attn_backend,
-                kv_lens=positions + 1 if static else None,
-            )
-            if static:
-                self.attn_backend.init_forward_metadata_static(sfb)
-            with forward_context(sfb):
-                logits, next_feats = self.head(ids, feats, positions)
-            seed = seed_from_logits(self.head, logits, next_feats, 1)
-            return seed.topk_p, seed.topk_index, seed.hidden_states
-
-        info = EagleDraftInput(extras["topk_p"], extras["topk_index"], extras["hidden"])
-        tree = draft_chain(info, k, step, self.chain_buffers[k])
-        return tree.parent_list, tree.top_scores_index, tree.draft_tokens
-
     def _step(
         self,
-        batch: ScheduleBatch,
-        max_len: int,
+        base: ForwardBatch,
         input_ids: torch.Tensor,
         feats: torch.Tensor,
         depth: int,
         region_mask: torch.Tensor | None,
         allowed: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Head forward for draft depth `depth` (1-based) of every branch; returns its top-k.
-
-        Branch b of depth d writes head KV at region node (d - 1) * topk + b, position L + d - 1.
-        A chain step is a 1-token decode after L + d - 1 positions; tree branches also see the
+        """Head forward for draft depth `depth` (1-based) of every branch of `base`'s requests
+        (committed lengths L as prefix_lens); returns its top-k. A chain step is a 1-token
+        decode after L + depth - 1 positions; tree branches (`tree_step_batch`) also see the
         region nodes `region_mask` allows."""
         topk = self.spec.eagle_topk
-        L = batch.seq_lens
-        bs = batch.batch_size
         if topk == 1:  # a chain: the step's one node sits at L + depth - 1, its position too
-            positions = L + (depth - 1)
-            loc = self.req_to_token[batch.req_pool_indices, positions]
+            positions = base.prefix_lens + (depth - 1)
+            fb = dataclasses.replace(
+                base,
+                input_ids=input_ids,
+                positions=positions,
+                out_cache_loc=self.req_to_token[base.req_pool_indices, positions],
+                prefix_lens=positions,
+                host=HostLens.per_request(1, base.host.max_kv + depth - 1, base.batch_size),
+            )
         else:
-            branch = torch.arange(topk, device=self.device)
-            region_idx = (depth - 1) * topk + branch  # [topk]
-            rows = batch.req_pool_indices[:, None]
-            loc = self.req_to_token[rows, L[:, None] + region_idx[None, :]].reshape(-1)
-            positions = (L + depth - 1).repeat_interleave(topk)
-        fb = ForwardBatch(
-            mode="draft",
-            input_ids=input_ids,
-            positions=positions,
-            out_cache_loc=loc,
-            req_pool_indices=batch.req_pool_indices,
-            prefix_lens=positions if topk == 1 else L,
-            extend_lens=torch.full_like(L, topk),
-            host=HostLens.per_request(topk, max_len + (depth - 1) * topk, bs),
-            kv_pool=self.kv_pool,
-            attn_backend=self.attn_backend,
-            tree_mask=None if topk == 1 else region_mask,
-            kv_lens=None if topk == 1 else L + depth * topk,
-        )
+            fb = tree_step_batch(base, self.req_to_token, input_ids, depth, topk, region_mask)
         if self.graph is not None and self.graph.can_replay(fb):
             logits, next_feats = self.graph.replay(fb, features=feats)
         else:
             with forward_context(fb):
-                logits, next_feats = self.head(input_ids, feats, positions)
+                logits, next_feats = self.head(input_ids, feats, fb.positions)
         seed = seed_from_logits(self.head, self._masked(logits, allowed), next_feats, topk)
         return seed.topk_p, seed.topk_index, seed.hidden_states  # p, ids [bs*topk, topk]; features

@@ -1,7 +1,7 @@
-"""The chain draft as one function of device tensors (what a device graph captures whole:
-EagleDraftWorker.chain_loop) drafts exactly the tokens of the step-by-step draft, on every
-iteration of real generations (the same head KV written in the same slots), and leaves the
-generations lossless."""
+"""The chain or tree draft as one function of device tensors (what a device graph captures whole:
+spec/draft_loop.py) drafts exactly the tokens of the step-by-step draft, on every iteration of
+real generations (the same head KV written in the same slots), and leaves the generations
+lossless."""
 
 from __future__ import annotations
 
@@ -17,9 +17,19 @@ from eagleserve.layers.forward_batch import ForwardBatch, HostLens
 __all__ = ["heads", "reference", "target_dir"]  # module-scoped fixtures shared with the test
 
 
-@pytest.mark.parametrize(("algo", "steps"), [("EAGLE", 3), ("EAGLE-random", 5), ("EAGLE3", 2)])
-def test_chain_loop_drafts_the_step_by_step_tokens(
-    target_dir: str, heads: dict[str, str], reference: list[list[int]], algo: str, steps: int
+@pytest.mark.parametrize(
+    ("algo", "steps", "topk", "ndt"),
+    [("EAGLE", 3, 1, 4), ("EAGLE-random", 5, 1, 6), ("EAGLE3", 2, 1, 3), ("EAGLE", 3, 2, 6),
+     ("EAGLE3", 2, 4, 8)],
+)  # fmt: skip
+def test_draft_loop_drafts_the_step_by_step_tokens(
+    target_dir: str,
+    heads: dict[str, str],
+    reference: list[list[int]],
+    algo: str,
+    steps: int,
+    topk: int,
+    ndt: int,
 ) -> None:
     eng = Engine(
         model=target_dir,
@@ -30,8 +40,8 @@ def test_chain_loop_drafts_the_step_by_step_tokens(
         speculative_algorithm=algo.split("-")[0],
         speculative_draft_model_path=heads[algo],
         speculative_num_steps=steps,
-        speculative_eagle_topk=1,
-        speculative_num_draft_tokens=steps + 1,
+        speculative_eagle_topk=topk,
+        speculative_num_draft_tokens=ndt,
     )
     drafter = eng.scheduler.worker.drafter
     real = drafter.draft
@@ -41,7 +51,7 @@ def test_chain_loop_drafts_the_step_by_step_tokens(
         L = batch.seq_lens
         fb = ForwardBatch(
             mode="draft",
-            input_ids=info.topk_index.reshape(-1),
+            input_ids=info.topk_index[:, 0],
             positions=L,
             out_cache_loc=L,
             req_pool_indices=batch.req_pool_indices,
@@ -53,7 +63,7 @@ def test_chain_loop_drafts_the_step_by_step_tokens(
         )
         extras = {"topk_p": info.topk_p, "topk_index": info.topk_index,
                   "hidden": info.hidden_states}  # fmt: skip
-        loop = drafter.chain_loop(fb, extras, k)
+        loop = (drafter.loops.chain if topk == 1 else drafter.loops.tree)(fb, extras, k)
         pool = drafter.kv_pool
         kv = [b.clone() for b in (*pool.k_buffer, *pool.v_buffer)]
         tree = real(batch, info, k, grammar)  # rewrites the same head KV, slot for slot

@@ -1,4 +1,4 @@
-"""The chain draft loop's device graph is captured by running `chain_loop` once per bucket on
+"""The chain draft loop's device graph is captured by running `DraftLoops.chain` once per bucket on
 the static batch (GraphedForward.run_fn). Each of its k steps opens its own forward context,
 and contexts do not nest, so the capture must not open one around the loop: on a GPU that
 made every capture fail and every draft fall back to step-by-step replays.
@@ -43,7 +43,7 @@ def test_loop_capture_runs_the_eager_chain_without_nesting(
     )
     drafter = eng.scheduler.worker.drafter
     dtype = next(drafter.head.parameters()).dtype
-    graph = drafter._loop_graph(steps, 2, dtype)
+    graph = drafter.loops.graph(steps, 2, dtype, drafter.device)
     fb, extras = graph.bucket_batch(2)
     g = torch.Generator().manual_seed(3)
     extras["topk_index"].copy_(torch.randint(1, 60, extras["topk_index"].shape, generator=g))
@@ -53,7 +53,7 @@ def test_loop_capture_runs_the_eager_chain_without_nesting(
     fb.req_pool_indices.copy_(torch.tensor([0, 1]))
 
     captured = [t.clone() for t in graph.run_fn(fb, extras)]  # what capture and warm-up run
-    eager = drafter.chain_loop(fb, extras, steps)  # the loop as the eager path runs it
+    eager = drafter.loops.chain(fb, extras, steps)  # the loop as the eager path runs it
     assert all(torch.equal(a, b) for a, b in zip(captured, eager))
     assert captured[2].shape[0] == 2 and captured[2].numel() > 2  # k drafts for each request
 

@@ -1,0 +1,142 @@
+"""The whole k-step draft as one device graph per k (SGLang's EAGLEDraftCudaGraphRunner): a chain
+(topk == 1, preallocated buffers) or a top-k tree. Each step's ForwardBatch and attention
+metadata come from device tensors (static metadata where the backend has it), so nothing in the
+loop reads the host; eager, the same draft launches every step's ops from the host.
+
+Inputs (a GraphedForward of one token per request): the seed as extras (topk_p, topk_index
+[bs, topk], hidden [bs, h]), the requests' slots and committed lengths L (prefix_lens) and their
+bound (host.max_kv). Outputs: the DraftTree's tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from eagleserve.core import EagleDraftInput
+from eagleserve.layers.attention import AttentionBackend
+from eagleserve.layers.forward_batch import ForwardBatch, HostLens, forward_context
+from eagleserve.mem_cache.kv_cache import TokenToKVPool
+from eagleserve.model_executor.cuda_graph_runner import GraphedForward
+from eagleserve.spec.draft_extend import seed_from_logits
+from eagleserve.spec.draft_tree import draft_chain, draft_tree
+from eagleserve.spec.eagle_head import EagleHead
+from eagleserve.spec.tree import Topk1ChainBuffers
+
+LoopOutputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # parents, score index, tokens
+
+
+def tree_step_batch(
+    fb: ForwardBatch,
+    req_to_token: torch.Tensor,
+    input_ids: torch.Tensor,
+    depth: int,
+    topk: int,
+    region_mask: torch.Tensor | None,
+) -> ForwardBatch:
+    """Draft depth `depth` (1-based) of a top-k tree, `input_ids` [bs * topk] its branches'
+    tokens, over the requests of `fb` (slots, committed lengths L as prefix_lens and their
+    bound host.max_kv, the head's KV and backend): branch b writes head KV at region node
+    (depth - 1) * topk + b, position L + depth - 1, and sees the prefix and the region nodes
+    `region_mask` [bs, topk, depth * topk] allows."""
+    L, rpi = fb.prefix_lens, fb.req_pool_indices
+    region_idx = (depth - 1) * topk + torch.arange(topk, device=L.device)  # [topk]
+    loc = req_to_token[rpi[:, None], L[:, None] + region_idx[None, :]].reshape(-1)
+    return ForwardBatch(
+        mode="draft",
+        input_ids=input_ids,
+        positions=(L + depth - 1).repeat_interleave(topk),
+        out_cache_loc=loc,
+        req_pool_indices=rpi,
+        prefix_lens=L,
+        extend_lens=torch.full_like(L, topk),
+        host=HostLens(topk, min(fb.host.max_kv + depth * topk, req_to_token.shape[1]), True),
+        kv_pool=fb.kv_pool,
+        attn_backend=fb.attn_backend,
+        tree_mask=region_mask,
+        kv_lens=L + depth * topk,
+    )
+
+
+class DraftLoops:
+    """The chain or tree draft of k steps with nothing read from the host, and its graphs."""
+
+    def __init__(
+        self,
+        head: EagleHead,
+        kv_pool: TokenToKVPool,
+        attn_backend: AttentionBackend,
+        req_to_token: torch.Tensor,
+        topk: int,
+        num_draft_tokens: int,
+        chain_buffers: dict[int, Topk1ChainBuffers],
+    ) -> None:
+        self.head, self.kv_pool, self.attn_backend = head, kv_pool, attn_backend
+        self.req_to_token = req_to_token
+        self.topk, self.num_draft_tokens = topk, num_draft_tokens
+        self.chain_buffers = chain_buffers
+        self.static = hasattr(attn_backend, "init_forward_metadata_static")
+
+    def graph(
+        self, k: int, max_bs: int, dtype: torch.dtype, device: torch.device
+    ) -> GraphedForward:
+        """A graph of the k-step draft (uncaptured)."""
+        h, topk = self.head.hidden_size, self.topk
+        extras = {"topk_p": ((topk,), dtype), "topk_index": ((topk,), torch.long),
+                  "hidden": ((h,), dtype)}  # fmt: skip
+        run = self.chain if topk == 1 else self.tree
+        return GraphedForward(
+            lambda fb, ex: run(fb, ex, k), "draft", self.kv_pool, self.attn_backend, device,
+            max_bs, 1, extra_shapes=extras,
+            own_context=False,  # each of the k steps opens its own forward context
+        )  # fmt: skip
+
+    def _seed(self, sfb: ForwardBatch, ids: torch.Tensor, feats: torch.Tensor) -> LoopOutputs:
+        """One head step over `sfb` (its metadata built here) and its top-k."""
+        if self.static:
+            self.attn_backend.init_forward_metadata_static(sfb)  # type: ignore[attr-defined]
+        with forward_context(sfb):
+            logits, next_feats = self.head(ids, feats, sfb.positions)
+        seed = seed_from_logits(self.head, logits, next_feats, self.topk)
+        return seed.topk_p, seed.topk_index, seed.hidden_states
+
+    def chain(self, fb: ForwardBatch, extras: dict[str, torch.Tensor], k: int) -> LoopOutputs:
+        """The k-step chain draft (`draft_chain`)."""
+        L, rpi = fb.prefix_lens, fb.req_pool_indices
+        # The longest committed length bounds an eager step's KV range; a graph passes the
+        # longest row (its static metadata covers every length).
+        max_len, max_row = fb.host.max_kv, self.req_to_token.shape[1]
+
+        def step(ids: torch.Tensor, feats: torch.Tensor, depth: int, *_: object) -> LoopOutputs:
+            positions = L + (depth - 1)
+            sfb = ForwardBatch(
+                mode="draft",
+                input_ids=ids,
+                positions=positions,
+                out_cache_loc=self.req_to_token[rpi, positions],
+                req_pool_indices=rpi,
+                prefix_lens=positions,
+                extend_lens=fb.extend_lens,
+                host=HostLens(1, min(max_len + depth, max_row), True),
+                kv_pool=self.kv_pool,
+                attn_backend=self.attn_backend,
+                kv_lens=positions + 1 if self.static else None,
+            )
+            return self._seed(sfb, ids, feats)
+
+        info = EagleDraftInput(extras["topk_p"], extras["topk_index"], extras["hidden"])
+        tree = draft_chain(info, k, step, self.chain_buffers[k])
+        return tree.parent_list, tree.top_scores_index, tree.draft_tokens
+
+    def tree(self, fb: ForwardBatch, extras: dict[str, torch.Tensor], k: int) -> LoopOutputs:
+        """The k-step top-k tree draft (`draft_tree`)."""
+
+        def step(
+            ids: torch.Tensor, feats: torch.Tensor, depth: int, mask: torch.Tensor | None,
+            *_: object,
+        ) -> LoopOutputs:  # fmt: skip
+            sfb = tree_step_batch(fb, self.req_to_token, ids, depth, self.topk, mask)
+            return self._seed(sfb, ids, feats)
+
+        info = EagleDraftInput(extras["topk_p"], extras["topk_index"], extras["hidden"])
+        tree = draft_tree(info, k, self.topk, self.num_draft_tokens, step)
+        return tree.parent_list, tree.top_scores_index, tree.draft_tokens
