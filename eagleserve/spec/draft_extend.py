@@ -96,10 +96,10 @@ def seed_from_logits(
 
 
 class DraftExtendGraphs:
-    """One device graph per path width (chain length + 1) of the chain seed extend: inputs the
-    path rows (ids, positions, slots), the requests' slots and committed lengths, the target
-    features and each row's request accept length; outputs the seed (top-1 probability and
-    target id, next features) per request."""
+    """One device graph per path width (draft depth + 1) of the seed extend after a verify:
+    inputs the path rows (ids, positions, slots), the requests' slots and committed lengths,
+    the target features and each row's request accept length; outputs the seed (top-`topk`
+    probabilities and target ids, next features) per request."""
 
     def __init__(
         self,
@@ -110,8 +110,9 @@ class DraftExtendGraphs:
         widths: list[int],
         max_bs: int,
         dtype: torch.dtype,
+        topk: int = 1,
     ) -> None:
-        self.head, self.attn_backend = head, attn_backend
+        self.head, self.attn_backend, self.topk = head, attn_backend, topk
         extras = {"features": ((head.feature_size,), dtype), "accept_lens": ((), torch.long)}
         self.graphs = {
             w: GraphedForward(
@@ -165,7 +166,7 @@ class DraftExtendGraphs:
         with forward_context(last):
             self.head.write_kv(path.input_ids, g, fb.positions, path.out_cache_loc)
             logits, next_feats = self.head(last.input_ids, g[last_rows], last.positions)
-        seed = seed_from_logits(self.head, logits, next_feats, 1)
+        seed = seed_from_logits(self.head, logits, next_feats, self.topk)
         return seed.topk_p, seed.topk_index, seed.hidden_states
 
     def replay(self, fb: ForwardBatch, features: torch.Tensor) -> EagleDraftInput | None:

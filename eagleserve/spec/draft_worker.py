@@ -125,13 +125,12 @@ class EagleDraftWorker:
                 self.loop_graphs = {}
         # The seed extend after each verify as one graph per path width (draft_extend.py).
         self.extend_graphs: DraftExtendGraphs | None = None
-        if (
-            self.graph is not None
-            and os.environ.get("EAGLESERVE_DISABLE_DRAFT_EXTEND_GRAPH") != "1"
-        ):
-            widths = [k + 1 for k in chain_lengths]
+        if graphs_on and os.environ.get("EAGLESERVE_DISABLE_DRAFT_EXTEND_GRAPH") != "1":
+            # A tree's accepted path has accept()'s width, num_draft_tokens.
+            widths = [k + 1 for k in chain_lengths] if spec.is_chain else [spec.num_draft_tokens]
             graphs = DraftExtendGraphs(self.head, self.kv_pool, self.attn_backend, device,
-                                       widths, graph_bs, target.dtype)  # fmt: skip
+                                       widths, graph_bs, target.dtype,
+                                       spec.eagle_topk)  # fmt: skip
             try:
                 graphs.capture()
                 self.extend_graphs = graphs

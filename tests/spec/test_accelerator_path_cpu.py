@@ -90,9 +90,11 @@ def test_speculative_output_is_the_targets_on_the_graph_path(
     assert [o["token_ids"] for o in got] == [o["token_ids"] for o in want]
     runner = eng.scheduler.worker.runner
     assert runner.graphs and any(graphs.of(g) for g in runner.graphs)  # verify replayed
-    if spec["speculative_eagle_topk"] > 1:  # a tree drafts all its steps in one graph
-        loops = eng.scheduler.worker.drafter.loop_graphs
-        assert [graphs.of(g) > 0 for g in loops.values()] == [True]
+    if spec["speculative_eagle_topk"] > 1:  # a tree drafts, and seeds its next draft, in graphs
+        drafter = eng.scheduler.worker.drafter
+        assert [graphs.of(g) > 0 for g in drafter.loop_graphs.values()] == [True]
+        assert drafter.extend_graphs is not None
+        assert [graphs.of(g) > 0 for g in drafter.extend_graphs.graphs.values()] == [True]
 
 
 def test_seed_extend_replays_its_graph_and_output_stays_the_targets(
