@@ -122,9 +122,11 @@ def main(argv: list[str] | None = None) -> None:
                   speculative_num_steps=3, speculative_eagle_topk=1,
                   speculative_num_draft_tokens=4)  # fmt: skip
     adaptive = dict(chain3, speculative_adaptive=True)
+    tree = dict(chain3, speculative_eagle_topk=4, speculative_num_draft_tokens=8)
     rows = [run_setting(name, spec, target, args.dtype)
             for name, spec in (("target-only", {}), ("adaptive, k = 0", adaptive),
-                               ("EAGLE3 chain 3", chain3))]  # fmt: skip
+                               ("EAGLE3 chain 3", chain3),
+                               ("EAGLE3 tree 3x4/8", tree))]  # fmt: skip
     table = [[r["setting"], where, round(n, 1)] for r in rows for where, n in r["launches"].items()]
     table += [[r["setting"], "total", round(sum(r["launches"].values()), 1)] for r in rows]
     print(f"launches per decode iteration, {args.dtype}, 8-layer target (CPU stand-in graphs)")
