@@ -2,8 +2,9 @@
 
 - `extend`: a head forward over committed tokens (after a prefill, and after each verify over
   the accepted path); its last row per request seeds the next iteration's draft.
-- `draft`: num_steps head forwards along a chain (topk == 1, preallocated buffers, a device
-  graph where one is captured) or a top-k tree, from the seed the last extend left.
+- `draft`: num_steps head forwards along a chain (topk == 1, preallocated buffers) or a top-k
+  tree, from the seed the last extend left; all steps in one device graph where one is
+  captured (spec/draft_loop.py).
 
 The head's KV uses the target's slot numbers (one allocator, two sets of buffers), so the slots
 the scheduler reserved for a request serve both.
