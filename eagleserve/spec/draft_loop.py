@@ -25,6 +25,29 @@ from eagleserve.spec.tree import Topk1ChainBuffers
 LoopOutputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # parents, score index, tokens
 
 
+def chain_step_batch(
+    fb: ForwardBatch, req_to_token: torch.Tensor, input_ids: torch.Tensor, depth: int, static: bool
+) -> ForwardBatch:
+    """Draft depth `depth` (1-based) of a chain over the requests of `fb` (as `tree_step_batch`):
+    a 1-token decode at position L + depth - 1, its KV slot there. `static`: the KV lengths as
+    a tensor, for metadata a graph can hold (the backend's static metadata)."""
+    L, rpi = fb.prefix_lens, fb.req_pool_indices
+    positions = L + (depth - 1)
+    return ForwardBatch(
+        mode="draft",
+        input_ids=input_ids,
+        positions=positions,
+        out_cache_loc=req_to_token[rpi, positions],
+        req_pool_indices=rpi,
+        prefix_lens=positions,
+        extend_lens=fb.extend_lens,
+        host=HostLens(1, min(fb.host.max_kv + depth, req_to_token.shape[1]), True),
+        kv_pool=fb.kv_pool,
+        attn_backend=fb.attn_backend,
+        kv_lens=positions + 1 if static else None,
+    )
+
+
 def tree_step_batch(
     fb: ForwardBatch,
     req_to_token: torch.Tensor,
@@ -100,27 +123,11 @@ class DraftLoops:
         return seed.topk_p, seed.topk_index, seed.hidden_states
 
     def chain(self, fb: ForwardBatch, extras: dict[str, torch.Tensor], k: int) -> LoopOutputs:
-        """The k-step chain draft (`draft_chain`)."""
-        L, rpi = fb.prefix_lens, fb.req_pool_indices
-        # The longest committed length bounds an eager step's KV range; a graph passes the
-        # longest row (its static metadata covers every length).
-        max_len, max_row = fb.host.max_kv, self.req_to_token.shape[1]
+        """The k-step chain draft (`draft_chain`). A graph passes the longest row as the
+        bound of the committed lengths (its static metadata covers every length)."""
 
         def step(ids: torch.Tensor, feats: torch.Tensor, depth: int, *_: object) -> LoopOutputs:
-            positions = L + (depth - 1)
-            sfb = ForwardBatch(
-                mode="draft",
-                input_ids=ids,
-                positions=positions,
-                out_cache_loc=self.req_to_token[rpi, positions],
-                req_pool_indices=rpi,
-                prefix_lens=positions,
-                extend_lens=fb.extend_lens,
-                host=HostLens(1, min(max_len + depth, max_row), True),
-                kv_pool=self.kv_pool,
-                attn_backend=self.attn_backend,
-                kv_lens=positions + 1 if self.static else None,
-            )
+            sfb = chain_step_batch(fb, self.req_to_token, ids, depth, self.static)
             return self._seed(sfb, ids, feats)
 
         info = EagleDraftInput(extras["topk_p"], extras["topk_index"], extras["hidden"])

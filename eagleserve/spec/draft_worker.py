@@ -33,7 +33,7 @@ from eagleserve.models.loader import resolve_draft_path
 from eagleserve.spec.adaptive import acceptance_prior
 from eagleserve.spec.draft_extend import DraftExtendGraphs, last_rows_forward, seed_from_logits
 from eagleserve.spec.draft_lag import DraftLag, catch_up_batch
-from eagleserve.spec.draft_loop import DraftLoops, tree_step_batch
+from eagleserve.spec.draft_loop import DraftLoops, chain_step_batch, tree_step_batch
 from eagleserve.spec.draft_tree import DraftTree, draft_chain, draft_tree
 from eagleserve.spec.head_loader import load_eagle_head, measured_acceptance
 from eagleserve.spec.tree import Topk1ChainBuffers
@@ -311,16 +311,8 @@ class EagleDraftWorker:
         decode after L + depth - 1 positions; tree branches (`tree_step_batch`) also see the
         region nodes `region_mask` allows."""
         topk = self.spec.eagle_topk
-        if topk == 1:  # a chain: the step's one node sits at L + depth - 1, its position too
-            positions = base.prefix_lens + (depth - 1)
-            fb = dataclasses.replace(
-                base,
-                input_ids=input_ids,
-                positions=positions,
-                out_cache_loc=self.req_to_token[base.req_pool_indices, positions],
-                prefix_lens=positions,
-                host=HostLens.per_request(1, base.host.max_kv + depth - 1, base.batch_size),
-            )
+        if topk == 1:  # eager metadata: the per-step graph replays only such a batch
+            fb = chain_step_batch(base, self.req_to_token, input_ids, depth, static=False)
         else:
             fb = tree_step_batch(base, self.req_to_token, input_ids, depth, topk, region_mask)
         if self.graph is not None and self.graph.can_replay(fb):
