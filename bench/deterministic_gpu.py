@@ -122,6 +122,7 @@ def run(
             tokens[name][bs] = got
             row[f"bs{bs}_tok_s"] = tok_s
         eng.close()
+        eng.close()
         del eng
         gc.collect()
         if torch.cuda.is_available():

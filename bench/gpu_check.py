@@ -137,6 +137,7 @@ def stage_hang(args: argparse.Namespace, st: Stage) -> None:
         times[name] = time.perf_counter() - t0
         st.data["seconds"] = times
         st.save()
+        eng.close()
         del eng
 
 

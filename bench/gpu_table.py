@@ -126,6 +126,7 @@ def stage_table(args: argparse.Namespace, st: Stage) -> None:
                 st.data["rows"].append(row)
                 st.save()
                 print(_row_line(row), flush=True)
+            eng.close()
             del eng
             if dev.type != "cpu":
                 torch.get_device_module(dev).empty_cache()

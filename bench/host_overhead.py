@@ -304,6 +304,7 @@ def run(
                           *(row["per_iteration"][k] for k in COUNTS)])  # fmt: skip
             print(table[-1], flush=True)
         clock.restore()
+        eng.close()
         del eng
         if profile_gpu:
             eng = make_engine(name, **common)  # the device's default: overlap on
@@ -314,6 +315,7 @@ def run(
                     row["syncs_per_iteration_overlap"] = sync_sites(
                         eng, row["batch"], min(new_tokens, 16), vocab
                     )
+            eng.close()
             del eng
         if out:
             _save(res, out)

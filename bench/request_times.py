@@ -218,6 +218,7 @@ def main() -> None:
         os.makedirs(os.path.dirname(args.out), exist_ok=True)
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
+        eng.close()
         del eng
         if dev.type != "cpu":
             torch.get_device_module(dev).empty_cache()

@@ -87,10 +87,12 @@ class Engine:
 
     def close(self) -> None:
         """Stops the tensor-parallel ranks this engine started and leaves their group, so that
-        another tensor-parallel engine can be built in this process (nothing to do without).
-        Calling it again does nothing."""
+        another tensor-parallel engine can be built in this process, and ends the overlap
+        scheduler's forward thread. Calling it again does nothing."""
         if isinstance(self.scheduler, ReplicatedScheduler):
             self.scheduler.close()
+        elif self.scheduler.forwarder is not None:
+            self.scheduler.forwarder.shutdown()
 
     def __enter__(self) -> Engine:
         return self

@@ -310,3 +310,24 @@ def test_max_new_tokens_gives_length(tiny: Engine) -> None:
     outs = tiny.generate(prompts, [greedy(n, ignore_eos=True) for n in (1, 7, 19)])
     assert [len(o["token_ids"]) for o in outs] == [1, 7, 19]
     assert all(o["finish_reason"] == "length" for o in outs)
+
+
+def test_close_ends_the_overlap_forward_thread(
+    tiny_model_dir: str, make_engine: Callable[..., Engine]
+) -> None:
+    """A closed engine leaves no thread behind: engines built one after another in a process
+    (a bench, a notebook) do not pile up forward threads holding their predecessors' state."""
+    import threading
+
+    def forward_threads() -> set[threading.Thread]:
+        return {t for t in threading.enumerate() if t.name.startswith("eagleserve-fwd")}
+
+    before = forward_threads()
+    eng = make_engine(tiny_model_dir, max_running_requests=2, kv_cache_tokens=256,
+                      disable_overlap_schedule=False)  # fmt: skip
+    prompt = random_prompts(1, seed=int.from_bytes(os.urandom(2), "little"))
+    want = eng.generate(prompt, greedy(5, ignore_eos=True))[0]["token_ids"]
+    assert len(want) == 5 and forward_threads() - before
+    eng.close()
+    assert not forward_threads() - before
+    eng.close()  # again: nothing to do

@@ -11,7 +11,8 @@ from __future__ import annotations
 import bisect
 import contextlib
 import dataclasses
-from collections.abc import Callable
+import gc
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -37,6 +38,22 @@ def bucket_for(buckets: list[int], bs: int) -> int:
     if not 0 < bs <= buckets[-1]:
         raise ValueError(f"batch size {bs} outside 1..{buckets[-1]}")
     return buckets[bisect.bisect_left(buckets, bs)]
+
+
+@contextlib.contextmanager
+def no_collection_while_capturing() -> Iterator[None]:
+    """Garbage is collected once before the captures and never during one. An engine dropped
+    earlier in the process (a bench, a notebook) is reference cycles holding its graphs: a
+    collection inside a capture would destroy them there, which a capturing stream does not
+    permit, and the capture fails (cudaErrorStreamCaptureInvalidated)."""
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def graphs_supported(device: torch.device, disable: bool, attn_backend: object) -> bool:
@@ -127,18 +144,19 @@ class GraphedForward:
     def capture(self) -> None:
         mod = device_module(self.device)
         pool = mod.graph_pool_handle()
-        for bs in reversed(self.buckets):  # largest first, so smaller ones reuse its memory
-            fb, extras = self.bucket_batch(bs)
-            side = mod.Stream()
-            side.wait_stream(mod.current_stream())
-            with mod.stream(side):
-                for _ in range(2):  # warm-up: Triton compiles and autotunes outside capture
-                    self.run_fn(fb, extras)
-            mod.current_stream().wait_stream(side)
-            graph = mod.CUDAGraph()
-            with mod.graph(graph, pool=pool):
-                out = self.run_fn(fb, extras)
-            self.graphs[bs], self.outputs[bs], self.batches[bs] = graph, out, fb
+        with no_collection_while_capturing():
+            for bs in reversed(self.buckets):  # largest first, so smaller ones reuse its memory
+                fb, extras = self.bucket_batch(bs)
+                side = mod.Stream()
+                side.wait_stream(mod.current_stream())
+                with mod.stream(side):
+                    for _ in range(2):  # warm-up: Triton compiles and autotunes outside capture
+                        self.run_fn(fb, extras)
+                mod.current_stream().wait_stream(side)
+                graph = mod.CUDAGraph()
+                with mod.graph(graph, pool=pool):
+                    out = self.run_fn(fb, extras)
+                self.graphs[bs], self.outputs[bs], self.batches[bs] = graph, out, fb
 
     def run_fn(self, fb: ForwardBatch, extras: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
         """`fn` on a bucket's static batch, as warm-up and capture run it. The KV lengths the

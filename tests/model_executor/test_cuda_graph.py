@@ -4,7 +4,11 @@ themselves are captured and replayed only on an accelerator: tests/spec/test_gpu
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
+import random
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -92,3 +96,92 @@ def test_graphs_cover_the_running_batch_by_default(running: int) -> None:
     assert ServerArgs(max_running_requests=running).graph_max_bs() == min(running, GRAPH_MAX_BS)
     explicit = ServerArgs(max_running_requests=running, cuda_graph_max_bs=16)
     assert explicit.graph_max_bs() == min(16, running)
+
+
+class _CaptureAPI:
+    """The slice of torch.cuda that GraphedForward.capture calls, recording whether a capture
+    is open: the device's rules (nothing may free a graph while a stream captures) on a CPU."""
+
+    def __init__(self) -> None:
+        self.capturing = False
+        self.captures = 0
+
+    class _Stream:
+        def wait_stream(self, other: object) -> None:
+            pass
+
+    def graph_pool_handle(self) -> None:
+        return None
+
+    def Stream(self) -> _Stream:  # noqa: N802 (torch.cuda's name)
+        return self._Stream()
+
+    def current_stream(self) -> _Stream:
+        return self._Stream()
+
+    def stream(self, s: object) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+    def CUDAGraph(self) -> object:  # noqa: N802
+        return object()
+
+    @contextlib.contextmanager
+    def graph(self, g: object, pool: object = None) -> Iterator[None]:
+        self.capturing, self.captures = True, self.captures + 1
+        try:
+            yield
+        finally:
+            self.capturing = False
+
+
+class _DroppedEngineGraph:
+    """An earlier engine's graph, reachable only through a reference cycle (as a dropped
+    engine's are): freed when the garbage collector runs."""
+
+    def __init__(self, api: _CaptureAPI, freed: list[bool]) -> None:
+        self.api, self.freed, self.cycle = api, freed, self
+
+    def __del__(self) -> None:
+        self.freed.append(self.api.capturing)
+
+
+def test_no_garbage_collection_runs_inside_a_capture(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Seen on an H200: the fourth engine built in one process failed its capture when the
+    collector freed an earlier engine's graphs inside it. Dead graphs are freed before the
+    captures, and nothing is collected during one, however often the collector would run."""
+    from eagleserve.model_executor import cuda_graph_runner
+
+    api = _CaptureAPI()
+    monkeypatch.setattr(cuda_graph_runner, "device_module", lambda dev: api)
+    graph = _graph(2, 12, 4)
+    monkeypatch.setattr(graph.attn_backend, "init_forward_metadata_static", lambda fb: None,
+                        raising=False)  # fmt: skip
+    freed: list[bool] = []
+    runs_while_capturing: list[bool] = []
+    rng = random.Random()
+
+    def fn(fb: ForwardBatch, extras: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        for _ in range(rng.randint(50, 200)):  # cyclic garbage: the collector's trigger
+            _DroppedEngineGraph(api, [])
+        return (fb.input_ids * 2,)
+
+    graph.fn = fn
+    for _ in range(rng.randint(1, 4)):
+        _DroppedEngineGraph(api, freed)
+
+    def on_collect(phase: str, info: dict) -> None:
+        if phase == "start":
+            runs_while_capturing.append(api.capturing)
+
+    threshold = gc.get_threshold()
+    gc.set_threshold(1, 1, 1)  # a collection at nearly every allocation
+    gc.callbacks.append(on_collect)
+    try:
+        graph.capture()
+    finally:
+        gc.callbacks.remove(on_collect)
+        gc.set_threshold(*threshold)
+    assert api.captures == len(graph.buckets) == len(graph.graphs)
+    assert freed and not any(freed), "the dropped graphs were freed inside a capture"
+    assert runs_while_capturing and not any(runs_while_capturing)
+    assert gc.isenabled()
