@@ -129,20 +129,26 @@ def verify_greedy(
     target_predict [bs, n]: the target's argmax token after node i. Among children carrying the
     same (matching) token the lowest node index is taken. max_depth bounds the result width
     (default n - 1; must be >= the tree's real depth).
+
+    One step per depth, not per node: the path's node at depth d is the first matching child
+    of its node at depth d - 1 (a few ops per depth whatever the width, so a tree's verify
+    graph can walk it too: `packed_greedy`). A depth with no such child ends the path, and
+    every later depth finds none either.
     """
     depth = _check_shapes(draft_tokens, parents, max_depth)
-    bs, n = draft_tokens.shape
-    device = draft_tokens.device
+    bs = draft_tokens.shape[0]
     tokens = draft_tokens.long()
     predict = target_predict.long()
-    cur, lens, accept_index = _walk_start(bs, depth, device)
-    want = predict[:, 0]  # [bs] the token the target wants after `cur`
-    for c in range(1, n):
-        # Node c is tested only if it is a child of the current node; ascending order makes the
-        # first matching sibling (lowest index) win, and later siblings see a new `cur`.
-        ok = (parents[:, c] == cur) & (tokens[:, c] == want)  # [bs]
-        cur, lens = _walk_step(accept_index, cur, lens, ok, c, depth)
-        want = torch.where(ok, predict[:, c], want)
+    # Node i carries the target's argmax after its parent (never the root: it has none).
+    match = (tokens == torch.gather(predict, 1, parents.clamp(min=0))) & (parents >= 0)
+    cur, lens, accept_index = _walk_start(bs, depth, draft_tokens.device)
+    for d in range(1, depth + 1):
+        child = match & (parents == cur[:, None])  # [bs, n]
+        found = child.any(dim=1)
+        first = child.to(torch.uint8).argmax(dim=1)  # the lowest matching node index
+        cur = torch.where(found, first, cur)
+        accept_index[:, d] = torch.where(found, first, -1)
+        lens = lens + found.long()
     bonus = torch.gather(predict, 1, cur.unsqueeze(1)).squeeze(1)  # [bs]
     return _assemble(tokens, accept_index, lens, bonus)
 
@@ -152,8 +158,7 @@ def verify_greedy_chain(draft_tokens: torch.Tensor, target_predict: torch.Tensor
     up to it carries the target's argmax after its parent, so the accepted length is one plus
     the leading run of matches. An accepted node's token is the argmax after the node before
     it, so the committed tokens are the target's argmaxes at nodes 0 .. len - 1 (the last one
-    the bonus): a dozen ops whatever n is, each a kernel launched from the host on a GPU (the
-    walk costs several per node)."""
+    the bonus): a dozen ops whatever n is (the tree walk costs several per depth)."""
     _check_shapes(draft_tokens, draft_tokens, None)
     bs, n = draft_tokens.shape
     predict = target_predict.long()
@@ -169,21 +174,32 @@ def verify_greedy_chain(draft_tokens: torch.Tensor, target_predict: torch.Tensor
     )
 
 
-def packed_greedy_chain(tokens: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-    """`verify_greedy_chain` of the target's argmax at each of the chain's `tokens` [bs, n],
-    packed into one [bs, 2n + 2] tensor (accept_index, output_tokens, accept_lens,
-    bonus_tokens): a chain's verify graph computes it after its forward, so an all-greedy
-    chain's acceptance launches nothing from the host (`unpack_greedy_chain`)."""
+def packed_greedy(
+    tokens: torch.Tensor,
+    logits: torch.Tensor,
+    parents: torch.Tensor | None = None,
+    max_depth: int | None = None,
+) -> torch.Tensor:
+    """The greedy acceptance of the target's argmax at each node of `tokens` [bs, n] (a chain
+    when `parents` is None: `verify_greedy_chain`; else `verify_greedy` of the tree), packed
+    into one [bs, 2D + 2] tensor (accept_index, output_tokens, accept_lens, bonus_tokens): a
+    verify graph computes it after its forward, so an all-greedy batch's acceptance launches
+    nothing from the host (`unpack_greedy`)."""
     bs, n = tokens.shape
-    acc = verify_greedy_chain(tokens, greedy_ids(logits).view(bs, n))
+    predict = greedy_ids(logits).view(bs, n)
+    acc = (
+        verify_greedy_chain(tokens, predict)
+        if parents is None
+        else verify_greedy(tokens, parents, predict, max_depth=max_depth)
+    )
     return torch.cat([acc.accept_index, acc.output_tokens, acc.accept_lens[:, None],
                       acc.bonus_tokens[:, None]], dim=1)  # fmt: skip
 
 
-def unpack_greedy_chain(packed: torch.Tensor) -> AcceptResult:
-    """The AcceptResult of `packed_greedy_chain`'s output: views of it, no copy."""
-    n = (packed.shape[1] - 2) // 2
-    return AcceptResult(packed[:, :n], packed[:, 2 * n], packed[:, n : 2 * n], packed[:, -1])
+def unpack_greedy(packed: torch.Tensor) -> AcceptResult:
+    """The AcceptResult of `packed_greedy`'s output: views of it, no copy."""
+    d = (packed.shape[1] - 2) // 2
+    return AcceptResult(packed[:, :d], packed[:, 2 * d], packed[:, d : 2 * d], packed[:, -1])
 
 
 def _draw_uniforms(
@@ -315,20 +331,22 @@ def accept(
     parents: torch.Tensor,
     logits: torch.Tensor,
     chain: bool = False,
-    greedy_chain: AcceptResult | None = None,
+    greedy: AcceptResult | None = None,
+    max_depth: int | None = None,
 ) -> AcceptResult:
     """Greedy rows accept the target's argmax path; sampled rows the lossless stochastic walk.
-    `chain`: every row's tree is a chain (a top-1 draft), walked in a few ops; `greedy_chain`:
-    that walk already done on these logits (a verify graph's `packed_greedy_chain`, unpacked),
-    written over in place for sampled rows. Under tensor parallelism every rank takes rank 0's
+    `chain`: every row's tree is a chain (a top-1 draft), walked in a few ops; `greedy`: the
+    greedy walk already done on these logits (a verify graph's `packed_greedy`, unpacked),
+    written over in place for sampled rows. `max_depth`: a tree's depth bound (the result's
+    width is max_depth + 1; default n - 1). Under tensor parallelism every rank takes rank 0's
     result: the ranks then commit the same tokens and KV paths."""
     n = logits.shape[1]
-    if greedy_chain is not None:
-        acc = greedy_chain
+    if greedy is not None:
+        acc = greedy
     elif chain:
         acc = verify_greedy_chain(tokens, greedy_ids(logits))
     else:
-        acc = verify_greedy(tokens, parents, greedy_ids(logits))
+        acc = verify_greedy(tokens, parents, greedy_ids(logits), max_depth=max_depth)
     if not info.all_greedy:
         sampled_rows = [i for i, g in enumerate(info.is_greedy) if not g]
         idx = tensor_to(sampled_rows, torch.long, logits.device)
@@ -336,7 +354,8 @@ def accept(
         probs = logits_to_probs(
             logits[idx].reshape(len(sampled_rows) * n, -1), sub.repeat_interleave(n)
         ).view(len(sampled_rows), n, -1)
-        samp = verify_sampling(tokens[idx], parents[idx], probs, sub.generators)
+        samp = verify_sampling(tokens[idx], parents[idx], probs, sub.generators,
+                               max_depth=None if chain else max_depth)  # fmt: skip
         for name in ("accept_index", "accept_lens", "output_tokens", "bonus_tokens"):
             getattr(acc, name)[idx] = getattr(samp, name)
     broadcast_from_first(acc.accept_index, acc.accept_lens, acc.output_tokens, acc.bonus_tokens)

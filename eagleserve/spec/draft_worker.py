@@ -127,8 +127,8 @@ class EagleDraftWorker:
         # The seed extend after each verify as one graph per path width (draft_extend.py).
         self.extend_graphs: DraftExtendGraphs | None = None
         if graphs_on and os.environ.get("EAGLESERVE_DISABLE_DRAFT_EXTEND_GRAPH") != "1":
-            # A tree's accepted path has accept()'s width, num_draft_tokens.
-            widths = [k + 1 for k in chain_lengths] if spec.is_chain else [spec.num_draft_tokens]
+            # A tree's accepted path is at most its draft steps deep (accept()'s max_depth).
+            widths = [k + 1 for k in chain_lengths] if spec.is_chain else [spec.num_steps + 1]
             graphs = DraftExtendGraphs(self.head, self.kv_pool, self.attn_backend, device,
                                        widths, graph_bs, target.dtype,
                                        spec.eagle_topk)  # fmt: skip

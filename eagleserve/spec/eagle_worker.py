@@ -26,17 +26,12 @@ from eagleserve.model_executor.model_runner import ModelRunner
 from eagleserve.models.llama import ModelOutput
 from eagleserve.sampling.prompt_logprobs import score_prompts, wants_prompt_logprobs
 from eagleserve.sampling.sampler import SamplingInfo, sample_next, top_logprobs
-from eagleserve.spec.accept import (
-    accept,
-    commit_tree_path,
-    packed_greedy_chain,
-    unpack_greedy_chain,
-)
+from eagleserve.spec.accept import accept, commit_tree_path, packed_greedy, unpack_greedy
 from eagleserve.spec.accepted_path import AcceptedPaths
 from eagleserve.spec.adaptive import AdaptiveController, depth_choices
 from eagleserve.spec.cost_table_cache import cost_table
 from eagleserve.spec.draft_worker import EagleDraftWorker
-from eagleserve.spec.tree import build_chain, build_tree
+from eagleserve.spec.tree import build_chain, build_tree, parents_from_mask
 
 
 class EagleWorker:
@@ -62,8 +57,8 @@ class EagleWorker:
         )
         if runner.graphs_enabled(args):
             max_bs = args.graph_max_bs()
-            # A chain's verify graphs also walk its greedy acceptance (packed_greedy_chain).
-            epilogue = _chain_epilogue if spec.is_chain else None
+            # Verify graphs also walk the greedy acceptance (packed_greedy).
+            epilogue = _chain_epilogue if spec.is_chain else self._tree_epilogue
             runner.capture_graphs(max_bs, verify_sizes, not spec.is_chain, epilogue)
         self.controller: AdaptiveController | None = None
         if spec.adaptive:
@@ -72,6 +67,18 @@ class EagleWorker:
                 runner, self.drafter, args, (*buckets, args.max_running_requests), choices
             )
             self.controller = AdaptiveController(costs, choices, spec.adaptive_probe_interval)
+
+    @property
+    def max_depth(self) -> int | None:
+        """A tree's accepted paths are at most its draft steps deep (the width of what
+        `accept` returns, less one); a chain's are its length."""
+        return None if self.spec.is_chain else self.spec.num_steps
+
+    def _tree_epilogue(self, fb: ForwardBatch, logits: torch.Tensor) -> tuple[torch.Tensor]:
+        tokens = fb.input_ids.view(fb.batch_size, -1)
+        assert fb.tree_mask is not None
+        parents = parents_from_mask(fb.tree_mask)
+        return (packed_greedy(tokens, logits, parents, self.max_depth),)
 
     # ---- scheduler interface ---------------------------------------------------------------
     def plan_launch(self, batch: ScheduleBatch, prior: list[float], partial: Req | None) -> None:
@@ -321,8 +328,8 @@ class EagleWorker:
                                                               self.device))  # fmt: skip
         done = None  # the graph's walk is of the raw logits; the next replay overwrites it
         if out.epilogue and scored is logits:
-            done = unpack_greedy_chain(out.epilogue[0].clone())
-        acc = accept(info, t.draft_tokens, t.parents, scored, spec.is_chain, done)
+            done = unpack_greedy(out.epilogue[0].clone())
+        acc = accept(info, t.draft_tokens, t.parents, scored, spec.is_chain, done, self.max_depth)
         if pen is not None:
             pen.commit(state, batch.req_pool_indices, acc.output_tokens, acc.output_tokens >= 0)
         if grammar is not None:
@@ -364,4 +371,4 @@ class EagleWorker:
 
 
 def _chain_epilogue(fb: ForwardBatch, logits: torch.Tensor) -> tuple[torch.Tensor]:
-    return (packed_greedy_chain(fb.input_ids.view(fb.batch_size, -1), logits),)
+    return (packed_greedy(fb.input_ids.view(fb.batch_size, -1), logits),)

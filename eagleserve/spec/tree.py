@@ -34,6 +34,7 @@ __all__ = [
     "build_tree",
     "num_candidates",
     "organize_draft_results",
+    "parents_from_mask",
     "select_top_k_tokens",
 ]
 
@@ -296,6 +297,17 @@ def build_tree(
 
     tokens = torch.cat([verified_id.long().view(bs, 1), draft_tokens.long()], dim=1)  # [bs, n]
     return TreeInfo(draft_tokens=tokens, parents=parents, depths=depths, tree_mask=mask)
+
+
+def parents_from_mask(tree_mask: torch.Tensor) -> torch.Tensor:
+    """[bs, n] parents of a verify tree from its ancestor mask [bs, n, n] (`build_tree`'s:
+    node j is an ancestor of i or i itself): the ancestor with the largest index, since indices
+    grow along every root path; -1 for the root. A verify graph holds the mask, not the
+    parents."""
+    n = tree_mask.shape[-1]
+    node = torch.arange(n, device=tree_mask.device)
+    strict = tree_mask & (node[None, :] < node[:, None])  # ancestors, not the node itself
+    return torch.where(strict, node, -1).amax(dim=-1)
 
 
 @functools.lru_cache(maxsize=32)

@@ -115,17 +115,21 @@ def test_seed_extend_replays_its_graph_and_output_stays_the_targets(
     assert stats.spec_accepted_tokens_total > 0  # the quality-1 head gets drafts accepted
 
 
-def test_a_chains_acceptance_runs_in_its_verify_graph(
-    target_dir: str, heads: dict[str, str], graphs: ReplayCount
+TREE = dict(speculative_num_steps=3, speculative_eagle_topk=2, speculative_num_draft_tokens=5)
+
+
+@pytest.mark.parametrize("shape", ["chain 3", "tree 3x2/5"])
+def test_the_greedy_acceptance_runs_in_the_verify_graph(
+    target_dir: str, heads: dict[str, str], graphs: ReplayCount, shape: str
 ) -> None:
-    """A chain's verify graph also walks its greedy acceptance (packed_greedy_chain): no argmax
-    is launched from the host in a decode iteration. A batch mixing greedy and seeded sampled
-    requests commits what the eager verify commits (the sampled rows are written over the
-    graph's walk)."""
+    """A verify graph also walks its greedy acceptance (packed_greedy; a tree's parents read
+    off its mask): no argmax is launched from the host in a decode iteration. A batch mixing
+    greedy and seeded sampled requests commits what the eager verify commits (the sampled rows
+    are written over the graph's walk)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     spec = dict(speculative_algorithm="EAGLE3", speculative_draft_model_path=heads["EAGLE3"],
-                **CHAIN3)  # fmt: skip
+                **(CHAIN3 if shape == "chain 3" else TREE))  # fmt: skip
     eng = accelerator_engine(target_dir, False, **spec)
     seed = random.randrange(2**31)
     plist = [

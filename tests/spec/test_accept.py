@@ -9,15 +9,17 @@ import torch
 
 from eagleserve.spec.accept import (
     AcceptResult,
-    packed_greedy_chain,
-    unpack_greedy_chain,
+    packed_greedy,
+    unpack_greedy,
     verify_greedy,
     verify_greedy_chain,
     verify_sampling,
 )
 from eagleserve.spec.tree import (
+    TreeInfo,
     build_tree,
     organize_draft_results,
+    parents_from_mask,
     select_top_k_tokens,
 )
 
@@ -128,10 +130,33 @@ def test_packed_greedy_chain_unpacks_to_the_chain_walk(bs: int, n: int) -> None:
     vocab = 3  # small: rejections, partial and full runs all occur
     logits = torch.randn(bs * n, vocab, generator=gen)
     tokens = torch.randint(0, vocab, (bs, n), generator=gen)
-    got = unpack_greedy_chain(packed_greedy_chain(tokens, logits))
+    got = unpack_greedy(packed_greedy(tokens, logits))
     want = verify_greedy_chain(tokens, logits.argmax(-1).view(bs, n))
     for name in ("accept_index", "accept_lens", "output_tokens", "bonus_tokens"):
         assert torch.equal(getattr(got, name), getattr(want, name)), name
+
+
+@pytest.mark.parametrize(("topk", "steps", "n"), [(2, 2, 4), (4, 3, 8), (3, 4, 10)])
+def test_a_tree_verify_graph_walks_what_the_host_walks(topk: int, steps: int, n: int) -> None:
+    """A tree's verify graph holds the ancestor mask, not the parents: the parents it reads off
+    the mask are build_tree's, and its packed walk (depth-bounded by the draft steps) unpacks
+    to the host's walk of the same argmax, field for field."""
+    seed = int(torch.randint(0, 10**6, ()))
+    gen = torch.Generator().manual_seed(seed)
+    bs, vocab = 16, 3  # a small vocabulary: matches at every depth, duplicate siblings
+    tree = _random_built_tree(bs, topk, steps, n, vocab, gen)
+    assert torch.equal(parents_from_mask(tree.tree_mask), tree.parents), seed
+    assert int(tree.depths.max()) <= steps
+    logits = torch.randn(bs * n, vocab, generator=gen)
+    got = unpack_greedy(packed_greedy(tree.draft_tokens, logits, tree.parents, steps))
+    want = verify_greedy(tree.draft_tokens, tree.parents, logits.argmax(-1).view(bs, n))
+    assert got.accept_index.shape == (bs, steps + 1)
+    assert torch.equal(got.accept_lens, want.accept_lens), seed
+    assert torch.equal(got.bonus_tokens, want.bonus_tokens), seed
+    for name in ("accept_index", "output_tokens"):  # the same, narrower
+        assert torch.equal(getattr(got, name), getattr(want, name)[:, : steps + 1]), name
+        assert (getattr(want, name)[:, steps + 1 :] == -1).all()
+    assert int(want.accept_lens.max()) > 1
 
 
 def test_greedy_hand_built_tree() -> None:
@@ -169,23 +194,31 @@ def test_greedy_hand_built_tree() -> None:
     assert torch.equal(narrow.output_tokens, res.output_tokens[:, :4])
 
 
-def test_greedy_on_built_tree_follows_target_argmax() -> None:
-    """Tree from select/organize/build; the target agrees on a random prefix of some path."""
-    gen = torch.Generator().manual_seed(9)
-    bs, topk, steps, n, vocab = 16, 2, 4, 9, 50
+def _random_built_tree(
+    bs: int, topk: int, steps: int, n: int, vocab: int, gen: torch.Generator
+) -> TreeInfo:
+    """A verify tree from select/organize/build on random draft distributions (over 50 ids,
+    then taken mod `vocab`: a small vocabulary gives duplicate siblings and many matches)."""
     score_list, token_list, parents_list = [], [], []
-    p, idx = torch.softmax(torch.randn(bs, vocab, generator=gen), -1).topk(topk)
+    p, idx = torch.softmax(torch.randn(bs, 50, generator=gen), -1).topk(topk)
     hidden, scores = torch.randn(bs, 3, generator=gen), None
     for step in range(steps):
         _, hidden, scores, (s, t, par) = select_top_k_tokens(step, p, idx, hidden, scores, topk)
-        score_list.append(s), token_list.append(t), parents_list.append(par)
-        p, idx = torch.softmax(torch.randn(bs * topk, vocab, generator=gen), -1).topk(topk)
-    tree = build_tree(
+        score_list.append(s), token_list.append(t % vocab), parents_list.append(par)
+        p, idx = torch.softmax(torch.randn(bs * topk, 50, generator=gen), -1).topk(topk)
+    return build_tree(
         torch.randint(0, vocab, (bs,), generator=gen),
         *organize_draft_results(score_list, token_list, parents_list, n),
         topk,
         n,
     )
+
+
+def test_greedy_on_built_tree_follows_target_argmax() -> None:
+    """Tree from select/organize/build; the target agrees on a random prefix of some path."""
+    gen = torch.Generator().manual_seed(9)
+    bs, topk, steps, n, vocab = 16, 2, 4, 9, 50
+    tree = _random_built_tree(bs, topk, steps, n, vocab, gen)
     predict = torch.randint(0, vocab, (bs, n), generator=gen)
     # Make the target agree with the draft along the parent chain of a random node.
     for b in range(bs):
