@@ -305,23 +305,15 @@ def commit_tree_path(
 ) -> None:
     """Permutes the slots of positions [L, L + n) of each request (L = seq_lens) so the accepted
     nodes sit at L, L + 1, ... in path order; no KV is copied. Rejected nodes keep their slots
-    (behind the path), so the request still owns exactly the slots it owned."""
-    device = accept_index.device
-    node = torch.arange(n, device=device)
-    cols = seq_lens[:, None] + node[None, :]  # [bs, n]
-    rows = req_pool_indices[:, None].expand(-1, n)
+    (behind the path, in node order), so the request still owns exactly the slots it owned.
+    Node indices grow along every root path, so path order is node order: a stable sort on
+    "rejected" is the permutation."""
+    cols = seq_lens[:, None] + torch.arange(n, device=accept_index.device)[None, :]  # [bs, n]
+    rows = req_pool_indices[:, None]
     slots = req_to_token[rows, cols]  # [bs, n]
-    d = accept_index.shape[1]
-    valid = accept_index >= 0
-    # Sort key: accepted node at path step k -> k - d (negative), others -> their node index.
-    path_rank = torch.where(
-        valid, torch.arange(d, device=device)[None, :] - d, torch.zeros_like(accept_index)
-    )
-    path_key = torch.zeros_like(cols).scatter_reduce_(
-        1, accept_index.clamp(min=0), path_rank, reduce="amin", include_self=True
-    )
-    key = torch.where(path_key < 0, path_key, node[None, :].expand_as(cols))
-    order = key.argsort(dim=1)
+    # A path's -1 padding marks the root, which every path holds anyway.
+    rejected = torch.ones_like(cols, dtype=torch.uint8).scatter_(1, accept_index.clamp(min=0), 0)
+    order = rejected.argsort(dim=1, stable=True)
     req_to_token[rows, cols] = slots.gather(1, order)
 
 

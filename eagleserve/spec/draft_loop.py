@@ -5,10 +5,13 @@ loop reads the host; eager, the same draft launches every step's ops from the ho
 
 Inputs (a GraphedForward of one token per request): the seed as extras (topk_p, topk_index
 [bs, topk], hidden [bs, h]), the requests' slots and committed lengths L (prefix_lens) and their
-bound (host.max_kv). Outputs: the DraftTree's tensors.
+bound (host.max_kv), and for a tree the bonus tokens (input_ids). Outputs: a chain's DraftTree
+tensors; a tree's verify tree (TreeInfo's tensors).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -20,9 +23,12 @@ from eagleserve.model_executor.cuda_graph_runner import GraphedForward
 from eagleserve.spec.draft_extend import seed_from_logits
 from eagleserve.spec.draft_tree import draft_chain, draft_tree
 from eagleserve.spec.eagle_head import EagleHead
-from eagleserve.spec.tree import Topk1ChainBuffers
+from eagleserve.spec.tree import Topk1ChainBuffers, build_tree
 
 LoopOutputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # parents, score index, tokens
+# A tree loop's outputs: the verify tree it built (TreeInfo's draft_tokens, parents, depths,
+# tree_mask), so building it launches nothing from the host either.
+TreeOutputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 def chain_step_batch(
@@ -106,7 +112,7 @@ class DraftLoops:
         h, topk = self.head.hidden_size, self.topk
         extras = {"topk_p": ((topk,), dtype), "topk_index": ((topk,), torch.long),
                   "hidden": ((h,), dtype)}  # fmt: skip
-        run = self.chain if topk == 1 else self.tree
+        run: Callable[..., tuple[torch.Tensor, ...]] = self.chain if topk == 1 else self.tree
         return GraphedForward(
             lambda fb, ex: run(fb, ex, k), "draft", self.kv_pool, self.attn_backend, device,
             max_bs, 1, extra_shapes=extras,
@@ -134,8 +140,9 @@ class DraftLoops:
         tree = draft_chain(info, k, step, self.chain_buffers[k])
         return tree.parent_list, tree.top_scores_index, tree.draft_tokens
 
-    def tree(self, fb: ForwardBatch, extras: dict[str, torch.Tensor], k: int) -> LoopOutputs:
-        """The k-step top-k tree draft (`draft_tree`)."""
+    def tree(self, fb: ForwardBatch, extras: dict[str, torch.Tensor], k: int) -> TreeOutputs:
+        """The k-step top-k tree draft (`draft_tree`) and the verify tree built from it, rooted
+        at the bonus tokens `fb.input_ids`."""
 
         def step(
             ids: torch.Tensor, feats: torch.Tensor, depth: int, mask: torch.Tensor | None,
@@ -145,5 +152,7 @@ class DraftLoops:
             return self._seed(sfb, ids, feats)
 
         info = EagleDraftInput(extras["topk_p"], extras["topk_index"], extras["hidden"])
-        tree = draft_tree(info, k, self.topk, self.num_draft_tokens, step)
-        return tree.parent_list, tree.top_scores_index, tree.draft_tokens
+        d = draft_tree(info, k, self.topk, self.num_draft_tokens, step)
+        t = build_tree(fb.input_ids, d.parent_list, d.top_scores_index, d.draft_tokens, self.topk,
+                       self.num_draft_tokens)  # fmt: skip
+        return t.draft_tokens, t.parents, t.depths, t.tree_mask

@@ -34,9 +34,9 @@ from eagleserve.spec.adaptive import acceptance_prior
 from eagleserve.spec.draft_extend import DraftExtendGraphs, last_rows_forward, seed_from_logits
 from eagleserve.spec.draft_lag import DraftLag, catch_up_batch
 from eagleserve.spec.draft_loop import DraftLoops, chain_step_batch, tree_step_batch
-from eagleserve.spec.draft_tree import DraftTree, draft_chain, draft_tree
+from eagleserve.spec.draft_tree import draft_chain, draft_tree
 from eagleserve.spec.head_loader import load_eagle_head, measured_acceptance
-from eagleserve.spec.tree import Topk1ChainBuffers
+from eagleserve.spec.tree import Topk1ChainBuffers, TreeInfo, build_chain, build_tree
 
 logger = logging.getLogger(__name__)
 
@@ -254,16 +254,17 @@ class EagleDraftWorker:
         info: EagleDraftInput,
         num_steps: int,
         grammar: BatchGrammar | None = None,
-    ) -> DraftTree:
-        """`num_steps` head steps from `info`; batch.seq_lens are the committed lengths L. With
+    ) -> TreeInfo:
+        """`num_steps` head steps from `info`, and the verify tree they draft, rooted at the
+        bonus tokens batch.input_ids; batch.seq_lens are the committed lengths L. With
         `grammar`, each branch's top-k is masked by the grammar after its own path (host reads
         of the paths: one sync per step)."""
         spec = self.spec
         assert batch.seq_lens_cpu is not None, "drafting needs the scheduler's host seq lens"
         L = batch.seq_lens
-        base = ForwardBatch(  # the requests and their committed lengths, in the head's KV
+        base = ForwardBatch(  # the requests, their bonus tokens and committed lengths
             mode="draft",
-            input_ids=info.topk_index[:, 0],
+            input_ids=batch.input_ids,
             positions=L,
             out_cache_loc=L,
             req_pool_indices=batch.req_pool_indices,
@@ -289,13 +290,17 @@ class EagleDraftWorker:
         track = grammar is not None
         loop = None if track else self.loop_graphs.get(num_steps)
         if loop is not None and batch.batch_size <= loop.max_bs:
-            parents, scores_index, tokens = loop.replay(
+            out = loop.replay(
                 base, topk_p=info.topk_p, topk_index=info.topk_index, hidden=info.hidden_states
             )
-            return DraftTree(parents, scores_index, tokens)
+            # A tree's loop built its verify tree; a chain's is one concatenation.
+            return build_chain(batch.input_ids, out[2]) if spec.is_chain else TreeInfo(*out)
         if spec.is_chain:
-            return draft_chain(info, num_steps, step, self.chain_buffers[num_steps], track)
-        return draft_tree(info, num_steps, spec.eagle_topk, spec.num_draft_tokens, step, track)
+            chain = draft_chain(info, num_steps, step, self.chain_buffers[num_steps], track)
+            return build_chain(batch.input_ids, chain.draft_tokens)
+        d = draft_tree(info, num_steps, spec.eagle_topk, spec.num_draft_tokens, step, track)
+        return build_tree(batch.input_ids, d.parent_list, d.top_scores_index, d.draft_tokens,
+                          spec.eagle_topk, spec.num_draft_tokens)  # fmt: skip
 
     def _step(
         self,

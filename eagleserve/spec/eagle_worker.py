@@ -31,7 +31,7 @@ from eagleserve.spec.accepted_path import AcceptedPaths
 from eagleserve.spec.adaptive import AdaptiveController, depth_choices
 from eagleserve.spec.cost_table_cache import cost_table
 from eagleserve.spec.draft_worker import EagleDraftWorker
-from eagleserve.spec.tree import build_chain, build_tree, parents_from_mask
+from eagleserve.spec.tree import parents_from_mask
 
 
 class EagleWorker:
@@ -278,20 +278,8 @@ class EagleWorker:
     ) -> GenerationBatchResult:
         spec = self.spec
         grammar = batch.grammar
-        tree = self.drafter.draft(batch, batch.spec_info, k, grammar)
+        t = self.drafter.draft(batch, batch.spec_info, k, grammar)
         n = k + 1 if spec.is_chain else spec.num_draft_tokens
-        t = (
-            build_chain(batch.input_ids, tree.draft_tokens)
-            if spec.is_chain
-            else build_tree(
-                batch.input_ids,
-                tree.parent_list,
-                tree.top_scores_index,
-                tree.draft_tokens,
-                spec.eagle_topk,
-                n,
-            )
-        )
         bs = batch.batch_size
         L = batch.seq_lens
         assert batch.seq_lens_cpu is not None

@@ -9,6 +9,7 @@ import torch
 
 from eagleserve.spec.accept import (
     AcceptResult,
+    commit_tree_path,
     packed_greedy,
     unpack_greedy,
     verify_greedy,
@@ -351,3 +352,35 @@ def test_sampling_degenerate_rows_do_not_crash() -> None:
     assert ((res.bonus_tokens >= 0) & (res.bonus_tokens < vocab)).all()
     assert res.bonus_tokens[2] == 4 and res.bonus_tokens[3] == 5
     assert res.accept_lens[0] == 1 and res.accept_lens[2] == 1
+
+
+@pytest.mark.parametrize(("topk", "steps", "n"), [(2, 2, 4), (4, 3, 8), (3, 4, 10)])
+def test_commit_puts_the_accepted_path_first_and_keeps_every_slot(
+    topk: int, steps: int, n: int
+) -> None:
+    """After a verify's commit, positions L, L + 1, ... hold the accepted nodes' slots in path
+    order, then the rejected nodes' slots in node order; other positions and rows are
+    untouched, and each row owns the slots it owned."""
+    seed = int(torch.randint(0, 10**6, ()))
+    gen = torch.Generator().manual_seed(seed)
+    bs = 12
+    tree = _random_built_tree(bs, topk, steps, n, 3, gen)
+    logits = torch.randn(bs * n, 3, generator=gen)
+    acc = verify_greedy(tree.draft_tokens, tree.parents, logits.argmax(-1).view(bs, n),
+                        max_depth=steps)  # fmt: skip
+    r2t = torch.randperm(40 * (bs + 3), generator=gen).view(bs + 3, 40)
+    before = r2t.clone()
+    rpi = torch.randperm(bs + 3, generator=gen)[:bs]
+    L = torch.randint(0, 40 - n, (bs,), generator=gen)
+    commit_tree_path(r2t, rpi, L, acc.accept_index, n)
+    for b in range(bs):
+        r, lo = int(rpi[b]), int(L[b])
+        old = before[r, lo : lo + n].tolist()
+        path = [int(i) for i in acc.accept_index[b] if i >= 0]
+        rest = [i for i in range(n) if i not in path]
+        assert r2t[r, lo : lo + n].tolist() == [old[i] for i in path + rest], seed
+        assert torch.equal(r2t[r, :lo], before[r, :lo])
+        assert torch.equal(r2t[r, lo + n :], before[r, lo + n :])
+    untouched = [i for i in range(bs + 3) if i not in rpi.tolist()]
+    assert torch.equal(r2t[untouched], before[untouched])
+    assert int(acc.accept_lens.max()) > 1

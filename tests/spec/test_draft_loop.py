@@ -51,7 +51,7 @@ def test_draft_loop_drafts_the_step_by_step_tokens(
         L = batch.seq_lens
         fb = ForwardBatch(
             mode="draft",
-            input_ids=info.topk_index[:, 0],
+            input_ids=batch.input_ids,  # a tree's root: the bonus tokens
             positions=L,
             out_cache_loc=L,
             req_pool_indices=batch.req_pool_indices,
@@ -68,8 +68,11 @@ def test_draft_loop_drafts_the_step_by_step_tokens(
         kv = [b.clone() for b in (*pool.k_buffer, *pool.v_buffer)]
         tree = real(batch, info, k, grammar)  # rewrites the same head KV, slot for slot
         assert all(torch.equal(a, b) for a, b in zip(kv, (*pool.k_buffer, *pool.v_buffer)))
-        for got, want in zip(loop, (tree.parent_list, tree.top_scores_index, tree.draft_tokens)):
-            assert torch.equal(got, want)
+        if topk == 1:  # the chain's drafted tokens, after its root
+            assert torch.equal(loop[2], tree.draft_tokens[:, 1:])
+        else:  # the verify tree the tree loop built
+            want = (tree.draft_tokens, tree.parents, tree.depths, tree.tree_mask)
+            assert all(torch.equal(got, w) for got, w in zip(loop, want, strict=True))
         checked.append(batch.batch_size)
         return tree
 
