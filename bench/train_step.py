@@ -4,10 +4,11 @@ Each row is one setting (--ttt-attention, batch size) with a fresh head, trained
 store of the real shape (the target's EAGLE3 feature width, top-k soft labels, windows of up to
 --max-len tokens) filled with random values: the step's cost does not depend on the values.
 After --warmup steps, --steps steps are timed, then run again under torch.profiler (its own
-overhead kept out of the time); the table gives the step's wall time, the device's busy time
-per step (the sum of its kernels; busy / wall below 1 means the host, its launches or its
-syncs, leave the device idle), kernel launches per step, the peak device memory, and the ops
-that take the most device time (host time on a CPU).
+overhead kept out of the time); the table gives the step's wall time, token-passes per second
+(as train-draft reports them), the device's busy time per step (the sum of its kernels;
+busy / wall below 1 means the host, its launches or its syncs, leave the device idle), kernel
+launches per step, the peak device memory, and the ops that take the most device time (host
+time on a CPU).
 
     python bench/train_step.py --model /tmp/smollm2.gguf --device cuda \
         --out bench/results/train_step_h200.json
@@ -80,7 +81,7 @@ def profile_row(
     source = StoreSource(store, label_map(draft_ids, vocab), batch_size, depths, 0)
     head.train()
 
-    def run(n_steps: int) -> float:  # the first n_steps batches, a fresh optimizer
+    def run(n_steps: int) -> tuple[float, float]:  # the first n_steps batches, fresh optimizer
         cfg = TrainConfig(out_dir=tempfile.mkdtemp(prefix="train-step-"), lr=1e-3,
                           batch_size=batch_size, max_len=max_len, epochs=1.0, depths=depths,
                           compute_dtype="bfloat16", save_every=10**9, max_steps=n_steps,
@@ -88,14 +89,14 @@ def profile_row(
                           enable_torch_compile=option == "compile")  # fmt: skip
         synchronize(dev)
         t0 = time.perf_counter()
-        train_head(head, source, cfg)
+        metrics = train_head(head, source, cfg)
         synchronize(dev)
-        return time.perf_counter() - t0
+        return time.perf_counter() - t0, metrics["token_passes"]
 
     if dev.type != "cpu":
         torch.get_device_module(dev).reset_peak_memory_stats(dev)
     run(warmup)
-    wall = run(steps)
+    wall, passes = run(steps)
     acts = [torch.profiler.ProfilerActivity.CPU]
     on_device = dev.type != "cpu"
     if on_device:
@@ -103,19 +104,21 @@ def profile_row(
     with torch.profiler.profile(activities=acts) as prof:
         run(steps)
     events = prof.key_averages()
-    kernels = [e for e in events if on_device and _device_us(e) > 0 and e.device_type != 0]
+    # The kernels alone: an op's entry carries its kernels' device time too (counting both
+    # doubled the busy time).
+    cpu = torch.autograd.DeviceType.CPU
+    kernels = [e for e in events if on_device and _device_us(e) > 0 and e.device_type != cpu]
     busy_us = sum(_device_us(e) for e in kernels)
     launch_ops = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "hipLaunchKernel")
     launches = sum(e.count for e in events if e.key in launch_ops)
     key = _device_us if on_device else (lambda e: float(e.self_cpu_time_total))
     ranked = sorted(events, key=key, reverse=True)[:top]
-    step_tokens = sum(m for _, m in store.windows) / len(store.windows) * batch_size
     peak = torch.get_device_module(dev).max_memory_allocated(dev) if on_device else None
     return {
         "ttt_attention": impl,
         "batch_size": batch_size,
         "step_ms": 1e3 * wall / steps,
-        "token_passes_per_s": step_tokens * steps / wall,
+        "token_passes_per_s": passes / wall,  # train_head's own count, as train-draft's
         "device_busy_ms_per_step": busy_us / 1e3 / steps if on_device else None,
         "device_busy_fraction": busy_us / 1e6 / wall if on_device else None,
         "launches_per_step": launches / steps,
