@@ -123,6 +123,12 @@ class SpecConfig:
         """KV slots one request may write in one speculative iteration."""
         return max(self.num_steps * self.eagle_topk, self.num_draft_tokens)
 
+    @property
+    def max_accept_len(self) -> int:
+        """The most tokens one verify commits per request: a path of num_steps drafts (a
+        tree's depth, a chain's length at most) and the bonus token."""
+        return self.num_steps + 1
+
 
 # On a CPU a chunk of a few dozen tokens already costs several decode steps, so running streams
 # stall in proportion to it; smaller chunks cost the long prompt's first token more

@@ -5,7 +5,9 @@ Who fills what:
 - `Req`: created by the scheduler from a `GenerateReqInput`; the scheduler owns its KV fields
   (`req_pool_idx`, `kv_committed_len`, `kv_allocated_len`); `output_ids` grow in result processing.
 - `ScheduleBatch`: built by the scheduler; `seq_lens_cpu`/`seq_lens_sum` are recomputed only by
-  `refresh_seq_lens_cpu` (producers set `seq_lens_sum = None`).
+  `refresh_seq_lens_cpu` (producers set `seq_lens_sum = None`). `seq_lens_cpu` never reads the
+  device: it is exact, or an upper bound right after a speculative verify whose lengths are
+  still in flight; every host use of it (grid sizes, KV bounds) takes a bound.
 """
 
 from __future__ import annotations
@@ -113,7 +115,8 @@ class ScheduleBatch:
     # Extend only: the last `decode_rows` requests decode one token each (a mixed chunk, see
     # mix_with_running); the rows before them are prefilled.
     decode_rows: int = 0
-    # Host mirror of seq_lens. Only refresh_seq_lens_cpu recomputes these two.
+    # Host mirror of seq_lens, exact or an upper bound (module docstring). Only
+    # refresh_seq_lens_cpu recomputes these two.
     seq_lens_cpu: torch.Tensor | None = None
     seq_lens_sum: int | None = None
     # Speculative relay state (EagleDraftInput) carried between iterations; None without spec.
@@ -153,13 +156,16 @@ class ScheduleBatch:
             self.seq_lens_cpu = self.seq_lens_cpu + 1
         self.seq_lens_sum = None
 
-    def refresh_seq_lens_cpu(self, sync: bool = True) -> None:
+    def refresh_seq_lens_cpu(self, sync: bool = True, bound: torch.Tensor | None = None) -> None:
         """The one place that recomputes `seq_lens_cpu` and `seq_lens_sum`.
 
-        sync=True copies the device `seq_lens` to the host (a device sync); sync=False trusts
-        `seq_lens_cpu` and recomputes only the sum.
+        `bound`: host lengths at least the device's (lengths a verify in flight decides), taken
+        as they are. Else sync=True copies the device `seq_lens` to the host (a device sync);
+        sync=False trusts `seq_lens_cpu` and recomputes only the sum.
         """
-        if sync or self.seq_lens_cpu is None:
+        if bound is not None:
+            self.seq_lens_cpu = bound
+        elif sync or self.seq_lens_cpu is None:
             assert self.seq_lens is not None
             self.seq_lens_cpu = self.seq_lens.to("cpu")
         self.seq_lens_sum = int(self.seq_lens_cpu.sum())

@@ -4,8 +4,9 @@ While forward N is still running, the scheduler already builds batch N+1. Values
 forward N knows (next tokens, bonus tokens, post-verify seq lens, the draft head's top-k and
 hidden state) are therefore not put into batch N+1 directly: forward N *stashes* them into
 buffers indexed by request slot, and forward N+1 *resolves* them from there, in stream order,
-without the host ever waiting for them. Only `resolve_seq_lens_cpu` (the host needs the lengths
-to allocate KV slots) waits, and only for the `publish` of the previous verify.
+without the host ever waiting for them. Only `resolve_seq_lens_cpu` waits, for the previous
+verify's `publish` call (the forward thread's, on the host), and makes the device wait for the
+verify itself: the host takes a bound of the lengths, not the lengths.
 
 Placeholder convention (invariants every producer/consumer relies on):
 - Every buffer has `pool_size + 1` rows. The future index of request-pool slot `p` is `p + 1`
@@ -36,6 +37,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from eagleserve.core import EagleDraftInput
+from eagleserve.device import device_module
+from eagleserve.scheduler.publish_counter import HostPublishCounter
 
 if TYPE_CHECKING:
     from eagleserve.core import ScheduleBatch
@@ -110,43 +113,6 @@ def _gather_spec_extras(
     return _get_compiled_gather()(indices, topk_p_buf, topk_index_buf, hidden_states_buf)
 
 
-class _HostPublishCounter:
-    """Counts publishes so another thread can wait for a specific one (a threading.Event that
-    can be re-armed without a clear/set race). `expect()`: the thread that hands a forward to
-    the forward thread; `done()`: the forward thread at publish time. `wait(ticket)` returns
-    once `ticket` publishes happened."""
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._expected = 0
-        self._published = 0
-
-    def expect(self) -> int:
-        with self._cond:
-            self._expected += 1
-            return self._expected
-
-    def done(self) -> None:
-        with self._cond:
-            self._published += 1
-            self._cond.notify_all()
-
-    def wait(self, ticket: int | None, timeout: float | None) -> None:
-        with self._cond:
-            target = self._expected if ticket is None else ticket
-            if not self._cond.wait_for(lambda: self._published >= target, timeout=timeout):
-                raise TimeoutError(
-                    f"FutureMap: publish #{target} not reached after {timeout}s "
-                    f"(published {self._published}); a forward that expect_publish() announced "
-                    "never called publish()"
-                )
-
-    @property
-    def published(self) -> int:
-        with self._cond:
-            return self._published
-
-
 class FutureMap:
     """Request-slot-indexed relay buffers for the overlap scheduler (see module docstring).
 
@@ -178,7 +144,7 @@ class FutureMap:
         self._publish_event: Any = None
         # Host-side publish count: the only mechanism on CPU, and on accelerators it makes
         # sure the event was recorded at all when publish() runs on another thread.
-        self._host_publish = _HostPublishCounter()
+        self._host_publish = HostPublishCounter()
 
     # ---- mapping ---------------------------------------------------------------------------
 
@@ -300,12 +266,19 @@ class FutureMap:
             self._publish_event.record()
         self._host_publish.done()
 
-    def wait_published(self, ticket: int | None = None, timeout: float | None = None) -> None:
+    def wait_published(
+        self, ticket: int | None = None, timeout: float | None = None, on_device: bool = False
+    ) -> None:
         """Host side: blocks until publish number `ticket` (default: the last one announced by
         `expect_publish`, else whatever was already recorded) has happened and, on an
-        accelerator, until the device work before it finished. Raises TimeoutError."""
+        accelerator, until the device work before it finished; `on_device`: the current stream
+        waits for that work instead, the host does not. Raises TimeoutError."""
         self._host_publish.wait(ticket, timeout)
-        if self._publish_event is not None:
+        if self._publish_event is None:
+            return
+        if on_device:
+            device_module(self.device).current_stream().wait_event(self._publish_event)
+        else:
             self._publish_event.synchronize()
 
     @property
@@ -369,32 +342,35 @@ class FutureMap:
             if buf is not None:
                 buf.index_fill_(0, fi, -1)
 
-    def resolve_seq_lens_cpu(self, batch: ScheduleBatch) -> None:
-        """Scheduler side: makes `batch.seq_lens`/`seq_lens_cpu`/`seq_lens_sum` current.
+    def resolve_seq_lens_cpu(self, batch: ScheduleBatch, max_new: int) -> None:
+        """Scheduler side: makes `batch.seq_lens` current (on the device) and
+        `seq_lens_cpu`/`seq_lens_sum` a host bound of them, with no device sync.
 
-        Called unconditionally by the scheduler; returns at once (batch untouched, no sync)
-        when `batch.future_indices is None` or the host already knows the lengths
-        (`lengths_in_flight` is False: a prefill, or a decode without drafts). Otherwise
-        waits for the previous publish only (not for the draft extend after it), gathers
-        `new_seq_lens_buf[future_indices]` and refreshes the host mirror via
-        `batch.refresh_seq_lens_cpu(sync=True)`, the one place that recomputes it. Without
+        Returns at once (batch untouched) when `batch.future_indices is None` or the host
+        already knows the lengths (`lengths_in_flight` is False: a prefill, or a decode without
+        drafts). Otherwise waits for the forward thread to have published the previous verify
+        (on the host), gathers `new_seq_lens_buf[future_indices]` behind that publish on the
+        device, and bounds them on the host by each request's committed length (its results
+        before that verify are processed) plus `max_new`, the most a verify commits. Without
         relayed seq lens (no spec) the batch stays untouched.
         """
         fi = batch.future_indices
         if fi is None or not batch.lengths_in_flight:
             return
-        self.wait_published()
+        self.wait_published(on_device=True)
         batch.lengths_in_flight = False
         if not self.relays_seq_lens:
             return
         batch.seq_lens = self.new_seq_lens_buf[fi]
-        batch.refresh_seq_lens_cpu(sync=True)
-        seq_lens_cpu = batch.seq_lens_cpu
-        assert seq_lens_cpu is not None
-        # The values are on the host now anyway: fail here with a readable message rather
-        # than in the forward's async guard.
-        if seq_lens_cpu.numel() > 0 and int(seq_lens_cpu.min()) <= 0:
-            raise RuntimeError(
-                "FutureMap.resolve_seq_lens_cpu: unstashed future slot(s) "
-                f"{fi.cpu()[seq_lens_cpu <= 0].tolist()} (seq lens {seq_lens_cpu.tolist()})"
-            )
+        if batch.reqs:
+            bound = torch.tensor([r.kv_committed_len for r in batch.reqs]) + max_new
+            batch.refresh_seq_lens_cpu(bound=bound)
+        else:  # no requests to bound them by (a bare batch): the lengths themselves
+            batch.refresh_seq_lens_cpu(sync=True)
+        if self.device.type == "cpu":  # free to read there: a readable error, not the guard's
+            seq_lens = batch.seq_lens.cpu()
+            if seq_lens.numel() > 0 and int(seq_lens.min()) <= 0:
+                raise RuntimeError(
+                    "FutureMap.resolve_seq_lens_cpu: unstashed future slot(s) "
+                    f"{fi.cpu()[seq_lens <= 0].tolist()} (seq lens {seq_lens.tolist()})"
+                )

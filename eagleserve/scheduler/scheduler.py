@@ -287,9 +287,9 @@ class Scheduler:
         """Launches `batch`; `partial` is its request whose prefill goes on (its token is
         thrown away, so it samples greedily: a seeded request's generator does not advance)."""
         # The one refresh point of seq_lens_cpu/seq_lens_sum before a forward. With overlap and
-        # EAGLE the new lengths come from the previous verify's publish.
-        if self.future_map is not None:
-            self.future_map.resolve_seq_lens_cpu(batch)
+        # EAGLE the new lengths come from the previous verify's publish (the host a bound).
+        if self.future_map is not None and self.spec_config is not None:
+            self.future_map.resolve_seq_lens_cpu(batch, self.spec_config.max_accept_len)
         if batch.seq_lens_sum is None:
             batch.refresh_seq_lens_cpu(sync=False)
         if isinstance(self.worker, EagleWorker):

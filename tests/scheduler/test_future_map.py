@@ -78,7 +78,7 @@ def test_spec_round_trip(topk: int, hidden: int) -> None:
         seq_lens=torch.full((bs,), -7, dtype=torch.long),  # stale; must be replaced
         future_indices=fi[perm],
     )
-    fmap.resolve_seq_lens_cpu(batch)
+    fmap.resolve_seq_lens_cpu(batch, 4)
     assert torch.equal(batch.seq_lens, new_seq_lens[perm])
     assert torch.equal(batch.seq_lens_cpu, new_seq_lens[perm])
     assert batch.seq_lens_sum == int(new_seq_lens.sum())
@@ -119,7 +119,7 @@ def test_unstashed_slot_trips_guard() -> None:
         fmap.resolve_future(batch)
     # The host-side resolve reports it too, with a readable message.
     with pytest.raises(RuntimeError, match="unstashed"):
-        fmap.resolve_seq_lens_cpu(_batch(future_indices=torch.tensor([5])))
+        fmap.resolve_seq_lens_cpu(_batch(future_indices=torch.tensor([5])), 4)
     # Future index 0 (the scratch row) is never valid.
     with pytest.raises(RuntimeError):
         fmap.resolve_future(_batch(future_indices=torch.tensor([0])))
@@ -167,13 +167,13 @@ def test_resolve_seq_lens_cpu_waits_only_for_lengths_in_flight(
     batch = _batch(input_ids=torch.tensor([1, 2]), seq_lens=seq_lens)
     batch.seq_lens_cpu = seq_lens_cpu
     batch.seq_lens_sum = None
-    fmap.resolve_seq_lens_cpu(batch)
+    fmap.resolve_seq_lens_cpu(batch, 4)
     assert batch.seq_lens is seq_lens
     assert batch.seq_lens_cpu is seq_lens_cpu
     assert batch.seq_lens_sum is None  # refresh_seq_lens_cpu was not called
     # Futures whose lengths the host already knows (a prefill, a decode without drafts).
     batch.future_indices, batch.lengths_in_flight = torch.tensor([1, 2]), False
-    fmap.resolve_seq_lens_cpu(batch)
+    fmap.resolve_seq_lens_cpu(batch, 4)
     assert batch.seq_lens is seq_lens and batch.seq_lens_cpu is seq_lens_cpu
 
 
@@ -272,7 +272,7 @@ def test_publish_wait_across_threads() -> None:
         worker.start()
         start.set()
         batch = _batch(future_indices=fi)
-        fmap.resolve_seq_lens_cpu(batch)  # blocks until this step's publish
+        fmap.resolve_seq_lens_cpu(batch, 4)  # blocks until this step's publish
         assert torch.equal(batch.seq_lens_cpu, lens + step)
         assert batch.seq_lens_sum == int((lens + step).sum())
         worker.join()
@@ -313,3 +313,42 @@ def test_a_decode_without_drafts_leaves_the_seeds_in_their_rows() -> None:
     assert torch.equal(batch.seq_lens, lens + 2)
     assert torch.equal(info.topk_p, seed.topk_p) and torch.equal(info.topk_index, seed.topk_index)
     assert torch.equal(info.hidden_states, seed.hidden_states)
+
+
+@pytest.mark.usefixtures("eager_gather")
+def test_a_verify_in_flight_leaves_the_host_a_bound_not_a_read(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """After a verify, the next launch takes its lengths on the device from the relay and, on
+    the host, bounds them by each request's committed length plus the most a verify commits:
+    the host never reads the device's lengths (on a GPU that would wait for the verify)."""
+    from eagleserve.core import Req
+    from eagleserve.sampling_params import SamplingParams
+
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 10**6, ())))
+    bs, max_new = 6, 4
+    fmap = FutureMap(POOL, CPU)
+    fi = FutureMap.alloc_future_indices(_rand_slots(gen, bs))
+    committed = torch.randint(5, 500, (bs,), generator=gen)
+    accepted = torch.randint(1, max_new + 1, (bs,), generator=gen)
+    fmap.stash(fi, torch.randint(1, 99, (bs,), generator=gen), new_seq_lens=committed + accepted)
+    fmap.publish()
+    reqs = [Req(f"r{i}", [1, 2], SamplingParams(), kv_committed_len=int(c))
+            for i, c in enumerate(committed)]  # fmt: skip
+    batch = _batch(input_ids=FutureMap.placeholder_ids(fi), future_indices=fi)
+    batch.reqs = reqs
+    real_to = torch.Tensor.to
+
+    def no_read(t: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        if t.data_ptr() == fmap.new_seq_lens_buf.data_ptr() or "cpu" in args:
+            raise AssertionError("the host read the relayed lengths")
+        return real_to(t, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "to", no_read)
+    fmap.resolve_seq_lens_cpu(batch, max_new)
+    monkeypatch.undo()
+    assert torch.equal(batch.seq_lens, committed + accepted)  # exact, on the device
+    assert torch.equal(batch.seq_lens_cpu, committed + max_new)
+    assert (batch.seq_lens_cpu >= batch.seq_lens).all()
+    assert batch.seq_lens_sum == int((committed + max_new).sum())
+    assert not batch.lengths_in_flight
