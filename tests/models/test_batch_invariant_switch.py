@@ -52,6 +52,8 @@ def test_triton_on_a_cpu_without_the_interpreter_is_a_clear_error(
 
 
 def test_make_batch_invariant_keeps_weights_and_matches_linear() -> None:
+    """On a GPU host on the GPU: its Triton kernels run there for real, not on CPU tensors."""
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cfg = ModelConfig(
         hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, vocab_size=50, tie_word_embeddings=True, head_dim=8,
@@ -61,16 +63,17 @@ def test_make_batch_invariant_keeps_weights_and_matches_linear() -> None:
     model = LlamaForCausalLM(cfg, 64)
     for p in model.parameters():
         torch.nn.init.normal_(p, std=0.3)
+    model.to(dev)
     down = model.model.layers[1].mlp.down_proj
     w = down.weight
-    x = torch.randn(5, 64)
+    x = torch.randn(5, 64, device=dev)
     want = down(x)
     # 2 layers x (4 attention + 3 MLP linears + 2 norms) + the final norm.
     assert make_batch_invariant(model) == 2 * 9 + 1
     assert type(down) is BatchInvariantLinear and down.weight is w
     assert type(model.model.norm) is BatchInvariantRMSNorm and model.batch_invariant
     torch.testing.assert_close(down(x), want, atol=1e-4, rtol=1e-4)
-    h = torch.randn(3, 32)
+    h = torch.randn(3, 32, device=dev)
     torch.testing.assert_close(
         model.compute_logits(h), h @ model.model.embed_tokens.weight.T, atol=1e-4, rtol=1e-4
     )
