@@ -33,11 +33,12 @@ the iteration. Stages:
 On a GPU nothing here synchronizes: a stage's time is what the host spent in it, a sync it
 makes included (that is the point: a sync is host time the GPU does not overlap). With
 `--profile` (default on a GPU) the GPU's idle share of the decode iterations is measured from
-the torch profiler: 1 - (union of device kernel/memcpy intervals) / wall, with the overlap
-scheduler off and on, and the device syncs per iteration by site, overlap off and on (on,
-its forward thread's included: a sync there empties the GPU's queue). The stage split runs
-with overlap off (one thread; with overlap the
-forward runs on its own thread and the stages interleave).
+the torch profiler: 1 - (union of device kernel/memcpy intervals) / wall, over the profiled
+run's wall and over the same run's wall without the profiler (whose host work inflates the
+first), with the overlap scheduler off and on, and the device syncs per iteration by site,
+overlap off and on (on, its forward thread's included: a sync there empties the GPU's
+queue). The stage split runs with overlap off (one thread; with overlap the forward runs on
+its own thread and the stages interleave).
 
 `--model tiny` (the default on a CPU) is a random 8-layer Llama (hidden 64, vocab 512) with a
 random EAGLE3 head, so the forward is small and the host's share shows; its tokenizer is the
@@ -138,7 +139,10 @@ def summarize(rows: list[dict[str, float]]) -> dict[str, float]:
 
 
 def gpu_idle(engine: Engine, batch: int, new: int, vocab: int) -> dict[str, float]:
-    """The device's idle share of the wall time of a generate call's decode-dominated run."""
+    """The device's idle share of the wall time of a generate call's decode-dominated run: of
+    the profiled run's wall, and of the same run's wall unprofiled (the profiler records every
+    host op, which slows the host, not the kernels: the device's busy time over the plain
+    wall is the idle share the run has without it)."""
     from torch.profiler import ProfilerActivity, profile
 
     dev = engine.scheduler.device
@@ -152,6 +156,10 @@ def gpu_idle(engine: Engine, batch: int, new: int, vocab: int) -> dict[str, floa
         engine.generate(ps, params)
         mod.synchronize()
         wall = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    engine.generate(ps, params)
+    mod.synchronize()
+    plain_wall = time.perf_counter() - t0
     device_events = [
         e for e in prof.events() if e.device_type.name in ("CUDA", "HIP", "PrivateUse1")
     ]
@@ -180,6 +188,8 @@ def gpu_idle(engine: Engine, batch: int, new: int, vocab: int) -> dict[str, floa
         "wall_ms": 1e3 * wall,
         "device_busy_ms": busy / 1e3,
         "idle_fraction": max(0.0, 1 - (busy / 1e6) / wall),
+        "unprofiled_wall_ms": 1e3 * plain_wall,
+        "idle_fraction_unprofiled": max(0.0, 1 - (busy / 1e6) / plain_wall),
         "device_ops": kernels,
         "verify_calls_total": steps,
         "top_host_ops": [[e.key, e.count, round(e.self_cpu_time_total)] for e in top],
@@ -332,7 +342,9 @@ def run(
             if key in row:
                 g = row[key]
                 print(f"{row['setting']} bs {row['batch']} {key}: GPU idle "
-                      f"{100 * g['idle_fraction']:.1f}% of {g['wall_ms']:.1f} ms")  # fmt: skip
+                      f"{100 * g['idle_fraction']:.1f}% of {g['wall_ms']:.1f} ms profiled, "
+                      f"{100 * g['idle_fraction_unprofiled']:.1f}% of the same run's "
+                      f"{g['unprofiled_wall_ms']:.1f} ms unprofiled")  # fmt: skip
     if out:
         _save(res, out)
     return res
