@@ -1,10 +1,11 @@
 """Verification of a draft tree against the target model: greedy and lossless sampling.
 
 Both walks use the node order of `eagleserve.spec.tree.build_tree`: node 0 is the root and a
-node's parent always has a smaller index. One pass over the nodes in increasing order therefore
-visits every child of the current node after the node itself, and the children of an accepted
-node after the node; children of the previous node that come later are skipped because their
-parent is no longer the current node.
+node's parent always has a smaller index. The greedy walk takes one step per depth (the first
+matching child of the node before). The sampling walk is one pass over the nodes in increasing
+order: it visits every child of the current node after the node itself, and the children of an
+accepted node after the node; children of the previous node that come later are skipped because
+their parent is no longer the current node.
 
 Results (AcceptResult), width D = max_depth + 1 (default max_depth = n - 1, enough for any tree):
   accept_index [bs, D] long: accepted node indices by depth, starting with the root 0, then -1.
@@ -347,7 +348,7 @@ def accept(
             logits[idx].reshape(len(sampled_rows) * n, -1), sub.repeat_interleave(n)
         ).view(len(sampled_rows), n, -1)
         samp = verify_sampling(tokens[idx], parents[idx], probs, sub.generators,
-                               max_depth=None if chain else max_depth)  # fmt: skip
+                               max_depth=max_depth)  # fmt: skip
         for name in ("accept_index", "accept_lens", "output_tokens", "bonus_tokens"):
             getattr(acc, name)[idx] = getattr(samp, name)
     broadcast_from_first(acc.accept_index, acc.accept_lens, acc.output_tokens, acc.bonus_tokens)
