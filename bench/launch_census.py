@@ -8,8 +8,9 @@ The engines run a GPU's layout under the Triton interpreter: the target's layers
 head's on the fused Triton kernels (the GEMV ones at these sizes), the device graphs replaced by
 the CPU stand-in of the tests (tests/spec/graph_standin.py: a replay runs the captured function
 again), overlap off so the host's own launches are counted apart. A launch is a Triton kernel
-or a torch op that computes (views, allocations and the interpreter's own copies are not); on a
-GPU each is one kernel, inside a graph or launched by the host. The target is the tests' random
+or a torch op that computes (views, allocations, a `to` that returns its input, the
+interpreter's own copies and the stand-in replay's copies into its outputs are not); on a GPU
+each is one kernel, inside a graph or launched by the host. The target is the tests' random
 8-layer Llama (hidden 64) with a random EAGLE3 head: counts per layer and per head step are the
 default model's, only the layer count differs (30 there). One request, greedy, decode iterations
 3-6 averaged. "adaptive, k = 0" is the shipped config's controller held at k = 0: the iteration

@@ -25,6 +25,9 @@ from eagleserve.layers.forward_batch import ForwardBatch
 from eagleserve.model_executor.cuda_graph_runner import GraphedForward
 from eagleserve.model_executor.model_runner import ModelRunner
 
+# True while a stand-in replay copies its results into the captured outputs.
+STAND_IN_COPIES = [False]
+
 
 class ReplayCount:
     """Replays per GraphedForward, and whether a replay is running."""
@@ -54,8 +57,14 @@ class StandInGraph:
         try:  # under inference mode, as the capture ran (its outputs are inference tensors)
             with torch.inference_mode(), no_host_reads():
                 fresh = self.graph.run_fn(self.fb, self.extras)
-                for out, new in zip(self.graph.outputs[self.bs], fresh, strict=True):
-                    out.copy_(new)
+                # A graph's kernels write its outputs in place: these copies launch nothing
+                # on a GPU, and LaunchCensus does not count them.
+                STAND_IN_COPIES[0] = True
+                try:
+                    for out, new in zip(self.graph.outputs[self.bs], fresh, strict=True):
+                        out.copy_(new)
+                finally:
+                    STAND_IN_COPIES[0] = False
         finally:
             self.count.inside = False
 
@@ -111,7 +120,8 @@ NOT_KERNELS = {"view", "_unsafe_view", "reshape", "slice", "select", "expand", "
 class LaunchCensus:
     """Kernel launches by where they ran: the host, or the graph (by `names`, keyed by the
     GraphedForward's id) whose stand-in replay ran them. A launch is a Triton kernel or a torch
-    op that computes; the interpreter's own copies inside a Triton launch are not counted."""
+    op that computes; not counted: the interpreter's own copies inside a Triton launch, a
+    stand-in replay's copies into its outputs, a `to` that returns its input."""
 
     def __init__(self) -> None:
         self.where = "host"
@@ -123,7 +133,7 @@ class LaunchCensus:
         )
 
     def add(self, op: str) -> None:
-        if self.active:
+        if self.active and not STAND_IN_COPIES[0]:
             self.tally[self.where][op] += 1
 
     @contextlib.contextmanager
@@ -154,9 +164,12 @@ class LaunchCensus:
             def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
                                    kwargs: Any = None) -> Any:  # fmt: skip
                 name = func.overloadpacket.__name__
-                if not census.in_triton and name not in NOT_KERNELS:
+                out = func(*args, **(kwargs or {}))
+                # `to` a tensor's own dtype and device returns it: no copy, no kernel.
+                no_op = name == "to" and args and out is args[0]
+                if not census.in_triton and name not in NOT_KERNELS and not no_op:
                     census.add(name)
-                return func(*args, **(kwargs or {}))
+                return out
 
         interp.GridExecutor.__call__ = launch
         StandInGraph.replay = replay  # type: ignore[method-assign]
