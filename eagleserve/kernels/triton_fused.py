@@ -3,6 +3,7 @@
 Each replaces several eager ops by one launch and rounds where the unfused torch path of
 models/llama.py rounds, so a 16-bit result matches it to one rounding step:
 - `add_rms_norm`: residual add + RMSNorm -> (normed, new residual); without a residual, RMSNorm.
+- `embed_norm_pair`: an embedding lookup and two RMSNorms into the halves of one row.
 - `silu_mul`: SiLU(gate) * up over a fused gate_up output [T, 2I].
 - `rope_store_kv_`: neox rotary (x*cos + rotate_half(x)*sin) of q and k inside a fused qkv
   output [T, H + 2Hkv, D], in place, and the K/V rows written to their KV-pool slots.
@@ -50,12 +51,46 @@ def _add_rms_norm_kernel(
             + tl.load(Res + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
         ).to(x.dtype)
         tl.store(ResOut + row * stride_ro + offs, x, mask=mask)
+    _store_rms_normed(x, W, Out + row * stride_o, offs, mask, N, eps)
+
+
+@triton.jit
+def _store_rms_normed(x, W, out_row, offs, mask, N, eps):
+    """RMSNorm(x) * W of one row x [BLOCK] (model dtype) stored at out_row."""
     xf = x.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / N + eps)
     # As transformers: normalise in fp32, round to the input dtype, then scale by the weight.
     normed = (xf * rstd).to(x.dtype).to(tl.float32)
     w = tl.load(W + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(Out + row * stride_o + offs, (normed * w).to(Out.dtype.element_ty), mask=mask)
+    tl.store(out_row + offs, (normed * w).to(out_row.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _embed_norm_pair_kernel(
+    Ids,  # [T] token ids
+    Emb,  # [V, N] embedding table
+    G,  # [T, N]
+    W1,  # [N]: the embeddings' norm
+    W2,  # [N]: g's norm
+    Out,  # [T, 2N]: [RMSNorm(Emb[id]) * W1, RMSNorm(g) * W2]
+    stride_e,
+    stride_g,
+    stride_o,
+    N,
+    eps1,
+    eps2,
+    BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    wait_previous(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < N
+    token = tl.load(Ids + row).to(tl.int64)
+    emb = tl.load(Emb + token * stride_e + offs, mask=mask, other=0.0)
+    _store_rms_normed(emb, W1, Out + row * stride_o, offs, mask, N, eps1)
+    g = tl.load(G + row * stride_g + offs, mask=mask, other=0.0)
+    _store_rms_normed(g, W2, Out + row * stride_o + N, offs, mask, N, eps2)
 
 
 @triton.jit
@@ -83,8 +118,9 @@ def _silu_mul_kernel(
 @triton.jit
 def _rope_store_kv_kernel(
     QKV,  # [T, H + 2*Hkv, D], rotated in place
-    Cos,  # [T, D] (row stride given)
-    SignedSin,  # [T, D]
+    Cos,  # [P, D] (row stride given): row Pos[t] (HAS_POS) or t
+    SignedSin,  # [P, D]
+    Pos,  # [T] each row's table row (HAS_POS only)
     KBuf,  # [S, Hkv, D]
     VBuf,  # [S, Hkv, D]
     Loc,  # [T] int64 KV slots
@@ -92,6 +128,7 @@ def _rope_store_kv_kernel(
     stride_h,
     stride_cos,
     stride_sin,
+    stride_pos,
     stride_ks,
     stride_kh,
     stride_vs,
@@ -102,10 +139,15 @@ def _rope_store_kv_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    HAS_POS: tl.constexpr,
     PDL: tl.constexpr,
 ):
     wait_previous(PDL)
     t = tl.program_id(0).to(tl.int64)
+    if HAS_POS:
+        at = tl.load(Pos + t * stride_pos).to(tl.int64)
+    else:
+        at = t
     heads = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
     d_valid = offs_d < HEAD_DIM
@@ -116,8 +158,8 @@ def _rope_store_kv_kernel(
     row = QKV + t * stride_t + heads[:, None] * stride_h
     x = tl.load(row + offs_d[None, :], mask=rot_mask, other=0.0)
     xr = tl.load(row + partner[None, :], mask=rot_mask, other=0.0)
-    cos = tl.load(Cos + t * stride_cos + offs_d, mask=d_valid, other=0.0)
-    sin = tl.load(SignedSin + t * stride_sin + offs_d, mask=d_valid, other=0.0)
+    cos = tl.load(Cos + at * stride_cos + offs_d, mask=d_valid, other=0.0)
+    sin = tl.load(SignedSin + at * stride_sin + offs_d, mask=d_valid, other=0.0)
     # torch rounds each product and the sum to the model dtype; one fp32 FMA chain rounded once
     # differs from it by at most one rounding step.
     y = (
@@ -172,6 +214,32 @@ def add_rms_norm(
     return out, res_out
 
 
+def embed_norm_pair(
+    ids: torch.Tensor,
+    embedding: torch.Tensor,
+    g: torch.Tensor,
+    weights: tuple[torch.Tensor, torch.Tensor],
+    eps: tuple[float, float],
+) -> torch.Tensor:
+    """[T, 2N]: RMSNorm(embedding[ids]) * weights[0] beside RMSNorm(g) * weights[1], one launch
+    (an EAGLE3 head's attention input; the bits of an embedding lookup and two `add_rms_norm`
+    launches into the halves of one row). ids [T], embedding [V, N], g [T, N] of its dtype."""
+    t, n = g.shape
+    assert embedding.shape[1] == n and embedding.stride(1) == 1 and g.stride(1) == 1
+    assert g.dtype == embedding.dtype and ids.shape == (t,)
+    out = torch.empty((t, 2 * n), dtype=g.dtype, device=g.device)
+    if t == 0:
+        return out
+    block = triton.next_power_of_2(n)
+    _embed_norm_pair_kernel[(t,)](
+        ids, embedding, g, weights[0], weights[1], out,
+        embedding.stride(0), g.stride(0), out.stride(0), n, eps[0], eps[1],
+        BLOCK=block, num_warps=_warps(block),  # add_rms_norm's: its reduction order
+        **pdl.launch_options(g.device),
+    )  # fmt: skip
+    return out
+
+
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """SiLU(gate_up[:, :I]) * gate_up[:, I:] -> [T, I], one launch."""
     assert gate_up.dim() == 2 and gate_up.stride(1) == 1 and gate_up.shape[1] % 2 == 0
@@ -196,31 +264,35 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 def rope_store_kv_(
     qkv: torch.Tensor,  # [T, H + 2*Hkv, D]
     num_q_heads: int,
-    cos: torch.Tensor,  # [T, 1, D] or [T, D]: cos of each row's position
+    cos: torch.Tensor,  # [T, 1, D] or [T, D]: each row's cos; with positions, [P, ...] tables
     signed_sin: torch.Tensor,  # same shape: sin, negated on the first half (see llama.py)
     k_buffer: torch.Tensor,  # [S, Hkv, D]
     v_buffer: torch.Tensor,
     out_cache_loc: torch.Tensor,  # [T] int64, any stride (a column of a slot table)
+    positions: torch.Tensor | None = None,  # [T]: each row's row of cos / signed_sin
 ) -> None:
-    """Rotates q and k of `qkv` in place and writes k, v to their slots, one launch."""
+    """Rotates q and k of `qkv` in place and writes k, v to their slots, one launch. With
+    `positions`, cos and signed_sin are tables the kernel reads at them (no gather before)."""
     t, heads, d = qkv.shape
     kv = k_buffer.shape[1]
     assert heads == num_q_heads + 2 * kv, (qkv.shape, num_q_heads, k_buffer.shape)
     assert qkv.stride(2) == 1 and k_buffer.stride(2) == 1 and v_buffer.stride(2) == 1
     assert k_buffer.shape[2] == d and d % 2 == 0, (k_buffer.shape, d)
     assert out_cache_loc.dtype == torch.int64 and out_cache_loc.shape == (t,)
-    cos2, sin2 = cos.reshape(t, d), signed_sin.reshape(t, d)
+    cos2, sin2 = cos.reshape(-1, d), signed_sin.reshape(-1, d)
     assert cos2.stride(1) == 1 and sin2.stride(1) == 1
+    assert positions is not None or cos2.shape[0] == t, "per-row cos / sin need a row each"
     if t == 0:
         return
+    pos = out_cache_loc if positions is None else positions  # any pointer without HAS_POS
     block_h, block_d = triton.next_power_of_2(heads), triton.next_power_of_2(d)
     _rope_store_kv_kernel[(t,)](
-        qkv, cos2, sin2, k_buffer, v_buffer, out_cache_loc,
-        qkv.stride(0), qkv.stride(1), cos2.stride(0), sin2.stride(0),
+        qkv, cos2, sin2, pos, k_buffer, v_buffer, out_cache_loc,
+        qkv.stride(0), qkv.stride(1), cos2.stride(0), sin2.stride(0), pos.stride(0),
         k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
         out_cache_loc.stride(0),
         NUM_Q=num_q_heads, NUM_KV=kv, HEAD_DIM=d, BLOCK_H=block_h, BLOCK_D=block_d,
-        num_warps=_warps(block_h * block_d),
+        HAS_POS=positions is not None, num_warps=_warps(block_h * block_d),
         **pdl.launch_options(qkv.device),
     )  # fmt: skip
 

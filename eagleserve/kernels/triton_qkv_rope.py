@@ -40,10 +40,11 @@ from eagleserve.kernels.triton_gemv import (
 @triton.jit
 def _rope_store(
     acc_lo, acc_hi,  # [BLOCK_M, BLOCK_C] fp32: the projection's sums of each rotary half
-    Bias, Cos, SignedSin, QKV, KBuf, VBuf, Loc, rows, row_ok, head, offs_c, c_ok,
-    stride_cos, stride_sin, stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh,
-    stride_loc,
+    Bias, Cos, SignedSin, Pos, QKV, KBuf, VBuf, Loc, rows, row_ok, head, offs_c, c_ok,
+    stride_cos, stride_sin, stride_pos, stride_qt, stride_qh, stride_ks, stride_kh, stride_vs,
+    stride_vh, stride_loc,
     NUM_Q: tl.constexpr, NUM_KV: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_BIAS: tl.constexpr,
+    HAS_POS: tl.constexpr,
 ):  # fmt: skip
     """Bias, the projection's rounding, rotary of q and k heads, the qkv store and the K/V
     writes of one program's columns."""
@@ -61,8 +62,13 @@ def _rope_store(
     # q and k heads: x*cos + rotate_half(x)*sin in fp32, rounded once (as rope_store_kv_):
     # rotate_half pairs c with c + D/2, and SignedSin carries the first half's minus sign.
     rotate = head < NUM_Q + NUM_KV
-    cos_p = Cos + rows[:, None] * stride_cos + offs_c[None, :]
-    sin_p = SignedSin + rows[:, None] * stride_sin + offs_c[None, :]
+    # The tables' row of each row: its position (HAS_POS), else the row itself.
+    if HAS_POS:
+        at = tl.load(Pos + rows * stride_pos, mask=row_ok, other=0).to(tl.int64)
+    else:
+        at = rows
+    cos_p = Cos + at[:, None] * stride_cos + offs_c[None, :]
+    sin_p = SignedSin + at[:, None] * stride_sin + offs_c[None, :]
     cos_lo = tl.load(cos_p, mask=mask, other=0.0).to(tl.float32)
     cos_hi = tl.load(cos_p + HALF, mask=mask, other=0.0).to(tl.float32)
     sin_lo = tl.load(sin_p, mask=mask, other=0.0).to(tl.float32)
@@ -88,14 +94,16 @@ def _rope_store(
 # compiled kernel, so a row's bits do not depend on the batch (the batch-invariant mode).
 @triton.jit(do_not_specialize=["T"])
 def _norm_qkv_rope_kernel(
-    X, Res, NormW, W, Bias, Cos, SignedSin,  # x, res [T, K]; W [(H + 2Hkv) * D, K]; cos [T, D]
+    X, Res, NormW, W, Bias,  # x, res [T, K]; W [(H + 2Hkv) * D, K]
+    Cos, SignedSin, Pos,  # cos [P, D] at row Pos[t] (HAS_POS) or t; Pos [T]
     QKV, ResOut, KBuf, VBuf, Loc,  # QKV [T, H + 2Hkv, D]; KBuf, VBuf [S, Hkv, D]; Loc [T]
     Part,  # [S, T, (H + 2Hkv) * D] fp32: split s's sums (PARTIAL only)
     T, K, K_PER, eps,  # K_PER: the K range of a split, a multiple of BLOCK_K
-    stride_x, stride_r, stride_w, stride_cos, stride_sin, stride_qt, stride_qh, stride_ro,
-    stride_ks, stride_kh, stride_vs, stride_vh, stride_loc, stride_ps, stride_pt,
+    stride_x, stride_r, stride_w, stride_cos, stride_sin, stride_pos, stride_qt, stride_qh,
+    stride_ro, stride_ks, stride_kh, stride_vs, stride_vh, stride_loc, stride_ps, stride_pt,
     NUM_Q: tl.constexpr, NUM_KV: tl.constexpr, HEAD_DIM: tl.constexpr,
-    HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, PARTIAL: tl.constexpr,
+    HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_POS: tl.constexpr, IEEE: tl.constexpr,
+    PARTIAL: tl.constexpr,
     ONE_TILE: tl.constexpr,  # K <= BLOCK_K, unsplit: the row and the weight tiles read at once
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr,
     PDL: tl.constexpr,
@@ -146,19 +154,19 @@ def _norm_qkv_rope_kernel(
         tl.store(part, acc_lo, mask=mask)
         tl.store(part + HALF, acc_hi, mask=mask)
     else:
-        _rope_store(acc_lo, acc_hi, Bias, Cos, SignedSin, QKV, KBuf, VBuf, Loc, rows, row_ok,
-                    head, offs_c, c_ok, stride_cos, stride_sin, stride_qt, stride_qh, stride_ks,
-                    stride_kh, stride_vs, stride_vh, stride_loc,
-                    NUM_Q, NUM_KV, HEAD_DIM, HAS_BIAS)  # fmt: skip
+        _rope_store(acc_lo, acc_hi, Bias, Cos, SignedSin, Pos, QKV, KBuf, VBuf, Loc, rows,
+                    row_ok, head, offs_c, c_ok, stride_cos, stride_sin, stride_pos, stride_qt,
+                    stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_loc,
+                    NUM_Q, NUM_KV, HEAD_DIM, HAS_BIAS, HAS_POS)  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["T"])
 def _sum_rope_store_kernel(
-    Part, Bias, Cos, SignedSin, QKV, KBuf, VBuf, Loc,
-    T, stride_ps, stride_pt, stride_cos, stride_sin, stride_qt, stride_qh,
+    Part, Bias, Cos, SignedSin, Pos, QKV, KBuf, VBuf, Loc,
+    T, stride_ps, stride_pt, stride_cos, stride_sin, stride_pos, stride_qt, stride_qh,
     stride_ks, stride_kh, stride_vs, stride_vh, stride_loc,
     NUM_Q: tl.constexpr, NUM_KV: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_BIAS: tl.constexpr,
-    SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr,
+    HAS_POS: tl.constexpr, SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr,
     PDL: tl.constexpr,
 ):  # fmt: skip
     """A split launch's epilogue: the partials summed in split order, then as unsplit."""
@@ -172,10 +180,10 @@ def _sum_rope_store_kernel(
     part = Part + rows[:, None] * stride_pt + (head * HEAD_DIM + offs_c)[None, :]
     acc_lo = summed_partials(part, stride_ps, mask, SPLITS)
     acc_hi = summed_partials(part + HEAD_DIM // 2, stride_ps, mask, SPLITS)
-    _rope_store(acc_lo, acc_hi, Bias, Cos, SignedSin, QKV, KBuf, VBuf, Loc, rows, row_ok,
-                head, offs_c, c_ok, stride_cos, stride_sin, stride_qt, stride_qh, stride_ks,
-                stride_kh, stride_vs, stride_vh, stride_loc,
-                NUM_Q, NUM_KV, HEAD_DIM, HAS_BIAS)  # fmt: skip
+    _rope_store(acc_lo, acc_hi, Bias, Cos, SignedSin, Pos, QKV, KBuf, VBuf, Loc, rows, row_ok,
+                head, offs_c, c_ok, stride_cos, stride_sin, stride_pos, stride_qt, stride_qh,
+                stride_ks, stride_kh, stride_vs, stride_vh, stride_loc,
+                NUM_Q, NUM_KV, HEAD_DIM, HAS_BIAS, HAS_POS)  # fmt: skip
 
 
 def norm_qkv_rope_store_kv(
@@ -186,14 +194,16 @@ def norm_qkv_rope_store_kv(
     weight: torch.Tensor,  # [(H + 2*Hkv) * D, K]: q, k, v rows stacked (merge_projections)
     bias: torch.Tensor | None,
     num_q_heads: int,
-    cos: torch.Tensor,  # [T, 1, D] or [T, D]
+    cos: torch.Tensor,  # [P, 1, D] or [P, D]: by position, or [T, ...] by row
     signed_sin: torch.Tensor,  # same shape: sin, negated on the first half
     k_buffer: torch.Tensor,  # [S, Hkv, D]
     v_buffer: torch.Tensor,
     out_cache_loc: torch.Tensor,  # [T] int64, any stride
+    positions: torch.Tensor | None = None,  # [T]: each row's row of cos / signed_sin
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(qkv [T, H + 2Hkv, D] with q and k rotated, new residual x + residual); k and v also
-    written to their slots. Equals add_rms_norm, the qkv Linear and rope_store_kv_."""
+    written to their slots. Equals add_rms_norm, the qkv Linear and rope_store_kv_. With
+    `positions`, cos and signed_sin are tables the kernel reads at them (no gather before)."""
     _check_rows(x, residual)
     t, k_dim = x.shape
     kv, d = k_buffer.shape[1], k_buffer.shape[2]
@@ -201,8 +211,10 @@ def norm_qkv_rope_store_kv(
     assert weight.shape == (heads * d, k_dim) and weight.stride(1) == 1, weight.shape
     assert d % 2 == 0 and k_buffer.stride(2) == 1 and v_buffer.stride(2) == 1
     assert out_cache_loc.dtype == torch.int64 and out_cache_loc.shape == (t,)
-    cos2, sin2 = cos.reshape(t, d), signed_sin.reshape(t, d)
+    cos2, sin2 = cos.reshape(-1, d), signed_sin.reshape(-1, d)
     assert cos2.stride(1) == 1 and sin2.stride(1) == 1
+    assert positions is not None or cos2.shape[0] == t, "per-row cos / sin need a row each"
+    pos = out_cache_loc if positions is None else positions  # any pointer without HAS_POS
     qkv = torch.empty((t, heads, d), dtype=x.dtype, device=x.device)
     res_out = _new_residual(x, residual)
     if t == 0:
@@ -213,17 +225,21 @@ def norm_qkv_rope_store_kv(
     splits, k_per = split_k_range(k_dim, cfg)
     col_blocks = triton.cdiv(d // 2, cfg.block_n)
     kv_strides = (k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1))
-    heads_const = {"NUM_Q": num_q_heads, "NUM_KV": kv, "HEAD_DIM": d, "HAS_BIAS": bias is not None}
+    heads_const = {"NUM_Q": num_q_heads, "NUM_KV": kv, "HEAD_DIM": d,
+                   "HAS_BIAS": bias is not None, "HAS_POS": positions is not None}  # fmt: skip
     for r in row_chunks(t, splits, heads * d):
-        rows, loc = x[r].shape[0], out_cache_loc[r]
+        rows, loc, at = x[r].shape[0], out_cache_loc[r], pos[r]
+        # Per-row tables start at the chunk's first row; position tables are whole.
+        cos_r, sin_r = (cos2, sin2) if positions is not None else (cos2[r], sin2[r])
         part, stride_ps, stride_pt = partials(qkv[r].view(rows, heads * d), splits)
         grid = (triton.cdiv(rows, BLOCK_M), heads, col_blocks)
         _norm_qkv_rope_kernel[(*grid[:2], col_blocks * splits)](
-            x[r], res[r], norm_weight, weight, bias_arg, cos2[r], sin2[r],
+            x[r], res[r], norm_weight, weight, bias_arg, cos_r, sin_r, at,
             qkv[r], res_out[r], k_buffer, v_buffer, loc, part,
             rows, k_dim, k_per, eps,
             x.stride(0), res.stride(0), weight.stride(0), cos2.stride(0), sin2.stride(0),
-            qkv.stride(0), qkv.stride(1), res_out.stride(0), *kv_strides, loc.stride(0),
+            at.stride(0), qkv.stride(0), qkv.stride(1), res_out.stride(0), *kv_strides,
+            loc.stride(0),
             stride_ps, stride_pt,
             HAS_RES=residual is not None, IEEE=_ieee_dot(x), PARTIAL=splits > 1,
             ONE_TILE=one_tile(k_dim, cfg, splits),
@@ -233,8 +249,8 @@ def norm_qkv_rope_store_kv(
         )  # fmt: skip
         if splits > 1:
             _sum_rope_store_kernel[grid](
-                part, bias_arg, cos2[r], sin2[r], qkv[r], k_buffer, v_buffer, loc,
-                rows, stride_ps, stride_pt, cos2.stride(0), sin2.stride(0),
+                part, bias_arg, cos_r, sin_r, at, qkv[r], k_buffer, v_buffer, loc,
+                rows, stride_ps, stride_pt, cos2.stride(0), sin2.stride(0), at.stride(0),
                 qkv.stride(0), qkv.stride(1), *kv_strides, loc.stride(0),
                 SPLITS=splits, BLOCK_M=BLOCK_M, BLOCK_C=cfg.block_n, **heads_const,
                 **pdl.launch_options(x.device),

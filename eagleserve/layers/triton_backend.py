@@ -26,7 +26,8 @@ class TritonAttnMetadata:
     kind: str  # "decode" | "extend" (causal) | "tree"
     kv_lens: torch.Tensor  # [bs] int64, KV range [0, kv_len) each request reads
     extend_lens: torch.Tensor  # [bs] int64
-    extend_start_loc: torch.Tensor  # [bs] int64, first query row of each request
+    # [bs] int64, first query row of each request; None for decode (its kernel has no use).
+    extend_start_loc: torch.Tensor | None
     max_extend: int
     max_kv_len: int
     num_kv_splits: int  # decode only; chosen on the first layer (needs Hkv)
@@ -37,6 +38,11 @@ class TritonAttnMetadata:
     # the forward's first layer (inside a graph capture, so replays rebuild it from its buffers).
     rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # table, row_idx, lens
     rows_layer: int = -1
+
+
+def _start_locs(kind: str, extend_lens: torch.Tensor) -> torch.Tensor | None:
+    """Each request's first query row, for the kernels that read it (not decode's)."""
+    return None if kind == "decode" else torch.cumsum(extend_lens, 0) - extend_lens
 
 
 class TritonAttnBackend:
@@ -67,7 +73,7 @@ class TritonAttnBackend:
             kind=kind,
             kv_lens=kv_lens,
             extend_lens=extend_lens,
-            extend_start_loc=torch.cumsum(extend_lens, 0) - extend_lens,
+            extend_start_loc=_start_locs(kind, extend_lens),
             max_extend=max_extend,
             max_kv_len=max_kv_len,
             num_kv_splits=0,
@@ -85,7 +91,7 @@ class TritonAttnBackend:
             kind=kind,
             kv_lens=fb.kv_lens,
             extend_lens=extend_lens,
-            extend_start_loc=torch.cumsum(extend_lens, 0) - extend_lens,
+            extend_start_loc=_start_locs(kind, extend_lens),
             max_extend=n,
             max_kv_len=self.req_to_token.shape[1],
             num_kv_splits=0,
@@ -131,6 +137,7 @@ class TritonAttnBackend:
                 md.mid_lse,
             )
         tree = md.kind == "tree"
+        assert md.extend_start_loc is not None
         return _prefill_attention(
             q,
             k_buf,

@@ -78,8 +78,8 @@ def _attention(attn: LlamaAttention, x: torch.Tensor, fb: ForwardBatch, rotary: 
     assert attn.qkv_proj is not None, "merge_projections first"
     qkv = attn.qkv_proj(x).view(t, nh + 2 * nkv, attn.head_dim)
     pool = fb.kv_pool
-    rope_store_kv_(qkv, nh, rotary.cos, rotary.signed_sin, pool.k_buffer[attn.layer_id],
-                   pool.v_buffer[attn.layer_id], fb.out_cache_loc)  # fmt: skip
+    rope_store_kv_(qkv, nh, rotary.cos_table, rotary.sin_table, pool.k_buffer[attn.layer_id],
+                   pool.v_buffer[attn.layer_id], fb.out_cache_loc, rotary.positions)  # fmt: skip
     return attend(attn, qkv, fb)
 
 
@@ -127,8 +127,8 @@ def _gemv_layer(
     norm = layer.input_layernorm
     qkv, entering = norm_qkv_rope_store_kv(
         h, residual, norm.weight, norm.eps, qkv_proj.weight, qkv_proj.bias, attn.num_heads,
-        rotary.cos, rotary.signed_sin, pool.k_buffer[attn.layer_id],
-        pool.v_buffer[attn.layer_id], fb.out_cache_loc,
+        rotary.cos_table, rotary.sin_table, pool.k_buffer[attn.layer_id],
+        pool.v_buffer[attn.layer_id], fb.out_cache_loc, rotary.positions,
     )  # fmt: skip
     h = attend(attn, qkv, fb, gemv=True)
     norm = layer.post_attention_layernorm

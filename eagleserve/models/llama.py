@@ -6,6 +6,7 @@ metadata comes from `get_forward_batch()`; the K/V of new tokens go to the paged
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -90,14 +91,14 @@ class RotaryEmbedding(nn.Module):
         self.rounded: dict[tuple[torch.dtype, torch.device], tuple[torch.Tensor, ...]] = {}
 
     def at(self, positions: torch.Tensor, dtype: torch.dtype) -> BoundRotary:
-        """The rotation of these positions, looked up once per forward for every layer."""
+        """The rotation of these positions, bound once per forward for every layer."""
         cos, sin = self.cos_cache, self.signed_sin_cache
         if dtype != cos.dtype:
             key = (dtype, cos.device)
             if key not in self.rounded:
                 self.rounded[key] = (cos.to(dtype), sin.to(dtype))
             cos, sin = self.rounded[key]
-        return BoundRotary(cos[positions], sin[positions])  # [T, 1, D]
+        return BoundRotary(cos, sin, positions)
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
@@ -106,10 +107,23 @@ class RotaryEmbedding(nn.Module):
 
 
 class BoundRotary:
-    """cos / signed sin [T, 1, D] of one forward's positions; called like RotaryEmbedding."""
+    """One forward's rotation: the cos / signed-sin tables [P, 1, D] in the model dtype and
+    the positions [T]; called like RotaryEmbedding. `cos` / `signed_sin` [T, 1, D] are gathered
+    at their first use, once for every layer: the fused kernels read the tables at the
+    positions themselves, so a forward on them gathers nothing."""
 
-    def __init__(self, cos: torch.Tensor, signed_sin: torch.Tensor) -> None:
-        self.cos, self.signed_sin = cos, signed_sin
+    def __init__(
+        self, cos_table: torch.Tensor, sin_table: torch.Tensor, positions: torch.Tensor
+    ) -> None:
+        self.cos_table, self.sin_table, self.positions = cos_table, sin_table, positions
+
+    @functools.cached_property
+    def cos(self) -> torch.Tensor:
+        return self.cos_table[self.positions]
+
+    @functools.cached_property
+    def signed_sin(self) -> torch.Tensor:
+        return self.sin_table[self.positions]
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
         # x [T, heads, D]: x*cos + rotate_half(x)*sin, as transformers computes it.
@@ -118,7 +132,7 @@ class BoundRotary:
     def __call__(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        assert positions.shape[0] == self.cos.shape[0], "bound to other positions"
+        assert positions.shape[0] == self.positions.shape[0], "bound to other positions"
         return self.apply(q), self.apply(k)
 
 

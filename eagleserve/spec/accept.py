@@ -25,6 +25,7 @@ import torch
 from eagleserve.device import tensor_to
 from eagleserve.distributed.parallel import broadcast_from_first
 from eagleserve.sampling.sampler import SamplingInfo, greedy_ids, logits_to_probs
+from eagleserve.spec.tree import parents_from_mask
 
 __all__ = [
     "AcceptResult",
@@ -178,20 +179,27 @@ def verify_greedy_chain(draft_tokens: torch.Tensor, target_predict: torch.Tensor
 def packed_greedy(
     tokens: torch.Tensor,
     logits: torch.Tensor,
-    parents: torch.Tensor | None = None,
+    tree_mask: torch.Tensor | None = None,
     max_depth: int | None = None,
+    *,
+    kernel: bool = False,
 ) -> torch.Tensor:
     """The greedy acceptance of the target's argmax at each node of `tokens` [bs, n] (a chain
-    when `parents` is None: `verify_greedy_chain`; else `verify_greedy` of the tree), packed
-    into one [bs, 2D + 2] tensor (accept_index, output_tokens, accept_lens, bonus_tokens): a
-    verify graph computes it after its forward, so an all-greedy batch's acceptance launches
-    nothing from the host (`unpack_greedy`)."""
+    when `tree_mask` is None: `verify_greedy_chain`; else `verify_greedy` of the tree whose
+    ancestor mask [bs, n, n] it is), packed into one [bs, 2D + 2] tensor (accept_index,
+    output_tokens, accept_lens, bonus_tokens): a verify graph computes it after its forward,
+    so an all-greedy batch's acceptance launches nothing from the host (`unpack_greedy`).
+    `kernel`: the walk in one Triton launch (kernels/triton_accept.py), the same values."""
     bs, n = tokens.shape
     predict = greedy_ids(logits).view(bs, n)
+    if kernel:
+        from eagleserve.kernels.triton_accept import greedy_accept  # imports triton
+
+        return greedy_accept(tokens.long(), predict, tree_mask, max_depth)
     acc = (
         verify_greedy_chain(tokens, predict)
-        if parents is None
-        else verify_greedy(tokens, parents, predict, max_depth=max_depth)
+        if tree_mask is None
+        else verify_greedy(tokens, parents_from_mask(tree_mask), predict, max_depth=max_depth)
     )
     return torch.cat([acc.accept_index, acc.output_tokens, acc.accept_lens[:, None],
                       acc.bonus_tokens[:, None]], dim=1)  # fmt: skip

@@ -4,8 +4,8 @@ graph (`DraftExtendGraphs`; SGLang's EAGLEDraftExtendCudaGraphRunner).
 
 After a verify an accelerator keeps the extend at a fixed shape (spec/eagle_worker.py,
 `AcceptedPaths.extend`): every request holds all `width` rows of its accepted path, a row past its
-accept length writes its head K/V to slot 0 and seeds nothing (`mask_path_rows`, done inside the
-graph: no launch from the host). That is a forward of `width`
+accept length writes its head K/V to slot 0 and seeds nothing (`mask_path_rows`; the graph
+does the same on constants it holds: no launch from the host). That is a forward of `width`
 tokens per request, the shape a graph replays; only the accept lengths vary, and they enter as
 data. Eager, the same extend costs a hundred-odd small kernels launched from the host per
 iteration.
@@ -90,7 +90,14 @@ def top_candidates(logits: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch
 def seed_from_logits(
     head: EagleHead, logits: torch.Tensor, features: torch.Tensor, topk: int
 ) -> EagleDraftInput:
-    """The next draft's seed: the head's top-k (target ids) and the features it continues from."""
+    """The next draft's seed: the head's top-k (target ids) and the features it continues from.
+    A chain's on a head on the fused kernels: one launch (kernels/triton_top1.py), the same
+    ids."""
+    if topk == 1 and head.fused_kernels and head.target_ids is not None:
+        from eagleserve.kernels.triton_top1 import top1  # imports triton: only where it runs
+
+        topk_p, target_ids = top1(logits, head.target_ids)
+        return EagleDraftInput(topk_p, target_ids, features)
     topk_p, topk_ids = top_candidates(logits, topk)
     return EagleDraftInput(topk_p, head.to_target_ids(topk_ids), features)
 
@@ -114,6 +121,12 @@ class DraftExtendGraphs:
     ) -> None:
         self.head, self.attn_backend, self.topk = head, attn_backend, topk
         extras = {"features": ((head.feature_size,), dtype), "accept_lens": ((), torch.long)}
+        # Constants of the row bookkeeping, made before any capture (a graph only reads them):
+        # the path steps 0..width-1, each request's row before its path (b * width - 1), and
+        # the last rows' extend lengths (one each).
+        self.steps = {w: torch.arange(w, device=device) for w in widths}
+        self.row_base = {w: torch.arange(max_bs, device=device) * w - 1 for w in widths}
+        self.ones = torch.ones(max_bs, dtype=torch.long, device=device)
         self.graphs = {
             w: GraphedForward(
                 self.path_seed,
@@ -143,28 +156,33 @@ class DraftExtendGraphs:
         prefix), so they read valid memory."""
         width, bs = fb.host.max_extend, fb.batch_size
         a = extras["accept_lens"].view(bs, width)[:, 0].clamp(min=1)
-        # Padding requests' rows hold slot 0 already; a real request accepts at least 1.
-        path, last_rows = mask_path_rows(dataclasses.replace(fb, extend_lens=a))
-        committed = fb.prefix_lens + a - 1
+        # `mask_path_rows` on the constants: padding requests' rows hold slot 0 already; a
+        # real request accepts at least 1.
+        valid = (self.steps[width][None, :] < a[:, None]).reshape(-1)
+        ids = fb.input_ids.clamp(min=0)
+        loc = torch.where(valid, fb.out_cache_loc, 0)
+        last_rows = self.row_base[width][:bs] + a
+        kv_lens = fb.prefix_lens + a  # the last row's position is kv_lens - 1
+        committed = kv_lens - 1
         static = hasattr(self.attn_backend, "init_forward_metadata_static")
         last = ForwardBatch(
             mode="draft",
-            input_ids=path.input_ids[last_rows],
-            positions=fb.positions[last_rows],
-            out_cache_loc=path.out_cache_loc[last_rows],
+            input_ids=ids[last_rows],
+            positions=committed,
+            out_cache_loc=loc[last_rows],
             req_pool_indices=fb.req_pool_indices,
             prefix_lens=committed,
-            extend_lens=torch.ones_like(a),
+            extend_lens=self.ones[:bs],
             host=HostLens(1, fb.host.max_kv, True),
             kv_pool=fb.kv_pool,
             attn_backend=self.attn_backend,
-            kv_lens=committed + 1 if static else None,
+            kv_lens=kv_lens if static else None,
         )
         if static:
             self.attn_backend.init_forward_metadata_static(last)  # type: ignore[attr-defined]
         g = self.head.fused_features(extras["features"])
         with forward_context(last):
-            self.head.write_kv(path.input_ids, g, fb.positions, path.out_cache_loc)
+            self.head.write_kv(ids, g, fb.positions, loc)
             logits, next_feats = self.head(last.input_ids, g[last_rows], last.positions)
         seed = seed_from_logits(self.head, logits, next_feats, self.topk)
         return seed.topk_p, seed.topk_index, seed.hidden_states

@@ -12,6 +12,7 @@ tensors; a tree's verify tree (TreeInfo's tensors).
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -31,26 +32,47 @@ LoopOutputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # parents, score 
 TreeOutputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
+@dataclass(frozen=True)
+class ChainRows:
+    """The rows of every draft step of a chain over the requests of a batch, made before the
+    steps (three launches, not three a step): row depth - 1 of each [steps, bs] tensor is the
+    draft at `depth` (1-based), a 1-token decode at position L + depth - 1."""
+
+    positions: torch.Tensor
+    out_cache_loc: torch.Tensor  # the KV slot at each position
+    kv_lens: torch.Tensor  # positions + 1
+
+
+def chain_rows(
+    fb: ForwardBatch, req_to_token: torch.Tensor, offsets: torch.Tensor, steps: int
+) -> ChainRows:
+    """`ChainRows` of `steps` draft steps over the requests of `fb` (committed lengths L as
+    prefix_lens); `offsets` [>= steps] is 0, 1, 2, ... (a constant: no launch of its own)."""
+    positions = fb.prefix_lens[None, :] + offsets[:steps, None]
+    loc = req_to_token[fb.req_pool_indices[None, :], positions]
+    return ChainRows(positions, loc, positions + 1)
+
+
 def chain_step_batch(
-    fb: ForwardBatch, req_to_token: torch.Tensor, input_ids: torch.Tensor, depth: int, static: bool
-) -> ForwardBatch:
-    """Draft depth `depth` (1-based) of a chain over the requests of `fb` (as `tree_step_batch`):
-    a 1-token decode at position L + depth - 1, its KV slot there. `static`: the KV lengths as
-    a tensor, for metadata a graph can hold (the backend's static metadata)."""
-    L, rpi = fb.prefix_lens, fb.req_pool_indices
-    positions = L + (depth - 1)
+    fb: ForwardBatch, rows: ChainRows, input_ids: torch.Tensor, depth: int, static: bool,
+    max_context: int,
+) -> ForwardBatch:  # fmt: skip
+    """Draft depth `depth` (1-based) of a chain over the requests of `fb` (as `tree_step_batch`),
+    its row of `rows`. `static`: the KV lengths as a tensor, for metadata a graph can hold (the
+    backend's static metadata); `max_context` bounds the KV lengths (req_to_token's width)."""
+    positions = rows.positions[depth - 1]
     return ForwardBatch(
         mode="draft",
         input_ids=input_ids,
         positions=positions,
-        out_cache_loc=req_to_token[rpi, positions],
-        req_pool_indices=rpi,
+        out_cache_loc=rows.out_cache_loc[depth - 1],
+        req_pool_indices=fb.req_pool_indices,
         prefix_lens=positions,
         extend_lens=fb.extend_lens,
-        host=HostLens(1, min(fb.host.max_kv + depth, req_to_token.shape[1]), True),
+        host=HostLens(1, min(fb.host.max_kv + depth, max_context), True),
         kv_pool=fb.kv_pool,
         attn_backend=fb.attn_backend,
-        kv_lens=positions + 1 if static else None,
+        kv_lens=rows.kv_lens[depth - 1] if static else None,
     )
 
 
@@ -104,6 +126,11 @@ class DraftLoops:
         self.topk, self.num_draft_tokens = topk, num_draft_tokens
         self.chain_buffers = chain_buffers
         self.static = hasattr(attn_backend, "init_forward_metadata_static")
+        # 0, 1, 2, ...: a chain's step offsets (`chain_rows`), made before any capture.
+        self.offsets = torch.arange(max(chain_buffers, default=1), device=req_to_token.device)
+
+    def chain_rows(self, fb: ForwardBatch, steps: int) -> ChainRows:
+        return chain_rows(fb, self.req_to_token, self.offsets, steps)
 
     def graph(
         self, k: int, max_bs: int, dtype: torch.dtype, device: torch.device
@@ -132,8 +159,11 @@ class DraftLoops:
         """The k-step chain draft (`draft_chain`). A graph passes the longest row as the
         bound of the committed lengths (its static metadata covers every length)."""
 
+        rows = self.chain_rows(fb, k - 1)
+        width = self.req_to_token.shape[1]
+
         def step(ids: torch.Tensor, feats: torch.Tensor, depth: int, *_: object) -> LoopOutputs:
-            sfb = chain_step_batch(fb, self.req_to_token, ids, depth, self.static)
+            sfb = chain_step_batch(fb, rows, ids, depth, self.static, width)
             return self._seed(sfb, ids, feats)
 
         info = EagleDraftInput(extras["topk_p"], extras["topk_index"], extras["hidden"])

@@ -33,7 +33,7 @@ from eagleserve.models.loader import resolve_draft_path
 from eagleserve.spec.adaptive import acceptance_prior
 from eagleserve.spec.draft_extend import DraftExtendGraphs, last_rows_forward, seed_from_logits
 from eagleserve.spec.draft_lag import DraftLag, catch_up_batch
-from eagleserve.spec.draft_loop import DraftLoops, chain_step_batch, tree_step_batch
+from eagleserve.spec.draft_loop import ChainRows, DraftLoops, chain_step_batch, tree_step_batch
 from eagleserve.spec.draft_tree import draft_chain, draft_tree
 from eagleserve.spec.head_loader import load_eagle_head, measured_acceptance
 from eagleserve.spec.tree import Topk1ChainBuffers, TreeInfo, build_chain, build_tree
@@ -65,7 +65,9 @@ class EagleDraftWorker:
             from eagleserve.models.batch_invariant import make_batch_invariant
 
             make_batch_invariant(self.head)
-        # The target id of every draft id: grammar masks (target vocabulary) onto head logits.
+        # The target id of every draft id: drafts map their ids by it, and grammar masks
+        # (target vocabulary) map onto head logits.
+        self.head.freeze_vocab_map()
         vd = self.head.draft_vocab_size
         self.draft_to_target = self.head.to_target_ids(torch.arange(vd, device=device))
         # EAGLE-3 fuses hidden states entering three target layers; the head says which.
@@ -275,6 +277,8 @@ class EagleDraftWorker:
             attn_backend=self.attn_backend,
         )
 
+        rows = self.loops.chain_rows(base, num_steps - 1) if spec.is_chain else None
+
         def step(
             ids: torch.Tensor,
             feats: torch.Tensor,
@@ -285,7 +289,7 @@ class EagleDraftWorker:
             allowed = None
             if grammar is not None and paths is not None:
                 allowed = grammar.branch_allowed(paths, self.device)
-            return self._step(base, ids, feats, depth, mask, allowed)
+            return self._step(base, ids, feats, depth, mask, allowed, rows)
 
         track = grammar is not None
         loop = None if track else self.loop_graphs.get(num_steps)
@@ -310,14 +314,17 @@ class EagleDraftWorker:
         depth: int,
         region_mask: torch.Tensor | None,
         allowed: torch.Tensor | None = None,
+        rows: ChainRows | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Head forward for draft depth `depth` (1-based) of every branch of `base`'s requests
         (committed lengths L as prefix_lens); returns its top-k. A chain step is a 1-token
-        decode after L + depth - 1 positions; tree branches (`tree_step_batch`) also see the
-        region nodes `region_mask` allows."""
+        decode after L + depth - 1 positions (its row of `rows`); tree branches
+        (`tree_step_batch`) also see the region nodes `region_mask` allows."""
         topk = self.spec.eagle_topk
         if topk == 1:  # eager metadata: the per-step graph replays only such a batch
-            fb = chain_step_batch(base, self.req_to_token, input_ids, depth, static=False)
+            assert rows is not None, "a chain step needs the chain's rows"
+            width = self.req_to_token.shape[1]
+            fb = chain_step_batch(base, rows, input_ids, depth, False, width)
         else:
             fb = tree_step_batch(base, self.req_to_token, input_ids, depth, topk, region_mask)
         if self.graph is not None and self.graph.can_replay(fb):

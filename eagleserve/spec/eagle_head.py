@@ -152,6 +152,7 @@ class EagleHead(nn.Module):
         self.kv_proj: nn.Linear | None = None  # set by fuse_projections
         self.cpu_layer: CpuHeadLayer | None = None  # set by use_row_kernels
         self.fused_kernels = False  # set by use_fused_kernels (spec/fused_head.py)
+        self.target_ids: torch.Tensor | None = None  # set by freeze_vocab_map
 
     @property
     def target(self) -> LlamaForCausalLM:
@@ -162,18 +163,21 @@ class EagleHead(nn.Module):
         layer = self.layers[0] if self.algorithm == "EAGLE" else self.midlayer
         return layer.self_attn
 
-    def _inputs(
-        self, input_ids: torch.Tensor, features: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the rows' token embeddings, their features in the embeddings' dtype)."""
+    def _features(self, features: torch.Tensor) -> torch.Tensor:
+        """The rows' features, checked, in the embeddings' dtype."""
         width = features.shape[-1]
         if width not in (self.feature_size, self.hidden_size):
             raise ValueError(
                 f"{self.algorithm} head got features of width {width}, expected "
                 f"{self.feature_size} (target) or {self.hidden_size} (previous draft step)"
             )
-        emb = self.target.model.embed_tokens(input_ids)  # [T, h]
-        return emb, features.to(emb.dtype)
+        return features.to(self.target.model.embed_tokens.weight.dtype)
+
+    def _inputs(
+        self, input_ids: torch.Tensor, features: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the rows' token embeddings, their features in the embeddings' dtype)."""
+        return self.target.model.embed_tokens(input_ids), self._features(features)
 
     def fused_features(self, features: torch.Tensor) -> torch.Tensor:
         """EAGLE3's g [T, h]: target features (k*h) fused by fc; a later step's h-wide output
@@ -201,6 +205,12 @@ class EagleHead(nn.Module):
         """input_ids [T] (token t[j+1]), features [T, feature_size or h] (aligned with t[j]),
         positions [T]. Returns (logits [T, draft_vocab], fp32 except on the fused kernels, which
         keep the model dtype; next_features [T, h])."""
+        if self.fused_kernels and in_forward():  # the embedding is looked up in a kernel
+            from eagleserve.spec import fused_head  # imports triton: only where it runs
+
+            g = self.fused_features(self._features(features))
+            rotary = self.rotary_emb.at(positions, g.dtype)
+            return fused_head.layer_forward(self, input_ids, g, get_forward_batch(), rotary)
         emb, feats = self._inputs(input_ids, features)
         # Bound once: a fused q/k/v then rotates q and k together (one kernel on a CPU).
         rotary = self.rotary_emb.at(positions, emb.dtype)
@@ -208,11 +218,6 @@ class EagleHead(nn.Module):
             fb = get_forward_batch()
             if CpuLayers.applies(fb, emb):  # the layer and lm_head in one kernel call
                 return self.cpu_layer.forward(emb, self.fused_features(feats), fb, rotary)
-        if self.fused_kernels and in_forward():
-            from eagleserve.spec import fused_head  # imports triton: only where it runs
-
-            g = self.fused_features(feats)
-            return fused_head.layer_forward(self, emb, g, get_forward_batch(), rotary)
         attn_in, residual = self._attention_input(emb, feats)
         x = residual + self.attn(attn_in, positions, rotary)
         if self.algorithm == "EAGLE":
@@ -236,10 +241,9 @@ class EagleHead(nn.Module):
         if self.fused_kernels:
             from eagleserve.spec import fused_head
 
-            emb, feats = self._inputs(input_ids, features)
-            rotary = self.rotary_emb.at(positions, emb.dtype)
-            fused_head.write_kv(self, emb, self.fused_features(feats), rotary,
-                                get_forward_batch(), out_cache_loc)  # fmt: skip
+            g = self.fused_features(self._features(features))
+            rotary = self.rotary_emb.at(positions, g.dtype)
+            fused_head.write_kv(self, input_ids, g, rotary, get_forward_batch(), out_cache_loc)
             return
         attn_in, _ = self._attention_input(*self._inputs(input_ids, features))
         attn = self.attn
@@ -300,7 +304,16 @@ class EagleHead(nn.Module):
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         if self.algorithm == "EAGLE":
             return draft_ids
+        if self.target_ids is not None:  # one gather where a drafting step has two
+            return self.target_ids[draft_ids]
         return draft_ids + self.d2t[draft_ids]
+
+    def freeze_vocab_map(self) -> None:
+        """Serving, after loading: the target id of every draft id as one table, so a draft
+        maps its ids in one gather. `d2t` must not change afterwards."""
+        if self.algorithm == "EAGLE3":
+            ids = torch.arange(self.draft_vocab_size, device=self.d2t.device)
+            self.target_ids = ids + self.d2t[ids]
 
     def materialize(self, device: torch.device, dtype: torch.dtype) -> EagleHead:
         """After construction on meta: real (uninitialized) parameters in `dtype` on `device`,

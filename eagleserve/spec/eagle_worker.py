@@ -31,7 +31,6 @@ from eagleserve.spec.accepted_path import AcceptedPaths
 from eagleserve.spec.adaptive import AdaptiveController, depth_choices
 from eagleserve.spec.cost_table_cache import cost_table
 from eagleserve.spec.draft_worker import EagleDraftWorker
-from eagleserve.spec.tree import parents_from_mask
 
 
 class EagleWorker:
@@ -58,8 +57,7 @@ class EagleWorker:
         if runner.graphs_enabled(args):
             max_bs = args.graph_max_bs()
             # Verify graphs also walk the greedy acceptance (packed_greedy).
-            epilogue = _chain_epilogue if spec.is_chain else self._tree_epilogue
-            runner.capture_graphs(max_bs, verify_sizes, not spec.is_chain, epilogue)
+            runner.capture_graphs(max_bs, verify_sizes, not spec.is_chain, self._epilogue)
         self.controller: AdaptiveController | None = None
         if spec.adaptive:
             buckets = tuple(b for b in BUCKETS if b < args.max_running_requests)
@@ -74,11 +72,12 @@ class EagleWorker:
         `accept` returns, less one); a chain's are its length."""
         return None if self.spec.is_chain else self.spec.num_steps
 
-    def _tree_epilogue(self, fb: ForwardBatch, logits: torch.Tensor) -> tuple[torch.Tensor]:
+    def _epilogue(self, fb: ForwardBatch, logits: torch.Tensor) -> tuple[torch.Tensor]:
+        """A verify graph's greedy walk (`packed_greedy`), on the walk kernel where the target
+        runs the fused Triton kernels."""
         tokens = fb.input_ids.view(fb.batch_size, -1)
-        assert fb.tree_mask is not None
-        parents = parents_from_mask(fb.tree_mask)
-        return (packed_greedy(tokens, logits, parents, self.max_depth),)
+        kernel = self.runner.model.fused_kernels
+        return (packed_greedy(tokens, logits, fb.tree_mask, self.max_depth, kernel=kernel),)
 
     # ---- scheduler interface ---------------------------------------------------------------
     def plan_launch(self, batch: ScheduleBatch, prior: list[float], partial: Req | None) -> None:
@@ -356,7 +355,3 @@ class EagleWorker:
             result.top_logprob_vals = vals.view(*rows.shape, -1)
             result.top_logprob_ids = ids.view(*rows.shape, -1)
         return result
-
-
-def _chain_epilogue(fb: ForwardBatch, logits: torch.Tensor) -> tuple[torch.Tensor]:
-    return (packed_greedy(fb.input_ids.view(fb.batch_size, -1), logits),)

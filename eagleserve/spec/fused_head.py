@@ -3,8 +3,8 @@ a target that runs them (a GPU with Triton attention; the interpreter in tests).
 
 Unfused in 16 bits, a head step launches some sixty kernels: each of its four RMSNorms is eight
 ops (upcast, square, mean, add, rsqrt, two products, the cast back), rotary four per tensor, and
-q, k, v, gate and up are GEMMs of their own. On these kernels a step is about fifteen:
-- the two input norms written into the halves of one [T, 2h] row (no cat);
+q, k, v, gate and up are GEMMs of their own. On these kernels a step is about ten:
+- the embedding lookup and the two input norms, written into the halves of one [T, 2h] row;
 - the qkv GEMM, then rotary and the K/V write in one launch;
 - attention and o_proj, as a target layer runs them;
 - [add + post norm + gate_up], [SiLU*mul + down] and [add + final norm + lm_head] on the GEMV
@@ -13,7 +13,7 @@ q, k, v, gate and up are GEMMs of their own. On these kernels a step is about fi
 Values are rounded where the unfused head rounds them (rotary: once, not three times), so the
 drafts match the unfused head's up to 16-bit rounding; they only propose tokens, and the verify
 decides what is committed. Logits stay in the model dtype: the draft's softmax upcasts them
-as it reads them (`top_candidates`).
+as it reads them (`top_candidates`; a chain's top-1 is one more launch, kernels/triton_top1.py).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from eagleserve.kernels.triton_fused import add_rms_norm, rope_store_kv_, silu_mul
+from eagleserve.kernels.triton_fused import add_rms_norm, embed_norm_pair, rope_store_kv_, silu_mul
 from eagleserve.kernels.triton_gemv import gemm, norm_gemm, silu_mul_gemm
 from eagleserve.models.fused_forward import attend, use_gemv
 
@@ -38,31 +38,34 @@ def _project(x: torch.Tensor, linear: nn.Module, gemv: bool) -> torch.Tensor:
     return gemm(x, linear.weight) if gemv else linear(x)
 
 
-def attention_input(head: EagleHead, emb: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    """cat(input_layernorm(emb), hidden_norm(g)) [T, 2h] in two launches, each norm writing its
-    half of the row."""
-    m, h = head.midlayer, head.hidden_size
-    x = emb.new_empty(emb.shape[0], 2 * h)
-    add_rms_norm(emb, None, m.input_layernorm.weight, m.input_layernorm.eps, out=x[:, :h])
-    add_rms_norm(g, None, m.hidden_norm.weight, m.hidden_norm.eps, out=x[:, h:])
-    return x
+def attention_input(head: EagleHead, input_ids: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """cat(input_layernorm(embed(input_ids)), hidden_norm(g)) [T, 2h] in one launch."""
+    m = head.midlayer
+    norms = (m.input_layernorm, m.hidden_norm)
+    return embed_norm_pair(input_ids, head.target.model.embed_tokens.weight, g,
+                           (norms[0].weight, norms[1].weight),
+                           (norms[0].eps, norms[1].eps))  # fmt: skip
 
 
 def layer_forward(
-    head: EagleHead, emb: torch.Tensor, g: torch.Tensor, fb: ForwardBatch, rotary: BoundRotary
+    head: EagleHead,
+    input_ids: torch.Tensor,
+    g: torch.Tensor,
+    fb: ForwardBatch,
+    rotary: BoundRotary,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(draft logits [T, draft_vocab] in the model dtype, next features [T, h]) of rows with
-    these embeddings and fused features g, their K/V written to the forward's slots."""
+    these tokens and fused features g, their K/V written to the forward's slots."""
     m = head.midlayer
     attn, mlp, post, final = m.self_attn, m.mlp, m.post_attention_layernorm, head.norm
-    t = emb.shape[0]
-    gemv = use_gemv(head.target, t, emb.dtype)
-    qkv = _project(attention_input(head, emb, g), attn.qkv_proj, gemv)
+    t = g.shape[0]
+    gemv = use_gemv(head.target, t, g.dtype)
+    qkv = _project(attention_input(head, input_ids, g), attn.qkv_proj, gemv)
     qkv = qkv.view(t, attn.num_heads + 2 * attn.num_kv_heads, attn.head_dim)
     pool = fb.kv_pool
-    rope_store_kv_(qkv, attn.num_heads, rotary.cos, rotary.signed_sin,
+    rope_store_kv_(qkv, attn.num_heads, rotary.cos_table, rotary.sin_table,
                    pool.k_buffer[attn.layer_id], pool.v_buffer[attn.layer_id],
-                   fb.out_cache_loc)  # fmt: skip
+                   fb.out_cache_loc, rotary.positions)  # fmt: skip
     o = attend(attn, qkv, fb, gemv)
     assert isinstance(mlp.gate_up_proj, nn.Linear)
     if gemv:  # the residual stream (x = g + o, then out = x + mlp) is added inside the norms
@@ -77,18 +80,19 @@ def layer_forward(
 
 def write_kv(
     head: EagleHead,
-    emb: torch.Tensor,
+    input_ids: torch.Tensor,
     g: torch.Tensor,
     rotary: BoundRotary,
     fb: ForwardBatch,
     out_cache_loc: torch.Tensor,
 ) -> None:
-    """The K/V of rows with these embeddings and fused features, rotated, into their slots of
-    the forward's pool: four launches."""
-    attn, t = head.midlayer.self_attn, emb.shape[0]
+    """The K/V of rows with these tokens and fused features, rotated, into their slots of the
+    forward's pool: three launches."""
+    attn, t = head.midlayer.self_attn, g.shape[0]
     assert head.kv_proj is not None
-    kv = _project(attention_input(head, emb, g), head.kv_proj, use_gemv(head.target, t, emb.dtype))
+    x = attention_input(head, input_ids, g)
+    kv = _project(x, head.kv_proj, use_gemv(head.target, t, g.dtype))
     pool = fb.kv_pool
-    rope_store_kv_(kv.view(t, 2 * attn.num_kv_heads, attn.head_dim), 0, rotary.cos,
-                   rotary.signed_sin, pool.k_buffer[attn.layer_id],
-                   pool.v_buffer[attn.layer_id], out_cache_loc)  # fmt: skip
+    rope_store_kv_(kv.view(t, 2 * attn.num_kv_heads, attn.head_dim), 0, rotary.cos_table,
+                   rotary.sin_table, pool.k_buffer[attn.layer_id],
+                   pool.v_buffer[attn.layer_id], out_cache_loc, rotary.positions)  # fmt: skip

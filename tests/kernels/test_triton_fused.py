@@ -120,3 +120,42 @@ def test_rope_store_kv_matches_unfused(dtype: torch.dtype, shape: tuple, rows: i
     close(k_buf, k_buf_ref)  # other slots kept: compared whole
     assert torch.equal(v_buf, v_buf_ref)
     assert torch.equal(k_buf[loc], qkv[:, nh : nh + nkv])  # the cache holds what attention reads
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 6])
+def test_rope_store_kv_reads_the_tables_at_the_positions(dtype: torch.dtype, rows: int) -> None:
+    """Given the rotary tables and the positions (no gather before the launch, as the fused
+    forwards call it), the kernel writes the bits it writes from the gathered rows."""
+    _, _, nh, nkv, d = SHAPES[0]
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 10**6, ())))
+    rotary = RotaryEmbedding(model_config(nh, nkv, d, llama3=False), 512).to(DEVICE)
+    positions = torch.randint(0, 512, (rows,), generator=gen).to(DEVICE)
+    bound = rotary.at(positions, dtype)
+    qkv = randn(rows, nh + 2 * nkv, d, gen=gen, dtype=dtype)
+    slots = 2 * rows + 3
+    bufs = [randn(slots, nkv, d, gen=gen, dtype=dtype) for _ in range(2)]
+    loc = torch.randperm(slots, generator=gen)[:rows].to(DEVICE)
+    want_qkv, want_bufs = qkv.clone(), [b.clone() for b in bufs]
+    tf.rope_store_kv_(want_qkv, nh, bound.cos, bound.signed_sin, *want_bufs, loc)
+    tf.rope_store_kv_(qkv, nh, bound.cos_table, bound.sin_table, *bufs, loc, positions)
+    assert torch.equal(qkv, want_qkv)
+    assert all(torch.equal(b, w) for b, w in zip(bufs, want_bufs))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 7])
+def test_embed_norm_pair_is_a_lookup_and_two_norms(dtype: torch.dtype, rows: int) -> None:
+    """One launch writes the bits of an embedding lookup and two add_rms_norm launches into
+    the halves of one row (an EAGLE3 head's attention input)."""
+    n, vocab = SHAPES[0][0], 300
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 10**6, ())))
+    table = randn(vocab, n, gen=gen, dtype=dtype)
+    ids = torch.randint(0, vocab, (rows,), generator=gen).to(DEVICE)
+    g = randn(rows, n, gen=gen, dtype=dtype)
+    w1, w2 = (1 + 0.1 * randn(n, gen=gen, dtype=dtype) for _ in range(2))
+    want = torch.empty(rows, 2 * n, dtype=dtype, device=DEVICE)
+    tf.add_rms_norm(table[ids], None, w1, 1e-5, out=want[:, :n])
+    tf.add_rms_norm(g, None, w2, 1e-6, out=want[:, n:])
+    got = tf.embed_norm_pair(ids, table, g, (w1, w2), (1e-5, 1e-6))
+    assert torch.equal(got, want)

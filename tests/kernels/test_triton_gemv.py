@@ -237,3 +237,31 @@ def assert_rows_do_not_depend_on_the_batch(dtype: torch.dtype) -> None:
     for i in (0, 15, 16, 39):  # a row alone, from any block and any place in it
         for got, want in zip(layer(slice(i, i + 1)), full, strict=True):
             assert torch.equal(got, want[i : i + 1]), i
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+@pytest.mark.parametrize("split_k", [1, 3])
+def test_norm_qkv_rope_store_kv_reads_the_tables_at_the_positions(rows: int, split_k: int
+                                                                  ) -> None:  # fmt: skip
+    """Given [P, 1, D] tables and the rows' positions, the launch writes the bits it writes
+    from the rows gathered at those positions (split or not: the epilogue reads them too)."""
+    hidden, nh, nkv, d, _ = SHAPES[0]
+    dtype = torch.bfloat16
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 10**6, ())))
+    table_cos, table_sin = rotary(64, d, gen, dtype)
+    positions = torch.randint(0, 64, (rows,), generator=gen).to(DEVICE)
+    x, res = (randn(rows, hidden, gen=gen, dtype=dtype) for _ in range(2))
+    norm_w = 1 + 0.1 * randn(hidden, gen=gen, dtype=dtype)
+    w = randn((nh + 2 * nkv) * d, hidden, gen=gen, dtype=dtype) / hidden**0.5
+    slots = 2 * rows + 5
+    bufs = [randn(slots, nkv, d, gen=gen, dtype=dtype) for _ in range(2)]
+    loc = torch.randperm(slots, generator=gen)[:rows].to(DEVICE)
+    want_bufs = [b.clone() for b in bufs]
+    with split(split_k):
+        want, _ = tq.norm_qkv_rope_store_kv(x, res, norm_w, 1e-5, w, None, nh,
+                                            table_cos[positions], table_sin[positions],
+                                            *want_bufs, loc)  # fmt: skip
+        got, _ = tq.norm_qkv_rope_store_kv(x, res, norm_w, 1e-5, w, None, nh, table_cos,
+                                           table_sin, *bufs, loc, positions)  # fmt: skip
+    assert torch.equal(got, want)
+    assert all(torch.equal(b, wb) for b, wb in zip(bufs, want_bufs))

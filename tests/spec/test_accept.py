@@ -149,7 +149,7 @@ def test_a_tree_verify_graph_walks_what_the_host_walks(topk: int, steps: int, n:
     assert torch.equal(parents_from_mask(tree.tree_mask), tree.parents), seed
     assert int(tree.depths.max()) <= steps
     logits = torch.randn(bs * n, vocab, generator=gen)
-    got = unpack_greedy(packed_greedy(tree.draft_tokens, logits, tree.parents, steps))
+    got = unpack_greedy(packed_greedy(tree.draft_tokens, logits, tree.tree_mask, steps))
     want = verify_greedy(tree.draft_tokens, tree.parents, logits.argmax(-1).view(bs, n))
     assert got.accept_index.shape == (bs, steps + 1)
     assert torch.equal(got.accept_lens, want.accept_lens), seed

@@ -394,3 +394,16 @@ def _roundtrip_from(head: EagleHead, path: str, target: LlamaForCausalLM) -> Eag
     for x, y in zip(paged_forward(head, ids, feats), paged_forward(again, ids, feats), strict=True):
         assert torch.equal(x, y)
     return again
+
+
+def test_a_frozen_vocab_map_maps_draft_ids_as_d2t_does(target: LlamaForCausalLM) -> None:
+    """Serving maps draft ids through one table (`freeze_vocab_map`): the target ids of random
+    draft ids, any shape, are those `d2t` gives."""
+    ids = DRAFT_IDS[torch.randperm(len(DRAFT_IDS))]
+    head = init_eagle_head("EAGLE3", target, draft_token_ids=ids, seed=5)
+    draft = torch.randint(0, head.draft_vocab_size, (7, 3))
+    want = head.to_target_ids(draft)
+    assert torch.equal(want, draft + head.d2t[draft]) and not torch.equal(want, draft)
+    head.freeze_vocab_map()
+    assert head.target_ids is not None
+    assert torch.equal(head.to_target_ids(draft), want)
