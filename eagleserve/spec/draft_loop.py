@@ -33,33 +33,58 @@ TreeOutputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 @dataclass(frozen=True)
-class ChainRows:
-    """The rows of every draft step of a chain over the requests of a batch, made before the
-    steps (three launches, not three a step): row depth - 1 of each [steps, bs] tensor is the
-    draft at `depth` (1-based), a 1-token decode at position L + depth - 1."""
+class DraftRows:
+    """The rows of every draft step over the requests of a batch, made before the steps (a few
+    launches, not a few a step). Step `depth` (1-based) is row depth - 1 of each tensor: its
+    branches' positions L + depth - 1 and KV slots [bs * topk] (branch b of a top-k tree at
+    region node (depth - 1) * topk + b; a chain's node at its position), and the requests' KV
+    lengths after it [bs] (L + depth * topk)."""
 
-    positions: torch.Tensor
-    out_cache_loc: torch.Tensor  # the KV slot at each position
-    kv_lens: torch.Tensor  # positions + 1
+    positions: torch.Tensor  # [steps, bs * topk]
+    out_cache_loc: torch.Tensor  # [steps, bs * topk]
+    kv_lens: torch.Tensor  # [steps, bs]
+    extend_lens: torch.Tensor  # [bs]: topk, the rows of a step per request
 
 
-def chain_rows(
-    fb: ForwardBatch, req_to_token: torch.Tensor, offsets: torch.Tensor, steps: int
-) -> ChainRows:
-    """`ChainRows` of `steps` draft steps over the requests of `fb` (committed lengths L as
-    prefix_lens); `offsets` [>= steps] is 0, 1, 2, ... (a constant: no launch of its own)."""
-    positions = fb.prefix_lens[None, :] + offsets[:steps, None]
-    loc = req_to_token[fb.req_pool_indices[None, :], positions]
-    return ChainRows(positions, loc, positions + 1)
+@dataclass(frozen=True)
+class RowOffsets:
+    """Constants of `draft_rows` for up to `steps` steps of `topk` branches, made once."""
+
+    depth: torch.Tensor  # [steps, 1, topk]: d at step d + 1
+    slot: torch.Tensor  # [steps, 1, topk]: d * topk + b
+    kv: torch.Tensor  # [steps, 1]: (d + 1) * topk
+
+    @staticmethod
+    def build(steps: int, topk: int, device: torch.device) -> RowOffsets:
+        d = torch.arange(steps, device=device)[:, None, None]
+        b = torch.arange(topk, device=device)[None, None, :]
+        return RowOffsets((d + 0 * b).contiguous(), d * topk + b, (d[:, :, 0] + 1) * topk)
+
+
+def draft_rows(
+    fb: ForwardBatch, req_to_token: torch.Tensor, offsets: RowOffsets, steps: int
+) -> DraftRows:
+    """`DraftRows` of `steps` draft steps over the requests of `fb` (committed lengths L as
+    prefix_lens, their slots)."""
+    L, rpi = fb.prefix_lens[None, :, None], fb.req_pool_indices[None, :, None]
+    positions = L + offsets.depth[:steps]  # [steps, bs, topk]
+    topk = positions.shape[2]
+    slots = positions if topk == 1 else L + offsets.slot[:steps]
+    loc = req_to_token[rpi, slots]
+    kv_lens = fb.prefix_lens[None, :] + offsets.kv[:steps]
+    per_req = fb.extend_lens if topk == 1 else torch.full_like(fb.prefix_lens, topk)
+    rows = positions.shape[1] * topk  # explicit: a draft of one step has no rows at all
+    return DraftRows(positions.view(steps, rows), loc.view(steps, rows), kv_lens, per_req)
 
 
 def chain_step_batch(
-    fb: ForwardBatch, rows: ChainRows, input_ids: torch.Tensor, depth: int, static: bool,
+    fb: ForwardBatch, rows: DraftRows, input_ids: torch.Tensor, depth: int, static: bool,
     max_context: int,
 ) -> ForwardBatch:  # fmt: skip
     """Draft depth `depth` (1-based) of a chain over the requests of `fb` (as `tree_step_batch`),
-    its row of `rows`. `static`: the KV lengths as a tensor, for metadata a graph can hold (the
-    backend's static metadata); `max_context` bounds the KV lengths (req_to_token's width)."""
+    its row of `rows`: a 1-token decode after L + depth - 1 positions. `static`: the KV lengths
+    as a tensor, for metadata a graph can hold (the backend's static metadata); `max_context`
+    bounds the KV lengths (req_to_token's width)."""
     positions = rows.positions[depth - 1]
     return ForwardBatch(
         mode="draft",
@@ -78,33 +103,31 @@ def chain_step_batch(
 
 def tree_step_batch(
     fb: ForwardBatch,
-    req_to_token: torch.Tensor,
+    rows: DraftRows,
     input_ids: torch.Tensor,
     depth: int,
     topk: int,
     region_mask: torch.Tensor | None,
+    max_context: int,
 ) -> ForwardBatch:
     """Draft depth `depth` (1-based) of a top-k tree, `input_ids` [bs * topk] its branches'
     tokens, over the requests of `fb` (slots, committed lengths L as prefix_lens and their
-    bound host.max_kv, the head's KV and backend): branch b writes head KV at region node
-    (depth - 1) * topk + b, position L + depth - 1, and sees the prefix and the region nodes
-    `region_mask` [bs, topk, depth * topk] allows."""
-    L, rpi = fb.prefix_lens, fb.req_pool_indices
-    region_idx = (depth - 1) * topk + torch.arange(topk, device=L.device)  # [topk]
-    loc = req_to_token[rpi[:, None], L[:, None] + region_idx[None, :]].reshape(-1)
+    bound host.max_kv, the head's KV and backend), its row of `rows`: branch b writes head KV at
+    region node (depth - 1) * topk + b, position L + depth - 1, and sees the prefix and the
+    region nodes `region_mask` [bs, topk, depth * topk] allows."""
     return ForwardBatch(
         mode="draft",
         input_ids=input_ids,
-        positions=(L + depth - 1).repeat_interleave(topk),
-        out_cache_loc=loc,
-        req_pool_indices=rpi,
-        prefix_lens=L,
-        extend_lens=torch.full_like(L, topk),
-        host=HostLens(topk, min(fb.host.max_kv + depth * topk, req_to_token.shape[1]), True),
+        positions=rows.positions[depth - 1],
+        out_cache_loc=rows.out_cache_loc[depth - 1],
+        req_pool_indices=fb.req_pool_indices,
+        prefix_lens=fb.prefix_lens,
+        extend_lens=rows.extend_lens,
+        host=HostLens(topk, min(fb.host.max_kv + depth * topk, max_context), True),
         kv_pool=fb.kv_pool,
         attn_backend=fb.attn_backend,
         tree_mask=region_mask,
-        kv_lens=L + depth * topk,
+        kv_lens=rows.kv_lens[depth - 1],
     )
 
 
@@ -120,17 +143,19 @@ class DraftLoops:
         topk: int,
         num_draft_tokens: int,
         chain_buffers: dict[int, Topk1ChainBuffers],
+        num_steps: int,
     ) -> None:
         self.head, self.kv_pool, self.attn_backend = head, kv_pool, attn_backend
         self.req_to_token = req_to_token
         self.topk, self.num_draft_tokens = topk, num_draft_tokens
         self.chain_buffers = chain_buffers
         self.static = hasattr(attn_backend, "init_forward_metadata_static")
-        # 0, 1, 2, ...: a chain's step offsets (`chain_rows`), made before any capture.
-        self.offsets = torch.arange(max(chain_buffers, default=1), device=req_to_token.device)
+        # `rows`' constants for the longest draft, made here: every graph captures these.
+        self.offsets = RowOffsets.build(max(num_steps - 1, 1), topk, req_to_token.device)
 
-    def chain_rows(self, fb: ForwardBatch, steps: int) -> ChainRows:
-        return chain_rows(fb, self.req_to_token, self.offsets, steps)
+    def rows(self, fb: ForwardBatch, steps: int) -> DraftRows:
+        """`draft_rows` of `steps` (< num_steps) draft steps over the requests of `fb`."""
+        return draft_rows(fb, self.req_to_token, self.offsets, steps)
 
     def graph(
         self, k: int, max_bs: int, dtype: torch.dtype, device: torch.device
@@ -159,7 +184,7 @@ class DraftLoops:
         """The k-step chain draft (`draft_chain`). A graph passes the longest row as the
         bound of the committed lengths (its static metadata covers every length)."""
 
-        rows = self.chain_rows(fb, k - 1)
+        rows = self.rows(fb, k - 1)
         width = self.req_to_token.shape[1]
 
         def step(ids: torch.Tensor, feats: torch.Tensor, depth: int, *_: object) -> LoopOutputs:
@@ -174,15 +199,17 @@ class DraftLoops:
         """The k-step top-k tree draft (`draft_tree`) and the verify tree built from it, rooted
         at the bonus tokens `fb.input_ids`."""
 
+        rows, width = self.rows(fb, k - 1), self.req_to_token.shape[1]
+
         def step(
             ids: torch.Tensor, feats: torch.Tensor, depth: int, mask: torch.Tensor | None,
             *_: object,
         ) -> LoopOutputs:  # fmt: skip
-            sfb = tree_step_batch(fb, self.req_to_token, ids, depth, self.topk, mask)
+            sfb = tree_step_batch(fb, rows, ids, depth, self.topk, mask, width)
             return self._seed(sfb, ids, feats)
 
         info = EagleDraftInput(extras["topk_p"], extras["topk_index"], extras["hidden"])
         d = draft_tree(info, k, self.topk, self.num_draft_tokens, step)
         t = build_tree(fb.input_ids, d.parent_list, d.top_scores_index, d.draft_tokens, self.topk,
-                       self.num_draft_tokens)  # fmt: skip
+                       self.num_draft_tokens, kernel=self.head.fused_kernels)  # fmt: skip
         return t.draft_tokens, t.parents, t.depths, t.tree_mask

@@ -33,7 +33,7 @@ from eagleserve.models.loader import resolve_draft_path
 from eagleserve.spec.adaptive import acceptance_prior
 from eagleserve.spec.draft_extend import DraftExtendGraphs, last_rows_forward, seed_from_logits
 from eagleserve.spec.draft_lag import DraftLag, catch_up_batch
-from eagleserve.spec.draft_loop import ChainRows, DraftLoops, chain_step_batch, tree_step_batch
+from eagleserve.spec.draft_loop import DraftLoops, DraftRows, chain_step_batch, tree_step_batch
 from eagleserve.spec.draft_tree import draft_chain, draft_tree
 from eagleserve.spec.head_loader import load_eagle_head, measured_acceptance
 from eagleserve.spec.tree import Topk1ChainBuffers, TreeInfo, build_chain, build_tree
@@ -113,8 +113,8 @@ class EagleDraftWorker:
         # above replays k times with eager ops between; a tree has no other graph).
         # EAGLESERVE_DISABLE_DRAFT_LOOP_GRAPH=1 keeps the steps.
         self.loops = DraftLoops(self.head, self.kv_pool, self.attn_backend, self.req_to_token,
-                                spec.eagle_topk, spec.num_draft_tokens,
-                                self.chain_buffers)  # fmt: skip
+                                spec.eagle_topk, spec.num_draft_tokens, self.chain_buffers,
+                                spec.num_steps)  # fmt: skip
         self.loop_graphs: dict[int, GraphedForward] = {}
         graphs_on = target.graphs_enabled(args)
         if graphs_on and os.environ.get("EAGLESERVE_DISABLE_DRAFT_LOOP_GRAPH") != "1":
@@ -277,7 +277,7 @@ class EagleDraftWorker:
             attn_backend=self.attn_backend,
         )
 
-        rows = self.loops.chain_rows(base, num_steps - 1) if spec.is_chain else None
+        rows = self.loops.rows(base, num_steps - 1)
 
         def step(
             ids: torch.Tensor,
@@ -289,7 +289,7 @@ class EagleDraftWorker:
             allowed = None
             if grammar is not None and paths is not None:
                 allowed = grammar.branch_allowed(paths, self.device)
-            return self._step(base, ids, feats, depth, mask, allowed, rows)
+            return self._step(base, rows, ids, feats, depth, mask, allowed)
 
         track = grammar is not None
         loop = None if track else self.loop_graphs.get(num_steps)
@@ -304,29 +304,28 @@ class EagleDraftWorker:
             return build_chain(batch.input_ids, chain.draft_tokens)
         d = draft_tree(info, num_steps, spec.eagle_topk, spec.num_draft_tokens, step, track)
         return build_tree(batch.input_ids, d.parent_list, d.top_scores_index, d.draft_tokens,
-                          spec.eagle_topk, spec.num_draft_tokens)  # fmt: skip
+                          spec.eagle_topk, spec.num_draft_tokens,
+                          kernel=self.head.fused_kernels)  # fmt: skip
 
     def _step(
         self,
         base: ForwardBatch,
+        rows: DraftRows,
         input_ids: torch.Tensor,
         feats: torch.Tensor,
         depth: int,
         region_mask: torch.Tensor | None,
         allowed: torch.Tensor | None = None,
-        rows: ChainRows | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Head forward for draft depth `depth` (1-based) of every branch of `base`'s requests
-        (committed lengths L as prefix_lens); returns its top-k. A chain step is a 1-token
-        decode after L + depth - 1 positions (its row of `rows`); tree branches
+        (committed lengths L as prefix_lens), its row of `rows` (`DraftLoops.rows`); returns its
+        top-k. A chain step is a 1-token decode after L + depth - 1 positions; tree branches
         (`tree_step_batch`) also see the region nodes `region_mask` allows."""
-        topk = self.spec.eagle_topk
+        topk, width = self.spec.eagle_topk, self.req_to_token.shape[1]
         if topk == 1:  # eager metadata: the per-step graph replays only such a batch
-            assert rows is not None, "a chain step needs the chain's rows"
-            width = self.req_to_token.shape[1]
             fb = chain_step_batch(base, rows, input_ids, depth, False, width)
         else:
-            fb = tree_step_batch(base, self.req_to_token, input_ids, depth, topk, region_mask)
+            fb = tree_step_batch(base, rows, input_ids, depth, topk, region_mask, width)
         if self.graph is not None and self.graph.can_replay(fb):
             logits, next_feats = self.graph.replay(fb, features=feats)
         else:

@@ -240,6 +240,7 @@ def build_tree(
     num_draft_tokens: int,
     *,
     validate: bool = False,
+    kernel: bool = False,
 ) -> TreeInfo:
     """Builds the verify tree from organize_draft_results' output.
 
@@ -248,6 +249,7 @@ def build_tree(
     a factor in [0, 1] is monotone), the parent has the smaller flat index, and the selection
     breaks ties by index. `validate=True` checks it anyway (it synchronizes with the device, so
     keep it off the hot path); a violation means the scores were not probabilities (NaN, > 1).
+    `kernel`: in one Triton launch (kernels/triton_tree.py), the same tree.
     """
     bs = verified_id.shape[0]
     n = num_draft_tokens
@@ -258,6 +260,11 @@ def build_tree(
             f"expected top_scores_index/draft_tokens of shape {(bs, m)}, got "
             f"{tuple(top_scores_index.shape)} / {tuple(draft_tokens.shape)}"
         )
+    if kernel and not validate:
+        from eagleserve.kernels.triton_tree import build_tree_kernel  # imports triton
+
+        return TreeInfo(*build_tree_kernel(verified_id, parent_list, top_scores_index,
+                                           draft_tokens, topk, n))  # fmt: skip
     tsi = top_scores_index.long()  # [bs, m]
 
     # Parent flat index of every selected candidate: parent_list[f // topk].

@@ -79,3 +79,32 @@ def test_draft_loop_drafts_the_step_by_step_tokens(
     drafter.draft = draft
     assert run_staggered(eng, _prompts(0), _params()) == reference
     assert len(checked) > 10 and max(checked) > 1
+
+
+@pytest.mark.parametrize("topk", [1, 4])
+def test_draft_rows_are_each_steps_rows(topk: int) -> None:
+    """Every step's positions, KV slots and KV lengths, made at once before the steps
+    (`draft_rows`), are the ones a step makes on its own: position L + depth - 1 for each
+    branch, slot of region node (depth - 1) * topk + b (a chain's: its position), lengths
+    L + depth * topk."""
+    from eagleserve.spec.draft_loop import RowOffsets, draft_rows
+
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 10**6, ())))
+    req_to_token = torch.randperm(6 * 96, generator=gen).view(6, 96)
+    bs, steps = 3, 4
+    L = torch.randint(0, 60, (bs,), generator=gen)
+    rpi = torch.randperm(6, generator=gen)[:bs]
+    fb = ForwardBatch(mode="draft", input_ids=torch.zeros(bs, dtype=torch.long), positions=L,
+                      out_cache_loc=L, req_pool_indices=rpi, prefix_lens=L,
+                      extend_lens=torch.ones_like(L), host=HostLens(1, 96, True), kv_pool=None,
+                      attn_backend=None)  # fmt: skip
+    rows = draft_rows(fb, req_to_token, RowOffsets.build(steps, topk, L.device), steps)
+    assert rows.extend_lens.tolist() == [topk] * bs
+    for depth in range(1, steps + 1):
+        nodes = L[:, None] + (depth - 1) * topk + torch.arange(topk)  # [bs, topk]
+        want_loc = req_to_token[rpi[:, None], nodes].reshape(-1)
+        assert torch.equal(rows.positions[depth - 1], (L + depth - 1).repeat_interleave(topk))
+        assert torch.equal(rows.out_cache_loc[depth - 1], want_loc)
+        assert torch.equal(rows.kv_lens[depth - 1], L + depth * topk)
+    none = draft_rows(fb, req_to_token, RowOffsets.build(steps, topk, L.device), 0)
+    assert none.positions.shape == (0, bs * topk)
