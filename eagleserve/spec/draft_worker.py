@@ -277,7 +277,15 @@ class EagleDraftWorker:
             attn_backend=self.attn_backend,
         )
 
-        rows = self.loops.rows(base, num_steps - 1)
+        track = grammar is not None
+        loop = None if track else self.loop_graphs.get(num_steps)
+        if loop is not None and batch.batch_size <= loop.max_bs:
+            out = loop.replay(
+                base, topk_p=info.topk_p, topk_index=info.topk_index, hidden=info.hidden_states
+            )
+            # A tree's loop built its verify tree; a chain's is one concatenation.
+            return build_chain(batch.input_ids, out[2]) if spec.is_chain else TreeInfo(*out)
+        rows = self.loops.rows(base, num_steps - 1)  # the graph makes its own
 
         def step(
             ids: torch.Tensor,
@@ -291,14 +299,6 @@ class EagleDraftWorker:
                 allowed = grammar.branch_allowed(paths, self.device)
             return self._step(base, rows, ids, feats, depth, mask, allowed)
 
-        track = grammar is not None
-        loop = None if track else self.loop_graphs.get(num_steps)
-        if loop is not None and batch.batch_size <= loop.max_bs:
-            out = loop.replay(
-                base, topk_p=info.topk_p, topk_index=info.topk_index, hidden=info.hidden_states
-            )
-            # A tree's loop built its verify tree; a chain's is one concatenation.
-            return build_chain(batch.input_ids, out[2]) if spec.is_chain else TreeInfo(*out)
         if spec.is_chain:
             chain = draft_chain(info, num_steps, step, self.chain_buffers[num_steps], track)
             return build_chain(batch.input_ids, chain.draft_tokens)

@@ -15,16 +15,17 @@ from eagleserve.spec.accept import packed_greedy, unpack_greedy  # noqa: E402
 
 def random_tree(bs: int, n: int, gen: torch.Generator) -> tuple[torch.Tensor, int]:
     """An ancestor-or-self mask [bs, n, n] of random trees in node order (each node's parent a
-    lower index; deep and wide shapes both occur), and their deepest path."""
+    lower index; deep and wide shapes both occur; row 0 a chain), and their deepest path."""
     mask = torch.zeros(bs, n, n, dtype=torch.bool)
     depth = torch.zeros(bs, n, dtype=torch.long)
     for i in range(n):
         mask[:, i, i] = True
         if i == 0:
             continue
-        # Parent i - 1 half the time (long paths), else any earlier node.
+        # Parent i - 1 half the time (long paths), else any earlier node; row 0 a chain.
         any_earlier = torch.randint(0, i, (bs,), generator=gen)
         parent = torch.where(torch.rand(bs, generator=gen) < 0.5, i - 1, any_earlier)
+        parent[0] = i - 1
         rows = torch.arange(bs)
         mask[rows, i] |= mask[rows, parent]
         depth[:, i] = depth[rows, parent] + 1
@@ -69,10 +70,12 @@ def test_the_kernel_walks_a_tree_as_the_torch_ops_do(bs: int, n: int) -> None:
         mask, depth = random_tree(bs, n, gen)
         logits = torch.randn(bs * n, 3, generator=gen)
         tokens = torch.randint(0, 3, (bs, n), generator=gen)
+        # Row 0 drafts the target's own tokens: its walk goes all the way down its chain.
+        tokens[0, 1:] = logits.view(bs, n, 3)[0, :-1].argmax(-1)
         for bound in (depth, n - 1):
             packed = check(tokens, logits, mask, bound)
             longest = max(longest, int(unpack_greedy(packed).accept_lens.max()))
-    assert longest > 2, seed  # some walk went past the first depth
+    assert longest == n, seed  # row 0's walk went past every depth
 
 
 def test_an_empty_batch_launches_nothing() -> None:
