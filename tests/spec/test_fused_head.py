@@ -23,7 +23,7 @@ from eagleserve.layers.forward_batch import ForwardBatch, forward_context  # noq
 from eagleserve.mem_cache.kv_cache import ReqToTokenPool, TokenToKVPool  # noqa: E402
 from eagleserve.model_executor.model_runner import ModelRunner  # noqa: E402
 from eagleserve.models.fused_forward import enable_fused_kernels  # noqa: E402
-from eagleserve.spec.draft_extend import top_candidates  # noqa: E402
+from eagleserve.spec.draft_extend import seed_from_logits  # noqa: E402
 from eagleserve.spec.eagle_head import EagleHead  # noqa: E402
 from eagleserve.spec.head_loader import init_eagle_head  # noqa: E402
 
@@ -131,12 +131,13 @@ def test_fused_write_kv_matches(tiny_model_dir: str, dtype: torch.dtype) -> None
 
 @pytest.mark.skipif(DEVICE.type != "cpu", reason="counts launches under the interpreter")
 def test_a_fused_head_step_launches_a_fraction_of_the_kernels(tiny_model_dir: str) -> None:
-    """A chain step (one row per request, the head's own features fed back) in bf16: the
-    drafter's softmax and top-1 included."""
+    """A chain step (one row per request, the head's own features fed back) in bf16, the
+    drafter's seed included (on the fused kernels its top-1 and the id map are one launch)."""
     pair = heads(tiny_model_dir, torch.bfloat16, 16)
     slots = torch.randperm(SLOTS - 1)[: 2 * 32] + 1
     counts = []
     for head in pair:
+        head.freeze_vocab_map()  # as the drafter serves it
         kv = HeadKV(head, torch.bfloat16, slots)
         ids = torch.randint(3, 256, (2,))
         fb = kv.batch("decode", [5, 3], [1, 1], ids)
@@ -144,10 +145,10 @@ def test_a_fused_head_step_launches_a_fraction_of_the_kernels(tiny_model_dir: st
         with torch.no_grad(), forward_context(fb):
             head(ids, feats, fb.positions)  # warm, as a graph's capture is
             with LaunchCensus().counting() as census:
-                logits, _ = head(ids, feats, fb.positions)
-                top_candidates(logits, 1)
+                logits, hidden = head(ids, feats, fb.positions)
+                seed_from_logits(head, logits, hidden, 1)
         counts.append(census.tally["host"])
     unfused, fused = (sum(c.values()) for c in counts)
     print(f"kernels per head step: torch ops {unfused} {dict(counts[0])}, "
           f"fused {fused} {dict(counts[1])}")  # fmt: skip
-    assert fused <= 16 and 3 * fused <= unfused
+    assert fused <= 10 and 5 * fused <= unfused
