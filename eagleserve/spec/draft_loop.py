@@ -58,7 +58,8 @@ class RowOffsets:
     def build(steps: int, topk: int, device: torch.device) -> RowOffsets:
         d = torch.arange(steps, device=device)[:, None, None]
         b = torch.arange(topk, device=device)[None, None, :]
-        return RowOffsets((d + 0 * b).contiguous(), d * topk + b, (d[:, :, 0] + 1) * topk)
+        depth = d.expand(-1, 1, topk).contiguous()
+        return RowOffsets(depth, d * topk + b, (d[:, :, 0] + 1) * topk)
 
 
 def draft_rows(
