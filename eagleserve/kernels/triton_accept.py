@@ -1,6 +1,6 @@
 """The greedy acceptance walk of a verify in one launch: spec/accept.py's `packed_greedy` (a
 chain's leading run of matches, a tree's depth-by-depth walk) for a verify graph's epilogue,
-where the torch ops take a dozen launches for a chain and some forty for a tree.
+where the torch ops launch a kernel each: a dozen for a chain, several a depth for a tree.
 
 One program per request walks its n <= BLOCK_N nodes in registers: node i matches when its
 token is the target's argmax after its parent; the path's node at depth d is the lowest-index

@@ -1,6 +1,6 @@
 """A top-k draft's verify tree in one launch: spec/tree.py's `build_tree` (each selected
-candidate's parent node, its depth, the tokens and the ancestor mask), where the torch ops take
-some forty launches inside a tree's draft-loop graph.
+candidate's parent node, its depth, the tokens and the ancestor mask), where the torch ops
+launch a kernel each, several a tree depth, inside a tree's draft-loop graph.
 
 One program per request, nodes in registers: node i >= 1 is selected candidate i - 1 (flat
 index f = top_scores_index[i - 1], sorted); its parent candidate is parent_list[f // topk] and
