@@ -293,13 +293,19 @@ def test_a_prefill_replays_its_graph_and_equals_the_eager_prefill(
     assert [o["token_ids"] for o in together] == [o["token_ids"] for o in want[:2]]
 
 
+@pytest.mark.parametrize("shape", ["chain 3", "tree 3x2/5"])
 def test_eagle3_on_the_fused_kernels_gives_the_targets_tokens(
-    target_dir: str, heads: dict[str, str], graphs: ReplayCount, monkeypatch: pytest.MonkeyPatch
+    target_dir: str,
+    heads: dict[str, str],
+    graphs: ReplayCount,
+    monkeypatch: pytest.MonkeyPatch,
+    shape: str,
 ) -> None:
     """A GPU's layout: the target's layers and the EAGLE3 head's on the fused Triton kernels
     (the GEMV ones for every forward here: their rows do not depend on the batch), inside the
     stand-in graphs, with overlap. Greedy output equals target-only's on the same kernels, the
-    draft loop replaying its graph (tests/spec/test_fused_head.py checks the head's values)."""
+    draft loop replaying its graph (tests/spec/test_fused_head.py checks the head's values); a
+    tree's verify tree is built and walked by its kernels there."""
     from eagleserve.model_executor import model_runner
     from eagleserve.models import fused_forward
 
@@ -314,7 +320,7 @@ def test_eagle3_on_the_fused_kernels_gives_the_targets_tokens(
     assert target.scheduler.worker.runner.model.fused_kernels
     want = target.generate(prompts, params)
     spec = dict(speculative_algorithm="EAGLE3", speculative_draft_model_path=heads["EAGLE3"],
-                **CHAIN3)  # fmt: skip
+                **(CHAIN3 if shape == "chain 3" else TREE))  # fmt: skip
     eng = accelerator_engine(target_dir, True, max_context_len=48, **spec)
     drafter = eng.scheduler.worker.drafter
     assert drafter.head.fused_kernels and drafter.loop_graphs and drafter.extend_graphs
@@ -322,3 +328,4 @@ def test_eagle3_on_the_fused_kernels_gives_the_targets_tokens(
     assert [o["token_ids"] for o in got] == [o["token_ids"] for o in want]
     assert graphs.of(drafter.loop_graphs[3]) > 0
     assert eng.stats().spec_verify_calls_total > 0
+    assert sum(eng.stats().spec_accepted_per_position) > 0  # the walks accepted drafts
