@@ -124,6 +124,8 @@ def evaluate(head: object, data: Data, idx: list[int], cfg: TrainConfig) -> dict
 def run(ns: argparse.Namespace) -> int:
     if ns.recipe == "gpu":
         return run_recipe(ns)
+    if ns.init_head:
+        raise SystemExit("--init-head trains with --recipe gpu (on any --device)")
     ns.batch_size = ns.batch_size or 8
     ns.data_source = resolve_data_source(ns.data_source, ns.shards, ns.eval_head)
     if ns.data_source == "teacher-forced":

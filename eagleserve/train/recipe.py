@@ -23,6 +23,7 @@ from collections import Counter
 import torch
 
 from eagleserve.device import pick_device, synchronize
+from eagleserve.spec.eagle_head import EagleHead
 from eagleserve.train.conversations import sharegpt_split, tokenize_unless_leak
 from eagleserve.train.extract import Item
 from eagleserve.train.online import (
@@ -69,6 +70,9 @@ def add_recipe_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tokenize-procs", type=int, default=None, help="default: all CPU cores")
     g.add_argument("--work-dir", default=None, help="trainer_state.pt goes here (default: a "
                    "temporary folder, so OUT holds only the head and its log)")  # fmt: skip
+    g.add_argument("--init-head", default=None, help="train on from this head's weights "
+                   "(a folder or builtin:NAME) instead of a fresh head; its width and draft "
+                   "vocabulary are kept")  # fmt: skip
     g.add_argument("--extra-conversations", nargs="*", default=[], choices=["chitchat"],
                    help="more training conversations from a PyPI wheel: chitchat (BYU "
                    "Chit-Chat Challenge, 4 k human-human chats, MIT)")  # fmt: skip
@@ -160,6 +164,19 @@ def distill(
     return items, stats
 
 
+def warm_head(ns: argparse.Namespace, target: object, dev: torch.device) -> EagleHead:
+    """--init-head: the saved head to train on, as fp32 master weights on `dev`."""
+    from eagleserve.spec.head_loader import load_eagle_head
+    from eagleserve.train.assets import resolve_head_path
+
+    head = load_eagle_head(resolve_head_path(ns.init_head), "EAGLE3", target, dev, torch.float32)
+    width = ns.draft_intermediate_size
+    if width is not None and width != head.config.intermediate_size:
+        raise SystemExit(f"--draft-intermediate-size {width}: --init-head {ns.init_head} is "
+                         f"{head.config.intermediate_size} wide")  # fmt: skip
+    return head
+
+
 def run_recipe(ns: argparse.Namespace) -> int:
     from eagleserve.models.loader import load_tokenizer, resolve_model_path
     from eagleserve.spec.head_loader import load_eagle_head, save_eagle_head
@@ -205,7 +222,11 @@ def run_recipe(ns: argparse.Namespace) -> int:
     t_target = time.time()
 
     vocab = target.config.vocab_size
-    draft_ids = draft_ids_from(train_items, min(ns.draft_vocab_size, vocab), vocab)
+    head = warm_head(ns, target, dev) if ns.init_head else None
+    if head is not None:  # the labels follow the head's own draft vocabulary
+        draft_ids = head.to_target_ids(torch.arange(head.draft_vocab_size, device=dev)).cpu()
+    else:
+        draft_ids = draft_ids_from(train_items, min(ns.draft_vocab_size, vocab), vocab)
     lmap = label_map(draft_ids, vocab)
     layers = target_layer_ids("EAGLE3", target.config.num_hidden_layers)
     width = len(layers) * target.config.hidden_size
@@ -225,7 +246,7 @@ def run_recipe(ns: argparse.Namespace) -> int:
     # The head trains in fp32 (master weights) next to an fp32 target: it reads the target's
     # embeddings; the matmuls run in bf16 under autocast.
     target.float()
-    head = fresh_head(ns, "EAGLE3", target, draft_ids)
+    head = head or fresh_head(ns, "EAGLE3", target, draft_ids)
     work = ns.work_dir or tempfile.mkdtemp(prefix="eagle-train-")
     budget = max(1.0, ns.time_budget - (time.time() - t0) - ns.eval_reserve)
     cfg = TrainConfig(

@@ -158,6 +158,29 @@ def test_recipe_trains_saves_sharded_and_evaluates(chat_target: str, tmp_path) -
     base = base["baseline_val_accuracy_by_depth"]
     assert base["head"] == out and all(abs(base[k] - val[k]) < 1e-6 for k in val), (base, val)
 
+    # --init-head trains on from a saved head. At lr 0 its one step leaves the weights as loaded:
+    # the run saves them unchanged, keeps the head's width and draft vocabulary (not the
+    # --draft-vocab-size asked for a fresh head) and scores what the head scored.
+    out3 = str(tmp_path / "head3")
+    warm = [*args[:4], out3, *args[5:], "--max-steps", "1", "--lr", "0", "--init-head", out]
+    warm[warm.index("--draft-vocab-size") + 1] = "32"
+    assert main(warm) == 0
+
+    def tensors(folder: str) -> dict[str, torch.Tensor]:
+        return {k: v for f in os.listdir(folder) if f.endswith(".safetensors")
+                for k, v in load_file(os.path.join(folder, f)).items()}  # fmt: skip
+
+    before, after = tensors(out), tensors(out3)
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    log3 = json.load(open(os.path.join(out3, "training_log.json")))
+    assert log3["draft_vocab_size"] == 64
+    assert all(abs(log3["val_accuracy_by_depth"][k] - val[k]) < 1e-6 for k in val)
+    out4 = str(tmp_path / "head4")  # at the recipe's lr the step trains the loaded weights
+    assert main([*args[:4], out4, *args[5:], "--max-steps", "1", "--init-head", out]) == 0
+    assert not torch.equal(tensors(out4)["fc.weight"], before["fc.weight"])
+    with pytest.raises(SystemExit, match="wide"):
+        main([*warm[:-2], "--init-head", out, "--draft-intermediate-size", str(wide + 1)])
+
 
 def test_a_store_sample_is_a_seeded_subset_of_its_windows_of_enough_rows() -> None:
     g = torch.Generator().manual_seed(int(torch.randint(1 << 30, ())))
