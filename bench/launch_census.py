@@ -1,6 +1,7 @@
 """Kernel launches per decode iteration on the accelerator path, counted on a CPU: where a
 speculative iteration's launches go (host, target graphs, draft loop, seed extend) against a
-target-only decode's.
+target-only decode's; and the host's time per iteration by stage on that layout, with the
+replays' and kernels' own time left out (`time_host`).
 
     python bench/launch_census.py [--dtype bfloat16] [--out bench/results/launch_census_cpu.json]
 
@@ -27,6 +28,7 @@ import random
 import subprocess
 import sys
 import tempfile
+import time
 from typing import Any
 
 os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
@@ -37,9 +39,12 @@ for path in (ROOT, os.path.join(ROOT, "tests"), os.path.join(ROOT, "tests", "spe
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from graph_standin import LaunchCensus, graphs_on_cpu  # noqa: E402  (tests/spec)
+from graph_standin import LaunchCensus, StandInGraph, graphs_on_cpu  # noqa: E402  (tests/spec)
 
 from bench.common import format_table, machine  # noqa: E402
+from bench.host_probes import STAGES, StageClock, instrument  # noqa: E402
+
+HOST_STAGES = tuple(st for st in STAGES if st != "detokenize")  # no detokenizer here
 
 
 def name_graphs(census: LaunchCensus, worker: Any) -> None:
@@ -93,13 +98,49 @@ def run_setting(name: str, spec: dict[str, Any], target: str, dtype: str) -> dic
                     counted += census.active
                     sched.step()
                     decodes += decode
+            host_us = time_host(eng, [rng.randrange(3, 90) for _ in range(9)])
     finally:
         mp.undo()
     per_iter = {where: {op: n / counted for op, n in c.most_common()}
                 for where, c in census.tally.items()}  # fmt: skip
     return {"setting": name, "iterations": counted,
             "launches": {where: sum(ops.values()) for where, ops in per_iter.items()},
-            "ops": per_iter}  # fmt: skip
+            "ops": per_iter, "host_us": host_us}  # fmt: skip
+
+
+def time_host(eng: Any, ids: list[int], new: int = 24, skip: int = 4) -> dict[str, float]:
+    """Host microseconds per decode iteration by stage (bench/host_probes.py), the census's
+    mode off: a stand-in replay's and a Triton launch's time go to "device" and out of the
+    host's (on a GPU a replay is one call, a launch a few microseconds of the host's), so the
+    stages are the Python and torch dispatch a GPU's host runs. Decode iterations after the
+    first `skip` averaged."""
+    import triton.runtime.interpreter as interp
+
+    from eagleserve import SamplingParams
+    from eagleserve.messages import GenerateReqInput
+
+    clock = StageClock()
+    instrument(eng, clock)
+    clock.wrap(StandInGraph, "replay", "device")
+    clock.wrap(interp.GridExecutor, "__call__", "device")
+    sched = eng.scheduler
+    params = SamplingParams(max_new_tokens=new, temperature=0.0, ignore_eos=True)
+    sched.add_request(GenerateReqInput("timed", ids, params))
+    rows = []
+    try:
+        while sched.has_work():
+            clock.take()
+            t0 = time.perf_counter()
+            sched.step()
+            row = clock.take()
+            row["other"] = time.perf_counter() - t0 - sum(row.values())
+            if clock.mode == "decode":
+                rows.append(row)
+    finally:
+        clock.restore()
+    rows = rows[skip:]
+    us = {st: 1e6 * sum(r.get(st, 0.0) for r in rows) / len(rows) for st in HOST_STAGES}
+    return {**us, "host total": sum(us.values()), "iterations": len(rows)}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -132,6 +173,10 @@ def main(argv: list[str] | None = None) -> None:
     table += [[r["setting"], "total", round(sum(r["launches"].values()), 1)] for r in rows]
     print(f"launches per decode iteration, {args.dtype}, 8-layer target (CPU stand-in graphs)")
     print(format_table(["setting", "where", "launches"], table))
+    print(f"host us per decode iteration outside replays and Triton launches ({machine()})")
+    cols = (*HOST_STAGES, "host total")
+    host_rows = [[r["setting"], *(round(r["host_us"][k]) for k in cols)] for r in rows]
+    print(format_table(["setting", *cols], host_rows))
     commit = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"],
                             capture_output=True, text=True).stdout.strip()  # fmt: skip
     res = {"machine": machine(), "commit": commit, "dtype": args.dtype,
