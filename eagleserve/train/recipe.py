@@ -246,7 +246,8 @@ def run_recipe(ns: argparse.Namespace) -> int:
     # The head trains in fp32 (master weights) next to an fp32 target: it reads the target's
     # embeddings; the matmuls run in bf16 under autocast.
     target.float()
-    head = head or fresh_head(ns, "EAGLE3", target, draft_ids)
+    if head is None:
+        head = fresh_head(ns, "EAGLE3", target, draft_ids)
     work = ns.work_dir or tempfile.mkdtemp(prefix="eagle-train-")
     budget = max(1.0, ns.time_budget - (time.time() - t0) - ns.eval_reserve)
     cfg = TrainConfig(
