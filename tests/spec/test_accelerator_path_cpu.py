@@ -328,4 +328,6 @@ def test_eagle3_on_the_fused_kernels_gives_the_targets_tokens(
     assert [o["token_ids"] for o in got] == [o["token_ids"] for o in want]
     assert graphs.of(drafter.loop_graphs[3]) > 0
     assert eng.stats().spec_verify_calls_total > 0
-    assert sum(eng.stats().spec_accepted_per_position) > 0  # the walks accepted drafts
+    # Not asserted: that drafts were accepted. The EAGLE3 head here is random (48 draft
+    # tokens), so over these few verifies none may be; the walk kernels' accepting paths are
+    # tested on planted walks (tests/kernels/test_triton_accept.py).
