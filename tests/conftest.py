@@ -22,6 +22,10 @@ use_overlap_spin()
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+# Before anything imports triton: its language module is defined for the interpreter (where no
+# GPU is present) only if TRITON_INTERPRET is set by then, whichever test file is collected first.
+import triton_mode  # noqa: E402, F401  (torch and pytest do not import triton)
+
 from eagleserve.config import ServerArgs  # noqa: E402
 from eagleserve.core import ForwardMode, SamplingParams  # noqa: E402
 from eagleserve.engine import Engine  # noqa: E402

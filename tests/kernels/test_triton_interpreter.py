@@ -44,3 +44,24 @@ def test_nested_device_functions_compute_and_the_language_is_restored_after() ->
         _twice_scaled_kernel[(triton.cdiv(n, 128),)](x, out, n, scale, BLOCK=128)
         assert torch.equal(out, (x * scale * scale).to(dtype))
     assert _language_members() == before
+
+
+@triton.jit
+def _accumulated_kernel(X, Out, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    acc = tl.zeros([BLOCK], tl.float32)  # triton.language's own jit function
+    acc += tl.load(X + offs, mask=offs < n, other=0.0)
+    tl.store(Out + offs, acc, mask=offs < n)
+
+
+def test_the_languages_own_jit_functions_run_in_a_kernel() -> None:
+    """`tl.zeros` (a jit function of triton.language, not a builtin) runs inside a launch. Under
+    the interpreter it does only if TRITON_INTERPRET was set before triton was first imported
+    (tests/conftest.py sees to it, whichever test module is collected first); imported earlier,
+    every attention kernel failed with "Cannot call @triton.jit'd outside of the scope of a
+    kernel"."""
+    n = int(torch.randint(100, 400, ()))
+    x = torch.randn(n, device=DEVICE)
+    out = torch.empty_like(x)
+    _accumulated_kernel[(triton.cdiv(n, 64),)](x, out, n, BLOCK=64)
+    assert torch.equal(out, x)
