@@ -6,7 +6,6 @@ metadata comes from `get_forward_batch()`; the K/V of new tokens go to the paged
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -116,14 +115,22 @@ class BoundRotary:
         self, cos_table: torch.Tensor, sin_table: torch.Tensor, positions: torch.Tensor
     ) -> None:
         self.cos_table, self.sin_table, self.positions = cos_table, sin_table, positions
+        # Plain attributes, not functools.cached_property: on Python 3.11 that takes an RLock,
+        # which torch.compile cannot trace (a graph break at every rotary of a compiled step).
+        self._cos: torch.Tensor | None = None
+        self._signed_sin: torch.Tensor | None = None
 
-    @functools.cached_property
+    @property
     def cos(self) -> torch.Tensor:
-        return self.cos_table[self.positions]
+        if self._cos is None:
+            self._cos = self.cos_table[self.positions]
+        return self._cos
 
-    @functools.cached_property
+    @property
     def signed_sin(self) -> torch.Tensor:
-        return self.sin_table[self.positions]
+        if self._signed_sin is None:
+            self._signed_sin = self.sin_table[self.positions]
+        return self._signed_sin
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
         # x [T, heads, D]: x*cos + rotate_half(x)*sin, as transformers computes it.

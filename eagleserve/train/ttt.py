@@ -95,7 +95,7 @@ def merge_chain(
     return (a + chain_out.reshape(bsz, nh, t, d)) / (r + wts.sum(-1))[..., None]
 
 
-def _merged_chain(q: torch.Tensor, chain: list[KV], scale: float) -> torch.Tensor:
+def _merged_chain(q: torch.Tensor, chain: list[KV], scale: float, gqa: bool) -> torch.Tensor:
     """The depth >= 1 attention as a causal SDPA over the context (`context_with_sink`) and the
     chain's diagonal terms (`merge_chain`). The result does not depend on the sink's score
     (numerator and denominator scale alike), so it is a detached, dtype-exact shift."""
@@ -103,8 +103,7 @@ def _merged_chain(q: torch.Tensor, chain: list[KV], scale: float) -> torch.Tenso
     scores = _chain_scores(q, chain[1:], scale)
     sink = (scores.detach().amax(-1) / scale).to(q.dtype).float() * scale
     qs, ks, vs = context_with_sink(q, k0, v0, sink, scale)
-    rep = q.shape[1] // k0.shape[1]
-    o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=rep > 1)
+    o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=gqa)
     return merge_chain(o[:, :, 1:], scores, sink, chain[1:]).to(q.dtype)
 
 
@@ -132,7 +131,7 @@ def _attention(
     elif impl == "sdpa":
         o = _sdpa_chain(q, [*past, (k, v)], nh // nkv)
     elif impl == "merge":
-        o = _merged_chain(q, [*past, (k, v)], scale)
+        o = _merged_chain(q, [*past, (k, v)], scale, nh != nkv)
     else:
         rep = nh // nkv
         k0, v0 = (z.repeat_interleave(rep, dim=1) for z in past[0])

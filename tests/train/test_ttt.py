@@ -109,7 +109,7 @@ def test_merged_chain_equals_softmax_over_all_keys(magnitude: float, device: str
         fp32 = dict(rtol=1e-4, atol=1e-5 * (1 + magnitude**2))
         tol = fp32 if dtype == torch.float32 else dict(rtol=0.05, atol=0.05)
         xs = [x.to(device, dtype).requires_grad_() for x in leaves]
-        got = _merged_chain(xs[0], list(zip(xs[1::2], xs[2::2])), scale)
+        got = _merged_chain(xs[0], list(zip(xs[1::2], xs[2::2])), scale, rep > 1)
         assert torch.isfinite(got).all()
         torch.testing.assert_close(got.double().cpu(), want.detach(), **tol)
         grads = torch.autograd.grad((got * w.to(device, dtype)).sum(), xs)
@@ -117,3 +117,28 @@ def test_merged_chain_equals_softmax_over_all_keys(magnitude: float, device: str
             big = c.abs().max().item()
             torch.testing.assert_close(a.double().cpu(), c, rtol=tol["rtol"],
                                        atol=tol["atol"] * max(1.0, big))  # fmt: skip
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "merge"])
+def test_every_depth_compiles_as_one_graph(tiny_model_dir: str, impl: str) -> None:
+    """`--enable-torch-compile` traces each depth's head step whole, with dynamic shapes as
+    the trainer compiles it (no graph break: each break is one more graph to compile and
+    launch per depth and step) and computes what the eager step computes."""
+    target, _ = load_target(tiny_model_dir, "float32", 64)
+    assert target.config.num_attention_heads != target.config.num_key_value_heads  # GQA
+    head = init_eagle_head("EAGLE3", target, seed=int(torch.randint(0, 1000, ())))
+    compiled = torch.compile(head_step, dynamic=True, fullgraph=True, backend="eager")
+    g = torch.Generator().manual_seed(int(torch.randint(0, 10**6, ())))
+    b, t, depths = 2, 9, 3
+    x = torch.randint(0, target.config.vocab_size, (b, t + depths), generator=g)
+    feats = torch.randn(b, t, head.feature_size, generator=g)
+    past: list = []
+    with torch.autocast("cpu", torch.bfloat16):  # as the gpu recipe trains
+        for s in range(depths):
+            pos = (torch.arange(t) + s).expand(b, t)
+            want = head_step(head, x[:, s + 1 : s + 1 + t], feats, pos, past, impl)
+            got = compiled(head, x[:, s + 1 : s + 1 + t], feats, pos, list(past), impl)
+            for a, c in zip(got[:2], want[:2], strict=True):
+                torch.testing.assert_close(a, c, rtol=0, atol=0)
+            past.append(want[2])
+            feats = want[1]
