@@ -7,8 +7,9 @@ After --warmup steps, --steps steps are timed, then run again under torch.profil
 overhead kept out of the time); the table gives the step's wall time, token-passes per second
 (as train-draft reports them), the device's busy time per step (the sum of its kernels;
 busy / wall below 1 means the host, its launches or its syncs, leave the device idle), kernel
-launches per step, the peak device memory, and the ops that take the most device time (host
-time on a CPU).
+launches per step, the peak device memory, the warm-up's seconds (a compiled row's compile),
+the compiled graphs run per step (one per depth and one per depth's loss when nothing breaks a
+graph), and the ops that take the most device time (host time on a CPU).
 
     python bench/train_step.py --model /tmp/smollm2.gguf --device cuda \
         --out bench/results/train_step_h200.json
@@ -95,7 +96,7 @@ def profile_row(
 
     if dev.type != "cpu":
         torch.get_device_module(dev).reset_peak_memory_stats(dev)
-    run(warmup)
+    warmup_s, _ = run(warmup)  # a compiled row's compile is in it
     wall, passes = run(steps)
     acts = [torch.profiler.ProfilerActivity.CPU]
     on_device = dev.type != "cpu"
@@ -111,6 +112,8 @@ def profile_row(
     busy_us = sum(_device_us(e) for e in kernels)
     launch_ops = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "hipLaunchKernel")
     launches = sum(e.count for e in events if e.key in launch_ops)
+    # Compiled graphs run per step (forward ones; each has its backward): a graph break adds one.
+    graphs = sum(e.count for e in events if e.key == "CompiledFunction")
     key = _device_us if on_device else (lambda e: float(e.self_cpu_time_total))
     ranked = sorted(events, key=key, reverse=True)[:top]
     peak = torch.get_device_module(dev).max_memory_allocated(dev) if on_device else None
@@ -118,6 +121,8 @@ def profile_row(
         "ttt_attention": impl,
         "batch_size": batch_size,
         "step_ms": 1e3 * wall / steps,
+        "warmup_s": warmup_s,
+        "compiled_graphs_per_step": graphs / steps,
         "token_passes_per_s": passes / wall,  # train_head's own count, as train-draft's
         "device_busy_ms_per_step": busy_us / 1e3 / steps if on_device else None,
         "device_busy_fraction": busy_us / 1e6 / wall if on_device else None,
@@ -173,11 +178,11 @@ def row_line(r: dict[str, Any]) -> str:
     peak_s = "-" if peak is None else f"{peak:.1f}"
     return (f"{r['ttt_attention']:>13} {r['batch_size']:>5} {r['step_ms']:>8.1f} "
             f"{r['token_passes_per_s']:>15,.0f} {busy:>7} {r['launches_per_step']:>8.0f} "
-            f"{peak_s:>8}")  # fmt: skip
+            f"{peak_s:>8} {r['warmup_s']:>9.1f} {r['compiled_graphs_per_step']:>7.0f}")  # fmt: skip
 
 
 HEADER = (f"{'attention':>13} {'batch':>5} {'step ms':>8} {'token-passes/s':>15} {'busy %':>7} "
-          f"{'launches':>8} {'peak GB':>8}")  # fmt: skip
+          f"{'launches':>8} {'peak GB':>8} {'warm-up s':>9} {'graphs':>7}")  # fmt: skip
 
 
 def main() -> None:
