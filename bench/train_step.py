@@ -27,6 +27,7 @@ import time
 from typing import Any
 
 import torch
+from common import machine
 
 from eagleserve.device import synchronize
 from eagleserve.spec.head_loader import init_eagle_head
@@ -148,7 +149,7 @@ def profile_rows(
     dev = torch.device(device)
     target, _ = load_target(model, "float32", max_len + 16, dev.type)
     out: dict[str, Any] = {
-        "device": torch.cuda.get_device_name() if dev.type == "cuda" else device,
+        "device": torch.cuda.get_device_name() if dev.type == "cuda" else machine(),
         "torch": torch.__version__,
         "shape": {"max_len": max_len, "depths": depths, "top_k": k, "draft_vocab": draft_vocab},
         "rows": [],
