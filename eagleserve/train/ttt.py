@@ -98,7 +98,9 @@ def merge_chain(
 def _merged_chain(q: torch.Tensor, chain: list[KV], scale: float, gqa: bool) -> torch.Tensor:
     """The depth >= 1 attention as a causal SDPA over the context (`context_with_sink`) and the
     chain's diagonal terms (`merge_chain`). The result does not depend on the sink's score
-    (numerator and denominator scale alike), so it is a detached, dtype-exact shift."""
+    (numerator and denominator scale alike), so it is a detached, dtype-exact shift. `gqa`:
+    fewer key heads than query heads, from the module's counts (one read off the tensors' shapes
+    is symbolic under a dynamic-shape compile, which SDPA's flag refuses: a graph break)."""
     k0, v0 = chain[0]
     scores = _chain_scores(q, chain[1:], scale)
     sink = (scores.detach().amax(-1) / scale).to(q.dtype).float() * scale
