@@ -22,19 +22,22 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import tempfile
 import time
 from typing import Any
 
 import torch
-from common import machine
 
-from eagleserve.device import synchronize
-from eagleserve.spec.head_loader import init_eagle_head
-from eagleserve.train.features import label_map
-from eagleserve.train.online import FeatureStore, StoreSource
-from eagleserve.train.target import load_target, target_layer_ids
-from eagleserve.train.trainer import TrainConfig, train_head
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.common import machine  # noqa: E402
+from eagleserve.device import synchronize  # noqa: E402
+from eagleserve.spec.head_loader import init_eagle_head  # noqa: E402
+from eagleserve.train.features import label_map  # noqa: E402
+from eagleserve.train.online import FeatureStore, StoreSource  # noqa: E402
+from eagleserve.train.target import load_target, target_layer_ids  # noqa: E402
+from eagleserve.train.trainer import TrainConfig, train_head  # noqa: E402
 
 
 def random_store(
