@@ -110,7 +110,9 @@ class StepLog:
         for kind, seconds in self.steps:
             by_kind.setdefault(kind, []).append(1000 * seconds)
         return {kind: {"n": len(ms), "median_ms": round(statistics.median(ms), 3),
-                       "total_ms": round(sum(ms), 2)}
+                       "mean_ms": round(statistics.fmean(ms), 3),
+                       "p90_ms": round(sorted(ms)[int(0.9 * (len(ms) - 1))], 3),
+                       "max_ms": round(max(ms), 3), "total_ms": round(sum(ms), 2)}
                 for kind, ms in sorted(by_kind.items())}  # fmt: skip
 
 
@@ -142,7 +144,8 @@ def timed_pass(eng: Any, batches: list[list[list[int]]], params: Any, sync: Any,
 
 def print_steps(res: dict[str, Any]) -> None:
     ttft = [t for t in res["ttft_ms"] if t is not None]
-    parts = [f"{kind} {v['n']} x {v['median_ms']:.3f} ms" for kind, v in res["steps"].items()]
+    parts = [f"{kind} {v['n']} x {v['median_ms']:.3f} ms (mean {v['mean_ms']:.3f}, "
+             f"p90 {v['p90_ms']:.3f})" for kind, v in res["steps"].items()]  # fmt: skip
     first = f"first token {statistics.median(ttft):.2f} ms; " if ttft else ""
     print(f"{'':<34}{first}steps: " + ", ".join(parts), flush=True)
 
