@@ -14,7 +14,8 @@ Greedy, EOS ignored. Prints a table; writes bench/results/request_times.json.
 Each pass also splits its wall time by scheduler step (`steps`), named by what the step
 launched: "prefill", "decode" (target-only), "k=0" (adaptive, no drafts), "k=0 flush" (and a
 full ring of held head inputs written), "k=N" (N drafts), "k=N catch-up" (after held inputs),
-with their count, median and total milliseconds; and the time to each request's first token
+with their count, median, mean, p90, max and total milliseconds and the milliseconds Python's
+garbage collector ran during them (in any thread); and the time to each request's first token
 (`ttft_ms`). A step's wall is its launch plus the previous launch's results (with overlap, the
 wait for them), so in the steady state a step is one iteration: where a config loses to
 target-only shows as a slower median decode step, or as a few slow steps of one kind.
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import io
 import json
 import os
@@ -77,9 +79,17 @@ class StepLog:
         self.sched = eng.scheduler
         lag = getattr(getattr(self.sched.worker, "drafter", None), "lag", None)
         self.max_lag = None if lag is None else lag.max_lag
-        self.steps: list[tuple[str, float]] = []
+        self.steps: list[tuple[str, float, float]] = []  # kind, wall s, GC s inside it
         self.first_token: float | None = None
         self.launched = "idle"
+        self.gc_seconds = 0.0  # Python's collections so far, in any thread
+        self._gc_start = 0.0
+
+    def _on_gc(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._gc_start = time.perf_counter()
+        else:
+            self.gc_seconds += time.perf_counter() - self._gc_start
 
     def __enter__(self) -> StepLog:
         sched, run_batch, step = self.sched, self.sched.run_batch, self.sched.step
@@ -91,28 +101,33 @@ class StepLog:
 
         def logged_step() -> Any:
             self.launched = "idle"  # a step that launches nothing drains the last forward
-            t0 = time.perf_counter()
+            gc0, t0 = self.gc_seconds, time.perf_counter()
             outs = step()
             t1 = time.perf_counter()
-            self.steps.append((self.launched, t1 - t0))
+            self.steps.append((self.launched, t1 - t0, self.gc_seconds - gc0))
             if self.first_token is None and any(o.new_token_ids for o in outs):
                 self.first_token = t1
             return outs
 
         sched.run_batch, sched.step = logged_run_batch, logged_step
+        gc.callbacks.append(self._on_gc)
         return self
 
     def __exit__(self, *exc: object) -> None:
         del self.sched.run_batch, self.sched.step  # the class's methods again
+        gc.callbacks.remove(self._on_gc)
 
     def summary(self) -> dict[str, dict[str, float]]:
         by_kind: dict[str, list[float]] = {}
-        for kind, seconds in self.steps:
+        gc_ms: dict[str, float] = {}
+        for kind, seconds, in_gc in self.steps:
             by_kind.setdefault(kind, []).append(1000 * seconds)
+            gc_ms[kind] = gc_ms.get(kind, 0.0) + 1000 * in_gc
         return {kind: {"n": len(ms), "median_ms": round(statistics.median(ms), 3),
                        "mean_ms": round(statistics.fmean(ms), 3),
                        "p90_ms": round(sorted(ms)[int(0.9 * (len(ms) - 1))], 3),
-                       "max_ms": round(max(ms), 3), "total_ms": round(sum(ms), 2)}
+                       "max_ms": round(max(ms), 3), "total_ms": round(sum(ms), 2),
+                       "gc_ms": round(gc_ms[kind], 2)}
                 for kind, ms in sorted(by_kind.items())}  # fmt: skip
 
 
@@ -145,7 +160,8 @@ def timed_pass(eng: Any, batches: list[list[list[int]]], params: Any, sync: Any,
 def print_steps(res: dict[str, Any]) -> None:
     ttft = [t for t in res["ttft_ms"] if t is not None]
     parts = [f"{kind} {v['n']} x {v['median_ms']:.3f} ms (mean {v['mean_ms']:.3f}, "
-             f"p90 {v['p90_ms']:.3f})" for kind, v in res["steps"].items()]  # fmt: skip
+             f"p90 {v['p90_ms']:.3f}, GC {v['gc_ms']:.1f} ms)"
+             for kind, v in res["steps"].items()]  # fmt: skip
     first = f"first token {statistics.median(ttft):.2f} ms; " if ttft else ""
     print(f"{'':<34}{first}steps: " + ", ".join(parts), flush=True)
 
