@@ -119,7 +119,7 @@ def replays_once() -> Iterator[None]:
     """While open, each stand-in graph runs its function at its first replay only; later
     replays leave its outputs as that one wrote them. A GPU's host does not run a graph's
     kernels, but on a CPU the interpreter does, between the host's ops, and evicts their code
-    and data from the caches: every host op after it then costs about twice what it costs on
+    and data from the caches: every host op after it then costs several times what it costs on
     a warm host. The host's ops see valid outputs of the same shapes, so they do the same
     work (the token values repeat)."""
     real = StandInGraph.replay
