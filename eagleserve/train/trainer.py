@@ -27,7 +27,7 @@ from eagleserve.spec.eagle_head import EagleHead
 from eagleserve.spec.head_loader import save_eagle_head
 from eagleserve.train.batches import Batch, label_loss, sequence_batch
 from eagleserve.train.features import IGNORE
-from eagleserve.train.ttt import head_step, lm_head_weight
+from eagleserve.train.ttt import head_step, lm_head_weight, padded_chain, prime_rotary
 
 
 @dataclass(frozen=True)
@@ -120,7 +120,8 @@ def labelled_rows(
     per_depth = valid.flatten(1).sum(1)  # queued before the read, so ready after it
     nz = valid.nonzero()  # [n, 3]: (depth, row, j), sorted; waits for the device
     counts: list[int] = per_depth.tolist()
-    return [(part[:, 1], part[:, 2] + s + 1) for s, part in enumerate(nz.split(counts))]
+    # Fresh tensors, not views of `nz` (a compiled loss guards on a view's offset: a recompile)
+    return [(part[:, 1].clone(), part[:, 2] + s + 1) for s, part in enumerate(nz.split(counts))]
 
 
 def depth_loss(
@@ -170,10 +171,16 @@ def train_step(
     past: list = []
     loss = torch.zeros((), device=x.device)
     metrics: dict[str, torch.Tensor] = {}
+    # Compiled, the merge attention's depths >= 1 share one graph: their past padded to one
+    # length (the last depth's), the padding masked.
+    pad = cfg.enable_torch_compile and cfg.ttt_attention == "merge"
+    if cfg.enable_torch_compile:
+        prime_rotary(head, x.device)
     for s in range(cfg.depths):
         ids = x[:, s + 1 : s + 1 + t]
         pos = (torch.arange(t, device=x.device) + s).expand(x.shape[0], t)
-        hid, out, kv = forward(head, ids, feats, pos, past, cfg.ttt_attention)
+        seen, valid = padded_chain(past, cfg.depths - 1) if pad and past else (past, None)
+        hid, out, kv = forward(head, ids, feats, pos, seen, cfg.ttt_attention, valid)
         past.append(kv)
         bi, col = rows[s]
         term, metrics[f"acc{s}"] = loss_of(hid, w, (bi, col), col - (s + 1), batch,
@@ -183,7 +190,9 @@ def train_step(
             nxt = f[:, s + 1 : s + 1 + t]
             term = term + cfg.feature_weight * F.smooth_l1_loss(out[fm].float(), nxt[fm])
         loss = loss + cfg.depth_decay**s * term
-        feats = out
+        # One dtype at every depth >= 1 (a compiled step guards on it); the values are those the
+        # next depth reads (it casts to its embedding dtype, exactly, from either).
+        feats = out.to(f.dtype)
     return loss, metrics
 
 

@@ -95,14 +95,19 @@ def merge_chain(
     return (a + chain_out.reshape(bsz, nh, t, d)) / (r + wts.sum(-1))[..., None]
 
 
-def _merged_chain(q: torch.Tensor, chain: list[KV], scale: float, gqa: bool) -> torch.Tensor:
+def _merged_chain(
+    q: torch.Tensor, chain: list[KV], scale: float, gqa: bool, valid: torch.Tensor | None = None
+) -> torch.Tensor:
     """The depth >= 1 attention as a causal SDPA over the context (`context_with_sink`) and the
     chain's diagonal terms (`merge_chain`). The result does not depend on the sink's score
     (numerator and denominator scale alike), so it is a detached, dtype-exact shift. `gqa`:
     fewer key heads than query heads, from the module's counts (one read off the tensors' shapes
-    is symbolic under a dynamic-shape compile, which SDPA's flag refuses: a graph break)."""
+    is symbolic under a dynamic-shape compile, which SDPA's flag refuses: a graph break).
+    `valid` [n] bool: which of chain[1:] count (`padded_chain`); the last, this depth's, must."""
     k0, v0 = chain[0]
     scores = _chain_scores(q, chain[1:], scale)
+    if valid is not None:  # a padding entry weighs exp(-inf) = 0 in the merge
+        scores = scores.masked_fill(~valid, float("-inf"))
     sink = (scores.detach().amax(-1) / scale).to(q.dtype).float() * scale
     qs, ks, vs = context_with_sink(q, k0, v0, sink, scale)
     o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=gqa)
@@ -116,9 +121,11 @@ def _attention(
     positions: torch.Tensor,
     past: list[KV],
     impl: str = "dense",
+    chain_valid: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, KV]:
     """x [B, T, in] -> [B, T, h]; `past` = keys/values of depths 0..s-1 (empty at depth 0).
-    `impl` (TTT_ATTENTION) picks how depths >= 1 compute the same attention."""
+    `impl` (TTT_ATTENTION) picks how depths >= 1 compute the same attention; "merge" also
+    takes a `padded_chain` past with its `chain_valid`."""
     bsz, t, _ = x.shape
     nh, nkv, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
     q = attn.q_proj(x).reshape(bsz * t, nh, d)
@@ -133,7 +140,7 @@ def _attention(
     elif impl == "sdpa":
         o = _sdpa_chain(q, [*past, (k, v)], nh // nkv)
     elif impl == "merge":
-        o = _merged_chain(q, [*past, (k, v)], scale, nh != nkv)
+        o = _merged_chain(q, [*past, (k, v)], scale, nh != nkv, chain_valid)
     else:
         rep = nh // nkv
         k0, v0 = (z.repeat_interleave(rep, dim=1) for z in past[0])
@@ -160,15 +167,16 @@ def head_step(
     positions: torch.Tensor,
     past: list[KV],
     attention: str = "dense",
+    chain_valid: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, KV]:
     """One depth over [B, T] rows, the math of `EagleHead.forward`. Returns (pre-lm_head
     hidden [B, T, h] (normed for EAGLE3, raw for EAGLE), next features [B, T, h], this depth's
-    k/v)."""
+    k/v). `chain_valid`: with "merge" attention, the mask of a `padded_chain` past."""
     emb = head.target.model.embed_tokens(input_ids)  # frozen, no grad
     if head.algorithm == "EAGLE":
         layer = head.layers[0]
         x = head.fc(torch.cat((emb, features.to(emb.dtype)), dim=-1))
-        a, kv = _attention(layer.self_attn, head, x, positions, past, attention)
+        a, kv = _attention(layer.self_attn, head, x, positions, past, attention, chain_valid)
         x = x + a
         out = x + layer.mlp(layer.post_attention_layernorm(x))
         return out, out, kv
@@ -176,10 +184,38 @@ def head_step(
     g = head.fc(feats) if feats.shape[-1] != head.hidden_size else feats
     m = head.midlayer
     attn_in = torch.cat((m.input_layernorm(emb), m.hidden_norm(g)), dim=-1)
-    a, kv = _attention(m.self_attn, head, attn_in, positions, past, attention)
+    a, kv = _attention(m.self_attn, head, attn_in, positions, past, attention, chain_valid)
     x = g + a
     out = x + m.mlp(m.post_attention_layernorm(x))
     return head.norm(out), out, kv
+
+
+def padded_chain(past: list[KV], length: int) -> tuple[list[KV], torch.Tensor]:
+    """`past` (depths 0..s-1, s >= 1) widened to `length` entries with zero keys and values, and
+    the [length] mask of the chain entries the merge attention then sees (past[1:], the padding,
+    then this depth's own, always valid). Every depth >= 1 then has one structure: a compiled
+    step traces one graph for them where an unpadded past of a new length traces another."""
+    k, v = past[-1]
+    # Distinct tensors (inputs aliasing each other are a guard of their own) that require grad
+    # as the keys they stand in for do (a mismatch is a guard too).
+    pads = [
+        (torch.zeros_like(k).requires_grad_(k.requires_grad),
+         torch.zeros_like(v).requires_grad_(v.requires_grad))
+        for _ in range(length - len(past))
+    ]  # fmt: skip
+    valid = torch.arange(length, device=k.device) < len(past) - 1
+    valid[-1] = True
+    return [*past, *pads], valid
+
+
+def prime_rotary(head: EagleHead, device: torch.device) -> None:
+    """Makes the rotary tables in the dtype a step's queries have (autocast's, else the head's)
+    before a compiled step runs: made inside its first graph, they are a guard that recompiles
+    that graph once they exist."""
+    dev = device.type
+    dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
+    dtype = dtype or next(head.parameters()).dtype
+    head.rotary_emb.at(torch.zeros(1, dtype=torch.long, device=device), dtype)
 
 
 def lm_head_weight(head: EagleHead) -> torch.Tensor:

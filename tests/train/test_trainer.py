@@ -82,11 +82,15 @@ def test_a_training_step_waits_for_the_device_once(tiny_model_dir: str, soft: bo
 def test_compiled_step_equals_eager(tiny_model_dir: str) -> None:
     """--enable-torch-compile changes how the step runs, not what it computes: the loss, the
     accuracies and every gradient match eager, on two batches of different lengths (the second
-    runs the dynamic-shape graphs the first compiled)."""
+    runs the dynamic-shape graphs the first compiled). Depths >= 1 share one graph (their past
+    padded to one length): three graphs in all, with depth 0's and the loss's."""
     target, _ = load_target(tiny_model_dir, "float32", 64)
     head = init_eagle_head("EAGLE3", target, seed=int(torch.randint(0, 1000, ())))
     g = torch.Generator().manual_seed(int(torch.randint(0, 10**6, ())))
-    depths = 3
+    depths = 4
+    torch._dynamo.reset()
+    stats = torch._dynamo.utils.counters["stats"]
+    before = stats["unique_graphs"]
     vocab = head.lm_head.weight.shape[0]
     params = [p for p in head.parameters() if p.requires_grad]
     for t in (9, 14):
@@ -105,6 +109,7 @@ def test_compiled_step_equals_eager(tiny_model_dir: str) -> None:
             torch.testing.assert_close(m1[k], m0[k], atol=0.15, rtol=0)
         for a, b in zip(g1, g0, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6 + 1e-6 * b.abs().max().item())
+    assert stats["unique_graphs"] - before == 3
 
 
 class _Clock:

@@ -1,6 +1,6 @@
 """The unrolled head's depth >= 1 attention: the masked-SDPA form and the causal-SDPA-plus-chain
-merge compute what the dense form computes (outputs and gradients), for EAGLE and EAGLE3 heads,
-over several depths."""
+merge (also over a past padded to one length, as a compiled step runs it) compute what the dense
+form computes (outputs and gradients), for EAGLE and EAGLE3 heads, over several depths."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 
 from eagleserve.spec.head_loader import init_eagle_head
 from eagleserve.train.target import load_target
-from eagleserve.train.ttt import chain_mask, head_step
+from eagleserve.train.ttt import chain_mask, head_step, padded_chain
 
 pytestmark = pytest.mark.usefixtures("torch_threads")
 
@@ -23,7 +23,7 @@ def test_chain_mask_sees_context_and_own_chain() -> None:
         assert seen == list(range(j + 1)) + [t + j, 2 * t + j]
 
 
-@pytest.mark.parametrize("impl", ["sdpa", "merge"])
+@pytest.mark.parametrize("impl", ["sdpa", "merge", "merge-padded"])
 @pytest.mark.parametrize("algorithm", ["EAGLE", "EAGLE3"])
 def test_chain_forms_equal_dense(tiny_model_dir: str, algorithm: str, impl: str) -> None:
     target, _ = load_target(tiny_model_dir, "float32", 64)
@@ -40,7 +40,11 @@ def test_chain_forms_equal_dense(tiny_model_dir: str, algorithm: str, impl: str)
         outs = []
         for s in range(depths):
             pos = (torch.arange(t) + s).expand(b, t)
-            hid, out, kv = head_step(head, x[:, s + 1 : s + 1 + t], feats, pos, past, impl)
+            seen, valid = past, None
+            if impl == "merge-padded" and past:
+                seen, valid = padded_chain(past, depths - 1)
+            form = impl.removesuffix("-padded")
+            hid, out, kv = head_step(head, x[:, s + 1 : s + 1 + t], feats, pos, seen, form, valid)
             past.append(kv)
             outs.append(hid)
             total = total + (hid * torch.linspace(-1, 1, hid.shape[-1])).sum()
