@@ -195,7 +195,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument(
         "--rows",
-        default="sdpa:64,merge:64,merge+compile:64,merge+compile:128",
+        default="merge:64,merge+compile:64,merge+compile:128",
         help="settings, ttt_attention[+compile]:batch_size, comma-separated",
     )
     ap.add_argument("--max-len", type=int, default=2048)
