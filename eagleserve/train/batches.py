@@ -39,6 +39,18 @@ def soft_cross_entropy(
     return -(q * torch.where(keep, logp, torch.zeros_like(logp))).sum(-1).mean()
 
 
+# Batch lengths are rounded up to a multiple of this, so a trainer sees a few dozen shapes and not
+# one per window length: on a CPU each new shape grew the process by megabytes a step (oneDNN's
+# per-shape kernels, the allocator's fragmentation) without bound. Padded rows are masked.
+LENGTH_BUCKET = 64
+
+
+def padded_len(n: int, max_len: int) -> int:
+    """A batch's length for its longest row n: rounded up to LENGTH_BUCKET, never past max_len
+    (the positions the rotary tables hold are sized by it) unless n itself is."""
+    return max(n, min(max_len, -(-n // LENGTH_BUCKET) * LENGTH_BUCKET))
+
+
 def label_loss(
     logits: torch.Tensor,
     batch: Batch,
@@ -67,7 +79,7 @@ def sequence_batch(
 ) -> Batch:
     """Hard-label batch of in-memory sequences: the label of row t is x[t+1] itself (the
     target's own greedy token on self-distilled answers)."""
-    n = min(max(len(seqs[i]) for i in idx), max_len)
+    n = padded_len(min(max(len(seqs[i]) for i in idx), max_len), max_len)
     bsz, w = len(idx), feats[idx[0]].shape[-1]
     x = torch.zeros(bsz, n + depths, dtype=torch.long)
     f = torch.zeros(bsz, n + depths, w)

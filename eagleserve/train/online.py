@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 from eagleserve.device import host_to
 from eagleserve.models.llama import LlamaForCausalLM
-from eagleserve.train.batches import Batch
+from eagleserve.train.batches import Batch, padded_len
 from eagleserve.train.dense_backend import padded_features_and_final
 from eagleserve.train.extract import Item
 from eagleserve.train.features import IGNORE
@@ -180,14 +180,14 @@ def _store_group(
 
 
 def store_batch(
-    store: FeatureStore, wins: list[Window], label_map: torch.Tensor, depths: int
+    store: FeatureStore, wins: list[Window], label_map: torch.Tensor, depths: int, max_len: int
 ) -> Batch:
     """The `window_batch` of stored windows, gathered on the store's device: padded rows are
     ignored; soft labels are the top-k mapped by `label_map` (target id -> draft id or
     IGNORE; -1 outside the draft vocabulary), the hard label the target's argmax where it lies
     in the draft vocabulary."""
     dev = store.ids.device
-    n = max(m for _, m in wins)
+    n = padded_len(max(m for _, m in wins), max_len)
     start = host_to(torch.tensor([a for a, _ in wins]), dev)
     lens = host_to(torch.tensor([m for _, m in wins]), dev)
     col = torch.arange(n + depths, device=dev)
@@ -219,6 +219,7 @@ class StoreSource:
 
     def __post_init__(self) -> None:
         self.label_map = self.label_map.to(self.store.ids.device)
+        self.longest = max((m for _, m in self.store.windows), default=0)  # pad no further
         self.per_epoch = len(self.plan(0))
 
     def plan(self, epoch: int) -> list[list[Window]]:
@@ -238,4 +239,5 @@ class StoreSource:
         return self._plan[1]
 
     def batch(self, epoch: int, within: int) -> Batch:
-        return store_batch(self.store, self.plan(epoch)[within], self.label_map, self.depths)
+        wins = self.plan(epoch)[within]
+        return store_batch(self.store, wins, self.label_map, self.depths, self.longest)

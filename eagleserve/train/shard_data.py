@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 from safetensors import safe_open
 
-from eagleserve.train.batches import Batch
+from eagleserve.train.batches import Batch, padded_len
 from eagleserve.train.features import IGNORE
 from eagleserve.train.shards import Seq, load_shard, read_index
 
@@ -53,12 +53,12 @@ def answer_token_counts(entries: list[tuple[str, dict]]) -> Counter:
 
 
 def window_batch(
-    seqs: list[Seq], wins: list[Window], label_map: torch.Tensor, depths: int
+    seqs: list[Seq], wins: list[Window], label_map: torch.Tensor, depths: int, max_len: int
 ) -> Batch:
     """Row t of a window starting at a: token ids[a+t], features feats[a+t], label = the target's
     top-k at a+t (its argmax as the hard label) where ids[a+t+1] is an answer token and that
     argmax lies in the draft vocabulary (else IGNORE)."""
-    n = max(w[2] for w in wins)
+    n = padded_len(max(w[2] for w in wins), max_len)
     bsz, w_feat, k = len(wins), seqs[0].feats.shape[-1], seqs[0].top_ids.shape[-1]
     x = torch.zeros(bsz, n + depths, dtype=torch.long)
     f = torch.zeros(bsz, n + depths, w_feat)
@@ -126,4 +126,4 @@ class ShardSource:
         sh, wins = self.plan(epoch)[within]
         if self._loaded is None or self._loaded[0] != sh:
             self._loaded = (sh, load_shard(*self.entries[sh]))
-        return window_batch(self._loaded[1], wins, self.label_map, self.depths)
+        return window_batch(self._loaded[1], wins, self.label_map, self.depths, self.max_len)

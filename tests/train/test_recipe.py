@@ -67,7 +67,7 @@ def test_store_equals_per_window_targets(chat_target: str) -> None:
         torch.testing.assert_close(store.top_p[a : a + m][need].float(), tp[need].float(),
                                    rtol=1e-2, atol=1e-3)  # fmt: skip
         assert (store.top_ids[a : a + m][~need] == -1).all()
-    b = store_batch(store, store.windows[:3], lmap, depths=2)
+    b = store_batch(store, store.windows[:3], lmap, depths=2, max_len=64)
     (a, m) = store.windows[1]
     assert b.x[1, :m].tolist() == wins[1][0] and not b.fmask[1, m:].any()
     tid = store.top_ids[a : a + m].long()

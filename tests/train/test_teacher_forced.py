@@ -206,7 +206,12 @@ def test_window_batch_aligns_labels_with_rows() -> None:
     draft = torch.tensor(sorted({*range(10, 25)} - {17}))  # 17 = ids[6] + 1 left out
     lmap = label_map(draft, 128)
     assert windows([n], 4) == [(0, 0, 4), (0, 4, 4), (0, 8, 1)]
-    b = window_batch([seq], [(0, 0, 4), (0, 4, 4), (0, 8, 1)], lmap, depths=2)
+    wins = [(0, 0, 4), (0, 4, 4), (0, 8, 1)]
+    # Windows of 4 pad to the length bucket (64) where windows may be that long, never further
+    b = window_batch([seq], wins, lmap, depths=2, max_len=1000)
+    assert b.x.shape == (3, 64 + 2) and not b.fmask[:, 4:].any() and (b.x[:, 4:] == 0).all()
+    assert window_batch([seq], wins, lmap, depths=2, max_len=40).x.shape == (3, 40 + 2)
+    b = window_batch([seq], wins, lmap, depths=2, max_len=4)
     assert b.x.shape == (3, 6) and b.x[1, :4].tolist() == [14, 15, 16, 17]
     want = [[IGNORE, IGNORE, lmap[13], lmap[14]], [lmap[15], IGNORE, IGNORE, lmap[18]]]
     assert b.y[0, :4].tolist() == want[0] and b.y[1, :4].tolist() == want[1]
