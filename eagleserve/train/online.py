@@ -185,7 +185,7 @@ def store_batch(
     """The `window_batch` of stored windows, gathered on the store's device: padded rows are
     ignored; soft labels are the top-k mapped by `label_map` (target id -> draft id or
     IGNORE; -1 outside the draft vocabulary), the hard label the target's argmax where it lies
-    in the draft vocabulary."""
+    in the draft vocabulary. Its length is `padded_len`'s, up to `max_len`."""
     dev = store.ids.device
     n = padded_len(max(m for _, m in wins), max_len)
     start = host_to(torch.tensor([a for a, _ in wins]), dev)

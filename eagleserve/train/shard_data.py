@@ -57,7 +57,8 @@ def window_batch(
 ) -> Batch:
     """Row t of a window starting at a: token ids[a+t], features feats[a+t], label = the target's
     top-k at a+t (its argmax as the hard label) where ids[a+t+1] is an answer token and that
-    argmax lies in the draft vocabulary (else IGNORE)."""
+    argmax lies in the draft vocabulary (else IGNORE). Its length is `padded_len`'s, up to
+    `max_len` (the longest window there can be)."""
     n = padded_len(max(w[2] for w in wins), max_len)
     bsz, w_feat, k = len(wins), seqs[0].feats.shape[-1], seqs[0].top_ids.shape[-1]
     x = torch.zeros(bsz, n + depths, dtype=torch.long)
