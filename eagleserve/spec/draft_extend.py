@@ -32,13 +32,22 @@ def last_rows_forward(
     head: EagleHead, fb: ForwardBatch, features: torch.Tensor, last_rows: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(logits, next features) of each request's last row of the extend `fb` (`last_rows`, one
-    per request), with every row's head KV written. Only the last rows run the whole layer
-    (attention, MLP, lm_head): a draft starts from them, and the other rows' K/V depend on their
-    own inputs alone, so they stop after the K/V projection. Padding rows (out_cache_loc 0) may
+    per request), with every row's head KV written. On a one-layer head only the last rows run
+    the whole layer (attention, MLP, lm_head): a draft starts from them, and the other rows' K/V
+    depend on their own inputs alone, so they stop after the K/V projection; on a head of several
+    layers every row runs every layer (the rows a path extend masked attend as any other, after
+    the rows that count), the lm_head the last rows alone. Padding rows (out_cache_loc 0) may
     follow a request's last one, at position prefix_lens + extend_lens - 1. `last_rows` None:
     a fixed-shape path extend as the verify left it, masked first (`mask_path_rows`)."""
     if last_rows is None:
         fb, last_rows = mask_path_rows(fb)
+        if head.upper_layers:  # their attention reads every row: all `width` of them count
+            width = fb.host.max_extend
+            fb = dataclasses.replace(fb, extend_lens=torch.full_like(fb.extend_lens, width),
+                                     host=HostLens(width, fb.host.max_kv, True))  # fmt: skip
+    if head.upper_layers:  # layer 1's K/V read layer 0's attention: every row runs every layer
+        with forward_context(fb):
+            return head(fb.input_ids, features, fb.positions, logit_rows=last_rows)
     if fb.input_ids.shape[0] == fb.batch_size:  # one row per request: all are last rows
         with forward_context(fb):
             return head(fb.input_ids, features, fb.positions)

@@ -74,8 +74,9 @@ class EagleDraftWorker:
         target.model.aux_layer_ids = self.head.aux_layer_ids
         hc = self.head.config
         self.kv_pool = TokenToKVPool(
-            args.kv_cache_tokens, 1, hc.num_key_value_heads, hc.head_dim, target.dtype, device
-        )
+            args.kv_cache_tokens, hc.num_hidden_layers, hc.num_key_value_heads, hc.head_dim,
+            target.dtype, device,
+        )  # fmt: skip
         # Trees too: Triton runs a tree-mask step as one kernel a layer (padded SDPA: a dozen ops).
         self.attn_backend = create_attn_backend(
             args.attention_backend,
@@ -128,7 +129,9 @@ class EagleDraftWorker:
                 self.loop_graphs = {}
         # The seed extend after each verify as one graph per path width (draft_extend.py).
         self.extend_graphs: DraftExtendGraphs | None = None
-        if graphs_on and os.environ.get("EAGLESERVE_DISABLE_DRAFT_EXTEND_GRAPH") != "1":
+        # A head of several layers extends eagerly: its graph writes K/V as a one-layer head's.
+        extend_graphs = graphs_on and not self.head.upper_layers
+        if extend_graphs and os.environ.get("EAGLESERVE_DISABLE_DRAFT_EXTEND_GRAPH") != "1":
             # A tree's accepted path is at most its draft steps deep (accept()'s max_depth).
             widths = [k + 1 for k in chain_lengths] if spec.is_chain else [spec.num_steps + 1]
             graphs = DraftExtendGraphs(self.head, self.kv_pool, self.attn_backend, device,

@@ -1,11 +1,13 @@
 """EAGLE-1/2 and EAGLE-3 draft heads over a Llama-family target, with the published tensor names.
 
-Both heads run one decoder layer (layer_id 0 of the draft KV pool) inside an active
+The heads run their decoder layers (layer i on layer_id i of the draft KV pool) inside an active
 `forward_context`. Parameter names equal the checkpoint names, so a state_dict is the checkpoint:
 - EAGLE (1/2): `fc` [h, 2h] (+bias), `layers.0.{self_attn,mlp,post_attention_layernorm}`; the
   embedding and lm_head are the target's. Features are the target's final *normed* hidden state.
 - EAGLE3: `fc` [h, k*h] fusing the hidden states entering k target layers, `midlayer.*` whose
   attention reads 2h, `norm`, a draft-vocab `lm_head`, and `d2t` (target id = draft id + d2t).
+  A head of `num_hidden_layers` N > 1 adds plain Llama decoder layers `layers.1` .. `layers.N-1`
+  over the midlayer's output (vLLM's names: it reads `midlayer` as `layers.0`).
 Loading, saving and random init live in `eagleserve.spec.head_loader`.
 """
 
@@ -22,6 +24,7 @@ from eagleserve.layers.forward_batch import get_forward_batch, in_forward
 from eagleserve.models.cpu_layers import CpuHeadLayer, CpuLayers
 from eagleserve.models.llama import (
     LlamaAttention,
+    LlamaDecoderLayer,
     LlamaForCausalLM,
     LlamaMLP,
     RMSNorm,
@@ -49,6 +52,8 @@ def head_model_config(raw: dict[str, Any], target_cfg: ModelConfig) -> ModelConf
         cfg = ModelConfig.from_hf(d)
     except KeyError as e:
         raise KeyError(f"draft head config.json lacks {e.args[0]!r}") from None
+    if cfg.num_hidden_layers < 1:
+        raise ValueError(f"draft head num_hidden_layers {cfg.num_hidden_layers}: at least 1")
     if cfg.hidden_size != target_cfg.hidden_size:
         raise ValueError(
             f"draft head hidden_size {cfg.hidden_size} != target hidden_size "
@@ -133,8 +138,10 @@ class EagleHead(nn.Module):
             self.feature_size = h
             self.draft_vocab_size = self.target_vocab_size
             self.fc_bias = fc_bias
+            if cfg.num_hidden_layers != 1:
+                raise ValueError(f"EAGLE heads have one layer, not {cfg.num_hidden_layers}")
             self.fc = nn.Linear(2 * h, h, bias=fc_bias)  # input: cat(embed, feature)
-            self.layers = nn.ModuleList([Eagle1Layer(cfg)])
+            self.layers: nn.Module = nn.ModuleList([Eagle1Layer(cfg)])
         else:
             if not aux_layer_ids or fc_bias:
                 raise ValueError("EAGLE3 heads need aux layer ids and have no fc bias")
@@ -144,6 +151,10 @@ class EagleHead(nn.Module):
             self.fc_bias = False
             self.fc = nn.Linear(self.feature_size, h, bias=False)
             self.midlayer = Eagle3MidLayer(cfg)
+            # Keys "1".."N-1": their checkpoint names are layers.1.*, ... (none for N = 1).
+            self.layers = nn.ModuleDict(
+                {str(i): LlamaDecoderLayer(cfg, i) for i in range(1, cfg.num_hidden_layers)}
+            )
             self.norm = RMSNorm(h, cfg.rms_norm_eps)
             self.lm_head = nn.Linear(h, self.draft_vocab_size, bias=False)
             # [draft_vocab] int64; zeros = identity map (full draft vocab).
@@ -157,6 +168,15 @@ class EagleHead(nn.Module):
     @property
     def target(self) -> LlamaForCausalLM:
         return self._target
+
+    @property
+    def upper_layers(self) -> list[LlamaDecoderLayer]:
+        """An EAGLE3 head's layers after the midlayer, in order (none on a one-layer head).
+        With any, a row's K/V in layers >= 1 depend on the rows before it (layer 0's attention):
+        a K/V write runs every layer over rows the active forward batch describes."""
+        if self.algorithm != "EAGLE3":
+            return []
+        return [self.layers[str(i)] for i in range(1, self.config.num_hidden_layers)]
 
     @property
     def attn(self) -> LlamaAttention:
@@ -200,11 +220,19 @@ class EagleHead(nn.Module):
         return torch.cat((m.input_layernorm(emb), m.hidden_norm(g)), dim=-1), g  # [T, 2h]
 
     def forward(
-        self, input_ids: torch.Tensor, features: torch.Tensor, positions: torch.Tensor
+        self,
+        input_ids: torch.Tensor,
+        features: torch.Tensor,
+        positions: torch.Tensor,
+        logit_rows: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """input_ids [T] (token t[j+1]), features [T, feature_size or h] (aligned with t[j]),
         positions [T]. Returns (logits [T, draft_vocab], fp32 except on the fused kernels, which
-        keep the model dtype; next_features [T, h])."""
+        keep the model dtype; next_features [T, h]). `logit_rows`: of these rows only (every
+        row still runs the layers and writes its K/V; a multi-layer head's extend)."""
+        if logit_rows is not None:
+            out = self.layers_output(input_ids, features, positions)[logit_rows]
+            return self._logits(out), out
         if self.fused_kernels and in_forward():  # the embedding is looked up in a kernel
             from eagleserve.spec import fused_head  # imports triton: only where it runs
 
@@ -218,16 +246,35 @@ class EagleHead(nn.Module):
             fb = get_forward_batch()
             if CpuLayers.applies(fb, emb):  # the layer and lm_head in one kernel call
                 return self.cpu_layer.forward(emb, self.fused_features(feats), fb, rotary)
+        out = self._layers(emb, feats, positions, rotary)
+        return self._logits(out), out  # next_features are pre-norm
+
+    def _logits(self, out: torch.Tensor) -> torch.Tensor:
+        if self.algorithm == "EAGLE":
+            # No final norm: the target's lm_head reads the layer output directly.
+            return self.target.compute_logits(out)
+        return self.lm_head(self.norm(out)).float()
+
+    def _layers(
+        self, emb: torch.Tensor, feats: torch.Tensor, positions: torch.Tensor, rotary: Any
+    ) -> torch.Tensor:
+        """The last layer's output [T, h] (pre-norm) of rows with these embeddings and
+        features (`_inputs`), every layer's K/V written to the active forward's pool."""
         attn_in, residual = self._attention_input(emb, feats)
         x = residual + self.attn(attn_in, positions, rotary)
-        if self.algorithm == "EAGLE":
-            layer = self.layers[0]
-            out = x + layer.mlp(layer.post_attention_layernorm(x))
-            # No final norm: the target's lm_head reads the layer output directly.
-            return self.target.compute_logits(out), out
-        m = self.midlayer
-        out = x + m.mlp(m.post_attention_layernorm(x))
-        return self.lm_head(self.norm(out)).float(), out  # next_features are pre-norm
+        layer = self.layers[0] if self.algorithm == "EAGLE" else self.midlayer
+        out = x + layer.mlp(layer.post_attention_layernorm(x))
+        for upper in self.upper_layers:
+            out = upper(out, positions, rotary)
+        return out
+
+    def layers_output(
+        self, input_ids: torch.Tensor, features: torch.Tensor, positions: torch.Tensor
+    ) -> torch.Tensor:
+        """`_layers` of these rows on the modules (an EAGLE3 head of several layers: neither
+        the one-call CPU layer nor the fused kernels serve one)."""
+        emb, feats = self._inputs(input_ids, features)
+        return self._layers(emb, feats, positions, self.rotary_emb.at(positions, emb.dtype))
 
     def write_kv(
         self,
@@ -237,7 +284,12 @@ class EagleHead(nn.Module):
         out_cache_loc: torch.Tensor,
     ) -> None:
         """Writes these rows' K/V to `out_cache_loc` in the active forward's KV pool and
-        nothing else: the head is one layer, so a row's K/V depend on its own input alone."""
+        nothing else. A one-layer head's K/V of a row depend on its own input alone: the K/V
+        projection is all it runs. With `upper_layers`, every layer runs, and the active forward
+        batch must describe these rows (an extend), as their attention reads it."""
+        if self.upper_layers:
+            self.layers_output(input_ids, features, positions)
+            return
         if self.fused_kernels:
             from eagleserve.spec import fused_head
 
@@ -260,28 +312,30 @@ class EagleHead(nn.Module):
 
     @torch.no_grad()
     def fuse_projections(self) -> None:
-        """q/k/v as one qkv_proj and gate/up as one gate_up_proj (rows stacked, so each output
-        column is computed as before): fewer, larger matmuls for a head on the CPU kernels; and
-        kv_proj, the K/V rows alone, for write_kv."""
-        layer = self.layers[0] if self.algorithm == "EAGLE" else self.midlayer
-        attn, mlp = layer.self_attn, layer.mlp
-        pairs = ((attn, "qkv_proj", ("q_proj", "k_proj", "v_proj")),
-                 (mlp, "gate_up_proj", ("gate_proj", "up_proj")))  # fmt: skip
-        for module, fused, names in pairs:
-            parts = [getattr(module, n) for n in names]
-            if getattr(module, fused) is not None or any(p.bias is not None for p in parts):
-                continue
-            setattr(module, fused, _stacked([p.weight for p in parts]))
-            if module is attn:  # K/V alone, for the rows that only write them (write_kv)
-                self.kv_proj = _stacked([p.weight for p in parts[1:]])
-            for n in names:
-                delattr(module, n)
+        """q/k/v as one qkv_proj and gate/up as one gate_up_proj in every layer (rows stacked,
+        so each output column is computed as before): fewer, larger matmuls for a head on the
+        CPU kernels; and a one-layer head's kv_proj, the K/V rows alone, for write_kv."""
+        first = self.layers[0] if self.algorithm == "EAGLE" else self.midlayer
+        for layer in (first, *self.upper_layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            pairs = ((attn, "qkv_proj", ("q_proj", "k_proj", "v_proj")),
+                     (mlp, "gate_up_proj", ("gate_proj", "up_proj")))  # fmt: skip
+            for module, fused, names in pairs:
+                parts = [getattr(module, n) for n in names]
+                if getattr(module, fused) is not None or any(p.bias is not None for p in parts):
+                    continue
+                setattr(module, fused, _stacked([p.weight for p in parts]))
+                if module is attn and layer is first and not self.upper_layers:
+                    # K/V alone, for the rows that only write them (write_kv)
+                    self.kv_proj = _stacked([p.weight for p in parts[1:]])
+                for n in names:
+                    delattr(module, n)
 
     def use_fused_kernels(self) -> bool:
         """An EAGLE3 head on the fused Triton kernels its target runs (spec/fused_head.py):
         projections fused, then its forwards and K/V writes there. False where they do not
         apply (an EAGLE-1 head, biased projections): the head stays on the torch ops."""
-        if self.algorithm != "EAGLE3":
+        if self.algorithm != "EAGLE3" or self.upper_layers:
             return False
         self.fuse_projections()
         m = self.midlayer
@@ -298,7 +352,7 @@ class EagleHead(nn.Module):
                 module.row_kernel = True
             elif isinstance(module, LlamaAttention):  # the rotary kernel's vector width
                 module.row_kernel = module.head_dim % 16 == 0
-        if self.algorithm == "EAGLE3":
+        if self.algorithm == "EAGLE3" and not self.upper_layers:
             self.cpu_layer = CpuHeadLayer.build(self.midlayer, self.norm, self.lm_head)
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:

@@ -162,7 +162,7 @@ def save_eagle_head(head: EagleHead, out_dir: str, max_shard_bytes: int | None =
         "model_type": "llama",
         "hidden_size": cfg.hidden_size,
         "intermediate_size": cfg.intermediate_size,
-        "num_hidden_layers": 1,
+        "num_hidden_layers": cfg.num_hidden_layers,
         "num_attention_heads": cfg.num_attention_heads,
         "num_key_value_heads": cfg.num_key_value_heads,
         "head_dim": cfg.head_dim,
@@ -199,9 +199,11 @@ def init_eagle_head(
     seed: int = 0,
     draft_token_ids: torch.Tensor | None = None,
     intermediate_size: int | None = None,
+    num_hidden_layers: int = 1,
 ) -> EagleHead:
     """A fresh head for `target`, on the target's device and dtype, deterministic in `seed`;
-    its MLP `intermediate_size` wide (default: the target's).
+    its MLPs `intermediate_size` wide (default: the target's); EAGLE3 may have
+    `num_hidden_layers` > 1 (the midlayer, then plain decoder layers).
 
     Linear weights ~ N(0, 0.02), biases 0, norms 1. EAGLE gets an fc bias (the reference
     default). EAGLE3's lm_head starts as the target's lm_head rows of the draft vocab, whose
@@ -212,7 +214,7 @@ def init_eagle_head(
     # Token ids are a tokenizer matter: the head config carries none, as a loaded head's.
     cfg = dataclasses.replace(
         tcfg,
-        num_hidden_layers=1,
+        num_hidden_layers=num_hidden_layers,
         tie_word_embeddings=False,
         attention_bias=False,
         eos_token_ids=(),

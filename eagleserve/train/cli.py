@@ -52,6 +52,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--draft-vocab-size", type=int, default=8192, help="EAGLE3 draft vocabulary")
     p.add_argument("--draft-intermediate-size", type=int, default=None,
                    help="the head's MLP width (default: the target's)")  # fmt: skip
+    p.add_argument("--draft-num-hidden-layers", type=int, default=1,
+                   help="EAGLE3: decoder layers (the midlayer, then plain ones)")  # fmt: skip
     p.add_argument("--num-prompts", type=int, default=1500, help="ShareGPT prompts to answer")
     p.add_argument("--prompt-ids-file", help="JSON list of token-id prompts (no tokenizer)")
     p.add_argument("--data", nargs="*", default=(), help="reuse generated data files (merged)")

@@ -174,6 +174,10 @@ def warm_head(ns: argparse.Namespace, target: object, dev: torch.device) -> Eagl
     if width is not None and width != head.config.intermediate_size:
         raise SystemExit(f"--draft-intermediate-size {width}: --init-head {ns.init_head} is "
                          f"{head.config.intermediate_size} wide")  # fmt: skip
+    layers = ns.draft_num_hidden_layers
+    if layers != head.config.num_hidden_layers:
+        raise SystemExit(f"--draft-num-hidden-layers {layers}: --init-head {ns.init_head} has "
+                         f"{head.config.num_hidden_layers}")  # fmt: skip
     return head
 
 

@@ -45,8 +45,13 @@ def fresh_head(
     target: LlamaForCausalLM,
     draft_ids: torch.Tensor | None,
 ) -> EagleHead:
-    """The head a train-draft run starts from: seeded, its MLP --draft-intermediate-size wide."""
+    """The head a train-draft run starts from: seeded, its MLP --draft-intermediate-size wide,
+    --draft-num-hidden-layers deep."""
     from eagleserve.spec.head_loader import init_eagle_head
 
+    if ns.draft_num_hidden_layers != 1 and algorithm != "EAGLE3":
+        raise SystemExit(f"--draft-num-hidden-layers {ns.draft_num_hidden_layers}: EAGLE heads "
+                         "have one layer (EAGLE3 heads may have more)")  # fmt: skip
     return init_eagle_head(algorithm, target, seed=ns.seed, draft_token_ids=draft_ids,
-                           intermediate_size=ns.draft_intermediate_size)  # fmt: skip
+                           intermediate_size=ns.draft_intermediate_size,
+                           num_hidden_layers=ns.draft_num_hidden_layers)  # fmt: skip

@@ -27,7 +27,7 @@ from eagleserve.spec.eagle_head import EagleHead
 from eagleserve.spec.head_loader import save_eagle_head
 from eagleserve.train.batches import Batch, label_loss, sequence_batch
 from eagleserve.train.features import IGNORE
-from eagleserve.train.ttt import head_step, lm_head_weight, padded_chain, prime_rotary
+from eagleserve.train.ttt import KV, head_step, lm_head_weight, padded_chain, prime_rotary
 
 
 @dataclass(frozen=True)
@@ -168,7 +168,7 @@ def train_step(
     if cfg.enable_torch_compile:
         forward, loss_of = _compiled(head_step), _compiled(depth_loss)
     feats = f[:, :t]
-    past: list = []
+    past: list[list[KV]] = [[] for _ in range(head.config.num_hidden_layers)]  # per layer
     loss = torch.zeros((), device=x.device)
     metrics: dict[str, torch.Tensor] = {}
     # Compiled, the merge attention's depths >= 1 share one graph: their past padded to one
@@ -179,9 +179,13 @@ def train_step(
     for s in range(cfg.depths):
         ids = x[:, s + 1 : s + 1 + t]
         pos = (torch.arange(t, device=x.device) + s).expand(x.shape[0], t)
-        seen, valid = padded_chain(past, cfg.depths - 1) if pad and past else (past, None)
-        hid, out, kv = forward(head, ids, feats, pos, seen, cfg.ttt_attention, valid)
-        past.append(kv)
+        seen, valid = past, None
+        if pad and s:
+            padded = [padded_chain(p, cfg.depths - 1) for p in past]
+            seen, valid = [p for p, _ in padded], padded[0][1]
+        hid, out, kvs = forward(head, ids, feats, pos, seen, cfg.ttt_attention, valid)
+        for p, kv in zip(past, kvs, strict=True):
+            p.append(kv)
         bi, col = rows[s]
         term, metrics[f"acc{s}"] = loss_of(hid, w, (bi, col), col - (s + 1), batch,
                                            cfg.soft_labels)  # fmt: skip

@@ -165,36 +165,48 @@ def head_step(
     input_ids: torch.Tensor,
     features: torch.Tensor,
     positions: torch.Tensor,
-    past: list[KV],
+    past: list[list[KV]],
     attention: str = "dense",
     chain_valid: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, KV]:
-    """One depth over [B, T] rows, the math of `EagleHead.forward`. Returns (pre-lm_head
-    hidden [B, T, h] (normed for EAGLE3, raw for EAGLE), next features [B, T, h], this depth's
-    k/v). `chain_valid`: with "merge" attention, the mask of a `padded_chain` past."""
+) -> tuple[torch.Tensor, torch.Tensor, list[KV]]:
+    """One depth over [B, T] rows, the math of `EagleHead.forward`. `past[i]`: layer i's
+    keys/values of the depths before (an empty list, or no lists at all, at depth 0). Returns
+    (pre-lm_head hidden [B, T, h] (normed for EAGLE3, raw for EAGLE), next features [B, T, h],
+    this depth's k/v of each layer). `chain_valid`: with "merge" attention, the mask of a
+    `padded_chain` past (the same for every layer)."""
     emb = head.target.model.embed_tokens(input_ids)  # frozen, no grad
+    layer_past = past or [[] for _ in range(head.config.num_hidden_layers)]
     if head.algorithm == "EAGLE":
         layer = head.layers[0]
         x = head.fc(torch.cat((emb, features.to(emb.dtype)), dim=-1))
-        a, kv = _attention(layer.self_attn, head, x, positions, past, attention, chain_valid)
+        a, kv = _attention(layer.self_attn, head, x, positions, layer_past[0], attention,
+                           chain_valid)  # fmt: skip
         x = x + a
         out = x + layer.mlp(layer.post_attention_layernorm(x))
-        return out, out, kv
+        return out, out, [kv]
     feats = features.to(emb.dtype)
     g = head.fc(feats) if feats.shape[-1] != head.hidden_size else feats
     m = head.midlayer
     attn_in = torch.cat((m.input_layernorm(emb), m.hidden_norm(g)), dim=-1)
-    a, kv = _attention(m.self_attn, head, attn_in, positions, past, attention, chain_valid)
+    a, kv = _attention(m.self_attn, head, attn_in, positions, layer_past[0], attention, chain_valid)
     x = g + a
     out = x + m.mlp(m.post_attention_layernorm(x))
-    return head.norm(out), out, kv
+    kvs = [kv]
+    for upper, seen in zip(head.upper_layers, layer_past[1:], strict=True):
+        a, kv = _attention(upper.self_attn, head, upper.input_layernorm(out), positions, seen,
+                           attention, chain_valid)  # fmt: skip
+        x = out + a
+        out = x + upper.mlp(upper.post_attention_layernorm(x))
+        kvs.append(kv)
+    return head.norm(out), out, kvs
 
 
 def padded_chain(past: list[KV], length: int) -> tuple[list[KV], torch.Tensor]:
-    """`past` (depths 0..s-1, s >= 1) widened to `length` entries with zero keys and values, and
-    the [length] mask of the chain entries the merge attention then sees (past[1:], the padding,
-    then this depth's own, always valid). Every depth >= 1 then has one structure: a compiled
-    step traces one graph for them where an unpadded past of a new length traces another."""
+    """One layer's `past` (depths 0..s-1, s >= 1) widened to `length` entries with zero keys and
+    values, and the [length] mask of the chain entries the merge attention then sees (past[1:],
+    the padding, then this depth's own, always valid). Every depth >= 1 then has one structure:
+    a compiled step traces one graph for them where an unpadded past of a new length traces
+    another."""
     k, v = past[-1]
     # Distinct tensors (inputs aliasing each other are a guard of their own) that require grad
     # as the keys they stand in for do (a mismatch is a guard too).

@@ -124,6 +124,14 @@ def eagle3_tensors(draft_ids: torch.Tensor, seed: int = 2) -> Tensors:
     return t
 
 
+def upper_layer_tensors(layer: int, seed: int) -> Tensors:
+    """Layer `layer` >= 1 of a multi-layer EAGLE3 head as vLLM names it: a plain decoder layer."""
+    gen = torch.Generator().manual_seed(seed)
+    t = _layer_tensors(f"layers.{layer}.", H, gen)
+    t[f"layers.{layer}.input_layernorm.weight"] = 1 + torch.randn(H, generator=gen) * 0.1
+    return t
+
+
 def write_head(path: str, cfg: dict, tensors: Tensors, fmt: str = "safetensors") -> str:
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, "config.json"), "w") as f:

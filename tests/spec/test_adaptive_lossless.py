@@ -31,7 +31,7 @@ def adaptive_engine(
         kv_cache_tokens=kw.pop("kv_cache_tokens", 2048),  # type: ignore[arg-type]
         max_running_requests=8,
         disable_overlap_schedule=not overlap,
-        speculative_algorithm="EAGLE",
+        speculative_algorithm=kw.pop("speculative_algorithm", "EAGLE"),
         speculative_draft_model_path=head_dir,
         speculative_num_steps=3,
         speculative_eagle_topk=2 if tree else 1,
@@ -161,31 +161,36 @@ def test_acceptance_starts_from_the_heads_training_log(
 
 
 def head_kv(engine: Engine, req_pool_idx: int, length: int) -> torch.Tensor:
-    drafter = engine.scheduler.worker.drafter
+    """Every layer's head K and V at the request's first `length` positions."""
+    pool = engine.scheduler.worker.drafter.kv_pool
     slots = engine.scheduler.req_to_token_pool.req_to_token[req_pool_idx, :length]
-    return drafter.kv_pool.k_buffer[0][slots].clone()
+    return torch.stack([b[slots] for b in (*pool.k_buffer, *pool.v_buffer)])
 
 
+@pytest.mark.parametrize("head", ["EAGLE-random", "EAGLE3-2layers"])
 @pytest.mark.parametrize(
     "without", [0, 5, 11], ids=["draft-after-prefill", "catch-up", "flushed-rings"]
 )
 def test_head_kv_after_a_stretch_without_drafting(
-    target_dir: str, heads: dict[str, str], without: int
+    target_dir: str, heads: dict[str, str], without: int, head: str
 ) -> None:
     """After k = 0 iterations and the catch-up, the head's KV equals that of a run that ran the
     head after every token (here: a fixed 1-chain), position by position; also where the
     stretch outlasts the ring of held inputs (4 here), which is flushed twice on the way, and
-    where the first decode drafts (the prompt's last row, held by the prefill, caught up)."""
+    where the first decode drafts (the prompt's last row, held by the prefill, caught up). A
+    head of two layers too: there each held row's layer-1 K/V read layer 0's attention over
+    the rows before it."""
     prompt = _prompts(3)[3]
+    algorithm = "EAGLE3" if head.startswith("EAGLE3") else "EAGLE"
     runs = {}
     for name in ("lagged", "always"):
         eng = (
-            adaptive_engine(target_dir, heads["EAGLE-random"], False,
+            adaptive_engine(target_dir, heads[head], False, speculative_algorithm=algorithm,
                             speculative_adaptive_probe_interval=4 if without > 8 else 8)
             if name == "lagged"
             else Engine(model=target_dir, device="cpu", kv_cache_tokens=2048,
-                        max_running_requests=8, speculative_algorithm="EAGLE",
-                        speculative_draft_model_path=heads["EAGLE-random"],
+                        max_running_requests=8, speculative_algorithm=algorithm,
+                        speculative_draft_model_path=heads[head],
                         speculative_num_steps=1, speculative_eagle_topk=1,
                         speculative_num_draft_tokens=2)
         )  # fmt: skip

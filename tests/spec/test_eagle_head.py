@@ -90,13 +90,20 @@ def ref_eagle3(w: Tensors, tgt: LlamaForCausalLM, ids: torch.Tensor, feats: list
     x_in = torch.cat((emb, ref_rms(g, w["midlayer.hidden_norm.weight"])), -1)
     x = g + ref_layer_attn(w, "midlayer.", x_in, pos)
     out = x + ref_mlp(w, "midlayer.", ref_rms(x, w["midlayer.post_attention_layernorm.weight"]))
+    i = 1
+    while f"layers.{i}.input_layernorm.weight" in w:  # vLLM's further layers: plain Llama ones
+        pre = f"layers.{i}."
+        x = out + ref_layer_attn(w, pre, ref_rms(out, w[pre + "input_layernorm.weight"]), pos)
+        out = x + ref_mlp(w, pre, ref_rms(x, w[pre + "post_attention_layernorm.weight"]))
+        i += 1
     return ref_rms(out, w["norm.weight"]) @ w["lm_head.weight"].T, out
 
 
 def paged_forward(head: EagleHead, ids: torch.Tensor, feats: list) -> tuple:
-    """Two paged extends over one draft KV pool (layer 0): [0, SPLIT) then [SPLIT, T)."""
+    """Two paged extends over one draft KV pool: [0, SPLIT) then [SPLIT, T)."""
     cfg = head.config
-    pool = TokenToKVPool(32, 1, cfg.num_key_value_heads, cfg.head_dim, torch.float32, CPU)
+    pool = TokenToKVPool(32, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim,
+                         torch.float32, CPU)  # fmt: skip
     r2t = ReqToTokenPool(1, 64, CPU)
     backend = TorchAttnBackend(r2t.req_to_token, cfg.head_dim**-0.5)
     loc = pool.alloc(len(ids))

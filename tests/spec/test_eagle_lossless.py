@@ -28,19 +28,22 @@ def target_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     return save_spec_target(str(tmp_path_factory.mktemp("target")), 1234, VOCAB - 1, 0)
 
 
-def _head_dir(target_dir: str, algorithm: str, tmp: str, quality: float, seed: int) -> str:
+def _head_dir(
+    target_dir: str, algorithm: str, tmp: str, quality: float, seed: int, layers: int = 1
+) -> str:
     runner = ModelRunner(
         ModelConfig.from_dir(target_dir), target_dir, torch.device("cpu"), torch.float32, 64, 1, 512
     )
     draft_vocab = 48 if algorithm == "EAGLE3" else None
-    head = init_eagle_head(algorithm, runner.model, draft_vocab_size=draft_vocab, seed=seed)
+    head = init_eagle_head(algorithm, runner.model, draft_vocab_size=draft_vocab, seed=seed,
+                           num_hidden_layers=layers)  # fmt: skip
     if algorithm == "EAGLE" and quality > 0:
         h = head.hidden_size
         with torch.no_grad():
             # fc passes the embedding of the newest token through: the head then guesses the
             # target's next token from the current one, which is mostly what the target does.
             head.fc.weight[:, :h].copy_(torch.eye(h) * quality + head.fc.weight[:, :h])
-    out = os.path.join(tmp, f"{algorithm}-{quality}-{seed}")
+    out = os.path.join(tmp, f"{algorithm}-{quality}-{seed}-{layers}")
     save_eagle_head(head, out)
     return out
 
@@ -52,6 +55,8 @@ def heads(target_dir: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str
         "EAGLE": _head_dir(target_dir, "EAGLE", tmp, 1.0, 0),
         "EAGLE-random": _head_dir(target_dir, "EAGLE", tmp, 0.0, 1),
         "EAGLE3": _head_dir(target_dir, "EAGLE3", tmp, 0.0, 2),
+        # vLLM's multi-layer EAGLE3 layout: the midlayer, then a plain decoder layer.
+        "EAGLE3-2layers": _head_dir(target_dir, "EAGLE3", tmp, 0.0, 3, layers=2),
     }
 
 
@@ -141,6 +146,8 @@ CASES = [
     ("EAGLE3", 4, 1, 5),
     ("EAGLE3", 3, 2, 6),
     ("EAGLE3", 2, 4, 8),
+    ("EAGLE3-2layers", 3, 1, 4),
+    ("EAGLE3-2layers", 3, 2, 6),
 ]
 
 
@@ -156,7 +163,7 @@ def test_greedy_lossless(
     ndt: int,
     overlap: bool,
 ) -> None:
-    algo = "EAGLE3" if head == "EAGLE3" else "EAGLE"
+    algo = "EAGLE3" if head.startswith("EAGLE3") else "EAGLE"
     eng = Engine(
         model=target_dir,
         device="cpu",

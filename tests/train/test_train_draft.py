@@ -67,9 +67,12 @@ def trained(tiny: tuple[str, str], tmp_path_factory: pytest.TempPathFactory) -> 
     return out
 
 
-@pytest.mark.parametrize("algorithm", ["EAGLE", "EAGLE3"])
-def test_unrolled_forward_matches_worker_draft_path(tiny: tuple[str, str], algorithm: str) -> None:
-    """Depth s at row j == draft extend over rows 0..j, then s draft steps on the paged KV."""
+@pytest.mark.parametrize(("algorithm", "n_layers"), [("EAGLE", 1), ("EAGLE3", 1), ("EAGLE3", 2)])
+def test_unrolled_forward_matches_worker_draft_path(
+    tiny: tuple[str, str], algorithm: str, n_layers: int
+) -> None:
+    """Depth s at row j == draft extend over rows 0..j, then s draft steps on the paged KV
+    (every layer's, on a head of two)."""
     from eagleserve.config import ModelConfig
     from eagleserve.model_executor.model_runner import ModelRunner
     from eagleserve.spec.head_loader import init_eagle_head
@@ -78,23 +81,26 @@ def test_unrolled_forward_matches_worker_draft_path(tiny: tuple[str, str], algor
     target, _ = tiny
     cfg = ModelConfig.from_dir(target)
     runner = ModelRunner(cfg, target, torch.device("cpu"), torch.float32, 64, 1, 64)
-    head = init_eagle_head(algorithm, runner.model, seed=2)
+    head = init_eagle_head(algorithm, runner.model, seed=2, num_hidden_layers=n_layers)
     layers = head.aux_layer_ids or (cfg.num_hidden_layers,)
     x = torch.randint(0, VOCAB, (20,), generator=torch.Generator().manual_seed(1))
     f = hidden_states_entering(runner.model, [x], layers)  # [20, W]
     t, depths = 15, 3
-    past, feats, outs = [], f[None, :t], []
+    past: list[list] = [[] for _ in range(n_layers)]
+    feats, outs = f[None, :t], []
     with torch.no_grad():
         for s in range(depths):
             pos = torch.arange(t)[None] + s
-            _, out, kv = head_step(head, x[None, s + 1 : s + 1 + t], feats, pos, past)
-            past.append(kv)
+            _, out, kvs = head_step(head, x[None, s + 1 : s + 1 + t], feats, pos, past)
+            for p, kv in zip(past, kvs, strict=True):
+                p.append(kv)
             outs.append(out[0])
             feats = out
         for j in (0, 6, t - 1):
             r2t = ReqToTokenPool(1, 64, torch.device("cpu"))
             r2t.req_to_token[0, :64] = torch.arange(64)
-            pool = TokenToKVPool(64, 1, cfg.num_key_value_heads, cfg.head_dim, torch.float32, "cpu")
+            pool = TokenToKVPool(64, n_layers, cfg.num_key_value_heads, cfg.head_dim,
+                                 torch.float32, "cpu")  # fmt: skip
             backend = TorchAttnBackend(r2t.req_to_token, cfg.head_dim**-0.5)
             n, nxt = j + 1, f[:0]
             for s in range(depths):

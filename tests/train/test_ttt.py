@@ -24,10 +24,12 @@ def test_chain_mask_sees_context_and_own_chain() -> None:
 
 
 @pytest.mark.parametrize("impl", ["sdpa", "merge", "merge-padded"])
-@pytest.mark.parametrize("algorithm", ["EAGLE", "EAGLE3"])
+@pytest.mark.parametrize("algorithm", ["EAGLE", "EAGLE3", "EAGLE3-2layers"])
 def test_chain_forms_equal_dense(tiny_model_dir: str, algorithm: str, impl: str) -> None:
     target, _ = load_target(tiny_model_dir, "float32", 64)
-    head = init_eagle_head(algorithm, target, seed=int(torch.randint(0, 1000, ())))
+    layers = 2 if algorithm.endswith("2layers") else 1
+    head = init_eagle_head(algorithm.removesuffix("-2layers"), target, num_hidden_layers=layers,
+                           seed=int(torch.randint(0, 1000, ())))  # fmt: skip
     b, t, depths = 3, 11, 4
     g = torch.Generator().manual_seed(int(torch.randint(0, 10**6, ())))
     vocab = target.config.vocab_size
@@ -35,17 +37,19 @@ def test_chain_forms_equal_dense(tiny_model_dir: str, algorithm: str, impl: str)
     feats0 = torch.randn(b, t, head.feature_size, generator=g, requires_grad=True)
 
     def unroll(impl: str) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        past: list = []
+        past: list[list] = [[] for _ in range(layers)]
         feats, total = feats0, torch.zeros(())
         outs = []
         for s in range(depths):
             pos = (torch.arange(t) + s).expand(b, t)
             seen, valid = past, None
-            if impl == "merge-padded" and past:
-                seen, valid = padded_chain(past, depths - 1)
+            if impl == "merge-padded" and s:
+                padded = [padded_chain(p, depths - 1) for p in past]
+                seen, valid = [p for p, _ in padded], padded[0][1]
             form = impl.removesuffix("-padded")
-            hid, out, kv = head_step(head, x[:, s + 1 : s + 1 + t], feats, pos, seen, form, valid)
-            past.append(kv)
+            hid, out, kvs = head_step(head, x[:, s + 1 : s + 1 + t], feats, pos, seen, form, valid)
+            for p, kv in zip(past, kvs, strict=True):
+                p.append(kv)
             outs.append(hid)
             total = total + (hid * torch.linspace(-1, 1, hid.shape[-1])).sum()
             feats = out
@@ -136,13 +140,13 @@ def test_every_depth_compiles_as_one_graph(tiny_model_dir: str, impl: str) -> No
     b, t, depths = 2, 9, 3
     x = torch.randint(0, target.config.vocab_size, (b, t + depths), generator=g)
     feats = torch.randn(b, t, head.feature_size, generator=g)
-    past: list = []
+    past: list[list] = [[]]
     with torch.autocast("cpu", torch.bfloat16):  # as the gpu recipe trains
         for s in range(depths):
             pos = (torch.arange(t) + s).expand(b, t)
             want = head_step(head, x[:, s + 1 : s + 1 + t], feats, pos, past, impl)
-            got = compiled(head, x[:, s + 1 : s + 1 + t], feats, pos, list(past), impl)
+            got = compiled(head, x[:, s + 1 : s + 1 + t], feats, pos, [list(past[0])], impl)
             for a, c in zip(got[:2], want[:2], strict=True):
                 torch.testing.assert_close(a, c, rtol=0, atol=0)
-            past.append(want[2])
+            past[0].append(want[2][0])
             feats = want[1]
