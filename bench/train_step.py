@@ -1,6 +1,7 @@
 """Where a `train-draft --recipe gpu` training step spends its time, on the device it trains on.
 
-Each row is one setting (--ttt-attention, batch size) with a fresh head, trained on a feature
+Each row is one setting (--ttt-attention, batch size, head layers) with a fresh head, trained on a
+feature
 store of the real shape (the target's EAGLE3 feature width, top-k soft labels, windows of up to
 --max-len tokens) filled with random values: the step's cost does not depend on the values.
 After --warmup steps, --steps steps are timed, then run again under torch.profiler (its own
@@ -71,17 +72,19 @@ def _device_us(ev: Any) -> float:
 
 def profile_row(
     target: Any, dev: torch.device, impl: str, batch_size: int, max_len: int, depths: int,
-    k: int, draft_vocab: int, warmup: int, steps: int, top: int,
+    k: int, draft_vocab: int, warmup: int, steps: int, top: int, layers: int = 1,
 ) -> dict[str, Any]:  # fmt: skip
     """One setting: `steps` timed steps, then `steps` more under the profiler (its own host
     overhead kept out of the step time). `impl`: a TTT_ATTENTION form, "+compile" for
-    --enable-torch-compile (the warm-up steps pay for the compile)."""
+    --enable-torch-compile (the warm-up steps pay for the compile); `layers`: the head's
+    decoder layers (--draft-num-hidden-layers)."""
     attention, _, option = impl.partition("+")
     vocab = target.config.vocab_size
-    layers = target_layer_ids("EAGLE3", target.config.num_hidden_layers)
-    width = len(layers) * target.config.hidden_size
+    aux = target_layer_ids("EAGLE3", target.config.num_hidden_layers)
+    width = len(aux) * target.config.hidden_size
     draft_ids = torch.arange(min(draft_vocab, vocab))
-    head = init_eagle_head("EAGLE3", target, seed=0, draft_token_ids=draft_ids)
+    head = init_eagle_head("EAGLE3", target, seed=0, draft_token_ids=draft_ids,
+                           num_hidden_layers=layers)  # fmt: skip
     store = random_store(batch_size * max(warmup, steps), max_len, width, vocab, k, dev, 0)
     source = StoreSource(store, label_map(draft_ids, vocab), batch_size, depths, 0)
     head.train()
@@ -124,6 +127,7 @@ def profile_row(
     return {
         "ttt_attention": impl,
         "batch_size": batch_size,
+        "draft_num_hidden_layers": layers,
         "step_ms": 1e3 * wall / steps,
         "warmup_s": warmup_s,
         "compiled_graphs_per_step": graphs / steps,
@@ -144,7 +148,7 @@ def profile_row(
 
 
 def profile_rows(
-    model: str, device: str, rows: list[tuple[str, int]], max_len: int, depths: int, k: int,
+    model: str, device: str, rows: list[tuple[str, int, int]], max_len: int, depths: int, k: int,
     draft_vocab: int, warmup: int, steps: int, top: int, out_path: str | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     """Every row in turn, each printed and (with `out_path`) the JSON rewritten as it is done:
@@ -157,12 +161,13 @@ def profile_rows(
         "shape": {"max_len": max_len, "depths": depths, "top_k": k, "draft_vocab": draft_vocab},
         "rows": [],
     }
-    for impl, bs in rows:
+    for impl, bs, layers in rows:
         try:
             row = profile_row(target, dev, impl, bs, max_len, depths, k, draft_vocab, warmup,
-                              steps, top)  # fmt: skip
+                              steps, top, layers)  # fmt: skip
         except torch.OutOfMemoryError as e:  # a setting that does not fit is a result too
-            row = {"ttt_attention": impl, "batch_size": bs, "error": f"out of memory: {e}"[:200]}
+            row = {"ttt_attention": impl, "batch_size": bs, "draft_num_hidden_layers": layers,
+                   "error": f"out of memory: {e}"[:200]}  # fmt: skip
         if dev.type != "cpu":
             torch.get_device_module(dev).empty_cache()
         out["rows"].append(row)
@@ -175,18 +180,27 @@ def profile_rows(
 
 
 def row_line(r: dict[str, Any]) -> str:
+    layers = r.get("draft_num_hidden_layers", 1)
     if "error" in r:
-        return f"{r['ttt_attention']:>13} {r['batch_size']:>5}  {r['error'][:60]}"
+        return f"{r['ttt_attention']:>13} {r['batch_size']:>5} {layers:>6}  {r['error'][:60]}"
     frac, peak = r["device_busy_fraction"], r["peak_gb"]
     busy = "-" if frac is None else f"{100 * frac:.0f}"
     peak_s = "-" if peak is None else f"{peak:.1f}"
-    return (f"{r['ttt_attention']:>13} {r['batch_size']:>5} {r['step_ms']:>8.1f} "
+    return (f"{r['ttt_attention']:>13} {r['batch_size']:>5} {layers:>6} {r['step_ms']:>8.1f} "
             f"{r['token_passes_per_s']:>15,.0f} {busy:>7} {r['launches_per_step']:>8.0f} "
             f"{peak_s:>8} {r['warmup_s']:>9.1f} {r['compiled_graphs_per_step']:>7.0f}")  # fmt: skip
 
 
-HEADER = (f"{'attention':>13} {'batch':>5} {'step ms':>8} {'token-passes/s':>15} {'busy %':>7} "
-          f"{'launches':>8} {'peak GB':>8} {'warm-up s':>9} {'graphs':>7}")  # fmt: skip
+HEADER = (f"{'attention':>13} {'batch':>5} {'layers':>6} {'step ms':>8} {'token-passes/s':>15} "
+          f"{'busy %':>7} {'launches':>8} {'peak GB':>8} {'warm-up s':>9} "
+          f"{'graphs':>7}")  # fmt: skip
+
+
+def parse_row(text: str) -> tuple[str, int, int]:
+    """A --rows entry: merge+compile:64 -> ("merge+compile", 64, 1); a third field gives the
+    head's layers."""
+    impl, bs, *layers = text.split(":")
+    return impl, int(bs), int(layers[0]) if layers else 1
 
 
 def main() -> None:
@@ -196,7 +210,7 @@ def main() -> None:
     ap.add_argument(
         "--rows",
         default="merge:64,merge+compile:64,merge+compile:128",
-        help="settings, ttt_attention[+compile]:batch_size, comma-separated",
+        help="settings, ttt_attention[+compile]:batch_size[:head layers], comma-separated",
     )
     ap.add_argument("--max-len", type=int, default=2048)
     ap.add_argument("--ttt-steps", type=int, default=5)
@@ -207,7 +221,7 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=15)
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
-    rows = [(r.split(":")[0], int(r.split(":")[1])) for r in a.rows.split(",")]
+    rows = [parse_row(r) for r in a.rows.split(",")]
     print(HEADER, flush=True)
     res = profile_rows(a.model, a.device, rows, a.max_len, a.ttt_steps, a.top_k,
                        a.draft_vocab_size, a.warmup, a.steps, a.top, a.out)  # fmt: skip

@@ -28,6 +28,7 @@ from eagleserve.models.llama import (
     LlamaForCausalLM,
     LlamaMLP,
     RMSNorm,
+    Rotary,
     RotaryEmbedding,
 )
 
@@ -256,7 +257,7 @@ class EagleHead(nn.Module):
         return self.lm_head(self.norm(out)).float()
 
     def _layers(
-        self, emb: torch.Tensor, feats: torch.Tensor, positions: torch.Tensor, rotary: Any
+        self, emb: torch.Tensor, feats: torch.Tensor, positions: torch.Tensor, rotary: Rotary
     ) -> torch.Tensor:
         """The last layer's output [T, h] (pre-norm) of rows with these embeddings and
         features (`_inputs`), every layer's K/V written to the active forward's pool."""

@@ -45,6 +45,8 @@ CASES = {
                                                    speculative_eagle_topk=1,
                                                    speculative_num_draft_tokens=4,
                                                    speculative_adaptive=True), True),
+    # Two head layers: the path extend runs eagerly, every row through both layers.
+    "EAGLE3 two layers, chain 3, overlap": ("EAGLE3-2layers", CHAIN3, True),
 }  # fmt: skip
 
 
@@ -78,14 +80,14 @@ def test_speculative_output_is_the_targets_on_the_graph_path(
     monkeypatch: pytest.MonkeyPatch,
     case: str,
 ) -> None:
-    algorithm, spec, overlap = CASES[case]
+    head, spec, overlap = CASES[case]
     # Adaptive times its cost table at start: once per part, as the interpreter is slow.
     monkeypatch.setattr(cost_model, "REPEATS", 1)
     prompts = random_prompts(3)
     params = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
     want = accelerator_engine(target_dir, False).generate(prompts, params)
-    eng = accelerator_engine(target_dir, overlap, speculative_algorithm=algorithm,
-                             speculative_draft_model_path=heads[algorithm], **spec)  # fmt: skip
+    eng = accelerator_engine(target_dir, overlap, speculative_algorithm=head.split("-")[0],
+                             speculative_draft_model_path=heads[head], **spec)  # fmt: skip
     got = eng.generate(prompts, params)
     assert [o["token_ids"] for o in got] == [o["token_ids"] for o in want]
     runner = eng.scheduler.worker.runner
@@ -95,6 +97,10 @@ def test_speculative_output_is_the_targets_on_the_graph_path(
         assert [graphs.of(g) > 0 for g in drafter.loop_graphs.values()] == [True]
         assert drafter.extend_graphs is not None
         assert [graphs.of(g) > 0 for g in drafter.extend_graphs.graphs.values()] == [True]
+    if head.endswith("2layers"):  # drafts in the loop graph, extends eagerly
+        drafter = eng.scheduler.worker.drafter
+        assert drafter.extend_graphs is None
+        assert [graphs.of(g) > 0 for g in drafter.loop_graphs.values()] == [True]
 
 
 def test_seed_extend_replays_its_graph_and_output_stays_the_targets(
