@@ -8,6 +8,7 @@ embedding through drafts well and verifies see long accepted runs and rejections
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -73,7 +74,7 @@ def cases(temperature: float = 0.0) -> tuple[list[list[int]], list[SamplingParam
 
 def engine(target: str, head: str | None, overlap: bool, **spec: int | bool) -> Engine:
     kw = {} if head is None else dict(
-        speculative_algorithm="EAGLE3" if head.endswith("EAGLE3-0.0-2") else "EAGLE",
+        speculative_algorithm="EAGLE3" if os.path.basename(head).startswith("EAGLE3") else "EAGLE",
         speculative_draft_model_path=head, **spec,
     )  # fmt: skip
     return Engine(model=target, device="cpu", kv_cache_tokens=2048, max_running_requests=8,
