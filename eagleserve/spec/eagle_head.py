@@ -160,6 +160,12 @@ class EagleHead(nn.Module):
             self.lm_head = nn.Linear(h, self.draft_vocab_size, bias=False)
             # [draft_vocab] int64; zeros = identity map (full draft vocab).
             self.register_buffer("d2t", torch.zeros(self.draft_vocab_size, dtype=torch.int64))
+        # An EAGLE3 head's layers after the midlayer, in order (none on a one-layer head). With
+        # any, a row's K/V in layers >= 1 depend on the rows before it (layer 0's attention): a
+        # K/V write runs every layer over rows the active forward batch describes.
+        self.upper_layers: tuple[LlamaDecoderLayer, ...] = (
+            tuple(self.layers.values()) if algorithm == "EAGLE3" else ()
+        )
         self.rotary_emb = RotaryEmbedding(cfg, target.model.rotary_emb.max_positions)
         self.kv_proj: nn.Linear | None = None  # set by fuse_projections
         self.cpu_layer: CpuHeadLayer | None = None  # set by use_row_kernels
@@ -169,15 +175,6 @@ class EagleHead(nn.Module):
     @property
     def target(self) -> LlamaForCausalLM:
         return self._target
-
-    @property
-    def upper_layers(self) -> list[LlamaDecoderLayer]:
-        """An EAGLE3 head's layers after the midlayer, in order (none on a one-layer head).
-        With any, a row's K/V in layers >= 1 depend on the rows before it (layer 0's attention):
-        a K/V write runs every layer over rows the active forward batch describes."""
-        if self.algorithm != "EAGLE3":
-            return []
-        return [self.layers[str(i)] for i in range(1, self.config.num_hidden_layers)]
 
     @property
     def attn(self) -> LlamaAttention:
