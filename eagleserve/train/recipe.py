@@ -16,7 +16,6 @@ import json
 import multiprocessing
 import os
 import random
-import tempfile
 import time
 from collections import Counter
 
@@ -68,8 +67,8 @@ def add_recipe_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-conversations", type=int, default=None,
                    help="use only this many training conversations (default: all)")  # fmt: skip
     g.add_argument("--tokenize-procs", type=int, default=None, help="default: all CPU cores")
-    g.add_argument("--work-dir", default=None, help="trainer_state.pt goes here (default: a "
-                   "temporary folder, so OUT holds only the head and its log)")  # fmt: skip
+    g.add_argument("--work-dir", default=None, help="write the fp32 head and trainer_state.pt "
+                   "here at the end (default: none; OUT holds the head and its log)")  # fmt: skip
     g.add_argument("--init-head", default=None, help="train on from this head's weights "
                    "(a folder or builtin:NAME) instead of a fresh head; its width and draft "
                    "vocabulary are kept")  # fmt: skip
@@ -252,10 +251,9 @@ def run_recipe(ns: argparse.Namespace) -> int:
     target.float()
     if head is None:
         head = fresh_head(ns, "EAGLE3", target, draft_ids)
-    work = ns.work_dir or tempfile.mkdtemp(prefix="eagle-train-")
     budget = max(1.0, ns.time_budget - (time.time() - t0) - ns.eval_reserve)
     cfg = TrainConfig(
-        out_dir=work, lr=ns.lr, batch_size=ns.batch_size, max_len=ns.max_len,
+        out_dir=ns.work_dir, lr=ns.lr, batch_size=ns.batch_size, max_len=ns.max_len,
         epochs=ns.epochs, max_minutes=ns.max_minutes, depths=ns.ttt_steps,
         compute_dtype=ns.compute_dtype, save_every=10**9, seed=ns.seed,
         max_steps=ns.max_steps, soft_labels=ns.loss == "soft", budget_s=budget,

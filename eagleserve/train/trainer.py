@@ -32,7 +32,7 @@ from eagleserve.train.ttt import KV, head_step, lm_head_weight, padded_chain, pr
 
 @dataclass(frozen=True)
 class TrainConfig:
-    out_dir: str
+    out_dir: str | None  # checkpoints go here; None: none written (the caller keeps the head)
     lr: float = 1e-3
     batch_size: int = 8
     max_len: int = 384
@@ -203,7 +203,7 @@ def train_step(
 def train_head(
     head: EagleHead, source: BatchSource, cfg: TrainConfig, start_state: dict | None = None
 ) -> dict[str, float]:
-    """Trains in place, checkpointing to cfg.out_dir; returns the last metrics (EMA)."""
+    """Trains in place, checkpointing to cfg.out_dir (if any); returns the last metrics (EMA)."""
     torch.manual_seed(cfg.seed)
     params = [p for p in head.parameters() if p.requires_grad]
     # One fused kernel per step on an accelerator; the CPU keeps the reference update, so CPU
@@ -263,11 +263,11 @@ def train_head(
                 # end the schedule early or late.
                 total = budget_steps(data_steps, step, elapsed, t_cal, measured, cfg.budget_s)
                 bar.total = total
-        save = step % cfg.save_every == 0 or step == total or stop
+        save = step % cfg.save_every == 0 or step == total or stop  # the last step: metrics read
         if save and not synced:
             ema = {k: float(v) for k, v in dev_ema.items()}
         bar.update(1)
-        if save:
+        if save and cfg.out_dir is not None:
             save_checkpoint(head, opt, step, ema, cfg.out_dir)
         if stop:
             break

@@ -4,6 +4,8 @@ computes what it computes eagerly."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from device_reads import device_read
@@ -156,3 +158,34 @@ def test_a_budgeted_run_trains_until_its_budget(
     used = clock.now - 1000.0
     assert out["steps"] == out["total_steps"] < 50 * 100  # ended by the schedule, not the data
     assert 0.9 * budget <= used <= budget + fast, (used, budget, out["steps"])
+
+
+def test_a_run_without_out_dir_writes_nothing_and_returns_its_metrics(
+    tiny_model_dir: str, tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`out_dir=None` (bench/train_step.py's timed runs): no checkpoint in the timed steps and
+    nothing left on disk, yet the last step's metrics come back."""
+    from eagleserve.train import trainer
+
+    monkeypatch.chdir(tmp_path)
+    target, _ = load_target(tiny_model_dir, "float32", 64)
+    head = init_eagle_head("EAGLE3", target, seed=int(torch.randint(0, 1000, ())))
+    g = torch.Generator().manual_seed(int(torch.randint(0, 10**6, ())))
+    depths, vocab = 2, head.lm_head.weight.shape[0]
+    steps = int(torch.randint(2, 6, (), generator=g))
+
+    class Source:
+        per_epoch = 50
+
+        def batch(self, epoch: int, within: int) -> Batch:
+            return _batch(2, 7, depths, head.feature_size, vocab, g)
+
+    cfg = TrainConfig(out_dir=None, depths=depths, save_every=1, max_steps=steps)
+    out = trainer.train_head(head, Source(), cfg)
+    assert list(tmp_path.iterdir()) == []
+    assert out["steps"] == steps and {"acc0", "acc1", "loss"} <= set(out)
+    assert all(math.isfinite(out[k]) for k in ("acc0", "acc1", "loss")) and out["loss"] > 0
+    cfg = TrainConfig(out_dir=str(tmp_path / "ck"), depths=depths, max_steps=steps)
+    trainer.train_head(head, Source(), cfg)  # with a folder, the last step is checkpointed
+    written = {p.name for p in (tmp_path / "ck").iterdir()}
+    assert {"model.safetensors", "trainer_state.pt"} <= written
