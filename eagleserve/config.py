@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
 
 
@@ -250,7 +250,3 @@ class ServerArgs:
         """Chunks cut to half a decode iteration's cost while requests decode (asked for; on a
         CPU only, where forwards are synchronous and timed by the host)."""
         return device_type == "cpu" and self.enable_dynamic_chunking
-
-    @classmethod
-    def field_names(cls) -> list[str]:
-        return [f.name for f in fields(cls) if f.name != "extra"]

@@ -85,13 +85,6 @@ class Req:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    def check_invariants(self) -> None:
-        assert 0 <= self.kv_committed_len <= self.kv_allocated_len, (
-            self.kv_committed_len,
-            self.kv_allocated_len,
-        )
-        assert self.kv_committed_len <= self.seq_len
-
 
 @dataclass
 class ScheduleBatch:

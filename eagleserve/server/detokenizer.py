@@ -97,11 +97,6 @@ class IncrementalDetokenizer:
         self._advance(final=True)
         return self._release(final=True)
 
-    @property
-    def output_text(self) -> str:
-        """All text handed out so far."""
-        return self.text[: self.sent]
-
 
 def token_strings(tokenizer: Any, ids: list[int]) -> list[str]:
     """One display string per token (for logprobs); partial characters show as U+FFFD."""

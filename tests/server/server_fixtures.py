@@ -50,9 +50,10 @@ class ServerProcess:
                     return line.split()[2]
             if self.proc.poll() is not None:
                 break
-        self.stop()
         self.log.seek(0)
-        raise RuntimeError(f"server did not start:\n{self.log.read()[-4000:]}")
+        tail = self.log.read()[-4000:]
+        self.stop()
+        raise RuntimeError(f"server did not start:\n{tail}")
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -62,6 +63,8 @@ class ServerProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        # Closing deletes it: a session-scoped server outlives the finalizers that would.
+        self.log.close()
 
 
 _CACHE: dict[str, Any] = {}
@@ -80,6 +83,7 @@ def server_fixture() -> Iterator[ServerProcess]:
     srv.stop()
     # uvicorn re-raises SIGTERM after its graceful shutdown.
     assert srv.proc.returncode in (0, -signal.SIGTERM), "the server did not shut down cleanly"
+    assert not os.path.exists(srv.log.name), "the server's log outlived it"
 
 
 @pytest.fixture(scope="session", name="key_server")
