@@ -53,7 +53,9 @@ def server_flags(args: argparse.Namespace) -> list[str]:
 class Server:
     """`eagleserve serve` on 127.0.0.1 and a free port; `stop()` sends SIGTERM."""
 
-    def __init__(self, flags: list[str], env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, flags: list[str], env: dict[str, str] | None = None, new_session: bool = False
+    ) -> None:
         cmd = [
             sys.executable,
             "-m",
@@ -68,11 +70,13 @@ class Server:
             *flags,
         ]
         self.log = tempfile.NamedTemporaryFile("w+", prefix="eagleserve-load-", suffix=".log")
+        self.final_log = ""
         self.proc = subprocess.Popen(
             cmd,
             stdout=subprocess.PIPE,
             stderr=self.log,
             text=True,
+            start_new_session=new_session,
             env={**os.environ, **(env or {})},
         )
         self.url = self._wait_ready(300.0)
@@ -89,6 +93,8 @@ class Server:
         raise RuntimeError(f"server did not start:\n{self.log_tail()}")
 
     def log_tail(self, n: int = 4000) -> str:
+        if self.log.closed:
+            return self.final_log[-n:]
         self.log.seek(0)
         return self.log.read()[-n:]
 
@@ -100,6 +106,12 @@ class Server:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        if not self.log.closed:
+            # Kept in memory and the file deleted now: a session-scoped server outlives the
+            # temporary file's finalizer, which would leave the log in /tmp.
+            self.log.seek(0)
+            self.final_log = self.log.read()
+            self.log.close()
         return self.proc.returncode
 
 

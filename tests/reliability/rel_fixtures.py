@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
-import tempfile
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -96,6 +94,7 @@ def spec_server_fixture(tiny_dirs: tuple[str, str]) -> Iterator[Server]:
         _CACHE["spec"] = start_server(target, flags)
     yield _CACHE["spec"]
     _CACHE["spec"].stop()
+    assert not os.path.exists(_CACHE["spec"].log.name), "the server's log outlived it"
 
 
 @pytest.fixture(scope="module", name="fault_server")
@@ -134,14 +133,7 @@ class GroupServer(Server):
     process), so a test can signal the whole group."""
 
     def __init__(self, flags: list[str], env: dict[str, str] | None = None) -> None:
-        cmd = [sys.executable, "-m", "eagleserve", "serve", "--host", "127.0.0.1", "--port", "0",
-               "--log-level", "warning", *flags]  # fmt: skip
-        self.log = tempfile.NamedTemporaryFile("w+", prefix="eagleserve-group-", suffix=".log")
-        self.proc = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=self.log, text=True, start_new_session=True,
-            env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
-        )  # fmt: skip
-        self.url = self._wait_ready(300.0)
+        super().__init__(flags, {"OMP_NUM_THREADS": "1", **(env or {})}, new_session=True)
 
 
 def sse_events(url: str, body: dict[str, Any], first: threading.Event | None = None) -> list[str]:
