@@ -1,13 +1,13 @@
 """Triton paged attention over the layout described in `torch_attention.py`.
 
-Three entry points with the same signatures as their torch references:
+Two entry points, taking the per-forward index tensors the backend builds once per forward:
 - `decode_attention`: one query per request; split-KV (flash-decoding) in two stages. Stage 1
   gives each (request, KV head, split) program all query heads of that KV head's GQA group, so
   every K/V row is read once per group; stage 2 merges the splits with their log-sum-exps.
-- `extend_attention`: new tokens over a cached prefix, causal.
-- `tree_verify_attention`: draft-tree tokens over a cached prefix, visibility from `tree_mask`.
-  Extend and tree share one jit kernel (`_prefill_kernel`), specialised by the constexpr `TREE`;
-  it packs the GQA group into the query-row dimension so K/V tiles are read once per group.
+- `prefill_attention`: new tokens over a cached prefix, causal (extend), or draft-tree tokens
+  over it with visibility from `tree_mask` (tree verify). One jit kernel (`_prefill_kernel`),
+  specialised by the constexpr `TREE`; it packs the GQA group into the query-row dimension so
+  K/V tiles are read once per group.
 
 All softmax math is fp32 in the log2 domain (scores are pre-multiplied by sm_scale * log2(e)).
 Nothing here calls `torch.cuda`: tensors are allocated on `q.device`, so the same code runs under
@@ -33,7 +33,6 @@ from eagleserve.kernels.triton_common import (
     wait_previous,
 )
 from eagleserve.kernels.triton_decode import (  # noqa: F401  (re-exported API)
-    _decode_attention,
     choose_num_kv_splits,
     decode_attention,
 )
@@ -151,7 +150,7 @@ def _prefill_kernel(
         )
 
 
-def _prefill_attention(
+def prefill_attention(
     q: torch.Tensor,  # [T, H, D]
     k_buffer: torch.Tensor,  # [S, Hkv, D]
     v_buffer: torch.Tensor,  # [S, Hkv, D]
@@ -165,7 +164,7 @@ def _prefill_attention(
     prefix_lens: torch.Tensor | None = None,  # [bs] int64, tree mode
     tree_mask: torch.Tensor | None = None,  # [bs, n_q, n_new] bool, n_q >= max(extend_lens)
 ) -> torch.Tensor:
-    """Shared launcher: causal when tree_mask is None, else prefix + tree-mask visibility."""
+    """Causal when tree_mask is None, else prefix + tree-mask visibility."""
     group = _check_qkv(q, k_buffer, v_buffer)
     head_dim = q.shape[2]
     bs = req_pool_indices.shape[0]
@@ -242,63 +241,3 @@ def _prefill_attention(
         **pdl.launch_options(q.device),
     )
     return out
-
-
-def extend_attention(
-    q: torch.Tensor,  # [T, H, D], T = sum(extend_lens)
-    k_buffer: torch.Tensor,
-    v_buffer: torch.Tensor,
-    req_to_token: torch.Tensor,
-    req_pool_indices: torch.Tensor,
-    prefix_lens: torch.Tensor,
-    extend_lens: torch.Tensor,
-    sm_scale: float,
-    max_extend: int,  # host int >= max(extend_lens): the grid size, never read off the device
-) -> torch.Tensor:
-    _check_index("prefix_lens", prefix_lens, 1, q.device)
-    _check_index("extend_lens", extend_lens, 1, q.device)
-    q_start = torch.cumsum(extend_lens, 0) - extend_lens
-    return _prefill_attention(
-        q,
-        k_buffer,
-        v_buffer,
-        req_to_token,
-        req_pool_indices,
-        q_start,
-        extend_lens,
-        prefix_lens + extend_lens,
-        max_extend,
-        sm_scale,
-    )
-
-
-def tree_verify_attention(
-    q: torch.Tensor,  # [bs * n, H, D]
-    k_buffer: torch.Tensor,
-    v_buffer: torch.Tensor,
-    req_to_token: torch.Tensor,
-    req_pool_indices: torch.Tensor,
-    prefix_lens: torch.Tensor,  # [bs]
-    tree_mask: torch.Tensor,  # [bs, n, n] bool
-    sm_scale: float,
-) -> torch.Tensor:
-    _check_index("prefix_lens", prefix_lens, 1, q.device)
-    bs, n = prefix_lens.shape[0], tree_mask.shape[1]
-    assert tree_mask.shape == (bs, n, n), f"tree_mask {tuple(tree_mask.shape)}, bs {bs}"
-    assert q.shape[0] == bs * n, f"q has {q.shape[0]} rows, expected {bs} * {n}"
-    extend_lens = torch.full_like(prefix_lens, n)
-    q_start = torch.arange(bs, device=q.device, dtype=torch.int64) * n
-    return _prefill_attention(
-        q,
-        k_buffer,
-        v_buffer,
-        req_to_token,
-        req_pool_indices,
-        q_start,
-        extend_lens,
-        prefix_lens + n,
-        n,
-        sm_scale,
-        prefix_lens=prefix_lens,
-        tree_mask=tree_mask,
-    )

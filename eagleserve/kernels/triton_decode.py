@@ -125,7 +125,7 @@ def _decode_stage2_kernel(
     )
 
 
-def _decode_attention(
+def decode_attention(
     q: torch.Tensor,  # [bs, H, D]
     k_buffer: torch.Tensor,  # [S, Hkv, D]
     v_buffer: torch.Tensor,  # [S, Hkv, D]
@@ -137,7 +137,8 @@ def _decode_attention(
     mid_o: torch.Tensor | None = None,  # [bs, H, num_kv_splits, D] fp32 scratch (reusable)
     mid_lse: torch.Tensor | None = None,  # [bs, H, num_kv_splits] fp32 scratch
 ) -> torch.Tensor:
-    """Decode with an explicit split count (the backend picks it once per forward)."""
+    """Decode with an explicit split count (the backend picks it once per forward from its
+    host-side max length: `choose_num_kv_splits`)."""
     group = _check_qkv(q, k_buffer, v_buffer)
     bs, num_heads, head_dim = q.shape
     kv_heads = k_buffer.shape[1]
@@ -230,20 +231,3 @@ def choose_num_kv_splits(batch_size: int, kv_heads: int, max_seq_len: int) -> in
     by_occupancy = math.ceil(_TARGET_DECODE_PROGRAMS / max(1, batch_size * kv_heads))
     n = max(1, min(_MAX_KV_SPLITS, by_len, by_occupancy))
     return 1 << (n.bit_length() - 1)
-
-
-def decode_attention(
-    q: torch.Tensor,  # [bs, H, D]
-    k_buffer: torch.Tensor,
-    v_buffer: torch.Tensor,
-    req_to_token: torch.Tensor,
-    req_pool_indices: torch.Tensor,
-    seq_lens: torch.Tensor,  # [bs], including the token being decoded
-    sm_scale: float,
-) -> torch.Tensor:
-    # Without a host-side max length, size the splits from the pool's row length (an upper
-    # bound, no device sync); the backend passes an exact count instead.
-    num_splits = choose_num_kv_splits(q.shape[0], k_buffer.shape[1], req_to_token.shape[1])
-    return _decode_attention(
-        q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, sm_scale, num_splits
-    )

@@ -113,8 +113,8 @@ def create_attn_backend(
             raise ValueError("--enable-deterministic-inference on a GPU needs the triton backend")
         shape_invariant = True
     if name == "torch":
-        # bf16/fp16 SDPA with a mask is ~4x slower than fp32 on CPU (SmolLM2, batch 16: 550 vs
-        # 150 us a layer), so CPU attention computes in fp32 at least.
+        # CPU SDPA with a mask has no fast bf16/fp16 path (it is slower than fp32), so CPU
+        # attention computes in fp32 at least.
         compute = torch.float64 if shape_invariant else None
         if compute is None and device.type == "cpu":
             compute = torch.float32

@@ -12,9 +12,9 @@ import torch
 
 from eagleserve.kernels import batch_invariant as bi
 from eagleserve.kernels.triton_attention import (
-    _decode_attention,
-    _prefill_attention,
     choose_num_kv_splits,
+    decode_attention,
+    prefill_attention,
 )
 from eagleserve.layers.forward_batch import ForwardBatch, store_new_kv
 
@@ -124,7 +124,7 @@ class TritonAttnBackend:
                 md.mid_lse = torch.empty(
                     (bs, num_heads, md.num_kv_splits), dtype=torch.float32, device=q.device
                 )
-            return _decode_attention(
+            return decode_attention(
                 q,
                 k_buf,
                 v_buf,
@@ -138,7 +138,7 @@ class TritonAttnBackend:
             )
         tree = md.kind == "tree"
         assert md.extend_start_loc is not None
-        return _prefill_attention(
+        return prefill_attention(
             q,
             k_buf,
             v_buf,

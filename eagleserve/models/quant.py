@@ -9,7 +9,7 @@
   d and m + 8d to bf16 (a relative weight error <= 2^-9, the same order as a bf16 model).
 - `Int8Linear`: `torch._weight_int8pack_mm` takes one scale per output channel, not per
   32-block, so Q8_0 is de-quantized and re-quantized per channel (symmetric, absmax / 127):
-  NOT bit-exact to the GGUF. A block-exact bmm over bf16 q was 7x slower than this (measured).
+  NOT bit-exact to the GGUF. A block-exact bmm over bf16 q, the exact alternative, was much slower.
 - models/packed_model.py puts these in a model's place (fused q/k/v and gate/up), and
   models/weight_cache.py keeps the packed modules across starts.
 - Model forwards (prefill, decode, verify, draft steps) of Int4Linear / Q8Int4Linear run
@@ -128,8 +128,8 @@ class Q8Int4Linear(Int4Linear):
     gives 16d*hi for q4 = hi + 8, scale = 16d, zero = 0, and d*lo for q4 = lo, scale = d,
     zero = 8d; the two halves of K sum to d*q in the kernel's fp32 accumulator. With bf16 scales
     the weight is bf16(d)*q (relative error <= 2^-9 per block, as a bf16 copy of the weight has
-    per element), read at 1 byte per weight instead of bf16's 2 (the 576x49152 lm_head GEMV at
-    batch 1 on 2 cores: 1.6 ms against 3.2 in bf16; bench/cpu_vs_llamacpp.py --gemv).
+    per element), read at 1 byte per weight instead of bf16's 2, which halves a memory-bound
+    GEMV's time (bench/cpu_vs_llamacpp.py --gemv measures it).
     """
 
     def __init__(

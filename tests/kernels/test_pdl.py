@@ -73,7 +73,7 @@ def test_a_decode_layer_replayed_with_pdl_gives_the_same_bits(settings: dict[str
         qkv, stream = tq.norm_qkv_rope_store_kv(x, res, norm_w, 1e-5, w_qkv, None, nh, cos, sin,
                                                 kv[0], kv[1], loc)  # fmt: skip
         attn = td.decode_attention(qkv[:, :nh].contiguous(), kv[0], kv[1], req_to_token,
-                                   pool_rows, seq_lens, d**-0.5)  # fmt: skip
+                                   pool_rows, seq_lens, d**-0.5, 2)  # fmt: skip
         o = tg.gemm(attn.view(rows, -1), w_o)
         gate_up, stream2 = tg.norm_gemm(o, stream, norm_w, 1e-5, w_gate_up)
         down = tg.silu_mul_gemm(gate_up, w_down)

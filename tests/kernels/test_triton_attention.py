@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 import torch
 from triton_mode import DEVICE  # before triton is imported: picks the interpreter without a GPU
@@ -11,8 +9,8 @@ from triton_mode import DEVICE  # before triton is imported: picks the interpret
 pytest.importorskip("triton")
 
 import attention_refs as ref  # noqa: E402
+from triton_calls import extend_attention, tree_verify_attention, tri  # noqa: E402
 
-from eagleserve.kernels import triton_attention as _tri  # noqa: E402
 from eagleserve.layers.attention import TorchAttnBackend  # noqa: E402
 from eagleserve.layers.forward_batch import ForwardBatch, HostLens  # noqa: E402
 from eagleserve.layers.triton_backend import TritonAttnBackend  # noqa: E402
@@ -20,24 +18,6 @@ from eagleserve.mem_cache.kv_cache import TokenToKVPool  # noqa: E402
 
 ATOL = 1e-4
 RTOL = 1e-4
-
-
-class _OnDevice:
-    """The kernels' module with every tensor argument moved to DEVICE and tensor results back
-    to the CPU, where the references run: on a GPU host the kernels run for real."""
-
-    def __getattr__(self, name: str) -> Any:
-        fn = getattr(_tri, name)
-
-        def call(*args: Any) -> Any:
-            moved = [a.to(DEVICE) if isinstance(a, torch.Tensor) else a for a in args]
-            out = fn(*moved)
-            return out.cpu() if isinstance(out, torch.Tensor) else out
-
-        return call
-
-
-tri = _OnDevice()
 
 
 class Paged:
@@ -124,7 +104,7 @@ def test_decode_matches_reference(
     seq = torch.tensor(seq_lens)
     scale = head_dim**-0.5
     args = (q, pg.k, pg.v, pg.req_to_token, pg.req_pool_indices, seq, scale)
-    out = tri._decode_attention(*args, splits)
+    out = tri.decode_attention(*args, splits)
     torch.testing.assert_close(out, ref.decode_attention_ref(*args), atol=ATOL, rtol=RTOL)
 
 
@@ -154,7 +134,7 @@ def test_every_split_count_runs_one_compiled_kernel() -> None:
     kernels = (triton_decode._decode_stage1_kernel, triton_decode._decode_stage2_kernel)
     compiled: list[int] = []
     for splits in (1, 2, 4, 8, 16, 32):
-        torch.testing.assert_close(tri._decode_attention(*args, splits), want, atol=ATOL, rtol=RTOL)
+        torch.testing.assert_close(tri.decode_attention(*args, splits), want, atol=ATOL, rtol=RTOL)
         caches = [getattr(k, "device_caches", None) for k in kernels]
         if None in caches:
             pytest.skip("this Triton keeps its compiled kernels elsewhere")
@@ -162,16 +142,6 @@ def test_every_split_count_runs_one_compiled_kernel() -> None:
         # may add this shape's, no later one may add any.
         compiled.append(sum(len(c[torch.cuda.current_device()][0]) for c in caches))
     assert compiled == compiled[:1] * len(compiled), compiled
-
-
-def test_decode_public_wrapper() -> None:
-    gen = torch.Generator().manual_seed(7)
-    pg = Paged([300, 4, 1], 2, 64, gen)  # pool rows of 305 -> more than one split
-    assert tri.choose_num_kv_splits(3, 2, pg.max_len) > 1
-    q = torch.randn(3, 8, 64, generator=gen)
-    args = (q, pg.k, pg.v, pg.req_to_token, pg.req_pool_indices, torch.tensor([300, 4, 1]), 0.1)
-    out = tri.decode_attention(*args)
-    torch.testing.assert_close(out, ref.decode_attention_ref(*args), atol=ATOL, rtol=RTOL)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -198,7 +168,7 @@ def test_extend_matches_reference(
     q = torch.randn(sum(extend_lens), num_heads, head_dim, generator=gen)
     pl, el = torch.tensor(prefix_lens), torch.tensor(extend_lens)
     args = (q, pg.k, pg.v, pg.req_to_token, pg.req_pool_indices, pl, el, head_dim**-0.5)
-    out = tri.extend_attention(*args, max(extend_lens))
+    out = extend_attention(*args, max(extend_lens))
     torch.testing.assert_close(out, ref.extend_attention_ref(*args), atol=ATOL, rtol=RTOL)
 
 
@@ -227,7 +197,7 @@ def test_tree_verify_matches_reference(
     mask = random_tree_masks(bs, n, kind, gen)
     pl = torch.tensor(prefix_lens)
     args = (q, pg.k, pg.v, pg.req_to_token, pg.req_pool_indices, pl, mask, head_dim**-0.5)
-    out = tri.tree_verify_attention(*args)
+    out = tree_verify_attention(*args)
     torch.testing.assert_close(out, ref.tree_verify_attention_ref(*args), atol=ATOL, rtol=RTOL)
 
 
@@ -238,8 +208,8 @@ def test_chain_tree_equals_causal_extend() -> None:
     q = torch.randn(2 * n, 8, 64, generator=gen)
     pl, el = torch.tensor([4, 20]), torch.tensor([n, n])
     common = (q, pg.k, pg.v, pg.req_to_token, pg.req_pool_indices, pl)
-    tree = tri.tree_verify_attention(*common, random_tree_masks(2, n, "chain", gen), 0.2)
-    causal = tri.extend_attention(*common, el, 0.2, n)
+    tree = tree_verify_attention(*common, random_tree_masks(2, n, "chain", gen), 0.2)
+    causal = extend_attention(*common, el, 0.2, n)
     torch.testing.assert_close(tree, causal, atol=ATOL, rtol=RTOL)
 
 
@@ -251,7 +221,7 @@ def test_non_contiguous_tree_mask() -> None:
     mask = random_tree_masks(2, n, "random", gen).transpose(1, 2).contiguous().transpose(1, 2)
     assert not mask.is_contiguous()
     args = (q, pg.k, pg.v, pg.req_to_token, pg.req_pool_indices, torch.tensor([6, 10]), mask, 0.1)
-    out = tri.tree_verify_attention(*args)
+    out = tree_verify_attention(*args)
     torch.testing.assert_close(out, ref.tree_verify_attention_ref(*args), atol=ATOL, rtol=RTOL)
 
 
@@ -268,14 +238,14 @@ def test_half_precision_inputs(dtype: torch.dtype) -> None:
     common = (pg.req_to_token, pg.req_pool_indices)
 
     q = torch.randn(int(el.sum()), 8, 64, generator=gen).to(dtype)
-    out = tri.extend_attention(q, pg.k, pg.v, *common, pl, el, 0.125, 8)
+    out = extend_attention(q, pg.k, pg.v, *common, pl, el, 0.125, 8)
     assert out.dtype == dtype
     want = ref.extend_attention_ref(q.float(), k32, v32, *common, pl, el, 0.125)
     torch.testing.assert_close(out.float(), want, **tol)
 
     qd = torch.randn(3, 8, 64, generator=gen).to(dtype)
     seq = pl + el
-    out = tri._decode_attention(qd, pg.k, pg.v, *common, seq, 0.125, 2)
+    out = tri.decode_attention(qd, pg.k, pg.v, *common, seq, 0.125, 2)
     want = ref.decode_attention_ref(qd.float(), k32, v32, *common, seq, 0.125)
     torch.testing.assert_close(out.float(), want, **tol)
 
