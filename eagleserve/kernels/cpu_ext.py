@@ -157,7 +157,7 @@ def pack_q8(q: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, ...]:
 
 def _exact_half(s: torch.Tensor, name: str) -> torch.Tensor:
     """s as fp16, which the kernels read (half the scale bytes of fp32); GGUF blocks store
-    their scales so, and so does gguf_weights.quantize_q8_0: anything else is refused, not
+    their scales so, and so does gguf_weights.quantize_q4_1: anything else is refused, not
     rounded."""
     half = s.half()
     if not torch.equal(half.float(), s.float()):

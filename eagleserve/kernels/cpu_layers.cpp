@@ -88,11 +88,11 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers(
 }
 
 // The EAGLE-3 head's layer and lm_head (spec/eagle_head.py, EagleHead.forward) for a head on
-// the int8 kernels beside a packed target, the modules' kernels in their order: emb [T, h] the
+// the q4 kernels beside a packed target, the modules' kernels in their order: emb [T, h] the
 // new tokens' embeddings, g [T, h] the features it continues from (after fc). Weights, in
-// order: input norm, hidden norm, q/k/v tiles (w, d, wsum), o tiles, post-attention norm,
-// gate/up tiles, down tiles, final norm, lm_head tiles. Returns (logits [T, draft vocab], the
-// layer's output, the next draft step's features).
+// order: input norm, hidden norm, q/k/v tiles (w, d, m), o tiles, post-attention norm,
+// gate/up tiles, down tiles, final norm, lm_head tiles. Returns (logits
+// [T, draft vocab], the layer's output, the next draft step's features).
 std::tuple<at::Tensor, at::Tensor> eagle3_layer(
     const at::Tensor& emb, const at::Tensor& g, at::TensorList w, at::IntArrayRef n,
     double eps, int64_t heads, int64_t kv_heads, const at::Tensor& cos,
@@ -113,15 +113,15 @@ std::tuple<at::Tensor, at::Tensor> eagle3_layer(
   TORCH_CHECK(loc.numel() == T, "one slot per new token");
   // Eagle3MidLayer: attention over cat(input_layernorm(emb), hidden_norm(g)), residual g ...
   const at::Tensor attn_in = at::cat({rms_norm(emb, w[0], eps), rms_norm(g, w[1], eps)}, 1);
-  at::Tensor qkv = q8_matmul(attn_in, w[2], w[3], w[4], n[0]).view({T, heads + 2 * kv_heads, D});
+  at::Tensor qkv = q4_matmul(attn_in, w[2], w[3], w[4], n[0]).view({T, heads + 2 * kv_heads, D});
   rope_(qkv, cos, signed_sin, heads + kv_heads);
   const at::Tensor attn = attend_projection(plan, qkv, heads, kv_heads, k_buf, v_buf,
                                             loc.data_ptr<int64_t>(), sm_scale);
-  const at::Tensor x = g + q8_matmul(attn.view({T, -1}), w[5], w[6], w[7], n[1]);
+  const at::Tensor x = g + q4_matmul(attn.view({T, -1}), w[5], w[6], w[7], n[1]);
   // ... then x + mlp(post_attention_layernorm(x)); the logits read norm(out).
-  const at::Tensor act = silu_mul(q8_matmul(rms_norm(x, w[8], eps), w[9], w[10], w[11], n[2]));
-  const at::Tensor out = x + q8_matmul(act, w[12], w[13], w[14], n[3]);
-  return {q8_matmul(rms_norm(out, w[15], eps), w[16], w[17], w[18], n[4]), out};
+  const at::Tensor act = silu_mul(q4_matmul(rms_norm(x, w[8], eps), w[9], w[10], w[11], n[2]));
+  const at::Tensor out = x + q4_matmul(act, w[12], w[13], w[14], n[3]);
+  return {q4_matmul(rms_norm(out, w[15], eps), w[16], w[17], w[18], n[4]), out};
 }
 
 }  // namespace

@@ -25,13 +25,11 @@ if TYPE_CHECKING:
     from eagleserve.models.llama import BoundRotary, LlamaForCausalLM
 
 
-def _tiles(
-    linear: nn.Module | None, dtype: torch.dtype = torch.uint8
-) -> tuple[list[torch.Tensor], int] | None:
-    """A packed linear's tiles and output size: Q4 (w, d, m; uint8 w) or Q8 (w, d, wsum; int8
-    w) as `dtype` says; None for anything else (a bias would be left out)."""
+def _tiles(linear: nn.Module | None) -> tuple[list[torch.Tensor], int] | None:
+    """A packed linear's Q4 tiles (w, d, m; uint8 w) and output size; None for anything else
+    (Q8 tiles, or a bias, which would be left out)."""
     blocked = getattr(linear, "blocked", None)
-    if linear is None or blocked is None or blocked[0].dtype != dtype:
+    if linear is None or blocked is None or blocked[0].dtype != torch.uint8:
         return None
     if linear.bias is not None:
         return None
@@ -110,9 +108,9 @@ class CpuLayers:
 
 
 class CpuHeadLayer:
-    """An EAGLE-3 head's layer and lm_head on int8 tiles in one kernel call (cpu_layers.cpp,
+    """An EAGLE-3 head's layer and lm_head on Q4 tiles in one kernel call (cpu_layers.cpp,
     `eagle3_layer`): the modules' kernels in their order, so the bits are theirs. Built where
-    every linear is Q8-tiled without bias and the norms, rotary and SiLU gate run the row
+    every linear is Q4-tiled without bias and the norms, rotary and SiLU gate run the row
     kernels (a head beside a packed target, spec/eagle_head.py's use_row_kernels)."""
 
     def __init__(self, weights: list[torch.Tensor], out_features: list[int],
@@ -129,8 +127,8 @@ class CpuHeadLayer:
         norms = (layer.input_layernorm, layer.hidden_norm, layer.post_attention_layernorm, norm)
         if not (all(n.row_kernel for n in norms) and attn.row_kernel and mlp.row_kernel):
             return None
-        tiles = [_tiles(m, torch.int8) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
-                                                 mlp.down_proj, lm_head)]  # fmt: skip
+        tiles = [_tiles(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
+                                     mlp.down_proj, lm_head)]  # fmt: skip
         if any(t is None for t in tiles) or len({float(n.eps) for n in norms}) != 1:
             return None
         (qkv, n_qkv), (o, n_o), (gate_up, n_gu), (down, n_down), (head, n_vocab) = tiles  # type: ignore[misc]

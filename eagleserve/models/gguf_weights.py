@@ -78,14 +78,19 @@ class QuantTensor:
         return self.q.float() * d
 
 
-def quantize_q8_0(weight: torch.Tensor) -> QuantTensor:
-    """An fp weight [N, K] (K a multiple of 32) as Q8_0 blocks: per 32 weights, d = absmax/127
-    rounded to fp16 as ggml stores it, and q = round(w / d) against that stored d."""
+def quantize_q4_1(weight: torch.Tensor) -> QuantTensor:
+    """An fp weight [N, K] (K a multiple of 32) as Q4_1 blocks: per 32 weights, m = the least
+    and d = (greatest - least) / 15, both rounded to fp16 as ggml stores them, and q =
+    round((w - m) / d) in 0..15 against those stored values. An m below d / 64 in size is 0:
+    then m + 8d is exact in fp32, as Int4Linear's kernel layout needs (error <= d/2 + d/64)."""
     n, k = weight.shape
     w = weight.float().reshape(n, k // BLOCK, BLOCK)
-    d = (w.abs().amax(dim=-1) / 127.0).half().float().clamp(min=2.0**-24)  # fp16's least
-    q = torch.round(w / d[..., None]).clamp(-127, 127).to(torch.int8).reshape(n, k)
-    return QuantTensor("Q8_0", q, d.contiguous(), None)
+    lo, hi = w.amin(dim=-1), w.amax(dim=-1)
+    m = lo.half().float()
+    d = ((hi - m) / 15.0).half().float().clamp(min=2.0**-24)  # fp16's least
+    m = torch.where(m.abs() < d / 64, 0.0, m)
+    q = torch.round((w - m[..., None]) / d[..., None]).clamp(0, 15).to(torch.uint8)
+    return QuantTensor("Q4_1", q.reshape(n, k), d.contiguous(), m.contiguous())
 
 
 def unpack_blocks(raw: np.ndarray, qtype: str, n: int, k: int) -> QuantTensor:

@@ -30,7 +30,7 @@ from torch import nn
 
 from eagleserve.kernels import cpu_ext
 from eagleserve.layers.forward_batch import in_forward
-from eagleserve.models.gguf_weights import BLOCK, QuantTensor, quantize_q8_0
+from eagleserve.models.gguf_weights import BLOCK, QuantTensor, quantize_q4_1
 
 logger = logging.getLogger(__name__)
 
@@ -262,12 +262,13 @@ def set_module(model: nn.Module, name: str, module: nn.Module) -> None:
 
 
 @torch.no_grad()
-def int8_linears(module: nn.Module) -> dict[str, nn.Module]:
-    """An 8-bit module for every nn.Linear below `module`, by name (`module` is only read): Q8_0
-    blocks on the CPU kernels where they load (the target's own GEMM, fast for a prefill's many
-    rows as for one), else per-channel Int8Linear. For the draft head next to a packed target:
-    the draft's numerics do not affect the output (verify decides), only its speed and
-    acceptance."""
+def head_linears(module: nn.Module) -> dict[str, nn.Module]:
+    """A 4-bit module for every nn.Linear below `module`, by name (`module` is only read), for a
+    draft head next to a packed target: Q4_1 blocks on the CPU kernels where they load, else
+    per-channel Int8Linear. A draft step reads every weight of the head, from memory after a
+    verify has streamed the target's; Q4_1 reads 0.6x the bytes of Q8_0. The draft's numerics
+    do not affect the output (verify decides), only its speed and acceptance
+    (eagleserve/assets/smollm2-135m-eagle/TRAINING.md, "The head's weights in 4 bits")."""
     out: dict[str, nn.Module] = {}
     for name, old in module.named_modules():
         if not isinstance(old, nn.Linear):
@@ -275,14 +276,14 @@ def int8_linears(module: nn.Module) -> dict[str, nn.Module]:
         bias = None if old.bias is None else old.bias.detach()
         w = old.weight.detach()
         out[name] = (
-            Q8Int4Linear.from_quant(quantize_q8_0(w), bias)
+            Int4Linear.from_quant(quantize_q4_1(w), bias)
             if cpu_ext.load() and w.shape[1] % BLOCK == 0
             else Int8Linear.from_float(w, bias)
         )
     return out
 
 
-def linears_to_int8(module: nn.Module) -> None:
-    """Replaces every nn.Linear below `module` by its `int8_linears` module, in place."""
-    for name, new in int8_linears(module).items():
+def pack_head_linears(module: nn.Module) -> None:
+    """Replaces every nn.Linear below `module` by its `head_linears` module, in place."""
+    for name, new in head_linears(module).items():
         set_module(module, name, new)

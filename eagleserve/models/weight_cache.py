@@ -42,7 +42,7 @@ from eagleserve.models.quant import (
     Int4Linear,
     Int8Linear,
     Q8Int4Linear,
-    int8_linears,
+    head_linears,
     set_module,
 )
 
@@ -232,8 +232,8 @@ def find_packed(
     return PackedLookup(key, path, modules, compute_dtype, q8_0)
 
 
-def linears_to_int8_cached(module: nn.Module, sources: tuple[str, ...]) -> None:
-    """quant.linears_to_int8 through the cache: the draft head's 8-bit linears, keyed like the
+def pack_head_linears_cached(module: nn.Module, sources: tuple[str, ...]) -> None:
+    """quant.pack_head_linears through the cache: the draft head's 4-bit linears, keyed like the
     target's packed ones by the files their weights come from (`sources`: the head's folder
     and the target's GGUF, which a head may take rows from), the linears' names and shapes,
     the code and torch."""
@@ -241,7 +241,7 @@ def linears_to_int8_cached(module: nn.Module, sources: tuple[str, ...]) -> None:
     tp = get_tp()
     key = {
         "format": FORMAT,
-        "kind": "int8 linears",
+        "kind": "head linears",
         "eagleserve": package_version(),
         "code": source_digest(_PACKING_CODE),
         "torch": str(torch.__version__),
@@ -252,10 +252,10 @@ def linears_to_int8_cached(module: nn.Module, sources: tuple[str, ...]) -> None:
     }
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
     name = os.path.basename(os.path.normpath(sources[0]))
-    path = os.path.join(cache_dir(), "packed", f"{name}-int8-{digest}.pt")
+    path = os.path.join(cache_dir(), "packed", f"{name}-head-{digest}.pt")
     modules = load_packed(path, key)
     if modules is None:
-        modules = int8_linears(module)
+        modules = head_linears(module)
         store_packed(path, key, modules)
         logger.info("start-up: %s linears packed and stored in %.2f s", name,
                     time.perf_counter() - t0)  # fmt: skip

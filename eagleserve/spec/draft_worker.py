@@ -52,12 +52,12 @@ class EagleDraftWorker:
         # Where the engine-wide acceptance by depth starts (spec/adaptive.py).
         self.acceptance_prior = acceptance_prior(measured_acceptance(head_path), spec.num_steps)
         packed = target.gguf_path is not None
-        if packed:  # a packed target on CPU: the head runs on its kernels, matmuls in int8
-            from eagleserve.models.weight_cache import linears_to_int8_cached
+        if packed:  # a packed target on CPU: the head runs on its kernels, weights in 4 bits
+            from eagleserve.models.weight_cache import pack_head_linears_cached
 
             assert target.gguf_path is not None
             self.head.fuse_projections()  # packed once, kept in the cache directory
-            linears_to_int8_cached(self.head, (head_path, target.gguf_path))
+            pack_head_linears_cached(self.head, (head_path, target.gguf_path))
             self.head.use_row_kernels()
         elif target.model.fused_kernels:  # the layer on the target's kernels, fewer launches
             self.head.use_fused_kernels()

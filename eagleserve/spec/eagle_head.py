@@ -344,7 +344,7 @@ class EagleHead(nn.Module):
     def use_row_kernels(self) -> None:
         """The one-call RMSNorm, rotary and SiLU gate of kernels/ (a head next to a packed
         target; the same bits as the modules' torch ops), and an EAGLE3 head's whole layer
-        and lm_head in one call where its linears are on the int8 tiles."""
+        and lm_head in one call where its linears are on the blocked tiles."""
         for module in self.modules():
             if isinstance(module, (RMSNorm, LlamaMLP)):
                 module.row_kernel = True

@@ -115,7 +115,7 @@ def test_a_layer_the_kernel_does_not_cover_keeps_the_modules(runner: ModelRunner
 
 
 def test_the_heads_one_call_equals_its_modules(runner: ModelRunner) -> None:
-    """An EAGLE-3 head beside the packed target (int8 tiles, row kernels) runs its layer and
+    """An EAGLE-3 head beside the packed target (Q4 tiles, row kernels) runs its layer and
     lm_head in one call: the same logits, next features and head K/V as its modules, for an
     extend of two requests (target features) and a draft step (the head's own features)."""
     from conftest import make_forward_batch
@@ -123,7 +123,7 @@ def test_the_heads_one_call_equals_its_modules(runner: ModelRunner) -> None:
     from eagleserve.layers.attention import create_attn_backend
     from eagleserve.layers.forward_batch import forward_context
     from eagleserve.mem_cache.kv_cache import TokenToKVPool
-    from eagleserve.models.quant import linears_to_int8
+    from eagleserve.models.quant import pack_head_linears
     from eagleserve.spec.head_loader import init_eagle_head
 
     seed = int(torch.randint(0, 2**31, ()))
@@ -134,10 +134,10 @@ def test_the_heads_one_call_equals_its_modules(runner: ModelRunner) -> None:
             if name.endswith("norm.weight"):
                 p.mul_(1 + 0.2 * torch.randn(p.shape, generator=g))
     head.fuse_projections()
-    linears_to_int8(head)
+    pack_head_linears(head)
     head.use_row_kernels()
     one_call = head.cpu_layer
-    assert one_call is not None, "an int8 EAGLE-3 head beside a packed target takes the kernel"
+    assert one_call is not None, "a packed EAGLE-3 head beside a packed target takes the kernel"
     hc = head.config
     pool = TokenToKVPool(96, 1, hc.num_key_value_heads, hc.head_dim, torch.float32, "cpu")
     r2t = torch.zeros(4, 64, dtype=torch.long)

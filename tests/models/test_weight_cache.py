@@ -23,7 +23,7 @@ from eagleserve.model_executor.model_runner import ModelRunner
 from eagleserve.models import weight_cache
 from eagleserve.models.gguf_weights import _BLOCK_NAMES, _GLOBAL_NAMES
 from eagleserve.models.loader import iter_checkpoint
-from eagleserve.models.quant import Int4Linear, Q8Int4Linear, linears_to_int8
+from eagleserve.models.quant import Int4Linear, Q8Int4Linear, pack_head_linears
 
 gguf = pytest.importorskip("gguf")
 pytestmark = pytest.mark.usefixtures("torch_threads")
@@ -186,10 +186,10 @@ def test_a_truncated_file_is_warned_of_and_packed_over(
     assert outcome(caplog) == "reused"
 
 
-def test_a_draft_heads_int8_linears_are_reused_bit_for_bit(
+def test_a_draft_heads_packed_linears_are_reused_bit_for_bit(
     model: tuple[str, str], tmp_path: Path, cache: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """The head's 8-bit linears (linears_to_int8_cached): a second start reuses them, equal to
+    """The head's 4-bit linears (pack_head_linears_cached): a second start reuses them, equal to
     a fresh packing; a changed source file packs again."""
     caplog.set_level(logging.INFO, logger=LOGGER)
     head = tmp_path / "head"
@@ -199,7 +199,7 @@ def test_a_draft_heads_int8_linears_are_reused_bit_for_bit(
     def build() -> nn.Module:
         torch.manual_seed(seed)
         module = nn.Sequential(nn.Linear(64, 96), nn.ReLU(), nn.Linear(96, 48, bias=False))
-        weight_cache.linears_to_int8_cached(module, (str(head), model[1]))
+        weight_cache.pack_head_linears_cached(module, (str(head), model[1]))
         return module
 
     def said() -> str:
@@ -212,7 +212,7 @@ def test_a_draft_heads_int8_linears_are_reused_bit_for_bit(
     assert said() == "reused"
     torch.manual_seed(seed)
     fresh = nn.Sequential(nn.Linear(64, 96), nn.ReLU(), nn.Linear(96, 48, bias=False))
-    linears_to_int8(fresh)
+    pack_head_linears(fresh)
     x = torch.randn(5, 64)
     with torch.no_grad():
         assert torch.equal(warm(x), fresh(x)) and torch.equal(cold(x), fresh(x))

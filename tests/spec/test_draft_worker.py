@@ -87,12 +87,12 @@ def test_last_rows_forward_equals_the_whole_layer(runner: ModelRunner, algorithm
 def test_fused_projections_leave_a_packed_head_unchanged(
     runner: ModelRunner, algorithm: str
 ) -> None:
-    """A head next to a packed target fuses q/k/v and gate/up before its int8 packing: each
-    output column is its own Q8_0 row computed as before, so logits, next features and the K/V
+    """A head next to a packed target fuses q/k/v and gate/up before its 4-bit packing: each
+    output column is its own Q4_1 row computed as before, so logits, next features and the K/V
     written (by a forward, and by write_kv through the K/V rows alone) are bit for bit those of
     the unfused head."""
     from eagleserve.kernels import cpu_ext
-    from eagleserve.models.quant import linears_to_int8
+    from eagleserve.models.quant import pack_head_linears
 
     if not cpu_ext.load():
         pytest.skip("the CPU kernels do not run here")
@@ -102,7 +102,7 @@ def test_fused_projections_leave_a_packed_head_unchanged(
     attn = heads[1].attn
     assert attn.qkv_proj is not None and not hasattr(attn, "q_proj")
     for head in heads:
-        linears_to_int8(head)
+        pack_head_linears(head)
     cfg = heads[0].config
     r2t = ReqToTokenPool(2, 64, CPU)
     shape = (128, 1, cfg.num_key_value_heads, cfg.head_dim, torch.float32, CPU)
