@@ -31,36 +31,20 @@ class _OnDevice:
 tri = _OnDevice()
 
 
-def extend_attention(
-    q: torch.Tensor,  # [T, H, D], T = sum(extend_lens)
-    k_buffer: torch.Tensor,
-    v_buffer: torch.Tensor,
-    req_to_token: torch.Tensor,
-    req_pool_indices: torch.Tensor,
-    prefix_lens: torch.Tensor,
-    extend_lens: torch.Tensor,
-    sm_scale: float,
-    max_extend: int,
-) -> torch.Tensor:
+def extend_attention(*args: Any) -> torch.Tensor:
+    """`attention_refs.extend_attention_ref`'s arguments, then max_extend (the grid's bound)."""
+    q, k_buffer, v_buffer, req_to_token, rpi, prefix_lens, extend_lens, sm_scale, max_ext = args
     q_start = torch.cumsum(extend_lens, 0) - extend_lens
-    kv_lens = prefix_lens + extend_lens
-    return tri.prefill_attention(q, k_buffer, v_buffer, req_to_token, req_pool_indices, q_start,
-                                 extend_lens, kv_lens, max_extend, sm_scale)  # fmt: skip
+    return tri.prefill_attention(q, k_buffer, v_buffer, req_to_token, rpi, q_start, extend_lens,
+                                 prefix_lens + extend_lens, max_ext, sm_scale)  # fmt: skip
 
 
-def tree_verify_attention(
-    q: torch.Tensor,  # [bs * n, H, D]
-    k_buffer: torch.Tensor,
-    v_buffer: torch.Tensor,
-    req_to_token: torch.Tensor,
-    req_pool_indices: torch.Tensor,
-    prefix_lens: torch.Tensor,  # [bs]
-    tree_mask: torch.Tensor,  # [bs, n, n] bool
-    sm_scale: float,
-) -> torch.Tensor:
+def tree_verify_attention(*args: Any) -> torch.Tensor:
+    """`attention_refs.tree_verify_attention_ref`'s arguments (q [bs * n, H, D], tree_mask
+    [bs, n, n])."""
+    q, k_buffer, v_buffer, req_to_token, rpi, prefix_lens, tree_mask, sm_scale = args
     bs, n = prefix_lens.shape[0], tree_mask.shape[1]
     extend_lens = torch.full_like(prefix_lens, n)
     q_start = torch.arange(bs, dtype=torch.int64) * n
-    return tri.prefill_attention(q, k_buffer, v_buffer, req_to_token, req_pool_indices, q_start,
-                                 extend_lens, prefix_lens + n, n, sm_scale, prefix_lens,
-                                 tree_mask)  # fmt: skip
+    return tri.prefill_attention(q, k_buffer, v_buffer, req_to_token, rpi, q_start, extend_lens,
+                                 prefix_lens + n, n, sm_scale, prefix_lens, tree_mask)  # fmt: skip
