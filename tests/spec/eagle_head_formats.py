@@ -1,6 +1,7 @@
 """The small target and the published EAGLE/EAGLE3 head formats that tests/spec/test_eagle_head.py
-loads: its fixtures (`target_dir`, `target`), the sizes both share, and writers of head folders
-(config.json plus safetensors or pytorch_model.bin) as the published checkpoints lay them out."""
+and test_head_loader.py load: their fixtures (`target_dir`, `target`), the sizes they share,
+and writers of head folders (config.json plus safetensors or pytorch_model.bin) as the
+published checkpoints lay them out (head_reference.py: what a head's forward must give)."""
 
 from __future__ import annotations
 
@@ -141,3 +142,24 @@ def write_head(path: str, cfg: dict, tensors: Tensors, fmt: str = "safetensors")
     else:
         save_file(tensors, os.path.join(path, "model.safetensors"))
     return path
+
+
+# A reduced draft vocabulary (sorted target ids, as d2t maps them).
+DRAFT_IDS = torch.tensor(sorted(torch.randperm(V, generator=torch.Generator().manual_seed(3))[:40]))
+
+
+def eagle3_case(case: str) -> tuple[dict, Tensors, tuple[int, ...], torch.Tensor]:
+    """An EAGLE-3 head folder's (config, tensors), its aux layer ids and draft vocabulary."""
+    if case == "reduced_vocab_d2t":  # default aux layers {2, N//2, N-3}
+        cfg = head_config("LlamaForCausalLMEagle3", draft_vocab_size=len(DRAFT_IDS))
+        return cfg, eagle3_tensors(DRAFT_IDS), (2, 4, 5), DRAFT_IDS
+    # Full vocab, explicit aux ids, no d2t/t2d, an (ignored) embed_tokens copy.
+    cfg = head_config(
+        "LlamaForCausalLMEagle3",
+        draft_vocab_size=V,
+        eagle_config={"eagle_aux_hidden_state_layer_ids": [0, 3, 6]},
+    )
+    t = eagle3_tensors(torch.arange(V))
+    del t["d2t"], t["t2d"]
+    t["embed_tokens.weight"] = torch.randn(V, H)
+    return cfg, t, (1, 4, 7), torch.arange(V)

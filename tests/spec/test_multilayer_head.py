@@ -12,6 +12,7 @@ import pytest
 import torch
 from eagle_head_formats import (  # noqa: F401 (fixtures)
     CPU,
+    DRAFT_IDS,
     H,
     V,
     eagle3_tensors,
@@ -21,7 +22,7 @@ from eagle_head_formats import (  # noqa: F401 (fixtures)
     upper_layer_tensors,
     write_head,
 )
-from test_eagle_head import DRAFT_IDS, _inputs, _roundtrip, paged_forward, ref_eagle3
+from head_reference import head_inputs, paged_forward, ref_eagle3, roundtrip
 
 from eagleserve.layers.attention import TorchAttnBackend
 from eagleserve.layers.forward_batch import ForwardBatch, HostLens
@@ -48,7 +49,7 @@ def test_a_two_layer_head_loads_and_matches_the_dense_reference(
 ) -> None:
     head, tensors, path = _two_layer_head(tmp_path, target)
     assert head.config.num_hidden_layers == 2 and len(head.upper_layers) == 1
-    ids, feats = _inputs(3 * H, H)  # target features, then fed-back draft features
+    ids, feats = head_inputs(3 * H, H)  # target features, then fed-back draft features
     logits, nxt = paged_forward(head, ids, feats)
     ref_logits, ref_next = ref_eagle3(tensors, target, ids, feats)
     torch.testing.assert_close(logits, ref_logits, atol=1e-5, rtol=1e-5)
@@ -56,7 +57,7 @@ def test_a_two_layer_head_loads_and_matches_the_dense_reference(
     # The second layer changes the drafts: a one-layer reference is not what ran.
     one_layer = {k: v for k, v in tensors.items() if not k.startswith("layers.1.")}
     assert not torch.allclose(ref_eagle3(one_layer, target, ids, feats)[0], logits, atol=1e-3)
-    _roundtrip(head, tmp_path / "out", target)
+    roundtrip(head, tmp_path / "out", target)
     saved = json.loads((tmp_path / "out" / "config.json").read_text())
     assert saved["num_hidden_layers"] == 2
     # A checkpoint that lacks its second layer's tensors says which.
