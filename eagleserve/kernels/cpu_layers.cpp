@@ -91,8 +91,8 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers(
 // the q4 kernels beside a packed target, the modules' kernels in their order: emb [T, h] the
 // new tokens' embeddings, g [T, h] the features it continues from (after fc). Weights, in
 // order: input norm, hidden norm, q/k/v tiles (w, d, m), o tiles, post-attention norm,
-// gate/up tiles, down tiles, final norm, lm_head tiles. Returns (logits
-// [T, draft vocab], the layer's output, the next draft step's features).
+// gate/up tiles, down tiles, final norm, lm_head tiles. Returns (logits [T, draft vocab], the
+// layer's output, the next draft step's features).
 std::tuple<at::Tensor, at::Tensor> eagle3_layer(
     const at::Tensor& emb, const at::Tensor& g, at::TensorList w, at::IntArrayRef n,
     double eps, int64_t heads, int64_t kv_heads, const at::Tensor& cos,
