@@ -81,14 +81,17 @@ class QuantTensor:
 def quantize_q4_1(weight: torch.Tensor) -> QuantTensor:
     """An fp weight [N, K] (K a multiple of 32) as Q4_1 blocks: per 32 weights, m = the least
     and d = (greatest - least) / 15, both rounded to fp16 as ggml stores them, and q =
-    round((w - m) / d) in 0..15 against those stored values. An m below d / 64 in size is 0:
-    then m + 8d is exact in fp32, as Int4Linear's kernel layout needs (error <= d/2 + d/64)."""
+    round((w - m) / d) in 0..15 against those stored values. m + 8d is kept exact in fp32, as
+    Int4Linear's layout needs: an m below d / 64 in size is 0 (error <= d/2 + d/64), and d is at
+    least |m| / 4096 (a block whose range is that small next to its offset is steps of fp16's
+    own rounding of m anyway)."""
     n, k = weight.shape
     w = weight.float().reshape(n, k // BLOCK, BLOCK)
     lo, hi = w.amin(dim=-1), w.amax(dim=-1)
     m = lo.half().float()
     d = ((hi - m) / 15.0).half().float().clamp(min=2.0**-24)  # fp16's least
     m = torch.where(m.abs() < d / 64, 0.0, m)
+    d = torch.maximum(d, (m.abs() * 2.0**-12).half().float())
     q = torch.round((w - m[..., None]) / d[..., None]).clamp(0, 15).to(torch.uint8)
     return QuantTensor("Q4_1", q.reshape(n, k), d.contiguous(), m.contiguous())
 

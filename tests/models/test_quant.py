@@ -197,6 +197,7 @@ def test_q4_1_blocks_of_a_float_weight() -> None:
     fp32 (what Int4Linear's tiles take); blocks near zero and blocks away from it."""
     w = torch.randn(48, 96) * torch.rand(48, 1) * 3 + torch.randn(48, 1)
     w[:4, :32] = torch.linspace(0, 1.5e-2, 32) + torch.rand(4, 1) * 1e-5  # m < d / 64: 0
+    w[4:8, :32] = -100.0 + torch.rand(4, 32) * 1e-5  # a range far under the offset's fp16 step
     t = quantize_q4_1(w)
     assert t.qtype == "Q4_1" and t.m is not None and t.q.dtype == torch.uint8
     assert int(t.q.max()) <= 15 and bool((t.m[:4, 0] == 0).all())
@@ -204,7 +205,7 @@ def test_q4_1_blocks_of_a_float_weight() -> None:
     assert ((t.dequantize() - w).abs() <= d / 2 + d / 64 + 1e-6).all()
     for s in (t.d, t.m):  # stored as ggml stores them (the kernels read fp16)
         assert torch.equal(s.half().float(), s)
-    assert torch.equal((t.m + 8 * t.d) - 8 * t.d, t.m)
+    assert torch.equal(t.m.double() + 8 * t.d.double(), (t.m + 8 * t.d).double())  # exact
 
 
 def test_head_linears_keep_a_head_close() -> None:
