@@ -14,11 +14,11 @@ from collections.abc import Iterator
 import pytest
 import torch
 from conftest import forward_tokens
+from gguf_blocks import gguf_reference, random_blocks
 
 from eagleserve.kernels import cpu_ext
 from eagleserve.models.gguf_weights import unpack_blocks
 from eagleserve.models.quant import Int4Linear, Q8Int4Linear, pack_quant
-from tests.models.test_quant import gguf_reference, random_blocks
 
 pytestmark = pytest.mark.skipif(
     not cpu_ext.load(), reason="the AVX2 kernel does not run here (no AVX2/FMA or compiler)"

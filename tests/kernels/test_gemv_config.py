@@ -16,10 +16,11 @@ from triton_mode import DEVICE  # before triton is imported: picks the interpret
 
 pytest.importorskip("triton")
 
-from test_triton_fused import close, randn  # noqa: E402
-from test_triton_gemv import (  # noqa: E402
+from gemv_inputs import (  # noqa: E402
     SHAPES,
     assert_rows_do_not_depend_on_the_batch,
+    close,
+    randn,
     rotary,
 )
 

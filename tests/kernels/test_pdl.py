@@ -13,8 +13,7 @@ from triton_mode import DEVICE  # before triton is imported: picks the interpret
 
 pytest.importorskip("triton")
 
-from test_triton_fused import randn  # noqa: E402
-from test_triton_gemv import layer_weights, rotary  # noqa: E402
+from gemv_inputs import layer_weights, randn, rotary  # noqa: E402
 
 from eagleserve.kernels import gemv_config, pdl  # noqa: E402
 from eagleserve.kernels import triton_decode as td  # noqa: E402

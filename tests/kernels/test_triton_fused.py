@@ -10,6 +10,8 @@ from triton_mode import DEVICE  # before triton is imported: picks the interpret
 
 pytest.importorskip("triton")
 
+from gemv_inputs import close, randn  # noqa: E402
+
 from eagleserve.config import ModelConfig  # noqa: E402
 from eagleserve.kernels import triton_fused as tf  # noqa: E402
 from eagleserve.models.llama import RMSNorm, RotaryEmbedding  # noqa: E402
@@ -17,19 +19,6 @@ from eagleserve.models.llama import RMSNorm, RotaryEmbedding  # noqa: E402
 DTYPES = (torch.float32, torch.bfloat16)
 # (hidden, intermediate, heads, kv heads, head_dim): SmolLM2-135M, Llama-3-8B, an odd head_dim.
 SHAPES = ((576, 1536, 9, 3, 64), (4096, 14336, 32, 8, 128), (320, 864, 4, 2, 80))
-
-
-def close(out: torch.Tensor, ref: torch.Tensor) -> None:
-    """fp32: rounding-level; 16-bit: within one rounding step of the reference's magnitude."""
-    assert out.dtype == ref.dtype and out.shape == ref.shape
-    if ref.dtype == torch.float32:
-        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
-    else:
-        torch.testing.assert_close(out.float(), ref.float(), atol=1e-2, rtol=2**-7)
-
-
-def randn(*shape: int, gen: torch.Generator, dtype: torch.dtype) -> torch.Tensor:
-    return torch.randn(*shape, generator=gen).to(dtype).to(DEVICE)
 
 
 def norm_module(weight: torch.Tensor, eps: float) -> RMSNorm:

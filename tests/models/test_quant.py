@@ -6,10 +6,10 @@ Blocks are random GGUF-style Q4_0 / Q4_1 / Q8_0 bytes (random d, m, q), de-quant
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 from conftest import forward_tokens
+from gguf_blocks import gguf_reference, random_blocks  # skips this module without gguf
 from torch import nn
 
 from eagleserve.kernels import cpu_ext
@@ -23,32 +23,9 @@ from eagleserve.models.quant import (
     pack_quant,
 )
 
-gguf = pytest.importorskip("gguf")
-
 # (N out, K in): K a multiple of 32; the last is lm_head-like (576 x 49152, narrower).
 SHAPES = [(32, 32), (96, 64), (192, 576), (576, 1536), (4099, 576)]
 BF16_EPS = 2.0**-8  # bf16 unit roundoff is 2^-9; eps (spacing at 1) is 2^-8
-
-
-def random_blocks(qtype: str, n: int, k: int, seed: int) -> np.ndarray:
-    """Raw ggml bytes [N, bytes_per_row] with realistic scales: d ~ 1e-3..2e-2, m ~ -8d."""
-    rng = np.random.default_rng(seed)
-    g = k // 32
-    d = rng.uniform(1e-3, 2e-2, (n, g, 1)).astype(np.float16)
-    parts = [d.view(np.uint8)]
-    if qtype == "Q4_1":
-        m = (-8 * d.astype(np.float32) * rng.uniform(0.5, 1.5, (n, g, 1))).astype(np.float16)
-        parts.append(m.view(np.uint8))
-    if qtype == "Q8_0":
-        parts.append(rng.integers(-128, 128, (n, g, 32), dtype=np.int8).view(np.uint8))
-    else:
-        parts.append(rng.integers(0, 256, (n, g, 16), dtype=np.uint8))
-    return np.concatenate(parts, axis=-1).reshape(n, -1)
-
-
-def gguf_reference(raw: np.ndarray, qtype: str, n: int, k: int) -> torch.Tensor:
-    w = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[qtype])
-    return torch.from_numpy(np.asarray(w, dtype=np.float32).reshape(n, k))
 
 
 def bf16_tol(t: QuantTensor, w: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 from conftest import assert_kv_accounted
-from transformers import LlamaConfig, LlamaForCausalLM
+from random_llama import model_dir
 
 from eagleserve import Engine, SamplingParams
 from eagleserve.config import ModelConfig
@@ -15,23 +15,7 @@ from eagleserve.messages import GenerateReqInput
 from eagleserve.model_executor.model_runner import ModelRunner
 from eagleserve.spec.head_loader import init_eagle_head, save_eagle_head
 
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    torch.manual_seed(5)
-    cfg = LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=256,
-        eos_token_id=None,
-    )
-    path = str(tmp_path_factory.mktemp("fault-model"))
-    LlamaForCausalLM(cfg).save_pretrained(path)
-    return path
+__all__ = ["model_dir"]  # the module-scoped fixture of random_llama
 
 
 class _FailingCopy:

@@ -12,30 +12,16 @@ from typing import Any
 
 import pytest
 import torch
-from test_faults import model_dir  # noqa: F401  (the fixture)
+from random_llama import DEVICE, head_dir, model_dir  # noqa: F401  (the fixtures)
 
 from eagleserve import Engine, SamplingParams
 from eagleserve.scheduler.overlap import OverlapForwarder
-from eagleserve.spec.head_loader import init_eagle_head, save_eagle_head
-
-# On a GPU host the forward runs on its own stream there, where the hazard is real.
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-@pytest.fixture(scope="module")
-def head_dir(model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> str:  # noqa: F811
-    """A random EAGLE head for the model."""
-    eng = Engine(model=model_dir, device=DEVICE, kv_cache_tokens=256)
-    head = init_eagle_head("EAGLE", eng.scheduler.worker.runner.model, seed=3)
-    path = str(tmp_path_factory.mktemp("overlap-head"))
-    save_eagle_head(head, path)
-    return path
 
 
 @pytest.mark.parametrize("spec", [False, True], ids=["target-only", "eagle-chain3"])
 def test_a_launched_batchs_tensors_live_until_its_result_is_collected(
     model_dir: str,  # noqa: F811
-    head_dir: str,
+    head_dir: str,  # noqa: F811
     spec: bool,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -9,8 +9,7 @@ import dataclasses
 import pytest
 import torch
 from conftest import track
-from test_faults import model_dir  # noqa: F401  (the fixture)
-from test_overlap_inputs import head_dir  # noqa: F401  (a random EAGLE head for it)
+from random_llama import head_dir, model_dir  # noqa: F401  (the fixtures)
 
 from eagleserve import Engine, SamplingParams
 from eagleserve.config import ServerArgs

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 import torch
-from test_no_host_sync import no_host_reads
+from host_reads import no_host_reads
 
 from eagleserve.config import ServerArgs
 from eagleserve.layers.forward_batch import ForwardBatch

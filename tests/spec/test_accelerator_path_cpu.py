@@ -26,14 +26,13 @@ os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
 pytest.importorskip("triton")
 
 from graph_standin import ReplayCount, graphs_on_cpu, outside_replays  # noqa: E402
-from test_adaptive_lossless import script_choices  # noqa: E402
-from test_eagle_lossless import VOCAB, heads, target_dir  # noqa: E402
+from lossless_fixtures import VOCAB, heads, script_choices, target_dir  # noqa: E402
 
 from eagleserve import Engine, SamplingParams  # noqa: E402
 from eagleserve.messages import GenerateReqInput  # noqa: E402
 from eagleserve.spec import cost_model  # noqa: E402
 
-__all__ = ["heads", "target_dir"]  # module-scoped fixtures shared with the lossless test
+__all__ = ["heads", "target_dir"]  # module-scoped fixtures of lossless_fixtures
 
 CHAIN3 = dict(speculative_num_steps=3, speculative_eagle_topk=1, speculative_num_draft_tokens=4)
 CASES = {

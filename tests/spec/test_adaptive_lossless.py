@@ -1,7 +1,7 @@
 """Adaptive speculation (spec/adaptive.py) keeps greedy output the target's own: every chain
 length the controller picks, stretches without drafting (the head's inputs held, then caught
 up), retraction, the overlap scheduler's waits, and the head KV left behind. The target, heads
-and reference are those of test_eagle_lossless.py."""
+and reference are test_eagle_lossless.py's (lossless_fixtures.py)."""
 
 from __future__ import annotations
 
@@ -13,13 +13,21 @@ from typing import Any
 
 import pytest
 import torch
-from test_eagle_lossless import _params, _prompts, heads, reference, run_staggered, target_dir
+from lossless_fixtures import (
+    heads,
+    params,
+    prompts,
+    reference,
+    run_staggered,
+    script_choices,
+    target_dir,
+)
 
 from eagleserve import Engine, SamplingParams
 from eagleserve.core import ScheduleBatch
 from eagleserve.messages import GenerateReqInput
 
-__all__ = ["heads", "reference", "target_dir"]  # module-scoped fixtures shared with it
+__all__ = ["heads", "reference", "target_dir"]  # module-scoped fixtures of lossless_fixtures
 
 
 def adaptive_engine(
@@ -40,15 +48,6 @@ def adaptive_engine(
         speculative_adaptive_probe_interval=kw.pop("speculative_adaptive_probe_interval", 8),
         **kw,
     )
-
-
-def script_choices(engine: Engine, choices: list[int]) -> None:
-    """The controller picks k from `choices`, cycling: stretches without drafting (held head
-    inputs), catch-ups, and every chain length."""
-    controller = engine.scheduler.worker.controller
-    assert controller is not None
-    picks = iter(choices * 1000)
-    controller.choose = lambda alphas, catching_up=False: next(picks)  # type: ignore[method-assign]
 
 
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
@@ -77,12 +76,12 @@ def test_adaptive_greedy_lossless(
     flushes = []
     flush = drafter.flush
     drafter.flush = lambda batch, rows: (flushes.append(rows), flush(batch, rows))[1]
-    assert run_staggered(scripted, _prompts(0), _params()) == reference
+    assert run_staggered(scripted, prompts(0), params()) == reference
     hist = scripted.stats().spec_iterations_per_num_drafts
     assert all(hist[k] > 0 for k in set(cycle)), hist  # every k, 0 included, really ran
     assert flushes  # ...and full rings were flushed
     real = adaptive_engine(target_dir, heads[head], overlap, tree)
-    assert run_staggered(real, _prompts(0), _params()) == reference
+    assert run_staggered(real, prompts(0), params()) == reference
 
 
 def test_overlap_waits_only_after_a_verify(
@@ -108,7 +107,7 @@ def test_overlap_waits_only_after_a_verify(
 
     fmap.wait_published = counted_wait  # type: ignore[method-assign]
     forwarder.launch = recorded_launch  # type: ignore[method-assign]
-    assert run_staggered(eng, _prompts(0), _params()) == reference
+    assert run_staggered(eng, prompts(0), params()) == reference
     verifies = sum(1 for k in drafts if k)
     assert drafts.count(0) > 2 * verifies > 0, drafts
     assert 0 < len(waits) <= verifies, (len(waits), drafts)
@@ -119,7 +118,7 @@ def test_adaptive_retraction_keeps_tokens(
 ) -> None:
     eng = adaptive_engine(target_dir, heads["EAGLE"], True, kv_cache_tokens=130)
     script_choices(eng, [0, 0, 0, 2, 0, 3])
-    assert run_staggered(eng, _prompts(0), _params()) == reference
+    assert run_staggered(eng, prompts(0), params()) == reference
     assert eng.stats().num_retracted_total > 0
 
 
@@ -134,7 +133,7 @@ def test_adaptive_controller_follows_acceptance(target_dir: str, heads: dict[str
         for key in costs.seconds:
             costs.seconds[key] = 1.0 + per_draft * key[1]
         costs.observe = lambda *a: None  # type: ignore[method-assign]
-        eng.generate(_prompts(1), SamplingParams(max_new_tokens=40, temperature=0.0))
+        eng.generate(prompts(1), SamplingParams(max_new_tokens=40, temperature=0.0))
         chosen[head] = eng.stats().spec_iterations_per_num_drafts
     rand, good = chosen["EAGLE-random"], chosen["EAGLE"]
     assert rand[0] > 3 * sum(rand[1:]), rand
@@ -180,7 +179,7 @@ def test_head_kv_after_a_stretch_without_drafting(
     where the first decode drafts (the prompt's last row, held by the prefill, caught up). A
     head of two layers too: there each held row's layer-1 K/V read layer 0's attention over
     the rows before it."""
-    prompt = _prompts(3)[3]
+    prompt = prompts(3)[3]
     algorithm = "EAGLE3" if head.startswith("EAGLE3") else "EAGLE"
     runs = {}
     for name in ("lagged", "always"):

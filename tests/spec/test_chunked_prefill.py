@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 import torch
+from cache_engines import engine
 from conftest import assert_kv_accounted
-from test_eagle_lossless import VOCAB, heads, run_staggered, target_dir  # noqa: F401
-from test_prefix_cache import engine
+from lossless_fixtures import VOCAB, heads, run_staggered, target_dir  # noqa: F401
 
 from eagleserve import Engine, SamplingParams
 from eagleserve.messages import GenerateReqInput

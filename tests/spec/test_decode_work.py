@@ -22,14 +22,14 @@ from typing import Any
 import pytest
 import torch
 from device_reads import device_read
-from test_no_host_sync import HostReadError, head_dir
+from host_reads import HostReadError, head_dir
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from eagleserve import Engine, SamplingParams
 from eagleserve.messages import GenerateReqInput
 from eagleserve.spec.eagle_worker import EagleWorker
 
-__all__ = ["head_dir"]  # the module-scoped EAGLE3 head fixture shared with test_no_host_sync
+__all__ = ["head_dir"]  # the module-scoped EAGLE3 head fixture of host_reads
 
 pytestmark = pytest.mark.usefixtures("torch_threads")
 

@@ -16,12 +16,12 @@ if not ON_GPU:  # before triton is imported
     os.environ["TRITON_INTERPRET"] = "1"
 pytest.importorskip("triton")
 
-from test_eagle_lossless import heads, run_staggered, target_dir  # noqa: E402
+from lossless_fixtures import heads, run_staggered, target_dir  # noqa: E402
 
 from eagleserve import Engine, SamplingParams  # noqa: E402
 from eagleserve.models.batch_invariant import BatchInvariantLinear  # noqa: E402
 
-__all__ = ["heads", "target_dir"]  # module-scoped fixtures shared with the CPU test
+__all__ = ["heads", "target_dir"]  # module-scoped fixtures of lossless_fixtures
 VOCAB_MAX = 90
 
 

@@ -9,12 +9,12 @@ from typing import Any
 
 import pytest
 import torch
-from test_eagle_lossless import _params, _prompts, heads, reference, run_staggered, target_dir
+from lossless_fixtures import heads, params, prompts, reference, run_staggered, target_dir
 
 from eagleserve import Engine
 from eagleserve.layers.forward_batch import ForwardBatch, HostLens
 
-__all__ = ["heads", "reference", "target_dir"]  # module-scoped fixtures shared with the test
+__all__ = ["heads", "reference", "target_dir"]  # module-scoped fixtures of lossless_fixtures
 
 
 @pytest.mark.parametrize(
@@ -77,7 +77,7 @@ def test_draft_loop_drafts_the_step_by_step_tokens(
         return tree
 
     drafter.draft = draft
-    assert run_staggered(eng, _prompts(0), _params()) == reference
+    assert run_staggered(eng, prompts(0), params()) == reference
     assert len(checked) > 10 and max(checked) > 1
 
 

@@ -16,11 +16,11 @@ if not torch.cuda.is_available():  # before triton is imported
     os.environ["TRITON_INTERPRET"] = "1"
 pytest.importorskip("triton")
 
-from test_eagle_lossless import heads, target_dir  # noqa: E402
+from lossless_fixtures import heads, target_dir  # noqa: E402
 
 from eagleserve import Engine  # noqa: E402
 
-__all__ = ["heads", "target_dir"]  # module-scoped fixtures shared with the lossless test
+__all__ = ["heads", "target_dir"]  # module-scoped fixtures of lossless_fixtures
 
 
 def test_loop_capture_runs_the_eager_chain_without_nesting(

@@ -10,15 +10,15 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
-from test_eagle_lossless import _params, _prompts, heads, reference, run_staggered, target_dir
-from test_eagle_sampling import N_SAMPLES, PROMPT, VOCAB, head_dir, small_target
+from lossless_fixtures import heads, params, prompts, reference, run_staggered, target_dir
+from sampling_fixtures import N_SAMPLES, PROMPT, VOCAB, head_dir, small_target
 
 from eagleserve import Engine, SamplingParams
 
 pytestmark = pytest.mark.skipif(
     not torch.accelerator.is_available(), reason="needs a GPU (run on a lent device)"
 )
-# module-scoped fixtures shared with the CPU tests
+# module-scoped fixtures of lossless_fixtures and sampling_fixtures, shared with the CPU tests
 __all__ = ["head_dir", "heads", "reference", "small_target", "target_dir"]
 
 SPEC_CASES = [
@@ -62,7 +62,7 @@ def test_gpu_greedy_equals_cpu(
     assert (runner.prefill_graphs is not None) == graphs
     if algo:  # a draft of several steps runs as one graph (a failed capture fails here)
         assert bool(eng.scheduler.worker.drafter.loop_graphs) == (graphs and steps > 1)
-    got = run_staggered(eng, _prompts(0), _params())
+    got = run_staggered(eng, prompts(0), params())
     assert got == reference
 
 
@@ -85,7 +85,7 @@ def test_gpu_greedy_with_pdl_equals_cpu(
     try:
         eng = gpu_engine(target_dir, heads, algo, steps, topk, ndt, enable_pdl=True)
         assert pdl.launch_options(torch.device("cuda"))["launch_pdl"]
-        assert run_staggered(eng, _prompts(0), _params()) == reference
+        assert run_staggered(eng, prompts(0), params()) == reference
     finally:
         pdl.configure(False, torch.device("cuda"))
 

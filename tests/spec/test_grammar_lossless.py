@@ -13,7 +13,7 @@ import os
 import pytest
 import torch
 from conftest import _save_char_tokenizer, save_spec_target
-from test_eagle_lossless import _head_dir, run_staggered
+from lossless_fixtures import run_staggered, save_random_head
 
 from eagleserve import Engine, SamplingParams
 from eagleserve.sampling_params import GrammarSpec
@@ -51,8 +51,8 @@ def target_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 def heads(target_dir: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     tmp = str(tmp_path_factory.mktemp("grammar_heads"))
     return {
-        "EAGLE": _head_dir(target_dir, "EAGLE", tmp, 1.0, 0),
-        "EAGLE3": _head_dir(target_dir, "EAGLE3", tmp, 0.0, 2),
+        "EAGLE": save_random_head(target_dir, "EAGLE", tmp, 1.0, 0),
+        "EAGLE3": save_random_head(target_dir, "EAGLE3", tmp, 0.0, 2),
     }
 
 

@@ -11,7 +11,7 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
-from test_eagle_sampling import (  # noqa: F401 (fixtures)
+from sampling_fixtures import (  # noqa: F401 (fixtures)
     PROMPT,
     VOCAB,
     head_dir,

@@ -8,65 +8,20 @@ forward, head extend and draft step catches them while real requests run.
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from host_reads import HostReadError, guarded, head_dir, no_host_reads
 
 from eagleserve import Engine, SamplingParams
-from eagleserve.config import ModelConfig
 from eagleserve.model_executor.model_runner import ModelRunner
 from eagleserve.spec.draft_worker import EagleDraftWorker
-from eagleserve.spec.head_loader import init_eagle_head, save_eagle_head
+
+__all__ = ["head_dir"]  # the module-scoped EAGLE3 head fixture of host_reads
 
 pytestmark = pytest.mark.usefixtures("torch_threads")
-
-
-class HostReadError(AssertionError):
-    pass
-
-
-class _NoScalarReads(TorchDispatchMode):
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if func is torch.ops.aten._local_scalar_dense.default:
-            raise HostReadError("a forward read a device value on the host")
-        return func(*args, **(kwargs or {}))
-
-
-_guard = threading.local()  # per thread: the overlap scheduler reads results on another one
-
-
-@contextlib.contextmanager
-def no_host_reads() -> Iterator[None]:
-    tolist = torch.Tensor.tolist
-
-    def refuse(self: torch.Tensor) -> Any:
-        if getattr(_guard, "active", False):
-            raise HostReadError("a forward called Tensor.tolist")
-        return tolist(self)
-
-    torch.Tensor.tolist = refuse  # type: ignore[method-assign]
-    _guard.active = True
-    try:
-        with _NoScalarReads():
-            yield
-    finally:
-        _guard.active = False
-        torch.Tensor.tolist = tolist  # type: ignore[method-assign]
-
-
-def guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(fn)
-    def run(*args: Any, **kwargs: Any) -> Any:
-        with no_host_reads():
-            return fn(*args, **kwargs)
-
-    return run
 
 
 def test_the_guard_catches_host_reads() -> None:
@@ -74,18 +29,6 @@ def test_the_guard_catches_host_reads() -> None:
     for read in (lambda: int(lens.max()), lambda: lens.tolist(), lambda: bool((lens > 1).all())):
         with pytest.raises(HostReadError), no_host_reads():
             read()
-
-
-@pytest.fixture(scope="module")
-def head_dir(tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> str:
-    runner = ModelRunner(
-        ModelConfig.from_dir(tiny_model_dir), tiny_model_dir, torch.device("cpu"),
-        torch.float32, 64, 1, 512,
-    )  # fmt: skip
-    head = init_eagle_head("EAGLE3", runner.model, draft_vocab_size=64, seed=3)
-    out = str(tmp_path_factory.mktemp("head"))
-    save_eagle_head(head, out)
-    return out
 
 
 @pytest.mark.parametrize(

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import reference_penalize
-from test_eagle_lossless import VOCAB, heads, run_staggered, target_dir  # noqa: F401 (fixtures)
+from lossless_fixtures import VOCAB, heads, run_staggered, target_dir  # noqa: F401 (fixtures)
 from transformers import LlamaForCausalLM
 
 from eagleserve import Engine, SamplingParams

@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import assert_kv_accounted, track
-from test_adaptive_lossless import script_choices
-from test_eagle_lossless import VOCAB, heads, target_dir  # noqa: F401
+from cache_engines import engine
+from conftest import assert_kv_accounted
+from lossless_fixtures import VOCAB, heads, target_dir  # noqa: F401
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from eagleserve import Engine, SamplingParams
@@ -21,36 +21,6 @@ from eagleserve.mem_cache.prefix_cache import PrefixCache
 from eagleserve.messages import GenerateReqInput
 
 pytestmark = pytest.mark.usefixtures("torch_threads")
-
-SPEC: dict[str, dict[str, Any]] = {
-    "target": {},
-    "chain": dict(speculative_num_steps=3, speculative_eagle_topk=1,
-                  speculative_num_draft_tokens=4),
-    "tree": dict(speculative_num_steps=3, speculative_eagle_topk=2,
-                 speculative_num_draft_tokens=6),
-    "adaptive": dict(speculative_num_steps=3, speculative_eagle_topk=1,
-                     speculative_num_draft_tokens=4, speculative_adaptive=True,
-                     speculative_adaptive_probe_interval=8),
-}  # fmt: skip
-
-
-def engine(target: str, head: str, spec: str, cache: bool, overlap: bool, **kw: Any) -> Engine:
-    extra = dict(SPEC[spec])
-    if extra:
-        extra.update(speculative_algorithm="EAGLE", speculative_draft_model_path=head)
-    eng = Engine(
-        model=target,
-        device="cpu",
-        kv_cache_tokens=kw.pop("kv_cache_tokens", 2048),
-        max_running_requests=8,
-        disable_overlap_schedule=not overlap,
-        disable_radix_cache=not cache,
-        **extra,
-        **kw,
-    )
-    if spec == "adaptive":  # held head inputs at every finish: k = 0 stretches and catch-ups
-        script_choices(eng, [0, 0, 3, 1, 0, 2])
-    return track(eng)  # type: ignore[return-value]
 
 
 def conversation(eng: Engine, seed: int, params: SamplingParams) -> list[list[int]]:

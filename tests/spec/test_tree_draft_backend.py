@@ -8,13 +8,13 @@ import random
 
 import pytest
 import triton_mode  # noqa: F401  (before triton: the interpreter where no GPU is present)
-from test_eagle_lossless import heads, target_dir
+from lossless_fixtures import heads, target_dir
 
 from eagleserve import Engine, SamplingParams
 from eagleserve.layers.triton_backend import TritonAttnBackend
 
 pytestmark = pytest.mark.usefixtures("torch_threads")
-__all__ = ["heads", "target_dir"]  # module-scoped fixtures shared with the CPU test
+__all__ = ["heads", "target_dir"]  # module-scoped fixtures of lossless_fixtures
 TREE = dict(speculative_num_steps=3, speculative_eagle_topk=2, speculative_num_draft_tokens=5)
 
 
