@@ -56,7 +56,7 @@ $(LLAMA_VENV)/.installed:
 bench-llamacpp: setup $(LLAMA_VENV)/.installed
 	$(LLAMA_VENV)/bin/python bench/llamacpp_smoke.py \
 		"$$($(BIN)/python -c 'from eagleserve.models.loader import default_gguf_path; print(default_gguf_path())')"
-	$(BIN)/python bench/cpu_vs_llamacpp.py
+	$(BIN)/python bench/cpu_vs_llamacpp.py --rounds 5 --no-fp32 --chains 1,3 --adaptive
 
 clean:
 	rm -rf $(VENV) $(LLAMA_VENV)
