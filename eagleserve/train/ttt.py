@@ -65,12 +65,19 @@ def context_with_sink(
     return qs, ks, vs
 
 
+def _einsum_input(x: torch.Tensor) -> torch.Tensor:
+    """x as an einsum here reads it: fp32, except under autocast, which runs the product in its
+    own dtype (an fp32 copy would only be cast back, both ways, at every depth)."""
+    return x if torch.is_autocast_enabled(x.device.type) else x.float()
+
+
 def _chain_scores(q: torch.Tensor, chain: list[KV], scale: float) -> torch.Tensor:
-    """[B, H, T, n] fp32: query i against its own key of each chain depth."""
+    """[B, H, T, n] (fp32; autocast's dtype under autocast): query i against its own key of
+    each chain depth."""
     bsz, nh, t, d = q.shape
     nkv = chain[0][0].shape[1]
-    qg = q.float().reshape(bsz, nkv, nh // nkv, t, d)
-    keys = torch.stack([kk.float() for kk, _ in chain], 3)  # [B, Hkv, T, n, D]
+    qg = _einsum_input(q).reshape(bsz, nkv, nh // nkv, t, d)
+    keys = torch.stack([_einsum_input(kk) for kk, _ in chain], 3)  # [B, Hkv, T, n, D]
     return torch.einsum("bgrtd,bgtnd->bgrtn", qg, keys).reshape(bsz, nh, t, -1) * scale
 
 
@@ -81,7 +88,8 @@ def merge_chain(
     [B, H, T, width] (`context_with_sink`, dummy row dropped), the chain scores e_j
     (`_chain_scores`), the sink's scores and the chain's values [B, Hkv, T, D]. With
     a = A Z / (e^sink + Z), s = e^sink / (e^sink + Z), r = Z / (e^sink + Z), the softmax over
-    all keys is (a + s sum_j e^(e_j - sink) u_j) / (r + s sum_j e^(e_j - sink)), in fp32. With
+    all keys is (a + s sum_j e^(e_j - sink) u_j) / (r + s sum_j e^(e_j - sink)), in fp32 (the
+    sum over u_j in autocast's dtype under autocast). With
     the sink at the chain's largest score no exponent overflows, and whichever side
     underflows (s or r) carries less than e^-87 of the mass."""
     bsz, nh, t, _ = scores.shape
@@ -90,7 +98,7 @@ def merge_chain(
     o = o_sink.float()
     a, s, r = o[..., :d], o[..., d], o[..., d + 1]
     wts = (scores - sink[..., None]).exp() * s[..., None]  # [B, H, T, n]
-    vals = torch.stack([vv.float() for _, vv in chain], 3)  # [B, Hkv, T, n, D]
+    vals = torch.stack([_einsum_input(vv) for _, vv in chain], 3)  # [B, Hkv, T, n, D]
     chain_out = torch.einsum("bgrtn,bgtnd->bgrtd", wts.reshape(bsz, nkv, nh // nkv, t, -1), vals)
     return (a + chain_out.reshape(bsz, nh, t, d)) / (r + wts.sum(-1))[..., None]
 
@@ -114,6 +122,17 @@ def _merged_chain(
     return merge_chain(o[:, :, 1:], scores, sink, chain[1:]).to(q.dtype)
 
 
+def _autocast_input(x: torch.Tensor) -> torch.Tensor:
+    """x in autocast's dtype where autocast is on: the cast each linear reading x would make,
+    made once for all of them (q/k/v, gate/up), forward and backward."""
+    dev = x.device.type
+    return x.to(torch.get_autocast_dtype(dev)) if torch.is_autocast_enabled(dev) else x
+
+
+def _mlp(mlp: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return mlp(_autocast_input(x))
+
+
 def _attention(
     attn: torch.nn.Module,
     head: EagleHead,
@@ -128,6 +147,7 @@ def _attention(
     takes a `padded_chain` past with its `chain_valid`."""
     bsz, t, _ = x.shape
     nh, nkv, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
+    x = _autocast_input(x)
     q = attn.q_proj(x).reshape(bsz * t, nh, d)
     k = attn.k_proj(x).reshape(bsz * t, nkv, d)
     v = attn.v_proj(x).reshape(bsz, t, nkv, d).transpose(1, 2)
@@ -182,7 +202,7 @@ def head_step(
         a, kv = _attention(layer.self_attn, head, x, positions, layer_past[0], attention,
                            chain_valid)  # fmt: skip
         x = x + a
-        out = x + layer.mlp(layer.post_attention_layernorm(x))
+        out = x + _mlp(layer.mlp, layer.post_attention_layernorm(x))
         return out, out, [kv]
     feats = features.to(emb.dtype)
     g = head.fc(feats) if feats.shape[-1] != head.hidden_size else feats
@@ -190,13 +210,13 @@ def head_step(
     attn_in = torch.cat((m.input_layernorm(emb), m.hidden_norm(g)), dim=-1)
     a, kv = _attention(m.self_attn, head, attn_in, positions, layer_past[0], attention, chain_valid)
     x = g + a
-    out = x + m.mlp(m.post_attention_layernorm(x))
+    out = x + _mlp(m.mlp, m.post_attention_layernorm(x))
     kvs = [kv]
     for upper, seen in zip(head.upper_layers, layer_past[1:], strict=True):
         a, kv = _attention(upper.self_attn, head, upper.input_layernorm(out), positions, seen,
                            attention, chain_valid)  # fmt: skip
         x = out + a
-        out = x + upper.mlp(upper.post_attention_layernorm(x))
+        out = x + _mlp(upper.mlp, upper.post_attention_layernorm(x))
         kvs.append(kv)
     return head.norm(out), out, kvs
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from eagleserve.spec.head_loader import init_eagle_head
 from eagleserve.train.target import load_target
@@ -150,3 +151,65 @@ def test_every_depth_compiles_as_one_graph(tiny_model_dir: str, impl: str) -> No
                 torch.testing.assert_close(a, c, rtol=0, atol=0)
             past[0].append(want[2][0])
             feats = want[1]
+
+
+class _Casts(TorchDispatchMode):
+    """Every dtype cast made while active: (source storage, target dtype) counts, and the casts
+    that turned a cast's output (or a view of it) back into its source's dtype."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.made: dict[int, torch.dtype] = {}  # a cast's output storage -> its source's dtype
+        self.keep: list[torch.Tensor] = []  # storages stay unique while the tensors live
+        self.counts: dict[tuple[int, torch.dtype], int] = {}
+        self.round_trips = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        out = func(*args, **(kwargs or {}))
+        src = args[0] if args else None
+        if isinstance(src, (list, tuple)) and src:  # stack, cat
+            src = src[0]
+        if not isinstance(src, torch.Tensor) or not isinstance(out, torch.Tensor):
+            return out
+        at = src.untyped_storage().data_ptr()
+        if func is torch.ops.aten._to_copy.default and out.dtype != src.dtype and src.dim() >= 3:
+            self.counts[at, out.dtype] = self.counts.get((at, out.dtype), 0) + 1
+            self.round_trips += self.made.get(at) == out.dtype
+            self.made[out.untyped_storage().data_ptr()] = src.dtype
+            self.keep += [src, out]
+        elif at in self.made and func.overloadpacket.__name__ in self.MOVES:
+            # a copy of a cast's output (a matmul's contiguous input) is still that output
+            self.made[out.untyped_storage().data_ptr()] = self.made[at]
+            self.keep.append(out)
+        return out
+
+    MOVES = {"clone", "_unsafe_view", "view", "reshape", "stack", "cat", "expand", "permute",
+             "transpose", "unsqueeze", "contiguous", "copy_"}  # fmt: skip
+
+
+@pytest.mark.parametrize("impl", ["dense", "sdpa", "merge"])
+@pytest.mark.parametrize("layers", [1, 2])
+def test_autocast_casts_each_activation_once(tiny_model_dir: str, impl: str, layers: int) -> None:
+    """Under the gpu recipe's bf16 autocast, a depth's activations are each cast at most once
+    to a dtype (the q/k/v and gate/up projections share one cast of their input) and none is
+    cast back to the dtype it came from (an fp32 copy that an autocast matmul casts back): the
+    copies are a large share of a training step's device time. (The backward mirrors the
+    forward's casts.)"""
+    target, _ = load_target(tiny_model_dir, "float32", 64)
+    head = init_eagle_head("EAGLE3", target, num_hidden_layers=layers,
+                           seed=int(torch.randint(0, 1000, ())))  # fmt: skip
+    g = torch.Generator().manual_seed(int(torch.randint(0, 10**6, ())))
+    b, t, depths = 2, 7, 3
+    x = torch.randint(0, target.config.vocab_size, (b, t + depths), generator=g)
+    feats = torch.randn(b, t, head.feature_size, generator=g)
+    past: list[list] = [[] for _ in range(layers)]
+    with torch.autocast("cpu", torch.bfloat16):
+        for s in range(depths):
+            pos = (torch.arange(t) + s).expand(b, t)
+            with _Casts() as casts:
+                hid, out, kvs = head_step(head, x[:, s + 1 : s + 1 + t], feats, pos, past, impl)
+            assert casts.counts and max(casts.counts.values()) == 1, (s, casts.counts)
+            assert casts.round_trips == 0, s
+            for p, kv in zip(past, kvs, strict=True):
+                p.append(tuple(z.detach() for z in kv))
+            feats = out.detach()
