@@ -246,7 +246,9 @@ async def create_chat(serving: Serving, body: ChatCompletionRequest, request: Re
         if tools is None:
             return c.text, [], c.finish_reason
         content, calls = parse_tool_calls(c.text)
-        return content, calls, "tool_calls" if calls else c.finish_reason
+        # As OpenAI: an output cut by max_tokens says so, with the calls it completed.
+        cut = c.finish_reason == "length"
+        return content, calls, "tool_calls" if calls and not cut else c.finish_reason
 
     def delta(c: ChoiceState, text: str, out: TokenOutput) -> str | None:
         calls: list[dict[str, Any]] = []

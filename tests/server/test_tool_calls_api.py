@@ -89,6 +89,23 @@ def test_streamed_tool_calls_validate(client: openai.OpenAI) -> None:
         jsonschema.validate(json.loads(entry["arguments"]), SCHEMAS[entry["name"]])
 
 
+def test_a_cut_output_reports_length_with_its_whole_calls(client: openai.OpenAI) -> None:
+    """max_tokens ending the output inside its last call: finish_reason "length" (not
+    "tool_calls", which would hide the cut), the calls completed before it kept as they were."""
+    ask: Any = dict(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required",
+                    parallel_tool_calls=True, temperature=0)  # fmt: skip
+    full = client.chat.completions.create(max_tokens=400, **ask)
+    assert full.choices[0].finish_reason == "tool_calls" and full.usage is not None
+    # Three tokens short: inside the last call's closing `</tool_call>` (the last one is EOS).
+    cut = client.chat.completions.create(max_tokens=full.usage.completion_tokens - 3, **ask)
+    c = cut.choices[0]
+    assert c.finish_reason == "length"
+    kept = [(t.function.name, t.function.arguments) for t in c.message.tool_calls or []]
+    whole = [(t.function.name, t.function.arguments) for t in full.choices[0].message.tool_calls]
+    assert kept == whole[: len(whole) - 1]
+    assert c.message.content  # the cut call's text
+
+
 def test_tool_choice_none_is_text_and_history_is_accepted(client: openai.OpenAI) -> None:
     args = '{"city": "Paris", "unit": "celsius"}'
     history = ASK + [
