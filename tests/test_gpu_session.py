@@ -1,5 +1,6 @@
 """bench/gpu_session.py: what a GPU session sends in pieces arrives whole, a lost piece is
-refused, and a job's output comes back even when the job is stopped at its limit."""
+refused, a job's output comes back even when the job is stopped at its limit, and a later job
+finds eagleserve's cache where an earlier one left it."""
 
 from __future__ import annotations
 
@@ -60,3 +61,19 @@ def test_a_stopped_job_still_returns_its_output(dirs, tmp_path):
     gpu_session.unpack(argparse.Namespace(files_at=str(dirs / "returned"), dest=str(dest)))
     assert (dest / "out" / "partial.txt").read_text() == "kept"
     assert "started" in (dest / "out" / "job.log").read_text()
+
+
+def test_a_later_job_reuses_the_cache_an_earlier_one_built(dirs, monkeypatch):
+    """Jobs of one warm machine share eagleserve's cache under DEVICE_DIR (what the machine
+    keeps between calls), not the home folder: the GGUF is converted once a session."""
+    monkeypatch.delenv("EAGLESERVE_CACHE", raising=False)
+    token = os.urandom(8).hex()
+    write = ("import os, sys; d = os.environ['EAGLESERVE_CACHE']; os.makedirs(d, exist_ok=True);"
+             f"open(os.path.join(d, 'converted'), 'w').write('{token}')")  # fmt: skip
+    assert gpu_session.run_job([sys.executable, "-c", write], timeout_s=30.0) == 0
+    read = ("import os; d = os.environ['EAGLESERVE_CACHE'];"
+            "print('found', open(os.path.join(d, 'converted')).read())")  # fmt: skip
+    assert gpu_session.run_job([sys.executable, "-c", read], timeout_s=30.0) == 0
+    log = (dirs / "device" / "out" / "job.log").read_text()
+    assert f"found {token}" in log
+    assert (dirs / "device" / "cache" / "converted").read_text() == token
