@@ -92,8 +92,9 @@ def build_store(
 ) -> tuple[FeatureStore, dict[str, float]]:
     """Runs the target over `items` (windows, see `cut_windows`) in their order until
     `max_tokens` rows are stored; forwards batch windows of similar length up to
-    `batch_tokens` padded rows. Past `max_seconds` it stops and the store keeps only the
-    windows done. Returns the store and {tokens, windows, seconds, tok_per_s}."""
+    `batch_tokens` padded rows. It stops before a forward that would end past `max_seconds`
+    (at the padded rows a second of the forwards so far; the first always runs) and the store
+    keeps only the windows done. Returns the store and {tokens, windows, seconds, tok_per_s}."""
     dev = model.model.embed_tokens.weight.device
     take, total = [], 0
     for it in items:
@@ -126,16 +127,20 @@ def build_store(
             used += len(take[e][0])
     bar = tqdm(total=total, desc=desc, unit="tok", unit_scale=True)
     t0 = time.time()
-    i = 0
-    while i < len(order) and time.time() - t0 < max_seconds:
+    i = padded = 0
+    while i < len(order):
         j, n = i + 1, len(take[order[i]][0])  # a group pads to its longest window
         while j < len(order) and (j + 1 - i) * max(n, len(take[order[j]][0])) <= batch_tokens:
             n = max(n, len(take[order[j]][0]))
             j += 1
+        spent = time.time() - t0
+        if spent >= max_seconds or (padded and spent * (1 + (j - i) * n / padded) > max_seconds):
+            break  # out of time, or this forward would end past it
         group = order[i:j]
         _store_group(model, store, [take[g] for g in group], [starts[g] for g in group], n,
                      layer_ids, k)  # fmt: skip
         bar.update(sum(len(take[g][0]) for g in group))
+        padded += (j - i) * n
         i = j
     if dev.type != "cpu":
         torch.get_device_module(dev).synchronize()

@@ -51,8 +51,9 @@ def add_recipe_args(p: argparse.ArgumentParser) -> None:
                    "and the evaluation after training")  # fmt: skip
     g.add_argument("--store-gb", type=float, default=None, help="device memory for features "
                    "(default: half the free memory; 4 on CPU)")  # fmt: skip
-    g.add_argument("--extract-batch-tokens", type=int, default=65536,
-                   help="padded rows per target forward")  # fmt: skip
+    g.add_argument("--extract-batch-tokens", type=int, default=None,
+                   help="padded rows per target forward (default: 65536 on an accelerator, "
+                   "4096 on a CPU, where a forward of that size takes seconds)")  # fmt: skip
     g.add_argument("--extract-seconds", type=float, default=None, help="stop extracting "
                    "after this long (default: a third of --time-budget)")  # fmt: skip
     g.add_argument("--max-shard-mb", type=float, default=16.0, help="largest head file")
@@ -79,9 +80,13 @@ def add_recipe_args(p: argparse.ArgumentParser) -> None:
 
 
 def device_defaults(ns: argparse.Namespace, dev: torch.device) -> None:
-    """Fills --batch-size if left unset: 64 on an accelerator (bench/train_step.py measured the
-    most token-passes a second there), 8 on a CPU."""
-    ns.batch_size = ns.batch_size or (64 if dev.type != "cpu" else 8)
+    """Fills what was left unset: --batch-size, 64 on an accelerator (bench/train_step.py
+    measured the most token-passes a second there), 8 on a CPU; --extract-batch-tokens, 65536
+    on an accelerator, 4096 on a CPU: the extraction's time limit is checked between forwards,
+    and a CPU takes minutes over 65536 rows (a 40 s limit ran 140 s)."""
+    accelerator = dev.type != "cpu"
+    ns.batch_size = ns.batch_size or (64 if accelerator else 8)
+    ns.extract_batch_tokens = ns.extract_batch_tokens or (65536 if accelerator else 4096)
 
 
 def _tokenize(conv: list[dict[str, str]]) -> Item | None:

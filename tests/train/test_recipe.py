@@ -83,6 +83,43 @@ def test_store_equals_per_window_targets(chat_target: str) -> None:
     assert seen == sorted(store.windows)  # an epoch visits every window once
 
 
+def test_extraction_stops_before_a_forward_that_would_end_past_its_limit(
+    chat_target: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each forward costs its padded rows at one rate (a clock the test advances): the store
+    takes the forwards that end within `max_seconds` and none that would end past it; the
+    first one always runs (no rate is known before it)."""
+    from eagleserve.train import online
+
+    target, _ = load_target(chat_target, "float32", 64)
+    layers = target_layer_ids("EAGLE3", target.config.num_hidden_layers)
+    wins = cut_windows(_items(24, int(torch.randint(0, 1000, ()))), 16)
+    now = [0.0]
+    forwards: list[float] = []  # each forward's end on the clock
+    real = online._store_group
+
+    def timed(model, store, group, starts, n, layer_ids, k):  # noqa: ANN001, ANN202
+        real(model, store, group, starts, n, layer_ids, k)
+        now[0] += 1e-3 * len(group) * n  # 1 ms a padded row
+        forwards.append(now[0])
+
+    monkeypatch.setattr(online, "_store_group", timed)
+    monkeypatch.setattr(online.time, "time", lambda: now[0])
+    full, _ = build_store(target, wins, layers, 4, 10**6, batch_tokens=40)
+    ends = list(forwards)
+    assert len(ends) > 3
+    limit = (ends[1] + ends[2]) / 2  # two forwards end within it, the third would not
+    forwards.clear()
+    now[0] = 0.0
+    cut, st = build_store(target, wins, layers, 4, 10**6, batch_tokens=40, max_seconds=limit)
+    assert forwards == ends[:2] and st["seconds"] <= limit
+    assert 0 < len(cut.windows) < len(full.windows)
+    forwards.clear()
+    now[0] = 0.0
+    first, _ = build_store(target, wins, layers, 4, 10**6, batch_tokens=40, max_seconds=1e-6)
+    assert len(forwards) == 1 and first.windows  # the first forward runs whatever its cost
+
+
 def need_of(win: tuple[list[int], list[bool]]) -> torch.Tensor:
     ids, flags = win
     need = torch.zeros(len(ids), dtype=torch.bool)
@@ -200,14 +237,14 @@ def test_a_store_sample_is_a_seeded_subset_of_its_windows_of_enough_rows() -> No
     assert store.sample(n + 1, seed=3).tokens == n
 
 
-def test_device_defaults_fill_only_the_batch_size_left_unset() -> None:
+def test_device_defaults_fill_only_what_was_left_unset() -> None:
     gpu, cpu = torch.device("cuda"), torch.device("cpu")
-    ns = argparse.Namespace(batch_size=None)
+    ns = argparse.Namespace(batch_size=None, extract_batch_tokens=None)
     device_defaults(ns, gpu)
-    assert ns.batch_size == 64
-    ns = argparse.Namespace(batch_size=None)
-    device_defaults(ns, cpu)
-    assert ns.batch_size == 8
-    ns = argparse.Namespace(batch_size=12)  # what the user gave stays
+    assert (ns.batch_size, ns.extract_batch_tokens) == (64, 65536)
+    ns = argparse.Namespace(batch_size=None, extract_batch_tokens=None)
+    device_defaults(ns, cpu)  # a CPU forward of 65536 rows overran a 40 s extraction limit
+    assert (ns.batch_size, ns.extract_batch_tokens) == (8, 4096)
+    ns = argparse.Namespace(batch_size=12, extract_batch_tokens=1024)  # the user's stay
     device_defaults(ns, gpu)
-    assert ns.batch_size == 12
+    assert (ns.batch_size, ns.extract_batch_tokens) == (12, 1024)
