@@ -98,6 +98,8 @@ def profile_row(
         t0 = time.perf_counter()
         metrics = train_head(head, source, cfg)
         synchronize(dev)
+        if "out_of_memory_at_step" in metrics:  # stopped short: the row did not fit
+            raise torch.OutOfMemoryError(f"at step {metrics['out_of_memory_at_step']:.0f}")
         return time.perf_counter() - t0, metrics["token_passes"]
 
     if dev.type != "cpu":

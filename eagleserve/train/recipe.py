@@ -340,4 +340,5 @@ def run_recipe(ns: argparse.Namespace) -> int:
     shown = ("tokens", "token_passes", "seconds", "tok_per_s", "val_accuracy_by_depth",
              "train_sample_accuracy_by_depth")  # fmt: skip
     write_training_log(ns, log, shown)
-    return 0
+    # Stopped short by device memory: the head trained so far is saved and scored above.
+    return 1 if "out_of_memory_at_step" in metrics else 0

@@ -14,6 +14,7 @@ import functools
 import math
 import os
 import random
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -228,13 +229,20 @@ def train_head(
     t_cal, first = 0.0, step
     rows = torch.zeros((), dtype=torch.long, device=params[0].device)  # real rows x depths
     bar = tqdm(total=total, initial=step, desc="Training head", unit="step")
+    out_of_memory: str | None = None
     while step < total:
         epoch, within = divmod(step, per_epoch)
         batch = source.batch(epoch, within)
-        with autocast:
-            loss, m = train_step(head, batch, cfg, step)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
+        try:
+            with autocast:
+                loss, m = train_step(head, batch, cfg, step)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+        except torch.OutOfMemoryError as e:  # the steps done stay: the caller saves them
+            out_of_memory = (f"out of device memory at step {step + 1}, a batch of "
+                             f"{batch.x.shape[0]} windows x {batch.x.shape[1]} tokens "
+                             f"({str(e).splitlines()[0]})")  # fmt: skip
+            break
         torch.nn.utils.clip_grad_norm_(params, 0.5)
         for g in opt.param_groups:
             g["lr"] = lr_at(step)
@@ -272,10 +280,30 @@ def train_head(
         if stop:
             break
     bar.close()
+    stopped: dict[str, float] = {}
+    if out_of_memory is not None:
+        # Out of the except block: its traceback no longer holds the failed step's tensors.
+        opt.zero_grad(set_to_none=True)
+        free_device_cache(params[0].device)
+        advice = "lower --batch-size or --max-len (the recipe's feature store: --store-gb)"
+        if step == first:
+            raise torch.OutOfMemoryError(f"{out_of_memory}: nothing trained; {advice}")
+        print(f"{out_of_memory}: training stopped, the {step - first} steps done are kept; "
+              f"{advice}", file=sys.stderr, flush=True)  # fmt: skip
+        ema = {k: float(v) for k, v in dev_ema.items()}
+        if cfg.out_dir is not None:
+            save_checkpoint(head, opt, step, ema, cfg.out_dir)
+        stopped = {"out_of_memory_at_step": float(step + 1)}
     n_rows = int(rows)
     speed = n_rows / max(1e-9, time.time() - t0)
     return {**ema, "steps": step, "total_steps": total, "token_depths_per_s": speed,
-            "token_passes": n_rows / cfg.depths}  # fmt: skip
+            "token_passes": n_rows / cfg.depths, **stopped}  # fmt: skip
+
+
+def free_device_cache(device: torch.device) -> None:
+    """Hands the caching allocator's free blocks back (after an out-of-memory step)."""
+    if device.type != "cpu":
+        torch.get_device_module(device).empty_cache()
 
 
 POSTFIX_EVERY = 25  # steps between progress-bar metrics (each read waits for the device)

@@ -237,6 +237,38 @@ def test_a_store_sample_is_a_seeded_subset_of_its_windows_of_enough_rows() -> No
     assert store.sample(n + 1, seed=3).tokens == n
 
 
+def test_recipe_out_of_memory_saves_what_it_trained_and_fails(
+    chat_target: str, tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Device memory running out mid-training (a long batch): the head trained so far is
+    saved, scored and logged with the step that ran out, and the command exits 1."""
+    from eagleserve.train import trainer
+
+    real_step = trainer.train_step
+    fail_at = int(torch.randint(3, 6, ()))
+
+    def step_or_oom(head, batch, cfg, step):  # noqa: ANN001, ANN202
+        if step + 1 == fail_at:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 9.00 GiB")
+        return real_step(head, batch, cfg, step)
+
+    monkeypatch.setattr(trainer, "train_step", step_or_oom)
+    out = str(tmp_path / "head")
+    args = ["train-draft", "--model", chat_target, "--out", out, "--recipe", "gpu",
+            "--device", "cpu", "--max-conversations", "16", "--max-seq-len", "400",
+            "--max-len", "32", "--batch-size", "4", "--ttt-steps", "2",
+            "--draft-vocab-size", "64", "--top-k", "4", "--val-tokens", "300",
+            "--max-tokens", "1500", "--time-budget", "300", "--epochs", "3",
+            "--tokenize-procs", "2", "--val-fraction", "0.01"]  # fmt: skip
+    assert main(args) == 1
+    log = json.load(open(os.path.join(out, "training_log.json")))
+    assert log["steps"] == fail_at - 1
+    assert log["train_metrics_ema"]["out_of_memory_at_step"] == fail_at
+    assert {"acc0", "acc1"} <= set(log["val_accuracy_by_depth"])
+    target, _ = load_target(chat_target, "float32", 64)
+    load_eagle_head(out, "EAGLE3", target, torch.device("cpu"), torch.float32)  # servable
+
+
 def test_device_defaults_fill_only_what_was_left_unset() -> None:
     gpu, cpu = torch.device("cuda"), torch.device("cpu")
     ns = argparse.Namespace(batch_size=None, extract_batch_tokens=None)

@@ -189,3 +189,43 @@ def test_a_run_without_out_dir_writes_nothing_and_returns_its_metrics(
     trainer.train_head(head, Source(), cfg)  # with a folder, the last step is checkpointed
     written = {p.name for p in (tmp_path / "ck").iterdir()}
     assert {"model.safetensors", "trainer_state.pt"} <= written
+
+
+def test_out_of_device_memory_keeps_the_steps_done(
+    tiny_model_dir: str, tmp_path, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    """A step that runs out of device memory (a long batch late in a run) ends training: the
+    steps before it are checkpointed and their metrics returned with the failed step's number,
+    the head as they left it; out of memory at the first step raises, saying what to lower."""
+    from eagleserve.train import trainer
+
+    target, _ = load_target(tiny_model_dir, "float32", 64)
+    head = init_eagle_head("EAGLE3", target, seed=int(torch.randint(0, 1000, ())))
+    g = torch.Generator().manual_seed(int(torch.randint(0, 10**6, ())))
+    depths, vocab = 2, head.lm_head.weight.shape[0]
+    fail_at = int(torch.randint(2, 6, (), generator=g))  # the step that runs out
+    real_step = trainer.train_step
+
+    def step_or_oom(head_, batch, cfg, step):  # noqa: ANN001, ANN202
+        if step + 1 >= fail_at:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 9.00 GiB")
+        return real_step(head_, batch, cfg, step)
+
+    class Source:
+        per_epoch = 50
+
+        def batch(self, epoch: int, within: int) -> Batch:
+            return _batch(2, 7, depths, head.feature_size, vocab, g)
+
+    monkeypatch.setattr(trainer, "train_step", step_or_oom)
+    cfg = TrainConfig(out_dir=str(tmp_path), depths=depths, save_every=10**6, lr=1e-3)
+    out = trainer.train_head(head, Source(), cfg)
+    assert out["steps"] == fail_at - 1 and out["out_of_memory_at_step"] == fail_at
+    state = torch.load(tmp_path / "trainer_state.pt", weights_only=False)
+    assert state["step"] == fail_at - 1
+    for k, v in head.state_dict().items():  # the checkpoint is the head as it stands
+        assert torch.equal(state["head"][k], v)
+    assert f"out of device memory at step {fail_at}" in capsys.readouterr().err
+    fail_at = 1
+    with pytest.raises(torch.OutOfMemoryError, match="nothing trained; lower --batch-size"):
+        trainer.train_head(head, Source(), TrainConfig(out_dir=None, depths=depths))
