@@ -282,7 +282,9 @@ def train_head(
     bar.close()
     stopped: dict[str, float] = {}
     if out_of_memory is not None:
-        # Out of the except block: its traceback no longer holds the failed step's tensors.
+        # Out of the except block: its traceback no longer holds the failed step's tensors;
+        # its inputs (features: gigabytes on a GPU) and gradients go too.
+        del batch
         opt.zero_grad(set_to_none=True)
         free_device_cache(params[0].device)
         advice = "lower --batch-size or --max-len (the recipe's feature store: --store-gb)"
