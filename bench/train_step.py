@@ -32,7 +32,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import machine  # noqa: E402
-from eagleserve.device import synchronize  # noqa: E402
+from eagleserve.device import empty_cache, synchronize  # noqa: E402
 from eagleserve.spec.head_loader import init_eagle_head  # noqa: E402
 from eagleserve.train.features import label_map  # noqa: E402
 from eagleserve.train.online import FeatureStore, StoreSource  # noqa: E402
@@ -169,8 +169,7 @@ def profile_rows(
         except torch.OutOfMemoryError as e:  # a setting that does not fit is a result too
             row = {"ttt_attention": impl, "batch_size": bs, "draft_num_hidden_layers": layers,
                    "error": f"out of memory: {e}"[:200]}  # fmt: skip
-        if dev.type != "cpu":
-            torch.get_device_module(dev).empty_cache()
+        empty_cache(dev)
         out["rows"].append(row)
         print(row_line(row), flush=True)
         if out_path:

@@ -31,6 +31,12 @@ def synchronize(device: torch.device) -> None:
         device_module(device).synchronize()
 
 
+def empty_cache(device: torch.device) -> None:
+    """Hands an accelerator's cached free blocks back to the device (nothing on a CPU)."""
+    if device.type != "cpu":
+        device_module(device).empty_cache()
+
+
 def host_to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """Host tensor `t` on `device`, queued without waiting for the work queued there: from
     pageable memory a copy waits for its stream to drain (on the overlap scheduler's forward

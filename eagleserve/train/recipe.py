@@ -21,7 +21,7 @@ from collections import Counter
 
 import torch
 
-from eagleserve.device import pick_device, synchronize
+from eagleserve.device import empty_cache, pick_device, synchronize
 from eagleserve.spec.eagle_head import EagleHead
 from eagleserve.train.conversations import sharegpt_split, tokenize_unless_leak
 from eagleserve.train.extract import Item
@@ -162,8 +162,7 @@ def distill(
                     prompts)  # fmt: skip
     root = cfg.cache_dir or os.path.join(cache_dir(), "self_distill")
     items, stats = self_distill_items(make_engine, prompts, cfg, key, root, ns.max_seq_len)
-    if dev.type != "cpu":
-        torch.get_device_module(dev).empty_cache()  # the engine's KV pool, before features
+    empty_cache(dev)  # the engine's KV pool, before features
     print("self_distill", json.dumps(stats), flush=True)
     return items, stats
 

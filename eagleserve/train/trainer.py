@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from eagleserve.device import empty_cache
 from eagleserve.spec.eagle_head import EagleHead
 from eagleserve.spec.head_loader import save_eagle_head
 from eagleserve.train.batches import Batch, label_loss, sequence_batch
@@ -286,7 +287,7 @@ def train_head(
         # its inputs (features: gigabytes on a GPU) and gradients go too.
         del batch
         opt.zero_grad(set_to_none=True)
-        free_device_cache(params[0].device)
+        empty_cache(params[0].device)
         advice = "lower --batch-size or --max-len (the recipe's feature store: --store-gb)"
         if step == first:
             raise torch.OutOfMemoryError(f"{out_of_memory}: nothing trained; {advice}")
@@ -300,12 +301,6 @@ def train_head(
     speed = n_rows / max(1e-9, time.time() - t0)
     return {**ema, "steps": step, "total_steps": total, "token_depths_per_s": speed,
             "token_passes": n_rows / cfg.depths, **stopped}  # fmt: skip
-
-
-def free_device_cache(device: torch.device) -> None:
-    """Hands the caching allocator's free blocks back (after an out-of-memory step)."""
-    if device.type != "cpu":
-        torch.get_device_module(device).empty_cache()
 
 
 POSTFIX_EVERY = 25  # steps between progress-bar metrics (each read waits for the device)
