@@ -61,7 +61,9 @@ class Req:
     # extend is held back (spec/draft_lag.py).
     spec_alphas: list[float] = field(default_factory=list)
     draft_lag: int = 0
-    generator: torch.Generator | None = None
+    # A sampled request's noise seed (sampling/seeded_noise.py): its own, or drawn from the
+    # OS's entropy at arrival. None for a greedy request.
+    sampling_seed: int | None = None
     # Structured output: the constrained/grammar.py RequestGrammar (None: free text).
     grammar: Any = None
     # Tokens already handed to the output stream (streaming sends the rest).

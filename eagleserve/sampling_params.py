@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-# torch.Generator.manual_seed takes a signed 64-bit value; seeds live in [0, 2^63).
+# Seeds live in [0, 2^63): nonnegative int64 on the device (sampling/seeded_noise.py).
 SEED_BOUND = 2**63
 # vLLM takes any positive repetition penalty. These bounds keep logit / penalty finite in fp32
 # (a subnormal penalty rounds to 0 there); past them the effect is the same anyway.

@@ -63,7 +63,7 @@ def test_bad_requests_raise_and_engine_keeps_working(
 
 
 def test_largest_seed_samples(tiny: Engine) -> None:
-    """The top of the seed range reaches torch's generator without overflowing, reproducibly."""
+    """The top of the seed range reaches the sampling noise without overflowing, reproducibly."""
     prompt = random_prompts(1, [7], seed=int(torch.randint(0, 2**31, ()).item()))
     runs = [tiny.generate(prompt, sampled(8, seed=2**63 - 1))[0]["token_ids"] for _ in range(2)]
     assert len(runs[0]) == 8 and runs[0] == runs[1]

@@ -4,14 +4,15 @@ top-k, top-p, min-p) -> tokens.
 The grammar mask (constrained/grammar_batch.py) comes after penalties and bias, so nothing can
 re-enable a token the grammar forbids; greedy argmax sees it too.
 
-Each sampled request draws from its own `torch.Generator`, so a seed gives the same tokens
-whatever else is in the batch. Penalties and bias change the logits before anything else
-(sampling/penalty_state.py), greedy rows included; logprobs stay those of the raw model, as vLLM's.
+A sampled request draws the token at position t with the uniform of (its seed, t)
+(sampling/seeded_noise.py) by inverse CDF, so a seed gives the same tokens whatever else is in
+the batch, and a speculative verify draws the target's own token at each drafted position.
+Penalties and bias change the logits before anything else (sampling/penalty_state.py), greedy
+rows included; logprobs stay those of the raw model, as vLLM's.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +24,7 @@ from eagleserve.device import tensor_to
 from eagleserve.distributed.parallel import broadcast_from_first
 from eagleserve.kernels import cpu_ext
 from eagleserve.sampling.penalty_state import BatchPenalties, PenaltyState
+from eagleserve.sampling.seeded_noise import position_uniforms
 
 
 @dataclass
@@ -32,7 +34,7 @@ class SamplingInfo:
     top_ks: torch.Tensor  # [bs] int64, vocab size when disabled
     min_ps: torch.Tensor  # [bs]
     is_greedy: list[bool]
-    generators: list[torch.Generator | None]
+    seeds: torch.Tensor  # [bs] int64: each sampled request's noise seed (0 on greedy rows)
     # Host-side: whether any row filters by top-k / top-p / min-p (no device read to find out).
     needs_top_k: bool = True
     needs_top_p: bool = True
@@ -76,7 +78,7 @@ class SamplingInfo:
             ),
             min_ps=tensor_to([p.min_p for p in ps], torch.float32, device),
             is_greedy=greedy,
-            generators=[r.generator for r in reqs],
+            seeds=tensor_to([r.sampling_seed or 0 for r in reqs], torch.int64, device),
             needs_top_k=any(0 < p.top_k < vocab_size for p, g in zip(ps, greedy) if not g),
             needs_top_p=any(p.top_p < 1.0 for p, g in zip(ps, greedy) if not g),
             needs_min_p=any(p.min_p > 0 for p, g in zip(ps, greedy) if not g),
@@ -92,7 +94,7 @@ class SamplingInfo:
             self.top_ks[idx],
             self.min_ps[idx],
             [self.is_greedy[i] for i in rows],
-            [self.generators[i] for i in rows],
+            self.seeds[idx],
             self.needs_top_k,
             self.needs_top_p,
             self.needs_min_p,
@@ -107,18 +109,11 @@ class SamplingInfo:
             self.top_ks.repeat_interleave(n),
             self.min_ps.repeat_interleave(n),
             [g for g in self.is_greedy for _ in range(n)],
-            [g for g in self.generators for _ in range(n)],
+            self.seeds.repeat_interleave(n),
             self.needs_top_k,
             self.needs_top_p,
             self.needs_min_p,
         )
-
-
-def request_generator(seed: int | None, device: torch.device) -> torch.Generator:
-    """A sampled request's own generator: seeded (reproducible) or from the OS's entropy."""
-    gen = torch.Generator(device=device)
-    gen.manual_seed(seed if seed is not None else int.from_bytes(os.urandom(8), "little") >> 1)
-    return gen
 
 
 def logits_to_probs(logits: torch.Tensor, info: SamplingInfo) -> torch.Tensor:
@@ -149,16 +144,32 @@ def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(dim=-1)
 
 
-def sample(logits: torch.Tensor, info: SamplingInfo) -> torch.Tensor:
-    """logits [bs, V] -> token ids [bs] int64."""
+def draw(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF sample of each row of non-negative probs [m, V] (not necessarily normalized)
+    with its uniform in [0, 1) [m]: the first token whose cumulative mass exceeds u * total.
+    The sum runs in fp64, so rounding moves no measurable mass over a full vocabulary."""
+    cdf = probs.double().cumsum(dim=-1)  # [m, V]
+    idx = torch.searchsorted(cdf, uniforms.double().unsqueeze(1) * cdf[:, -1:], right=True)
+    idx = idx.clamp(max=probs.shape[1] - 1)
+    # Only an all-zero row (or u * total rounding onto the total) lands on a zero-mass token.
+    bad = torch.gather(probs, 1, idx) <= 0
+    return torch.where(bad, probs.argmax(dim=-1, keepdim=True), idx).squeeze(1)
+
+
+def sample(logits: torch.Tensor, info: SamplingInfo, positions: torch.Tensor) -> torch.Tensor:
+    """logits [m, V] -> token ids [m] int64: the argmax for a greedy row; for a sampled row, the
+    draw of its target distribution with the uniform of (its seed, positions[i]), positions
+    [m] int64 being where the drawn token will sit in its sequence."""
     greedy = greedy_ids(logits)
     if info.all_greedy:
         return greedy
-    probs = logits_to_probs(logits, info)
+    if not any(info.is_greedy):
+        return draw(logits_to_probs(logits, info), position_uniforms(info.seeds, positions))
+    rows = [i for i, g in enumerate(info.is_greedy) if not g]
+    idx = tensor_to(rows, torch.long, logits.device)
+    sub = info.rows(rows, idx)
     out = greedy.clone()
-    for i, (g, gen) in enumerate(zip(info.is_greedy, info.generators)):
-        if not g:
-            out[i] = torch.multinomial(probs[i], 1, generator=gen)[0]
+    out[idx] = draw(logits_to_probs(logits[idx], sub), position_uniforms(sub.seeds, positions[idx]))
     return out
 
 
@@ -176,11 +187,13 @@ def sample_with_logprobs(
     logits: torch.Tensor,
     reqs: list[Req],
     info: SamplingInfo,
+    positions: torch.Tensor,
     penalized: torch.Tensor | None = None,
 ) -> GenerationBatchResult:
-    """One next token per row of `logits` (row i for reqs[i]), with logprobs when any asks.
-    Tokens come from `penalized` when given; logprobs always from the raw `logits`."""
-    next_ids = sample(logits if penalized is None else penalized, info)
+    """One next token per row of `logits` (row i for reqs[i], to sit at positions[i]), with
+    logprobs when any asks. Tokens come from `penalized` when given; logprobs always from the
+    raw `logits`."""
+    next_ids = sample(logits if penalized is None else penalized, info, positions)
     broadcast_from_first(next_ids)  # tensor parallelism: rank 0's draw is every rank's
     if all(r.sampling_params.logprobs is None for r in reqs):
         return GenerationBatchResult(next_ids)
@@ -193,23 +206,24 @@ def sample_next(
     logits: torch.Tensor,
     reqs: list[Req],
     info: SamplingInfo,
+    positions: torch.Tensor,
     state: PenaltyState,
     slots: torch.Tensor,
     prefill: bool,
     grammar: BatchGrammar | None = None,
 ) -> GenerationBatchResult:
-    """A prefill's or decode's next tokens with penalties and grammar masks: a prefill first
-    resets its requests' penalty rows; the sampled tokens are committed to them and to the
-    grammar rows' matchers."""
+    """A prefill's or decode's next tokens (positions [bs]: where each will sit) with
+    penalties and grammar masks: a prefill first resets its requests' penalty rows; the sampled
+    tokens are committed to them and to the grammar rows' matchers."""
     pen = info.penalties
     if pen is None and grammar is None:
-        return sample_with_logprobs(logits, reqs, info)
+        return sample_with_logprobs(logits, reqs, info, positions)
     if pen is not None and prefill:
         pen.reset(state)
     scored = logits if pen is None else pen.next_logits(logits, state, slots)
     if grammar is not None:
         scored = mask_logits(scored, grammar.next_allowed(logits.device))
-    result = sample_with_logprobs(logits, reqs, info, scored)
+    result = sample_with_logprobs(logits, reqs, info, positions, scored)
     if pen is not None:
         pen.commit(state, slots, result.next_token_ids[:, None])
     if grammar is not None:

@@ -17,7 +17,8 @@ from eagleserve.mem_cache.prefix_cache import PrefixCache
 from eagleserve.messages import EngineStats, GenerateReqInput, TokenOutput
 from eagleserve.model_executor.model_runner import ModelRunner
 from eagleserve.models.loader import load_tokenizer_in_background, resolve_model_path
-from eagleserve.sampling.sampler import SamplingInfo, request_generator
+from eagleserve.sampling.sampler import SamplingInfo
+from eagleserve.sampling.seeded_noise import entropy_seed
 from eagleserve.sampling_params import check_request
 from eagleserve.scheduler.chunk_budget import ChunkBudget
 from eagleserve.scheduler.engine_stats import engine_stats
@@ -129,8 +130,8 @@ class Scheduler:
                 TokenOutput(msg.rid, [], True, "error", error=err, error_code=400)
             )
             return
-        gen = None if params.is_greedy else request_generator(params.seed, self.device)
-        req = Req(msg.rid, list(msg.input_ids), params, self.eos_token_ids, generator=gen)
+        seed = None if params.is_greedy else entropy_seed() if params.seed is None else params.seed
+        req = Req(msg.rid, list(msg.input_ids), params, self.eos_token_ids, sampling_seed=seed)
         req.grammar = grammar
         self.waiting.append(req)
 
@@ -285,7 +286,7 @@ class Scheduler:
         self, batch: ScheduleBatch, partial: Req | None = None
     ) -> GenerationBatchResult | Future:
         """Launches `batch`; `partial` is its request whose prefill goes on (its token is
-        thrown away, so it samples greedily: a seeded request's generator does not advance)."""
+        thrown away, so it samples greedily)."""
         # The one refresh point of seq_lens_cpu/seq_lens_sum before a forward. With overlap and
         # EAGLE the new lengths come from the previous verify's publish (the host a bound).
         if self.future_map is not None and self.spec_config is not None:
@@ -297,8 +298,7 @@ class Scheduler:
         # Built here, on the host batch, so the overlap forward's snapshot shares the cache.
         info = SamplingInfo.of_batch(batch, self.model_config.vocab_size)
         if partial is not None:
-            row = batch.reqs.index(partial)
-            info.is_greedy[row], info.generators[row] = True, None
+            info.is_greedy[batch.reqs.index(partial)] = True
         # Per launch: a request whose prefill goes on commits no token (its matcher waits).
         batch.grammar = BatchGrammar.of_reqs(batch.reqs, self.model_config.vocab_size, partial)
         if self.forwarder is not None:

@@ -25,10 +25,13 @@ class TargetWorker:
     def forward_batch_generation(self, batch: ScheduleBatch) -> GenerationBatchResult:
         out = self.runner.forward_batch(batch)
         info = SamplingInfo.of_batch(batch, self.runner.config.vocab_size)
+        # seq_lens counts this forward's tokens: it is where each sampled token will sit.
+        assert batch.seq_lens is not None
         result = sample_next(
             out.logits,
             batch.reqs,
             info,
+            batch.seq_lens,
             self.runner.penalty_state,
             batch.req_pool_indices,
             prefill=batch.mode == "extend",

@@ -1,11 +1,10 @@
-"""Verification of a draft tree against the target model: greedy and lossless sampling.
+"""Verification of a draft tree against the target model, greedy and sampled alike: the
+target's own choice after every node (its argmax, or its seeded draw: `accept`), then the walk
+along the drafts equal to it.
 
-Both walks use the node order of `eagleserve.spec.tree.build_tree`: node 0 is the root and a
-node's parent always has a smaller index. The greedy walk takes one step per depth (the first
-matching child of the node before). The sampling walk is one pass over the nodes in increasing
-order: it visits every child of the current node after the node itself, and the children of an
-accepted node after the node; children of the previous node that come later are skipped because
-their parent is no longer the current node.
+The walk uses the node order of `eagleserve.spec.tree.build_tree`: node 0 is the root and a
+node's parent always has a smaller index. It takes one step per depth (the first child of the
+node before whose token is the target's choice there).
 
 Results (AcceptResult), width D = max_depth + 1 (default max_depth = n - 1, enough for any tree):
   accept_index [bs, D] long: accepted node indices by depth, starting with the root 0, then -1.
@@ -17,14 +16,12 @@ Results (AcceptResult), width D = max_depth + 1 (default max_depth = n - 1, enou
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from eagleserve.device import tensor_to
 from eagleserve.distributed.parallel import broadcast_from_first
-from eagleserve.sampling.sampler import SamplingInfo, greedy_ids, logits_to_probs
+from eagleserve.sampling.sampler import SamplingInfo, greedy_ids, sample
 from eagleserve.spec.tree import parents_from_mask
 
 __all__ = [
@@ -33,7 +30,6 @@ __all__ = [
     "commit_tree_path",
     "verify_greedy",
     "verify_greedy_chain",
-    "verify_sampling",
 ]
 
 
@@ -125,12 +121,12 @@ def verify_greedy(
     *,
     max_depth: int | None = None,
 ) -> AcceptResult:
-    """Longest root path whose every token equals the target's argmax after its parent.
+    """Longest root path whose every token equals the target's choice after its parent.
 
     draft_tokens [bs, n], parents [bs, n] (parents[:, 0] = -1, parents[:, i] < i),
-    target_predict [bs, n]: the target's argmax token after node i. Among children carrying the
-    same (matching) token the lowest node index is taken. max_depth bounds the result width
-    (default n - 1; must be >= the tree's real depth).
+    target_predict [bs, n]: the target's token after node i (argmax, or seeded draw). Among
+    children carrying the same (matching) token the lowest node index is taken. max_depth
+    bounds the result width (default n - 1; must be >= the tree's real depth).
 
     One step per depth, not per node: the path's node at depth d is the first matching child
     of its node at depth d - 1 (a few ops per depth whatever the width, so a tree's verify
@@ -141,7 +137,7 @@ def verify_greedy(
     bs = draft_tokens.shape[0]
     tokens = draft_tokens.long()
     predict = target_predict.long()
-    # Node i carries the target's argmax after its parent (never the root: it has none).
+    # Node i carries the target's choice after its parent (never the root: it has none).
     match = (tokens == torch.gather(predict, 1, parents.clamp(min=0))) & (parents >= 0)
     cur, lens, accept_index = _walk_start(bs, depth, draft_tokens.device)
     for d in range(1, depth + 1):
@@ -157,9 +153,9 @@ def verify_greedy(
 
 def verify_greedy_chain(draft_tokens: torch.Tensor, target_predict: torch.Tensor) -> AcceptResult:
     """`verify_greedy` for a chain (parents[:, i] = i - 1): node c is accepted while every node
-    up to it carries the target's argmax after its parent, so the accepted length is one plus
-    the leading run of matches. An accepted node's token is the argmax after the node before
-    it, so the committed tokens are the target's argmaxes at nodes 0 .. len - 1 (the last one
+    up to it carries the target's choice after its parent, so the accepted length is one plus
+    the leading run of matches. An accepted node's token is the choice after the node before
+    it, so the committed tokens are the target's choices at nodes 0 .. len - 1 (the last one
     the bonus): a dozen ops whatever n is (the tree walk costs several per depth)."""
     _check_shapes(draft_tokens, draft_tokens, None)
     bs, n = draft_tokens.shape
@@ -211,100 +207,6 @@ def unpack_greedy(packed: torch.Tensor) -> AcceptResult:
     return AcceptResult(packed[:, :d], packed[:, 2 * d], packed[:, d : 2 * d], packed[:, -1])
 
 
-def _draw_uniforms(
-    bs: int,
-    n: int,
-    generators: Sequence[torch.Generator | None] | None,
-    device: torch.device,
-) -> torch.Tensor:
-    """[bs, n] uniforms in [0, 1). Row b comes from request b's generator only.
-
-    Every request consumes exactly n draws per verify, whatever is accepted, so a seeded request
-    produces the same tokens regardless of which other requests share the batch.
-    Rows without a generator share one draw from the default RNG.
-    """
-    if generators is None:
-        return torch.rand(bs, n, device=device)
-    if len(generators) != bs:
-        raise ValueError(f"need one generator (or None) per request: {len(generators)} != {bs}")
-    u = torch.empty(bs, n, device=device)
-    unseeded = [i for i, g in enumerate(generators) if g is None]
-    if unseeded:
-        rows = tensor_to(unseeded, torch.long, device)
-        u[rows] = torch.rand(len(unseeded), n, device=device)
-    for i, g in enumerate(generators):
-        if g is not None:
-            u[i] = torch.rand(n, generator=g, device=device)  # made on the engine's device
-    return u
-
-
-def _sample_from(p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """Inverse-CDF sample from unnormalized non-negative p [bs, V] with uniforms u [bs]."""
-    cdf = torch.cumsum(p, dim=-1)  # [bs, V]
-    total = cdf[:, -1:]
-    idx = torch.searchsorted(cdf, u.unsqueeze(1) * total, right=True).clamp(max=p.shape[1] - 1)
-    # Rounding can land on a zero-probability token (u * total == total); take the argmax.
-    bad = torch.gather(p, 1, idx) <= 0
-    return torch.where(bad, p.argmax(dim=-1, keepdim=True), idx).squeeze(1)
-
-
-def verify_sampling(
-    draft_tokens: torch.Tensor,
-    parents: torch.Tensor,
-    target_probs: torch.Tensor,
-    generators: Sequence[torch.Generator | None] | None = None,
-    *,
-    max_depth: int | None = None,
-) -> AcceptResult:
-    """Lossless tree verification for deterministic drafts ("target-only" rejection).
-
-    target_probs [bs, n, V]: the target's processed (temperature, top-k/p, min-p) distribution
-    after node i. At the current node with residual p (initially target_probs[cur]) the
-    children are tried in node order: accept child c with probability p[tok_c] / sum(p),
-    otherwise zero p[tok_c]. This is sampling X ~ p one candidate at a time, so the committed
-    token is distributed exactly as p; an accepted child continues from its own distribution,
-    and when every child is rejected (or at a leaf) the bonus is drawn from the residual, i.e.
-    from p conditioned on X not being a rejected token. A duplicated sibling token is already
-    zeroed and so never accepted. A one-hot row behaves exactly like greedy.
-
-    Randomness: node c's test uses u[b, c] and the bonus uses u[b, 0] (the root is never
-    tested), drawn from generators[b] (None = default RNG).
-    """
-    depth = _check_shapes(draft_tokens, parents, max_depth)
-    bs, n = draft_tokens.shape
-    if target_probs.dim() != 3 or target_probs.shape[:2] != (bs, n):
-        raise ValueError(f"target_probs must be [{bs}, {n}, V], got {tuple(target_probs.shape)}")
-    device = draft_tokens.device
-    tokens = draft_tokens.long()
-    probs = target_probs.float().clamp(min=0)  # [bs, n, V]
-    u = _draw_uniforms(bs, n, generators, device)  # [bs, n]
-
-    cur, lens, accept_index = _walk_start(bs, depth, device)
-    residual = probs[:, 0].clone()  # [bs, V] running residual at `cur`
-    for c in range(1, n):
-        child = parents[:, c] == cur  # [bs]
-        tok = tokens[:, c].unsqueeze(1)  # [bs, 1]
-        p_tok = torch.gather(residual, 1, tok).squeeze(1)  # [bs]
-        total = residual.sum(dim=1)
-        # total == 0 only after rounding ate the mass; ratio 0 then rejects (u >= 0).
-        ratio = torch.where(total > 0, p_tok / total.clamp(min=torch.finfo(total.dtype).tiny), 0)
-        ok = child & (u[:, c] < ratio)
-        rejected = child & ~ok
-        # Reject: remove the token from the residual. Accept: restart from the child's row.
-        residual.scatter_(1, tok, torch.where(rejected.unsqueeze(1), 0.0, p_tok.unsqueeze(1)))
-        residual = torch.where(ok.unsqueeze(1), probs[:, c], residual)
-        cur, lens = _walk_step(accept_index, cur, lens, ok, c, depth)
-
-    # Bonus from the residual at the last accepted node; if rounding left (almost) no mass, fall
-    # back to that node's full distribution (only reachable when the rejected tokens held ~all
-    # of it, i.e. an event of probability ~0).
-    full = probs[torch.arange(bs, device=device), cur]  # [bs, V]
-    tiny = residual.sum(dim=1, keepdim=True) <= 1e-6 * full.sum(dim=1, keepdim=True)
-    residual = torch.where(tiny, full, residual)
-    bonus = _sample_from(residual, u[:, 0])
-    return _assemble(tokens, accept_index, lens, bonus)
-
-
 def commit_tree_path(
     req_to_token: torch.Tensor,
     req_pool_indices: torch.Tensor,
@@ -331,33 +233,34 @@ def accept(
     tokens: torch.Tensor,
     parents: torch.Tensor,
     logits: torch.Tensor,
+    positions: torch.Tensor,
+    *,
     chain: bool = False,
     greedy: AcceptResult | None = None,
     max_depth: int | None = None,
 ) -> AcceptResult:
-    """Greedy rows accept the target's argmax path; sampled rows the lossless stochastic walk.
-    `chain`: every row's tree is a chain (a top-1 draft), walked in a few ops; `greedy`: the
-    greedy walk already done on these logits (a verify graph's `packed_greedy`, unpacked),
-    written over in place for sampled rows. `max_depth`: a tree's depth bound (the result's
-    width is max_depth + 1; default n - 1). Under tensor parallelism every rank takes rank 0's
-    result: the ranks then commit the same tokens and KV paths."""
-    n = logits.shape[1]
-    if greedy is not None:
+    """The walk over the target's own choice after each node: its argmax for a greedy row, for
+    a sampled row its draw with the noise of the position that choice would sit at (positions
+    [bs, n]: node i's position + 1; sampling/sampler.py `sample`). A draft is accepted while it
+    equals what the target itself would have emitted there, so every committed token is the
+    target's own, as target-only decoding would draw it with the same seed: lossless, and a
+    drafted token is accepted with its target probability (for a tree, the sum over the
+    distinct tokens of the children). `chain`: every row's tree is a chain (a top-1 draft),
+    walked in a few ops; `greedy`: the greedy walk already done on these logits (a verify
+    graph's `packed_greedy`, unpacked), used when every row is greedy. `max_depth`: a tree's
+    depth bound (the result's width is max_depth + 1; default n - 1). Under tensor parallelism
+    every rank takes rank 0's result: the ranks then commit the same tokens and KV paths."""
+    if greedy is not None and info.all_greedy:
         acc = greedy
-    elif chain:
-        acc = verify_greedy_chain(tokens, greedy_ids(logits))
     else:
-        acc = verify_greedy(tokens, parents, greedy_ids(logits), max_depth=max_depth)
-    if not info.all_greedy:
-        sampled_rows = [i for i, g in enumerate(info.is_greedy) if not g]
-        idx = tensor_to(sampled_rows, torch.long, logits.device)
-        sub = info.rows(sampled_rows, idx)
-        probs = logits_to_probs(
-            logits[idx].reshape(len(sampled_rows) * n, -1), sub.repeat_interleave(n)
-        ).view(len(sampled_rows), n, -1)
-        samp = verify_sampling(tokens[idx], parents[idx], probs, sub.generators,
-                               max_depth=max_depth)  # fmt: skip
-        for name in ("accept_index", "accept_lens", "output_tokens", "bonus_tokens"):
-            getattr(acc, name)[idx] = getattr(samp, name)
+        bs, n = tokens.shape
+        rows = logits.reshape(bs * n, -1)
+        node_info = info if info.all_greedy else info.repeat_interleave(n)
+        predict = sample(rows, node_info, positions.reshape(-1)).view(bs, n)
+        acc = (
+            verify_greedy_chain(tokens, predict)
+            if chain
+            else verify_greedy(tokens, parents, predict, max_depth=max_depth)
+        )
     broadcast_from_first(acc.accept_index, acc.accept_lens, acc.output_tokens, acc.bonus_tokens)
     return acc

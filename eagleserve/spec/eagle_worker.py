@@ -158,12 +158,14 @@ class EagleWorker:
         return SamplingInfo.of_batch(batch, self.runner.config.vocab_size)
 
     def _sample_next(
-        self, logits: torch.Tensor, batch: ScheduleBatch, prefill: bool
+        self, logits: torch.Tensor, batch: ScheduleBatch, positions: torch.Tensor, prefill: bool
     ) -> GenerationBatchResult:
+        """The next token of each request, to sit at positions [bs]."""
         info = self._sampling_info(batch)
         state = self.runner.penalty_state
         slots = batch.req_pool_indices
-        return sample_next(logits, batch.reqs, info, state, slots, prefill, batch.grammar)
+        grammar = batch.grammar
+        return sample_next(logits, batch.reqs, info, positions, state, slots, prefill, grammar)
 
     def _next_allowed(self, batch: ScheduleBatch) -> torch.Tensor | None:
         """Grammar masks [bs, V] after every committed token (seeds the next draft's top-k)."""
@@ -179,7 +181,8 @@ class EagleWorker:
     ) -> GenerationBatchResult:
         fb = ForwardBatch.init_new(batch, self.token_to_kv_pool, self.runner.attn_backend)
         out = self.runner.forward(fb)
-        result = self._sample_next(out.logits, batch, prefill=True)
+        assert batch.seq_lens is not None  # a prefill's: the length with its tokens
+        result = self._sample_next(out.logits, batch, batch.seq_lens, prefill=True)
         scored = wants_prompt_logprobs(batch)
         if scored:
             logits_of = self.runner.model.compute_logits
@@ -254,7 +257,7 @@ class EagleWorker:
                 attn_backend=self.runner.attn_backend,
             )
         )
-        sampled = self._sample_next(out.logits, batch, prefill=False)
+        sampled = self._sample_next(out.logits, batch, L + 1, prefill=False)
         next_ids = sampled.next_token_ids
         lag = self.drafter.lag
         assert lag is not None
@@ -287,11 +290,12 @@ class EagleWorker:
         # A chain's node i sits at depth i, and its accepted path is its first nodes: the path
         # extend reuses these positions and slots.
         cols, slots = self.paths.slots(L, batch.req_pool_indices, n)
+        positions = cols if spec.is_chain else L[:, None] + t.depths  # [bs, n]
         out = self.runner.forward(
             ForwardBatch(
                 mode="verify",
                 input_ids=t.draft_tokens.reshape(-1),
-                positions=(cols if spec.is_chain else L[:, None] + t.depths).reshape(-1),
+                positions=positions.reshape(-1),
                 out_cache_loc=slots.reshape(-1),
                 req_pool_indices=batch.req_pool_indices,
                 prefix_lens=L,
@@ -316,7 +320,17 @@ class EagleWorker:
         done = None  # the graph's walk is of the raw logits; the next replay overwrites it
         if out.epilogue and scored is logits:
             done = unpack_greedy(out.epilogue[0].clone())
-        acc = accept(info, t.draft_tokens, t.parents, scored, spec.is_chain, done, self.max_depth)
+        # The target's choice after node i is drawn for the position after it.
+        acc = accept(
+            info,
+            t.draft_tokens,
+            t.parents,
+            scored,
+            positions + 1,
+            chain=spec.is_chain,
+            greedy=done,
+            max_depth=self.max_depth,
+        )
         if pen is not None:
             pen.commit(state, batch.req_pool_indices, acc.output_tokens, acc.output_tokens >= 0)
         if grammar is not None:

@@ -7,7 +7,7 @@ import dataclasses
 import torch
 
 from eagleserve.core import Req, SamplingParams, ScheduleBatch
-from eagleserve.sampling.sampler import SamplingInfo, logits_to_probs, sample
+from eagleserve.sampling.sampler import SamplingInfo, draw, logits_to_probs, sample
 
 
 def make_info(bs: int, vocab: int, top_p: float, top_k: int, min_p: float) -> SamplingInfo:
@@ -17,7 +17,7 @@ def make_info(bs: int, vocab: int, top_p: float, top_k: int, min_p: float) -> Sa
         top_ks=torch.full((bs,), vocab if top_k < 0 else top_k, dtype=torch.int64),
         min_ps=torch.full((bs,), min_p),
         is_greedy=[False] * bs,
-        generators=[torch.Generator().manual_seed(i) for i in range(bs)],
+        seeds=torch.randint(0, 2**63 - 1, (bs,)),
     )
 
 
@@ -29,7 +29,8 @@ def test_tiny_top_p_keeps_the_most_likely_token() -> None:
         assert torch.isfinite(probs).all()
         assert torch.equal(probs.argmax(-1), logits.argmax(-1))
         assert torch.allclose(probs.max(-1).values, torch.ones(4))
-        assert torch.equal(sample(logits, make_info(4, 50, top_p, -1, 0.0)), logits.argmax(-1))
+        at = torch.randint(1, 1000, (4,))
+        assert torch.equal(sample(logits, make_info(4, 50, top_p, -1, 0.0), at), logits.argmax(-1))
 
 
 def test_filters_keep_the_promised_mass() -> None:
@@ -91,3 +92,28 @@ def test_sampling_info_is_built_once_per_batch_membership() -> None:
     second = SamplingInfo.of_batch(batch, 40)
     assert second is not first and second.is_greedy == [True]
     assert torch.equal(first.rows([0], torch.tensor([0])).top_ps, torch.tensor([0.5]))
+
+
+def test_draw_is_the_inverse_cdf() -> None:
+    """Uniform u lands on the token whose cumulative-mass interval holds u (of the row's total:
+    rows need not be normalized); tokens of zero mass are never drawn."""
+    probs = torch.rand(5, 30) * (torch.rand(5, 30) > 0.3)
+    probs[:, 7] += 0.01  # every row keeps some mass
+    u = torch.rand(5, 400)
+    rows = torch.arange(5).repeat_interleave(400)
+    got = draw(probs[rows], u.reshape(-1)).view(5, 400)
+    cdf = probs.double().cumsum(-1) / probs.double().sum(-1, keepdim=True)
+    for r in range(5):
+        for j in range(400):
+            tok = int(got[r, j])
+            lo = float(cdf[r, tok - 1]) if tok else 0.0
+            assert probs[r, tok] > 0 and lo <= float(u[r, j]) < float(cdf[r, tok]) + 1e-12
+
+
+def test_draw_survives_degenerate_rows() -> None:
+    """An all-zero row, subnormal mass and u at the top of its range give valid tokens."""
+    probs = torch.zeros(3, 6)
+    probs[1, 4] = 1e-40
+    probs[2, 2:] = 1e-30
+    tokens = draw(probs, torch.tensor([0.5, 1 - 2**-24, 1 - 2**-24]))
+    assert tokens[1] == 4 and 2 <= tokens[2] < 6 and 0 <= tokens[0] < 6

@@ -1,8 +1,7 @@
-"""Tree verification (eagleserve.spec.accept): greedy walk and lossless sampling."""
+"""Tree verification (eagleserve.spec.accept): the greedy walk and the commit of its path;
+sampled rows are test_accept_sampling.py's."""
 
 from __future__ import annotations
-
-import math
 
 import pytest
 import torch
@@ -14,7 +13,6 @@ from eagleserve.spec.accept import (
     unpack_greedy,
     verify_greedy,
     verify_greedy_chain,
-    verify_sampling,
 )
 from eagleserve.spec.tree import (
     TreeInfo,
@@ -236,122 +234,6 @@ def test_greedy_on_built_tree_follows_target_argmax() -> None:
             tree.draft_tokens[b].tolist(), tree.parents[b].tolist(), predict[b].tolist()
         )
         assert res.accept_index[b, : len(path)].tolist() == path
-
-
-# ---------------------------------------------------------------------------------------------
-# Sampling: mechanics
-# ---------------------------------------------------------------------------------------------
-
-
-def _reference_sampling(
-    tokens: list[int], parents: list[int], probs: torch.Tensor, u: list[float]
-) -> tuple[list[int], int]:
-    """Plain walk with the documented randomness: u[c] tests node c, u[0] draws the bonus."""
-    path = [0]
-    p = probs[0].double().clone()
-    for c in range(1, len(tokens)):
-        if parents[c] != path[-1]:
-            continue
-        if u[c] < float(p[tokens[c]] / p.sum()):
-            path.append(c)
-            p = probs[c].double().clone()
-        else:
-            p[tokens[c]] = 0.0
-    cdf = torch.cumsum(p, 0)
-    bonus = int(torch.searchsorted(cdf, u[0] * cdf[-1], right=True))
-    return path, bonus
-
-
-@pytest.mark.parametrize(("n", "vocab", "chain"), [(4, 5, True), (7, 4, False), (12, 3, False)])
-def test_sampling_matches_reference_walk(n: int, vocab: int, chain: bool) -> None:
-    gen = torch.Generator().manual_seed(n * 31 + vocab)
-    bs = 48
-    parents = _random_parents(bs, n, gen, chain)
-    tokens = torch.randint(0, vocab, (bs, n), generator=gen)
-    probs = torch.softmax(torch.randn(bs, n, vocab, generator=gen) * 2, dim=-1)
-    seeds = [int(s) for s in torch.randint(0, 2**31, (bs,), generator=gen)]
-    res = verify_sampling(tokens, parents, probs, [torch.Generator().manual_seed(s) for s in seeds])
-    _check_result(res, bs, n)
-    for b in range(bs):
-        u = torch.rand(n, generator=torch.Generator().manual_seed(seeds[b])).tolist()
-        path, bonus = _reference_sampling(tokens[b].tolist(), parents[b].tolist(), probs[b], u)
-        assert res.accept_index[b, : len(path)].tolist() == path
-        assert res.accept_lens[b] == len(path)
-        assert res.bonus_tokens[b] == bonus
-
-
-def test_sampling_with_one_hot_probs_is_greedy() -> None:
-    gen = torch.Generator().manual_seed(4)
-    bs, n, vocab = 128, 9, 3
-    parents = _random_parents(bs, n, gen, chain=False)
-    tokens = torch.randint(0, vocab, (bs, n), generator=gen)
-    predict = torch.randint(0, vocab, (bs, n), generator=gen)
-    probs = torch.nn.functional.one_hot(predict, vocab).float()
-    greedy = verify_greedy(tokens, parents, predict)
-    sampled = verify_sampling(tokens, parents, probs, None)
-    for name in ("accept_index", "accept_lens", "output_tokens", "bonus_tokens"):
-        assert torch.equal(getattr(greedy, name), getattr(sampled, name)), name
-
-
-def test_sampling_seeds_are_per_request() -> None:
-    gen = torch.Generator().manual_seed(8)
-    bs, n, vocab = 6, 6, 8
-    parents = _random_parents(bs, n, gen, chain=False)
-    tokens = torch.randint(0, vocab, (bs, n), generator=gen)
-    probs = torch.softmax(torch.randn(bs, n, vocab, generator=gen), dim=-1)
-
-    def run(seeds: list[int | None], rows: list[int]) -> AcceptResult:
-        gens = [None if s is None else torch.Generator().manual_seed(s) for s in seeds]
-        return verify_sampling(tokens[rows], parents[rows], probs[rows], gens)
-
-    rows = list(range(bs))
-    a = run([10, 11, 12, 13, 14, 15], rows)
-    b = run([10, 11, 12, 13, 14, 15], rows)
-    for name in ("accept_index", "accept_lens", "output_tokens", "bonus_tokens"):
-        assert torch.equal(getattr(a, name), getattr(b, name))
-    # Same seed, different batch company (and an unseeded neighbour): same result per request.
-    torch.manual_seed(123)
-    c = run([None, 13, 10, None], [1, 3, 0, 5])
-    for j, r in enumerate([3, 0]):
-        assert torch.equal(c.accept_index[j + 1], a.accept_index[r])
-        assert torch.equal(c.output_tokens[j + 1], a.output_tokens[r])
-    # Different seeds give different draws: over many seeds the outputs must vary.
-    outs = {tuple(run([s] * bs, rows).output_tokens.flatten().tolist()) for s in range(20)}
-    assert len(outs) > 10
-
-
-def test_sampling_never_accepts_a_duplicate_sibling_and_stays_lossless() -> None:
-    """Root children carry tokens [2, 2, 0]: the second 2 is zeroed and can never be accepted."""
-    torch.manual_seed(17)
-    bs, vocab = 40000, 5
-    parents = torch.tensor([-1, 0, 0, 0]).repeat(bs, 1)
-    tokens = torch.tensor([1, 2, 2, 0]).repeat(bs, 1)
-    target = torch.tensor([0.15, 0.05, 0.4, 0.1, 0.3])
-    probs = torch.softmax(torch.randn(4, vocab), dim=-1).repeat(bs, 1, 1)
-    probs[:, 0] = target
-    res = verify_sampling(tokens, parents, probs, None)
-    assert not (res.accept_index == 2).any()
-    first = res.output_tokens[:, 0]
-    freq = torch.bincount(first, minlength=vocab).double() / bs
-    bound = 0.5 * sum(math.sqrt(p * (1 - p) / bs) for p in target.tolist())
-    bound += math.sqrt(math.log(1e6) / (2 * bs))
-    assert 0.5 * (freq - target.double()).abs().sum() < bound
-
-
-def test_sampling_degenerate_rows_do_not_crash() -> None:
-    """All-zero or underflowed rows: no NaN, valid tokens, the walk stops."""
-    bs, n, vocab = 4, 4, 6
-    parents = torch.arange(-1, n - 1).repeat(bs, 1)
-    tokens = torch.tensor([[0, 1, 2, 3]] * bs)
-    probs = torch.zeros(bs, n, vocab)
-    probs[1, 0, 1] = 1e-40  # subnormal mass on the proposed token only
-    probs[2, 0, 4] = 1.0
-    probs[3, :, 5] = 1e-30
-    res = verify_sampling(tokens, parents, probs, None)
-    _check_result(res, bs, n)
-    assert ((res.bonus_tokens >= 0) & (res.bonus_tokens < vocab)).all()
-    assert res.bonus_tokens[2] == 4 and res.bonus_tokens[3] == 5
-    assert res.accept_lens[0] == 1 and res.accept_lens[2] == 1
 
 
 @pytest.mark.parametrize(("topk", "steps", "n"), [(2, 2, 4), (4, 3, 8), (3, 4, 10)])

@@ -10,11 +10,8 @@ import math
 import pytest
 import torch
 
-from eagleserve.spec.accept import (
-    AcceptResult,
-    verify_greedy,
-    verify_sampling,
-)
+from eagleserve.sampling.sampler import SamplingInfo
+from eagleserve.spec.accept import AcceptResult, accept, verify_greedy
 from eagleserve.spec.tree import (
     Topk1ChainBuffers,
     build_tree,
@@ -75,8 +72,10 @@ def _speculate(
     seed: int,
 ) -> torch.Tensor:
     """Runs speculative steps for `samples` independent sequences (the batch) until each has
-    EMIT tokens; returns their first EMIT tokens [samples, EMIT]."""
+    EMIT tokens; returns their first EMIT tokens [samples, EMIT]. Sequence b's token k is
+    drawn with the noise of (seeds[b], position k)."""
     torch.manual_seed(seed)
+    seeds = torch.randint(0, 2**62, (samples,))
     out = torch.full((samples, EMIT), -1, dtype=torch.long)
     count = torch.zeros(samples, dtype=torch.long)
     code = torch.zeros(samples, dtype=torch.long)  # prefix code of the emitted tokens
@@ -109,10 +108,14 @@ def _speculate(
         # Target distribution after every node: look up the node's prefix code.
         node_code = torch.zeros(bs, num_draft_tokens, dtype=torch.long)
         node_code[:, 0] = root
+        depth = torch.zeros(bs, num_draft_tokens, dtype=torch.long)
         for i in range(1, num_draft_tokens):
-            par_code = node_code.gather(1, tree.parents[:, i : i + 1])[:, 0]
-            node_code[:, i] = _child(par_code, tree.draft_tokens[:, i])
-        res = verify(tree.draft_tokens, tree.parents, target[node_code], None)
+            par = tree.parents[:, i : i + 1]
+            node_code[:, i] = _child(node_code.gather(1, par)[:, 0], tree.draft_tokens[:, i])
+            depth[:, i] = depth.gather(1, par)[:, 0] + 1
+        # The token after node i is the sequence's token count + depth.
+        positions = count[act, None] + depth
+        res = verify(tree.draft_tokens, tree.parents, target[node_code], seeds[act], positions)
         # Commit the accepted tokens (only the first EMIT matter).
         for k in range(res.output_tokens.shape[1]):
             pos = count[act] + k
@@ -143,7 +146,19 @@ def _tv_bound(joint: torch.Tensor, samples: int, delta: float = 1e-6) -> float:
     return mean + math.sqrt(math.log(1 / delta) / (2 * samples))
 
 
-def _always_accept(tokens, parents, probs, generators) -> AcceptResult:
+def _seeded_info(seeds: torch.Tensor) -> SamplingInfo:
+    """Plain sampling (temperature 1, no filters) for rows with these seeds."""
+    bs = seeds.shape[0]
+    return SamplingInfo(torch.ones(bs, 1), torch.ones(bs), torch.full((bs,), V), torch.zeros(bs),
+                        [False] * bs, seeds, False, False, False)  # fmt: skip
+
+
+def _target_draws(tokens, parents, probs, seeds, positions) -> AcceptResult:
+    """What the engine runs: the walk along the target's seeded draws (spec/accept.py)."""
+    return accept(_seeded_info(seeds), tokens, parents, probs.log(), positions)
+
+
+def _always_accept(tokens, parents, probs, seeds, positions) -> AcceptResult:
     """Wrong rule: follow the first child everywhere, bonus from the leaf's target row."""
     bs, n = tokens.shape
     first_child = torch.full((bs, n), -1, dtype=torch.long)
@@ -154,9 +169,16 @@ def _always_accept(tokens, parents, probs, generators) -> AcceptResult:
     return _with_bonus_from_full_row(res, probs)
 
 
-def _no_residual(tokens, parents, probs, generators) -> AcceptResult:
-    """Wrong rule: correct acceptance, but the bonus ignores the rejected tokens."""
-    return _with_bonus_from_full_row(verify_sampling(tokens, parents, probs, generators), probs)
+def _no_residual(tokens, parents, probs, seeds, positions) -> AcceptResult:
+    """Wrong rule: correct acceptance, but the bonus is drawn afresh, not conditioned on the
+    drafts it rejected."""
+    res = _target_draws(tokens, parents, probs, seeds, positions)
+    return _with_bonus_from_full_row(res, probs)
+
+
+def _one_noise_per_sequence(tokens, parents, probs, seeds, positions) -> AcceptResult:
+    """Wrong keys: every position of a sequence draws with the same uniform (the seed's)."""
+    return _target_draws(tokens, parents, probs, seeds, torch.zeros_like(positions))
 
 
 def _with_bonus_from_full_row(res: AcceptResult, probs: torch.Tensor) -> AcceptResult:
@@ -180,7 +202,7 @@ def toy() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 @pytest.mark.parametrize("config", list(CONFIGS))
 def test_sampling_is_lossless(config: str, toy) -> None:
     target, draft, joint = toy
-    out = _speculate(verify_sampling, target, draft, SAMPLES, *CONFIGS[config], seed=1)
+    out = _speculate(_target_draws, target, draft, SAMPLES, *CONFIGS[config], seed=1)
     assert (out >= 0).all()
     flat = (out * torch.tensor([V * V, V, 1])).sum(dim=1)
     assert (joint[flat] > 0).all(), "emitted a sequence the target gives probability 0"
@@ -192,7 +214,7 @@ def test_sampling_is_lossless(config: str, toy) -> None:
 def test_greedy_speculation_reproduces_target_argmax(config: str, toy) -> None:
     target, draft, _ = toy
 
-    def greedy(tokens, parents, probs, generators):
+    def greedy(tokens, parents, probs, seeds, positions):
         return verify_greedy(tokens, parents, probs.argmax(dim=-1))
 
     out = _speculate(greedy, target, draft, 64, *CONFIGS[config], seed=2)
@@ -205,7 +227,7 @@ def test_greedy_speculation_reproduces_target_argmax(config: str, toy) -> None:
 
 
 @pytest.mark.parametrize("config", list(CONFIGS))
-@pytest.mark.parametrize("rule", [_always_accept, _no_residual])
+@pytest.mark.parametrize("rule", [_always_accept, _no_residual, _one_noise_per_sequence])
 def test_lossless_check_detects_wrong_rules(config: str, rule, toy) -> None:
     """The same statistic must reject sampling rules known to be biased."""
     target, draft, joint = toy

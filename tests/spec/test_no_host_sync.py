@@ -76,11 +76,11 @@ def test_penalties_read_no_device_values() -> None:
                              min_tokens=4, logit_bias={3: -5.0}, max_new_tokens=8),
               SamplingParams(temperature=0.7, logit_bias={1: 2.0}),
               SamplingParams(temperature=0.0, repetition_penalty=0.8)]  # fmt: skip
-    reqs = [Req(f"r{i}", torch.randint(0, vocab, (6,)).tolist(), p, frozenset({2}),
-                generator=torch.Generator().manual_seed(i))
+    reqs = [Req(f"r{i}", torch.randint(0, vocab, (6,)).tolist(), p, frozenset({2}))
             for i, p in enumerate(params)]  # fmt: skip
     for i, r in enumerate(reqs):
         r.req_pool_idx = 2 - i
+        r.sampling_seed = None if r.sampling_params.is_greedy else int(torch.randint(0, 2**62, ()))
     slots = torch.tensor([2, 1, 0])
     state = PenaltyState(3, vocab, torch.device("cpu"))
     info = SamplingInfo.from_reqs(reqs, vocab, torch.device("cpu"), prefill_rows=len(reqs))
@@ -89,9 +89,10 @@ def test_penalties_read_no_device_values() -> None:
     tokens = torch.randint(0, vocab, (bs, n))
     chain = torch.ones(n, n, dtype=torch.bool).tril().expand(bs, n, n)
     with no_host_reads():
-        sample_next(torch.randn(bs, vocab), reqs, info, state, slots, prefill=True)
+        at = torch.full((bs,), 6)
+        sample_next(torch.randn(bs, vocab), reqs, info, at, state, slots, prefill=True)
         out = pen.verify_logits(torch.randn(bs, n, vocab), state, slots, tokens, chain,
                                 torch.arange(n).expand(bs, n))  # fmt: skip
         pen.commit(state, slots, tokens, tokens > 3)
-        sample_next(torch.randn(bs, vocab), reqs, info, state, slots, prefill=False)
+        sample_next(torch.randn(bs, vocab), reqs, info, at + 1, state, slots, prefill=False)
     assert out.shape == (bs, n, vocab)

@@ -1,0 +1,49 @@
+"""Position-keyed sampling noise: a sampled request draws its token at sequence position t with
+a uniform that is a hash of (its seed, t), not the next draw of a stateful generator.
+
+Why: a speculative verify samples the target at several positions in one forward, a decode at
+one, and the adaptive controller picks how many from measured costs. With a generator consumed
+in sequence, which draw met which position (and so the tokens) followed that choice, and the
+machine's timing behind it. Keyed by position, the token at t depends only on the seed, t and
+the target's distribution there: the same whatever the batch, the draft length, or whether
+speculation runs at all.
+
+Plain int64 tensor ops on the device (no host read, capturable); every product stays below
+2**63, so nothing relies on integer overflow wrapping.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+_M32 = 0xFFFFFFFF
+# Thomas Mueller's 32-bit mixer constant: below 2**27, so a 32-bit value times it fits in int64.
+_MUL = 0x45D9F3B
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A bijection of [0, 2**32) in which every input bit flips about half the output bits."""
+    x = x ^ (x >> 16)
+    x = (x * _MUL) & _M32
+    x = x ^ (x >> 16)
+    x = (x * _MUL) & _M32
+    return x ^ (x >> 16)
+
+
+def position_uniforms(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """[m] float32 uniforms in [0, 1) on a 2**-24 grid, one per (seeds[i], positions[i]):
+    seeds int64 in [0, 2**63), positions int64 >= 0 (the position of the token drawn).
+
+    For one seed, distinct positions below 2**32 never share a hash (each round is a
+    bijection of the one before)."""
+    h = _mix32(positions & _M32)
+    h = _mix32(h ^ (seeds & _M32))
+    h = _mix32(h ^ (seeds >> 32))
+    return (h >> 8).to(torch.float32) * 2.0**-24
+
+
+def entropy_seed() -> int:
+    """A seed for a request that names none: 63 bits of the OS's entropy."""
+    return int.from_bytes(os.urandom(8), "little") >> 1
