@@ -124,9 +124,12 @@ def logits_to_probs(logits: torch.Tensor, info: SamplingInfo) -> torch.Tensor:
         sorted_p, sorted_idx = probs.sort(dim=-1, descending=True)
         rank = torch.arange(vocab, device=probs.device)[None, :]
         drop = rank >= info.top_ks[:, None]
-        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+        # Keep the smallest prefix whose mass reaches top_p (the first token always stays). A
+        # row with top_p 1 keeps every token: its rounded cumulative sum may pass 1 in the tail,
+        # and its tokens must not depend on whether another row of the batch filters.
         cum_before = sorted_p.cumsum(-1) - sorted_p
-        drop |= (cum_before >= info.top_ps[:, None]) & (rank > 0)
+        top_ps = info.top_ps[:, None]
+        drop |= (cum_before >= top_ps) & (rank > 0) & (top_ps < 1)
         sorted_p = sorted_p.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(-1, sorted_idx, sorted_p)
     if info.needs_min_p:
