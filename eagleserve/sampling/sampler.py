@@ -116,22 +116,60 @@ class SamplingInfo:
         )
 
 
+# Candidates a CPU row's top-k / top-p filter looks among, fewest first (topk of 256 of a full
+# vocabulary is ~30x cheaper than sorting it there, of 4096 ~10x); a row whose kept tokens may
+# lie past them all sorts its whole row.
+TOP_CANDIDATES = (256, 4096)
+
+
+def _keep_sorted(
+    sorted_p: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor
+) -> torch.Tensor:
+    """Probabilities sorted descending [n, K] with those top-k / top-p drop zeroed: the first
+    top_k, and of them the smallest prefix whose mass reaches top_p (the first always stays).
+    A row with top_p 1 keeps every token: its rounded cumulative sum may pass 1 in the tail,
+    and its tokens must not depend on whether another row of the batch filters."""
+    rank = torch.arange(sorted_p.shape[-1], device=sorted_p.device)[None, :]
+    cum_before = sorted_p.cumsum(-1) - sorted_p
+    top_ps = top_ps[:, None]
+    drop = (rank >= top_ks[:, None]) | ((cum_before >= top_ps) & (rank > 0) & (top_ps < 1))
+    return sorted_p.masked_fill(drop, 0.0)
+
+
+def _top_k_top_p(probs: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
+    """probs [n, V] with the tokens top-k / top-p drop zeroed. On a CPU, a row whose kept
+    tokens all lie among its k most likely (its top_k fits, or their mass reaches its top_p),
+    for the first k of TOP_CANDIDATES that holds, is filtered among those; the others sort
+    their whole row. The choice is each row's own (it reads its values on the host, free on a
+    CPU), so a row's result does not depend on its batch."""
+    out = torch.zeros_like(probs)
+    if probs.device.type != "cpu":  # an accelerator sorts fast and must not be read mid-batch
+        sorted_p, sorted_idx = probs.sort(dim=-1, descending=True)
+        return out.scatter_(-1, sorted_idx, _keep_sorted(sorted_p, top_ks, top_ps))
+    rows = torch.arange(probs.shape[0])
+    for k in (k for k in TOP_CANDIDATES if k < probs.shape[-1]):
+        cand_p, cand_idx = probs[rows].topk(k, dim=-1)  # sorted descending
+        row_ks, row_ps = top_ks[rows], top_ps[rows]
+        beyond = cand_p.cumsum(-1)[:, -1]  # the mass before the first token past them
+        fits = (row_ks <= k) | ((row_ps < 1) & (beyond >= row_ps))
+        kept = _keep_sorted(cand_p[fits], row_ks[fits], row_ps[fits])
+        out[rows[fits]] = torch.zeros_like(probs[: kept.shape[0]]).scatter_(
+            -1, cand_idx[fits], kept
+        )
+        rows = rows[~fits]
+        if rows.numel() == 0:
+            return out
+    sorted_p, sorted_idx = probs[rows].sort(dim=-1, descending=True)
+    kept = _keep_sorted(sorted_p, top_ks[rows], top_ps[rows])
+    out[rows] = torch.zeros_like(sorted_p).scatter_(-1, sorted_idx, kept)
+    return out
+
+
 def logits_to_probs(logits: torch.Tensor, info: SamplingInfo) -> torch.Tensor:
     """The target distribution a sampled request draws from. logits [n, V] -> probs [n, V]."""
     probs = torch.softmax(logits.float() / info.temperatures, dim=-1)
-    vocab = probs.shape[-1]
     if info.needs_top_k or info.needs_top_p:
-        sorted_p, sorted_idx = probs.sort(dim=-1, descending=True)
-        rank = torch.arange(vocab, device=probs.device)[None, :]
-        drop = rank >= info.top_ks[:, None]
-        # Keep the smallest prefix whose mass reaches top_p (the first token always stays). A
-        # row with top_p 1 keeps every token: its rounded cumulative sum may pass 1 in the tail,
-        # and its tokens must not depend on whether another row of the batch filters.
-        cum_before = sorted_p.cumsum(-1) - sorted_p
-        top_ps = info.top_ps[:, None]
-        drop |= (cum_before >= top_ps) & (rank > 0) & (top_ps < 1)
-        sorted_p = sorted_p.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter_(-1, sorted_idx, sorted_p)
+        probs = _top_k_top_p(probs, info.top_ks, info.top_ps)
     if info.needs_min_p:
         max_p = probs.max(dim=-1, keepdim=True).values
         probs = probs.masked_fill(probs < info.min_ps[:, None] * max_p, 0.0)

@@ -8,6 +8,7 @@ import random
 import torch
 
 from eagleserve.core import Req, SamplingParams, ScheduleBatch
+from eagleserve.sampling import sampler
 from eagleserve.sampling.sampler import SamplingInfo, draw, logits_to_probs, sample
 
 
@@ -119,3 +120,21 @@ def test_draw_survives_degenerate_rows() -> None:
     probs[2, 2:] = 1e-30
     tokens = draw(probs, torch.tensor([0.5, 1 - 2**-24, 1 - 2**-24]))
     assert tokens[1] == 4 and 2 <= tokens[2] < 6 and 0 <= tokens[0] < 6
+
+
+def test_filtering_among_candidates_equals_sorting_whole_rows(monkeypatch) -> None:
+    """On a CPU, top-k / top-p look among each row's 256 or 4096 most likely tokens where the
+    kept ones lie there: the same probabilities as sorting every whole row, for peaky rows,
+    flat ones (which sort), top_p 1, and top_k past either tier."""
+    gen = torch.Generator().manual_seed(random.randrange(2**31))
+    n, vocab = 48, 20_000
+    # Every (scale, top_k) pair three times.
+    scale = torch.tensor([0.3, 2.0, 4.0, 8.0]).repeat(n // 4)[:, None]
+    probs = torch.softmax(torch.randn(n, vocab, generator=gen) * scale, dim=-1)
+    top_ps = torch.where(torch.rand(n, generator=gen) < 0.2, 1.0, torch.rand(n, generator=gen))
+    top_ks = torch.tensor([vocab, 40, 1000, 6000]).repeat_interleave(4).repeat(n // 16)
+    got = sampler._top_k_top_p(probs, top_ks, top_ps)
+    monkeypatch.setattr(sampler, "TOP_CANDIDATES", ())
+    assert torch.equal(got, sampler._top_k_top_p(probs, top_ks, top_ps))
+    kept = (got > 0).sum(-1)
+    assert (kept <= 256).any() and ((kept > 256) & (kept <= 4096)).any() and (kept > 4096).any()

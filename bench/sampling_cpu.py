@@ -1,0 +1,138 @@
+"""Sampled decoding on CPU: what each sampling setting costs, and whether seeded requests give
+the target's own tokens under speculation, in one run.
+
+    python bench/sampling_cpu.py [--prompts 6] [--new-tokens 64] [--rounds 3] [--threads N]
+
+The default model (packed target as served), held-out MT-bench chat prompts, one request at a
+time (batch 1), EOS ignored. Sampling settings: greedy, temperature 1, temperature 0.7 with
+top_p 0.9, temperature 1 with top_p 0.95, temperature 0.8 with top_k 50; every sampled request
+has its own seed. Each runs through target-only, EAGLE with the built-in EAGLE-3 head as a fixed
+3-step chain, and `make serve`'s adaptive depth 0..3. Per cell: tokens/s (median round), tau and
+acceptance by depth (P(at least d drafts accepted) per verify), and how many requests' tokens
+equal target-only's with the same seed (all rounds), so "lossless" here means equal token ids.
+Rounds interleave settings and engines, reversing the order every other round. Prints a table;
+writes bench/results/sampling_cpu.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench import data  # noqa: E402
+from bench.common import machine, machine_info, print_table, write_json  # noqa: E402
+from eagleserve import Engine, SamplingParams  # noqa: E402
+
+SPEC = dict(
+    speculative_algorithm="EAGLE3",
+    speculative_draft_model_path="builtin:smollm2-135m-eagle",
+    speculative_num_steps=3,
+    speculative_eagle_topk=1,
+    speculative_num_draft_tokens=4,
+)
+SETTINGS = {  # name -> SamplingParams fields
+    "greedy": dict(temperature=0.0),
+    "T=1": dict(temperature=1.0),
+    "T=0.7 top_p=0.9": dict(temperature=0.7, top_p=0.9),
+    "T=1 top_p=0.95": dict(temperature=1.0, top_p=0.95),
+    "T=0.8 top_k=50": dict(temperature=0.8, top_k=50),
+}
+
+
+def chat_ids(tok: Any, prompt: str) -> list[int]:
+    msgs = [{"role": "user", "content": prompt}]
+    text = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+    return tok.encode(text, add_special_tokens=False)
+
+
+def run(engine: Engine, prompts: list[list[int]], params: list[SamplingParams]) -> dict[str, Any]:
+    before = engine.stats()
+    t0 = time.perf_counter()
+    tokens = [engine.generate([p], sp)[0]["token_ids"] for p, sp in zip(prompts, params)]
+    dt = time.perf_counter() - t0
+    after = engine.stats()
+    res: dict[str, Any] = dict(tok_s=sum(map(len, tokens)) / dt, tokens=tokens)
+    calls = after.spec_verify_calls_total - before.spec_verify_calls_total
+    if calls:
+        res["tau"] = (after.spec_accepted_tokens_total - before.spec_accepted_tokens_total) / calls
+        per = zip(after.spec_accepted_per_position, before.spec_accepted_per_position)
+        res["accept_by_depth"] = [round((a - b) / calls, 3) for a, b in per]
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--prompts", type=int, default=6)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    common = dict(model="default", device="cpu", kv_cache_tokens=4096, max_running_requests=4,
+                  disable_overlap_schedule=True)  # fmt: skip
+    engines = {
+        "target-only": Engine(**common),
+        "EAGLE chain 3": Engine(**common, **SPEC),
+        "EAGLE adaptive": Engine(**common, **SPEC, speculative_adaptive=True),
+    }
+    tok = engines["target-only"].tokenizer
+    prompts = [chat_ids(tok, q) for q in data.mt_bench(args.prompts)]
+    params = {
+        name: [SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True, seed=1000 + i, **kw)
+               for i in range(len(prompts))]
+        for name, kw in SETTINGS.items()
+    }  # fmt: skip
+    for eng in engines.values():  # warm-up
+        eng.generate([prompts[0]], SamplingParams(max_new_tokens=4))
+    runs: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for rnd in range(args.rounds):
+        flip = (lambda xs: xs) if rnd % 2 == 0 else (lambda xs: xs[::-1])
+        for setting in flip(list(SETTINGS)):
+            for name in flip(list(engines)):
+                out = run(engines[name], prompts, params[setting])
+                runs.setdefault((setting, name), []).append(out)
+    rows: list[dict[str, Any]] = []
+    for setting in SETTINGS:
+        base = runs[(setting, "target-only")]
+        base_tok_s = statistics.median(r["tok_s"] for r in base)
+        for name in engines:
+            rs = runs[(setting, name)]
+            tok_s = statistics.median(r["tok_s"] for r in rs)
+            same = [a == b for r in rs for a, b in zip(r["tokens"], base[0]["tokens"])]
+            rows.append(dict(setting=setting, engine=name, tok_s=tok_s,
+                             speedup=tok_s / base_tok_s, tok_s_rounds=[r["tok_s"] for r in rs],
+                             tau=rs[0].get("tau"), accept_by_depth=rs[0].get("accept_by_depth"),
+                             equal_to_target_only=f"{sum(same)}/{len(same)}"))  # fmt: skip
+    print(f"machine: {machine()}")
+    print_table(
+        ["sampling", "engine", "tok/s", "x target-only", "tau", "accept by depth", "= target-only"],
+        [
+            [
+                r["setting"],
+                r["engine"],
+                f"{r['tok_s']:.1f}",
+                f"{r['speedup']:.2f}",
+                "-" if r["tau"] is None else f"{r['tau']:.2f}",
+                " ".join(f"{a:.2f}" for a in r["accept_by_depth"] or []) or "-",
+                r["equal_to_target_only"],
+            ]
+            for r in rows
+        ],
+        title=f"batch 1, {len(prompts)} MT-bench prompts x {args.new_tokens} tokens, "
+        f"{args.rounds} rounds",
+    )
+    path = write_json("sampling_cpu", dict(machine=machine_info(), args=vars(args), rows=rows))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
