@@ -188,28 +188,26 @@ def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
 def draw(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """Inverse-CDF sample of each row of non-negative probs [m, V] (not necessarily normalized)
     with its uniform in [0, 1) [m]: the first token whose cumulative mass exceeds u * total.
-    The sum runs in fp64, so rounding moves no measurable mass over a full vocabulary."""
-    cdf = probs.double().cumsum(dim=-1)  # [m, V]
+    The sum runs in fp64, so rounding moves no measurable mass over a full vocabulary. That
+    token has mass (a zero adds nothing to the sum before it), and u < 1 keeps u * total below
+    the total: only a row without mass runs past the end (clamped to the last token)."""
+    cdf = probs.cumsum(dim=-1, dtype=torch.float64)  # [m, V]
     idx = torch.searchsorted(cdf, uniforms.double().unsqueeze(1) * cdf[:, -1:], right=True)
-    idx = idx.clamp(max=probs.shape[1] - 1)
-    # Only an all-zero row (or u * total rounding onto the total) lands on a zero-mass token.
-    bad = torch.gather(probs, 1, idx) <= 0
-    return torch.where(bad, probs.argmax(dim=-1, keepdim=True), idx).squeeze(1)
+    return idx.clamp(max=probs.shape[1] - 1).squeeze(1)
 
 
 def sample(logits: torch.Tensor, info: SamplingInfo, positions: torch.Tensor) -> torch.Tensor:
     """logits [m, V] -> token ids [m] int64: the argmax for a greedy row; for a sampled row, the
     draw of its target distribution with the uniform of (its seed, positions[i]), positions
     [m] int64 being where the drawn token will sit in its sequence."""
-    greedy = greedy_ids(logits)
     if info.all_greedy:
-        return greedy
+        return greedy_ids(logits)
     if not any(info.is_greedy):
         return draw(logits_to_probs(logits, info), position_uniforms(info.seeds, positions))
     rows = [i for i, g in enumerate(info.is_greedy) if not g]
     idx = tensor_to(rows, torch.long, logits.device)
     sub = info.rows(rows, idx)
-    out = greedy.clone()
+    out = greedy_ids(logits)
     out[idx] = draw(logits_to_probs(logits[idx], sub), position_uniforms(sub.seeds, positions[idx]))
     return out
 
