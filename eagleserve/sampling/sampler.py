@@ -146,19 +146,25 @@ def _top_k_top_p(probs: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor
     if probs.device.type != "cpu":  # an accelerator sorts fast and must not be read mid-batch
         sorted_p, sorted_idx = probs.sort(dim=-1, descending=True)
         return out.scatter_(-1, sorted_idx, _keep_sorted(sorted_p, top_ks, top_ps))
-    rows = torch.arange(probs.shape[0])
+    n = probs.shape[0]
+    rows = torch.arange(n)
     for k in (k for k in TOP_CANDIDATES if k < probs.shape[-1]):
-        cand_p, cand_idx = probs[rows].topk(k, dim=-1)  # sorted descending
-        row_ks, row_ps = top_ks[rows], top_ps[rows]
+        whole = rows.numel() == n
+        src, row_ks, row_ps = (
+            (probs, top_ks, top_ps) if whole else (probs[rows], top_ks[rows], top_ps[rows])
+        )
+        cand_p, cand_idx = src.topk(k, dim=-1)  # sorted descending
         beyond = cand_p.cumsum(-1)[:, -1]  # the mass before the first token past them
         fits = (row_ks <= k) | ((row_ps < 1) & (beyond >= row_ps))
-        kept = _keep_sorted(cand_p[fits], row_ks[fits], row_ps[fits])
-        out[rows[fits]] = torch.zeros_like(probs[: kept.shape[0]]).scatter_(
-            -1, cand_idx[fits], kept
-        )
-        rows = rows[~fits]
-        if rows.numel() == 0:
+        kept = _keep_sorted(cand_p, row_ks, row_ps)
+        part = torch.zeros_like(src).scatter_(-1, cand_idx, kept)
+        if bool(fits.all()):
+            if whole:
+                return part
+            out[rows] = part
             return out
+        out[rows[fits]] = part[fits]
+        rows = rows[~fits]
     sorted_p, sorted_idx = probs[rows].sort(dim=-1, descending=True)
     kept = _keep_sorted(sorted_p, top_ks[rows], top_ps[rows])
     out[rows] = torch.zeros_like(sorted_p).scatter_(-1, sorted_idx, kept)
