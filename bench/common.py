@@ -71,6 +71,34 @@ def time_runs(fn: Callable[[], Any], repeats: int) -> tuple[list[float], Any]:
     return times, result
 
 
+def interleaved_rounds(
+    rounds: int, outer: Sequence[str], inner: Sequence[str], run: Callable[[str, str], Any]
+) -> dict[tuple[str, str], list[Any]]:
+    """run(o, i) for every pair of outer x inner, `rounds` times, both orders reversed every
+    other round (a shared machine's drift falls on every pair alike): each pair's results in
+    round order."""
+    runs: dict[tuple[str, str], list[Any]] = {}
+    for rnd in range(rounds):
+        step = 1 if rnd % 2 == 0 else -1
+        for o in list(outer)[::step]:
+            for i in list(inner)[::step]:
+                runs.setdefault((o, i), []).append(run(o, i))
+    return runs
+
+
+def against_baseline(
+    runs: Sequence[dict[str, Any]], base: Sequence[dict[str, Any]]
+) -> dict[str, Any]:
+    """A setting's rounds (dicts with tok_s and tokens, tau where it speculated) against the
+    baseline's from the same run: median tok/s, its ratio, and the requests whose tokens equal
+    the baseline's first round, over every round."""
+    tok_s = statistics.median(r["tok_s"] for r in runs)
+    same = [a == b for r in runs for a, b in zip(r["tokens"], base[0]["tokens"], strict=True)]
+    return dict(tok_s=tok_s, speedup=tok_s / statistics.median(r["tok_s"] for r in base),
+                tok_s_rounds=[r["tok_s"] for r in runs], tau=runs[0].get("tau"),
+                equal=sum(same), compared=len(same))  # fmt: skip
+
+
 def median(xs: Sequence[float]) -> float:
     return float(statistics.median(xs))
 

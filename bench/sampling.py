@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 from typing import Any
@@ -32,7 +31,14 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench import data  # noqa: E402
-from bench.common import machine, machine_info, print_table, write_json  # noqa: E402
+from bench.common import (  # noqa: E402
+    against_baseline,
+    interleaved_rounds,
+    machine,
+    machine_info,
+    print_table,
+    write_json,
+)
 from eagleserve import Engine, SamplingParams  # noqa: E402
 
 SPEC = dict(
@@ -49,12 +55,6 @@ SETTINGS = {  # name -> SamplingParams fields
     "T=1 top_p=0.95": dict(temperature=1.0, top_p=0.95),
     "T=0.8 top_k=50": dict(temperature=0.8, top_k=50),
 }
-
-
-def chat_ids(tok: Any, prompt: str) -> list[int]:
-    msgs = [{"role": "user", "content": prompt}]
-    text = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
-    return tok.encode(text, add_special_tokens=False)
 
 
 def run(engine: Engine, prompts: list[list[int]], params: list[SamplingParams]) -> dict[str, Any]:
@@ -94,7 +94,7 @@ def main() -> None:
         "EAGLE adaptive": Engine(**common, **SPEC, speculative_adaptive=True),
     }
     tok = engines["target-only"].tokenizer
-    prompts = [chat_ids(tok, q) for q in data.mt_bench(args.prompts)]
+    prompts = [data.chat_ids(tok, q) for q in data.mt_bench(args.prompts)]
     params = {
         name: [SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True, seed=1000 + i, **kw)
                for i in range(len(prompts))]
@@ -102,25 +102,17 @@ def main() -> None:
     }  # fmt: skip
     for eng in engines.values():  # warm-up
         eng.generate([prompts[0]], SamplingParams(max_new_tokens=4))
-    runs: dict[tuple[str, str], list[dict[str, Any]]] = {}
-    for rnd in range(args.rounds):
-        flip = (lambda xs: xs) if rnd % 2 == 0 else (lambda xs: xs[::-1])
-        for setting in flip(list(SETTINGS)):
-            for name in flip(list(engines)):
-                out = run(engines[name], prompts, params[setting])
-                runs.setdefault((setting, name), []).append(out)
+    runs = interleaved_rounds(
+        args.rounds, list(SETTINGS), list(engines),
+        lambda setting, name: run(engines[name], prompts, params[setting]),
+    )  # fmt: skip
     rows: list[dict[str, Any]] = []
     for setting in SETTINGS:
-        base = runs[(setting, "target-only")]
-        base_tok_s = statistics.median(r["tok_s"] for r in base)
         for name in engines:
             rs = runs[(setting, name)]
-            tok_s = statistics.median(r["tok_s"] for r in rs)
-            same = [a == b for r in rs for a, b in zip(r["tokens"], base[0]["tokens"])]
-            rows.append(dict(setting=setting, engine=name, tok_s=tok_s,
-                             speedup=tok_s / base_tok_s, tok_s_rounds=[r["tok_s"] for r in rs],
-                             tau=rs[0].get("tau"), accept_by_depth=rs[0].get("accept_by_depth"),
-                             equal_to_target_only=f"{sum(same)}/{len(same)}"))  # fmt: skip
+            cell = against_baseline(rs, runs[(setting, "target-only")])
+            rows.append(dict(setting=setting, engine=name, **cell,
+                             accept_by_depth=rs[0].get("accept_by_depth")))  # fmt: skip
     gpu = torch.cuda.get_device_name() if args.device.startswith("cuda") else None
     print(f"machine: {machine()}" + (f", {gpu}" if gpu else ""))
     print_table(
@@ -133,7 +125,7 @@ def main() -> None:
                 f"{r['speedup']:.2f}",
                 "-" if r["tau"] is None else f"{r['tau']:.2f}",
                 " ".join(f"{a:.2f}" for a in r["accept_by_depth"] or []) or "-",
-                r["equal_to_target_only"],
+                f"{r['equal']}/{r['compared']}",
             ]
             for r in rows
         ],

@@ -72,13 +72,6 @@ class Timers:
         return {k: 1000 * self.total[k] / self.calls[k] for k in self.total}
 
 
-def chat_ids(tok: Any, prompt: str) -> list[int]:
-    text = tok.apply_chat_template(
-        [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
-    )
-    return tok.encode(text, add_special_tokens=False)
-
-
 def run_engine(engine: Engine, prompts: list[list[int]], bs: int, new: int) -> dict[str, Any]:
     params = SamplingParams(max_new_tokens=new, temperature=0.0, ignore_eos=True)
     before = engine.stats()
@@ -181,7 +174,7 @@ def main() -> None:
     sets = {"MT-bench": data.mt_bench(n), "HumanEval": data.human_eval(n), "math": data.math(n)}
     rows: list[dict[str, Any]] = []
     for set_name, prompts in sets.items():
-        ids = [chat_ids(tok, p) for p in prompts]
+        ids = [data.chat_ids(tok, p) for p in prompts]
         for bs in batches:
             engines["eagleserve"].generate(ids[:1], SamplingParams(max_new_tokens=4))  # warm-up
             hf_tps = None

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 from typing import Any
@@ -28,7 +27,14 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench import data  # noqa: E402
-from bench.common import machine, machine_info, print_table, write_json  # noqa: E402
+from bench.common import (  # noqa: E402
+    against_baseline,
+    interleaved_rounds,
+    machine,
+    machine_info,
+    print_table,
+    write_json,
+)
 from eagleserve import Engine, SamplingParams  # noqa: E402
 from eagleserve.sampling_params import GrammarSpec  # noqa: E402
 
@@ -48,12 +54,6 @@ SPEC = dict(
     speculative_eagle_topk=1,
     speculative_num_draft_tokens=4,
 )
-
-
-def chat_ids(tok: Any, prompt: str) -> list[int]:
-    msgs = [{"role": "user", "content": prompt}]
-    text = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
-    return tok.encode(text, add_special_tokens=False)
 
 
 def run(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> dict[str, Any]:
@@ -100,37 +100,32 @@ def main() -> None:
     tok = engines["target-only"].tokenizer
     questions = data.math(args.prompts)
     modes = {
-        "free-form": ([chat_ids(tok, q + JSON_HINT) for q in questions], None),
-        "json_schema": ([chat_ids(tok, q + JSON_HINT) for q in questions],
+        "free-form": ([data.chat_ids(tok, q + JSON_HINT) for q in questions], None),
+        "json_schema": ([data.chat_ids(tok, q + JSON_HINT) for q in questions],
                         GrammarSpec("json_schema", json.dumps(SCHEMA))),
     }  # fmt: skip
     for eng in engines.values():  # warm-up (kernels, the grammar compile)
         eng.generate([modes["json_schema"][0][0]],
                      SamplingParams(max_new_tokens=4, grammar=modes["json_schema"][1]))  # fmt: skip
+
     # Interleaved rounds, the order reversed every other round; the median round per setting
     # (other work on a shared machine moves single runs by tens of percent).
-    runs: dict[tuple[str, str], list[dict[str, Any]]] = {}
-    for rnd in range(args.rounds):
-        flip = (lambda xs: xs) if rnd % 2 == 0 else (lambda xs: xs[::-1])
-        for mode in flip(list(modes)):
-            prompts, grammar = modes[mode]
-            params = SamplingParams(max_new_tokens=args.new_tokens, temperature=0.0,
-                                    grammar=grammar)  # fmt: skip
-            for name in flip(list(engines)):
-                runs.setdefault((mode, name), []).append(run(engines[name], prompts, params))
+    def one(mode: str, name: str) -> dict[str, Any]:
+        prompts, grammar = modes[mode]
+        params = SamplingParams(max_new_tokens=args.new_tokens, temperature=0.0, grammar=grammar)
+        return run(engines[name], prompts, params)
+
+    runs = interleaved_rounds(args.rounds, list(modes), list(engines), one)
     rows: list[dict[str, Any]] = []
     for mode in modes:
-        base = runs[(mode, "target-only")]
-        base_tok_s = statistics.median(r["tok_s"] for r in base)
         for name in engines:
             rs = runs[(mode, name)]
-            tok_s = statistics.median(r["tok_s"] for r in rs)
-            same = [a == b for r in rs for a, b in zip(r["tokens"], base[0]["tokens"])]
+            cell = against_baseline(rs, runs[(mode, "target-only")])
             valid = sum(map(valid_json, rs[0]["texts"])) / len(questions)
-            rows.append(dict(mode=mode, setting=name, tok_s=tok_s, speedup=tok_s / base_tok_s,
-                             tok_s_rounds=[r["tok_s"] for r in rs], tau=rs[0].get("tau"),
-                             tokens=sum(map(len, rs[0]["tokens"])),
-                             lossless=sum(same) / len(same),
+            rows.append(dict(mode=mode, setting=name, tok_s=cell["tok_s"],
+                             speedup=cell["speedup"], tok_s_rounds=cell["tok_s_rounds"],
+                             tau=cell["tau"], tokens=sum(map(len, rs[0]["tokens"])),
+                             lossless=cell["equal"] / cell["compared"],
                              valid_json=valid))  # fmt: skip
     print(f"machine: {machine()}")
     print_table(

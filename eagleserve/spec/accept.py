@@ -240,23 +240,27 @@ def accept(
     max_depth: int | None = None,
 ) -> AcceptResult:
     """The walk over the target's own choice after each node: its argmax for a greedy row, for
-    a sampled row its draw with the noise of the position that choice would sit at (positions
-    [bs, n]: node i's position + 1; sampling/sampler.py `sample`). A draft is accepted while it
-    equals what the target itself would have emitted there, so every committed token is the
-    target's own, as target-only decoding would draw it with the same seed: lossless, and a
-    drafted token is accepted with its target probability (for a tree, the sum over the
-    distinct tokens of the children). `chain`: every row's tree is a chain (a top-1 draft),
-    walked in a few ops; `greedy`: the greedy walk already done on these logits (a verify
-    graph's `packed_greedy`, unpacked), used when every row is greedy. `max_depth`: a tree's
-    depth bound (the result's width is max_depth + 1; default n - 1). Under tensor parallelism
-    every rank takes rank 0's result: the ranks then commit the same tokens and KV paths."""
+    a sampled row its draw with the noise of the position that choice would sit at, one past
+    its node's (positions [bs, n]: the nodes' own; sampling/sampler.py `sample`). A draft is
+    accepted while it equals what the target itself would have emitted there, so every
+    committed token is the target's own, as target-only decoding would draw it with the same
+    seed: lossless, and a drafted token is accepted with its target probability (for a tree,
+    the sum over the distinct tokens of the children). `chain`: every row's tree is a chain
+    (a top-1 draft), walked in a few ops; `greedy`: the greedy walk already done on these
+    logits (a verify graph's `packed_greedy`, unpacked), used when every row is greedy.
+    `max_depth`: a tree's depth bound (the result's width is max_depth + 1; default n - 1).
+    Under tensor parallelism every rank takes rank 0's result: the ranks then commit the same
+    tokens and KV paths."""
     if greedy is not None and info.all_greedy:
         acc = greedy
     else:
         bs, n = tokens.shape
         rows = logits.reshape(bs * n, -1)
-        node_info = info if info.all_greedy else info.repeat_interleave(n)
-        predict = sample(rows, node_info, positions.reshape(-1)).view(bs, n)
+        if info.all_greedy:
+            predict = greedy_ids(rows).view(bs, n)
+        else:
+            at = positions.reshape(-1) + 1
+            predict = sample(rows, info.repeat_interleave(n), at).view(bs, n)
         acc = (
             verify_greedy_chain(tokens, predict)
             if chain

@@ -257,7 +257,8 @@ class EagleWorker:
                 attn_backend=self.runner.attn_backend,
             )
         )
-        sampled = self._sample_next(out.logits, batch, L + 1, prefill=False)
+        batch.add_one_token()  # known on the host: no refresh needed
+        sampled = self._sample_next(out.logits, batch, batch.seq_lens, prefill=False)  # L + 1
         next_ids = sampled.next_token_ids
         lag = self.drafter.lag
         assert lag is not None
@@ -266,7 +267,6 @@ class EagleWorker:
         if out.graph_buffers:  # held past the next replay, which overwrites them
             features = features.clone()
         lag.hold([r.req_pool_idx for r in batch.reqs], ring_index, next_ids, features)
-        batch.add_one_token()  # known on the host: no refresh needed
         batch.input_ids = next_ids
         if on_verified is not None:
             on_verified(batch)
@@ -320,13 +320,12 @@ class EagleWorker:
         done = None  # the graph's walk is of the raw logits; the next replay overwrites it
         if out.epilogue and scored is logits:
             done = unpack_greedy(out.epilogue[0].clone())
-        # The target's choice after node i is drawn for the position after it.
         acc = accept(
             info,
             t.draft_tokens,
             t.parents,
             scored,
-            positions + 1,
+            positions,
             chain=spec.is_chain,
             greedy=done,
             max_depth=self.max_depth,

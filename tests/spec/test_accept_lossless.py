@@ -113,8 +113,9 @@ def _speculate(
             par = tree.parents[:, i : i + 1]
             node_code[:, i] = _child(node_code.gather(1, par)[:, 0], tree.draft_tokens[:, i])
             depth[:, i] = depth.gather(1, par)[:, 0] + 1
-        # The token after node i is the sequence's token count + depth.
-        positions = count[act, None] + depth
+        # Node i sits at position count - 1 + depth: the token after it is the sequence's
+        # token count + depth.
+        positions = count[act, None] - 1 + depth
         res = verify(tree.draft_tokens, tree.parents, target[node_code], seeds[act], positions)
         # Commit the accepted tokens (only the first EMIT matter).
         for k in range(res.output_tokens.shape[1]):

@@ -1,5 +1,6 @@
 """Sampled rows of a verify (spec/accept.py `accept`): the walk along the target's own seeded
-draws, one per node, each with the noise of the position it would sit at."""
+draws, one per node, each with the noise of the position it would sit at (one past the
+node's)."""
 
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ def _info(seeds: list[int | None], vocab: int, temperature: float = 1.0) -> Samp
 
 
 def _node_positions(parents: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
-    """[bs, n]: the position of the token after node i, for roots at positions start - 1."""
+    """[bs, n]: node i's position, for roots at positions start."""
     depth = torch.zeros_like(parents)
     for i in range(1, parents.shape[1]):
         depth[:, i] = depth.gather(1, parents[:, i : i + 1].clamp(min=0))[:, 0] + 1
@@ -58,7 +59,8 @@ def _reference_walk(tokens, parents, probs, seed, positions) -> tuple[list[int],
     path = [0]
     while True:
         cur = path[-1]
-        u = float(position_uniforms(torch.tensor([seed]), positions[cur : cur + 1])[0])
+        # The target's choice after node cur sits one past it.
+        u = float(position_uniforms(torch.tensor([seed]), positions[cur : cur + 1] + 1)[0])
         choice = _reference_draw(probs[cur], u)
         kids = [c for c in range(len(tokens)) if parents[c] == cur and tokens[c] == choice]
         if not kids:
