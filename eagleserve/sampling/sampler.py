@@ -137,38 +137,38 @@ def _keep_sorted(
 
 
 def _top_k_top_p(probs: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
-    """probs [n, V] with the tokens top-k / top-p drop zeroed. On a CPU, a row whose kept
-    tokens all lie among its k most likely (its top_k fits, or their mass reaches its top_p),
-    for the first k of TOP_CANDIDATES that holds, is filtered among those; the others sort
-    their whole row. The choice is each row's own (it reads its values on the host, free on a
-    CPU), so a row's result does not depend on its batch."""
-    out = torch.zeros_like(probs)
+    """probs [n, V] with the tokens top-k / top-p drop zeroed, in place. On a CPU, a row whose
+    kept tokens all lie among its k most likely (its top_k fits, or their mass reaches its
+    top_p), for the first k of TOP_CANDIDATES that holds, is filtered among those; the others
+    sort their whole row. The choice is each row's own (it reads its values on the host, free
+    on a CPU), so a row's result does not depend on its batch."""
     if probs.device.type != "cpu":  # an accelerator sorts fast and must not be read mid-batch
         sorted_p, sorted_idx = probs.sort(dim=-1, descending=True)
-        return out.scatter_(-1, sorted_idx, _keep_sorted(sorted_p, top_ks, top_ps))
-    n = probs.shape[0]
-    rows = torch.arange(n)
+        kept = _keep_sorted(sorted_p, top_ks, top_ps)
+        return probs.zero_().scatter_(-1, sorted_idx, kept)
+    rows = torch.arange(probs.shape[0])
     for k in (k for k in TOP_CANDIDATES if k < probs.shape[-1]):
-        whole = rows.numel() == n
+        whole = rows.numel() == probs.shape[0]
         src, row_ks, row_ps = (
             (probs, top_ks, top_ps) if whole else (probs[rows], top_ks[rows], top_ps[rows])
         )
-        cand_p, cand_idx = src.topk(k, dim=-1)  # sorted descending
+        cand_p, cand_idx = src.topk(k, dim=-1)  # sorted descending (copies)
         beyond = cand_p.cumsum(-1)[:, -1]  # the mass before the first token past them
         fits = (row_ks <= k) | ((row_ps < 1) & (beyond >= row_ps))
         kept = _keep_sorted(cand_p, row_ks, row_ps)
-        part = torch.zeros_like(src).scatter_(-1, cand_idx, kept)
         if bool(fits.all()):
             if whole:
-                return part
-            out[rows] = part
-            return out
-        out[rows[fits]] = part[fits]
+                return probs.zero_().scatter_(-1, cand_idx, kept)
+            probs[rows] = src.zero_().scatter_(-1, cand_idx, kept)
+            return probs
+        done = rows[fits]
+        probs[done] = torch.zeros_like(src[fits]).scatter_(-1, cand_idx[fits], kept[fits])
         rows = rows[~fits]
-    sorted_p, sorted_idx = probs[rows].sort(dim=-1, descending=True)
+    src = probs[rows]
+    sorted_p, sorted_idx = src.sort(dim=-1, descending=True)
     kept = _keep_sorted(sorted_p, top_ks[rows], top_ps[rows])
-    out[rows] = torch.zeros_like(sorted_p).scatter_(-1, sorted_idx, kept)
-    return out
+    probs[rows] = src.zero_().scatter_(-1, sorted_idx, kept)
+    return probs
 
 
 def logits_to_probs(logits: torch.Tensor, info: SamplingInfo) -> torch.Tensor:
