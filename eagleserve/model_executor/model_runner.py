@@ -24,6 +24,7 @@ from eagleserve.models.llama import LlamaForCausalLM, ModelOutput
 from eagleserve.models.loader import load_weights
 from eagleserve.models.tp_shard import TpShard
 from eagleserve.sampling.penalty_state import PenaltyState
+from eagleserve.sampling.sampler import use_draw_kernel
 
 logger = logging.getLogger(__name__)
 
@@ -127,6 +128,7 @@ class ModelRunner:
                 packed.install(model, gguf_path, shard=shard.slice_quant if shard else None)
         if shard is not None:
             shard.gather_logits(model)
+        use_draw_kernel(fused_kernels and device.type != "cpu")
         if fused_kernels and use_fused_kernels(device, attention_backend, gguf_path, shard):
             from eagleserve.models.fused_forward import enable_fused_kernels
 

@@ -204,6 +204,24 @@ def draw(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     return idx.clamp(max=probs.shape[1] - 1).squeeze(1)
 
 
+# Sampled rows draw in one Triton launch (kernels/triton_sample.py) where the model runner turns
+# it on: an accelerator without --disable-fused-kernels.
+_draw_kernel = False
+
+
+def use_draw_kernel(on: bool) -> None:
+    global _draw_kernel
+    _draw_kernel = on
+
+
+def _seeded_draw(probs: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    if _draw_kernel:
+        from eagleserve.kernels.triton_sample import seeded_draw  # imports triton
+
+        return seeded_draw(probs, seeds, positions)
+    return draw(probs, position_uniforms(seeds, positions))
+
+
 def sample(logits: torch.Tensor, info: SamplingInfo, positions: torch.Tensor) -> torch.Tensor:
     """logits [m, V] -> token ids [m] int64: the argmax for a greedy row; for a sampled row, the
     draw of its target distribution with the uniform of (its seed, positions[i]), positions
@@ -211,12 +229,12 @@ def sample(logits: torch.Tensor, info: SamplingInfo, positions: torch.Tensor) ->
     if info.all_greedy:
         return greedy_ids(logits)
     if not any(info.is_greedy):
-        return draw(logits_to_probs(logits, info), position_uniforms(info.seeds, positions))
+        return _seeded_draw(logits_to_probs(logits, info), info.seeds, positions)
     rows = [i for i, g in enumerate(info.is_greedy) if not g]
     idx = tensor_to(rows, torch.long, logits.device)
     sub = info.rows(rows, idx)
     out = greedy_ids(logits)
-    out[idx] = draw(logits_to_probs(logits[idx], sub), position_uniforms(sub.seeds, positions[idx]))
+    out[idx] = _seeded_draw(logits_to_probs(logits[idx], sub), sub.seeds, positions[idx])
     return out
 
 
