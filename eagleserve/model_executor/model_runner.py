@@ -128,7 +128,8 @@ class ModelRunner:
                 packed.install(model, gguf_path, shard=shard.slice_quant if shard else None)
         if shard is not None:
             shard.gather_logits(model)
-        use_draw_kernel(fused_kernels and device.type != "cpu")
+        if device.type != "cpu":
+            use_draw_kernel(device if fused_kernels else None)
         if fused_kernels and use_fused_kernels(device, attention_backend, gguf_path, shard):
             from eagleserve.models.fused_forward import enable_fused_kernels
 

@@ -204,18 +204,19 @@ def draw(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     return idx.clamp(max=probs.shape[1] - 1).squeeze(1)
 
 
-# Sampled rows draw in one Triton launch (kernels/triton_sample.py) where the model runner turns
-# it on: an accelerator without --disable-fused-kernels.
-_draw_kernel = False
+# The device type whose sampled rows draw in one Triton launch (kernels/triton_sample.py), set
+# by the model runner: an accelerator's, unless --disable-fused-kernels (None: nowhere). Keyed by
+# device, so a CPU engine beside a GPU one in a process keeps the torch draw.
+_draw_kernel_device: str | None = None
 
 
-def use_draw_kernel(on: bool) -> None:
-    global _draw_kernel
-    _draw_kernel = on
+def use_draw_kernel(device: torch.device | None) -> None:
+    global _draw_kernel_device
+    _draw_kernel_device = None if device is None else device.type
 
 
 def _seeded_draw(probs: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    if _draw_kernel:
+    if probs.device.type == _draw_kernel_device:
         from eagleserve.kernels.triton_sample import seeded_draw  # imports triton
 
         return seeded_draw(probs, seeds, positions)
