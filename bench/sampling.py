@@ -39,15 +39,10 @@ from bench.common import (  # noqa: E402
     print_table,
     write_json,
 )
+from bench.gpu_table import chain  # noqa: E402
 from eagleserve import Engine, SamplingParams  # noqa: E402
 
-SPEC = dict(
-    speculative_algorithm="EAGLE3",
-    speculative_draft_model_path="builtin:smollm2-135m-eagle",
-    speculative_num_steps=3,
-    speculative_eagle_topk=1,
-    speculative_num_draft_tokens=4,
-)
+SPEC = chain(3)  # the built-in EAGLE-3 head, a fixed 3-step chain
 SETTINGS = {  # name -> SamplingParams fields
     "greedy": dict(temperature=0.0),
     "T=1": dict(temperature=1.0),

@@ -35,6 +35,7 @@ from bench.common import (  # noqa: E402
     print_table,
     write_json,
 )
+from bench.gpu_table import chain  # noqa: E402
 from eagleserve import Engine, SamplingParams  # noqa: E402
 from eagleserve.sampling_params import GrammarSpec  # noqa: E402
 
@@ -47,13 +48,7 @@ SCHEMA = {
     "required": ["answer", "steps"],
 }
 JSON_HINT = ' Reply in JSON: {"answer": <number>, "steps": [<short strings>]}.'
-SPEC = dict(
-    speculative_algorithm="EAGLE3",
-    speculative_draft_model_path="builtin:smollm2-135m-eagle",
-    speculative_num_steps=3,
-    speculative_eagle_topk=1,
-    speculative_num_draft_tokens=4,
-)
+SPEC = chain(3)  # the built-in EAGLE-3 head, a fixed 3-step chain
 
 
 def run(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> dict[str, Any]:
