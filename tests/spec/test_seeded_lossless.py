@@ -31,7 +31,9 @@ def sampled_params(rng: random.Random) -> list[SamplingParams]:
     return out
 
 
-def engine(target_dir: str, head: str | None, overlap: bool, tree: bool, adaptive: bool) -> Engine:
+def engine(
+    target_dir: str, head: str | None, overlap: bool, tree: bool, adaptive: bool, kv: int = 2048
+) -> Engine:
     spec: dict[str, object] = {}
     if head is not None:
         spec = dict(
@@ -45,7 +47,7 @@ def engine(target_dir: str, head: str | None, overlap: bool, tree: bool, adaptiv
     return Engine(
         model=target_dir,
         device="cpu",
-        kv_cache_tokens=2048,
+        kv_cache_tokens=kv,
         max_running_requests=8,
         disable_overlap_schedule=not overlap,
         **spec,  # type: ignore[arg-type]
@@ -83,3 +85,15 @@ def test_seeded_tokens_do_not_depend_on_the_batch(target_dir: str, heads, case) 
     eng = engine(target_dir, heads["EAGLE"], False, False, False)
     alone = [eng.generate([p], [s])[0]["token_ids"] for p, s in zip(ps[:3], sp[:3])]
     assert alone == expected[:3]
+
+
+@pytest.mark.parametrize("speculate", [False, True], ids=["target-only", "chain"])
+def test_a_retracted_seeded_request_keeps_its_tokens(
+    target_dir: str, heads: dict[str, str], case, speculate: bool
+) -> None:
+    """Out of KV slots, requests are retracted and recomputed: their seeded tokens stay those
+    of a run that had room."""
+    ps, sp, expected = case
+    eng = engine(target_dir, heads["EAGLE"] if speculate else None, False, False, False, kv=130)
+    assert run_staggered(eng, ps, sp) == expected
+    assert eng.stats().num_retracted_total > 0
