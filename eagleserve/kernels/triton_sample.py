@@ -1,6 +1,6 @@
 """A sampled row's token in one launch: sampling/sampler.py's `draw` with the uniform of
-sampling/seeded_noise.py's `position_uniforms`, where the torch ops launch ~25 kernels for the
-hash and 4 for the inverse CDF.
+sampling/seeded_noise.py's `position_uniforms`, where the torch ops launch a kernel each (the
+hash's three mixing rounds alone are two dozen).
 
 One program per row: the hash of (seed, position) in int64 registers (every product below
 2**63, as in the torch version), the row's total in fp64, then a second pass over the same

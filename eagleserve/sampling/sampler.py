@@ -116,9 +116,9 @@ class SamplingInfo:
         )
 
 
-# Candidates a CPU row's top-k / top-p filter looks among, fewest first (topk of 256 of a full
-# vocabulary is ~30x cheaper than sorting it there, of 4096 ~10x); a row whose kept tokens may
-# lie past them all sorts its whole row.
+# Candidates a CPU row's top-k / top-p filter looks among, fewest first (a CPU's topk of a few
+# thousand is far cheaper than its sort of a whole vocabulary); a row whose kept tokens may lie
+# past them all sorts its whole row.
 TOP_CANDIDATES = (256, 4096)
 
 
