@@ -13,7 +13,7 @@ rows included; logprobs stay those of the raw model, as vLLM's.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -41,6 +41,10 @@ class SamplingInfo:
     needs_min_p: bool = True
     # Rows with penalties or logit_bias (None: no row has any).
     penalties: BatchPenalties | None = None
+    # repeat_interleave's results by n: a batch's verifies reuse them while its membership holds.
+    _per_node: dict[int, SamplingInfo] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
 
     @property
     def all_greedy(self) -> bool:
@@ -102,7 +106,13 @@ class SamplingInfo:
 
     def repeat_interleave(self, n: int) -> SamplingInfo:
         """One row per draft node (verify): each request's parameters repeated n times, for
-        logits that are already penalized (no penalties)."""
+        logits that are already penalized (no penalties). Made once per n (no launches at the
+        batch's later verifies)."""
+        if n not in self._per_node:
+            self._per_node[n] = self._repeated(n)
+        return self._per_node[n]
+
+    def _repeated(self, n: int) -> SamplingInfo:
         return SamplingInfo(
             self.temperatures.repeat_interleave(n, 0),
             self.top_ps.repeat_interleave(n),
