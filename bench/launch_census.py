@@ -4,7 +4,8 @@ target-only decode's; and the host's time per iteration by stage on that layout,
 replays' and kernels' own time left out (`time_host`), warm as a GPU's host runs (each graph
 replayed once) and with every replay interpreted in between (the caches cold).
 
-    python bench/launch_census.py [--dtype bfloat16] [--out bench/results/launch_census_cpu.json]
+    python bench/launch_census.py [--dtype bfloat16] [--temperature 0] [--settings NAMES]
+                                  [--out bench/results/launch_census_cpu.json]
 
 The engines run a GPU's layout under the Triton interpreter: the target's layers and the EAGLE3
 head's on the fused Triton kernels (the GEMV ones at these sizes), the device graphs replaced by
@@ -14,10 +15,11 @@ or a torch op that computes (views, allocations, a `to` that returns its input, 
 interpreter's own copies and the stand-in replay's copies into its outputs are not); on a GPU
 each is one kernel, inside a graph or launched by the host. The target is the tests' random
 8-layer Llama (hidden 64) with a random EAGLE3 head: counts per layer and per head step are the
-default model's, only the layer count differs (30 there). One request, greedy, decode iterations
-3-6 averaged. "adaptive, k = 0" is the shipped config's controller held at k = 0: the iteration
-that must cost what a target-only decode costs (the flush of its held head inputs, once per
-probe interval of 64 iterations, falls outside iterations 3-6).
+default model's, only the layer count differs (30 there). One request, greedy (or sampled with
+a seed at `--temperature`, drawn as an accelerator draws: kernels/triton_sample.py), decode
+iterations 3-6 averaged. "adaptive, k = 0" is the shipped config's controller held at k = 0:
+the iteration that must cost what a target-only decode costs (the flush of its held head
+inputs, once per probe interval of 64 iterations, falls outside iterations 3-6).
 """
 
 from __future__ import annotations
@@ -65,11 +67,21 @@ def name_graphs(census: LaunchCensus, worker: Any) -> None:
         census.names[id(drafter.graph)] = "draft step"
 
 
-def run_setting(name: str, spec: dict[str, Any], target: str, dtype: str) -> dict[str, Any]:
-    from eagleserve import Engine, SamplingParams
+def sampling(temperature: float, new: int) -> Any:
+    from eagleserve import SamplingParams
+
+    seed = 1 if temperature > 0 else None
+    return SamplingParams(max_new_tokens=new, temperature=temperature, seed=seed, ignore_eos=True)
+
+
+def run_setting(
+    name: str, spec: dict[str, Any], target: str, dtype: str, temperature: float
+) -> dict[str, Any]:
+    from eagleserve import Engine
     from eagleserve.messages import GenerateReqInput
     from eagleserve.model_executor import model_runner
     from eagleserve.models import fused_forward
+    from eagleserve.sampling import sampler
 
     census = LaunchCensus()
     census.active = False
@@ -87,10 +99,12 @@ def run_setting(name: str, spec: dict[str, Any], target: str, dtype: str) -> dic
                 worker.controller.choose = lambda *args, **kwargs: 0
             if hasattr(worker, "paths"):
                 worker.paths.fixed_shape = True  # as on an accelerator
+            if hasattr(sampler, "_draw_kernel_device"):  # sampled rows draw as on an accelerator
+                mp.setattr(sampler, "_draw_kernel_device", "cpu")
             name_graphs(census, worker)
             sched = eng.scheduler
             rng = random.Random(0)
-            params = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True)
+            params = sampling(temperature, 16)
             ids = [rng.randrange(3, 90) for _ in range(9)]
             sched.add_request(GenerateReqInput("census", ids, params))
             decodes = counted = 0
@@ -101,9 +115,9 @@ def run_setting(name: str, spec: dict[str, Any], target: str, dtype: str) -> dic
                     counted += census.active
                     sched.step()
                     decodes += decode
-            host_cold = time_host(eng, [rng.randrange(3, 90) for _ in range(9)])
+            host_cold = time_host(eng, [rng.randrange(3, 90) for _ in range(9)], temperature)
             with replays_once():
-                host_us = time_host(eng, [rng.randrange(3, 90) for _ in range(9)])
+                host_us = time_host(eng, [rng.randrange(3, 90) for _ in range(9)], temperature)
     finally:
         mp.undo()
     per_iter = {where: {op: n / counted for op, n in c.most_common()}
@@ -135,7 +149,9 @@ def replays_once() -> Iterator[None]:
         yield
 
 
-def time_host(eng: Any, ids: list[int], new: int = 24, skip: int = 4) -> dict[str, float]:
+def time_host(
+    eng: Any, ids: list[int], temperature: float, new: int = 24, skip: int = 4
+) -> dict[str, float]:
     """Host microseconds per decode iteration by stage (bench/host_probes.py), the census's
     mode off: a stand-in replay's and a Triton launch's time go to "device" and out of the
     host's (on a GPU a replay is one call, a launch a few microseconds of the host's), so the
@@ -143,7 +159,6 @@ def time_host(eng: Any, ids: list[int], new: int = 24, skip: int = 4) -> dict[st
     first `skip` averaged. Under `replays_once` the host runs warm, as a GPU's does."""
     import triton.runtime.interpreter as interp
 
-    from eagleserve import SamplingParams
     from eagleserve.messages import GenerateReqInput
 
     clock = StageClock()
@@ -151,8 +166,7 @@ def time_host(eng: Any, ids: list[int], new: int = 24, skip: int = 4) -> dict[st
     clock.wrap(StandInGraph, "replay", "device")
     clock.wrap(interp.GridExecutor, "__call__", "device")
     sched = eng.scheduler
-    params = SamplingParams(max_new_tokens=new, temperature=0.0, ignore_eos=True)
-    sched.add_request(GenerateReqInput("timed", ids, params))
+    sched.add_request(GenerateReqInput("timed", ids, sampling(temperature, new)))
     rows = []
     try:
         while sched.has_work():
@@ -179,6 +193,8 @@ def main(argv: list[str] | None = None) -> None:
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    ap.add_argument("--settings", default="target-only,adaptive,chain3,tree")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "launch_census_cpu.json"))
     args = ap.parse_args(argv)
     tmp = tempfile.mkdtemp()
@@ -192,13 +208,18 @@ def main(argv: list[str] | None = None) -> None:
                   speculative_num_draft_tokens=4)  # fmt: skip
     adaptive = dict(chain3, speculative_adaptive=True)
     tree = dict(chain3, speculative_eagle_topk=4, speculative_num_draft_tokens=8)
-    rows = [run_setting(name, spec, target, args.dtype)
-            for name, spec in (("target-only", {}), ("adaptive, k = 0", adaptive),
-                               ("EAGLE3 chain 3", chain3),
-                               ("EAGLE3 tree 3x4/8", tree))]  # fmt: skip
+    settings = {
+        "target-only": ("target-only", {}),
+        "adaptive": ("adaptive, k = 0", adaptive),
+        "chain3": ("EAGLE3 chain 3", chain3),
+        "tree": ("EAGLE3 tree 3x4/8", tree),
+    }
+    rows = [run_setting(*settings[key], target, args.dtype, args.temperature)
+            for key in args.settings.split(",")]  # fmt: skip
     table = [[r["setting"], where, round(n, 1)] for r in rows for where, n in r["launches"].items()]
     table += [[r["setting"], "total", round(sum(r["launches"].values()), 1)] for r in rows]
-    print(f"launches per decode iteration, {args.dtype}, 8-layer target (CPU stand-in graphs)")
+    how = f"sampled at temperature {args.temperature}" if args.temperature else "greedy"
+    print(f"launches per decode iteration, {args.dtype}, {how}, 8-layer target (CPU stand-ins)")
     print(format_table(["setting", "where", "launches"], table))
     print(
         f"host us per decode iteration outside replays and Triton launches ({machine()}); "
@@ -211,6 +232,7 @@ def main(argv: list[str] | None = None) -> None:
     commit = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"],
                             capture_output=True, text=True).stdout.strip()  # fmt: skip
     res = {"machine": machine(), "commit": commit, "dtype": args.dtype,
+           "temperature": args.temperature,
            "target": "random 8-layer Llama, hidden 64 (tests' spec target), EAGLE3 head",
            "rows": rows}  # fmt: skip
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
