@@ -69,7 +69,8 @@ FIELD_HELP: dict[str, str] = {
     "requests would otherwise wait for",
     "disable_fused_kernels": "GPU: run the unfused torch decoder layers (no merged q/k/v and "
     "gate/up GEMMs, no fused norm/activation/rotary Triton kernels) and draw sampled tokens "
-    "with torch ops instead of one Triton launch",
+    "with torch ops instead of one Triton launch; CPU: sample with torch ops instead of the C++ "
+    "sampling kernel",
     "enable_pdl": "NVIDIA GPUs of compute capability 9.0 and later (H100, H200): launch the "
     "Triton kernels with programmatic dependent launch, so each kernel's launch overlaps the "
     "end of the one before it",

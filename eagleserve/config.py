@@ -191,6 +191,8 @@ class ServerArgs:
     skip_server_warmup: bool = False
     # GPU: the decoder layers on merged q/k/v and gate/up GEMMs and the fused Triton kernels of
     # kernels/triton_fused.py (models/fused_forward.py); set to run the unfused torch layers.
+    # Also the sampled draw's kernel, on a GPU (kernels/triton_sample.py) and on a CPU
+    # (kernels/cpu_sample.cpp): set to sample with torch ops.
     disable_fused_kernels: bool = False
     # NVIDIA Hopper and later: launch the Triton kernels with programmatic dependencies, so each
     # one's launch overlaps the tail of the one before (kernels/pdl.py).

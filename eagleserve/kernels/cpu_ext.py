@@ -10,7 +10,9 @@
   EAGLE-3 head's layer and lm_head in another (`eagle3_layer`), the kernels above in the
   order the modules call them;
 - `cpu_argmax.cpp`: argmax over the last dim of fp32 rows (`argmax_rows`), torch.argmax's
-  answer in one vectorized pass per row.
+  answer in one vectorized pass per row;
+- `cpu_sample.cpp`: a sampled row's token from its logits (`sample_rows`): temperature, top-k,
+  top-p, min-p and the seeded inverse-CDF draw, without sorting the vocabulary.
 
 All keep a row's result independent of the rows beside it (what makes a verify reproduce the
 decodes bit for bit). The sources are compiled once per (sources, torch version, flags) into
@@ -40,7 +42,7 @@ _SOURCES = [
     os.path.join(os.path.dirname(os.path.abspath(__file__)), name)
     for name in (
         "cpu_gemv.cpp", "cpu_gemv_avx512.cpp", "cpu_attention.cpp", "cpu_norm.cpp",
-        "cpu_pointwise.cpp", "cpu_layers.cpp", "cpu_argmax.cpp",
+        "cpu_pointwise.cpp", "cpu_layers.cpp", "cpu_argmax.cpp", "cpu_sample.cpp",
     )
 ]  # fmt: skip
 _HEADERS = [os.path.join(os.path.dirname(_SOURCES[0]), n) for n in ("cpu_simd.h", "cpu_kernels.h")]
@@ -243,6 +245,22 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     """logits.argmax(-1) for fp32 logits [..., V], the same indices (ties: the first; NaN:
     the first NaN)."""
     return torch.ops.eagleserve_cpu.argmax_rows(logits)
+
+
+def sample_rows(
+    logits: torch.Tensor,
+    temperatures: torch.Tensor,
+    top_ks: torch.Tensor,
+    top_ps: torch.Tensor,
+    min_ps: torch.Tensor,
+    seeds: torch.Tensor,
+    positions: torch.Tensor,
+) -> torch.Tensor:
+    """Token ids [m] of fp32 logits [m, V], each row drawn from its temperature / top-k / top-p /
+    min-p distribution with the uniform of (its seed, its position): sampler.py's rule."""
+    return torch.ops.eagleserve_cpu.sample_rows(
+        logits, temperatures, top_ks, top_ps, min_ps, seeds, positions
+    )
 
 
 def decoder_layers(

@@ -10,7 +10,7 @@ import torch
 from eagleserve.config import ModelConfig, ServerArgs
 from eagleserve.core import ForwardMode, ScheduleBatch
 from eagleserve.distributed.parallel import get_tp
-from eagleserve.kernels import pdl
+from eagleserve.kernels import cpu_ext, pdl
 from eagleserve.layers.attention import create_attn_backend
 from eagleserve.layers.forward_batch import ForwardBatch, forward_context
 from eagleserve.mem_cache.kv_cache import ReqToTokenPool, TokenToKVPool
@@ -128,8 +128,8 @@ class ModelRunner:
                 packed.install(model, gguf_path, shard=shard.slice_quant if shard else None)
         if shard is not None:
             shard.gather_logits(model)
-        if device.type != "cpu":
-            use_draw_kernel(device if fused_kernels else None)
+        # A CPU's sampling kernel needs the C++ extension (the packed target's; built once).
+        use_draw_kernel(device, fused_kernels and (device.type != "cpu" or cpu_ext.load()))
         if fused_kernels and use_fused_kernels(device, attention_backend, gguf_path, shard):
             from eagleserve.models.fused_forward import enable_fused_kernels
 

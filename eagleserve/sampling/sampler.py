@@ -214,23 +214,34 @@ def draw(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     return idx.clamp(max=probs.shape[1] - 1).squeeze(1)
 
 
-# The device type whose sampled rows draw in one Triton launch (kernels/triton_sample.py), set
-# by the model runner: an accelerator's, unless --disable-fused-kernels (None: nowhere). Keyed by
-# device, so a CPU engine beside a GPU one in a process keeps the torch draw.
-_draw_kernel_device: str | None = None
+# Where sampled rows draw in one fused call, by device type: "triton" (an accelerator's one
+# launch, kernels/triton_sample.py) or "cpu" (the C++ call that also filters, from the logits:
+# kernels/cpu_sample.cpp). Set by the model runner unless --disable-fused-kernels; keyed by
+# device type, so engines on different devices in one process choose for themselves.
+_fused_draw: dict[str, str] = {}
 
 
-def use_draw_kernel(device: torch.device | None) -> None:
-    global _draw_kernel_device
-    _draw_kernel_device = None if device is None else device.type
+def use_draw_kernel(device: torch.device, on: bool) -> None:
+    if on:
+        _fused_draw[device.type] = "cpu" if device.type == "cpu" else "triton"
+    else:
+        _fused_draw.pop(device.type, None)
 
 
-def _seeded_draw(probs: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    if probs.device.type == _draw_kernel_device:
+def _draw_sampled(
+    logits: torch.Tensor, info: SamplingInfo, positions: torch.Tensor
+) -> torch.Tensor:
+    """Token ids of sampled rows (no greedy one among them)."""
+    kernel = _fused_draw.get(logits.device.type)
+    if kernel == "cpu":
+        return cpu_ext.sample_rows(logits.float(), info.temperatures, info.top_ks, info.top_ps,
+                                   info.min_ps, info.seeds, positions)  # fmt: skip
+    probs = logits_to_probs(logits, info)
+    if kernel == "triton":
         from eagleserve.kernels.triton_sample import seeded_draw  # imports triton
 
-        return seeded_draw(probs, seeds, positions)
-    return draw(probs, position_uniforms(seeds, positions))
+        return seeded_draw(probs, info.seeds, positions)
+    return draw(probs, position_uniforms(info.seeds, positions))
 
 
 def sample(logits: torch.Tensor, info: SamplingInfo, positions: torch.Tensor) -> torch.Tensor:
@@ -240,12 +251,12 @@ def sample(logits: torch.Tensor, info: SamplingInfo, positions: torch.Tensor) ->
     if info.all_greedy:
         return greedy_ids(logits)
     if not any(info.is_greedy):
-        return _seeded_draw(logits_to_probs(logits, info), info.seeds, positions)
+        return _draw_sampled(logits, info, positions)
     rows = [i for i, g in enumerate(info.is_greedy) if not g]
     idx = tensor_to(rows, torch.long, logits.device)
     sub = info.rows(rows, idx)
     out = greedy_ids(logits)
-    out[idx] = _seeded_draw(logits_to_probs(logits[idx], sub), sub.seeds, positions[idx])
+    out[idx] = _draw_sampled(logits[idx], sub, positions[idx])
     return out
 
 

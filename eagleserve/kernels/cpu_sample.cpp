@@ -1,0 +1,228 @@
+// A sampled row's token from its fp32 logits in one call (a CPU engine's sampled rows):
+// temperature, top-k, top-p and min-p, then the inverse-CDF draw with the uniform of
+// (seed, position). The same rule as sampling/sampler.py's torch ops (`logits_to_probs`, then
+// `draw` with seeded_noise.py's `position_uniforms`), without sorting the vocabulary:
+//
+// - weights w = exp(x - max x), x = logits / temperature: the softmax unnormalized, so the
+//   most likely token weighs exactly 1 and min-p keeps w >= min_p;
+// - top-k / top-p: a histogram of the weights by their leading bits (exponent and 4 mantissa
+//   bits; a positive float's bits order as its value) gives the bucket where the k-th token or
+//   the top_p mass is crossed; only that bucket's tokens are sorted. As in the torch rule, top-p
+//   keeps a token while the mass of the more likely ones is below top_p of the whole
+//   distribution (not of what top-k left), and always keeps the most likely token;
+// - the draw: the first token, in vocabulary order, whose running kept mass (fp64) exceeds
+//   u * the kept total, u the 24-bit uniform of the request's seed and the token's position.
+//
+// The torch ops round differently (normalized fp32 probabilities, sorted fp32 sums), so the two
+// agree except where u * total or a top-p cut falls within rounding of a boundary. Each row
+// alone decides its token (the batch invariance of this extension's kernels).
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <utility>
+#include <vector>
+
+#include "cpu_simd.h"
+
+namespace eagleserve_cpu {
+
+namespace {
+
+constexpr uint64_t kMask32 = 0xFFFFFFFFull;
+constexpr uint64_t kMixMul = 0x45D9F3Bull;  // seeded_noise.py's mixer constant
+constexpr int kKeyShift = 19;              // bucket: the float's bits >> 19
+constexpr uint32_t kOneBits = 0x3F800000u;  // 1.0f, the largest weight
+constexpr int kBuckets = static_cast<int>(kOneBits >> kKeyShift) + 1;
+
+uint64_t mix32(uint64_t x) {
+  x ^= x >> 16;
+  x = (x * kMixMul) & kMask32;
+  x ^= x >> 16;
+  x = (x * kMixMul) & kMask32;
+  return x ^ (x >> 16);
+}
+
+// seeded_noise.py `position_uniforms` for one (seed, position), the same float.
+double position_uniform(int64_t seed, int64_t position) {
+  const uint64_t s = static_cast<uint64_t>(seed);
+  uint64_t h = mix32(static_cast<uint64_t>(position) & kMask32);
+  h = mix32(h ^ (s & kMask32));
+  h = mix32(h ^ (s >> 32));
+  return static_cast<double>(h >> 8) * (1.0 / 16777216.0);
+}
+
+uint32_t bits(float w) {
+  uint32_t b;
+  std::memcpy(&b, &w, sizeof b);
+  return b;
+}
+
+// x = logits / temperature into w, then w = exp(x - max x); returns false for a row without
+// a finite maximum (all -inf, or NaN), which has no distribution.
+bool weights(const float* logits, int64_t V, float temperature, float* w) {
+  const __m256 t = _mm256_set1_ps(temperature);
+  __m256 mx = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  int64_t i = 0;
+  for (; i + 8 <= V; i += 8) {
+    const __m256 x = _mm256_div_ps(_mm256_loadu_ps(logits + i), t);
+    _mm256_storeu_ps(w + i, x);
+    mx = _mm256_max_ps(mx, x);
+  }
+  float lanes[8];
+  _mm256_storeu_ps(lanes, mx);
+  float m = lanes[0];
+  for (int j = 1; j < 8; ++j) m = std::max(m, lanes[j]);
+  for (; i < V; ++i) {
+    w[i] = logits[i] / temperature;
+    m = std::max(m, w[i]);
+  }
+  if (!std::isfinite(m)) return false;
+  const __m256 mv = _mm256_set1_ps(m);
+  for (i = 0; i + 8 <= V; i += 8) {
+    _mm256_storeu_ps(w + i, exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(w + i), mv)));
+  }
+  for (; i < V; ++i) {
+    float x[8] = {w[i] - m, 0, 0, 0, 0, 0, 0, 0};
+    _mm256_storeu_ps(x, exp_nonpositive(_mm256_loadu_ps(x)));
+    w[i] = x[0];
+  }
+  return true;
+}
+
+// Which tokens top-k / top-p keep, as a cut in (weight descending, index ascending) order:
+// token i is kept iff bits(w[i]) >> kKeyShift is above `bucket`, or in it and at or before
+// (cut_w, cut_i). No cut (bucket -1) keeps every token.
+struct Cut {
+  int bucket = -1;
+  float cut_w = std::numeric_limits<float>::infinity();  // infinity: none of the bucket kept
+  int64_t cut_i = -1;
+
+  bool keeps(float wi, int64_t i) const {
+    const int key = static_cast<int>(bits(wi) >> kKeyShift);
+    if (key != bucket) return key > bucket;
+    return wi > cut_w || (wi == cut_w && i <= cut_i);
+  }
+};
+
+Cut top_k_top_p(const float* w, int64_t V, int64_t top_k, double top_p) {
+  thread_local std::vector<int64_t> count;
+  thread_local std::vector<double> mass;
+  count.assign(kBuckets, 0);
+  mass.assign(kBuckets, 0.0);
+  double total = 0.0;
+  for (int64_t i = 0; i < V; ++i) {
+    const int key = static_cast<int>(bits(w[i]) >> kKeyShift);
+    count[key] += 1;
+    mass[key] += w[i];
+  }
+  for (int b = 0; b < kBuckets; ++b) total += mass[b];
+  const bool filter_p = top_p < 1.0;
+  const double p_mass = top_p * total;
+  int64_t rank = 0;  // tokens in the buckets above
+  double before = 0.0;  // their mass
+  Cut cut;
+  for (int b = kBuckets - 1; b >= 0; --b) {
+    if (count[b] == 0) continue;
+    const bool all_kept = rank + count[b] <= top_k && (!filter_p || before + mass[b] < p_mass);
+    if (!all_kept) {
+      cut.bucket = b;
+      break;
+    }
+    rank += count[b];
+    before += mass[b];
+  }
+  if (cut.bucket < 0) return cut;
+  thread_local std::vector<std::pair<float, int64_t>> members;
+  members.clear();
+  for (int64_t i = 0; i < V; ++i) {
+    if (static_cast<int>(bits(w[i]) >> kKeyShift) == cut.bucket) members.emplace_back(w[i], i);
+  }
+  std::sort(members.begin(), members.end(), [](const auto& a, const auto& b) {
+    return a.first > b.first || (a.first == b.first && a.second < b.second);
+  });
+  for (const auto& [wi, i] : members) {
+    const bool kept = rank < top_k && (!filter_p || before < p_mass || rank == 0);
+    if (!kept) break;
+    cut.cut_w = wi;
+    cut.cut_i = i;
+    rank += 1;
+    before += wi;
+  }
+  return cut;
+}
+
+int64_t sample_row(const float* logits, int64_t V, float temperature, int64_t top_k,
+                   float top_p, float min_p, double u) {
+  thread_local std::vector<float> buf;
+  buf.resize(V);
+  float* w = buf.data();
+  if (!weights(logits, V, temperature, w)) return V - 1;  // no mass: the torch draw's clamp
+  const bool filter = top_k < V || top_p < 1.f;
+  const Cut cut = filter ? top_k_top_p(w, V, top_k, top_p) : Cut{};
+  const bool use_cut = cut.bucket >= 0;
+  auto kept = [&](int64_t i) { return w[i] >= min_p && (!use_cut || cut.keeps(w[i], i)); };
+  double total = 0.0;
+  for (int64_t i = 0; i < V; ++i) {
+    if (kept(i)) total += w[i];
+  }
+  const double target = u * total;
+  double running = 0.0;
+  for (int64_t i = 0; i < V; ++i) {
+    if (!kept(i)) continue;
+    running += w[i];
+    if (running > target) return i;
+  }
+  return V - 1;
+}
+
+}  // namespace
+
+// logits [m, V] fp32; temperatures [m] (or [m, 1]) fp32 > 0; top_ks [m] int64 (V: off);
+// top_ps, min_ps [m] fp32; seeds [m] int64 in [0, 2**63); positions [m] int64 >= 0 (where each
+// drawn token will sit) -> token ids [m] int64.
+at::Tensor sample_rows(const at::Tensor& logits_in, const at::Tensor& temperatures,
+                       const at::Tensor& top_ks, const at::Tensor& top_ps,
+                       const at::Tensor& min_ps, const at::Tensor& seeds,
+                       const at::Tensor& positions) {
+  TORCH_CHECK(logits_in.scalar_type() == at::kFloat && logits_in.dim() == 2, "float32 [m, V]");
+  const at::Tensor x = logits_in.contiguous();
+  const int64_t m = x.size(0), V = x.size(1);
+  TORCH_CHECK(V > 0, "sampling over an empty vocabulary");
+  const at::Tensor t = temperatures.to(at::kFloat).reshape({-1}).contiguous();
+  const at::Tensor k = top_ks.to(at::kLong).contiguous(), s = seeds.to(at::kLong).contiguous();
+  const at::Tensor p = top_ps.to(at::kFloat).contiguous(), mp = min_ps.to(at::kFloat).contiguous();
+  const at::Tensor pos = positions.to(at::kLong).contiguous();
+  for (const at::Tensor* a : {&t, &k, &p, &mp, &s, &pos}) {
+    TORCH_CHECK(a->numel() == m, "one sampling parameter per row");
+  }
+  at::Tensor out = at::empty({m}, x.options().dtype(at::kLong));
+  const float* xp = x.data_ptr<float>();
+  const float *tp = t.data_ptr<float>(), *pp = p.data_ptr<float>(), *mpp = mp.data_ptr<float>();
+  const int64_t *kp = k.data_ptr<int64_t>(), *sp = s.data_ptr<int64_t>();
+  const int64_t* posp = pos.data_ptr<int64_t>();
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, m, 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const double u = position_uniform(sp[r], posp[r]);
+      op[r] = sample_row(xp + r * V, V, tp[r], std::min(kp[r], V), pp[r], mpp[r], u);
+    }
+  });
+  return out;
+}
+
+}  // namespace eagleserve_cpu
+
+TORCH_LIBRARY_FRAGMENT(eagleserve_cpu, lib) {
+  lib.def(
+      "sample_rows(Tensor logits, Tensor temperatures, Tensor top_ks, Tensor top_ps, "
+      "Tensor min_ps, Tensor seeds, Tensor positions) -> Tensor",
+      &eagleserve_cpu::sample_rows);
+}
