@@ -11,7 +11,9 @@
 //   keeps a token while the mass of the more likely ones is below top_p of the whole
 //   distribution (not of what top-k left), and always keeps the most likely token;
 // - the draw: the first token, in vocabulary order, whose running kept mass (fp64) exceeds
-//   u * the kept total, u the 24-bit uniform of the request's seed and the token's position.
+//   u * the kept total, u the 24-bit uniform of the request's seed and the token's position;
+//   eight weights are summed at a time, so the walk scans one token at a time only in the
+//   eight where it crosses.
 //
 // The torch ops round differently (normalized fp32 probabilities, sorted fp32 sums), so the two
 // agree except where u * total or a top-p cut falls within rounding of a boundary. Each row
@@ -97,18 +99,15 @@ bool weights(const float* logits, int64_t V, float temperature, float* w) {
   return true;
 }
 
-// Which tokens top-k / top-p keep, as a cut in (weight descending, index ascending) order:
-// token i is kept iff bits(w[i]) >> kKeyShift is above `bucket`, or in it and at or before
-// (cut_w, cut_i). No cut (bucket -1) keeps every token.
+// Which tokens top-k, top-p and min-p keep: w[i] >= floor, and w[i] above `w_cut`, or equal to
+// it at an index at most `i_cut` (the (weight descending, index ascending) order's cut).
 struct Cut {
-  int bucket = -1;
-  float cut_w = std::numeric_limits<float>::infinity();  // infinity: none of the bucket kept
-  int64_t cut_i = -1;
+  float floor = 0.f;
+  float w_cut = -1.f;  // below every weight: no top-k / top-p cut
+  int64_t i_cut = 0;
 
   bool keeps(float wi, int64_t i) const {
-    const int key = static_cast<int>(bits(wi) >> kKeyShift);
-    if (key != bucket) return key > bucket;
-    return wi > cut_w || (wi == cut_w && i <= cut_i);
+    return wi >= floor && (wi > w_cut || (wi == w_cut && i <= i_cut));
   }
 };
 
@@ -128,22 +127,26 @@ Cut top_k_top_p(const float* w, int64_t V, int64_t top_k, double top_p) {
   const double p_mass = top_p * total;
   int64_t rank = 0;  // tokens in the buckets above
   double before = 0.0;  // their mass
-  Cut cut;
+  int bucket = -1;  // the first bucket not kept whole
   for (int b = kBuckets - 1; b >= 0; --b) {
     if (count[b] == 0) continue;
-    const bool all_kept = rank + count[b] <= top_k && (!filter_p || before + mass[b] < p_mass);
-    if (!all_kept) {
-      cut.bucket = b;
+    if (rank + count[b] > top_k || (filter_p && before + mass[b] >= p_mass)) {
+      bucket = b;
       break;
     }
     rank += count[b];
     before += mass[b];
   }
-  if (cut.bucket < 0) return cut;
+  Cut cut;
+  if (bucket < 0) return cut;
+  // None of the bucket kept: every weight in the buckets above (at least its upper bound).
+  const uint32_t above = static_cast<uint32_t>(bucket + 1) << kKeyShift;
+  std::memcpy(&cut.w_cut, &above, sizeof above);
+  cut.i_cut = V;
   thread_local std::vector<std::pair<float, int64_t>> members;
   members.clear();
   for (int64_t i = 0; i < V; ++i) {
-    if (static_cast<int>(bits(w[i]) >> kKeyShift) == cut.bucket) members.emplace_back(w[i], i);
+    if (static_cast<int>(bits(w[i]) >> kKeyShift) == bucket) members.emplace_back(w[i], i);
   }
   std::sort(members.begin(), members.end(), [](const auto& a, const auto& b) {
     return a.first > b.first || (a.first == b.first && a.second < b.second);
@@ -151,12 +154,32 @@ Cut top_k_top_p(const float* w, int64_t V, int64_t top_k, double top_p) {
   for (const auto& [wi, i] : members) {
     const bool kept = rank < top_k && (!filter_p || before < p_mass || rank == 0);
     if (!kept) break;
-    cut.cut_w = wi;
-    cut.cut_i = i;
+    cut.w_cut = wi;
+    cut.i_cut = i;
     rank += 1;
     before += wi;
   }
   return cut;
+}
+
+// The kept mass of w[i0, i0 + 8) in fp64, the lanes summed in a fixed order (the total and the
+// walk add the same chunk sums, so the walk crosses u * total by the last kept token).
+double chunk_mass(const float* w, int64_t i0, const Cut& cut) {
+  const __m256 x = _mm256_loadu_ps(w + i0);
+  const __m256 eq = _mm256_cmp_ps(x, _mm256_set1_ps(cut.w_cut), _CMP_EQ_OQ);
+  if (_mm256_movemask_ps(eq) != 0) {  // a weight equal to the cut: its index decides
+    double sum = 0.0;
+    for (int64_t i = i0; i < i0 + 8; ++i) sum += cut.keeps(w[i], i) ? w[i] : 0.0;
+    return sum;
+  }
+  const __m256 keep = _mm256_and_ps(_mm256_cmp_ps(x, _mm256_set1_ps(cut.w_cut), _CMP_GT_OQ),
+                                    _mm256_cmp_ps(x, _mm256_set1_ps(cut.floor), _CMP_GE_OQ));
+  const __m256 kept = _mm256_and_ps(x, keep);
+  const __m256d s = _mm256_add_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(kept)),
+                                  _mm256_cvtps_pd(_mm256_extractf128_ps(kept, 1)));
+  double lanes[4];
+  _mm256_storeu_pd(lanes, s);
+  return (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
 }
 
 int64_t sample_row(const float* logits, int64_t V, float temperature, int64_t top_k,
@@ -165,22 +188,33 @@ int64_t sample_row(const float* logits, int64_t V, float temperature, int64_t to
   buf.resize(V);
   float* w = buf.data();
   if (!weights(logits, V, temperature, w)) return V - 1;  // no mass: the torch draw's clamp
-  const bool filter = top_k < V || top_p < 1.f;
-  const Cut cut = filter ? top_k_top_p(w, V, top_k, top_p) : Cut{};
-  const bool use_cut = cut.bucket >= 0;
-  auto kept = [&](int64_t i) { return w[i] >= min_p && (!use_cut || cut.keeps(w[i], i)); };
+  Cut cut = top_k < V || top_p < 1.f ? top_k_top_p(w, V, top_k, top_p) : Cut{};
+  cut.floor = min_p;  // the most likely token weighs 1
+  const int64_t body = V - V % 8;
   double total = 0.0;
-  for (int64_t i = 0; i < V; ++i) {
-    if (kept(i)) total += w[i];
-  }
-  const double target = u * total;
+  for (int64_t i = 0; i < body; i += 8) total += chunk_mass(w, i, cut);
+  for (int64_t i = body; i < V; ++i) total += cut.keeps(w[i], i) ? w[i] : 0.0;
+  const double target = u * total;  // below total: u < 1
   double running = 0.0;
-  for (int64_t i = 0; i < V; ++i) {
-    if (!kept(i)) continue;
-    running += w[i];
+  for (int64_t i0 = 0; i0 < body; i0 += 8) {
+    const double chunk = chunk_mass(w, i0, cut);
+    if (running + chunk > target) {  // the crossing is in this chunk (which has mass)
+      int64_t last = i0;
+      for (int64_t i = i0; i < i0 + 8; ++i) {
+        if (!cut.keeps(w[i], i)) continue;
+        last = i;
+        running += w[i];
+        if (running > target) return i;
+      }
+      return last;  // the in-chunk sum rounded below the chunk's: its last kept token
+    }
+    running += chunk;
+  }
+  for (int64_t i = body; i < V; ++i) {  // the same sums as the total's: the crossing is here
+    running += cut.keeps(w[i], i) ? w[i] : 0.0;
     if (running > target) return i;
   }
-  return V - 1;
+  return V - 1;  // no mass (not reached: the most likely token is always kept)
 }
 
 }  // namespace
