@@ -2,17 +2,21 @@
 target's own tokens under speculation, in one run.
 
     python bench/sampling.py [--device cpu] [--model default] [--deterministic] [--prompts 6]
-                             [--new-tokens 64] [--rounds 3] [--threads N] [--out PATH]
+                             [--new-tokens 64] [--rounds 3] [--batch 1] [--threads N]
+                             [--torch-sampling] [--out PATH]
 
 The default model (on a CPU the packed target as served), held-out MT-bench chat prompts, one
-request at a time (batch 1), EOS ignored; `--deterministic` serves with
+request at a time (`--batch N`: N at once), EOS ignored; `--deterministic` serves with
 `--enable-deterministic-inference` (a GPU in half precision needs it for equal tokens).
 Sampling settings: greedy, temperature 1, temperature 0.7 with top_p 0.9, temperature 1 with
 top_p 0.95, temperature 0.8 with top_k 50; every sampled request has its own seed. Each runs
 through target-only, EAGLE with the built-in EAGLE-3 head as a fixed 3-step chain, and `make
 serve`'s adaptive depth 0..3. Per cell: tokens/s (median round), tau and acceptance by depth
 (P(at least d drafts accepted) per verify), and how many requests' tokens equal target-only's
-with the same seed (all rounds), so "lossless" here means equal token ids. Rounds interleave
+with the same seed (all rounds), so "lossless" here means equal token ids. `--torch-sampling`
+adds target-only and chain-3 rows that sample with torch ops instead of the device's sampling
+kernel (on a CPU kernels/cpu_sample.cpp, on a GPU kernels/triton_sample.py: what
+`--disable-fused-kernels` does to sampling), on the same engines. Rounds interleave
 settings and engines, reversing the order every other round. Prints a table; writes
 bench/results/sampling_<device>.json (or --out).
 """
@@ -24,6 +28,8 @@ import json
 import os
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -41,6 +47,7 @@ from bench.common import (  # noqa: E402
 )
 from bench.gpu_table import chain  # noqa: E402
 from eagleserve import Engine, SamplingParams  # noqa: E402
+from eagleserve.sampling import sampler  # noqa: E402
 
 SPEC = chain(3)  # the built-in EAGLE-3 head, a fixed 3-step chain
 SETTINGS = {  # name -> SamplingParams fields
@@ -52,10 +59,28 @@ SETTINGS = {  # name -> SamplingParams fields
 }
 
 
-def run(engine: Engine, prompts: list[list[int]], params: list[SamplingParams]) -> dict[str, Any]:
+@contextmanager
+def torch_sampling(device: str) -> Iterator[None]:
+    """The device's sampled rows drawn by torch ops for a while (the engines stay as built)."""
+    saved = dict(sampler._fused_draw)
+    sampler._fused_draw.pop(torch.device(device).type, None)
+    try:
+        yield
+    finally:
+        sampler._fused_draw.clear()
+        sampler._fused_draw.update(saved)
+
+
+def run(
+    engine: Engine, prompts: list[list[int]], params: list[SamplingParams], batch: int
+) -> dict[str, Any]:
     before = engine.stats()
     t0 = time.perf_counter()
-    tokens = [engine.generate([p], sp)[0]["token_ids"] for p, sp in zip(prompts, params)]
+    tokens = [
+        out["token_ids"]
+        for i in range(0, len(prompts), batch)
+        for out in engine.generate(prompts[i : i + batch], params[i : i + batch])
+    ]
     dt = time.perf_counter() - t0
     after = engine.stats()
     res: dict[str, Any] = dict(tok_s=sum(map(len, tokens)) / dt, tokens=tokens)
@@ -75,13 +100,17 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=6)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--batch", type=int, default=1, help="requests generated at once")
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    ap.add_argument("--torch-sampling", action="store_true",
+                    help="also target-only and chain 3 sampling with torch ops")  # fmt: skip
     ap.add_argument("--out", default=None, help="JSON path (default bench/results/...)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    common = dict(model=args.model, device=args.device, kv_cache_tokens=4096,
-                  max_running_requests=4,
+    common = dict(model=args.model, device=args.device,
+                  kv_cache_tokens=max(4096, 512 * args.batch),
+                  max_running_requests=max(4, args.batch),
                   enable_deterministic_inference=args.deterministic)  # fmt: skip
     engines = {
         "target-only": Engine(**common),
@@ -97,13 +126,22 @@ def main() -> None:
     }  # fmt: skip
     for eng in engines.values():  # warm-up
         eng.generate([prompts[0]], SamplingParams(max_new_tokens=4))
-    runs = interleaved_rounds(
-        args.rounds, list(SETTINGS), list(engines),
-        lambda setting, name: run(engines[name], prompts, params[setting]),
-    )  # fmt: skip
+    variants = {name: (eng, False) for name, eng in engines.items()}
+    if args.torch_sampling:
+        for name in ("target-only", "EAGLE chain 3"):
+            variants[f"{name}, torch sampling"] = (engines[name], True)
+
+    def one(setting: str, name: str) -> dict[str, Any]:
+        eng, torch_ops = variants[name]
+        if not torch_ops:
+            return run(eng, prompts, params[setting], args.batch)
+        with torch_sampling(args.device):
+            return run(eng, prompts, params[setting], args.batch)
+
+    runs = interleaved_rounds(args.rounds, list(SETTINGS), list(variants), one)
     rows: list[dict[str, Any]] = []
     for setting in SETTINGS:
-        for name in engines:
+        for name in variants:
             rs = runs[(setting, name)]
             cell = against_baseline(rs, runs[(setting, "target-only")])
             rows.append(dict(setting=setting, engine=name, **cell,
@@ -124,7 +162,7 @@ def main() -> None:
             ]
             for r in rows
         ],
-        title=f"batch 1, {len(prompts)} MT-bench prompts x {args.new_tokens} tokens, "
+        title=f"batch {args.batch}, {len(prompts)} MT-bench prompts x {args.new_tokens} tokens, "
         f"{args.rounds} rounds",
     )
     payload = dict(machine=machine_info(), gpu=gpu, args=vars(args), rows=rows)
@@ -133,7 +171,8 @@ def main() -> None:
             json.dump(payload, f, indent=2)
         path = args.out
     else:
-        path = write_json(f"sampling_{args.device}.json", payload)
+        suffix = f"_batch{args.batch}" if args.batch > 1 else ""
+        path = write_json(f"sampling_{args.device}{suffix}.json", payload)
     print(f"wrote {path}")
 
 
