@@ -99,8 +99,8 @@ def run_setting(
                 worker.controller.choose = lambda *args, **kwargs: 0
             if hasattr(worker, "paths"):
                 worker.paths.fixed_shape = True  # as on an accelerator
-            if hasattr(sampler, "_fused_draw"):  # sampled rows draw as on an accelerator
-                mp.setitem(sampler._fused_draw, "cpu", "triton")
+            if hasattr(worker.runner, "draw_kernel"):  # sampled rows draw as on an accelerator
+                mp.setattr(worker.runner, "draw_kernel", "triton")
             elif hasattr(sampler, "_draw_kernel_device"):  # the same before 2026-11-29
                 mp.setattr(sampler, "_draw_kernel_device", "cpu")
             name_graphs(census, worker)

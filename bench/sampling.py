@@ -47,7 +47,6 @@ from bench.common import (  # noqa: E402
 )
 from bench.gpu_table import chain  # noqa: E402
 from eagleserve import Engine, SamplingParams  # noqa: E402
-from eagleserve.sampling import sampler  # noqa: E402
 
 SPEC = chain(3)  # the built-in EAGLE-3 head, a fixed 3-step chain
 SETTINGS = {  # name -> SamplingParams fields
@@ -60,15 +59,14 @@ SETTINGS = {  # name -> SamplingParams fields
 
 
 @contextmanager
-def torch_sampling(device: str) -> Iterator[None]:
-    """The device's sampled rows drawn by torch ops for a while (the engines stay as built)."""
-    saved = dict(sampler._fused_draw)
-    sampler._fused_draw.pop(torch.device(device).type, None)
+def torch_sampling(engine: Engine) -> Iterator[None]:
+    """The engine's sampled rows drawn by torch ops for a while (its batches made meanwhile)."""
+    runner = engine.scheduler.worker.runner
+    saved, runner.draw_kernel = runner.draw_kernel, None
     try:
         yield
     finally:
-        sampler._fused_draw.clear()
-        sampler._fused_draw.update(saved)
+        runner.draw_kernel = saved
 
 
 def run(
@@ -135,7 +133,7 @@ def main() -> None:
         eng, torch_ops = variants[name]
         if not torch_ops:
             return run(eng, prompts, params[setting], args.batch)
-        with torch_sampling(args.device):
+        with torch_sampling(eng):
             return run(eng, prompts, params[setting], args.batch)
 
     runs = interleaved_rounds(args.rounds, list(SETTINGS), list(variants), one)

@@ -24,7 +24,6 @@ from eagleserve.models.llama import LlamaForCausalLM, ModelOutput
 from eagleserve.models.loader import load_weights
 from eagleserve.models.tp_shard import TpShard
 from eagleserve.sampling.penalty_state import PenaltyState
-from eagleserve.sampling.sampler import use_draw_kernel
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +68,15 @@ def use_fused_kernels(
         else ("torch" if device.type == "cpu" else "triton")
     )
     return device.type != "cpu" and name == "triton" and gguf_path is None and shard is None
+
+
+def draw_kernel(device: torch.device) -> str | None:
+    """Where this device's sampled rows draw (sampler.py `SamplingInfo.draw_kernel`): one Triton
+    launch on an accelerator; on a CPU one C++ call, where the extension loads (the packed
+    target's; built once)."""
+    if device.type != "cpu":
+        return "triton"
+    return "cpu" if cpu_ext.load() else None
 
 
 class ModelRunner:
@@ -128,8 +136,7 @@ class ModelRunner:
                 packed.install(model, gguf_path, shard=shard.slice_quant if shard else None)
         if shard is not None:
             shard.gather_logits(model)
-        # A CPU's sampling kernel needs the C++ extension (the packed target's; built once).
-        use_draw_kernel(device, fused_kernels and (device.type != "cpu" or cpu_ext.load()))
+        self.draw_kernel = draw_kernel(device) if fused_kernels else None
         if fused_kernels and use_fused_kernels(device, attention_backend, gguf_path, shard):
             from eagleserve.models.fused_forward import enable_fused_kernels
 

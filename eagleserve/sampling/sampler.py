@@ -41,6 +41,10 @@ class SamplingInfo:
     needs_min_p: bool = True
     # Rows with penalties or logit_bias (None: no row has any).
     penalties: BatchPenalties | None = None
+    # Where sampled rows draw in one fused call (the model runner's choice, `draw_kernel`):
+    # "triton" (an accelerator's one launch, kernels/triton_sample.py), "cpu" (the C++ call that
+    # also filters, from the logits: kernels/cpu_sample.cpp), None (torch ops).
+    draw_kernel: str | None = None
     # repeat_interleave's results by n: a batch's verifies reuse them while its membership holds.
     _per_node: dict[int, SamplingInfo] = field(
         default_factory=dict, init=False, repr=False, compare=False
@@ -51,20 +55,27 @@ class SamplingInfo:
         return all(self.is_greedy)
 
     @classmethod
-    def of_batch(cls, batch: ScheduleBatch, vocab_size: int) -> SamplingInfo:
+    def of_batch(
+        cls, batch: ScheduleBatch, vocab_size: int, draw_kernel: str | None
+    ) -> SamplingInfo:
         """The batch's sampling info, rebuilt only when its requests changed (a membership
         change: admission, finish, retraction); every forward in between reuses it."""
         key = tuple(id(r) for r in batch.reqs)
         cached = batch.sampling_info
         if cached is None or cached[0] != key:
             prefilled = batch.batch_size - batch.decode_rows if batch.mode == "extend" else 0
-            info = cls.from_reqs(batch.reqs, vocab_size, batch.device, prefilled)
+            info = cls.from_reqs(batch.reqs, vocab_size, batch.device, prefilled, draw_kernel)
             batch.sampling_info = (key, info)
         return batch.sampling_info[1]
 
     @classmethod
     def from_reqs(
-        cls, reqs: list[Req], vocab_size: int, device: torch.device, prefill_rows: int = 0
+        cls,
+        reqs: list[Req],
+        vocab_size: int,
+        device: torch.device,
+        prefill_rows: int = 0,
+        draw_kernel: str | None = None,
     ) -> SamplingInfo:
         """The first `prefill_rows` requests are being prefilled (their penalty rows are reset
         from their host tokens); the others decode."""
@@ -87,6 +98,7 @@ class SamplingInfo:
             needs_top_p=any(p.top_p < 1.0 for p, g in zip(ps, greedy) if not g),
             needs_min_p=any(p.min_p > 0 for p, g in zip(ps, greedy) if not g),
             penalties=BatchPenalties.of_reqs(reqs, vocab_size, device, prefill_rows),
+            draw_kernel=draw_kernel,
         )
 
     def rows(self, rows: list[int], idx: torch.Tensor) -> SamplingInfo:
@@ -102,6 +114,7 @@ class SamplingInfo:
             self.needs_top_k,
             self.needs_top_p,
             self.needs_min_p,
+            draw_kernel=self.draw_kernel,
         )
 
     def repeat_interleave(self, n: int) -> SamplingInfo:
@@ -123,6 +136,7 @@ class SamplingInfo:
             self.needs_top_k,
             self.needs_top_p,
             self.needs_min_p,
+            draw_kernel=self.draw_kernel,
         )
 
 
@@ -214,30 +228,15 @@ def draw(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     return idx.clamp(max=probs.shape[1] - 1).squeeze(1)
 
 
-# Where sampled rows draw in one fused call, by device type: "triton" (an accelerator's one
-# launch, kernels/triton_sample.py) or "cpu" (the C++ call that also filters, from the logits:
-# kernels/cpu_sample.cpp). Set by the model runner unless --disable-fused-kernels; keyed by
-# device type, so engines on different devices in one process choose for themselves.
-_fused_draw: dict[str, str] = {}
-
-
-def use_draw_kernel(device: torch.device, on: bool) -> None:
-    if on:
-        _fused_draw[device.type] = "cpu" if device.type == "cpu" else "triton"
-    else:
-        _fused_draw.pop(device.type, None)
-
-
 def _draw_sampled(
     logits: torch.Tensor, info: SamplingInfo, positions: torch.Tensor
 ) -> torch.Tensor:
     """Token ids of sampled rows (no greedy one among them)."""
-    kernel = _fused_draw.get(logits.device.type)
-    if kernel == "cpu":
+    if info.draw_kernel == "cpu":
         return cpu_ext.sample_rows(logits.float(), info.temperatures, info.top_ks, info.top_ps,
                                    info.min_ps, info.seeds, positions)  # fmt: skip
     probs = logits_to_probs(logits, info)
-    if kernel == "triton":
+    if info.draw_kernel == "triton":
         from eagleserve.kernels.triton_sample import seeded_draw  # imports triton
 
         return seeded_draw(probs, info.seeds, positions)

@@ -17,7 +17,6 @@ from eagleserve.mem_cache.prefix_cache import PrefixCache
 from eagleserve.messages import EngineStats, GenerateReqInput, TokenOutput
 from eagleserve.model_executor.model_runner import ModelRunner
 from eagleserve.models.loader import load_tokenizer_in_background, resolve_model_path
-from eagleserve.sampling.sampler import SamplingInfo
 from eagleserve.sampling.seeded_noise import entropy_seed
 from eagleserve.sampling_params import check_request
 from eagleserve.scheduler.chunk_budget import ChunkBudget
@@ -296,7 +295,7 @@ class Scheduler:
         if isinstance(self.worker, EagleWorker):
             self.worker.plan_launch(batch, self.spec_stats.acceptance_ema, partial)
         # Built here, on the host batch, so the overlap forward's snapshot shares the cache.
-        info = SamplingInfo.of_batch(batch, self.model_config.vocab_size)
+        info = self.worker.sampling_info(batch)
         if partial is not None:
             info.is_greedy[batch.reqs.index(partial)] = True
         # Per launch: a request whose prefill goes on commits no token (its matcher waits).

@@ -154,14 +154,14 @@ class EagleWorker:
         if rows and batch.draft_lags is not None:
             batch.draft_lags = [0 if i in rows else m for i, m in enumerate(batch.draft_lags)]
 
-    def _sampling_info(self, batch: ScheduleBatch) -> SamplingInfo:
-        return SamplingInfo.of_batch(batch, self.runner.config.vocab_size)
+    def sampling_info(self, batch: ScheduleBatch) -> SamplingInfo:
+        return SamplingInfo.of_batch(batch, self.runner.config.vocab_size, self.runner.draw_kernel)
 
     def _sample_next(
         self, logits: torch.Tensor, batch: ScheduleBatch, positions: torch.Tensor, prefill: bool
     ) -> GenerationBatchResult:
         """The next token of each request, to sit at positions [bs]."""
-        info = self._sampling_info(batch)
+        info = self.sampling_info(batch)
         state = self.runner.penalty_state
         slots = batch.req_pool_indices
         grammar = batch.grammar
@@ -307,7 +307,7 @@ class EagleWorker:
             )
         )
         logits = out.logits.view(bs, n, -1)
-        info = self._sampling_info(batch)
+        info = self.sampling_info(batch)
         pen, state = info.penalties, self.runner.penalty_state
         # Greedy and sampled acceptance both judge the penalized logits: node i sees the counts
         # of its own path, so the walk accepts exactly what target-only decoding would emit.

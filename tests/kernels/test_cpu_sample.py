@@ -143,15 +143,14 @@ def test_edge_rows() -> None:
         assert 0 <= got[3] < vocab and got[4] == logits[4].argmax()
 
 
-def test_the_sampler_uses_the_kernel_on_a_cpu(monkeypatch) -> None:
+def test_the_sampler_uses_the_kernel_on_a_cpu() -> None:
     """With the kernel on (the model runner's default on a CPU), sample() draws a sampled row's
-    token from it and a greedy row's argmax; off, the torch ops."""
+    token from it and a greedy row's argmax, verify nodes (repeated rows) included."""
     gen = torch.Generator().manual_seed(random.randrange(2**31))
     logits, info = _rows(6, 4099, gen)
     info.is_greedy = [False, True, False, False, True, False]
+    info.draw_kernel = "cpu"
     positions = torch.randint(0, 5000, (6,), generator=gen)
-    monkeypatch.setattr(sampler, "_fused_draw", {})
-    sampler.use_draw_kernel(torch.device("cpu"), True)
     got = sampler.sample(logits, info, positions)
     sampled = torch.tensor([0, 2, 3, 5])
     want = cpu_ext.sample_rows(logits[sampled], info.temperatures[sampled], info.top_ks[sampled],
@@ -159,5 +158,14 @@ def test_the_sampler_uses_the_kernel_on_a_cpu(monkeypatch) -> None:
                                positions[sampled])  # fmt: skip
     assert torch.equal(got[sampled], want)
     assert torch.equal(got[[1, 4]], logits[[1, 4]].argmax(-1))
-    sampler.use_draw_kernel(torch.device("cpu"), False)
-    assert sampler._fused_draw == {}
+    nodes = info.repeat_interleave(2)
+    assert nodes.draw_kernel == "cpu"
+    again = sampler.sample(logits.repeat_interleave(2, 0), nodes, positions.repeat_interleave(2))
+    assert torch.equal(again.view(6, 2), got[:, None].expand(6, 2))
+
+
+def test_the_model_runner_chooses_the_kernel() -> None:
+    from eagleserve.model_executor.model_runner import draw_kernel
+
+    assert draw_kernel(torch.device("cpu")) == "cpu"
+    assert draw_kernel(torch.device("meta")) == "triton"  # any accelerator

@@ -62,13 +62,11 @@ def test_the_sampler_draws_the_same_tokens_with_the_kernel(monkeypatch) -> None:
     reqs = [Req(f"r{i}", [1], p) for i, p in enumerate(params)]
     for r in reqs:
         r.sampling_seed = None if r.sampling_params.is_greedy else random.randrange(2**63)
-    info = sampler.SamplingInfo.from_reqs(reqs, vocab, DEVICE)
-    monkeypatch.delitem(sampler._fused_draw, DEVICE.type, raising=False)  # `want`: torch's ops
+    info = sampler.SamplingInfo.from_reqs(reqs, vocab, DEVICE)  # torch ops
+    on_kernel = sampler.SamplingInfo.from_reqs(reqs, vocab, DEVICE, draw_kernel="triton")
     for _ in range(3):
         logits = (torch.randn(len(reqs), vocab) * 4).to(DEVICE)
         positions = torch.randint(0, 10**6, (len(reqs),)).to(DEVICE)
         want = sampler.sample(logits, info, positions)
-        monkeypatch.setitem(sampler._fused_draw, DEVICE.type, "triton")
-        got = sampler.sample(logits, info, positions)
-        monkeypatch.delitem(sampler._fused_draw, DEVICE.type)
+        got = sampler.sample(logits, on_kernel, positions)
         assert torch.equal(got, want)

@@ -91,10 +91,10 @@ def test_sampling_info_is_built_once_per_batch_membership() -> None:
     batch = ScheduleBatch(reqs=list(reqs), mode="decode", device=torch.device("cpu"))
     batch.req_pool_indices = torch.tensor([0, 1])
     batch.seq_lens = batch.input_ids = torch.tensor([4, 4])
-    first = SamplingInfo.of_batch(batch, 40)
-    assert SamplingInfo.of_batch(batch, 40) is first
+    first = SamplingInfo.of_batch(batch, 40, None)
+    assert SamplingInfo.of_batch(batch, 40, None) is first
     batch.filter_batch([1])
-    second = SamplingInfo.of_batch(batch, 40)
+    second = SamplingInfo.of_batch(batch, 40, None)
     assert second is not first and second.is_greedy == [True]
     assert torch.equal(first.rows([0], torch.tensor([0])).top_ps, torch.tensor([0.5]))
 
