@@ -41,10 +41,15 @@ from eagleserve.train.training_log import write_training_log
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "train-draft",
-        help="train an EAGLE/EAGLE3 head for a model by self-distillation",
-        description="The engine answers ShareGPT prompts with the target itself; the head learns "
-        "the target's greedy tokens over several unrolled draft depths. Writes the published "
-        "EAGLE/EAGLE3 checkpoint format (plus trainer_state.pt for --resume).",
+        help="train an EAGLE/EAGLE3 head for a model",
+        description="Three ways to train a head. --recipe gpu (one command, for any device): "
+        "every ShareGPT turn, the target's features and top-k computed online "
+        "on --device (an accelerator when there is one), then a time-budgeted run and a "
+        "held-out score (TRAINING.md of the built-in head). --data-source teacher-forced: the "
+        "same targets stored as shards on disk, trained in resumable chunks (the CPU path the "
+        "shipped head came from). Default: the engine answers ShareGPT prompts with the target "
+        "itself and the head learns its greedy tokens. All write the published EAGLE/EAGLE3 "
+        "checkpoint format (plus trainer_state.pt for --resume).",
     )
     p.add_argument("--model", required=True, help="target: HF folder, .gguf, or 'default'")
     p.add_argument("--out", required=True, help="output folder (checkpoints, data cache, log)")
