@@ -24,6 +24,7 @@ from eagleserve.models.llama import LlamaForCausalLM, ModelOutput
 from eagleserve.models.loader import load_weights
 from eagleserve.models.tp_shard import TpShard
 from eagleserve.sampling.penalty_state import PenaltyState
+from eagleserve.sampling.sampler import DrawKernel
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +71,7 @@ def use_fused_kernels(
     return device.type != "cpu" and name == "triton" and gguf_path is None and shard is None
 
 
-def draw_kernel(device: torch.device) -> str | None:
+def draw_kernel(device: torch.device) -> DrawKernel | None:
     """Where this device's sampled rows draw (sampler.py `SamplingInfo.draw_kernel`): one Triton
     launch on an accelerator; on a CPU one C++ call, where the extension loads (the packed
     target's; built once)."""
@@ -136,7 +137,7 @@ class ModelRunner:
                 packed.install(model, gguf_path, shard=shard.slice_quant if shard else None)
         if shard is not None:
             shard.gather_logits(model)
-        self.draw_kernel = draw_kernel(device) if fused_kernels else None
+        self.draw_kernel: DrawKernel | None = draw_kernel(device) if fused_kernels else None
         if fused_kernels and use_fused_kernels(device, attention_backend, gguf_path, shard):
             from eagleserve.models.fused_forward import enable_fused_kernels
 

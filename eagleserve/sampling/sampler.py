@@ -14,6 +14,7 @@ rows included; logprobs stay those of the raw model, as vLLM's.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 
@@ -25,6 +26,11 @@ from eagleserve.distributed.parallel import broadcast_from_first
 from eagleserve.kernels import cpu_ext
 from eagleserve.sampling.penalty_state import BatchPenalties, PenaltyState
 from eagleserve.sampling.seeded_noise import position_uniforms
+
+# Where sampled rows draw in one fused call: "triton" (an accelerator's one launch,
+# kernels/triton_sample.py) or "cpu" (the C++ call that also filters, from the logits:
+# kernels/cpu_sample.cpp); None: torch ops.
+DrawKernel = Literal["triton", "cpu"]
 
 
 @dataclass
@@ -41,10 +47,8 @@ class SamplingInfo:
     needs_min_p: bool = True
     # Rows with penalties or logit_bias (None: no row has any).
     penalties: BatchPenalties | None = None
-    # Where sampled rows draw in one fused call (the model runner's choice, `draw_kernel`):
-    # "triton" (an accelerator's one launch, kernels/triton_sample.py), "cpu" (the C++ call that
-    # also filters, from the logits: kernels/cpu_sample.cpp), None (torch ops).
-    draw_kernel: str | None = None
+    # The model runner's choice (model_runner.py `draw_kernel`).
+    draw_kernel: DrawKernel | None = None
     # repeat_interleave's results by n: a batch's verifies reuse them while its membership holds.
     _per_node: dict[int, SamplingInfo] = field(
         default_factory=dict, init=False, repr=False, compare=False
@@ -56,7 +60,7 @@ class SamplingInfo:
 
     @classmethod
     def of_batch(
-        cls, batch: ScheduleBatch, vocab_size: int, draw_kernel: str | None
+        cls, batch: ScheduleBatch, vocab_size: int, draw_kernel: DrawKernel | None
     ) -> SamplingInfo:
         """The batch's sampling info, rebuilt only when its requests changed (a membership
         change: admission, finish, retraction); every forward in between reuses it."""
@@ -75,7 +79,7 @@ class SamplingInfo:
         vocab_size: int,
         device: torch.device,
         prefill_rows: int = 0,
-        draw_kernel: str | None = None,
+        draw_kernel: DrawKernel | None = None,
     ) -> SamplingInfo:
         """The first `prefill_rows` requests are being prefilled (their penalty rows are reset
         from their host tokens); the others decode."""
