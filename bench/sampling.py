@@ -122,8 +122,8 @@ def main() -> None:
                for i in range(len(prompts))]
         for name, kw in SETTINGS.items()
     }  # fmt: skip
-    for eng in engines.values():  # warm-up
-        eng.generate([prompts[0]], SamplingParams(max_new_tokens=4))
+    for eng in engines.values():  # warm-up, at the batch size measured (its first shapes)
+        eng.generate(prompts[: args.batch], SamplingParams(max_new_tokens=8))
     variants = {name: (eng, False) for name, eng in engines.items()}
     if args.torch_sampling:
         for name in ("target-only", "EAGLE chain 3"):
