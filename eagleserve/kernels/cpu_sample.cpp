@@ -61,14 +61,15 @@ double position_uniform(int64_t seed, int64_t position) {
   return static_cast<double>(h >> 8) * (1.0 / 16777216.0);
 }
 
-uint32_t bits(float w) {
+// A weight's histogram bucket (weights are in [0, 1]; clamped all the same, as an index).
+int bucket_of(float w) {
   uint32_t b;
   std::memcpy(&b, &w, sizeof b);
-  return b;
+  return std::min(static_cast<int>(b >> kKeyShift), kBuckets - 1);
 }
 
-// x = logits / temperature into w, then w = exp(x - max x); returns false for a row without
-// a finite maximum (all -inf, or NaN), which has no distribution.
+// x = logits / temperature into w, then w = exp(x - max x) (a NaN logit weighs 0); returns
+// false for a row without a finite maximum (all -inf or NaN, or a +inf), which has none.
 bool weights(const float* logits, int64_t V, float temperature, float* w) {
   const __m256 t = _mm256_set1_ps(temperature);
   __m256 mx = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
@@ -76,7 +77,7 @@ bool weights(const float* logits, int64_t V, float temperature, float* w) {
   for (; i + 8 <= V; i += 8) {
     const __m256 x = _mm256_div_ps(_mm256_loadu_ps(logits + i), t);
     _mm256_storeu_ps(w + i, x);
-    mx = _mm256_max_ps(mx, x);
+    mx = _mm256_max_ps(x, mx);  // a NaN x gives the second operand: NaNs are skipped
   }
   float lanes[8];
   _mm256_storeu_ps(lanes, mx);
@@ -118,7 +119,7 @@ Cut top_k_top_p(const float* w, int64_t V, int64_t top_k, double top_p) {
   mass.assign(kBuckets, 0.0);
   double total = 0.0;
   for (int64_t i = 0; i < V; ++i) {
-    const int key = static_cast<int>(bits(w[i]) >> kKeyShift);
+    const int key = bucket_of(w[i]);
     count[key] += 1;
     mass[key] += w[i];
   }
@@ -146,7 +147,7 @@ Cut top_k_top_p(const float* w, int64_t V, int64_t top_k, double top_p) {
   thread_local std::vector<std::pair<float, int64_t>> members;
   members.clear();
   for (int64_t i = 0; i < V; ++i) {
-    if (static_cast<int>(bits(w[i]) >> kKeyShift) == bucket) members.emplace_back(w[i], i);
+    if (bucket_of(w[i]) == bucket) members.emplace_back(w[i], i);
   }
   std::sort(members.begin(), members.end(), [](const auto& a, const auto& b) {
     return a.first > b.first || (a.first == b.first && a.second < b.second);

@@ -134,13 +134,18 @@ def test_edge_rows() -> None:
     logits[2, :] = float("-inf")
     logits[2, 17] = 0.0  # one allowed token
     logits[3, :] = float("-inf")  # no allowed token: no distribution, still a token id
+    logits[4, ::3] = float("nan")  # a NaN logit weighs nothing
     top_ks = torch.tensor([1, 3, vocab, vocab, vocab])
     top_ps = torch.tensor([1.0, 1.0, 0.5, 1.0, 1e-30])
     args = (torch.ones(5, 1), top_ks, top_ps, torch.zeros(5), torch.randint(0, 2**62, (5,)))
     for pos in range(20):
         got = cpu_ext.sample_rows(logits, *args, torch.full((5,), pos))
         assert got[0] == logits[0].argmax() and 0 <= got[1] < 3 and got[2] == 17
-        assert 0 <= got[3] < vocab and got[4] == logits[4].argmax()
+        assert 0 <= got[3] < vocab and got[4] == logits[4].nan_to_num(float("-inf")).argmax()
+        nan_row = cpu_ext.sample_rows(logits[4:], torch.ones(1, 1), torch.tensor([vocab]),
+                                      torch.ones(1), torch.zeros(1), args[4][4:],
+                                      torch.tensor([pos]))  # fmt: skip
+        assert not torch.isnan(logits[4, nan_row])
 
 
 def test_the_sampler_uses_the_kernel_on_a_cpu() -> None:
