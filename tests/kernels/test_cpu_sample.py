@@ -174,3 +174,28 @@ def test_the_model_runner_chooses_the_kernel() -> None:
 
     assert draw_kernel(torch.device("cpu")) == "cpu"
     assert draw_kernel(torch.device("meta")) == "triton"  # any accelerator
+
+
+def test_any_row_gets_a_token_it_allows() -> None:
+    """Fuzzed rows (sizes, -inf / NaN / huge logits, tiny temperatures, every filter): a token
+    id in range, and one with a finite logit whenever the row has one."""
+    rng = random.Random()
+    gen = torch.Generator().manual_seed(rng.randrange(2**31))
+    for _ in range(300):
+        vocab = rng.choice([1, 2, 7, 8, 9, 63, 1000, 4099])
+        m = rng.randint(1, 4)
+        logits = torch.randn(m, vocab, generator=gen) * rng.choice([0.0, 1.0, 30.0, 1e4])
+        special = torch.rand(m, vocab, generator=gen)
+        logits[special < rng.random() * 0.5] = float("-inf")
+        logits[special > 1 - rng.random() * 0.1] = float("nan")
+        temps = torch.tensor([[rng.choice([1e-5, 0.3, 1.0, 2.0])] for _ in range(m)])
+        top_ks = torch.randint(1, vocab + 1, (m,), generator=gen)
+        top_ps = torch.rand(m, generator=gen).clamp(min=1e-6)
+        min_ps = torch.rand(m, generator=gen) * rng.choice([0.0, 0.5, 1.0])
+        seeds = torch.randint(0, 2**63 - 1, (m,), generator=gen)
+        got = cpu_ext.sample_rows(logits, temps, top_ks, top_ps, min_ps, seeds,
+                                  torch.randint(0, 2**40, (m,), generator=gen))  # fmt: skip
+        assert ((got >= 0) & (got < vocab)).all()
+        finite = torch.isfinite(logits)
+        has_finite = finite.any(-1)
+        assert finite[has_finite].gather(1, got[has_finite, None]).all()
