@@ -144,9 +144,10 @@ class SamplingInfo:
         )
 
 
-# Candidates a CPU row's top-k / top-p filter looks among, fewest first (a CPU's topk of a few
-# thousand is far cheaper than its sort of a whole vocabulary); a row whose kept tokens may lie
-# past them all sorts its whole row.
+# Candidates a CPU row's top-k / top-p filter looks among when torch's ops sample (no C++
+# sampling kernel: kernels/cpu_sample.cpp), fewest first (a CPU's topk of a few thousand is far
+# cheaper than its sort of a whole vocabulary); a row whose kept tokens may lie past them all
+# sorts its whole row.
 TOP_CANDIDATES = (256, 4096)
 
 
