@@ -142,11 +142,14 @@ def stage_hang(args: argparse.Namespace, st: Stage) -> None:
 
 
 def stage_tests(args: argparse.Namespace, st: Stage, limit: float) -> None:
-    # Most telling first (each test compiles its Triton kernels: the stage may hit its limit):
-    # the GPU paths (real graphs, the verify graph's acceptance), the training attention on
-    # the GPU's SDPA kernels, the batch-invariant mode's row tests, then every other GPU
-    # kernel test.
-    first = ["tests/spec/test_gpu_paths.py", "tests/train/test_ttt.py",
+    # Most telling first (each test compiles its Triton kernels: the stage may hit its limit,
+    # as it did at ae931d0 after 14 tests of test_gpu_paths.py): the kernels that have run only
+    # under the interpreter, the GPU paths (real graphs, the verify graph's acceptance), the
+    # training attention on the GPU's SDPA kernels, the batch-invariant mode's row tests, then
+    # every other GPU kernel test.
+    first = ["tests/kernels/test_triton_sample.py", "tests/kernels/test_triton_accept.py",
+             "tests/kernels/test_triton_top1.py", "tests/kernels/test_triton_tree.py",
+             "tests/spec/test_gpu_paths.py", "tests/train/test_ttt.py",
              "tests/models/test_batch_invariant_switch.py", "tests/kernels/test_triton_gemv.py",
              "tests/kernels/test_batch_invariant.py",
              "tests/spec/test_deterministic_inference.py"]  # fmt: skip

