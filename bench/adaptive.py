@@ -1,17 +1,18 @@
 """Adaptive speculation vs fixed chains vs target-only, on the default model, in one run.
 
     python bench/adaptive.py [--batches 1,4,16] [--sets mtbench,humaneval,copy] [--rounds 2]
+        [--draft HEAD] [--out NAME.json]
         [--new-tokens 48] [--overlap] [--threads N]
 
 For every prompt set and batch size, one row per setting: target-only, fixed 1- and 3-chains
-(the shipped EAGLE3 head), and adaptive (chain lengths 0..3 chosen per iteration). Settings run
-interleaved (adaptive beside target-only, the order reversed every other round; a batch
-smaller than 8 runs in waves of distinct prompts, 8 requests in all, the settings taking turns
-wave by wave), on the
-packed-int4 SmolLM2 as `make serve` runs it (greedy, EOS ignored; the prefix cache off, so
-that every round prefills its prompts whole, the head's share of a prefill included). Reports
-tok/s (median over rounds), the ratio to target-only (median and range of each round's ratio
-to the target-only run beside it), tau, acceptance by depth, the chain lengths adaptive chose,
+(the shipped EAGLE3 head, or `--draft`), and adaptive (chain lengths 0..3 chosen per
+iteration). Settings run interleaved (adaptive beside target-only, the order reversed every
+other round; a batch smaller than 8 runs in waves of distinct prompts, 8 requests in all, the
+settings taking turns wave by wave), on the packed-int4 SmolLM2 as `make serve` runs it (greedy,
+EOS ignored; the prefix cache off, so that every round prefills its prompts whole, the head's
+share of a prefill included). Reports tok/s (median over rounds), the ratio to target-only
+(median and range of each round's ratio to the target-only run beside it), tau, acceptance by
+depth, the chain lengths adaptive chose,
 and whether every setting's tokens equal target-only's. Writes bench/results/adaptive.json.
 
 Prompt sets: MT-bench first turns, HumanEval, "copy" (passages the answer must repeat:
@@ -43,19 +44,22 @@ from bench.common import machine, median, print_table, write_json  # noqa: E402
 from bench.data import human_eval, mt_bench  # noqa: E402
 from eagleserve import Engine, SamplingParams  # noqa: E402
 
-HEAD = dict(
-    speculative_algorithm="EAGLE3",
-    speculative_draft_model_path="builtin:smollm2-135m-eagle",
-    speculative_eagle_topk=1,
-)
-SETTINGS: dict[str, dict[str, Any]] = {
-    "target-only": {},
-    "chain 1": dict(HEAD, speculative_num_steps=1, speculative_num_draft_tokens=2),
-    "chain 3": dict(HEAD, speculative_num_steps=3, speculative_num_draft_tokens=4),
-    "adaptive 0..3": dict(
-        HEAD, speculative_num_steps=3, speculative_num_draft_tokens=4, speculative_adaptive=True
-    ),
-}
+BUILTIN_HEAD = "builtin:smollm2-135m-eagle"
+
+
+def settings(draft: str) -> dict[str, dict[str, Any]]:
+    head = dict(speculative_algorithm="EAGLE3", speculative_draft_model_path=draft,
+                speculative_eagle_topk=1)  # fmt: skip
+    return {
+        "target-only": {},
+        "chain 1": dict(head, speculative_num_steps=1, speculative_num_draft_tokens=2),
+        "chain 3": dict(head, speculative_num_steps=3, speculative_num_draft_tokens=4),
+        "adaptive 0..3": dict(
+            head, speculative_num_steps=3, speculative_num_draft_tokens=4, speculative_adaptive=True
+        ),
+    }
+
+
 # Run order within a round (reversed every other round): adaptive beside target-only.
 ORDER = ["target-only", "adaptive 0..3", "chain 1", "chain 3"]
 MIN_REQUESTS = 8
@@ -142,6 +146,8 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=48)
     ap.add_argument("--overlap", action="store_true", help="overlap scheduler on (CPU: off)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    ap.add_argument("--draft", default=BUILTIN_HEAD, help="the EAGLE3 head (default: shipped)")
+    ap.add_argument("--out", default=None, help="JSON name under bench/results (and its PNG)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -156,7 +162,7 @@ def main() -> None:
             disable_radix_cache=True,  # every round prefills its prompts whole, as fresh ones
             **kw,
         )
-        for name, kw in SETTINGS.items()
+        for name, kw in settings(args.draft).items()
     }
     tok = engines["target-only"].tokenizer
     warm = SamplingParams(max_new_tokens=8, temperature=0.0)
@@ -212,8 +218,9 @@ def main() -> None:
         table,
         title,
     )  # fmt: skip
-    name = "adaptive_overlap.json" if args.overlap else "adaptive.json"
-    meta = {"machine": machine(), "new_tokens": args.new_tokens, "rounds": args.rounds}
+    name = args.out or ("adaptive_overlap.json" if args.overlap else "adaptive.json")
+    meta = {"machine": machine(), "new_tokens": args.new_tokens, "rounds": args.rounds,
+            "draft": args.draft}  # fmt: skip
     # What the controller decided from, at the end: its costs (ms per iteration, by batch
     # bucket and k) and the engine-wide acceptance by depth.
     adaptive = engines["adaptive 0..3"].scheduler
@@ -235,7 +242,7 @@ def plot(rows: list[dict[str, Any]], path: str, title: str) -> None:
     import matplotlib.pyplot as plt
 
     cells = sorted({(r["set"], r["batch"]) for r in rows}, key=lambda c: (c[0], c[1]))
-    names = [n for n in SETTINGS if n != "target-only"]
+    names = [n for n in ORDER if n != "target-only"]
     fig, ax = plt.subplots(figsize=(max(8, len(cells) * 0.9), 4))
     width = 0.8 / len(names)
     for j, name in enumerate(names):
