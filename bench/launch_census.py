@@ -81,7 +81,6 @@ def run_setting(
     from eagleserve.messages import GenerateReqInput
     from eagleserve.model_executor import model_runner
     from eagleserve.models import fused_forward
-    from eagleserve.sampling import sampler
 
     census = LaunchCensus()
     census.active = False
@@ -99,10 +98,7 @@ def run_setting(
                 worker.controller.choose = lambda *args, **kwargs: 0
             if hasattr(worker, "paths"):
                 worker.paths.fixed_shape = True  # as on an accelerator
-            if hasattr(worker.runner, "draw_kernel"):  # sampled rows draw as on an accelerator
-                mp.setattr(worker.runner, "draw_kernel", "triton")
-            elif hasattr(sampler, "_draw_kernel_device"):  # the same before 2026-11-29
-                mp.setattr(sampler, "_draw_kernel_device", "cpu")
+            mp.setattr(worker.runner, "draw_kernel", "triton")  # sampled rows as on a GPU
             name_graphs(census, worker)
             sched = eng.scheduler
             rng = random.Random(0)

@@ -163,8 +163,8 @@ Cut top_k_top_p(const float* w, int64_t V, int64_t top_k, double top_p) {
   return cut;
 }
 
-// The kept mass of w[i0, i0 + 8) in fp64, the lanes summed in a fixed order (the total and the
-// walk add the same chunk sums, so the walk crosses u * total by the last kept token).
+// The kept mass of w[i0, i0 + 8) in fp64, the lanes summed in a fixed order (the walk adds the
+// chunk sums the total added, so it crosses u * total by the last kept token).
 double chunk_mass(const float* w, int64_t i0, const Cut& cut) {
   const __m256 x = _mm256_loadu_ps(w + i0);
   const __m256 eq = _mm256_cmp_ps(x, _mm256_set1_ps(cut.w_cut), _CMP_EQ_OQ);
@@ -192,13 +192,18 @@ int64_t sample_row(const float* logits, int64_t V, float temperature, int64_t to
   Cut cut = top_k < V || top_p < 1.f ? top_k_top_p(w, V, top_k, top_p) : Cut{};
   cut.floor = min_p;  // the most likely token weighs 1
   const int64_t body = V - V % 8;
+  thread_local std::vector<double> chunks;  // each chunk's kept mass, summed once
+  chunks.resize(body / 8);
   double total = 0.0;
-  for (int64_t i = 0; i < body; i += 8) total += chunk_mass(w, i, cut);
+  for (int64_t c = 0; c < body / 8; ++c) {
+    chunks[c] = chunk_mass(w, 8 * c, cut);
+    total += chunks[c];
+  }
   for (int64_t i = body; i < V; ++i) total += cut.keeps(w[i], i) ? w[i] : 0.0;
   const double target = u * total;  // below total: u < 1
   double running = 0.0;
   for (int64_t i0 = 0; i0 < body; i0 += 8) {
-    const double chunk = chunk_mass(w, i0, cut);
+    const double chunk = chunks[i0 / 8];
     if (running + chunk > target) {  // the crossing is in this chunk (which has mass)
       int64_t last = i0;
       for (int64_t i = i0; i < i0 + 8; ++i) {

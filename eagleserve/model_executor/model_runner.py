@@ -24,7 +24,7 @@ from eagleserve.models.llama import LlamaForCausalLM, ModelOutput
 from eagleserve.models.loader import load_weights
 from eagleserve.models.tp_shard import TpShard
 from eagleserve.sampling.penalty_state import PenaltyState
-from eagleserve.sampling.sampler import DrawKernel
+from eagleserve.sampling.sampler import DrawKernel, SamplingInfo
 
 logger = logging.getLogger(__name__)
 
@@ -279,3 +279,8 @@ class ModelRunner:
     def forward_batch(self, batch: ScheduleBatch) -> ModelOutput:
         """The target forward of a scheduled prefill or decode batch."""
         return self.forward(ForwardBatch.init_new(batch, self.token_to_kv_pool, self.attn_backend))
+
+    def sampling_info(self, batch: ScheduleBatch) -> SamplingInfo:
+        """The batch's sampling info (made once per membership), drawing on this runner's
+        kernel."""
+        return SamplingInfo.of_batch(batch, self.config.vocab_size, self.draw_kernel)

@@ -295,7 +295,7 @@ class Scheduler:
         if isinstance(self.worker, EagleWorker):
             self.worker.plan_launch(batch, self.spec_stats.acceptance_ema, partial)
         # Built here, on the host batch, so the overlap forward's snapshot shares the cache.
-        info = self.worker.sampling_info(batch)
+        info = self.worker.runner.sampling_info(batch)
         if partial is not None:
             info.is_greedy[batch.reqs.index(partial)] = True
         # Per launch: a request whose prefill goes on commits no token (its matcher waits).

@@ -6,7 +6,7 @@ from eagleserve.config import ServerArgs
 from eagleserve.core import GenerationBatchResult, ScheduleBatch
 from eagleserve.model_executor.model_runner import ModelRunner
 from eagleserve.sampling.prompt_logprobs import score_prompts, wants_prompt_logprobs
-from eagleserve.sampling.sampler import SamplingInfo, sample_next
+from eagleserve.sampling.sampler import sample_next
 
 
 class TargetWorker:
@@ -22,12 +22,9 @@ class TargetWorker:
     def prepare_for_decode(self, batch: ScheduleBatch) -> None:
         batch.prepare_for_decode(self.req_to_token_pool, self.token_to_kv_pool)
 
-    def sampling_info(self, batch: ScheduleBatch) -> SamplingInfo:
-        return SamplingInfo.of_batch(batch, self.runner.config.vocab_size, self.runner.draw_kernel)
-
     def forward_batch_generation(self, batch: ScheduleBatch) -> GenerationBatchResult:
         out = self.runner.forward_batch(batch)
-        info = self.sampling_info(batch)
+        info = self.runner.sampling_info(batch)
         # seq_lens counts this forward's tokens: it is where each sampled token will sit.
         assert batch.seq_lens is not None
         result = sample_next(

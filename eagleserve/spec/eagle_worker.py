@@ -25,7 +25,7 @@ from eagleserve.model_executor.cuda_graph_runner import BUCKETS
 from eagleserve.model_executor.model_runner import ModelRunner
 from eagleserve.models.llama import ModelOutput
 from eagleserve.sampling.prompt_logprobs import score_prompts, wants_prompt_logprobs
-from eagleserve.sampling.sampler import SamplingInfo, sample_next, top_logprobs
+from eagleserve.sampling.sampler import sample_next, top_logprobs
 from eagleserve.spec.accept import accept, commit_tree_path, packed_greedy, unpack_greedy
 from eagleserve.spec.accepted_path import AcceptedPaths
 from eagleserve.spec.adaptive import AdaptiveController, depth_choices
@@ -154,14 +154,11 @@ class EagleWorker:
         if rows and batch.draft_lags is not None:
             batch.draft_lags = [0 if i in rows else m for i, m in enumerate(batch.draft_lags)]
 
-    def sampling_info(self, batch: ScheduleBatch) -> SamplingInfo:
-        return SamplingInfo.of_batch(batch, self.runner.config.vocab_size, self.runner.draw_kernel)
-
     def _sample_next(
         self, logits: torch.Tensor, batch: ScheduleBatch, positions: torch.Tensor, prefill: bool
     ) -> GenerationBatchResult:
         """The next token of each request, to sit at positions [bs]."""
-        info = self.sampling_info(batch)
+        info = self.runner.sampling_info(batch)
         state = self.runner.penalty_state
         slots = batch.req_pool_indices
         grammar = batch.grammar
@@ -307,7 +304,7 @@ class EagleWorker:
             )
         )
         logits = out.logits.view(bs, n, -1)
-        info = self.sampling_info(batch)
+        info = self.runner.sampling_info(batch)
         pen, state = info.penalties, self.runner.penalty_state
         # Greedy and sampled acceptance both judge the penalized logits: node i sees the counts
         # of its own path, so the walk accepts exactly what target-only decoding would emit.
