@@ -57,9 +57,11 @@ class Req:
     # Speculative stats: accepted tokens per verify step.
     spec_verify_ct: int = 0
     spec_accepted_tokens: int = 0
-    # Adaptive speculation: acceptance EMA per draft depth, and committed tokens whose head
+    # Adaptive speculation: the request's verified drafts per depth, accepted and judged, aged
+    # per iteration (spec/adaptive.py `request_acceptance`), and committed tokens whose head
     # extend is held back (spec/draft_lag.py).
-    spec_alphas: list[float] = field(default_factory=list)
+    spec_hits: list[float] = field(default_factory=list)
+    spec_trials: list[float] = field(default_factory=list)
     draft_lag: int = 0
     # A sampled request's noise seed (sampling/seeded_noise.py): its own, or drawn from the
     # OS's entropy at arrival. None for a greedy request.

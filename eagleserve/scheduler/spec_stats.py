@@ -7,7 +7,7 @@ import dataclasses
 from eagleserve.config import SpecConfig
 from eagleserve.core import Req
 from eagleserve.messages import EngineStats
-from eagleserve.spec.adaptive import ACCEPT_PRIOR, update_acceptance
+from eagleserve.spec.adaptive import ACCEPT_PRIOR, record_verify, update_acceptance
 
 
 class SpecStats:
@@ -21,6 +21,7 @@ class SpecStats:
         self.iterations_per_num_drafts = [0] * (num_steps + 1 if num_steps else 0)
         # Engine-wide acceptance by depth: /metrics, and where a new request's own EMA starts.
         self.acceptance_ema = list(acceptance_prior or [ACCEPT_PRIOR] * num_steps)
+        self.acceptance_judged = [0] * num_steps  # verifies that judged each depth
 
     def count_verify(self, req: Req, num_drafts: int | None, accepted: int) -> None:
         """Speculative statistics of one request's iteration; a k = 0 iteration (adaptive) is
@@ -30,9 +31,9 @@ class SpecStats:
             self.iterations_per_num_drafts[k] += 1
         if k == 0:
             return
-        if req.spec_alphas:
-            update_acceptance(req.spec_alphas, k, accepted - 1)
-        update_acceptance(self.acceptance_ema, k, accepted - 1)
+        if req.spec_trials:
+            record_verify(req.spec_hits, req.spec_trials, k, accepted - 1)
+        update_acceptance(self.acceptance_ema, self.acceptance_judged, k, accepted - 1)
         req.spec_verify_ct += 1
         req.spec_accepted_tokens += accepted
         self.verify_calls += 1

@@ -2,27 +2,35 @@
 tokens per second, from live acceptance and measured cost: a chain stops at any k in 0..num_steps,
 a tree is drafted whole (k = num_steps) or not at all (k = 0, a plain decode).
 
-- Acceptance, per request: `alphas[d]` = P(draft at depth d+1 accepted | drafts before it were),
-  an EMA updated from every verify the request takes part in (`update_acceptance`), starting
-  from the engine-wide EMA (what the head achieved on recent requests), which starts from the
-  head's own held-out accuracy by depth where its training log has it (`acceptance_prior`):
-  deep depths are judged only after every shallower draft was accepted, so their EMAs move
-  rarely and a made-up start would steer the controller for a long time.
+- Acceptance, per request and depth d: `alphas[d]` = P(draft at depth d+1 accepted | drafts
+  before it were), estimated from the request's own verifies shrunk towards the engine-wide
+  rate (`request_acceptance`): PRIOR_TRIALS pseudo-trials at the engine-wide rate plus its
+  verified drafts there, each weighing EVIDENCE_DECAY per iteration since. A request's own
+  rate can differ from the engine's (code is easier to draft than chat), but a handful of
+  its verifies are mostly noise; and a request that stops drafting stops being judged, so
+  its stale low estimate must fade back to the engine's, or one unlucky run would end its
+  drafting for good. The engine-wide rate is an EMA over every verify (ENGINE_ACCEPT_EMA)
+  that starts from the head's own held-out accuracy by depth where its training log has it
+  (`acceptance_prior`, worth PRIOR_VERIFIES verifies: live text is not the held-out set): deep depths are judged only after every shallower draft was
+  accepted, so their rates move rarely and a made-up start would steer the controller for a
+  long time. It must move slowly: it is where every new request starts, and when a short run
+  of rejections carries it below what drafting needs, new requests stop drafting and only
+  the rare probe (below) judges it again.
 - Expected committed tokens of one request with a k-chain (the bonus token always counts):
   E[k] = 1 + sum_{j=1..k} prod_{d<j} alphas[d]  (`expected_tokens`, every k at once); for a
   tree the same sum over its per-depth acceptance (the accepted path is a chain through the tree).
 - Cost: `CostTable` holds the seconds of one decode iteration per batch-size bucket and k,
-  measured at start-up and scaled per bucket by an EMA of measured iterations.
+  measured at start-up and scaled per bucket by EMAs of measured iterations, one for plain
+  decodes and one for drafting iterations (see `CostTable`).
 - `choose_num_drafts`: argmax_k sum_r E_r[k] / cost(bs, k); k = 0 is a plain target decode,
   and a draft must beat it by DRAFT_MARGIN: acceptance is an estimate (the head's held-out
   accuracy runs above what it achieves on live text, and deep depths are rarely judged), so
   a draft predicted to pay by less is as likely to lose, and losing is what speculation must
   not do. A plain decode given up for a draft that pays by less costs at most that margin.
 
-A request that never drafts never updates its acceptance, so after a stretch without drafts one
-iteration drafts regardless, at the shallowest depth (the price of noticing that acceptance went
-up; once the first depth pays, the controller goes deeper by itself where the deeper EMAs say
-so). The stretch is `probe_interval` iterations, or longer where a probe costs more than
+Iterations that do not draft judge no draft, so after a stretch without drafts one iteration
+drafts regardless, at the shallowest depth (the price of noticing that acceptance went up; once
+the first depth pays, the controller goes deeper by itself where the deeper rates say so). The stretch is `probe_interval` iterations, or longer where a probe costs more than
 PROBE_SHARE of the decodes between probes (`iterations_between_probes`): a probe drafts for the
 whole batch and catches up every request's held head inputs, which grows with the batch. Each
 probe after which the controller still does not draft by itself doubles the stretch, up to
@@ -36,8 +44,14 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-# Weight of the newest verify in a request's acceptance EMA.
-ACCEPT_EMA = 0.2
+# Weight of the newest verify in the engine-wide acceptance EMA (see module), and how many
+# verifies its start, the head's held-out accuracy, is worth.
+ENGINE_ACCEPT_EMA = 0.01
+PRIOR_VERIFIES = 10
+# A request's acceptance: its verified drafts at a depth plus this many at the engine's rate...
+PRIOR_TRIALS = 8.0
+# ...its own weighing this factor less with every iteration since (k = 0 ones too).
+EVIDENCE_DECAY = 0.9
 # Acceptance assumed at every depth before the engine has verified anything.
 ACCEPT_PRIOR = 0.5
 # Weight of the newest measured iteration in a cost EMA.
@@ -71,26 +85,60 @@ def expected_tokens(alphas: Sequence[float], depth: int) -> list[float]:
     return out
 
 
-def update_acceptance(alphas: list[float], num_drafts: int, accepted: int) -> None:
-    """Folds one verify into `alphas` in place: depths before `accepted` were accepted, the
-    depth at `accepted` (when drafted) was rejected, deeper ones were never judged."""
+def update_acceptance(
+    alphas: list[float], judged: list[int], num_drafts: int, accepted: int
+) -> None:
+    """Folds one verify into the engine-wide `alphas` in place: depths before `accepted` were
+    accepted, the depth at `accepted` (when drafted) was rejected, deeper ones were never
+    judged. `judged[d]` counts depth d's verifies so far: the start (the head's held-out
+    accuracy) weighs PRIOR_VERIFIES of them, the live rate their mean until the EMA's window
+    is reached, then its EMA."""
     for d in range(min(accepted + 1, num_drafts)):
         hit = 1.0 if d < accepted else 0.0
-        alphas[d] += ACCEPT_EMA * (hit - alphas[d])
+        judged[d] += 1
+        weight = max(ENGINE_ACCEPT_EMA, 1.0 / (judged[d] + PRIOR_VERIFIES))
+        alphas[d] += weight * (hit - alphas[d])
+
+
+def record_verify(hits: list[float], trials: list[float], num_drafts: int, accepted: int) -> None:
+    """Adds one verify to a request's evidence in place (judged depths as in
+    `update_acceptance`)."""
+    for d in range(min(accepted + 1, num_drafts)):
+        hits[d] += 1.0 if d < accepted else 0.0
+        trials[d] += 1.0
+
+
+def request_acceptance(
+    hits: list[float], trials: list[float], engine: Sequence[float]
+) -> list[float]:
+    """A request's acceptance by depth from its evidence, which this first ages by one
+    iteration in place (called once per decode iteration the request takes part in)."""
+    out = []
+    for d, rate in enumerate(engine):
+        hits[d] *= EVIDENCE_DECAY
+        trials[d] *= EVIDENCE_DECAY
+        out.append((PRIOR_TRIALS * rate + hits[d]) / (PRIOR_TRIALS + trials[d]))
+    return out
 
 
 @dataclass
 class CostTable:
     """Seconds per decode iteration, by batch-size bucket and chain length k: the start-up
     measurement times a per-bucket scale, an EMA of measured iterations over their start-up
-    figure. One scale for every k of a bucket, because the controller runs some k rarely: an
-    EMA per (bucket, k) would move the k it runs (to what an iteration costs with sampling and
-    bookkeeping) and leave the others at their start-up figures, which miss those, so the
-    comparison would drift towards the k it does not run."""
+    figure. Two scales per bucket, one for plain decodes (k = 0) and one for drafting
+    iterations (every k > 0): the start-up parts miss work only a drafting iteration does (the
+    acceptance walk, more tokens to commit), and a stored table measured in another process
+    can have another ratio of verify to decode; with one scale shared by every k, the k the
+    controller runs would set what the others seem to cost. Within drafting, one scale for
+    every k: the controller runs some k rarely, and an EMA per (bucket, k) would move the k it
+    runs (to what an iteration costs with sampling and bookkeeping) and leave the others at
+    their start-up figures, which miss those, so the comparison would drift towards the k it
+    does not run. Until a bucket has drafted, its drafting iterations take the decode scale."""
 
     buckets: tuple[int, ...]  # increasing batch sizes; a batch uses the smallest bucket >= bs
     seconds: dict[tuple[int, int], float] = field(default_factory=dict)
-    scale: dict[int, float] = field(default_factory=dict)
+    # (bucket, drafting) -> measured over start-up seconds.
+    scale: dict[tuple[int, bool], float] = field(default_factory=dict)
     # Per bucket: the head extend that catches up held inputs before drafting resumes.
     catch_up: dict[int, float] = field(default_factory=dict)
 
@@ -102,12 +150,14 @@ class CostTable:
         """One iteration of depth k; drafting after a stretch without pays the catch-up too."""
         b = self.bucket(bs)
         extra = self.catch_up.get(b, 0.0) if catching_up and k else 0.0
-        return self.seconds[(b, k)] * self.scale.get(b, 1.0) + extra
+        decode = self.scale.get((b, False), 1.0)
+        scale = self.scale.get((b, True), decode) if k else decode
+        return self.seconds[(b, k)] * scale + extra
 
     def observe(self, bs: int, k: int, seconds: float) -> None:
-        """Folds one measured iteration (catch-up excluded) into its bucket's scale."""
+        """Folds one measured iteration (catch-up excluded) into its bucket's scale for k."""
         b = self.bucket(bs)
-        _ema(self.scale, b, seconds / self.seconds[(b, k)])
+        _ema(self.scale, (b, k > 0), seconds / self.seconds[(b, k)])
 
     def observe_catch_up(self, bs: int, seconds: float) -> None:
         _ema(self.catch_up, self.bucket(bs), seconds)

@@ -28,7 +28,7 @@ from eagleserve.sampling.prompt_logprobs import score_prompts, wants_prompt_logp
 from eagleserve.sampling.sampler import sample_next, top_logprobs
 from eagleserve.spec.accept import accept, commit_tree_path, packed_greedy, unpack_greedy
 from eagleserve.spec.accepted_path import AcceptedPaths
-from eagleserve.spec.adaptive import AdaptiveController, depth_choices
+from eagleserve.spec.adaptive import AdaptiveController, depth_choices, request_acceptance
 from eagleserve.spec.cost_table_cache import cost_table
 from eagleserve.spec.draft_worker import EagleDraftWorker
 
@@ -80,25 +80,31 @@ class EagleWorker:
         return (packed_greedy(tokens, logits, fb.tree_mask, self.max_depth, kernel=kernel),)
 
     # ---- scheduler interface ---------------------------------------------------------------
-    def plan_launch(self, batch: ScheduleBatch, prior: list[float], partial: Req | None) -> None:
+    def plan_launch(
+        self, batch: ScheduleBatch, engine_acceptance: list[float], partial: Req | None
+    ) -> None:
         """Scheduler thread, before `batch` launches: `plan_decode` or `plan_prefill`."""
         if batch.mode == "decode":
-            self.plan_decode(batch, prior)
+            self.plan_decode(batch, engine_acceptance)
         else:
             self.plan_prefill(batch, partial)
 
-    def plan_decode(self, batch: ScheduleBatch, prior: list[float]) -> None:
+    def plan_decode(self, batch: ScheduleBatch, engine_acceptance: list[float]) -> None:
         """Scheduler thread, before a decode launches: picks this iteration's chain length from
-        the last known acceptance (with overlap, one iteration old) and books the held head
+        the last known acceptance (with overlap, one iteration old; each request's own evidence
+        shrunk towards `engine_acceptance`, spec/adaptive.py) and books the held head
         inputs (a k = 0 iteration holds one more per request, after flushing a full ring; k > 0
         catches all up)."""
         if self.controller is None:
             return
+        alphas = []
         for req in batch.reqs:
-            if not req.spec_alphas:  # a new request starts from the engine-wide acceptance
-                req.spec_alphas = list(prior)
+            if not req.spec_trials:  # a new request: no evidence of its own yet
+                depths = len(engine_acceptance)
+                req.spec_hits, req.spec_trials = [0.0] * depths, [0.0] * depths
+            alphas.append(request_acceptance(req.spec_hits, req.spec_trials, engine_acceptance))
         lags = [r.draft_lag for r in batch.reqs]
-        k = self.controller.choose([r.spec_alphas for r in batch.reqs], max(lags) > 0)
+        k = self.controller.choose(alphas, max(lags) > 0)
         # Under tensor parallelism each rank times its own iterations: rank 0's choice is every
         # rank's, or their batches' shapes (and collectives) would differ.
         k = broadcast_object(k)

@@ -1,4 +1,5 @@
-"""Adaptive speculation's pure parts: expected tokens, the acceptance EMA, the choice of k."""
+"""Adaptive speculation's pure parts: expected tokens, the acceptance estimates, the choice of k,
+and the controller and its estimates together on simulated drafts."""
 
 from __future__ import annotations
 
@@ -10,10 +11,13 @@ from pathlib import Path
 import pytest
 
 from eagleserve.spec.adaptive import (
-    ACCEPT_EMA,
     ACCEPT_PRIOR,
     DRAFT_MARGIN,
+    ENGINE_ACCEPT_EMA,
+    EVIDENCE_DECAY,
     MAX_PROBE_BACKOFF,
+    PRIOR_TRIALS,
+    PRIOR_VERIFIES,
     PROBE_SHARE,
     AdaptiveController,
     CostTable,
@@ -21,6 +25,8 @@ from eagleserve.spec.adaptive import (
     choose_num_drafts,
     depth_choices,
     expected_tokens,
+    record_verify,
+    request_acceptance,
     update_acceptance,
 )
 from eagleserve.spec.head_loader import measured_acceptance
@@ -54,30 +60,65 @@ def test_expected_tokens_matches_simulation(seed: int) -> None:
 def test_acceptance_ema_converges_to_per_depth_rates() -> None:
     rng = random.Random(7)
     true = [0.8, 0.5, 0.2]
-    alphas = [0.5, 0.5, 0.5]
+    alphas, judged = [0.5, 0.5, 0.5], [0, 0, 0]
     hits, seen = [0.0] * 3, [0] * 3
     for _ in range(3000):
         accepted = 0
         while accepted < 3 and rng.random() < true[accepted]:
             accepted += 1
-        update_acceptance(alphas, 3, accepted)
+        update_acceptance(alphas, judged, 3, accepted)
         for d in range(min(accepted + 1, 3)):
             seen[d] += 1
             hits[d] += d < accepted
+    assert judged == seen
     for d in range(3):
-        assert alphas[d] == pytest.approx(true[d], abs=0.25)  # an EMA: noisy, but close
+        assert alphas[d] == pytest.approx(true[d], abs=0.12)  # an EMA: noisy, but close
         assert hits[d] / seen[d] == pytest.approx(true[d], abs=0.05)
 
 
 def test_acceptance_update_touches_only_judged_depths() -> None:
-    alphas = [0.3, 0.6, 0.9]
-    update_acceptance(alphas, 3, 1)  # depth 0 accepted, depth 1 rejected, depth 2 not judged
-    assert alphas[0] == pytest.approx(0.3 + ACCEPT_EMA * 0.7)
-    assert alphas[1] == pytest.approx(0.6 - ACCEPT_EMA * 0.6)
-    assert alphas[2] == 0.9
+    alphas, judged = [0.3, 0.6, 0.9], [0, 5000, 7]
+    update_acceptance(alphas, judged, 3, 1)  # depth 0 accepted, 1 rejected, 2 not judged
+    # The start weighs PRIOR_VERIFIES verifies; a long-judged depth moves by the EMA's weight.
+    assert alphas[0] == pytest.approx(0.3 + 0.7 / (1 + PRIOR_VERIFIES))
+    assert alphas[1] == pytest.approx(0.6 - ENGINE_ACCEPT_EMA * 0.6)
+    assert (alphas[2], judged) == (0.9, [1, 5001, 7])
     before = list(alphas)
-    update_acceptance(alphas, 0, 0)  # a plain decode judges nothing
+    update_acceptance(alphas, judged, 0, 0)  # a plain decode judges nothing
     assert alphas == before
+    hits, trials = [0.0] * 3, [0.0] * 3  # a request's evidence: the same depths judged
+    record_verify(hits, trials, 3, 1)
+    assert (hits, trials) == ([1.0, 0.0, 0.0], [1.0, 1.0, 0.0])
+    record_verify(hits, trials, 2, 2)  # both drafts accepted: no depth rejected
+    record_verify(hits, trials, 0, 0)
+    assert (hits, trials) == ([2.0, 1.0, 0.0], [2.0, 2.0, 0.0])
+
+
+def test_request_acceptance_is_its_own_evidence_shrunk_towards_the_engines() -> None:
+    """No evidence: the engine's rate. Much evidence: the request's own rate. Evidence that is
+    no longer renewed (the request stopped drafting) fades back to the engine's rate."""
+    rng = random.Random()
+    engine = [rng.uniform(0.3, 0.8) for _ in range(3)]
+    own = [rng.uniform(0.0, 1.0) for _ in range(3)]
+    hits, trials = [0.0] * 3, [0.0] * 3
+    assert request_acceptance(hits, trials, engine) == pytest.approx(engine)
+    steady = 1 / (1 - EVIDENCE_DECAY)  # trials' weight once aged evidence balances new
+    mean = [0.0] * 3
+    for i in range(400):  # every depth judged each iteration, at the request's own rate
+        alphas = request_acceptance(hits, trials, engine)
+        if i >= 100:
+            mean = [m + a / 300 for m, a in zip(mean, alphas)]
+        for d in range(3):
+            hits[d] += rng.random() < own[d]
+            trials[d] += 1
+    assert trials[0] == pytest.approx(steady, rel=1e-6)
+    for d in range(3):  # the request's rate, pulled towards the engine's by PRIOR_TRIALS
+        aged = steady * EVIDENCE_DECAY
+        mixed = (PRIOR_TRIALS * engine[d] + aged * own[d]) / (PRIOR_TRIALS + aged)
+        assert mean[d] == pytest.approx(mixed, abs=0.06)
+    for _ in range(60):
+        alphas = request_acceptance(hits, trials, engine)
+    assert alphas == pytest.approx(engine, abs=0.01)
 
 
 def table(costs: list[float]) -> CostTable:
@@ -173,23 +214,68 @@ def test_a_draft_by_choice_restarts_the_probes() -> None:
     assert picks == [0, 0, 0, 3]  # a draft by choice before the probe was due
 
 
+def drafting_share(rates: list[float], costs: CostTable, seed: int) -> float:
+    """The share of decode iterations that drafted, over 60 requests of 48 tokens one after
+    another at batch 1, each draft at depth d accepted with probability rates[d] (given the
+    ones before it were): the controller, the requests' evidence and the engine-wide rate
+    (starting from a held-out accuracy above the live one, as a trained head's does), as the
+    worker and the scheduler run them."""
+    rng = random.Random(seed)
+    engine, judged = acceptance_prior([0.7, 0.65, 0.6], 3), [0, 0, 0]
+    ctl = AdaptiveController(costs, CHAIN, probe_interval=64)
+    drafted = iterations = 0
+    for _ in range(60):
+        hits, trials = [0.0] * 3, [0.0] * 3
+        left = 48
+        while left > 0:
+            k = ctl.choose([request_acceptance(hits, trials, engine)])
+            accepted = 0
+            while accepted < k and rng.random() < rates[accepted]:
+                accepted += 1
+            if k:
+                record_verify(hits, trials, k, accepted)
+                update_acceptance(engine, judged, k, accepted)
+            left -= accepted + 1
+            iterations += 1
+            drafted += k > 0
+    return drafted / iterations
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_drafting_goes_on_where_it_pays_and_stops_where_it_does_not(seed: int) -> None:
+    """Costs as on a CPU (a 3-chain iteration ~1.8 decodes): with live acceptance 0.5 at depth
+    0 a 1-chain pays by ~1.15x, and the controller must keep drafting through the runs of
+    rejections that i.i.d. drafts have (where estimates that follow the last few verifies
+    fall below break-even, stop drafting and are no longer corrected); at 0.2 it must not
+    draft beyond its probes."""
+    costs = table([1.0, 1.28, 1.53, 1.77])
+    rng = random.Random(seed)
+    pays = [rng.uniform(0.48, 0.55), rng.uniform(0.6, 0.7), rng.uniform(0.45, 0.55)]
+    assert drafting_share(pays, costs, seed) > 0.9
+    assert drafting_share([0.2, 0.3, 0.3], costs, seed) < 0.05
+
+
 def test_cost_table_buckets_and_ema() -> None:
-    """Measured iterations scale their whole bucket: a depth the controller does not run keeps
-    its start-up ratio to the ones it does, rather than its start-up figure."""
+    """Measured plain decodes scale their whole bucket until it drafts; measured drafting
+    iterations then scale every drafting depth (a depth the controller does not run keeps its
+    start-up ratio to the ones it does), and plain decodes keep their own scale."""
     t = CostTable((1, 2, 4, 8))
     rng = random.Random()
-    start = {k: rng.uniform(0.5, 2.0) for k in range(3)}
+    start = {k: rng.uniform(0.5, 2.0) for k in range(4)}
     for k, c in start.items():
         t.seconds[(4, k)] = c
     t.seconds[(8, 0)] = 9.0
     assert t.bucket(3) == 4 and t.bucket(8) == 8 and t.bucket(50) == 8
     ratio = rng.uniform(1.1, 1.5)
     t.observe(3, 0, start[0] * ratio)  # the first measurement sets the scale
-    assert [t.cost(4, k) for k in range(3)] == pytest.approx([c * ratio for c in start.values()])
-    t.observe(4, 2, start[2] * 2.0)
-    scaled = ratio + 0.1 * (2.0 - ratio)
-    assert t.cost(4, 1) == pytest.approx(start[1] * scaled)
-    assert t.cost(8, 0) == 9.0  # other buckets untouched
+    assert [t.cost(4, k) for k in range(4)] == pytest.approx([c * ratio for c in start.values()])
+    drafting = rng.uniform(1.6, 2.0)
+    t.observe(4, 2, start[2] * drafting)  # a drafting iteration: its own scale from here
+    assert t.cost(4, 0) == pytest.approx(start[0] * ratio)
+    assert [t.cost(4, k) for k in (1, 3)] == pytest.approx([start[1] * drafting, start[3] * drafting])
+    t.observe(4, 3, start[3] * 2.5)
+    assert t.cost(4, 1) == pytest.approx(start[1] * (drafting + 0.1 * (2.5 - drafting)))
+    assert t.cost(8, 0) == 9.0 and t.cost(8, 0, catching_up=True) == 9.0  # others untouched
 
 
 def test_a_tree_is_drafted_whole_or_not_at_all() -> None:
