@@ -11,11 +11,12 @@ a tree is drafted whole (k = num_steps) or not at all (k = 0, a plain decode).
   its stale low estimate must fade back to the engine's, or one unlucky run would end its
   drafting for good. The engine-wide rate is an EMA over every verify (ENGINE_ACCEPT_EMA)
   that starts from the head's own held-out accuracy by depth where its training log has it
-  (`acceptance_prior`, worth PRIOR_VERIFIES verifies: live text is not the held-out set): deep depths are judged only after every shallower draft was
+  (`acceptance_prior`): deep depths are judged only after every shallower draft was
   accepted, so their rates move rarely and a made-up start would steer the controller for a
-  long time. It must move slowly: it is where every new request starts, and when a short run
-  of rejections carries it below what drafting needs, new requests stop drafting and only
-  the rare probe (below) judges it again.
+  long time. The start weighs PRIOR_VERIFIES verifies (live text is not the held-out set:
+  the rate is their mean until the EMA's window is reached). It must move slowly: it is
+  where every new request starts, and when a short run of rejections carries it below what
+  drafting needs, new requests stop drafting and only the rare probe (below) judges it again.
 - Expected committed tokens of one request with a k-chain (the bonus token always counts):
   E[k] = 1 + sum_{j=1..k} prod_{d<j} alphas[d]  (`expected_tokens`, every k at once); for a
   tree the same sum over its per-depth acceptance (the accepted path is a chain through the tree).
@@ -30,10 +31,11 @@ a tree is drafted whole (k = num_steps) or not at all (k = 0, a plain decode).
 
 Iterations that do not draft judge no draft, so after a stretch without drafts one iteration
 drafts regardless, at the shallowest depth (the price of noticing that acceptance went up; once
-the first depth pays, the controller goes deeper by itself where the deeper rates say so). The stretch is `probe_interval` iterations, or longer where a probe costs more than
-PROBE_SHARE of the decodes between probes (`iterations_between_probes`): a probe drafts for the
-whole batch and catches up every request's held head inputs, which grows with the batch. Each
-probe after which the controller still does not draft by itself doubles the stretch, up to
+the first depth pays, the controller goes deeper by itself where the deeper rates say so). The
+stretch is `probe_interval` iterations, or longer where a probe costs more than PROBE_SHARE of
+the decodes between probes (`iterations_between_probes`): a probe drafts for the whole batch
+and catches up every request's held head inputs, which grows with the batch. Each probe after
+which the controller still does not draft by itself doubles the stretch, up to
 MAX_PROBE_BACKOFF times: where drafting keeps not paying, probing less is what is left to gain.
 """
 
