@@ -9,9 +9,14 @@ Each part runs the way serving runs it: from its device graph where one is captu
 target's decode and verify, a chain's draft step, loop and seed extend), else eagerly; eager
 head steps on a GPU cost several times their graph, which would keep the controller from
 drafting where drafting pays.
-Each part is timed on dummy requests (a context of up to CONTEXT tokens of scratch KV slots,
-freed afterwards) through the same forwards serving uses, synchronized, best of a few repetitions.
-The sum misses sampling and accept bookkeeping, which `CostTable.observe` refines online.
+Each k's iteration is timed whole, its parts back to back as serving runs them, on dummy
+requests (a context of up to CONTEXT tokens of scratch KV slots, freed afterwards) through the
+same forwards serving uses, synchronized, best of a few repetitions. Timed one by one, each part
+would meet the caches as the same part left them (a head extend after a head extend), not as
+the part before it in an iteration does (a head extend after the target's verify has streamed
+its weights through): on a CPU the sum of such parts put a 3-chain at 1.4 decodes where
+serving's iterations took 1.8. The table misses sampling and accept bookkeeping, which
+`CostTable.observe` refines online.
 """
 
 from __future__ import annotations
@@ -93,16 +98,9 @@ def measure_costs(
             times = _part_times(runner, drafter, rpi_all[:bs], choices, context,
                                 REPEATS if repeats is None else repeats)  # fmt: skip
             for k in choices:
-                verify = k + 1 if spec.is_chain else spec.num_draft_tokens
-                # k - 1 head steps: one replay of the chain's loop graph where it has one.
-                steps = times.get(("draft loop", k), (k - 1) * times["draft"])
-                table.seconds[(bs, k)] = (
-                    times["verify", 1]
-                    if k == 0
-                    else times["verify", verify] + steps + times["extend", k + 1]
-                )
+                table.seconds[(bs, k)] = times["iteration", k] if k else times["verify", 1]
             # A catch-up extends a few held tokens per request: about the longest extend.
-            table.catch_up[bs] = times["extend", max(choices) + 1]
+            table.catch_up[bs] = times["catch up"]
     finally:
         kv_pool.free(loc)
         for r in rows:
@@ -182,22 +180,45 @@ def _part_times(
         return run
 
     spec = drafter.spec
-    verify_sizes = {1} | {k + 1 if spec.is_chain else spec.num_draft_tokens for k in choices if k}
-    parts: dict[Key, Callable[[], object]] = {}
-    for n in sorted(verify_sizes):
+    pieces: dict[Key, Callable[[], object]] = {}
+    for n in {1} | {k + 1 if spec.is_chain else spec.num_draft_tokens for k in choices if k}:
         target_mode = "decode" if n == 1 else "verify"
-        parts["verify", n] = lambda n=n, m=target_mode: runner.forward(
+        pieces["verify", n] = lambda n=n, m=target_mode: runner.forward(
             fb(n, m, runner.token_to_kv_pool, runner.attn_backend)
         )
     for k in choices:
         if k:
-            parts["extend", k + 1] = extend(k + 1)
+            pieces["extend", k + 1] = extend(k + 1)
         if k in drafter.loop_graphs and bs <= drafter.loop_graphs[k].max_bs:
-            parts["draft loop", k] = draft_loop(k)
+            pieces["draft loop", k] = draft_loop(k)
     # Tree branches run side by side (topk rows per request; the causal mask of this timing
     # costs about what the region mask does).
-    parts["draft"] = draft_step(spec.eagle_topk)
+    pieces["draft"] = draft_step(spec.eagle_topk)
+
+    def iteration(k: int) -> Callable[[], object]:
+        """A depth-k iteration's parts back to back, as serving runs them: k - 1 head steps
+        (one replay of the chain's loop graph where it has one), the verify, the extend."""
+        steps = (
+            [pieces["draft loop", k]]
+            if ("draft loop", k) in pieces
+            else [pieces["draft"]] * (k - 1)
+        )
+        verify = pieces["verify", k + 1 if spec.is_chain else spec.num_draft_tokens]
+        extend_k = pieces["extend", k + 1]
+
+        def run() -> object:
+            for step in steps:
+                step()
+            verify()
+            return extend_k()
+
+        return run
+
+    parts: dict[Key, Callable[[], object]] = {("verify", 1): pieces["verify", 1]}
+    parts |= {("iteration", k): iteration(k) for k in choices if k}
+    parts["catch up"] = pieces["extend", max(choices) + 1]
     times = _best_seconds(parts, dev, repeats)
-    for n in verify_sizes:  # more rows cannot cost less: a figure that says so is noise
-        times["verify", n] = max(times["verify", n], times["verify", 1])
+    for k in choices:  # an iteration that drafts cannot cost less than a decode
+        if k:
+            times["iteration", k] = max(times["iteration", k], times["verify", 1])
     return times

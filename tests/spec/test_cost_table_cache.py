@@ -172,25 +172,32 @@ def test_a_partial_or_foreign_table_is_not_used(cache: Path) -> None:
     assert load_table(path, {**key, "choices": [0, 1]}) is None
 
 
-def test_warm_up_runs_each_part_of_an_iteration_once(model: tuple[str, str]) -> None:
-    """What an accelerator runs where a stored table spares the timing: every verify shape and
-    head forward a draft needs, once, on scratch slots given back afterwards."""
+def test_warm_up_runs_each_iteration_once_its_parts_in_serving_order(
+    model: tuple[str, str],
+) -> None:
+    """What an accelerator runs where a stored table spares the timing, and what the timing
+    times: a decode, then each depth's iteration whole as serving runs it (k - 1 head steps,
+    the verify of k + 1 tokens, the head extend), then a catch-up's extend, on scratch slots
+    given back afterwards."""
     from eagleserve.spec import cost_model
 
     engine, _ = build(model, speculative_adaptive_retime=True)
     worker = engine.scheduler.worker
     runner, drafter, kv = worker.runner, worker.drafter, engine.scheduler.kv_pool
     calls: list[tuple[str, int]] = []
-    forward, head = runner.forward, drafter.head.forward
+    forward, head, extend = runner.forward, drafter.head.forward, drafter.extend
     runner.forward = lambda fb: (calls.append((fb.mode, fb.host.max_extend)), forward(fb))[1]
     drafter.head.forward = lambda *a: (calls.append(("head", a[0].shape[0])), head(*a))[1]
+    drafter.extend = lambda fb, *a: (calls.append(("extend", fb.host.max_extend)),
+                                     extend(fb, *a))[1]  # fmt: skip
     free = kv.available_size()
     cost_model.warm_up(runner, drafter, (0, 1, 2))
     assert kv.available_size() == free
-    # decode and both verify sizes; the head: one draft step and the last rows of both extends
-    assert sorted(c for c in calls if c[0] != "head") == [("decode", 1), ("verify", 2),
-                                                          ("verify", 3)]  # fmt: skip
-    assert [c for c in calls if c[0] == "head"] == [("head", 1)] * 3
+    # An extend's head forward runs on the last row of each request only.
+    assert calls == [("decode", 1),
+                     ("verify", 2), ("extend", 2), ("head", 1),
+                     ("head", 1), ("verify", 3), ("extend", 3), ("head", 1),
+                     ("extend", 3), ("head", 1)]  # fmt: skip
 
 
 def test_an_edit_to_the_forward_code_changes_the_key(tmp_path: Path) -> None:
