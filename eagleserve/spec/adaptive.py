@@ -56,6 +56,9 @@ PRIOR_TRIALS = 8.0
 EVIDENCE_DECAY = 0.9
 # Acceptance assumed at every depth before the engine has verified anything.
 ACCEPT_PRIOR = 0.5
+# Iterations a resumed drafting run is expected to last (a request's acceptance moves slowly):
+# deciding to resume, the controller spreads the resume's cost over them.
+RESUME_HORIZON = 4
 # Weight of the newest measured iteration in a cost EMA.
 COST_EMA = 0.1
 # How much more expected tokens per second a draft must promise than a plain decode.
@@ -141,7 +144,9 @@ class CostTable:
     seconds: dict[tuple[int, int], float] = field(default_factory=dict)
     # (bucket, drafting) -> measured over start-up seconds.
     scale: dict[tuple[int, bool], float] = field(default_factory=dict)
-    # Per bucket: the head extend that catches up held inputs before drafting resumes.
+    # Per bucket: what the first drafting iteration after a stretch without costs beyond a
+    # steady one of its depth: the head extend that catches up held inputs, and the head's
+    # weights and KV coming back into caches that plain decodes filled.
     catch_up: dict[int, float] = field(default_factory=dict)
 
     def bucket(self, bs: int) -> int:
@@ -149,20 +154,29 @@ class CostTable:
         return self.buckets[min(i, len(self.buckets) - 1)]
 
     def cost(self, bs: int, k: int, catching_up: bool = False) -> float:
-        """One iteration of depth k; drafting after a stretch without pays the catch-up too."""
+        """One steady iteration of depth k; with `catching_up`, the first after a stretch
+        without drafts, which pays the resume (`catch_up`) too."""
         b = self.bucket(bs)
-        extra = self.catch_up.get(b, 0.0) if catching_up and k else 0.0
+        extra = self.resume(bs) if catching_up and k else 0.0
         decode = self.scale.get((b, False), 1.0)
         scale = self.scale.get((b, True), decode) if k else decode
         return self.seconds[(b, k)] * scale + extra
 
-    def observe(self, bs: int, k: int, seconds: float) -> None:
-        """Folds one measured iteration (catch-up excluded) into its bucket's scale for k."""
-        b = self.bucket(bs)
-        _ema(self.scale, (b, k > 0), seconds / self.seconds[(b, k)])
+    def resume(self, bs: int) -> float:
+        """What the first drafting iteration after a stretch without costs over a steady one."""
+        return self.catch_up.get(self.bucket(bs), 0.0)
 
-    def observe_catch_up(self, bs: int, seconds: float) -> None:
-        _ema(self.catch_up, self.bucket(bs), seconds)
+    def observe(self, bs: int, k: int, seconds: float, resumed: bool = False) -> None:
+        """Folds one measured iteration into its bucket's scale for k. One that `resumed`
+        drafting (it caught up held inputs first, in `seconds`) is not a steady one: what it
+        took beyond a steady iteration of depth k is the resume's cost instead, or the
+        drafting scale, learnt from probes alone while the controller does not draft, would
+        price every drafting iteration as a resume."""
+        b = self.bucket(bs)
+        if resumed and k:
+            _ema(self.catch_up, b, max(0.0, seconds - self.cost(bs, k)))
+        else:
+            _ema(self.scale, (b, k > 0), seconds / self.seconds[(b, k)])
 
 
 def _ema(table: dict, key: object, value: float) -> None:
@@ -179,14 +193,15 @@ def choose_num_drafts(
     """The draft depth k among `choices` (increasing; 0 = no drafts) with the most expected
     committed tokens per second for this batch, where k > 0 must beat k = 0 by DRAFT_MARGIN;
     ties go to the shorter one. `catching_up`: some request holds head inputs, so drafting
-    now also pays their catch-up (which makes a stretch without drafts end only when drafting
-    clearly pays)."""
+    now also pays the resume, spread over RESUME_HORIZON iterations (which makes a stretch
+    without drafts end only when drafting clearly pays)."""
     bs = len(alphas_per_req)
     per_req = (expected_tokens(a, choices[-1]) for a in alphas_per_req)
     tokens_by_k = [sum(col) for col in zip(*per_req)]
+    resume = costs.resume(bs) if catching_up else 0.0
     best_k, best_rate = 0, -1.0
     for k in choices:
-        rate = tokens_by_k[k] / costs.cost(bs, k, catching_up)
+        rate = tokens_by_k[k] / (costs.cost(bs, k) + (resume / RESUME_HORIZON if k else 0.0))
         if k == 0:
             rate *= 1 + DRAFT_MARGIN
         if rate > best_rate * (1 + 1e-9):

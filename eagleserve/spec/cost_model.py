@@ -14,8 +14,8 @@ requests (a context of up to CONTEXT tokens of scratch KV slots, freed afterward
 same forwards serving uses, synchronized, best of a few repetitions. Timed one by one, each part
 would meet the caches as the same part left them (a head extend after a head extend), not as
 the part before it in an iteration does (a head extend after the target's verify has streamed
-its weights through): on a CPU the sum of such parts put a 3-chain at 1.4 decodes where
-serving's iterations took 1.8. The table misses sampling and accept bookkeeping, which
+its weights through), and on a CPU the sum of such parts priced the longer chains well below
+what serving's iterations cost. The table misses sampling and accept bookkeeping, which
 `CostTable.observe` refines online.
 """
 

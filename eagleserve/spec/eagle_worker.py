@@ -215,26 +215,25 @@ class EagleWorker:
     ) -> GenerationBatchResult:
         k = self.spec.num_steps if batch.num_drafts is None else batch.num_drafts
         t0 = time.perf_counter()
-        catch_up = 0.0  # head work for held inputs: not part of what depth k costs
+        flushed, caught_up = 0.0, False
         if k == 0:
             assert batch.draft_lags is not None and self.drafter.lag is not None
             full = [i for i, m in enumerate(batch.draft_lags) if m == self.drafter.lag.max_lag]
             if full:
                 self.drafter.flush(batch, full)
-                catch_up = time.perf_counter() - t0
+                flushed = time.perf_counter() - t0
             result = self._decode_without_drafts(batch, on_verified)
         else:
             if batch.draft_lags is not None and any(batch.draft_lags):
                 allowed = self._next_allowed(batch)
                 batch.spec_info = self.drafter.catch_up(batch, batch.spec_info, allowed)
-                catch_up = time.perf_counter() - t0
+                caught_up = True
             result = self._draft_verify(batch, on_verified, k)
         if self.controller is not None and self.device.type == "cpu":
-            # On a CPU the forward ran synchronously: wall time is what the iteration cost.
-            costs, bs = self.controller.costs, batch.batch_size
-            costs.observe(bs, k, time.perf_counter() - t0 - catch_up)
-            if catch_up and k:
-                costs.observe_catch_up(bs, catch_up)
+            # On a CPU the forward ran synchronously: wall time is what the iteration cost (a
+            # plain decode's flush of full rings aside: the price of holding, not of k = 0).
+            seconds = time.perf_counter() - t0 - flushed
+            self.controller.costs.observe(batch.batch_size, k, seconds, resumed=caught_up)
         return result
 
     def _decode_without_drafts(

@@ -291,15 +291,36 @@ def test_a_tree_is_drafted_whole_or_not_at_all() -> None:
 
 
 def test_catch_up_cost_keeps_a_stretch_without_drafts_going() -> None:
+    """Resuming drafting pays the resume, spread over RESUME_HORIZON iterations; a probe's
+    price (`cost(catching_up=True)`) is all of it."""
     costs = table([1.0, 1.2, 1.4, 1.6])
-    costs.catch_up = {1: 0.3, 4: 1.2}
+    costs.catch_up = {1: 1.2, 4: 4.0}
     alphas = [[0.3, 0.1, 0.1]]  # E[1] = 1.3 in 1.2: drafting pays a little
     assert choose_num_drafts(alphas, costs, CHAIN) == 1
-    # ...but not when it first has to catch up held inputs (1.3 in 1.5).
+    # ...but not when it first has to catch up held inputs (1.3 in 1.2 + 1.2 / 4).
     assert choose_num_drafts(alphas, costs, CHAIN, catching_up=True) == 0
+    # Where drafting pays well, a resume spread over a run of drafts does not stop it.
+    assert choose_num_drafts([[0.6, 0.5, 0.4]], costs, CHAIN, catching_up=True) == 2
+    assert costs.cost(1, 2, catching_up=True) == pytest.approx(1.4 + 1.2)
     assert costs.cost(1, 0, catching_up=True) == 1.0  # a plain decode never catches up
-    costs.observe_catch_up(1, 0.5)
-    assert costs.catch_up[1] == pytest.approx(0.32)
+
+
+def test_a_resumed_iteration_prices_the_resume_not_the_depth() -> None:
+    """A drafting iteration that caught up held inputs first (after plain decodes had the
+    caches) costs more than a steady one: its excess is the resume's cost, and the drafting
+    scale stays what steady iterations measured; the first probes after a stretch would
+    otherwise price every drafting iteration as a resume and end drafting for good."""
+    rng = random.Random()
+    costs = table([1.0, 1.3, 1.5, 1.8])
+    costs.observe(1, 0, 1.0)
+    costs.observe(1, 3, 1.8 * 1.1)  # a steady 3-chain: 10 % over its start-up figure
+    resume = rng.uniform(0.3, 0.8)
+    for _ in range(50):
+        costs.observe(1, 1, 1.3 * 1.1 + resume, resumed=True)  # probes
+    assert costs.cost(1, 1) == pytest.approx(1.3 * 1.1)
+    assert costs.cost(1, 1, catching_up=True) == pytest.approx(1.3 * 1.1 + resume, rel=0.01)
+    costs.observe(1, 0, 0.9, resumed=True)  # a plain decode resumes nothing
+    assert costs.cost(1, 0) == pytest.approx(1.0 + 0.1 * (0.9 - 1.0))
 
 
 def test_acceptance_prior_starts_from_the_measured_depths() -> None:

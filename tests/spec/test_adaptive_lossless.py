@@ -132,7 +132,7 @@ def test_adaptive_controller_follows_acceptance(target_dir: str, heads: dict[str
         costs = eng.scheduler.worker.controller.costs
         for key in costs.seconds:
             costs.seconds[key] = 1.0 + per_draft * key[1]
-        costs.observe = lambda *a: None  # type: ignore[method-assign]
+        costs.observe = lambda *a, **kw: None  # type: ignore[method-assign]
         eng.generate(prompts(1), SamplingParams(max_new_tokens=40, temperature=0.0))
         chosen[head] = eng.stats().spec_iterations_per_num_drafts
     rand, good = chosen["EAGLE-random"], chosen["EAGLE"]
