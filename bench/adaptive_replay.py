@@ -1,0 +1,256 @@
+"""The adaptive controller replayed on measured acceptance and costs, free of timing noise.
+
+    python bench/adaptive_replay.py [--draft HEAD] [--sets mtbench,humaneval] [--prompts 8]
+        [--new-tokens 48] [--out adaptive_replay.json]
+
+1. Costs: one adaptive engine (the packed-int4 SmolLM2 as `make serve` runs it, overlap off)
+   generates `--cost-prompts` MT-bench prompts at each fixed depth k = 0..3 (the controller
+   scripted); each depth's median step is what an iteration costs in serving. The first
+   drafting step after 12 plain decodes, against the steps after it, is what resuming costs.
+   Beside them, the start-up table the controller prices them with, timed in the same process.
+2. Acceptance: at every position of each prompt's greedy answer, how many drafts of a 3-chain
+   the target accepts there: a request for the prompt and the answer so far, stepped by hand
+   through its prefill and its first drafting iteration (its drafts are what any iteration
+   drafting from that position drafts: greedy, and the head's KV is the same however it got
+   there, tests/spec/test_adaptive_lossless.py).
+3. Replay, batch 1, the requests one after another: each iteration's depth from a fixed chain
+   or from the controller (spec/adaptive.py's estimates, choice and probes, fed as the worker
+   and the scheduler feed them), what it commits from the position's acceptance, and what it
+   costs from serving's steps. The controller prices depths by the start-up table (what it
+   does in serving) or, to separate a pricing error from an acceptance one, by serving's steps.
+
+Prints, per prompt set, each policy's speed against target-only's (serving's step costs), the
+share of iterations that drafted and tau; writes bench/results/adaptive_replay.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+from bench.adaptive import BUILTIN_HEAD, chat_ids, prompt_set  # noqa: E402
+from bench.common import machine, print_table, write_json  # noqa: E402
+from eagleserve import Engine, SamplingParams  # noqa: E402
+from eagleserve.messages import GenerateReqInput  # noqa: E402
+from eagleserve.scheduler.scheduler import Scheduler  # noqa: E402
+from eagleserve.spec import cost_model  # noqa: E402
+from eagleserve.spec.adaptive import (  # noqa: E402
+    AdaptiveController,
+    CostTable,
+    depth_choices,
+    record_verify,
+    request_acceptance,
+    update_acceptance,
+)
+
+DEPTH = 3
+RESUME_AFTER = 12  # plain decodes before the scripted resume
+
+
+def greedy(new_tokens: int) -> SamplingParams:
+    return SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+
+
+def run_one(sched: Scheduler, ids: list[int], new_tokens: int) -> list[float]:
+    """Generates one request alone; the seconds of each of its steps after the prefill's."""
+    sched.add_request(GenerateReqInput("r", ids, greedy(new_tokens)))
+    steps: list[float] = []
+    while sched.has_work():
+        t0 = time.perf_counter()
+        sched.step()
+        steps.append(time.perf_counter() - t0)
+    return steps[1:]
+
+
+def serving_costs(engine: Engine, prompts: list[list[int]], new_tokens: int) -> dict[str, Any]:
+    """Median decode step (ms) at each fixed depth, the resume's excess, the start-up table."""
+    sched = engine.scheduler
+    ctl = sched.worker.controller
+    assert ctl is not None
+    script: list[int] = []
+    picks = [0]  # choices made since the count was reset
+
+    def scripted(alphas: object, catching_up: bool = False) -> int:
+        picks[0] += 1
+        return script[(picks[0] - 1) % len(script)]
+
+    ctl.choose = scripted  # type: ignore[method-assign]
+    step_ms: dict[int, float] = {}
+    for k in range(DEPTH + 1):
+        script[:] = [k]
+        steps = [s for ids in prompts for s in run_one(sched, ids, new_tokens)[2:]]
+        step_ms[k] = 1e3 * statistics.median(steps)
+    script[:] = [0] * RESUME_AFTER + [1] * 6
+    first: list[float] = []
+    steady: list[float] = []
+    for ids in prompts:
+        picks[0] = 0
+        sched.add_request(GenerateReqInput("r", ids, greedy(4 * len(script))))
+        while sched.has_work():
+            before, t0 = picks[0], time.perf_counter()
+            sched.step()
+            if picks[0] > before:  # a decode step: its depth is pick number `before`
+                phase = before % len(script)
+                if phase == RESUME_AFTER:
+                    first.append(time.perf_counter() - t0)
+                elif phase > RESUME_AFTER + 1:
+                    steady.append(time.perf_counter() - t0)
+    resume_ms = 1e3 * (statistics.median(first) - statistics.median(steady))
+    worker = sched.worker
+    table = cost_model.measure_costs(worker.runner, worker.drafter, (1,), ctl.choices)
+    return {
+        "step_ms": step_ms,
+        "resume_ms": max(resume_ms, 0.0),
+        "table_ms": {k: 1e3 * table.seconds[(1, k)] for k in ctl.choices},
+        "table_catch_up_ms": 1e3 * table.catch_up[1],
+    }
+
+
+def acceptance_trace(engine: Engine, ids: list[int], answer: list[int]) -> list[int]:
+    """Per position q of `answer`: the drafts of a 3-chain accepted after answer[:q + 1]."""
+    sched = engine.scheduler
+    ctl = sched.worker.controller
+    assert ctl is not None
+    ctl.choose = lambda alphas, catching_up=False: DEPTH  # type: ignore[method-assign]
+    out = []
+    for q in range(len(answer) - DEPTH - 1):
+        sched.add_request(GenerateReqInput("t", ids + answer[:q], greedy(DEPTH + 4)))
+        req = None
+        while req is None or not req.output_ids:  # the prefill (chunks, if any)
+            sched.step()
+            batch = sched.running_batch
+            req = batch.reqs[0] if batch is not None and batch.reqs else None
+        sched.step()  # its first drafting iteration
+        got = req.output_ids
+        assert got == answer[q : q + len(got)], "a draft changed the greedy answer"
+        out.append(len(got) - 2)  # less the prefill's token and the bonus token
+        sched.abort_request("t")
+        while sched.has_work():
+            sched.step()
+    return out
+
+
+def replay(
+    traces: list[list[int]],
+    step_ms: dict[int, float],
+    resume_ms: float,
+    fixed: int | None = None,
+    prices: CostTable | None = None,
+    prior: list[float] | None = None,
+) -> dict[str, Any]:
+    """Batch 1, the traces' requests in turn; a fixed depth, or the controller priced by
+    `prices` and learning online from serving's costs as a CPU worker does."""
+    engine_rate = list(prior or [])
+    judged = [0] * DEPTH
+    ctl = None
+    if fixed is None:
+        assert prices is not None
+        ctl = AdaptiveController(prices, depth_choices(DEPTH, True), probe_interval=64)
+    ms = tokens = verifies = accepted_total = 0.0
+    per_k = [0] * (DEPTH + 1)
+    for trace in traces:
+        hits, trials = [0.0] * DEPTH, [0.0] * DEPTH
+        q, held = 0, 1  # the prefill holds the prompt's last row
+        while q < len(trace):
+            if ctl is None:
+                k = fixed or 0
+            else:
+                alphas = request_acceptance(hits, trials, engine_rate)
+                k = ctl.choose([alphas], held > 0)
+            cost = step_ms[k] + (resume_ms if k and held else 0.0)
+            if ctl is not None:
+                ctl.costs.observe(1, k, cost / 1e3, resumed=bool(k and held))
+            per_k[k] += 1
+            ms += cost
+            a = min(trace[q], k)
+            if k and ctl is not None:
+                record_verify(hits, trials, k, a)
+                update_acceptance(engine_rate, judged, k, a)
+            if k:
+                verifies += 1
+                accepted_total += a + 1
+                held = 0
+            else:
+                held += 1
+            q += a + 1
+            tokens += a + 1
+    iterations = sum(per_k)
+    return {
+        "x_target": tokens / ms * step_ms[0],
+        "drafting_share": 1 - per_k[0] / iterations,
+        "tau": accepted_total / verifies if verifies else None,
+        "iterations_per_k": per_k,
+    }
+
+
+def table_of(ms: dict[int, float], catch_up_ms: float) -> CostTable:
+    table = CostTable((1,))
+    table.seconds = {(1, k): v / 1e3 for k, v in ms.items()}
+    table.catch_up = {1: catch_up_ms / 1e3}
+    return table
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--draft", default=BUILTIN_HEAD, help="the EAGLE3 head (default: shipped)")
+    ap.add_argument("--sets", default="mtbench,humaneval")
+    ap.add_argument("--prompts", type=int, default=8, help="prompts per set")
+    ap.add_argument("--new-tokens", type=int, default=48)
+    ap.add_argument("--cost-prompts", type=int, default=6)
+    ap.add_argument("--out", default="adaptive_replay.json")
+    args = ap.parse_args()
+    kw: dict[str, Any] = dict(model="default", device="cpu", kv_cache_tokens=16384,
+                              max_running_requests=1, disable_overlap_schedule=True,
+                              disable_radix_cache=True)  # fmt: skip
+    spec = dict(speculative_algorithm="EAGLE3", speculative_draft_model_path=args.draft,
+                speculative_eagle_topk=1, speculative_num_steps=DEPTH,
+                speculative_num_draft_tokens=DEPTH + 1, speculative_adaptive=True)  # fmt: skip
+    target, engine = Engine(**kw), Engine(**kw, **spec)
+    tok = target.tokenizer
+    engine.generate(["Hello"], greedy(8))
+    cost_prompts = [chat_ids(tok, p) for p in prompt_set("mtbench", args.cost_prompts)]
+    costs = serving_costs(engine, cost_prompts, args.new_tokens)
+    step_ms, resume_ms = costs["step_ms"], costs["resume_ms"]
+    prior = engine.scheduler.worker.drafter.acceptance_prior
+    rows, table, traces_by_set = [], [], {}
+    for set_name in args.sets.split(","):
+        traces = []
+        for p in prompt_set(set_name, args.prompts):
+            ids = chat_ids(tok, p)
+            answer = target.generate([ids], greedy(args.new_tokens))[0]["token_ids"]
+            traces.append(acceptance_trace(engine, ids, answer))
+        traces_by_set[set_name] = traces
+        first = sum(a > 0 for t in traces for a in t) / sum(len(t) for t in traces)
+        policies: dict[str, dict[str, Any]] = {
+            f"chain {k}": dict(fixed=k) for k in range(1, DEPTH + 1)
+        }
+        policies["adaptive, start-up table"] = dict(
+            prices=table_of(costs["table_ms"], costs["table_catch_up_ms"]), prior=prior
+        )
+        policies["adaptive, serving's costs"] = dict(
+            prices=table_of(step_ms, resume_ms), prior=prior
+        )
+        for name, policy in policies.items():
+            r = replay(traces, step_ms, resume_ms, **policy)
+            rows.append({"set": set_name, "policy": name, "first_draft_acceptance": first, **r})
+            tau = "-" if r["tau"] is None else f"{r['tau']:.2f}"
+            table.append([set_name, name, f"{r['x_target']:.3f}", f"{r['drafting_share']:.2f}",
+                          tau, " ".join(map(str, r["iterations_per_k"]))])  # fmt: skip
+    print(f"serving's step ms by k: {step_ms}, resume +{resume_ms:.2f} ms; "
+          f"start-up table ms: {costs['table_ms']}")  # fmt: skip
+    print_table(["set", "policy", "x target-only", "drafting", "tau", "iters per k"], table)
+    path = write_json(args.out, {"machine": machine(), "draft": args.draft,
+                                 "new_tokens": args.new_tokens, "costs": costs, "prior": prior,
+                                 "traces": traces_by_set, "rows": rows})  # fmt: skip
+    print(path)
+
+
+if __name__ == "__main__":
+    main()
