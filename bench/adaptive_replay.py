@@ -1,7 +1,8 @@
 """The adaptive controller replayed on measured acceptance and costs, free of timing noise.
 
     python bench/adaptive_replay.py [--draft HEAD] [--sets mtbench,humaneval] [--prompts 8]
-        [--new-tokens 48] [--out adaptive_replay.json]
+        [--new-tokens 48] [--device cpu] [--model default] [--deterministic]
+        [--out adaptive_replay.json]
 
 1. Costs: one adaptive engine (the packed-int4 SmolLM2 as `make serve` runs it, overlap off)
    generates `--cost-prompts` MT-bench prompts at each fixed depth k = 0..3 (the controller
@@ -17,7 +18,11 @@
    or from the controller (spec/adaptive.py's estimates, choice and probes, fed as the worker
    and the scheduler feed them), what it commits from the position's acceptance, and what it
    costs from serving's steps. The controller prices depths by the start-up table (what it
-   does in serving) or, to separate a pricing error from an acceptance one, by serving's steps.
+   does in serving; on a CPU refined online by what iterations cost, as the worker does) or,
+   to separate a pricing error from an acceptance one, by serving's steps.
+
+On a GPU in half precision, `--deterministic` (`--enable-deterministic-inference`): the drafts
+are judged against the target-only answer, which a verify must reproduce token for token.
 
 Prints, per prompt set, each policy's speed against target-only's (serving's step costs), the
 share of iterations that drafted and tau; writes bench/results/adaptive_replay.json.
@@ -34,6 +39,8 @@ from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
+
+import torch  # noqa: E402
 
 from bench.adaptive import BUILTIN_HEAD, chat_ids, prompt_set  # noqa: E402
 from bench.common import machine, print_table, write_json  # noqa: E402
@@ -144,9 +151,10 @@ def replay(
     fixed: int | None = None,
     prices: CostTable | None = None,
     prior: list[float] | None = None,
+    learns: bool = True,
 ) -> dict[str, Any]:
     """Batch 1, the traces' requests in turn; a fixed depth, or the controller priced by
-    `prices` and learning online from serving's costs as a CPU worker does."""
+    `prices` and (`learns`: a CPU worker's) refining them online from serving's costs."""
     engine_rate = list(prior or [])
     judged = [0] * DEPTH
     ctl = None
@@ -165,7 +173,7 @@ def replay(
                 alphas = request_acceptance(hits, trials, engine_rate)
                 k = ctl.choose([alphas], held > 0)
             cost = step_ms[k] + (resume_ms if k and held else 0.0)
-            if ctl is not None:
+            if ctl is not None and learns:
                 ctl.costs.observe(1, k, cost / 1e3, resumed=bool(k and held))
             per_k[k] += 1
             ms += cost
@@ -204,11 +212,15 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=8, help="prompts per set")
     ap.add_argument("--new-tokens", type=int, default=48)
     ap.add_argument("--cost-prompts", type=int, default=6)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--model", default="default")
+    ap.add_argument("--deterministic", action="store_true")
     ap.add_argument("--out", default="adaptive_replay.json")
     args = ap.parse_args()
-    kw: dict[str, Any] = dict(model="default", device="cpu", kv_cache_tokens=16384,
+    kw: dict[str, Any] = dict(model=args.model, device=args.device, kv_cache_tokens=16384,
                               max_running_requests=1, disable_overlap_schedule=True,
-                              disable_radix_cache=True)  # fmt: skip
+                              disable_radix_cache=True,
+                              enable_deterministic_inference=args.deterministic)  # fmt: skip
     spec = dict(speculative_algorithm="EAGLE3", speculative_draft_model_path=args.draft,
                 speculative_eagle_topk=1, speculative_num_steps=DEPTH,
                 speculative_num_draft_tokens=DEPTH + 1, speculative_adaptive=True)  # fmt: skip
@@ -231,11 +243,13 @@ def main() -> None:
         policies: dict[str, dict[str, Any]] = {
             f"chain {k}": dict(fixed=k) for k in range(1, DEPTH + 1)
         }
+        learns = args.device == "cpu"
         policies["adaptive, start-up table"] = dict(
-            prices=table_of(costs["table_ms"], costs["table_catch_up_ms"]), prior=prior
-        )
+            prices=table_of(costs["table_ms"], costs["table_catch_up_ms"]), prior=prior,
+            learns=learns,
+        )  # fmt: skip
         policies["adaptive, serving's costs"] = dict(
-            prices=table_of(step_ms, resume_ms), prior=prior
+            prices=table_of(step_ms, resume_ms), prior=prior, learns=learns
         )
         for name, policy in policies.items():
             r = replay(traces, step_ms, resume_ms, **policy)
@@ -246,7 +260,9 @@ def main() -> None:
     print(f"serving's step ms by k: {step_ms}, resume +{resume_ms:.2f} ms; "
           f"start-up table ms: {costs['table_ms']}")  # fmt: skip
     print_table(["set", "policy", "x target-only", "drafting", "tau", "iters per k"], table)
-    path = write_json(args.out, {"machine": machine(), "draft": args.draft,
+    dev = torch.device(args.device)
+    name = "cpu" if dev.type == "cpu" else torch.get_device_module(dev).get_device_name(dev)
+    path = write_json(args.out, {"machine": machine(), "device": name, "draft": args.draft,
                                  "new_tokens": args.new_tokens, "costs": costs, "prior": prior,
                                  "traces": traces_by_set, "rows": rows})  # fmt: skip
     print(path)
