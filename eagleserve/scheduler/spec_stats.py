@@ -19,7 +19,8 @@ class SpecStats:
         self.accepted_per_position = [0] * num_steps
         self.proposed_tokens = 0
         self.iterations_per_num_drafts = [0] * (num_steps + 1 if num_steps else 0)
-        # Engine-wide acceptance by depth: /metrics, and where a new request's own EMA starts.
+        # Engine-wide acceptance by depth: /metrics, and what each request's estimate is shrunk
+        # towards (spec/adaptive.py).
         self.acceptance_ema = list(acceptance_prior or [ACCEPT_PRIOR] * num_steps)
         self.acceptance_judged = [0] * num_steps  # verifies that judged each depth
 

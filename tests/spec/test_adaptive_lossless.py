@@ -144,7 +144,7 @@ def test_acceptance_starts_from_the_heads_training_log(
     target_dir: str, heads: dict[str, str], tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     """A head trained by `eagleserve train-draft` carries its held-out accuracy by depth: the
-    engine's acceptance starts there, not at a made-up prior, and a new request's own EMA
+    engine's acceptance starts there, not at a made-up prior, and a new request's estimate
     starts from it."""
     head = str(tmp_path_factory.mktemp("logged_head") / "head")
     shutil.copytree(heads["EAGLE-random"], head)
