@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench import data  # noqa: E402
 from bench.common import machine, print_table, write_json  # noqa: E402
-from bench.spec_cpu import chat_ids, run_engine  # noqa: E402
+from bench.spec_cpu import run_engine  # noqa: E402
 from eagleserve import Engine  # noqa: E402
 from eagleserve.models.loader import resolve_draft_path  # noqa: E402
 
@@ -51,7 +51,7 @@ def main() -> None:
     sets = {"MT-bench": data.mt_bench(n), "HumanEval": data.human_eval(n), "math": data.math(n)}
     rows = []
     for set_name, prompts in sets.items():
-        ids = [chat_ids(engines["target-only"].tokenizer, p) for p in prompts]
+        ids = [data.chat_ids(engines["target-only"].tokenizer, p) for p in prompts]
         base = run_engine(engines["target-only"], ids, 1, args.new_tokens)
         rows.append(dict(set=set_name, head="target-only", tok_s=base["tok_s"]))
         for h in args.heads:

@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench import data  # noqa: E402
 from bench.common import machine, print_table, write_json  # noqa: E402
-from bench.spec_cpu import chat_ids, run_engine  # noqa: E402
+from bench.spec_cpu import run_engine  # noqa: E402
 from eagleserve import Engine  # noqa: E402
 from eagleserve.train.extract import extract, self_distilled_items  # noqa: E402
 from eagleserve.train.shards import ShardWriter  # noqa: E402
@@ -65,7 +65,7 @@ def main() -> None:
         eagle = Engine(**kw, speculative_algorithm="EAGLE3",
                        speculative_draft_model_path=args.head, **CHAIN)  # fmt: skip
         for name, prompts in sets.items():
-            ids = [chat_ids(base.tokenizer, p) for p in prompts]
+            ids = [data.chat_ids(base.tokenizer, p) for p in prompts]
             b = run_engine(base, ids, 1, args.new_tokens)
             e = run_engine(eagle, ids, 1, args.new_tokens)
             served[name, dtype] = dict(tau=e["tau"], accept=e["accept_by_depth"],
