@@ -17,7 +17,6 @@ choice is reproduced). Writes bench/results/draft_vocab.json.
 from __future__ import annotations
 
 import argparse
-import glob
 import os
 import sys
 
@@ -25,11 +24,11 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
 import torch  # noqa: E402
-from safetensors import safe_open  # noqa: E402
 
 from bench import data  # noqa: E402
 from bench.common import machine, print_table, write_json  # noqa: E402
 from eagleserve import Engine, SamplingParams  # noqa: E402
+from eagleserve.models.loader import iter_checkpoint  # noqa: E402
 from eagleserve.train.assets import resolve_head_path  # noqa: E402
 from eagleserve.train.chitchat import chitchat_conversations, chitchat_path  # noqa: E402
 from eagleserve.train.conversations import sharegpt_split  # noqa: E402
@@ -39,13 +38,13 @@ from eagleserve.train.recipe import draft_ids_from, tokenize_all  # noqa: E402
 SETS = {"MT-bench": data.mt_bench, "HumanEval": data.human_eval, "math": data.math}
 
 
-def head_vocab(path: str) -> set[int]:
-    """The target ids of an EAGLE-3 head's draft vocabulary (its `t2d` mask)."""
-    for file in glob.glob(os.path.join(resolve_head_path(path), "*.safetensors")):
-        with safe_open(file, "pt") as f:
-            if "t2d" in f.keys():  # noqa: SIM118 (a safe_open handle is not a dict)
-                return set(torch.nonzero(f.get_tensor("t2d")).flatten().tolist())
-    raise ValueError(f"{path}: no t2d tensor (not an EAGLE-3 head with a draft vocabulary)")
+def head_vocab(path: str, vocab_size: int) -> set[int]:
+    """The target ids of an EAGLE-3 head's draft vocabulary: draft id i is target id
+    i + d2t[i] (a head without `d2t` drafts the whole vocabulary, as the loader reads it)."""
+    for name, tensor in iter_checkpoint(resolve_head_path(path)):
+        if name.removeprefix("model.") == "d2t":
+            return set((torch.arange(tensor.numel()) + tensor).tolist())
+    return set(range(vocab_size))
 
 
 def main() -> None:
@@ -68,7 +67,7 @@ def main() -> None:
         str(size): set(draft_ids_from(items, min(size, vocab_size), vocab_size).tolist())
         for size in map(int, args.sizes.split(","))
     }
-    vocabs["head"] = head_vocab(args.head)
+    vocabs["head"] = head_vocab(args.head, vocab_size)
     recipe_8k = vocabs.get("8192")
     same = None if recipe_8k is None else len(recipe_8k & vocabs["head"]) / len(vocabs["head"])
 
