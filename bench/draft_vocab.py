@@ -33,7 +33,8 @@ from eagleserve.train.assets import resolve_head_path  # noqa: E402
 from eagleserve.train.chitchat import chitchat_conversations, chitchat_path  # noqa: E402
 from eagleserve.train.conversations import sharegpt_split  # noqa: E402
 from eagleserve.train.data import sharegpt_path  # noqa: E402
-from eagleserve.train.recipe import draft_ids_from, tokenize_all  # noqa: E402
+from eagleserve.train.recipe import tokenize_all  # noqa: E402
+from eagleserve.train.vocab import answer_counts, vocab_from_counts  # noqa: E402
 
 SETS = {"MT-bench": data.mt_bench, "HumanEval": data.human_eval, "math": data.math}
 
@@ -63,8 +64,9 @@ def main() -> None:
     convs, train_i, _, keys = sharegpt_split(sharegpt_path(), seed=0, val_fraction=0.03)
     train = [convs[i] for i in train_i] + chitchat_conversations(chitchat_path())
     items = tokenize_all(tok, train, keys, args.max_seq_len, os.cpu_count() or 1)
+    counts = answer_counts(items)
     vocabs = {
-        str(size): set(draft_ids_from(items, min(size, vocab_size), vocab_size).tolist())
+        str(size): set(vocab_from_counts(counts, min(size, vocab_size), vocab_size).tolist())
         for size in map(int, args.sizes.split(","))
     }
     vocabs["head"] = head_vocab(args.head, vocab_size)

@@ -105,15 +105,18 @@ def load_eagle_head(
 
 def measured_acceptance(path: str) -> list[float] | None:
     """The head's held-out accuracy by depth from the `training_log.json` that `eagleserve
-    train-draft` writes beside it (acc0, acc1, ...), or None when there is none."""
+    train-draft` writes beside it, or None when there is none: over every answer row
+    (acc0_all, ...: a target token outside the draft vocabulary is a rejected draft) where the
+    log has it, else over the rows the head can draft (acc0, ...)."""
     log_path = os.path.join(path, "training_log.json")
     if not os.path.isfile(log_path):
         return None
     with open(log_path) as f:
         by_depth = json.load(f).get("val_accuracy_by_depth") or {}
+    suffix = "_all" if "acc0_all" in by_depth else ""
     values: list[float] = []
-    while f"acc{len(values)}" in by_depth:
-        values.append(float(by_depth[f"acc{len(values)}"]))
+    while f"acc{len(values)}{suffix}" in by_depth:
+        values.append(float(by_depth[f"acc{len(values)}{suffix}"]))
     return values or None
 
 

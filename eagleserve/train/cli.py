@@ -36,6 +36,7 @@ from eagleserve.train.trainer import (
     train_step,
 )
 from eagleserve.train.training_log import write_training_log
+from eagleserve.train.vocab import DEFAULT_DRAFT_VOCAB
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -54,7 +55,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--model", required=True, help="target: HF folder, .gguf, or 'default'")
     p.add_argument("--out", required=True, help="output folder (checkpoints, data cache, log)")
     p.add_argument("--algorithm", default="EAGLE3", choices=["EAGLE", "EAGLE3"])
-    p.add_argument("--draft-vocab-size", type=int, default=8192, help="EAGLE3 draft vocabulary")
+    p.add_argument("--draft-vocab-size", type=int, default=None, help="EAGLE3 draft vocabulary "
+                   "(default 8192; with --init-head the head's own, and a larger size widens "
+                   "it)")  # fmt: skip
     p.add_argument("--draft-intermediate-size", type=int, default=None,
                    help="the head's MLP width (default: the target's)")  # fmt: skip
     p.add_argument("--draft-num-hidden-layers", type=int, default=1,
@@ -167,7 +170,8 @@ def run(ns: argparse.Namespace) -> int:
     if ns.algorithm == "EAGLE3":
         tr_seqs = [seqs[i] for i in train_idx]
         tr_lens = [prompt_lens[i] for i in train_idx]
-        draft_ids = draft_vocab(tr_seqs, tr_lens, min(ns.draft_vocab_size, vocab), vocab)
+        size = min(ns.draft_vocab_size or DEFAULT_DRAFT_VOCAB, vocab)
+        draft_ids = draft_vocab(tr_seqs, tr_lens, size, vocab)
     head = fresh_head(ns, ns.algorithm, target, draft_ids)
     state = None
     ckpt = os.path.join(ns.out, "trainer_state.pt")

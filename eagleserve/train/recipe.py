@@ -22,6 +22,7 @@ from collections import Counter
 import torch
 
 from eagleserve.device import empty_cache, pick_device, synchronize
+from eagleserve.models.llama import LlamaForCausalLM
 from eagleserve.spec.eagle_head import EagleHead
 from eagleserve.train.conversations import sharegpt_split, tokenize_unless_leak
 from eagleserve.train.extract import Item
@@ -34,6 +35,13 @@ from eagleserve.train.online import (
 from eagleserve.train.self_distill import add_self_distill_args
 from eagleserve.train.training_log import write_training_log
 from eagleserve.train.ttt import TTT_ATTENTION
+from eagleserve.train.vocab import (
+    DEFAULT_DRAFT_VOCAB,
+    answer_counts,
+    vocab_from_counts,
+    widen_head,
+    widened_ids,
+)
 
 _WORKER: tuple | None = None  # (tokenizer, probe keys, max tokens), inherited by forked workers
 
@@ -71,8 +79,8 @@ def add_recipe_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--work-dir", default=None, help="write the fp32 head and trainer_state.pt "
                    "here at the end (default: none; OUT holds the head and its log)")  # fmt: skip
     g.add_argument("--init-head", default=None, help="train on from this head's weights "
-                   "(a folder or builtin:NAME) instead of a fresh head; its width and draft "
-                   "vocabulary are kept")  # fmt: skip
+                   "(a folder or builtin:NAME) instead of a fresh head; its width is kept, "
+                   "its draft vocabulary too unless --draft-vocab-size widens it")  # fmt: skip
     g.add_argument("--extra-conversations", nargs="*", default=[], choices=["chitchat"],
                    help="more training conversations from a PyPI wheel: chitchat (BYU "
                    "Chit-Chat Challenge, 4 k human-human chats, MIT)")  # fmt: skip
@@ -108,13 +116,6 @@ def tokenize_all(
         with multiprocessing.get_context("fork").Pool(procs) as pool:
             out = pool.map(_tokenize, convs, chunksize=max(1, len(convs) // (procs * 8)))
     return [it for it in out if it is not None]
-
-
-def draft_ids_from(items: list[Item], size: int, vocab_size: int) -> torch.Tensor:
-    from eagleserve.train.tf_train import vocab_from_counts
-
-    c = Counter(t for ids, flags in items for t, a in zip(ids, flags) if a)
-    return vocab_from_counts(c, size, vocab_size)
 
 
 def store_capacity(dev: torch.device, store_gb: float | None, width: int, k: int) -> int:
@@ -167,12 +168,25 @@ def distill(
     return items, stats
 
 
-def warm_head(ns: argparse.Namespace, target: object, dev: torch.device) -> EagleHead:
-    """--init-head: the saved head to train on, as fp32 master weights on `dev`."""
+def warm_head(
+    ns: argparse.Namespace, target: LlamaForCausalLM, dev: torch.device, counts: Counter
+) -> EagleHead:
+    """--init-head: the saved head to train on, as fp32 master weights on `dev`; widened to
+    --draft-vocab-size by the most frequent answer tokens (`counts`) it lacks, where that is
+    larger than its own vocabulary (train/vocab.py)."""
     from eagleserve.spec.head_loader import load_eagle_head
     from eagleserve.train.assets import resolve_head_path
 
     head = load_eagle_head(resolve_head_path(ns.init_head), "EAGLE3", target, dev, torch.float32)
+    own, vocab = head.draft_vocab_size, target.config.vocab_size
+    size = own if ns.draft_vocab_size is None else min(ns.draft_vocab_size, vocab)
+    if size < own:
+        raise SystemExit(f"--draft-vocab-size {size}: --init-head {ns.init_head} drafts "
+                         f"{own} tokens: a vocabulary is widened, never narrowed")  # fmt: skip
+    if size > own:
+        old = head.to_target_ids(torch.arange(own, device=dev)).cpu()
+        widen_head(head, target.lm_head_weight, widened_ids(counts, old, size, vocab))
+        print(f"draft vocabulary widened: {own} -> {size} tokens", flush=True)
     width = ns.draft_intermediate_size
     if width is not None and width != head.config.intermediate_size:
         raise SystemExit(f"--draft-intermediate-size {width}: --init-head {ns.init_head} is "
@@ -229,11 +243,13 @@ def run_recipe(ns: argparse.Namespace) -> int:
     t_target = time.time()
 
     vocab = target.config.vocab_size
-    head = warm_head(ns, target, dev) if ns.init_head else None
+    counts = answer_counts(train_items)
+    head = warm_head(ns, target, dev, counts) if ns.init_head else None
     if head is not None:  # the labels follow the head's own draft vocabulary
         draft_ids = head.to_target_ids(torch.arange(head.draft_vocab_size, device=dev)).cpu()
     else:
-        draft_ids = draft_ids_from(train_items, min(ns.draft_vocab_size, vocab), vocab)
+        size = min(ns.draft_vocab_size or DEFAULT_DRAFT_VOCAB, vocab)
+        draft_ids = vocab_from_counts(counts, size, vocab)
     lmap = label_map(draft_ids, vocab)
     layers = target_layer_ids("EAGLE3", target.config.num_hidden_layers)
     width = len(layers) * target.config.hidden_size

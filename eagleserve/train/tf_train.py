@@ -6,7 +6,6 @@ import argparse
 import json
 import os
 import time
-from collections import Counter
 
 import torch
 
@@ -14,34 +13,34 @@ from eagleserve.train.features import IGNORE, label_map
 from eagleserve.train.shard_data import ShardSource, answer_token_counts, shard_entries
 from eagleserve.train.trainer import TrainConfig, train_head, train_step
 from eagleserve.train.training_log import write_training_log
-
-
-def vocab_from_counts(counts: Counter, size: int, vocab_size: int) -> torch.Tensor:
-    """The `size` most frequent answer tokens, topped up with the lowest unused ids; sorted."""
-    chosen = [t for t, _ in counts.most_common(size)]
-    seen = set(chosen)
-    chosen += [t for t in range(vocab_size) if t not in seen][: size - len(chosen)]
-    return torch.tensor(sorted(chosen), dtype=torch.long)
+from eagleserve.train.vocab import DEFAULT_DRAFT_VOCAB, vocab_from_counts
 
 
 @torch.no_grad()
 def evaluate_shards(head: object, source: ShardSource, cfg: TrainConfig) -> dict[str, float]:
-    """Per-depth top-1 accuracy against the target's argmax, weighted by labelled rows, plus
-    the share of answer rows whose target argmax falls outside the draft vocabulary."""
-    hits: dict[str, float] = {}
-    rows: dict[str, float] = {}
+    """Per-depth top-1 accuracy against the target's argmax: `acc{d}` over the answer rows
+    whose argmax the head can draft (in its vocabulary), `acc{d}_all` over every answer row (an
+    argmax outside the vocabulary is a miss: the measure that compares heads of different
+    vocabularies); and the share of answer rows whose argmax is outside the vocabulary."""
+    hits: dict[int, float] = {}
+    rows: dict[int, float] = {}
+    every: dict[int, float] = {}
     outside = answer_rows = 0
     for within in range(source.per_epoch):
         batch = source.batch(0, within)
-        n = [int((batch.y[:, s + 1 :] != IGNORE).sum()) for s in range(cfg.depths)]
+        t = batch.f.shape[1] - cfg.depths - 1  # train_step's label columns s+1 .. s+t
+        labelled = batch.soft_p[..., 0] > 0  # rows whose next token is an answer token
         _, m = train_step(head, batch, cfg, 0)
         for s in range(cfg.depths):
-            hits[f"acc{s}"] = hits.get(f"acc{s}", 0.0) + float(m[f"acc{s}"]) * n[s]
-            rows[f"acc{s}"] = rows.get(f"acc{s}", 0.0) + n[s]
-        labelled = batch.soft_p[..., 0] > 0  # rows whose next token is an answer token
+            cols = slice(s + 1, s + 1 + t)
+            n = int((batch.y[:, cols] != IGNORE).sum())
+            hits[s] = hits.get(s, 0.0) + float(m[f"acc{s}"]) * n
+            rows[s] = rows.get(s, 0.0) + n
+            every[s] = every.get(s, 0.0) + int(labelled[:, cols].sum())
         answer_rows += int(labelled.sum())
         outside += int((labelled & (batch.y == IGNORE)).sum())
-    out = {k: hits[k] / max(1.0, rows[k]) for k in hits}
+    out = {f"acc{s}": hits[s] / max(1.0, rows[s]) for s in hits}
+    out |= {f"acc{s}_all": hits[s] / max(1.0, every[s]) for s in hits}
     out["argmax_outside_draft_vocab"] = outside / max(1, answer_rows)
     return out
 
@@ -93,7 +92,7 @@ def train_on_shards(ns: argparse.Namespace, extract_stats: dict) -> int:
         if os.path.exists(vocab_path):  # fixed on the first run: --resume must not change it
             draft_ids = torch.load(vocab_path)
         else:
-            size = min(ns.draft_vocab_size, vocab)
+            size = min(ns.draft_vocab_size or DEFAULT_DRAFT_VOCAB, vocab)
             draft_ids = vocab_from_counts(answer_token_counts(entries), size, vocab)
             torch.save(draft_ids, vocab_path)
     head = fresh_head(ns, ns.algorithm, target, draft_ids)

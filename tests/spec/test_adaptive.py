@@ -341,3 +341,9 @@ def test_measured_acceptance_reads_the_training_log(tmp_path: Path) -> None:
     log = {"val_accuracy_by_depth": {f"acc{d}": a for d, a in enumerate(accs)} | {"other": 0.5}}
     (tmp_path / "training_log.json").write_text(json.dumps(log))
     assert measured_acceptance(str(tmp_path)) == pytest.approx(accs)
+    # A log that also scores every answer row (a token outside the draft vocabulary a miss):
+    # that is what serving accepts.
+    every = [a * rng.uniform(0.8, 1.0) for a in accs]
+    log["val_accuracy_by_depth"] |= {f"acc{d}_all": a for d, a in enumerate(every)}
+    (tmp_path / "training_log.json").write_text(json.dumps(log))
+    assert measured_acceptance(str(tmp_path)) == pytest.approx(every)

@@ -196,11 +196,10 @@ def test_recipe_trains_saves_sharded_and_evaluates(chat_target: str, tmp_path) -
     assert base["head"] == out and all(abs(base[k] - val[k]) < 1e-6 for k in val), (base, val)
 
     # --init-head trains on from a saved head. At lr 0 its one step leaves the weights as loaded:
-    # the run saves them unchanged, keeps the head's width and draft vocabulary (not the
-    # --draft-vocab-size asked for a fresh head) and scores what the head scored.
+    # the run saves them unchanged, keeps the head's width and draft vocabulary and scores what
+    # the head scored.
     out3 = str(tmp_path / "head3")
     warm = [*args[:4], out3, *args[5:], "--max-steps", "1", "--lr", "0", "--init-head", out]
-    warm[warm.index("--draft-vocab-size") + 1] = "32"
     assert main(warm) == 0
 
     def tensors(folder: str) -> dict[str, torch.Tensor]:
@@ -217,6 +216,24 @@ def test_recipe_trains_saves_sharded_and_evaluates(chat_target: str, tmp_path) -
     assert not torch.equal(tensors(out4)["fc.weight"], before["fc.weight"])
     with pytest.raises(SystemExit, match="wide"):
         main([*warm[:-2], "--init-head", out, "--draft-intermediate-size", str(wide + 1)])
+    size = warm.index("--draft-vocab-size") + 1
+    with pytest.raises(SystemExit, match="never narrowed"):
+        main([*warm[:size], "32", *warm[size + 1 :]])
+    # A larger --draft-vocab-size widens the head (train/vocab.py): at lr 0 every weight and
+    # every old token's row saved as loaded, the old vocabulary within the new one.
+    out5 = str(tmp_path / "head5")
+    assert main([*warm[:4], out5, *warm[5:size], "96", *warm[size + 1 :]]) == 0
+    wide5 = tensors(out5)
+    assert json.load(open(os.path.join(out5, "training_log.json")))["draft_vocab_size"] == 96
+    assert wide5.keys() == before.keys() and wide5["lm_head.weight"].shape[0] == 96
+    same = [k for k in before if k not in ("lm_head.weight", "d2t", "t2d")]
+    assert all(torch.equal(before[k], wide5[k]) for k in same)
+    ids = before["d2t"] + torch.arange(64)
+    ids5 = wide5["d2t"] + torch.arange(96)
+    at = torch.searchsorted(ids5, ids)
+    assert torch.equal(ids5[at], ids)
+    assert torch.equal(wide5["lm_head.weight"][at], before["lm_head.weight"])
+    assert torch.equal(wide5["t2d"].nonzero().flatten(), ids5)
 
 
 def test_a_store_sample_is_a_seeded_subset_of_its_windows_of_enough_rows() -> None:
