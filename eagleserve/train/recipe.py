@@ -17,7 +17,6 @@ import multiprocessing
 import os
 import random
 import time
-from collections import Counter
 
 import torch
 
@@ -169,10 +168,10 @@ def distill(
 
 
 def warm_head(
-    ns: argparse.Namespace, target: LlamaForCausalLM, dev: torch.device, counts: Counter
+    ns: argparse.Namespace, target: LlamaForCausalLM, dev: torch.device, items: list[Item]
 ) -> EagleHead:
     """--init-head: the saved head to train on, as fp32 master weights on `dev`; widened to
-    --draft-vocab-size by the most frequent answer tokens (`counts`) it lacks, where that is
+    --draft-vocab-size by the most frequent answer tokens of `items` it lacks, where that is
     larger than its own vocabulary (train/vocab.py)."""
     from eagleserve.spec.head_loader import load_eagle_head
     from eagleserve.train.assets import resolve_head_path
@@ -185,7 +184,8 @@ def warm_head(
                          f"{own} tokens: a vocabulary is widened, never narrowed")  # fmt: skip
     if size > own:
         old = head.to_target_ids(torch.arange(own, device=dev)).cpu()
-        widen_head(head, target.lm_head_weight, widened_ids(counts, old, size, vocab))
+        ids = widened_ids(answer_counts(items), old, size, vocab)
+        widen_head(head, target.lm_head_weight, ids)
         print(f"draft vocabulary widened: {own} -> {size} tokens", flush=True)
     width = ns.draft_intermediate_size
     if width is not None and width != head.config.intermediate_size:
@@ -243,13 +243,12 @@ def run_recipe(ns: argparse.Namespace) -> int:
     t_target = time.time()
 
     vocab = target.config.vocab_size
-    counts = answer_counts(train_items)
-    head = warm_head(ns, target, dev, counts) if ns.init_head else None
+    head = warm_head(ns, target, dev, train_items) if ns.init_head else None
     if head is not None:  # the labels follow the head's own draft vocabulary
         draft_ids = head.to_target_ids(torch.arange(head.draft_vocab_size, device=dev)).cpu()
     else:
         size = min(ns.draft_vocab_size or DEFAULT_DRAFT_VOCAB, vocab)
-        draft_ids = vocab_from_counts(counts, size, vocab)
+        draft_ids = vocab_from_counts(answer_counts(train_items), size, vocab)
     lmap = label_map(draft_ids, vocab)
     layers = target_layer_ids("EAGLE3", target.config.num_hidden_layers)
     width = len(layers) * target.config.hidden_size

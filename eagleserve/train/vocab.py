@@ -66,9 +66,9 @@ def widen_head(head: EagleHead, target_lm_head: torch.Tensor, draft_ids: torch.T
     rows = torch.empty(ids.numel(), trained.shape[1], device=trained.device)
     rows[torch.searchsorted(ids, old)] = trained.float()
     rows[fresh] = ref[ids[fresh]] @ fit
-    head.lm_head = torch.nn.Linear(trained.shape[1], ids.numel(), bias=False)
+    head.lm_head = torch.nn.Linear(trained.shape[1], ids.numel(), bias=False,
+                                   device=trained.device, dtype=trained.dtype)  # fmt: skip
     head.lm_head.weight.copy_(rows)
-    head.lm_head.to(trained.device, trained.dtype)
     head.draft_vocab_size = ids.numel()
     head.d2t = ids - torch.arange(ids.numel(), device=ids.device)  # a registered buffer
     head.target_ids = None
