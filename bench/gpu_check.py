@@ -13,7 +13,8 @@ writing DIR/<stage>.json (and .log); DIR/summary.json is rewritten after every s
   table     the default model: target-only, EAGLE3 chain 3, chain 5, tree (3 steps, top-4, 8
             tokens), the shipped config (configs/smollm2-135m-eagle.yaml, adaptive); batch 1
             (8 held-out prompts one after another), 16 and 64; greedy, EOS ignored; tok/s, x
-            target-only, tau, acceptance by depth, answers equal to target-only's
+            target-only, tau, acceptance by depth, answers equal to target-only's; with
+            --draft HEAD, the shipped config and chain 3 with that head too
   gpu       bench/gpu.py --skip-hf --deterministic (Llama-3-8B-shaped, random weights; the
             batch-invariant mode's decode cost too)
   kernels   bench/gpu_kernels.py, if there: run(out_dir) or main()
@@ -264,6 +265,8 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=480.0, help="the whole check's limit")
     ap.add_argument("--hang-s", type=float, default=120.0, help="a step's time before a dump")
     ap.add_argument("--limits", default="", help="per-stage seconds, e.g. table=120,tests=60")
+    ap.add_argument("--draft", default="", help="table: also the shipped config and chain 3 "
+                    "with this head (a folder, e.g. bench/heads/h200-ae931d0)")  # fmt: skip
     ap.add_argument("--stage", help=argparse.SUPPRESS)
     ap.add_argument("--limit-s", type=float, default=0.0, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -287,7 +290,8 @@ def main() -> None:
         cmd = [sys.executable, os.path.abspath(__file__), "--stage", name,
                "--model", args.model, "--out", args.out, "--device", args.device,
                "--new-tokens", str(args.new_tokens), "--hang-s", str(min(args.hang_s, limit - 10)),
-               "--limit-s", str(limit)] + (["--quick"] if args.quick else [])  # fmt: skip
+               "--limit-s", str(limit), "--draft", args.draft] + (["--quick"] if args.quick
+                                                                   else [])  # fmt: skip
         t0 = time.perf_counter()
         print(f"== {name} (limit {limit:.0f} s)", flush=True)
         with open(os.path.join(args.out, f"{name}.log"), "w") as log:

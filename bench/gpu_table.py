@@ -1,6 +1,7 @@
 """The `table` stage of bench/gpu_check.py: the default model under target-only, EAGLE3 chain 3,
-chain 5, a tree and the shipped config, at batch 1, 16 and 64: tok/s, x target-only, tau,
-acceptance by depth and the answers equal to target-only's."""
+chain 5, a tree and the shipped config (and, with `--draft HEAD`, the shipped config and chain
+3 with that head), at batch 1, 16 and 64: tok/s, x target-only, tau, acceptance by depth and
+the answers equal to target-only's."""
 
 from __future__ import annotations
 
@@ -39,8 +40,10 @@ def shipped_config() -> dict[str, Any]:
     return cfg
 
 
-def table_configs() -> dict[str, dict[str, Any]]:
-    return {
+def table_configs(draft: str | None = None) -> dict[str, dict[str, Any]]:
+    """The table's engines; with `draft` (a head's folder), the shipped config and chain 3 with
+    that head too, named by its folder."""
+    configs = {
         "target-only": {},
         "shipped (adaptive)": shipped_config(),
         "EAGLE3 chain 3": chain(3),
@@ -49,6 +52,12 @@ def table_configs() -> dict[str, dict[str, Any]]:
         ),  # fmt: skip
         "EAGLE3 chain 5": chain(5),
     }
+    if draft:
+        name = os.path.basename(os.path.normpath(draft))
+        path = dict(speculative_draft_model_path=draft)
+        configs[f"shipped, {name}"] = shipped_config() | path
+        configs[f"chain 3, {name}"] = chain(3) | path
+    return configs
 
 
 def held_out_prompts(n: int) -> tuple[str, list[str]]:
@@ -91,7 +100,7 @@ def stage_table(args: argparse.Namespace, st: Stage) -> None:
     params = SamplingParams(max_new_tokens=new, temperature=0.0, ignore_eos=True)
     ref: dict[int, list[list[int]]] = {}
     base: dict[int, float] = {}
-    for name, kw in table_configs().items():
+    for name, kw in table_configs(args.draft).items():
         try:
             with st.watch(f"build {name}"):
                 t0 = time.perf_counter()
