@@ -1,6 +1,8 @@
 """Served acceptance next to teacher-forced head accuracy on the very same token sequences.
 
-For each held-out set (MT-bench first turns, HumanEval, math; never trained on): the served
+For each held-out set (MT-bench first turns, HumanEval, math, and with `--sets` the first
+turns of train-draft's held-out ShareGPT conversations or MT-bench questions spread over its
+categories; never trained on): the served
 target (packed GGUF) answers greedily (`--new-tokens`, EOS ignored); the EAGLE engine (chain of 3)
 produces the same tokens and reports P(accept >= d) per verify; then the target runs teacher-
 forced over prompt + answer (train-draft's extraction) and the head is scored position by
@@ -42,6 +44,13 @@ from eagleserve.train.shards import ShardWriter  # noqa: E402
 from eagleserve.train.target import load_target, target_layer_ids  # noqa: E402
 from eagleserve.train.tf_train import head_accuracy  # noqa: E402
 
+SETS = {
+    "MT-bench": data.mt_bench,
+    "HumanEval": data.human_eval,
+    "math": data.math,
+    "ShareGPT": data.sharegpt_held_out,
+    "MT-bench-categories": data.mt_bench_categories,
+}
 CHAIN = dict(speculative_num_steps=3, speculative_eagle_topk=1, speculative_num_draft_tokens=4)
 DEPTHS = 3
 
@@ -54,11 +63,13 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--target-dtypes", default="auto",
                     help="comma-separated: auto (packed, as served), float32")  # fmt: skip
+    ap.add_argument("--sets", default="MT-bench,HumanEval,math",
+                    help=f"comma-separated, of {', '.join(SETS)}")  # fmt: skip
     ap.add_argument("--out", default="accept_gap.json", help="file name in bench/results")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     n = args.prompts_per_set
-    sets = {"MT-bench": data.mt_bench(n), "HumanEval": data.human_eval(n), "math": data.math(n)}
+    sets = {name: SETS[name](n) for name in args.sets.split(",")}
     served, sequences = {}, {}
     for dtype in args.target_dtypes.split(","):
         kw = dict(model="default", device="cpu", kv_cache_tokens=4096, max_running_requests=2,

