@@ -12,7 +12,8 @@ writing DIR/<stage>.json (and .log); DIR/summary.json is rewritten after every s
             the fused-forward tests
   table     the default model: target-only, EAGLE3 chain 3, chain 5, tree (3 steps, top-4, 8
             tokens), the shipped config (configs/smollm2-135m-eagle.yaml, adaptive); batch 1
-            (8 held-out prompts one after another), 16 and 64; greedy, EOS ignored; tok/s, x
+            (8 held-out prompts one after another), 16 and 64, each batch size warmed by an
+            untimed pass of up to 80 tokens first; greedy, EOS ignored; tok/s, x
             target-only, tau, acceptance by depth, answers equal to target-only's; with
             --draft HEAD, the shipped config and chain 3 with that head too
   gpu       bench/gpu.py --skip-hf --deterministic (Llama-3-8B-shaped, random weights; the
@@ -55,7 +56,7 @@ from bench.gpu_table import chain, stage_table  # noqa: E402
 
 STAGES = ("tests", "table", "gpu", "kernels", "determinism", "requests", "host", "train", "hang")
 # Seconds each stage may run on the GPU (the whole check is also held to --budget-s).
-LIMITS = {"tests": 100, "table": 170, "gpu": 120, "kernels": 45, "determinism": 45,
+LIMITS = {"tests": 100, "table": 240, "gpu": 120, "kernels": 45, "determinism": 45,
           "requests": 90, "host": 150, "train": 90, "hang": 60}  # fmt: skip
 HOOKS = {"kernels": "gpu_kernels.py", "determinism": "deterministic_gpu.py"}
 

@@ -2,10 +2,11 @@
 speculative iteration's launches go (host, target graphs, draft loop, seed extend) against a
 target-only decode's; and the host's time per iteration by stage on that layout, with the
 replays' and kernels' own time left out (`time_host`), warm as a GPU's host runs (each graph
-replayed once) and with every replay interpreted in between (the caches cold).
+replayed once) and with every replay interpreted in between (the caches cold; one request).
+`--batch N` times the host with N requests decoding together (warm only).
 
     python bench/launch_census.py [--dtype bfloat16] [--temperature 0] [--settings NAMES]
-                                  [--out bench/results/launch_census_cpu.json]
+                                  [--batch 1] [--out bench/results/launch_census_cpu.json]
 
 The engines run a GPU's layout under the Triton interpreter: the target's layers and the EAGLE3
 head's on the fused Triton kernels (the GEMV ones at these sizes), the device graphs replaced by
@@ -75,7 +76,7 @@ def sampling(temperature: float, new: int) -> Any:
 
 
 def run_setting(
-    name: str, spec: dict[str, Any], target: str, dtype: str, temperature: float
+    name: str, spec: dict[str, Any], target: str, dtype: str, temperature: float, batch: int = 1
 ) -> dict[str, Any]:
     from eagleserve import Engine
     from eagleserve.messages import GenerateReqInput
@@ -89,8 +90,9 @@ def run_setting(
     mp.setattr(fused_forward, "gemv_max_rows", lambda *args: 64)
     try:
         with graphs_on_cpu(mp):
-            eng = Engine(model=target, device="cpu", kv_cache_tokens=256, dtype=dtype,
-                         max_running_requests=2, max_context_len=48, attention_backend="triton",
+            eng = Engine(model=target, device="cpu", kv_cache_tokens=max(256, 64 * batch),
+                         dtype=dtype, max_running_requests=max(2, batch), max_context_len=48,
+                         attention_backend="triton",
                          disable_overlap_schedule=True, disable_radix_cache=True,
                          **spec)  # fmt: skip
             worker = eng.scheduler.worker
@@ -113,14 +115,19 @@ def run_setting(
                     counted += census.active
                     sched.step()
                     decodes += decode
-            host_cold = time_host(eng, [rng.randrange(3, 90) for _ in range(9)], temperature)
+
+            def prompts() -> list[list[int]]:
+                return [[rng.randrange(3, 90) for _ in range(9)] for _ in range(batch)]
+
+            # Every replay interpreted takes minutes an iteration for a batch: one request only.
+            host_cold = time_host(eng, prompts(), temperature) if batch == 1 else None
             with replays_once():
-                host_us = time_host(eng, [rng.randrange(3, 90) for _ in range(9)], temperature)
+                host_us = time_host(eng, prompts(), temperature)
     finally:
         mp.undo()
     per_iter = {where: {op: n / counted for op, n in c.most_common()}
                 for where, c in census.tally.items()}  # fmt: skip
-    return {"setting": name, "iterations": counted,
+    return {"setting": name, "iterations": counted, "host_batch": batch,
             "launches": {where: sum(ops.values()) for where, ops in per_iter.items()},
             "ops": per_iter, "host_us": host_us,
             "host_us_kernels_interpreted": host_cold}  # fmt: skip
@@ -148,9 +155,10 @@ def replays_once() -> Iterator[None]:
 
 
 def time_host(
-    eng: Any, ids: list[int], temperature: float, new: int = 24, skip: int = 4
+    eng: Any, prompts: list[list[int]], temperature: float, new: int = 24, skip: int = 4
 ) -> dict[str, float]:
-    """Host microseconds per decode iteration by stage (bench/host_probes.py), the census's
+    """Host microseconds per decode iteration of `prompts` decoded together, by stage
+    (bench/host_probes.py), the census's
     mode off: a stand-in replay's and a Triton launch's time go to "device" and out of the
     host's (on a GPU a replay is one call, a launch a few microseconds of the host's), so the
     stages are the Python and torch dispatch a GPU's host runs. Decode iterations after the
@@ -164,7 +172,8 @@ def time_host(
     clock.wrap(StandInGraph, "replay", "device")
     clock.wrap(interp.GridExecutor, "__call__", "device")
     sched = eng.scheduler
-    sched.add_request(GenerateReqInput("timed", ids, sampling(temperature, new)))
+    for i, ids in enumerate(prompts):
+        sched.add_request(GenerateReqInput(f"timed-{i}", ids, sampling(temperature, new)))
     rows = []
     try:
         while sched.has_work():
@@ -193,6 +202,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     ap.add_argument("--settings", default="target-only,adaptive,chain3,tree")
+    ap.add_argument("--batch", type=int, default=1, help="requests decoded together in the host "
+                    "timing (the launch count is of one request)")  # fmt: skip
     ap.add_argument("--out", default=os.path.join(HERE, "results", "launch_census_cpu.json"))
     args = ap.parse_args(argv)
     tmp = tempfile.mkdtemp()
@@ -212,7 +223,7 @@ def main(argv: list[str] | None = None) -> None:
         "chain3": ("EAGLE3 chain 3", chain3),
         "tree": ("EAGLE3 tree 3x4/8", tree),
     }
-    rows = [run_setting(*settings[key], target, args.dtype, args.temperature)
+    rows = [run_setting(*settings[key], target, args.dtype, args.temperature, args.batch)
             for key in args.settings.split(",")]  # fmt: skip
     table = [[r["setting"], where, round(n, 1)] for r in rows for where, n in r["launches"].items()]
     table += [[r["setting"], "total", round(sum(r["launches"].values()), 1)] for r in rows]
@@ -220,16 +231,20 @@ def main(argv: list[str] | None = None) -> None:
     print(f"launches per decode iteration, {args.dtype}, {how}, 8-layer target (CPU stand-ins)")
     print(format_table(["setting", "where", "launches"], table))
     print(
-        f"host us per decode iteration outside replays and Triton launches ({machine()}); "
-        "warm: each graph replayed once; the last column with every replay interpreted"
+        f"host us per decode iteration of {args.batch} request(s) outside replays and Triton "
+        f"launches ({machine()}); "
+        "warm: each graph replayed once; the last column with every replay interpreted (one "
+        "request only)"
     )
     cols = (*HOST_STAGES, "host total")
+    cold = [r["host_us_kernels_interpreted"] for r in rows]
     host_rows = [[r["setting"], *(round(r["host_us"][k]) for k in cols),
-                  round(r["host_us_kernels_interpreted"]["host total"])] for r in rows]  # fmt: skip
+                  "-" if c is None else round(c["host total"])]
+                 for r, c in zip(rows, cold, strict=True)]  # fmt: skip
     print(format_table(["setting", *cols, "interpreted"], host_rows))
     commit = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"],
                             capture_output=True, text=True).stdout.strip()  # fmt: skip
-    res = {"machine": machine(), "commit": commit, "dtype": args.dtype,
+    res = {"machine": machine(), "commit": commit, "dtype": args.dtype, "batch": args.batch,
            "temperature": args.temperature,
            "target": "random 8-layer Llama, hidden 64 (tests' spec target), EAGLE3 head",
            "rows": rows}  # fmt: skip
