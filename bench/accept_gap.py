@@ -44,13 +44,6 @@ from eagleserve.train.shards import ShardWriter  # noqa: E402
 from eagleserve.train.target import load_target, target_layer_ids  # noqa: E402
 from eagleserve.train.tf_train import head_accuracy  # noqa: E402
 
-SETS = {
-    "MT-bench": data.mt_bench,
-    "HumanEval": data.human_eval,
-    "math": data.math,
-    "ShareGPT": data.sharegpt_held_out,
-    "MT-bench-categories": data.mt_bench_categories,
-}
 CHAIN = dict(speculative_num_steps=3, speculative_eagle_topk=1, speculative_num_draft_tokens=4)
 DEPTHS = 3
 
@@ -63,13 +56,13 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--target-dtypes", default="auto",
                     help="comma-separated: auto (packed, as served), float32")  # fmt: skip
-    ap.add_argument("--sets", default="MT-bench,HumanEval,math",
-                    help=f"comma-separated, of {', '.join(SETS)}")  # fmt: skip
+    ap.add_argument("--sets", default=data.DEFAULT_SETS,
+                    help=f"comma-separated, of {', '.join(data.SETS)}")  # fmt: skip
     ap.add_argument("--out", default="accept_gap.json", help="file name in bench/results")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     n = args.prompts_per_set
-    sets = {name: SETS[name](n) for name in args.sets.split(",")}
+    sets = {name: data.SETS[name](n) for name in args.sets.split(",")}
     served, sequences = {}, {}
     for dtype in args.target_dtypes.split(","):
         kw = dict(model="default", device="cpu", kv_cache_tokens=4096, max_running_requests=2,

@@ -76,3 +76,14 @@ def chat_ids(tokenizer: Any, prompt: str) -> list[int]:
     msgs = [{"role": "user", "content": prompt}]
     text = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
     return tokenizer.encode(text, add_special_tokens=False)
+
+
+# The sets a bench's `--sets` names (the first three are every bench's default).
+SETS = {
+    "MT-bench": mt_bench,
+    "HumanEval": human_eval,
+    "math": math,
+    "ShareGPT": sharegpt_held_out,
+    "MT-bench-categories": mt_bench_categories,
+}
+DEFAULT_SETS = "MT-bench,HumanEval,math"

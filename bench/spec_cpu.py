@@ -9,7 +9,7 @@ first, then HumanEval and math; bench/data.py; none seen in training) and batch 
 speedup over each baseline, mean accepted length tau (bonus token included), acceptance by
 draft depth, and losslessness (speculative tokens == eagleserve target-only tokens). A cost
 profile (mean ms per target decode, verify, draft step, draft extend) says what limits the
-speedup. Prints tables; writes bench/results/spec_cpu.json and .png.
+speedup. Prints tables; writes bench/results/spec_cpu.json and .png (`--out`).
 """
 
 from __future__ import annotations
@@ -147,6 +147,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
     ap.add_argument("--quick", action="store_true", help="2 prompts per set, 48 tokens, batch 1")
+    ap.add_argument("--sets", default=data.DEFAULT_SETS,
+                    help=f"comma-separated, of {', '.join(data.SETS)}")  # fmt: skip
+    ap.add_argument("--out", default="spec_cpu.json", help="file name in bench/results (and .png)")
     ap.add_argument(
         "--target-dtype",
         default="auto",
@@ -171,7 +174,7 @@ def main() -> None:
 
         hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     n = args.prompts_per_set
-    sets = {"MT-bench": data.mt_bench(n), "HumanEval": data.human_eval(n), "math": data.math(n)}
+    sets = {name: data.SETS[name](n) for name in args.sets.split(",")}
     rows: list[dict[str, Any]] = []
     for set_name, prompts in sets.items():
         ids = [data.chat_ids(tok, p) for p in prompts]
@@ -237,7 +240,7 @@ def report(rows: list[dict[str, Any]], timers: dict[str, Timers], args: Any, alg
     for name, ms in profile.items():
         print(f"  {name:10s} " + ", ".join(f"{k}={v:.1f}" for k, v in sorted(ms.items())))
     out = write_json(
-        "spec_cpu.json",
+        args.out,
         {
             "machine": machine_info(),
             "args": vars(args),
