@@ -36,8 +36,6 @@ from eagleserve.train.data import sharegpt_path  # noqa: E402
 from eagleserve.train.recipe import tokenize_all  # noqa: E402
 from eagleserve.train.vocab import answer_counts, vocab_from_counts  # noqa: E402
 
-SETS = {"MT-bench": data.mt_bench, "HumanEval": data.human_eval, "math": data.math}
-
 
 def head_vocab(path: str, vocab_size: int) -> set[int]:
     """The target ids of an EAGLE-3 head's draft vocabulary: draft id i is target id
@@ -75,7 +73,8 @@ def main() -> None:
 
     greedy = SamplingParams(max_new_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
     rows, table = [], []
-    for name, prompts in SETS.items():
+    for name in data.DEFAULT_SETS.split(","):
+        prompts = data.SETS[name]
         ids = [data.chat_ids(tok, p) for p in prompts(args.prompts_per_set)]
         answers = [o["token_ids"] for o in engine.generate(ids, greedy)]
         tokens = [t for a in answers for t in a]
