@@ -1,9 +1,11 @@
-"""What each extra row costs the packed-int4 GEMV: the decode (1 row) against verifies (2-4).
+"""What each extra row costs the packed-int4 GEMV: the decode (1 row) against verifies (2-4)
+and prefill-sized passes, on each ISA the CPU has (AVX2, and AVX-512 VNNI where it has that).
 
-    python bench/gemv_rows_cpu.py [--threads 2] [--repeats 15]
+    python bench/gemv_rows_cpu.py [--threads 2] [--repeats 15] [--rows 1,2,3,4,8,16]
+        [--isas avx2,avx512_vnni] [--out gemv_rows_cpu.json]
 
 The default model's 30 decoder layers as `make serve` packs them (q/k/v, o, gate/up, down: the
-Q4 tiles the one-call layers run), through `q4_matmul` with M = 1..4 rows of fresh random
+Q4 tiles the one-call layers run), through `q4_matmul` with `--rows` M rows of fresh random
 activations:
 
 - cold: the 30 layers one after the other, as a forward runs them: every weight comes from
@@ -12,8 +14,11 @@ activations:
   so what is left is the kernel's own compute.
 
 If the cold M = 1 time were the memory stream alone, the extra rows' integer dots could hide
-under it; the hot column says how much compute each row brings. Fastest of `--repeats` runs,
-interleaved over M. Prints a table and writes bench/results/gemv_rows_cpu.json.
+under it; the hot column says how much compute each row brings. (Where the last-level cache
+holds all the weights, as on some Xeons' 480 MB L3, "cold" reads them from it, not from memory.)
+Fastest of `--repeats` runs, interleaved over M and the ISAs. "x 1 row" is against the same
+ISA's single row, "x VNNI" against AVX-512 VNNI's time for as many rows. Prints a table and
+writes bench/results/gemv_rows_cpu.json (`--out`).
 """
 
 from __future__ import annotations
@@ -61,37 +66,57 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--rows", default="1,2,3,4,8,16")
+    ap.add_argument("--isas", default=None, help="default: every one this CPU has")
+    ap.add_argument("--out", default="gemv_rows_cpu.json", help="file name in bench/results")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     mats = packed_matmuls()
+    isas = args.isas.split(",") if args.isas else sorted({"avx2", cpu_ext.gemv_isa("auto")})
+    counts = [int(m) for m in args.rows.split(",")]
     layers = len(mats) // 4
     hot_mats = mats[:4] * layers
     nbytes = sum(t.numel() * t.element_size() for mat in mats for t in mat[:3])
-    best = {(kind, m): float("inf") for kind in ("cold", "hot") for m in (1, 2, 3, 4)}
-    for _ in range(args.repeats):
-        for kind, m in best:
-            best[kind, m] = min(best[kind, m], sweep(mats if kind == "cold" else hot_mats, m))
+    keys = [(isa, kind, m) for isa in isas for kind in ("cold", "hot") for m in counts]
+    best = dict.fromkeys(keys, float("inf"))
+    try:
+        for _ in range(args.repeats):
+            for isa, kind, m in keys:
+                cpu_ext.gemv_isa(isa)
+                best[isa, kind, m] = min(
+                    best[isa, kind, m], sweep(mats if kind == "cold" else hot_mats, m)
+                )
+    finally:
+        cpu_ext.gemv_isa("auto")
+    base = "avx512_vnni" if "avx512_vnni" in isas else None
     rows, table = [], []
-    for m in (1, 2, 3, 4):
-        cold, hot = best["cold", m], best["hot", m]
-        row = {
-            "rows": m,
-            "cold_ms": 1e3 * cold,
-            "cold_x_decode": cold / best["cold", 1],
-            "cold_gb_s": nbytes / cold / 1e9,
-            "hot_ms": 1e3 * hot,
-            "hot_x_decode": hot / best["hot", 1],
-        }
-        rows.append(row)
-        table.append([m, row["cold_ms"], row["cold_x_decode"], row["cold_gb_s"], row["hot_ms"],
-                      row["hot_x_decode"]])  # fmt: skip
+    for isa in isas:
+        for m in counts:
+            cold, hot = best[isa, "cold", m], best[isa, "hot", m]
+            row = {
+                "isa": isa,
+                "rows": m,
+                "cold_ms": 1e3 * cold,
+                "cold_x_decode": cold / best[isa, "cold", counts[0]],
+                "cold_gb_s": nbytes / cold / 1e9,
+                "hot_ms": 1e3 * hot,
+                "hot_x_decode": hot / best[isa, "hot", counts[0]],
+                "cold_x_vnni": cold / best[base, "cold", m] if base else None,
+            }
+            rows.append(row)
+            table.append([isa, m, row["cold_ms"], row["cold_x_decode"], row["cold_gb_s"],
+                          row["hot_ms"], row["hot_x_decode"],
+                          "-" if base is None else row["cold_x_vnni"]])  # fmt: skip
     title = (
         f"{machine()}, {args.threads} threads; {layers} layers' q4 matmuls, "
         f"{nbytes / 1e6:.1f} MB packed, fastest of {args.repeats}"
     )
-    print_table(["rows", "cold ms", "x 1 row", "GB/s", "hot ms", "x 1 row"], table, title)
+    print_table(
+        ["isa", "rows", "cold ms", f"x {counts[0]} row", "GB/s", "hot ms", f"x {counts[0]} row",
+         "x VNNI"], table, title,
+    )  # fmt: skip
     path = write_json(
-        "gemv_rows_cpu.json",
+        args.out,
         {"machine": machine_info(), "threads": args.threads, "packed_mb": nbytes / 1e6,
          "repeats": args.repeats, "rows": rows},
     )  # fmt: skip
