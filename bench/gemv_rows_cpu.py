@@ -17,7 +17,7 @@ If the cold M = 1 time were the memory stream alone, the extra rows' integer dot
 under it; the hot column says how much compute each row brings. (Where the last-level cache
 holds all the weights, as on some Xeons' 480 MB L3, "cold" reads them from it, not from memory.)
 Fastest of `--repeats` runs, interleaved over M and the ISAs. "x 1 row" is against the same
-ISA's single row, "x VNNI" against AVX-512 VNNI's time for as many rows. Prints a table and
+ISA's single row, "x VNNI" the cold time against AVX-512 VNNI's for as many rows. Prints a table and
 writes bench/results/gemv_rows_cpu.json (`--out`).
 """
 
