@@ -51,7 +51,7 @@ def main() -> None:
     ap.add_argument("--sizes", default="8192,16384,24576,32768")
     ap.add_argument("--prompts-per-set", type=int, default=8)
     ap.add_argument("--new-tokens", type=int, default=96)
-    ap.add_argument("--head", default="bench/heads/h200-ae931d0")
+    ap.add_argument("--head", default="builtin:smollm2-135m-eagle")
     ap.add_argument("--max-seq-len", type=int, default=4096, help="as train-draft's")
     ap.add_argument("--out", default="draft_vocab.json")
     args = ap.parse_args()

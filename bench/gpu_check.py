@@ -267,7 +267,7 @@ def main() -> None:
     ap.add_argument("--hang-s", type=float, default=120.0, help="a step's time before a dump")
     ap.add_argument("--limits", default="", help="per-stage seconds, e.g. table=120,tests=60")
     ap.add_argument("--draft", default="", help="table: also the shipped config and chain 3 "
-                    "with this head (a folder, e.g. bench/heads/h200-ae931d0)")  # fmt: skip
+                    "with this head (a folder, e.g. a train-draft OUT)")  # fmt: skip
     ap.add_argument("--stage", help=argparse.SUPPRESS)
     ap.add_argument("--limit-s", type=float, default=0.0, help=argparse.SUPPRESS)
     args = ap.parse_args()

@@ -1,6 +1,6 @@
 """Does a trained head's body already know the tokens its draft vocabulary leaves out?
 
-    python bench/widen_vocab.py [--head bench/heads/h200-ae931d0] [--size 16384]
+    python bench/widen_vocab.py [--head builtin:smollm2-135m-eagle] [--size 16384]
         [--train-tokens 150000] [--train-seconds 600] [--out-head DIR] [--out widen_vocab.json]
 
 `train-draft --init-head H --draft-vocab-size N` widens a head's vocabulary before training on
@@ -46,7 +46,7 @@ DEPTHS = 3  # the depths run 4 trained, and a chain of 3 drafts
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--head", default="bench/heads/h200-ae931d0")
+    ap.add_argument("--head", default="builtin:smollm2-135m-eagle")
     ap.add_argument("--size", type=int, default=16384, help="the widened draft vocabulary")
     ap.add_argument("--max-len", type=int, default=512, help="window length")
     ap.add_argument("--train-tokens", type=int, default=150_000)
