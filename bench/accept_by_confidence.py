@@ -10,6 +10,10 @@ target's ranking only roughly misses there first. Per set and bin: the share of 
 head's hit rate (a target token outside the draft vocabulary is a miss, as in serving) and the
 share of the bin's tokens outside that vocabulary (misses no training of this head can turn).
 
+The same positions binned by the head's own top-1 probability (softmax over its draft
+vocabulary) give its calibration: how well its confidence, known before a verify, predicts
+that the draft is accepted (what a draft that stops where its head is unsure would act on).
+
 "mix-only" is the accuracy the set would have with every set's pooled hit rate per bin and its
 own mix of bins: where it is close to the set's accuracy, the set is harder because its target
 is less sure more often (more unsettled positions), not because the head drafts its sure
@@ -70,25 +74,26 @@ def mix_only_accuracy(counts: list[int], pooled_rate: list[float]) -> float:
 @torch.no_grad()
 def depth0_hits(
     head: object, source: ShardSource
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(top-1 probability, hit, outside) of every answer position of `source`'s windows: the
-    head's depth-0 argmax against the target's greedy token, and whether that token is outside
-    the draft vocabulary (a miss)."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(the target's top-1 probability, hit, outside, the head's top-1 probability) of every
+    answer position of `source`'s windows: the head's depth-0 argmax against the target's greedy
+    token, and whether that token is outside the draft vocabulary (a miss)."""
     w = lm_head_weight(head)
-    p1s, hits, outside = [], [], []
+    p1s, hits, outside, q1s = [], [], [], []
     for within in range(source.per_epoch):
         batch = source.batch(0, within)
         t = batch.f.shape[1] - source.depths - 1  # as train_step: depth 0 labels columns 1..t
         hid, _, _ = head_step(head, batch.x[:, 1 : 1 + t], batch.f[:, :t],
                               torch.arange(t).expand(batch.x.shape[0], t), [], "merge")  # fmt: skip
-        pred = torch.nn.functional.linear(hid, w).argmax(-1)
+        q1, pred = torch.nn.functional.linear(hid, w).float().softmax(-1).max(-1)
         p = batch.soft_p[:, 1 : 1 + t, 0]
         answer = p > 0  # rows whose next token is an answer token
         lab = batch.y[:, 1 : 1 + t]
         p1s.append(p[answer])
         hits.append(((pred == lab) & (lab != IGNORE))[answer])
         outside.append((lab == IGNORE)[answer])
-    return torch.cat(p1s), torch.cat(hits), torch.cat(outside)
+        q1s.append(q1[answer])
+    return torch.cat(p1s), torch.cat(hits), torch.cat(outside), torch.cat(q1s)
 
 
 def main() -> None:
@@ -117,6 +122,7 @@ def main() -> None:
     lmap = label_map(head.to_target_ids(torch.arange(head.draft_vocab_size)),
                      target.config.vocab_size)  # fmt: skip
     per_set: dict[str, tuple[list[int], list[int], list[int], float]] = {}
+    by_head: dict[str, tuple[list[int], list[int]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name, (seqs, lens) in sequences.items():
             shard_dir = os.path.join(tmp, name)
@@ -126,20 +132,24 @@ def main() -> None:
             extract(target, self_distilled_items(seqs, lens), writer, layers, TOP_K, 10**9, 1e9,
                     name)  # fmt: skip
             source = ShardSource(shard_entries([shard_dir]), lmap, 8, 512, 1, 0)
-            p1, hit, outside = depth0_hits(head, source)
+            p1, hit, outside, q1 = depth0_hits(head, source)
             n, h = bin_counts(p1, hit)
             per_set[name] = (n, h, bin_counts(p1, outside)[1], float(p1.mean()))
+            by_head[name] = bin_counts(q1, hit)
     pooled_n = [sum(v[0][b] for v in per_set.values()) for b in range(len(EDGES))]
     pooled_h = [sum(v[1][b] for v in per_set.values()) for b in range(len(EDGES))]
     pooled_rate = [h / max(1, n) for h, n in zip(pooled_h, pooled_n)]
     rows = []
     for name, (n, h, out, mean_p1) in per_set.items():
         total = max(1, sum(n))
+        head_n, head_h = by_head[name]
         rows.append(dict(set=name, positions=sum(n), mean_top1_prob=mean_p1,
                          share_by_bin=[c / total for c in n],
                          hit_rate_by_bin=[hh / max(1, c) for hh, c in zip(h, n)],
                          outside_vocab_by_bin=[o / max(1, c) for o, c in zip(out, n)],
                          accuracy=sum(h) / total,
+                         share_by_head_bin=[c / total for c in head_n],
+                         hit_rate_by_head_bin=[x / max(1, c) for x, c in zip(head_h, head_n)],
                          mix_only_accuracy=mix_only_accuracy(n, pooled_rate)))  # fmt: skip
     bins = [f"<{e}" if e < 1 else ">=0.9" for e in EDGES]
     n, new = args.prompts_per_set, args.new_tokens
@@ -156,6 +166,12 @@ def main() -> None:
           f"{r['mix_only_accuracy']:.3f}"] for r in rows],
     )  # fmt: skip
     print("pooled hit rate by bin:", " ".join(f"{v:.2f}" for v in pooled_rate))
+    print("by the head's own top-1 probability, same bins:")
+    print_table(
+        ["set", "share by head bin", "hit rate by head bin"],
+        [[r["set"], " ".join(f"{v:.2f}" for v in r["share_by_head_bin"]),
+          " ".join(f"{v:.2f}" for v in r["hit_rate_by_head_bin"])] for r in rows],
+    )  # fmt: skip
     write_json(args.out, {"args": vars(args), "machine": machine(), "bins": bins,
                           "pooled_hit_rate_by_bin": pooled_rate, "rows": rows})  # fmt: skip
 
