@@ -14,12 +14,19 @@
    through its prefill and its first drafting iteration (its drafts are what any iteration
    drafting from that position drafts: greedy, and the head's KV is the same however it got
    there, tests/spec/test_adaptive_lossless.py).
-3. Replay, batch 1, the requests one after another: each iteration's depth from a fixed chain
-   or from the controller (spec/adaptive.py's estimates, choice and probes, fed as the worker
-   and the scheduler feed them), what it commits from the position's acceptance, and what it
-   costs from serving's steps. The controller prices depths by the start-up table (what it
-   does in serving; on a CPU refined online by what iterations cost, as the worker does) or,
-   to separate a pricing error from an acceptance one, by serving's steps.
+   With it, the head's own probability of each of those drafts (its softmax top-1 at depths
+   1..3), known before the verify.
+3. Replay, batch 1, the requests one after another: each iteration's depth from a fixed chain,
+   from the head's confidence (`gated F/C`: no draft where the first draft's probability is
+   below F, else drafting on while the drafts' product of probabilities, EAGLE-2's measure of
+   a draft path, is at least C: every draft made is verified, so no draft step is wasted; at
+   k = 0 the head still extends over the committed token, priced as one draft step, measured
+   in serving, so that the next position has its probability), or from the controller
+   (spec/adaptive.py's estimates, choice and probes, fed as the worker and the scheduler feed
+   them), what it commits from the position's acceptance, and what it costs from serving's
+   steps. The controller prices depths by the start-up table (what it does in serving; on a
+   CPU refined online by what iterations cost, as the worker does) or, to separate a pricing
+   error from an acceptance one, by serving's steps.
 
 On a GPU in half precision, `--deterministic` (`--enable-deterministic-inference`): the drafts
 are judged against the target-only answer, which a verify must reproduce token for token.
@@ -47,7 +54,7 @@ from bench.common import machine, print_table, write_json  # noqa: E402
 from eagleserve import Engine, SamplingParams  # noqa: E402
 from eagleserve.messages import GenerateReqInput  # noqa: E402
 from eagleserve.scheduler.scheduler import Scheduler  # noqa: E402
-from eagleserve.spec import cost_model  # noqa: E402
+from eagleserve.spec import cost_model, draft_worker  # noqa: E402
 from eagleserve.spec.adaptive import (  # noqa: E402
     AdaptiveController,
     CostTable,
@@ -59,6 +66,8 @@ from eagleserve.spec.adaptive import (  # noqa: E402
 
 DEPTH = 3
 RESUME_AFTER = 12  # plain decodes before the scripted resume
+# `gated F/C` policies: the first draft's least probability, the path's to draft on from it.
+GATES = ((0.25, 0.5), (0.35, 0.5), (0.35, 0.65))
 
 
 def greedy(new_tokens: int) -> SamplingParams:
@@ -89,11 +98,22 @@ def serving_costs(engine: Engine, prompts: list[list[int]], new_tokens: int) -> 
         return script[(picks[0] - 1) % len(script)]
 
     ctl.choose = scripted  # type: ignore[method-assign]
+    drafter = sched.worker.drafter
+    plain_step, head_steps = drafter._step, []
+
+    def timed_step(*args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        out = plain_step(*args, **kwargs)
+        head_steps.append(time.perf_counter() - t0)
+        return out
+
+    drafter._step = timed_step  # type: ignore[method-assign]
     step_ms: dict[int, float] = {}
     for k in range(DEPTH + 1):
         script[:] = [k]
         steps = [s for ids in prompts for s in run_one(sched, ids, new_tokens)[2:]]
         step_ms[k] = 1e3 * statistics.median(steps)
+    drafter._step = plain_step  # type: ignore[method-assign]
     script[:] = [0] * RESUME_AFTER + [1] * 6
     first: list[float] = []
     steady: list[float] = []
@@ -115,33 +135,68 @@ def serving_costs(engine: Engine, prompts: list[list[int]], new_tokens: int) -> 
     return {
         "step_ms": step_ms,
         "resume_ms": max(resume_ms, 0.0),
+        # one draft step of the head (a forward of one row and its top-1): what a gated k = 0
+        # adds to a plain decode to keep the next position's probability
+        "head_step_ms": 1e3 * statistics.median(head_steps),
         "table_ms": {k: 1e3 * table.seconds[(1, k)] for k in ctl.choices},
         "table_catch_up_ms": 1e3 * table.catch_up[1],
     }
 
 
-def acceptance_trace(engine: Engine, ids: list[int], answer: list[int]) -> list[int]:
-    """Per position q of `answer`: the drafts of a 3-chain accepted after answer[:q + 1]."""
+def acceptance_trace(
+    engine: Engine, ids: list[int], answer: list[int]
+) -> tuple[list[int], list[list[float]]]:
+    """Per position q of `answer`: the drafts of a 3-chain accepted after answer[:q + 1], and
+    the head's probability of each of those 3 drafts."""
     sched = engine.scheduler
     ctl = sched.worker.controller
     assert ctl is not None
     ctl.choose = lambda alphas, catching_up=False: DEPTH  # type: ignore[method-assign]
-    out = []
-    for q in range(len(answer) - DEPTH - 1):
-        sched.add_request(GenerateReqInput("t", ids + answer[:q], greedy(DEPTH + 4)))
-        req = None
-        while req is None or not req.output_ids:  # the prefill (chunks, if any)
-            sched.step()
-            batch = sched.running_batch
-            req = batch.reqs[0] if batch is not None and batch.reqs else None
-        sched.step()  # its first drafting iteration
-        got = req.output_ids
-        assert got == answer[q : q + len(got)], "a draft changed the greedy answer"
-        out.append(len(got) - 2)  # less the prefill's token and the bonus token
-        sched.abort_request("t")
-        while sched.has_work():
-            sched.step()
-    return out
+    seeds: list[float] = []  # each head forward's top-1 probability (batch 1), in order
+    plain = draft_worker.seed_from_logits
+
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        seed = plain(*args, **kwargs)
+        seeds.append(float(seed.topk_p.reshape(-1)[0]))
+        return seed
+
+    draft_worker.seed_from_logits = recorded
+    out, confidence = [], []
+    try:
+        for q in range(len(answer) - DEPTH - 1):
+            sched.add_request(GenerateReqInput("t", ids + answer[:q], greedy(DEPTH + 4)))
+            seeds.clear()
+            req = None
+            while req is None or not req.output_ids:  # the prefill (chunks, if any)
+                sched.step()
+                batch = sched.running_batch
+                req = batch.reqs[0] if batch is not None and batch.reqs else None
+            sched.step()  # its first drafting iteration
+            got = req.output_ids
+            assert got == answer[q : q + len(got)], "a draft changed the greedy answer"
+            out.append(len(got) - 2)  # less the prefill's token and the bonus token
+            # the prefill's seed (depth 1), the draft's 2 steps, then the extend after the verify
+            confidence.append(seeds[-DEPTH - 1 : -1])
+            sched.abort_request("t")
+            while sched.has_work():
+                sched.step()
+    finally:
+        draft_worker.seed_from_logits = plain
+    return out, confidence
+
+
+def gated_depth(probs: list[float], first: float, path: float) -> int:
+    """The drafts a confidence gate makes from the head's probabilities of a chain's drafts
+    (`probs`, depth 1 first): none where the first is below `first`, else one more draft for
+    as long as the product of those made so far is at least `path`."""
+    if probs[0] < first:
+        return 0
+    k, made = 1, probs[0]
+    for p in probs[1:]:
+        if made < path:
+            break
+        k, made = k + 1, made * p
+    return k
 
 
 def replay(
@@ -152,27 +207,34 @@ def replay(
     prices: CostTable | None = None,
     prior: list[float] | None = None,
     learns: bool = True,
+    gate: tuple[float, float, list[list[list[float]]], float] | None = None,
 ) -> dict[str, Any]:
-    """Batch 1, the traces' requests in turn; a fixed depth, or the controller priced by
-    `prices` and (`learns`: a CPU worker's) refining them online from serving's costs."""
+    """Batch 1, the traces' requests in turn; a fixed depth, the depth `gate` (its two
+    thresholds, each trace's per-position draft probabilities, a head step's ms) allows, or the
+    controller priced by `prices` and (`learns`: a CPU worker's) refining them online from
+    serving's costs."""
     engine_rate = list(prior or [])
     judged = [0] * DEPTH
     ctl = None
-    if fixed is None:
+    if fixed is None and gate is None:
         assert prices is not None
         ctl = AdaptiveController(prices, depth_choices(DEPTH, True), probe_interval=64)
     ms = tokens = verifies = accepted_total = 0.0
     per_k = [0] * (DEPTH + 1)
-    for trace in traces:
+    for n, trace in enumerate(traces):
         hits, trials = [0.0] * DEPTH, [0.0] * DEPTH
         q, held = 0, 1  # the prefill holds the prompt's last row
         while q < len(trace):
-            if ctl is None:
+            if gate is not None:
+                k = gated_depth(gate[2][n][q], gate[0], gate[1])
+            elif ctl is None:
                 k = fixed or 0
             else:
                 alphas = request_acceptance(hits, trials, engine_rate)
                 k = ctl.choose([alphas], held > 0)
             cost = step_ms[k] + (resume_ms if k and held else 0.0)
+            if gate is not None and not k:  # the head still extends: priced as a draft step
+                cost += gate[3]
             if ctl is not None and learns:
                 ctl.costs.observe(1, k, cost / 1e3, resumed=bool(k and held))
             per_k[k] += 1
@@ -185,7 +247,7 @@ def replay(
                 verifies += 1
                 accepted_total += a + 1
                 held = 0
-            else:
+            elif gate is None:  # a gated k = 0 holds nothing: its head has extended
                 held += 1
             q += a + 1
             tokens += a + 1
@@ -231,18 +293,22 @@ def main() -> None:
     costs = serving_costs(engine, cost_prompts, args.new_tokens)
     step_ms, resume_ms = costs["step_ms"], costs["resume_ms"]
     prior = engine.scheduler.worker.drafter.acceptance_prior
-    rows, table, traces_by_set = [], [], {}
+    rows, table, traces_by_set, confidence_by_set = [], [], {}, {}
     for set_name in args.sets.split(","):
-        traces = []
+        traces, confidence = [], []
         for p in prompt_set(set_name, args.prompts):
             ids = chat_ids(tok, p)
             answer = target.generate([ids], greedy(args.new_tokens))[0]["token_ids"]
-            traces.append(acceptance_trace(engine, ids, answer))
-        traces_by_set[set_name] = traces
+            trace, probs = acceptance_trace(engine, ids, answer)
+            traces.append(trace)
+            confidence.append(probs)
+        traces_by_set[set_name], confidence_by_set[set_name] = traces, confidence
         first = sum(a > 0 for t in traces for a in t) / sum(len(t) for t in traces)
         policies: dict[str, dict[str, Any]] = {
             f"chain {k}": dict(fixed=k) for k in range(1, DEPTH + 1)
         }
+        step = costs["head_step_ms"]
+        policies |= {f"gated {f}/{c}": dict(gate=(f, c, confidence, step)) for f, c in GATES}
         learns = args.device == "cpu"
         policies["adaptive, start-up table"] = dict(
             prices=table_of(costs["table_ms"], costs["table_catch_up_ms"]), prior=prior,
@@ -264,7 +330,8 @@ def main() -> None:
     name = "cpu" if dev.type == "cpu" else torch.get_device_module(dev).get_device_name(dev)
     path = write_json(args.out, {"machine": machine(), "device": name, "draft": args.draft,
                                  "new_tokens": args.new_tokens, "costs": costs, "prior": prior,
-                                 "traces": traces_by_set, "rows": rows})  # fmt: skip
+                                 "traces": traces_by_set, "draft_probs": confidence_by_set,
+                                 "rows": rows})  # fmt: skip
     print(path)
 
 
