@@ -23,8 +23,10 @@
    k = 0 the head still extends over the committed token, priced as one draft step, measured
    in serving, so that the next position has its probability), or from the controller
    (spec/adaptive.py's estimates, choice and probes, fed as the worker and the scheduler feed
-   them), what it commits from the position's acceptance, and what it costs from serving's
-   steps. The controller prices depths by the start-up table (what it does in serving; on a
+   them; `adaptive, head's probability`: its choice with the first draft's probability as
+   the depth-1 acceptance, the head kept current at k = 0 as the gate keeps it, no probes),
+   what it commits from the position's acceptance, and what it costs from serving's steps.
+   The controller prices depths by the start-up table (what it does in serving; on a
    CPU refined online by what iterations cost, as the worker does) or, to separate a pricing
    error from an acceptance one, by serving's steps.
 
@@ -58,6 +60,7 @@ from eagleserve.spec import cost_model, draft_worker  # noqa: E402
 from eagleserve.spec.adaptive import (  # noqa: E402
     AdaptiveController,
     CostTable,
+    choose_num_drafts,
     depth_choices,
     record_verify,
     request_acceptance,
@@ -208,11 +211,14 @@ def replay(
     prior: list[float] | None = None,
     learns: bool = True,
     gate: tuple[float, float, list[list[list[float]]], float] | None = None,
+    head_probs: tuple[list[list[list[float]]], float] | None = None,
 ) -> dict[str, Any]:
     """Batch 1, the traces' requests in turn; a fixed depth, the depth `gate` (its two
     thresholds, each trace's per-position draft probabilities, a head step's ms) allows, or the
     controller priced by `prices` and (`learns`: a CPU worker's) refining them online from
-    serving's costs."""
+    serving's costs. `head_probs` (each trace's per-position draft probabilities, a head
+    step's ms): the controller's choice with the first draft's probability as its depth-1
+    acceptance, the head extended at k = 0 too."""
     engine_rate = list(prior or [])
     judged = [0] * DEPTH
     ctl = None
@@ -227,6 +233,10 @@ def replay(
         while q < len(trace):
             if gate is not None:
                 k = gated_depth(gate[2][n][q], gate[0], gate[1])
+            elif head_probs is not None and ctl is not None:
+                alphas = request_acceptance(hits, trials, engine_rate)
+                alphas[0] = head_probs[0][n][q][0]
+                k = choose_num_drafts([alphas], ctl.costs, ctl.choices)
             elif ctl is None:
                 k = fixed or 0
             else:
@@ -235,6 +245,8 @@ def replay(
             cost = step_ms[k] + (resume_ms if k and held else 0.0)
             if gate is not None and not k:  # the head still extends: priced as a draft step
                 cost += gate[3]
+            if head_probs is not None and not k:
+                cost += head_probs[1]
             if ctl is not None and learns:
                 ctl.costs.observe(1, k, cost / 1e3, resumed=bool(k and held))
             per_k[k] += 1
@@ -247,7 +259,7 @@ def replay(
                 verifies += 1
                 accepted_total += a + 1
                 held = 0
-            elif gate is None:  # a gated k = 0 holds nothing: its head has extended
+            elif gate is None and head_probs is None:  # else the head extended at k = 0 too
                 held += 1
             q += a + 1
             tokens += a + 1
@@ -316,6 +328,10 @@ def main() -> None:
         )  # fmt: skip
         policies["adaptive, serving's costs"] = dict(
             prices=table_of(step_ms, resume_ms), prior=prior, learns=learns
+        )
+        kept = {k: v + (step if k == 0 else 0.0) for k, v in step_ms.items()}
+        policies["adaptive, head's probability"] = dict(
+            prices=table_of(kept, 0.0), prior=prior, learns=False, head_probs=(confidence, step)
         )
         for name, policy in policies.items():
             r = replay(traces, step_ms, resume_ms, **policy)
