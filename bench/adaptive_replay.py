@@ -140,7 +140,8 @@ def serving_costs(engine: Engine, prompts: list[list[int]], new_tokens: int) -> 
         "resume_ms": max(resume_ms, 0.0),
         # one draft step of the head (a forward of one row and its top-1): what a gated k = 0
         # adds to a plain decode to keep the next position's probability
-        "head_step_ms": 1e3 * statistics.median(head_steps),
+        # (none where the draft loop replays a device graph: no step runs in Python there)
+        "head_step_ms": 1e3 * statistics.median(head_steps) if head_steps else None,
         "table_ms": {k: 1e3 * table.seconds[(1, k)] for k in ctl.choices},
         "table_catch_up_ms": 1e3 * table.catch_up[1],
     }
@@ -148,7 +149,7 @@ def serving_costs(engine: Engine, prompts: list[list[int]], new_tokens: int) -> 
 
 def acceptance_trace(
     engine: Engine, ids: list[int], answer: list[int]
-) -> tuple[list[int], list[list[float]]]:
+) -> tuple[list[int], list[list[float] | None]]:
     """Per position q of `answer`: the drafts of a 3-chain accepted after answer[:q + 1], and
     the head's probability of each of those 3 drafts."""
     sched = engine.scheduler
@@ -178,8 +179,9 @@ def acceptance_trace(
             got = req.output_ids
             assert got == answer[q : q + len(got)], "a draft changed the greedy answer"
             out.append(len(got) - 2)  # less the prefill's token and the bonus token
-            # the prefill's seed (depth 1), the draft's 2 steps, then the extend after the verify
-            confidence.append(seeds[-DEPTH - 1 : -1])
+            # the prefill's seed (depth 1), the draft's 2 steps, then the extend after the verify;
+            # none where device graphs ran them (no seed passes through Python there)
+            confidence.append(seeds[-DEPTH - 1 : -1] if len(seeds) > DEPTH else None)
             sched.abort_request("t")
             while sched.has_work():
                 sched.step()
@@ -320,7 +322,9 @@ def main() -> None:
             f"chain {k}": dict(fixed=k) for k in range(1, DEPTH + 1)
         }
         step = costs["head_step_ms"]
-        policies |= {f"gated {f}/{c}": dict(gate=(f, c, confidence, step)) for f, c in GATES}
+        known = step is not None and all(p is not None for t in confidence for p in t)
+        if known:
+            policies |= {f"gated {f}/{c}": dict(gate=(f, c, confidence, step)) for f, c in GATES}
         learns = args.device == "cpu"
         policies["adaptive, start-up table"] = dict(
             prices=table_of(costs["table_ms"], costs["table_catch_up_ms"]), prior=prior,
@@ -329,10 +333,15 @@ def main() -> None:
         policies["adaptive, serving's costs"] = dict(
             prices=table_of(step_ms, resume_ms), prior=prior, learns=learns
         )
-        kept = {k: v + (step if k == 0 else 0.0) for k, v in step_ms.items()}
-        policies["adaptive, head's probability"] = dict(
-            prices=table_of(kept, 0.0), prior=prior, learns=False, head_probs=(confidence, step)
-        )
+        if known:
+            kept = {k: v + (step if k == 0 else 0.0) for k, v in step_ms.items()}
+            policies["adaptive, head's probability"] = dict(
+                prices=table_of(kept, 0.0), prior=prior, learns=False,
+                head_probs=(confidence, step),
+            )  # fmt: skip
+        else:
+            print(f"{set_name}: the head's probabilities ran in device graphs, not recorded: "
+                  "no gated policies")  # fmt: skip
         for name, policy in policies.items():
             r = replay(traces, step_ms, resume_ms, **policy)
             rows.append({"set": set_name, "policy": name, "first_draft_acceptance": first, **r})
