@@ -35,21 +35,19 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench import data  # noqa: E402
+from bench.accept_gap import extract_answers  # noqa: E402
 from bench.common import machine, print_table, write_json  # noqa: E402
 from bench.spec_cpu import run_engine  # noqa: E402
 from eagleserve import Engine  # noqa: E402
 from eagleserve.spec.head_loader import load_eagle_head  # noqa: E402
 from eagleserve.train.assets import resolve_head_path  # noqa: E402
-from eagleserve.train.extract import extract, self_distilled_items  # noqa: E402
 from eagleserve.train.features import IGNORE, label_map  # noqa: E402
 from eagleserve.train.shard_data import ShardSource, shard_entries  # noqa: E402
-from eagleserve.train.shards import ShardWriter  # noqa: E402
 from eagleserve.train.target import load_target, target_layer_ids  # noqa: E402
 from eagleserve.train.ttt import head_step, lm_head_weight  # noqa: E402
 
 # Upper edges of the target top-1 probability bins (the last bin ends at 1).
 EDGES = (0.3, 0.5, 0.7, 0.9, 1.0)
-TOP_K = 32  # the target's top-k kept per position, as train-draft extracts them
 
 
 def bin_of(p1: torch.Tensor) -> torch.Tensor:
@@ -126,11 +124,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for name, (seqs, lens) in sequences.items():
             shard_dir = os.path.join(tmp, name)
-            meta = {"layer_ids": list(layers), "k": TOP_K, "extract_dtype": "float32",
-                    "sources": name}  # fmt: skip
-            writer = ShardWriter(shard_dir, 65536, meta)
-            extract(target, self_distilled_items(seqs, lens), writer, layers, TOP_K, 10**9, 1e9,
-                    name)  # fmt: skip
+            extract_answers(target, layers, seqs, lens, shard_dir, name)
             source = ShardSource(shard_entries([shard_dir]), lmap, 8, 512, 1, 0)
             p1, hit, outside, q1 = depth0_hits(head, source)
             n, h = bin_counts(p1, hit)

@@ -39,6 +39,7 @@ from bench import data  # noqa: E402
 from bench.common import machine, print_table, write_json  # noqa: E402
 from bench.spec_cpu import run_engine  # noqa: E402
 from eagleserve import Engine  # noqa: E402
+from eagleserve.models.llama import LlamaForCausalLM  # noqa: E402
 from eagleserve.train.extract import extract, self_distilled_items  # noqa: E402
 from eagleserve.train.shards import ShardWriter  # noqa: E402
 from eagleserve.train.target import load_target, target_layer_ids  # noqa: E402
@@ -46,6 +47,22 @@ from eagleserve.train.tf_train import head_accuracy  # noqa: E402
 
 CHAIN = dict(speculative_num_steps=3, speculative_eagle_topk=1, speculative_num_draft_tokens=4)
 DEPTHS = 3
+TOP_K = 32  # the target's top-k kept per position, as train-draft extracts them
+
+
+def extract_answers(
+    target: LlamaForCausalLM,
+    layers: tuple[int, ...],
+    seqs: list[list[int]],
+    lens: list[int],
+    shard_dir: str,
+    name: str,
+) -> None:
+    """train-draft's extraction (fp32 target features and top-k) of prompt + answer sequences
+    (`seqs`, each answer after its `lens` prompt tokens) into shards at `shard_dir`."""
+    meta = {"layer_ids": list(layers), "k": TOP_K, "extract_dtype": "float32", "sources": name}
+    writer = ShardWriter(shard_dir, 65536, meta)
+    extract(target, self_distilled_items(seqs, lens), writer, layers, TOP_K, 10**9, 1e9, name)
 
 
 def main() -> None:
@@ -85,9 +102,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for (name, dtype), (seqs, lens) in sequences.items():
             shard_dir = os.path.join(tmp, f"{name}-{dtype}")
-            meta = {"layer_ids": list(layers), "k": 32, "extract_dtype": "float32", "sources": name}
-            writer = ShardWriter(shard_dir, 65536, meta)
-            extract(target, self_distilled_items(seqs, lens), writer, layers, 32, 10**9, 1e9, name)
+            extract_answers(target, layers, seqs, lens, shard_dir, name)
             ns = SimpleNamespace(model="default", eval_head=args.head, algorithm="EAGLE3",
                                  shards=[shard_dir], out=os.path.join(tmp, f"eval_{name}_{dtype}"),
                                  max_len=512, batch_size=8, ttt_steps=DEPTHS, seed=0)  # fmt: skip
