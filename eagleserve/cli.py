@@ -25,6 +25,8 @@ FIELD_HELP: dict[str, str] = {
     "port": "port to listen on (0: any free port; the ready line shows which)",
     "device": "auto | cpu | cuda",
     "dtype": "auto | float32 | bfloat16 | float16",
+    "kv_cache_dtype": "auto | float32 | float16 | bfloat16: the K/V cache's type (auto: "
+    "float16 where the CPU attention kernel reads it, as for a GGUF on CPU; else --dtype's)",
     "load_format": "auto | dummy (random weights, for benchmarks)",
     "quantization": "auto | none | gguf: run a GGUF's Q4_0/Q4_1/Q8_0 weights packed on CPU "
     "(auto: gguf for a GGUF model, e.g. 'default', on CPU when --dtype is auto)",
@@ -89,6 +91,7 @@ _TYPES: dict[str, Callable[[str], Any]] = {"int": int, "float": float, "str": st
 # is one line and exit code 2, not a traceback from the engine minutes later.
 FIELD_CHOICES: dict[str, tuple[str, ...]] = {
     "dtype": ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16"),
+    "kv_cache_dtype": ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16"),
     "load_format": ("auto", "dummy"),
     "quantization": ("auto", "none", "gguf"),
     "attention_backend": ("auto", "torch", "triton"),
@@ -140,7 +143,7 @@ def serve_fields() -> list[dataclasses.Field]:
 
 # --help shows the flags in these groups, in this order (every ServerArgs field in one).
 FIELD_GROUPS: dict[str, tuple[str, ...]] = {
-    "model": ("model", "dtype", "load_format", "quantization", "max_context_len",
+    "model": ("model", "dtype", "kv_cache_dtype", "load_format", "quantization", "max_context_len",
               "served_model_name"),
     "server": ("host", "port", "api_key", "max_request_body_bytes", "log_level"),
     "scheduler": ("max_running_requests", "kv_cache_tokens", "seed", "disable_overlap_schedule",

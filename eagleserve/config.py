@@ -147,6 +147,10 @@ class ServerArgs:
     port: int = 8000
     device: str = "auto"  # auto | cpu | cuda
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    # The K/V cache's element type (SGLang's flag name); auto: float16 where the CPU attention
+    # kernel reads it (a packed target: half the bytes a long context streams, its arithmetic
+    # still fp32; llama.cpp's default cache type too), else the model's dtype.
+    kv_cache_dtype: str = "auto"  # auto | float32 | float16 | bfloat16
     load_format: str = "auto"  # auto | dummy (random weights, for benchmarks)
     quantization: str = "auto"  # auto | none | gguf (the GGUF's own 4/8-bit weights, CPU)
     max_running_requests: int = 32

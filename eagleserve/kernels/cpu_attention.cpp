@@ -1,5 +1,6 @@
-// Paged attention on x86 CPUs with AVX2 + FMA, fp32: decode, verify and draft rows, and the
-// causal rows of a prefill (extend) of a packed CPU target.
+// Paged attention on x86 CPUs with AVX2 + FMA, fp32 arithmetic over an fp32 or fp16 K/V pool
+// (F16C widens each K/V row as it is read): decode, verify and draft rows, and the causal rows
+// of a prefill (extend) of a packed CPU target.
 //
 // Layout as kernels/torch_attention.py: K/V buffers [slots, kv_heads, head_dim] already hold
 // every key a query may see; request b reads slots req_to_token[req_pool_indices[b], j] for
@@ -38,6 +39,22 @@ inline float hsum8(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+// 8 consecutive K/V values as fp32 lanes; an fp16 pool halves the bytes a long context streams.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+// A new row into its slot: a copy, or fp32 -> fp16 rounded to nearest even (as torch's .half()).
+inline void store_row(const float* src, int64_t n, float* dst) { std::copy_n(src, n, dst); }
+inline void store_row(const float* src, int64_t n, at::Half* dst) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i),
+                     _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
+  for (; i < n; ++i) dst[i] = at::Half(src[i]);
+}
+
 inline float hmax8(__m256 v) {
   __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_max_ps(s, _mm_movehl_ps(s, s));
@@ -45,30 +62,44 @@ inline float hmax8(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// Scores of keys [j, j + N): per key an fma chain over d in order, then hsum * scale. N keys in
-// flight keep the FMA units busy (one chain waits on its last fma); each key's ops are the
-// same whichever N computes it.
-template <int N>
-inline void score_keys(const float* q, const float* k_buf, int64_t slot_stride,
+// Scores of keys [j, j + N): per key an fma chain over d in order into 8 lanes x0..x7, summed as
+// ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7)), times scale. Eight keys reduce their lanes
+// together (a transpose by hadds, a few shuffles for all eight where one key alone takes as
+// many); a single key sums the same pairs in the same order, so each key's score is the same
+// whichever N computes it.
+template <int N, typename KV>
+inline void score_keys(const float* q, const KV* k_buf, int64_t slot_stride,
                        const int64_t* slots, int64_t D, float scale, float* scores) {
+  static_assert(N == 1 || N == 8, "one key or eight");
   __m256 acc[N];
-  const float* k[N];
+  const KV* k[N];
   for (int i = 0; i < N; ++i) {
     acc[i] = _mm256_setzero_ps();
     k[i] = k_buf + slots[i] * slot_stride;
   }
   for (int64_t d = 0; d < D; d += 8) {
     const __m256 qd = _mm256_loadu_ps(q + d);
-    for (int i = 0; i < N; ++i) acc[i] = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k[i] + d), acc[i]);
+    for (int i = 0; i < N; ++i) acc[i] = _mm256_fmadd_ps(qd, load8(k[i] + d), acc[i]);
   }
-  for (int i = 0; i < N; ++i) scores[i] = hsum8(acc[i]) * scale;
+  if constexpr (N == 8) {
+    // hadd(a, b) = [a0+a1, a2+a3, b0+b1, b2+b3 | a4+a5, a6+a7, b4+b5, b6+b7]
+    const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
+    const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(acc[4], acc[5]), _mm256_hadd_ps(acc[6], acc[7]));
+    const __m256 sum = _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20),   // keys' x0..x3 sums
+                                     _mm256_permute2f128_ps(u0, u1, 0x31));  // and x4..x7 sums
+    _mm256_storeu_ps(scores, _mm256_mul_ps(sum, _mm256_set1_ps(scale)));
+  } else {
+    alignas(32) float x[8];
+    _mm256_store_ps(x, acc[0]);
+    scores[0] = (((x[0] + x[1]) + (x[2] + x[3])) + ((x[4] + x[5]) + (x[6] + x[7]))) * scale;
+  }
 }
 
 // out[d0, d0 + 8C) += sum over keys j in [j0, j1) in order of p_j * v_j, one fma chain per
 // lane carried across calls through `out` (an exact fp32 store and load); C chains in flight,
 // each lane's order the same whatever C is and however the keys are split into calls.
-template <int C>
-inline void weigh_values(const float* p, const float* v_buf, int64_t slot_stride,
+template <int C, typename KV>
+inline void weigh_values(const float* p, const KV* v_buf, int64_t slot_stride,
                          const int64_t* slots, int64_t j0, int64_t j1, int64_t d0, bool first,
                          float* out) {
   __m256 acc[C];
@@ -76,8 +107,8 @@ inline void weigh_values(const float* p, const float* v_buf, int64_t slot_stride
     acc[c] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(out + d0 + 8 * c);
   for (int64_t j = j0; j < j1; ++j) {
     const __m256 pj = _mm256_set1_ps(p[j]);
-    const float* v = v_buf + slots[j] * slot_stride + d0;
-    for (int c = 0; c < C; ++c) acc[c] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + 8 * c), acc[c]);
+    const KV* v = v_buf + slots[j] * slot_stride + d0;
+    for (int c = 0; c < C; ++c) acc[c] = _mm256_fmadd_ps(pj, load8(v + 8 * c), acc[c]);
   }
   for (int c = 0; c < C; ++c) _mm256_storeu_ps(out + d0 + 8 * c, acc[c]);
 }
@@ -112,7 +143,8 @@ constexpr int64_t kKeyChunk = 32;  // keys whose K (or V) rows stay in L1 across
 // walked key chunk by key chunk so a chunk loaded for the first query is in L1 for the rest.
 // Each query's scores, softmax and weighted sum are the sequence of operations it would run
 // alone: the chunking only interleaves queries.
-void attend(const Query* qs, int64_t count, const float* k_buf, const float* v_buf,
+template <typename KV>
+void attend(const Query* qs, int64_t count, const KV* k_buf, const KV* v_buf,
             int64_t slot_stride, int64_t D, float scale, std::vector<float>& scores) {
   int64_t max_n = 0, stride = 0;
   for (int64_t i = 0; i < count; ++i) max_n = std::max(max_n, qs[i].n);
@@ -146,6 +178,24 @@ void attend(const Query* qs, int64_t count, const float* k_buf, const float* v_b
     for (int64_t d = 0; d < D; d += 8)
       _mm256_storeu_ps(qs[i].out + d, _mm256_mul_ps(_mm256_loadu_ps(qs[i].out + d), s));
   }
+}
+
+// The pool's K/V buffers [slots, kv_heads, D], fp32 or fp16, both of one type and shape.
+void check_pool(const at::Tensor& k_buf, const at::Tensor& v_buf) {
+  TORCH_CHECK((k_buf.scalar_type() == at::kFloat || k_buf.scalar_type() == at::kHalf) &&
+                  v_buf.scalar_type() == k_buf.scalar_type() && k_buf.dim() == 3 &&
+                  k_buf.is_contiguous() && v_buf.is_contiguous() &&
+                  k_buf.sizes() == v_buf.sizes(),
+              "k/v buffers [slots, kv_heads, D], float32 or float16, of one type");
+}
+
+// f(k, v) with the buffers' typed data pointers.
+template <typename F>
+auto with_pool(const at::Tensor& k_buf, const at::Tensor& v_buf, F&& f) {
+  check_pool(k_buf, v_buf);
+  if (k_buf.scalar_type() == at::kHalf)
+    return f(k_buf.data_ptr<at::Half>(), v_buf.data_ptr<at::Half>());
+  return f(k_buf.data_ptr<float>(), v_buf.data_ptr<float>());
 }
 
 }  // namespace
@@ -220,16 +270,12 @@ at::Tensor attend_rows(const RowPlan& plan, const HeadRows& q, const at::Tensor&
                        const at::Tensor& v_buf, double sm_scale) {
   // q may be a slice of a fused q/k/v projection: its heads contiguous, any row stride.
   TORCH_CHECK(q.rows == plan.rows, "one query row per planned row");
-  TORCH_CHECK(k_buf.scalar_type() == at::kFloat && k_buf.is_contiguous() &&
-                  v_buf.is_contiguous() && k_buf.sizes() == v_buf.sizes(),
-              "k/v buffers [slots, kv_heads, D] float32");
+  check_pool(k_buf, v_buf);
   const int64_t T = q.rows, H = q.heads, D = q.dim, Hkv = k_buf.size(1);
   TORCH_CHECK(D % 8 == 0 && H % Hkv == 0 && k_buf.size(2) == D, "head shapes");
-  at::Tensor out = at::empty({T, H, D}, k_buf.options());
+  at::Tensor out = at::empty({T, H, D}, k_buf.options().dtype(at::kFloat));
   const int64_t q_row = q.row_stride;
   const float* qp = q.data;
-  const float* kp = k_buf.data_ptr<float>();
-  const float* vp = v_buf.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t group = H / Hkv, slot_stride = Hkv * D;
   // Units: the queries of one run of a request's rows (at most kRowGroup, so a prefill's
@@ -274,42 +320,44 @@ at::Tensor attend_rows(const RowPlan& plan, const HeadRows& q, const at::Tensor&
     if (i > 0 && target - prefix[i - 1] < prefix[i] - target) --i;
     cut[t] = std::max(i, cut[t - 1]);
   }
-  at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<float> scores;
-    for (int64_t t = t0; t < t1; ++t) {
-      int64_t i = cut[t];
-      int64_t u = std::upper_bound(unit_start.begin(), unit_start.end(), i) - unit_start.begin();
-      --u;  // the unit holding query i
-      for (; i < cut[t + 1]; ++u) {
-        const int64_t end = std::min(cut[t + 1], unit_start[u + 1]), g = unit_head[u];
-        while (i < end) {
-          const int64_t count = std::min(kMaxQueries, end - i);
-          attend(queries.data() + i, count, kp + g * D, vp + g * D, slot_stride, D,
-                 static_cast<float>(sm_scale), scores);
-          i += count;
+  with_pool(k_buf, v_buf, [&](const auto* kp, const auto* vp) {
+    at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
+      std::vector<float> scores;
+      for (int64_t t = t0; t < t1; ++t) {
+        int64_t i = cut[t];
+        int64_t u = std::upper_bound(unit_start.begin(), unit_start.end(), i) - unit_start.begin();
+        --u;  // the unit holding query i
+        for (; i < cut[t + 1]; ++u) {
+          const int64_t end = std::min(cut[t + 1], unit_start[u + 1]), g = unit_head[u];
+          while (i < end) {
+            const int64_t count = std::min(kMaxQueries, end - i);
+            attend(queries.data() + i, count, kp + g * D, vp + g * D, slot_stride, D,
+                   static_cast<float>(sm_scale), scores);
+            i += count;
+          }
         }
       }
-    }
+    });
   });
   return out;
 }
 
-// k_buf[loc[i]] = k[i] and v_buf[loc[i]] = v[i]: the new tokens' K/V into the fp32 pool in one
-// call (k and v may be views of a fused projection: heads contiguous, any row stride).
+// k_buf[loc[i]] = k[i] and v_buf[loc[i]] = v[i]: the new tokens' fp32 K/V into the pool (fp32
+// or fp16) in one call (k and v may be views of a fused projection: heads contiguous, any row
+// stride). Prefill, decode and verify rows all store through here, so a key's pool bits do not
+// depend on which kind of forward wrote it.
 void store_kv_rows(const at::Tensor& k_buf, const at::Tensor& v_buf, const int64_t* loc,
                    const HeadRows& k, const HeadRows& v) {
-  TORCH_CHECK(k_buf.scalar_type() == at::kFloat && k_buf.is_contiguous() &&
-                  v_buf.is_contiguous() && k_buf.sizes() == v_buf.sizes(),
-              "k/v buffers [slots, kv_heads, D] float32");
   const int64_t T = k.rows, width = k_buf.size(1) * k_buf.size(2), slots = k_buf.size(0);
   TORCH_CHECK(v.rows == T && k.heads * k.dim == width && v.heads * v.dim == width,
               "k, v [T, kv_heads, D] as the buffers' rows");
-  float *kb = k_buf.data_ptr<float>(), *vb = v_buf.data_ptr<float>();
-  for (int64_t i = 0; i < T; ++i) {
-    TORCH_CHECK(loc[i] >= 0 && loc[i] < slots, "slot out of range");
-    std::copy_n(k.data + i * k.row_stride, width, kb + loc[i] * width);
-    std::copy_n(v.data + i * v.row_stride, width, vb + loc[i] * width);
-  }
+  with_pool(k_buf, v_buf, [&](auto* kb, auto* vb) {
+    for (int64_t i = 0; i < T; ++i) {
+      TORCH_CHECK(loc[i] >= 0 && loc[i] < slots, "slot out of range");
+      store_row(k.data + i * k.row_stride, width, kb + loc[i] * width);
+      store_row(v.data + i * v.row_stride, width, vb + loc[i] * width);
+    }
+  });
 }
 
 void store_kv_(const at::Tensor& k_buf, const at::Tensor& v_buf, const at::Tensor& loc_in,

@@ -201,8 +201,8 @@ def store_kv_(
     k: torch.Tensor,
     v: torch.Tensor,
 ) -> None:
-    """k_buffer[loc] = k and v_buffer[loc] = v in one call (fp32 pool; k, v [T, Hkv, D] with each
-    row's heads contiguous)."""
+    """k_buffer[loc] = k and v_buffer[loc] = v in one call (an fp32 or fp16 pool, fp16 rounded to
+    nearest even as `.half()`; k, v fp32 [T, Hkv, D] with each row's heads contiguous)."""
     torch.ops.eagleserve_cpu.store_kv_(k_buffer, v_buffer, loc, k, v)
 
 
@@ -218,8 +218,8 @@ def paged_attention(
     tree_mask: torch.Tensor | None,
     sm_scale: float,
 ) -> torch.Tensor:
-    """q [T, H, D] fp32 (each row's heads contiguous) over the paged K/V
-    (kernels/torch_attention.py's layout) -> [T, H, D]."""
+    """q [T, H, D] fp32 (each row's heads contiguous) over the paged fp32 or fp16 K/V
+    (kernels/torch_attention.py's layout) -> [T, H, D] fp32."""
     return torch.ops.eagleserve_cpu.paged_attention(
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, prefix_lens, extend_lens,
         kv_lens, tree_mask, sm_scale,

@@ -38,8 +38,9 @@ class TorchAttnBackend:
     weights), such a bit can flip a rounding and so a greedy token: speculative output would
     then differ from target-only output. compute_dtype=float64 removes that: the fp64 results
     differ by ~1e-16, which rounding back to fp32 erases. With `row_kernel`, every forward over
-    an fp32 pool (prefill, decode, verify) runs kernels/cpu_attention.cpp instead, whose per-row
-    result does not depend on the batch at all: a prefill row equals the decode at its position.
+    an fp32 or fp16 pool (prefill, decode, verify) runs kernels/cpu_attention.cpp instead, whose
+    per-row result does not depend on the batch at all: a prefill row equals the decode at its
+    position.
     """
 
     def __init__(
@@ -55,8 +56,9 @@ class TorchAttnBackend:
         self.row_kernel = row_kernel
 
     def uses_row_kernel(self, fb: ForwardBatch) -> bool:
-        """Whether this forward's attention runs kernels/cpu_attention.cpp (an fp32 pool)."""
-        return self.row_kernel and fb.kv_pool.dtype == torch.float32
+        """Whether this forward's attention runs kernels/cpu_attention.cpp (an fp32 or fp16
+        pool)."""
+        return self.row_kernel and fb.kv_pool.dtype in (torch.float32, torch.float16)
 
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         if self.uses_row_kernel(fb):

@@ -29,20 +29,49 @@ from eagleserve.sampling.sampler import DrawKernel, SamplingInfo
 logger = logging.getLogger(__name__)
 
 
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+
+
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     if dtype == "auto":
         return torch.float32 if device.type == "cpu" else torch.bfloat16
-    table = {
-        "float32": torch.float32,
-        "fp32": torch.float32,
-        "bfloat16": torch.bfloat16,
-        "bf16": torch.bfloat16,
-        "float16": torch.float16,
-        "fp16": torch.float16,
-    }
-    if dtype not in table:
+    if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}: auto, float32, bfloat16 or float16")
-    return table[dtype]
+    return DTYPES[dtype]
+
+
+def resolve_kv_cache_dtype(
+    kv_cache_dtype: str, model_dtype: torch.dtype, device: torch.device, row_kernel: bool
+) -> torch.dtype:
+    """The K/V pool's dtype. row_kernel: the CPU attention kernel (kernels/cpu_attention.cpp)
+    reads the pool, in fp32 arithmetic from fp32 or fp16 K/V; auto gives it fp16 (the bytes a
+    long context streams halved; prefill, decode and verify store the same rounded bits, so
+    speculation stays lossless). Elsewhere the pool keeps the model's dtype."""
+    if kv_cache_dtype == "auto":
+        return torch.float16 if row_kernel else model_dtype
+    if kv_cache_dtype not in DTYPES:
+        raise ValueError(
+            f"unknown --kv-cache-dtype {kv_cache_dtype!r}: auto, float32, float16 or bfloat16"
+        )
+    dtype = DTYPES[kv_cache_dtype]
+    if row_kernel and dtype not in (torch.float32, torch.float16):
+        raise ValueError(
+            f"--kv-cache-dtype {kv_cache_dtype}: the CPU attention kernel reads float32 or "
+            "float16 K/V (or leave it auto)"
+        )
+    if device.type != "cpu" and dtype != model_dtype:
+        raise ValueError(
+            f"--kv-cache-dtype {kv_cache_dtype}: on a GPU the K/V cache is in the model's "
+            f"dtype ({str(model_dtype).removeprefix('torch.')}; leave it auto)"
+        )
+    return dtype
 
 
 def init_dummy_weights(model: torch.nn.Module, seed: int = 0) -> None:
@@ -96,6 +125,7 @@ class ModelRunner:
         gguf_path: str | None = None,
         deterministic: bool = False,
         fused_kernels: bool = True,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         self.config = model_config
         self.device = device
@@ -148,14 +178,6 @@ class ModelRunner:
         self.req_to_token_pool = ReqToTokenPool(max_running_requests, max_context_len, device)
         # Penalty counts per request slot (allocated at the first request with penalties).
         self.penalty_state = PenaltyState(max_running_requests, model_config.vocab_size, device)
-        self.token_to_kv_pool = TokenToKVPool(
-            kv_cache_tokens,
-            model_config.num_hidden_layers,
-            len(shard.kv_heads) if shard else model_config.num_key_value_heads,
-            model_config.head_dim,
-            dtype,
-            device,
-        )
         self.attn_backend = create_attn_backend(
             attention_backend,
             device,
@@ -163,6 +185,16 @@ class ModelRunner:
             model_config.head_dim**-0.5,
             shape_invariant=gguf_path is not None,
             deterministic=deterministic,
+        )
+        self.token_to_kv_pool = TokenToKVPool(
+            kv_cache_tokens,
+            model_config.num_hidden_layers,
+            len(shard.kv_heads) if shard else model_config.num_key_value_heads,
+            model_config.head_dim,
+            resolve_kv_cache_dtype(
+                kv_cache_dtype, dtype, device, getattr(self.attn_backend, "row_kernel", False)
+            ),
+            device,
         )
         # Batch-invariant linears and norms where the attention is too (Triton); a CPU torch
         # backend is row-invariant through its own kernels.
@@ -205,6 +237,7 @@ class ModelRunner:
             gguf_path=packed_gguf_path(args.quantization, args.model, args.dtype, device),
             deterministic=args.enable_deterministic_inference,
             fused_kernels=not args.disable_fused_kernels,
+            kv_cache_dtype=args.kv_cache_dtype,
         )
 
     def graphs_enabled(self, args: ServerArgs) -> bool:

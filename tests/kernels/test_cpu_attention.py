@@ -3,6 +3,8 @@
 What serving relies on: the result of the fp64 reference within fp32 rounding, for causal
 (chain) and tree-masked queries; and a query's result bitwise independent of its batch — a
 verify row equals the decode of the same token, a tree node equals the decode along its path.
+Over an fp16 pool (the packed target's default) the same holds, and the result is the fp32
+kernel's over the same values widened: the pool's rounding is the only difference.
 """
 
 from __future__ import annotations
@@ -19,9 +21,11 @@ pytestmark = pytest.mark.skipif(not cpu_ext.load(), reason="the AVX2 kernels do 
 H, HKV, D = 9, 3, 64  # SmolLM2's heads
 
 
-def setup(gen: torch.Generator, lens: list[int]) -> tuple[torch.Tensor, ...]:
-    k = torch.randn(4096, HKV, D, generator=gen)
-    v = torch.randn(4096, HKV, D, generator=gen)
+def setup(
+    gen: torch.Generator, lens: list[int], dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, ...]:
+    k = torch.randn(4096, HKV, D, generator=gen).to(dtype)
+    v = torch.randn(4096, HKV, D, generator=gen).to(dtype)
     r2t = torch.zeros(len(lens) + 1, 1024, dtype=torch.long)
     for b, n in enumerate(lens):
         r2t[b + 1, :n] = torch.randperm(4095, generator=gen)[:n] + 1
@@ -38,16 +42,20 @@ def reference(q, k, v, r2t, rpi, prefix, ext, tree=None) -> torch.Tensor:
     return padded_attention(q.double(), k.double(), v.double(), md, D**-0.5)
 
 
+@pytest.mark.parametrize("pool", [torch.float32, torch.float16])
 @pytest.mark.parametrize("n", [[4, 1, 3], [2, 3, 4], [37, 1, 21]])  # verify, and prefill rows
-def test_chain_rows_match_reference_and_their_decodes(n: list[int]) -> None:
+def test_chain_rows_match_reference_and_their_decodes(n: list[int], pool: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
     prefix = [int(torch.randint(1, 700, (), generator=gen)) for _ in n]
-    k, v, r2t = setup(gen, [p + e for p, e in zip(prefix, n)])
+    k, v, r2t = setup(gen, [p + e for p, e in zip(prefix, n)], pool)
     rpi, pre, ext = torch.tensor([1, 2, 3]), torch.tensor(prefix), torch.tensor(n)
     q = torch.randn(sum(n), H, D, generator=gen)
     out = kernel(q, k, v, r2t, rpi, pre, ext)
+    assert out.dtype == torch.float32
     torch.testing.assert_close(out.double(), reference(q, k, v, r2t, rpi, pre, ext),
                                rtol=1e-5, atol=1e-5)  # fmt: skip
+    if pool != torch.float32:  # the same values in an fp32 pool: the same bits
+        assert torch.equal(kernel(q, k.float(), v.float(), r2t, rpi, pre, ext), out)
     threads = torch.get_num_threads()
     try:  # the queries shared out over other numbers of threads (cut inside a K/V head's)
         for other in {1, 2, 3} - {threads}:
@@ -64,7 +72,8 @@ def test_chain_rows_match_reference_and_their_decodes(n: list[int]) -> None:
             row += 1
 
 
-def test_tree_node_equals_the_decode_along_its_path() -> None:
+@pytest.mark.parametrize("pool", [torch.float32, torch.float16])
+def test_tree_node_equals_the_decode_along_its_path(pool: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
     prefix, n = int(torch.randint(1, 500, (), generator=gen)), 6
     # parents: 0 <- 1, 0 <- 2, 1 <- 3, 2 <- 4, 3 <- 5 (nodes in depth order)
@@ -75,7 +84,7 @@ def test_tree_node_equals_the_decode_along_its_path() -> None:
         while j >= 0:
             tree[0, i, j] = True
             j = parents[j]
-    k, v, r2t = setup(gen, [prefix + n])
+    k, v, r2t = setup(gen, [prefix + n], pool)
     rpi, pre, ext = torch.tensor([1]), torch.tensor([prefix]), torch.tensor([n])
     q = torch.randn(n, H, D, generator=gen)
     out = kernel(q, k, v, r2t, rpi, pre, ext, tree)
@@ -101,15 +110,17 @@ def test_rms_norm_matches_the_composite_and_keeps_rows_apart() -> None:
         assert torch.equal(cpu_ext.rms_norm(x[i : i + 1].clone(), w, 1e-5)[0], y[i])
 
 
-def test_store_kv_writes_the_slots_as_index_assignment_does() -> None:
+@pytest.mark.parametrize("pool", [torch.float32, torch.float16])
+def test_store_kv_writes_the_slots_as_index_assignment_does(pool: torch.dtype) -> None:
     """The new tokens' K/V, views of a fused q/k/v projection, land in their slots and nowhere
-    else."""
+    else; into an fp16 pool rounded as torch rounds (`.half()`, here with values past fp16's
+    range and below its normal range)."""
     t, nh, nkv, d = 5, 9, 3, 64
-    qkv = torch.randn(t, nh + 2 * nkv, d)
+    qkv = torch.randn(t, nh + 2 * nkv, d) * torch.logspace(-6, 5, t).view(t, 1, 1)
     k, v = qkv[:, nh : nh + nkv], qkv[:, nh + nkv :]
-    kb, vb = torch.randn(40, nkv, d), torch.randn(40, nkv, d)
+    kb, vb = torch.randn(40, nkv, d).to(pool), torch.randn(40, nkv, d).to(pool)
     loc = torch.randperm(40)[:t]
     ref_k, ref_v = kb.clone(), vb.clone()
-    ref_k[loc], ref_v[loc] = k, v
+    ref_k[loc], ref_v[loc] = k.to(pool), v.to(pool)
     cpu_ext.store_kv_(kb, vb, loc, k, v)
     assert torch.equal(kb, ref_k) and torch.equal(vb, ref_v)

@@ -1,0 +1,171 @@
+"""Decode speed at long contexts on CPU: eagleserve's K/V cache in fp32 and in fp16 (the packed
+target's default), beside llama.cpp at its defaults (its cache is fp16 too), one interleaved run.
+
+    python bench/long_context_cpu.py [--contexts 128,1024,2048,4000] [--new-tokens 64]
+        [--rounds 2] [--threads 2] [--out bench/results/long_context_cpu.json]
+
+A prompt of `context` token ids (random, the same on both sides; what a decode costs does not
+depend on what the tokens say), then `--new-tokens` greedy tokens with EOS ignored, batch 1, the
+default model (SmolLM2-135M-Instruct's Q4_1 GGUF). eagleserve runs through its scheduler's
+steps with the prefix cache off: time to first token covers the (chunked) prefill, the decode
+time per token everything after it, host work included. llama.cpp (llama-cpp-python, from the
+venv of `make bench-llamacpp` where it does not import here) reports its own timers: prompt
+eval and eval per token, without the Python around them. Median of `--rounds`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.common import machine, machine_info, print_table, write_json  # noqa: E402
+from bench.llamacpp_run import build_flags  # noqa: E402
+from eagleserve import Engine, SamplingParams  # noqa: E402
+from eagleserve.messages import GenerateReqInput  # noqa: E402
+from eagleserve.models.loader import default_gguf_path  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Runs in the llama.cpp venv: {gguf, threads, new_tokens, prompts} JSON on stdin.
+LLAMA_WORKER = """
+import json, sys
+import llama_cpp
+cfg = json.load(sys.stdin)
+n_ctx = max(len(p) for p in cfg["prompts"]) + cfg["new_tokens"] + 16
+llm = llama_cpp.Llama(model_path=cfg["gguf"], n_ctx=n_ctx, n_threads=cfg["threads"],
+                      n_threads_batch=cfg["threads"], verbose=False)
+rows = []
+for ids in cfg["prompts"]:
+    llm.reset()
+    llama_cpp.llama_perf_context_reset(llm._ctx.ctx)
+    out = []
+    for tok in llm.generate(ids, top_k=1, temp=0.0, reset=True):
+        out.append(int(tok))
+        if len(out) == cfg["new_tokens"]:
+            break
+    perf = llama_cpp.llama_perf_context(llm._ctx.ctx)
+    rows.append(dict(prefill_s=perf.t_p_eval_ms / 1e3,
+                     decode_ms=perf.t_eval_ms / max(perf.n_eval, 1)))
+print(json.dumps(dict(rows=rows, version=llama_cpp.__version__)))
+"""
+
+
+def eagleserve_run(engine: Engine, ids: list[int], new_tokens: int) -> dict[str, float]:
+    """One request through the scheduler's steps: seconds to its first token, then ms per token."""
+    sched = engine.scheduler
+    rid = f"long-{time.monotonic_ns()}"
+    params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    t0 = time.perf_counter()
+    sched.add_request(GenerateReqInput(rid, list(ids), params))
+    got, first, t_first, t_end = 0, 0, 0.0, 0.0
+    while not t_end:
+        for out in sched.step():
+            if out.rid != rid:
+                continue
+            got += len(out.new_token_ids)
+            if not first and got:
+                first, t_first = got, time.perf_counter()
+            if out.finished:
+                t_end = time.perf_counter()
+    while sched.has_work():  # nothing left in flight before the next request
+        sched.step()
+    assert got == new_tokens, (got, new_tokens)
+    return dict(prefill_s=t_first - t0, decode_ms=1e3 * (t_end - t_first) / (got - first))
+
+
+def llamacpp_run(prompts: list[list[int]], args: argparse.Namespace) -> dict[str, Any] | None:
+    try:
+        import llama_cpp  # noqa: F401
+
+        python = sys.executable
+    except ImportError:
+        python = args.llama_python
+        if not os.path.exists(python):
+            return None
+    cfg = dict(gguf=default_gguf_path(), threads=args.threads, new_tokens=args.new_tokens,
+               prompts=prompts)  # fmt: skip
+    proc = subprocess.run([python, "-c", LLAMA_WORKER], input=json.dumps(cfg),
+                          capture_output=True, text=True, check=True)  # fmt: skip
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out["build_flags"] = build_flags(python)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--contexts", default="128,1024,2048,4000")
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--llama-python", default=os.path.join(ROOT, ".venv-llamacpp/bin/python"))
+    ap.add_argument("--out", default="long_context_cpu.json", help="file name in bench/results")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    contexts = [int(c) for c in args.contexts.split(",")]
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(200, 40000, (n,), generator=gen).tolist() for n in contexts]
+    print(f"machine: {machine()}")
+    kv_tokens = max(contexts) + args.new_tokens + 64
+    engines = {
+        f"eagleserve, {dtype.removeprefix('float')}-bit K/V": Engine(
+            model="default",
+            device="cpu",
+            kv_cache_tokens=kv_tokens,
+            max_running_requests=1,
+            max_context_len=kv_tokens,
+            disable_radix_cache=True,
+            kv_cache_dtype=dtype,
+        )  # fmt: skip
+        for dtype in ("float32", "float16")
+    }
+    runs: dict[str, list[list[dict[str, float]]]] = {name: [] for name in engines}
+    llama: list[dict[str, Any]] = []
+    for r in range(args.rounds):
+        for name, engine in engines.items():
+            runs[name].append([eagleserve_run(engine, p, args.new_tokens) for p in prompts])
+            print(f"round {r + 1}: {name} done", flush=True)
+        out = llamacpp_run(prompts, args)
+        if out is not None:
+            llama.append(out)
+            print(f"round {r + 1}: llama.cpp done", flush=True)
+    if llama:
+        runs[f"llama.cpp {llama[0]['version']}"] = [o["rows"] for o in llama]
+
+    def med(name: str, i: int, key: str) -> float:
+        return statistics.median(rnd[i][key] for rnd in runs[name])
+
+    llama_name = next((n for n in runs if n.startswith("llama.cpp")), None)
+    rows, table = [], []
+    for i, n in enumerate(contexts):
+        for name in runs:
+            ms = med(name, i, "decode_ms")
+            vs = med(llama_name, i, "decode_ms") / ms if llama_name else None
+            rows.append(dict(context=n, setting=name, decode_ms=ms, tok_s=1e3 / ms,
+                             x_llamacpp=vs, prefill_s=med(name, i, "prefill_s")))  # fmt: skip
+            table.append([n, name, f"{ms:.2f}", f"{1e3 / ms:.1f}",
+                          f"{vs:.2f}x" if vs else "", f"{rows[-1]['prefill_s']:.2f}"])  # fmt: skip
+    print_table(
+        ["context", "setting", "decode ms/token", "tok/s", "x llama.cpp", "prefill s"],
+        table,
+        title=f"batch 1, {args.new_tokens} new tokens, {args.threads} threads",
+    )
+    path = write_json(args.out, dict(
+        machine=machine_info(), contexts=contexts, new_tokens=args.new_tokens,
+        threads=args.threads, rounds=args.rounds, rows=rows, runs=runs,
+        llama_build_flags=llama[0]["build_flags"] if llama else None,
+    ))  # fmt: skip
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
