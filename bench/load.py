@@ -26,6 +26,7 @@ import asyncio
 import json
 import os
 import random
+import signal
 import sys
 import time
 from dataclasses import asdict
@@ -236,6 +237,8 @@ def main(argv: list[str] | None = None) -> int:
     summary["mismatches"] = mismatches[:10]
     ok = summary["lost"] == 0 and summary["errors"] == 0 and not mismatches and kv_used == 0
     summary["ok"] = ok
+    if server is not None and rc not in (0, -signal.SIGTERM):  # it died: say why
+        summary["server_log_tail"] = server.log_tail(6000)
     payload = {
         "benchmark": "load",
         "args": {k: v for k, v in vars(args).items()},

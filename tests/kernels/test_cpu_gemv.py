@@ -177,12 +177,15 @@ def test_smollm2_prefill_rows_equal_their_decodes(smollm2_dir: str, isa: str) ->
     # over the four texts: max |diff| 1.6-2.5, mean 0.24-0.68 (bf16 activations: ~0.3, ~0.1).
     diff = (one_step - ref).abs()
     assert float(diff.max()) < 4.0 and float(diff.mean()) < 1.0, (diff.max(), diff.mean())
-    # Two of the texts end where the fp32 model's top two logits lie 0.3-0.4 apart, inside that
-    # noise: there the pick must be one of the model's top 3, elsewhere its top 1.
-    top = ref.topk(3)
-    if float(top.values[0] - top.values[1]) > 2 * float(diff.mean()):
-        assert one_step.argmax() == top.indices[0]
-    assert one_step.argmax() in top.indices
+    # Some texts end where the fp32 model's best logits lie closer than that noise (two within
+    # 0.3-0.4, or four within 1.0, as at the end of "Once upon a time ..."), and which of them
+    # wins turns on the last bits of any fp32 sum: the pick must be a token the fp32 model scores
+    # within twice the mean difference of its best, and its best where no other one is.
+    noise = 2 * float(diff.mean())
+    pick, top = int(one_step.argmax()), ref.topk(2)
+    assert float(top.values[0] - ref[pick]) <= noise, (pick, top, float(ref[pick]), noise)
+    if float(top.values[0] - top.values[1]) > noise:
+        assert pick == top.indices[0]
 
 
 def test_scales_that_are_not_fp16_values_are_refused() -> None:

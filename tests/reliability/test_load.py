@@ -37,7 +37,7 @@ def test_load_bench_with_spec(tiny_dirs: tuple[str, str], tmp_path: os.PathLike)
     assert os.path.exists(out), proc.stdout[-3000:] + proc.stderr[-3000:]
     with open(out) as f:
         s = json.load(f)["summary"]
-    detail = json.dumps(s, indent=1)[:4000]
+    detail = s.get("server_log_tail", "") + json.dumps(s, indent=1)[:4000]
     assert proc.returncode == 0 and s["ok"], detail
     assert s["lost"] == 0 and s["errors"] == 0, detail
     assert s["completed_greedy"] > 10 and s["greedy_exact"] == s["completed_greedy"], detail
@@ -64,7 +64,7 @@ def test_load_bench_multi_turn(tiny_dirs: tuple[str, str], tmp_path: os.PathLike
     assert os.path.exists(out), proc.stdout[-3000:] + proc.stderr[-3000:]
     with open(out) as f:
         s = json.load(f)["summary"]
-    detail = json.dumps(s, indent=1)[:4000]
+    detail = s.get("server_log_tail", "") + json.dumps(s, indent=1)[:4000]
     assert proc.returncode == 0 and s["ok"], detail
     assert s["lost"] == 0 and s["errors"] == 0, detail
     assert s["completed_greedy"] > 10 and s["greedy_exact"] == s["completed_greedy"], detail
