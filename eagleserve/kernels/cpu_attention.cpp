@@ -95,6 +95,34 @@ inline void score_keys(const float* q, const KV* k_buf, int64_t slot_stride,
   }
 }
 
+// score_keys for Q queries that read the same four keys: each K row is loaded (and widened)
+// once for all Q; a key's lanes are summed in score_keys' order, so the same bits.
+template <int Q, typename KV>
+inline void score_keys_shared(const float* const* q, const KV* k_buf, int64_t slot_stride,
+                              const int64_t* slots, int64_t D, float scale,
+                              float* const* scores) {
+  __m256 acc[Q][4];
+  const KV* k[4];
+  for (int i = 0; i < 4; ++i) k[i] = k_buf + slots[i] * slot_stride;
+  for (int r = 0; r < Q; ++r)
+    for (int i = 0; i < 4; ++i) acc[r][i] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < D; d += 8) {
+    __m256 qd[Q];
+    for (int r = 0; r < Q; ++r) qd[r] = _mm256_loadu_ps(q[r] + d);
+    for (int i = 0; i < 4; ++i) {
+      const __m256 kd = load8(k[i] + d);
+      for (int r = 0; r < Q; ++r) acc[r][i] = _mm256_fmadd_ps(qd[r], kd, acc[r][i]);
+    }
+  }
+  for (int r = 0; r < Q; ++r) {
+    // [k0 x0..3, k1 x0..3, k2 x0..3, k3 x0..3 | the same of x4..7], as score_keys<8>'s u0
+    const __m256 u = _mm256_hadd_ps(_mm256_hadd_ps(acc[r][0], acc[r][1]),
+                                    _mm256_hadd_ps(acc[r][2], acc[r][3]));
+    const __m128 sum = _mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1));
+    _mm_storeu_ps(scores[r], _mm_mul_ps(sum, _mm_set1_ps(scale)));
+  }
+}
+
 // out[d0, d0 + 8C) += sum over keys j in [j0, j1) in order of p_j * v_j, one fma chain per
 // lane carried across calls through `out` (an exact fp32 store and load); C chains in flight,
 // each lane's order the same whatever C is and however the keys are split into calls.
@@ -111,6 +139,41 @@ inline void weigh_values(const float* p, const KV* v_buf, int64_t slot_stride,
     for (int c = 0; c < C; ++c) acc[c] = _mm256_fmadd_ps(pj, load8(v + 8 * c), acc[c]);
   }
   for (int c = 0; c < C; ++c) _mm256_storeu_ps(out + d0 + 8 * c, acc[c]);
+}
+
+// weigh_values for Q queries that read the same keys (one request's rows, a GQA group's heads):
+// each V row is loaded (and widened) once for all Q, where each query alone would load it again;
+// each query's lanes run the fma chain they run in weigh_values, so the same bits.
+template <int Q, int C, typename KV>
+inline void weigh_values_shared(const float* const* p, const KV* v_buf, int64_t slot_stride,
+                                const int64_t* slots, int64_t j0, int64_t j1, int64_t d0,
+                                bool first, float* const* out) {
+  __m256 acc[Q][C];
+  for (int q = 0; q < Q; ++q)
+    for (int c = 0; c < C; ++c)
+      acc[q][c] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(out[q] + d0 + 8 * c);
+  for (int64_t j = j0; j < j1; ++j) {
+    const KV* v = v_buf + slots[j] * slot_stride + d0;
+    __m256 pj[Q];
+    for (int q = 0; q < Q; ++q) pj[q] = _mm256_set1_ps(p[q][j]);
+    for (int c = 0; c < C; ++c) {
+      const __m256 vc = load8(v + 8 * c);
+      for (int q = 0; q < Q; ++q) acc[q][c] = _mm256_fmadd_ps(pj[q], vc, acc[q][c]);
+    }
+  }
+  for (int q = 0; q < Q; ++q)
+    for (int c = 0; c < C; ++c) _mm256_storeu_ps(out[q] + d0 + 8 * c, acc[q][c]);
+}
+
+template <int Q, typename KV>
+inline void weigh_shared_rows(const float* const* p, const KV* v_buf, int64_t slot_stride,
+                              const int64_t* slots, int64_t j0, int64_t j1, int64_t D,
+                              float* const* out) {
+  int64_t d = 0;
+  for (; d + 32 <= D; d += 32)
+    weigh_values_shared<Q, 4>(p, v_buf, slot_stride, slots, j0, j1, d, j0 == 0, out);
+  for (; d < D; d += 8)
+    weigh_values_shared<Q, 1>(p, v_buf, slot_stride, slots, j0, j1, d, j0 == 0, out);
 }
 
 // Scores -> probabilities in place (padded with zeros to a multiple of 8); returns 1 / their sum.
@@ -150,27 +213,81 @@ void attend(const Query* qs, int64_t count, const KV* k_buf, const KV* v_buf,
   for (int64_t i = 0; i < count; ++i) max_n = std::max(max_n, qs[i].n);
   stride = (max_n + 7) / 8 * 8;
   scores.resize(count * stride);
+  // Keys [j, j1) of query i's scores, alone.
+  auto score_alone = [&](int64_t i, int64_t j, int64_t j1) {
+    float* s = scores.data() + i * stride;
+    for (; j + 8 <= j1; j += 8) score_keys<8>(qs[i].q, k_buf, slot_stride, qs[i].slots + j, D, scale, s + j);
+    for (; j < j1; ++j) score_keys<1>(qs[i].q, k_buf, slot_stride, qs[i].slots + j, D, scale, s + j);
+  };
+  constexpr int kShare = 3;  // queries per shared K or V row: their accumulators fill the registers
+  // Up to kShare queries from i on the same slots with keys in chunk j0 (a GQA group's heads,
+  // one request's rows): member, the end of each one's keys in the chunk, and the keys all of
+  // them have, [j0, common); returns the query after them.
+  struct Share {
+    int m = 0;
+    int64_t member[kShare], end[kShare], common;
+  };
+  auto share = [&](int64_t i, int64_t j0, Share& sh) {
+    sh.m = 0;
+    sh.common = j0 + kKeyChunk;
+    int64_t next = i;
+    for (; next < count && sh.m < kShare && qs[next].slots == qs[i].slots; ++next) {
+      const int64_t j1 = std::min(j0 + kKeyChunk, qs[next].n);
+      if (j1 <= j0) continue;
+      sh.member[sh.m] = next;
+      sh.end[sh.m++] = j1;
+      sh.common = std::min(sh.common, j1);
+    }
+    return next;
+  };
   for (int64_t j0 = 0; j0 < max_n; j0 += kKeyChunk) {
-    for (int64_t i = 0; i < count; ++i) {
-      const int64_t j1 = std::min(j0 + kKeyChunk, qs[i].n);
-      float* s = scores.data() + i * stride;
+    for (int64_t i = 0; i < count;) {
+      Share sh;
+      const int64_t next = share(i, j0, sh);
       int64_t j = j0;
-      for (; j + 8 <= j1; j += 8) score_keys<8>(qs[i].q, k_buf, slot_stride, qs[i].slots + j, D, scale, s + j);
-      for (; j < j1; ++j) score_keys<1>(qs[i].q, k_buf, slot_stride, qs[i].slots + j, D, scale, s + j);
+      if (sh.m >= 2) {
+        const float* q[kShare];
+        float* s[kShare];
+        for (; j + 4 <= sh.common; j += 4) {
+          for (int r = 0; r < sh.m; ++r) {
+            q[r] = qs[sh.member[r]].q;
+            s[r] = scores.data() + sh.member[r] * stride + j;
+          }
+          if (sh.m == 3) score_keys_shared<3>(q, k_buf, slot_stride, qs[i].slots + j, D, scale, s);
+          else score_keys_shared<2>(q, k_buf, slot_stride, qs[i].slots + j, D, scale, s);
+        }
+      }
+      for (int r = 0; r < sh.m; ++r) score_alone(sh.member[r], j, sh.end[r]);
+      i = next;
     }
   }
   std::vector<float> inv(count);
   for (int64_t i = 0; i < count; ++i) inv[i] = softmax_(scores.data() + i * stride, qs[i].n);
+  // Keys [j0, j1) of query i's weighted sum, alone.
+  auto weigh_alone = [&](int64_t i, int64_t j0, int64_t j1) {
+    const float* p = scores.data() + i * stride;
+    int64_t d = 0;
+    for (; d + 64 <= D; d += 64)
+      weigh_values<8>(p, v_buf, slot_stride, qs[i].slots, j0, j1, d, j0 == 0, qs[i].out);
+    for (; d < D; d += 8)
+      weigh_values<1>(p, v_buf, slot_stride, qs[i].slots, j0, j1, d, j0 == 0, qs[i].out);
+  };
   for (int64_t j0 = 0; j0 < max_n; j0 += kKeyChunk) {
-    for (int64_t i = 0; i < count; ++i) {
-      const int64_t j1 = std::min(j0 + kKeyChunk, qs[i].n);
-      if (j0 >= j1) continue;
-      const float* p = scores.data() + i * stride;
-      int64_t d = 0;
-      for (; d + 64 <= D; d += 64)
-        weigh_values<8>(p, v_buf, slot_stride, qs[i].slots, j0, j1, d, j0 == 0, qs[i].out);
-      for (; d < D; d += 8)
-        weigh_values<1>(p, v_buf, slot_stride, qs[i].slots, j0, j1, d, j0 == 0, qs[i].out);
+    for (int64_t i = 0; i < count;) {
+      Share sh;
+      const int64_t next = share(i, j0, sh);
+      const float* p[kShare];
+      float* out[kShare];
+      for (int r = 0; r < sh.m; ++r) {
+        p[r] = scores.data() + sh.member[r] * stride;
+        out[r] = qs[sh.member[r]].out;
+      }
+      if (sh.m == 3) weigh_shared_rows<3>(p, v_buf, slot_stride, qs[i].slots, j0, sh.common, D, out);
+      if (sh.m == 2) weigh_shared_rows<2>(p, v_buf, slot_stride, qs[i].slots, j0, sh.common, D, out);
+      const int64_t from = sh.m >= 2 ? sh.common : j0;  // the keys past the shared ones, alone
+      for (int r = 0; r < sh.m; ++r)
+        if (from < sh.end[r]) weigh_alone(sh.member[r], from, sh.end[r]);
+      i = next;
     }
   }
   for (int64_t i = 0; i < count; ++i) {

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import numpy as np
 import pytest
 import torch
 from conftest import forward_tokens
@@ -48,6 +49,18 @@ TEXTS = [
 ]
 
 
+def int8_part(raw: np.ndarray, qtype: str, w: torch.Tensor) -> torch.Tensor:
+    """The part of each weight that the int8 activations multiply: d * q. A Q4 block's offset
+    (-8d for Q4_0, m for Q4_1) multiplies the block's fp32 sum of x instead, as in llama.cpp."""
+    if qtype == "Q8_0":
+        return w
+    n, k = w.shape
+    blocks = raw.reshape(n, k // 32, -1)  # per block: d (fp16), [m (fp16)], nibbles
+    d = blocks[..., 0:2].copy().view(np.float16).astype(np.float64)
+    off = -8 * d if qtype == "Q4_0" else blocks[..., 2:4].copy().view(np.float16).astype(np.float64)
+    return w - torch.from_numpy(np.repeat(off, 32, axis=-1).reshape(n, k))
+
+
 def _matmul(lin: Int4Linear, x: torch.Tensor) -> torch.Tensor:
     assert lin.blocked is not None
     return lin._blocked_mm(x)
@@ -65,11 +78,12 @@ def test_close_to_the_exact_product(qtype: str, shape: tuple[int, int], isa: str
     x = torch.randn(7, k)
     ref = x.double() @ w.t()
     err = (_matmul(lin, x).double() - ref).abs()
-    # x rounded to multiples of d_x = max|x_block| / 127 (error <= d_x / 2 per element), plus
-    # fp32 accumulation: a few ulps of the sum of magnitudes.
+    # x rounded to multiples of d_x = max|x_block| / 127 (error <= d_x / 2 per element, times
+    # the d * q it multiplies), plus fp32 accumulation: a few ulps of the sum of magnitudes.
     xb = x.double().view(7, k // 32, 32)
     half_step = (xb.abs().amax(-1, keepdim=True) / 254).expand_as(xb).reshape(7, k)
-    bound = 1.001 * half_step @ w.abs().t() + k * 2.0**-23 * (x.double().abs() @ w.abs().t())
+    bound = (1.001 * half_step @ int8_part(raw, qtype, w).abs().t()
+             + k * 2.0**-23 * (x.double().abs() @ w.abs().t()))  # fmt: skip
     assert bool((err <= bound + 1e-6).all()), float((err / bound).max())
     if k >= 96:  # rounding errors mostly cancel (a one-block row has too few to average)
         assert float(err.mean()) < 0.25 * float(bound.mean())
