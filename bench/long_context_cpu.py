@@ -4,13 +4,19 @@ target's default), beside llama.cpp at its defaults (its cache is fp16 too), one
     python bench/long_context_cpu.py [--contexts 128,1024,2048,4000] [--new-tokens 64]
         [--rounds 2] [--threads 2] [--out bench/results/long_context_cpu.json]
 
-A prompt of `context` token ids (random, the same on both sides; what a decode costs does not
-depend on what the tokens say), then `--new-tokens` greedy tokens with EOS ignored, batch 1, the
-default model (SmolLM2-135M-Instruct's Q4_1 GGUF). eagleserve runs through its scheduler's
-steps with the prefix cache off: time to first token covers the (chunked) prefill, the decode
-time per token everything after it, host work included. llama.cpp (llama-cpp-python, from the
-venv of `make bench-llamacpp` where it does not import here) reports its own timers: prompt
-eval and eval per token, without the Python around them. Median of `--rounds`.
+A prompt of the first `context` tokens of a long text (MT-bench's 80 questions, both turns,
+one after another; the same token ids on both sides), then `--new-tokens` greedy tokens with
+EOS ignored, batch 1, the default model (SmolLM2-135M-Instruct's Q4_1 GGUF). eagleserve runs
+through its scheduler's steps with the prefix cache off: time to first token covers the
+(chunked) prefill, the decode time per token everything after it, host work included.
+llama.cpp (llama-cpp-python, from the venv of `make bench-llamacpp` where it does not import
+here) reports its own timers: prompt eval and eval per token, without the Python around them.
+Median of `--rounds`. Then, per context, eagleserve's target forward alone
+(bench/cpu_vs_llamacpp.py's `verify_costs`): a decode and verifies of 2-4 tokens, what a
+speculative iteration's verify costs against a decode. And what the cache's type costs in
+quality: each setting's perplexity of the text's `context` tokens (its prompt log-probabilities)
+beside the de-quantized fp32 model's (`--quantization none`, an fp32 cache), and the mean
+|difference| of their per-token log-probabilities.
 """
 
 from __future__ import annotations
@@ -29,6 +35,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import machine, machine_info, print_table, write_json  # noqa: E402
+from bench.cpu_vs_llamacpp import verify_costs  # noqa: E402
+from bench.data import _mt_bench_rows  # noqa: E402
 from bench.llamacpp_run import build_flags  # noqa: E402
 from eagleserve import Engine, SamplingParams  # noqa: E402
 from eagleserve.messages import GenerateReqInput  # noqa: E402
@@ -83,6 +91,21 @@ def eagleserve_run(engine: Engine, ids: list[int], new_tokens: int) -> dict[str,
     return dict(prefill_s=t_first - t0, decode_ms=1e3 * (t_end - t_first) / (got - first))
 
 
+def long_text_ids(engine: Engine, n: int) -> list[int]:
+    """The first n tokens of MT-bench's questions, both turns, in file order."""
+    text = "\n\n".join(t for row in _mt_bench_rows() for t in row["turns"])
+    ids = engine.tokenizer.encode(text)
+    if len(ids) < n:
+        raise SystemExit(f"the text has {len(ids)} tokens, fewer than the context {n}")
+    return ids[:n]
+
+
+def prompt_logprobs(engine: Engine, ids: list[int]) -> list[float]:
+    """Log-probability of each token of ids after the ones before it (the first has none)."""
+    params = SamplingParams(max_new_tokens=1, temperature=0.0, prompt_logprobs=0)
+    return engine.generate([ids], params)[0]["prompt_logprobs"][1:]
+
+
 def llamacpp_run(prompts: list[list[int]], args: argparse.Namespace) -> dict[str, Any] | None:
     try:
         import llama_cpp  # noqa: F401
@@ -107,13 +130,12 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--forward-reps", type=int, default=15, help="timings of each forward")
     ap.add_argument("--llama-python", default=os.path.join(ROOT, ".venv-llamacpp/bin/python"))
     ap.add_argument("--out", default="long_context_cpu.json", help="file name in bench/results")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     contexts = [int(c) for c in args.contexts.split(",")]
-    gen = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(200, 40000, (n,), generator=gen).tolist() for n in contexts]
     print(f"machine: {machine()}")
     kv_tokens = max(contexts) + args.new_tokens + 64
     engines = {
@@ -128,6 +150,7 @@ def main() -> None:
         )  # fmt: skip
         for dtype in ("float32", "float16")
     }
+    prompts = [long_text_ids(next(iter(engines.values())), n) for n in contexts]
     runs: dict[str, list[list[dict[str, float]]]] = {name: [] for name in engines}
     llama: list[dict[str, Any]] = []
     for r in range(args.rounds):
@@ -159,9 +182,36 @@ def main() -> None:
         table,
         title=f"batch 1, {args.new_tokens} new tokens, {args.threads} threads",
     )
+    forwards, table = [], []
+    for n in contexts:
+        for name, engine in engines.items():
+            ms = verify_costs(engine, n, args.forward_reps)
+            forwards.append(dict(context=n, setting=name, **ms))
+            table.append([n, name, *(f"{v:.2f}" for v in ms.values()),
+                          f"{ms['verify4_ms'] / ms['decode_ms']:.2f}x"])  # fmt: skip
+    print_table(["context", "setting", "decode ms", "verify 2", "verify 3", "verify 4",
+                 "verify 4 / decode"], table, title="one target forward (median)")  # fmt: skip
+    dense = Engine(model="default", device="cpu", quantization="none", dtype="float32",
+                   kv_cache_tokens=kv_tokens, max_running_requests=1, max_context_len=kv_tokens,
+                   disable_radix_cache=True)  # fmt: skip
+    quality, table = [], []
+    for p in prompts:
+        ref = torch.tensor(prompt_logprobs(dense, p), dtype=torch.float64)
+        ppl = float(torch.exp(-ref.mean()))
+        table.append([len(p), "de-quantized fp32 model", f"{ppl:.3f}", ""])
+        quality.append(dict(context=len(p), setting="de-quantized fp32 model", ppl=ppl))
+        for name, engine in engines.items():
+            lp = torch.tensor(prompt_logprobs(engine, p), dtype=torch.float64)
+            row = dict(context=len(p), setting=name, ppl=float(torch.exp(-lp.mean())),
+                       mean_abs_logprob_diff=float((lp - ref).abs().mean()))  # fmt: skip
+            quality.append(row)
+            table.append([len(p), name, f"{row['ppl']:.3f}", f"{row['mean_abs_logprob_diff']:.4f}"])
+    print_table(["context", "setting", "perplexity", "mean |logprob - fp32 model's|"], table,
+                title="the text's own tokens")  # fmt: skip
     path = write_json(args.out, dict(
         machine=machine_info(), contexts=contexts, new_tokens=args.new_tokens,
-        threads=args.threads, rounds=args.rounds, rows=rows, runs=runs,
+        threads=args.threads, rounds=args.rounds, rows=rows, runs=runs, forwards=forwards,
+        quality=quality,
         llama_build_flags=llama[0]["build_flags"] if llama else None,
     ))  # fmt: skip
     print(f"wrote {path}")
