@@ -111,9 +111,11 @@ def run_hf(model: Any, prompts: list[list[int]], bs: int, new: int, pad: int) ->
     return len(prompts) * new / (time.perf_counter() - t0)
 
 
-def build_engines(draft: str, algorithm: str, target_dtype: str) -> tuple[dict[str, Engine], dict]:
+def build_engines(
+    draft: str, algorithm: str, target_dtype: str, kv_cache_dtype: str = "auto"
+) -> tuple[dict[str, Engine], dict]:
     """`target_dtype` "auto" is the default model as served (the GGUF's packed 4-bit weights on
-    a CPU); "float32" the same weights de-quantized."""
+    a CPU); "float32" the same weights de-quantized. `kv_cache_dtype` as --kv-cache-dtype."""
     engines, timers = {}, {}
     for name, kw in SETTINGS:
         spec = dict(speculative_algorithm=algorithm, speculative_draft_model_path=draft, **kw)
@@ -124,6 +126,7 @@ def build_engines(draft: str, algorithm: str, target_dtype: str) -> tuple[dict[s
             kv_cache_tokens=8192,
             max_running_requests=8,
             disable_overlap_schedule=True,
+            kv_cache_dtype=kv_cache_dtype,
             **(spec if kw else {}),
         )
         t = Timers()
@@ -156,6 +159,8 @@ def main() -> None:
         choices=["auto", "float32"],
         help="auto: the packed GGUF target as served; float32: de-quantized",
     )
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "float16"],
+                    help="the K/V cache's type (auto: fp16 for the packed target)")  # fmt: skip
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -166,7 +171,7 @@ def main() -> None:
     draft = resolve_draft_path(args.draft)
     with open(os.path.join(draft, "config.json")) as f:
         algorithm = "EAGLE3" if "Eagle3" in json.load(f)["architectures"][0] else "EAGLE"
-    engines, timers = build_engines(draft, algorithm, args.target_dtype)
+    engines, timers = build_engines(draft, algorithm, args.target_dtype, args.kv_cache_dtype)
     tok = engines["eagleserve"].tokenizer
     hf = None
     if not args.no_hf:
