@@ -34,12 +34,14 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=96)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--dtype", default=None, help="e.g. float32: a dense target, not packed")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "float16"],
+                    help="the target's K/V cache (auto: fp16 for the packed target)")  # fmt: skip
     ap.add_argument("--tag", default="", help="suffix of the results file name")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     # "default" (not its converted folder): the GGUF's packed weights, as the server runs them.
     kw = dict(model="default", device="cpu", kv_cache_tokens=4096, max_running_requests=2,
-              disable_overlap_schedule=True)  # fmt: skip
+              disable_overlap_schedule=True, kv_cache_dtype=args.kv_cache_dtype)  # fmt: skip
     if args.dtype:
         kw["dtype"] = args.dtype
     engines = {"target-only": Engine(**kw)}
@@ -71,7 +73,8 @@ def main() -> None:
             for r in rows
         ],
     )  # fmt: skip
-    write_json(f"accept_cpu{args.tag}.json", {"args": vars(args), "rows": rows})
+    payload = {"machine": machine(), "args": vars(args), "rows": rows}
+    write_json(f"accept_cpu{args.tag}.json", payload)
 
 
 if __name__ == "__main__":
