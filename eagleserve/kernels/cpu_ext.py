@@ -45,7 +45,10 @@ _SOURCES = [
         "cpu_pointwise.cpp", "cpu_layers.cpp", "cpu_argmax.cpp", "cpu_sample.cpp",
     )
 ]  # fmt: skip
-_HEADERS = [os.path.join(os.path.dirname(_SOURCES[0]), n) for n in ("cpu_simd.h", "cpu_kernels.h")]
+_HEADERS = [
+    os.path.join(os.path.dirname(_SOURCES[0]), n)
+    for n in ("cpu_simd.h", "cpu_kernels.h", "cpu_attention_keys.h")
+]
 # -ffp-contract=off: g++ would otherwise fuse a written mul + add into one fma where it sees
 # fit (intrinsics included); the kernels' op order is their row-invariance contract.
 _FLAGS = [
