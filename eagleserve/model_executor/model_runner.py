@@ -40,6 +40,7 @@ DTYPES = {
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    dtype = dtype.lower()  # the CLI's check takes any case
     if dtype == "auto":
         return torch.float32 if device.type == "cpu" else torch.bfloat16
     if dtype not in DTYPES:
@@ -54,6 +55,7 @@ def resolve_kv_cache_dtype(
     reads the pool, in fp32 arithmetic from fp32 or fp16 K/V; auto gives it fp16 (the bytes a
     long context streams halved; prefill, decode and verify store the same rounded bits, so
     speculation stays lossless). Elsewhere the pool keeps the model's dtype."""
+    kv_cache_dtype = kv_cache_dtype.lower()
     if kv_cache_dtype == "auto":
         return torch.float16 if row_kernel else model_dtype
     if kv_cache_dtype not in DTYPES:

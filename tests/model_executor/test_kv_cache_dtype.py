@@ -18,7 +18,7 @@ def test_auto_is_fp16_where_the_cpu_kernel_reads_the_pool_else_the_models() -> N
     assert resolve_kv_cache_dtype("auto", torch.float32, CPU, row_kernel=True) == torch.float16
     assert resolve_kv_cache_dtype("auto", torch.float32, CPU, row_kernel=False) == torch.float32
     assert resolve_kv_cache_dtype("auto", torch.bfloat16, GPU, row_kernel=False) == torch.bfloat16
-    assert resolve_kv_cache_dtype("fp32", torch.float32, CPU, row_kernel=True) == torch.float32
+    assert resolve_kv_cache_dtype("FP32", torch.float32, CPU, row_kernel=True) == torch.float32
     assert resolve_kv_cache_dtype("bf16", torch.float32, CPU, row_kernel=False) == torch.bfloat16
     assert resolve_kv_cache_dtype("bfloat16", torch.bfloat16, GPU, row_kernel=False) == (
         torch.bfloat16
