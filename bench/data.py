@@ -34,6 +34,11 @@ def _mt_bench_rows() -> list[dict[str, Any]]:
         return [json.loads(line) for line in f if line.strip()]
 
 
+def mt_bench_turns() -> list[str]:
+    """Every turn of MT-bench's 80 questions (both), in file order: a long held-out text."""
+    return [t for row in _mt_bench_rows() for t in row["turns"]]
+
+
 def mt_bench(n: int | None = None) -> list[str]:
     """The first `n` questions: the file is ordered by category, ten each, so up to 10 are all
     "writing" (the set every MT-bench figure in bench/results was taken on)."""

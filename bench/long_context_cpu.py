@@ -36,7 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import machine, machine_info, print_table, write_json  # noqa: E402
 from bench.cpu_vs_llamacpp import verify_costs  # noqa: E402
-from bench.data import _mt_bench_rows  # noqa: E402
+from bench.data import mt_bench_turns  # noqa: E402
 from bench.llamacpp_run import build_flags  # noqa: E402
 from eagleserve import Engine, SamplingParams  # noqa: E402
 from eagleserve.messages import GenerateReqInput  # noqa: E402
@@ -93,7 +93,7 @@ def eagleserve_run(engine: Engine, ids: list[int], new_tokens: int) -> dict[str,
 
 def long_text_ids(engine: Engine, n: int) -> list[int]:
     """The first n tokens of MT-bench's questions, both turns, in file order."""
-    text = "\n\n".join(t for row in _mt_bench_rows() for t in row["turns"])
+    text = "\n\n".join(mt_bench_turns())
     ids = engine.tokenizer.encode(text)
     if len(ids) < n:
         raise SystemExit(f"the text has {len(ids)} tokens, fewer than the context {n}")

@@ -87,11 +87,9 @@ void attend(const Query* qs, int64_t count, const KV* k_buf, const KV* v_buf,
       if (sh.m >= 2) {
         const float* q[kShare];
         float* s[kShare];
+        for (int r = 0; r < sh.m; ++r) q[r] = qs[sh.member[r]].q;
         for (; j + 4 <= sh.common; j += 4) {
-          for (int r = 0; r < sh.m; ++r) {
-            q[r] = qs[sh.member[r]].q;
-            s[r] = scores.data() + sh.member[r] * stride + j;
-          }
+          for (int r = 0; r < sh.m; ++r) s[r] = scores.data() + sh.member[r] * stride + j;
           if (sh.m == 3) score_keys_shared<3>(q, k_buf, slot_stride, qs[i].slots + j, D, scale, s);
           else score_keys_shared<2>(q, k_buf, slot_stride, qs[i].slots + j, D, scale, s);
         }
@@ -145,10 +143,9 @@ void check_pool(const at::Tensor& k_buf, const at::Tensor& v_buf) {
               "k/v buffers [slots, kv_heads, D], float32 or float16, of one type");
 }
 
-// f(k, v) with the buffers' typed data pointers.
+// f(k, v) with the buffers' typed data pointers (check_pool'ed by the caller).
 template <typename F>
 auto with_pool(const at::Tensor& k_buf, const at::Tensor& v_buf, F&& f) {
-  check_pool(k_buf, v_buf);
   if (k_buf.scalar_type() == at::kHalf)
     return f(k_buf.data_ptr<at::Half>(), v_buf.data_ptr<at::Half>());
   return f(k_buf.data_ptr<float>(), v_buf.data_ptr<float>());
@@ -304,6 +301,7 @@ at::Tensor attend_rows(const RowPlan& plan, const HeadRows& q, const at::Tensor&
 // depend on which kind of forward wrote it.
 void store_kv_rows(const at::Tensor& k_buf, const at::Tensor& v_buf, const int64_t* loc,
                    const HeadRows& k, const HeadRows& v) {
+  check_pool(k_buf, v_buf);
   const int64_t T = k.rows, width = k_buf.size(1) * k_buf.size(2), slots = k_buf.size(0);
   TORCH_CHECK(v.rows == T && k.heads * k.dim == width && v.heads * v.dim == width,
               "k, v [T, kv_heads, D] as the buffers' rows");
