@@ -84,6 +84,7 @@ def run_engine(engine: Engine, prompts: list[list[int]], bs: int, new: int) -> d
     calls = after.spec_verify_calls_total - before.spec_verify_calls_total
     res: dict[str, Any] = dict(tok_s=len(prompts) * new / dt, tokens=[o["token_ids"] for o in outs])
     if calls:
+        res["accept_lengths"] = [o["spec_accept_length"] for o in outs]  # tau of each prompt
         res["tau"] = (after.spec_accepted_tokens_total - before.spec_accepted_tokens_total) / calls
         per = [
             a - b
