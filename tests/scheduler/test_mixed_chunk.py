@@ -104,6 +104,10 @@ def test_mixed_chunks_give_one_shot_tokens(
             chunked_prefill_size=CHUNK if mixed else 0,
             enable_mixed_chunk=mixed,
             disable_radix_cache=True,
+            # Exact tokens need kernels whose rows do not depend on the batch beside them, as
+            # the packed default model's are: the tiny model's dense fp32 GEMMs round
+            # differently for a mixed batch's shapes and flip a near-tie about once in 300 runs.
+            enable_deterministic_inference=True,
         )
         seen = record_batches(sched)
         got[mixed] = run_staggered(sched, prompts, params)
@@ -113,7 +117,7 @@ def test_mixed_chunks_give_one_shot_tokens(
         assert bool(mixed_chunks) == mixed, seen
         if mixed:
             assert not any(s[0] == "decode" and s[2] for s in seen), seen
-    assert got[True]["tokens"] == got[False]["tokens"]
+    assert got[True]["tokens"] == got[False]["tokens"], seed
     on, off = got[True]["prompt_logprobs"], got[False]["prompt_logprobs"]
     assert on.keys() == off.keys()
     for rid in on:  # the same rows scored, once (logits of other shapes: a tolerance)
