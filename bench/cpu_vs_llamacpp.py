@@ -34,6 +34,7 @@ sys.path.insert(0, ROOT)
 
 from bench.common import machine  # noqa: E402
 from bench.data import mt_bench  # noqa: E402
+from bench.forwards import scratch_batch, scratch_request  # noqa: E402
 from bench.llamacpp_run import run_llamacpp  # noqa: E402
 from eagleserve import Engine, SamplingParams  # noqa: E402
 from eagleserve.models.loader import default_gguf_path, resolve_model_path  # noqa: E402
@@ -124,37 +125,16 @@ def run_setting(
 def verify_costs(engine: Any, context: int, reps: int) -> dict[str, float]:
     """Median ms of one target forward over n = 1 (a decode) .. 4 new tokens of one request
     after `context` tokens of (scratch) KV, n interleaved; through the serving forward."""
-    from eagleserve.layers.forward_batch import ForwardBatch, HostLens
-
     runner = engine.scheduler.worker.runner
-    r2t_pool, kv_pool = runner.req_to_token_pool, runner.token_to_kv_pool
-    row, loc = r2t_pool.alloc(), kv_pool.alloc(context + 4)
-    r2t_pool.req_to_token[row, : context + 4] = loc
-    rpi = torch.tensor([row])
     times: dict[int, list[float]] = {n: [] for n in range(1, 5)}
-    try:
-        with torch.inference_mode():
-            for _ in range(reps):
-                for n in times:
-                    cols = context + torch.arange(n)
-                    fb = ForwardBatch(
-                        mode="decode" if n == 1 else "verify",
-                        input_ids=torch.randint(0, runner.config.vocab_size, (n,)),
-                        positions=cols,
-                        out_cache_loc=r2t_pool.req_to_token[row, cols],
-                        req_pool_indices=rpi,
-                        prefix_lens=torch.tensor([context]),
-                        extend_lens=torch.tensor([n]),
-                        host=HostLens.per_request(n, context, 1),
-                        kv_pool=kv_pool,
-                        attn_backend=runner.attn_backend,
-                    )
-                    t0 = time.perf_counter()
-                    runner.forward(fb)
-                    times[n].append(time.perf_counter() - t0)
-    finally:
-        kv_pool.free(loc)
-        r2t_pool.free(row)
+    with scratch_request(runner, context + 4) as row, torch.inference_mode():
+        for _ in range(reps):
+            for n in times:
+                fb = scratch_batch(runner, row, torch.randint(0, runner.config.vocab_size, (n,)),
+                                   context)  # fmt: skip
+                t0 = time.perf_counter()
+                runner.forward(fb)
+                times[n].append(time.perf_counter() - t0)
     return {f"{'decode' if n == 1 else f'verify{n}'}_ms": 1e3 * statistics.median(t)
             for n, t in times.items()}  # fmt: skip
 

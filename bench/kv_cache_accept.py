@@ -30,9 +30,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench import data  # noqa: E402
 from bench.common import machine, print_table, write_json  # noqa: E402
+from bench.forwards import scratch_batch, scratch_request  # noqa: E402
 from bench.spec_cpu import run_engine  # noqa: E402
 from eagleserve import Engine  # noqa: E402
-from eagleserve.layers.forward_batch import ForwardBatch, HostLens  # noqa: E402
 from eagleserve.models.loader import resolve_draft_path  # noqa: E402
 from eagleserve.spec.head_loader import load_eagle_head  # noqa: E402
 from eagleserve.train.ttt import head_step, lm_head_weight  # noqa: E402
@@ -46,29 +46,10 @@ def served_features(engine: Engine, ids: list[int]) -> tuple[torch.Tensor, torch
     `ids` in one serving forward (every row's logits, as a verify computes them), its K/V in
     scratch slots of the engine's pool."""
     runner = engine.scheduler.worker.runner
-    r2t, kv_pool = runner.req_to_token_pool, runner.token_to_kv_pool
-    n = len(ids)
-    row, loc = r2t.alloc(), kv_pool.alloc(n)
-    r2t.req_to_token[row, :n] = loc
-    try:
-        fb = ForwardBatch(
-            mode="verify",
-            input_ids=torch.tensor(ids),
-            positions=torch.arange(n),
-            out_cache_loc=loc,
-            req_pool_indices=torch.tensor([row]),
-            prefix_lens=torch.tensor([0]),
-            extend_lens=torch.tensor([n]),
-            host=HostLens.per_request(n, 0, 1),
-            kv_pool=kv_pool,
-            attn_backend=runner.attn_backend,
-        )
-        out = runner.forward(fb)
+    with scratch_request(runner, len(ids)) as row:
+        out = runner.forward(scratch_batch(runner, row, torch.tensor(ids), 0))
         assert out.aux_hidden_states is not None, "an EAGLE3 engine's target keeps its aux states"
         return out.aux_hidden_states.float().clone(), out.logits.argmax(-1)
-    finally:
-        kv_pool.free(loc)
-        r2t.free(row)
 
 
 @torch.no_grad()

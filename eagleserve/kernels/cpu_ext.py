@@ -310,3 +310,11 @@ def eagle3_layer(
     return torch.ops.eagleserve_cpu.eagle3_layer(
         emb, g, weights, out_features, eps, heads, kv_heads, *rotary, *kv, *rows, sm_scale
     )
+
+
+def phase_times(on: bool) -> dict[str, tuple[float, int]]:
+    """The one-call layers' phase timers (`decoder_layers::qkv_proj`, `eagle3_layer::mlp`, ...):
+    turns them on or off and returns {phase: (seconds, calls)} since the last call. Off by
+    default; a benchmark's tool (bench/forward_phases_cpu.py), not the server's."""
+    names, seconds, calls = torch.ops.eagleserve_cpu.phase_times(on)
+    return {n: (s, c) for n, s, c in zip(names, seconds, calls)}

@@ -8,12 +8,60 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include <atomic>
+#include <chrono>
+#include <map>
+#include <mutex>
+#include <string>
 #include <tuple>
 #include <vector>
 
 #include "cpu_kernels.h"
 
 namespace {
+
+// The phases' own timers (`phase_times`), off unless a benchmark turns them on (the torch
+// profiler sees only the whole call, and its cost per recorded op inflates a forward by half).
+struct PhaseTimes {
+  std::atomic<bool> on{false};
+  std::mutex m;
+  std::map<std::string, std::pair<double, int64_t>> totals;  // name -> (seconds, calls)
+};
+PhaseTimes phase_times_;
+
+// Runs f as phase `name` of a layer, its wall time added to phase_times_ when they are on
+// (otherwise a flag test).
+template <typename F>
+auto phase(const char* name, F&& f) {
+  if (!phase_times_.on.load(std::memory_order_relaxed)) return f();
+  struct Timer {
+    const char* name;
+    std::chrono::steady_clock::time_point t0 = std::chrono::steady_clock::now();
+    ~Timer() {
+      const std::chrono::duration<double> dt = std::chrono::steady_clock::now() - t0;
+      const std::lock_guard<std::mutex> lock(phase_times_.m);
+      auto& [seconds, calls] = phase_times_.totals[name];
+      seconds += dt.count();
+      ++calls;
+    }
+  } timer{name};
+  return f();
+}
+
+// Turns the phase timers on or off; returns (names, seconds, calls) since the last call.
+std::tuple<std::vector<std::string>, std::vector<double>, std::vector<int64_t>> phase_times(
+    bool on) {
+  const std::lock_guard<std::mutex> lock(phase_times_.m);
+  std::tuple<std::vector<std::string>, std::vector<double>, std::vector<int64_t>> out;
+  for (const auto& [name, total] : phase_times_.totals) {
+    std::get<0>(out).push_back(name);
+    std::get<1>(out).push_back(total.first);
+    std::get<2>(out).push_back(total.second);
+  }
+  phase_times_.totals.clear();
+  phase_times_.on.store(on);
+  return out;
+}
 
 // Per layer, in order: input norm weight; q/k/v tiles (w, d, m); o tiles; post-attention norm
 // weight; gate/up tiles; down tiles.
@@ -72,16 +120,25 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers(
     const at::Tensor* w = weights.data() + i * kPerLayer;
     const int64_t* n = out_features.data() + 4 * i;
     // LlamaDecoderLayer.forward: h + self_attn(input_layernorm(h)) ...
-    at::Tensor x = rms_norm(h, w[0], eps);
-    at::Tensor qkv = q4_matmul(x, w[1], w[2], w[3], n[0]).view({T, heads + 2 * kv_heads, D});
-    rope_(qkv, cos, signed_sin, heads + kv_heads);
-    const at::Tensor attn = attend_projection(plan, qkv, heads, kv_heads, k_buffers[i],
-                                              v_buffers[i], slots, sm_scale);
-    h.add_(q4_matmul(attn.view({T, -1}), w[4], w[5], w[6], n[1]));
+    const at::Tensor x =
+        phase("decoder_layers::input_norm", [&] { return rms_norm(h, w[0], eps); });
+    const at::Tensor qkv = phase("decoder_layers::qkv_proj", [&] {
+      return q4_matmul(x, w[1], w[2], w[3], n[0]).view({T, heads + 2 * kv_heads, D});
+    });
+    phase("decoder_layers::rope", [&] { rope_(qkv, cos, signed_sin, heads + kv_heads); });
+    const at::Tensor attn = phase("decoder_layers::kv_store_attention", [&] {
+      return attend_projection(plan, qkv, heads, kv_heads, k_buffers[i], v_buffers[i], slots,
+                               sm_scale);
+    });
+    phase("decoder_layers::o_proj",
+          [&] { h.add_(q4_matmul(attn.view({T, -1}), w[4], w[5], w[6], n[1])); });
     // ... then h + mlp(post_attention_layernorm(h))
-    x = rms_norm(h, w[7], eps);
-    const at::Tensor act = silu_mul(q4_matmul(x, w[8], w[9], w[10], n[2]));
-    h.add_(q4_matmul(act, w[11], w[12], w[13], n[3]));
+    const at::Tensor x2 =
+        phase("decoder_layers::post_norm", [&] { return rms_norm(h, w[7], eps); });
+    const at::Tensor gate_up = phase("decoder_layers::gate_up_proj",
+                                     [&] { return q4_matmul(x2, w[8], w[9], w[10], n[2]); });
+    const at::Tensor act = phase("decoder_layers::silu_mul", [&] { return silu_mul(gate_up); });
+    phase("decoder_layers::down_proj", [&] { h.add_(q4_matmul(act, w[11], w[12], w[13], n[3])); });
   }
   TORCH_CHECK(next_aux == num_aux, "aux layers: ascending layer indices");
   return {h, aux};
@@ -112,21 +169,32 @@ std::tuple<at::Tensor, at::Tensor> eagle3_layer(
   const at::Tensor loc = out_cache_loc.to(at::kLong).contiguous();
   TORCH_CHECK(loc.numel() == T, "one slot per new token");
   // Eagle3MidLayer: attention over cat(input_layernorm(emb), hidden_norm(g)), residual g ...
-  const at::Tensor attn_in = at::cat({rms_norm(emb, w[0], eps), rms_norm(g, w[1], eps)}, 1);
-  at::Tensor qkv = q4_matmul(attn_in, w[2], w[3], w[4], n[0]).view({T, heads + 2 * kv_heads, D});
-  rope_(qkv, cos, signed_sin, heads + kv_heads);
-  const at::Tensor attn = attend_projection(plan, qkv, heads, kv_heads, k_buf, v_buf,
-                                            loc.data_ptr<int64_t>(), sm_scale);
-  const at::Tensor x = g + q4_matmul(attn.view({T, -1}), w[5], w[6], w[7], n[1]);
+  const at::Tensor qkv = phase("eagle3_layer::norms_qkv_proj", [&] {
+    const at::Tensor attn_in = at::cat({rms_norm(emb, w[0], eps), rms_norm(g, w[1], eps)}, 1);
+    return q4_matmul(attn_in, w[2], w[3], w[4], n[0]).view({T, heads + 2 * kv_heads, D});
+  });
+  const at::Tensor attn = phase("eagle3_layer::rope_kv_store_attention", [&] {
+    rope_(qkv, cos, signed_sin, heads + kv_heads);
+    return attend_projection(plan, qkv, heads, kv_heads, k_buf, v_buf, loc.data_ptr<int64_t>(),
+                             sm_scale);
+  });
+  const at::Tensor x = phase("eagle3_layer::o_proj", [&] {
+    return g + q4_matmul(attn.view({T, -1}), w[5], w[6], w[7], n[1]);
+  });
   // ... then x + mlp(post_attention_layernorm(x)); the logits read norm(out).
-  const at::Tensor act = silu_mul(q4_matmul(rms_norm(x, w[8], eps), w[9], w[10], w[11], n[2]));
-  const at::Tensor out = x + q4_matmul(act, w[12], w[13], w[14], n[3]);
-  return {q4_matmul(rms_norm(out, w[15], eps), w[16], w[17], w[18], n[4]), out};
+  const at::Tensor out = phase("eagle3_layer::mlp", [&] {
+    const at::Tensor act = silu_mul(q4_matmul(rms_norm(x, w[8], eps), w[9], w[10], w[11], n[2]));
+    return x + q4_matmul(act, w[12], w[13], w[14], n[3]);
+  });
+  return {phase("eagle3_layer::lm_head",
+                [&] { return q4_matmul(rms_norm(out, w[15], eps), w[16], w[17], w[18], n[4]); }),
+          out};
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(eagleserve_cpu, lib) {
+  lib.def("phase_times(bool on) -> (str[], float[], int[])", &phase_times);
   lib.def(
       "eagle3_layer(Tensor emb, Tensor g, Tensor[] weights, int[] out_features, float eps, "
       "int heads, int kv_heads, Tensor cos, Tensor signed_sin, Tensor k_buf, Tensor v_buf, "

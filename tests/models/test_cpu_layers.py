@@ -172,3 +172,33 @@ def test_the_heads_one_call_equals_its_modules(runner: ModelRunner) -> None:
          torch.randn(n, head.feature_size, generator=g), [0, 0], lens)  # fmt: skip
     both("draft", torch.randint(0, 49152, (2,), generator=g),
          torch.randn(2, head.hidden_size, generator=g), lens, [1, 1])  # fmt: skip
+
+
+def test_phase_timers_see_each_phase_of_every_layer(runner: ModelRunner) -> None:
+    """bench/forward_phases_cpu.py reads the one-call layers' phase timers by name: on, each
+    phase once per layer and forward, with its time; off (the default), nothing."""
+    from bench.forward_phases_cpu import LAYER_PHASES
+
+    n = int(torch.randint(2, 6, ()))
+    loc = runner.token_to_kv_pool.alloc(n)
+    slot = runner.req_to_token_pool.alloc()
+    runner.req_to_token_pool.req_to_token[slot, :n] = loc
+
+    def forward() -> None:
+        forward_tokens(runner, "extend", torch.randint(0, 49152, (n,)), torch.arange(n), loc,
+                       torch.tensor([slot]), torch.tensor([0]), torch.tensor([n]))  # fmt: skip
+
+    try:
+        cpu_ext.phase_times(True)
+        forward()
+        forward()
+        times = cpu_ext.phase_times(False)
+        forward()
+        assert cpu_ext.phase_times(False) == {}
+    finally:
+        cpu_ext.phase_times(False)
+        runner.req_to_token_pool.free(slot)
+        runner.token_to_kv_pool.free(loc)
+    layers = runner.model.config.num_hidden_layers
+    assert set(times) == {f"decoder_layers::{p}" for p in LAYER_PHASES}
+    assert all(calls == 2 * layers and seconds > 0 for seconds, calls in times.values()), times
