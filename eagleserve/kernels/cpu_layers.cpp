@@ -10,7 +10,6 @@
 
 #include <atomic>
 #include <chrono>
-#include <map>
 #include <mutex>
 #include <string>
 #include <tuple>
@@ -25,7 +24,8 @@ namespace {
 struct PhaseTimes {
   std::atomic<bool> on{false};
   std::mutex m;
-  std::map<std::string, std::pair<double, int64_t>> totals;  // name -> (seconds, calls)
+  // (name, seconds, calls); a name is a string literal, found by its address (no allocation)
+  std::vector<std::tuple<const char*, double, int64_t>> totals;
 };
 PhaseTimes phase_times_;
 
@@ -40,9 +40,14 @@ auto phase(const char* name, F&& f) {
     ~Timer() {
       const std::chrono::duration<double> dt = std::chrono::steady_clock::now() - t0;
       const std::lock_guard<std::mutex> lock(phase_times_.m);
-      auto& [seconds, calls] = phase_times_.totals[name];
-      seconds += dt.count();
-      ++calls;
+      for (auto& [n, seconds, calls] : phase_times_.totals) {
+        if (n == name) {
+          seconds += dt.count();
+          ++calls;
+          return;
+        }
+      }
+      phase_times_.totals.emplace_back(name, dt.count(), 1);
     }
   } timer{name};
   return f();
@@ -53,10 +58,10 @@ std::tuple<std::vector<std::string>, std::vector<double>, std::vector<int64_t>> 
     bool on) {
   const std::lock_guard<std::mutex> lock(phase_times_.m);
   std::tuple<std::vector<std::string>, std::vector<double>, std::vector<int64_t>> out;
-  for (const auto& [name, total] : phase_times_.totals) {
+  for (const auto& [name, seconds, calls] : phase_times_.totals) {
     std::get<0>(out).push_back(name);
-    std::get<1>(out).push_back(total.first);
-    std::get<2>(out).push_back(total.second);
+    std::get<1>(out).push_back(seconds);
+    std::get<2>(out).push_back(calls);
   }
   phase_times_.totals.clear();
   phase_times_.on.store(on);
