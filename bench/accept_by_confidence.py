@@ -96,16 +96,12 @@ def depth0_hits(
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--head", default="builtin:smollm2-135m-eagle")
-    ap.add_argument("--prompts-per-set", type=int, default=16)
-    ap.add_argument("--new-tokens", type=int, default=96)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--sets", default="MT-bench,MT-bench-categories,HumanEval,math,ShareGPT",
-                    help=f"comma-separated, of {', '.join(data.SETS)}")  # fmt: skip
+    data.add_head_set_args(ap, prompts_per_set=16,
+                           sets="MT-bench,MT-bench-categories,HumanEval,math,ShareGPT")  # fmt: skip
     ap.add_argument("--out", default="accept_by_confidence.json", help="file in bench/results")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    sets = {name: data.SETS[name](args.prompts_per_set) for name in args.sets.split(",")}
+    sets = data.sets_of(args)
     base = Engine(model="default", device="cpu", kv_cache_tokens=4096, max_running_requests=2)
     sequences = {}
     for name, prompts in sets.items():

@@ -67,19 +67,14 @@ def extract_answers(
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--head", default="builtin:smollm2-135m-eagle")
-    ap.add_argument("--prompts-per-set", type=int, default=8)
-    ap.add_argument("--new-tokens", type=int, default=96)
-    ap.add_argument("--threads", type=int, default=2)
+    data.add_head_set_args(ap, prompts_per_set=8, sets=data.DEFAULT_SETS)
     ap.add_argument("--target-dtypes", default="auto",
                     help="comma-separated: auto (packed, as served), float32")  # fmt: skip
-    ap.add_argument("--sets", default=data.DEFAULT_SETS,
-                    help=f"comma-separated, of {', '.join(data.SETS)}")  # fmt: skip
     ap.add_argument("--out", default="accept_gap.json", help="file name in bench/results")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     n = args.prompts_per_set
-    sets = {name: data.SETS[name](n) for name in args.sets.split(",")}
+    sets = data.sets_of(args)
     served, sequences = {}, {}
     for dtype in args.target_dtypes.split(","):
         kw = dict(model="default", device="cpu", kv_cache_tokens=4096, max_running_requests=2,

@@ -10,6 +10,7 @@ None of these were used to train the default head (it saw ShareGPT prompts only)
 
 from __future__ import annotations
 
+import argparse
 import gzip
 import json
 from typing import Any
@@ -92,3 +93,18 @@ SETS = {
     "MT-bench-categories": mt_bench_categories,
 }
 DEFAULT_SETS = "MT-bench,HumanEval,math"
+
+
+def add_head_set_args(ap: argparse.ArgumentParser, prompts_per_set: int, sets: str) -> None:
+    """The options the benches that score a head on held-out sets share: --head,
+    --prompts-per-set, --new-tokens (the target's greedy answer), --threads and --sets."""
+    ap.add_argument("--head", default="builtin:smollm2-135m-eagle")
+    ap.add_argument("--prompts-per-set", type=int, default=prompts_per_set)
+    ap.add_argument("--new-tokens", type=int, default=96)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--sets", default=sets, help=f"comma-separated, of {', '.join(SETS)}")
+
+
+def sets_of(args: argparse.Namespace) -> dict[str, list[str]]:
+    """{set name: its first --prompts-per-set prompts} of --sets."""
+    return {name: SETS[name](args.prompts_per_set) for name in args.sets.split(",")}

@@ -94,13 +94,8 @@ def compare(engines: dict[str, Engine], head: object, name: str, source: str,
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--head", default="builtin:smollm2-135m-eagle")
+    data.add_head_set_args(ap, prompts_per_set=20, sets=data.DEFAULT_SETS)
     ap.add_argument("--kv-cache-dtypes", default="float32,float16")
-    ap.add_argument("--prompts-per-set", type=int, default=20)
-    ap.add_argument("--new-tokens", type=int, default=96)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--sets", default="MT-bench,HumanEval,math",
-                    help=f"comma-separated, of {', '.join(data.SETS)}")  # fmt: skip
     ap.add_argument("--out", default="kv_cache_accept.json", help="file name in bench/results")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -117,8 +112,8 @@ def main() -> None:
     target = first.scheduler.worker.runner.model
     head = load_eagle_head(head_path, "EAGLE3", target, torch.device("cpu"), torch.float32).eval()
     rows = []
-    for name in args.sets.split(","):
-        prompts = [data.chat_ids(first.tokenizer, p) for p in data.SETS[name](args.prompts_per_set)]
+    for name, texts in data.sets_of(args).items():
+        prompts = [data.chat_ids(first.tokenizer, p) for p in texts]
         for source in cache_types:  # the text: the answers under each cache in turn
             answers = run_engine(engines[source], prompts, 1, args.new_tokens)["tokens"]
             rows.append(compare(engines, head, name, source, prompts, answers))
