@@ -35,7 +35,7 @@ from eagleserve.models.loader import resolve_draft_path  # noqa: E402
 CHAIN = dict(speculative_num_steps=3, speculative_eagle_topk=1, speculative_num_draft_tokens=4)
 
 
-def paired_rows(results: dict, cache_types: list[str], heads: list[str]) -> list[dict]:
+def paired_rows(results: dict, cache_types: list[str]) -> list[dict]:
     """Per set and head, the first two cache types' tau on the prompts whose answers are equal
     under both (see the module's docstring)."""
     a, b = cache_types[:2]
@@ -113,7 +113,7 @@ def main() -> None:
     )  # fmt: skip
     payload = {"machine": machine(), "args": vars(args), "rows": rows}
     if len(cache_types) == 2:
-        paired = payload["paired"] = paired_rows(results, cache_types, args.heads)
+        paired = payload["paired"] = paired_rows(results, cache_types)
         a, b = cache_types
         print_table(
             ["set", "head", "equal answers", f"tau {a}", f"tau {b}", "mean diff",

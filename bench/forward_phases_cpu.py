@@ -82,7 +82,7 @@ def target_phases(engine: Engine, context: int, reps: int, rounds: int) -> list[
             for n, acc in totals.items():
                 batches = [scratch_batch(runner, row, torch.randint(0, vocab, (n,)), context)
                            for _ in range(per)]  # fmt: skip
-                phase_seconds(True, defaultdict(float))  # on, and nothing from before
+                cpu_ext.phase_times(True)  # on, and nothing from before
                 with timed_calls(cpu_ext, "decoder_layers", acc, "layers"), \
                         timed_calls(cpu_ext, "q8_matmul", acc, "lm_head"):  # fmt: skip
                     t0 = time.perf_counter()
@@ -118,7 +118,7 @@ def head_phases(threads: int, new_tokens: int) -> dict[str, Any]:
     params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     eng.generate(ids[:1], params)
     acc: dict[str, float] = defaultdict(float)
-    phase_seconds(True, defaultdict(float))
+    cpu_ext.phase_times(True)
     with timed_calls(cpu_ext, "eagle3_layer", acc, "call"):
         eng.generate(ids[1:], params)
     times = cpu_ext.phase_times(False)
