@@ -55,26 +55,30 @@ void attend(const Query* qs, int64_t count, const KV* k_buf, const KV* v_buf,
   // Keys [j, j1) of query i's scores, alone.
   auto score_alone = [&](int64_t i, int64_t j, int64_t j1) {
     float* s = scores.data() + i * stride;
-    for (; j + 8 <= j1; j += 8) score_keys<8>(qs[i].q, k_buf, slot_stride, qs[i].slots + j, D, scale, s + j);
-    for (; j < j1; ++j) score_keys<1>(qs[i].q, k_buf, slot_stride, qs[i].slots + j, D, scale, s + j);
+    const Query& x = qs[i];
+    for (; j + 8 <= j1; j += 8) score_keys<8>(x.q, k_buf, slot_stride, x.slots, j, x.n, D, scale, s + j);
+    for (; j < j1; ++j) score_keys<1>(x.q, k_buf, slot_stride, x.slots, j, x.n, D, scale, s + j);
   };
   constexpr int kShare = 3;  // queries per shared K or V row: their accumulators fill the registers
   // Up to kShare queries from i on the same slots with keys in chunk j0 (a GQA group's heads,
-  // one request's rows): member, the end of each one's keys in the chunk, and the keys all of
-  // them have, [j0, common); returns the query after them.
+  // one request's rows): member, the end of each one's keys in the chunk, the keys all of
+  // them have, [j0, common), and the most keys any of them sees, n; returns the query after
+  // them.
   struct Share {
     int m = 0;
-    int64_t member[kShare], end[kShare], common;
+    int64_t member[kShare], end[kShare], common, n;
   };
   auto share = [&](int64_t i, int64_t j0, Share& sh) {
     sh.m = 0;
     sh.common = j0 + kKeyChunk;
+    sh.n = 0;
     int64_t next = i;
     for (; next < count && sh.m < kShare && qs[next].slots == qs[i].slots; ++next) {
       const int64_t j1 = std::min(j0 + kKeyChunk, qs[next].n);
       if (j1 <= j0) continue;
       sh.member[sh.m] = next;
       sh.end[sh.m++] = j1;
+      sh.n = std::max(sh.n, qs[next].n);
       sh.common = std::min(sh.common, j1);
     }
     return next;
@@ -90,8 +94,8 @@ void attend(const Query* qs, int64_t count, const KV* k_buf, const KV* v_buf,
         for (int r = 0; r < sh.m; ++r) q[r] = qs[sh.member[r]].q;
         for (; j + 4 <= sh.common; j += 4) {
           for (int r = 0; r < sh.m; ++r) s[r] = scores.data() + sh.member[r] * stride + j;
-          if (sh.m == 3) score_keys_shared<3>(q, k_buf, slot_stride, qs[i].slots + j, D, scale, s);
-          else score_keys_shared<2>(q, k_buf, slot_stride, qs[i].slots + j, D, scale, s);
+          if (sh.m == 3) score_keys_shared<3>(q, k_buf, slot_stride, qs[i].slots, j, sh.n, D, scale, s);
+          else score_keys_shared<2>(q, k_buf, slot_stride, qs[i].slots, j, sh.n, D, scale, s);
         }
       }
       for (int r = 0; r < sh.m; ++r) score_alone(sh.member[r], j, sh.end[r]);
@@ -105,9 +109,9 @@ void attend(const Query* qs, int64_t count, const KV* k_buf, const KV* v_buf,
     const float* p = scores.data() + i * stride;
     int64_t d = 0;
     for (; d + 64 <= D; d += 64)
-      weigh_values<8>(p, v_buf, slot_stride, qs[i].slots, j0, j1, d, j0 == 0, qs[i].out);
+      weigh_values<8>(p, v_buf, slot_stride, qs[i].slots, j0, j1, qs[i].n, d, j0 == 0, qs[i].out);
     for (; d < D; d += 8)
-      weigh_values<1>(p, v_buf, slot_stride, qs[i].slots, j0, j1, d, j0 == 0, qs[i].out);
+      weigh_values<1>(p, v_buf, slot_stride, qs[i].slots, j0, j1, qs[i].n, d, j0 == 0, qs[i].out);
   };
   for (int64_t j0 = 0; j0 < max_n; j0 += kKeyChunk) {
     for (int64_t i = 0; i < count;) {
@@ -119,8 +123,10 @@ void attend(const Query* qs, int64_t count, const KV* k_buf, const KV* v_buf,
         p[r] = scores.data() + sh.member[r] * stride;
         out[r] = qs[sh.member[r]].out;
       }
-      if (sh.m == 3) weigh_shared_rows<3>(p, v_buf, slot_stride, qs[i].slots, j0, sh.common, D, out);
-      if (sh.m == 2) weigh_shared_rows<2>(p, v_buf, slot_stride, qs[i].slots, j0, sh.common, D, out);
+      if (sh.m == 3)
+        weigh_shared_rows<3>(p, v_buf, slot_stride, qs[i].slots, j0, sh.common, sh.n, D, out);
+      if (sh.m == 2)
+        weigh_shared_rows<2>(p, v_buf, slot_stride, qs[i].slots, j0, sh.common, sh.n, D, out);
       const int64_t from = sh.m >= 2 ? sh.common : j0;  // the keys past the shared ones, alone
       for (int r = 0; r < sh.m; ++r)
         if (from < sh.end[r]) weigh_alone(sh.member[r], from, sh.end[r]);

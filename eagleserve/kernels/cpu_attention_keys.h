@@ -39,6 +39,29 @@ inline void store_row(const float* src, int64_t n, at::Half* dst) {
   for (; i < n; ++i) dst[i] = at::Half(src[i]);
 }
 
+// How far ahead of the row being read the next K or V row is prefetched, in keys. Without it
+// the attention over a long context runs at a fraction of the memory bandwidth: each K/V head
+// row is 2-4 cache lines of a slot that holds every KV head, at a stride the hardware
+// prefetchers do not run far enough ahead of. Prefetching reads no value: the bits stay.
+constexpr int64_t kPrefetchKeys = 32;
+
+// Requests a K/V head row (D values) into the caches.
+template <typename KV>
+inline void prefetch_row(const KV* row, int64_t D) {
+  const char* p = reinterpret_cast<const char*>(row);
+  for (int64_t b = 0; b < D * static_cast<int64_t>(sizeof(KV)); b += 64)
+    _mm_prefetch(p + b, _MM_HINT_T0);
+}
+
+// Prefetches the row slices (D values from buf) kPrefetchKeys after keys [j, j + N) of
+// slots, those before its end n.
+template <int N, typename KV>
+inline void prefetch_ahead(const KV* buf, int64_t slot_stride, const int64_t* slots, int64_t j,
+                           int64_t n, int64_t D) {
+  for (int i = 0; i < N && j + kPrefetchKeys + i < n; ++i)
+    prefetch_row(buf + slots[j + kPrefetchKeys + i] * slot_stride, D);
+}
+
 inline float hmax8(__m256 v) {
   __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_max_ps(s, _mm_movehl_ps(s, s));
@@ -46,15 +69,18 @@ inline float hmax8(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// Scores of keys [j, j + N): per key an fma chain over d in order into 8 lanes x0..x7, summed as
+// Scores of keys [j, j + N) of slots (n of them): per key an fma chain over d in order into 8 lanes x0..x7, summed as
 // ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7)), times scale. Eight keys reduce their lanes
 // together (a transpose by hadds, a few shuffles for all eight where one key alone takes as
 // many); a single key sums the same pairs in the same order, so each key's score is the same
 // whichever N computes it.
 template <int N, typename KV>
 inline void score_keys(const float* q, const KV* k_buf, int64_t slot_stride,
-                       const int64_t* slots, int64_t D, float scale, float* scores) {
+                       const int64_t* slots, int64_t j, int64_t n, int64_t D, float scale,
+                       float* scores) {
   static_assert(N == 1 || N == 8, "one key or eight");
+  prefetch_ahead<N>(k_buf, slot_stride, slots, j, n, D);
+  slots += j;
   __m256 acc[N];
   const KV* k[N];
   for (int i = 0; i < N; ++i) {
@@ -79,12 +105,14 @@ inline void score_keys(const float* q, const KV* k_buf, int64_t slot_stride,
   }
 }
 
-// score_keys for Q queries that read the same four keys: each K row is loaded (and widened)
+// score_keys for Q queries that read the same four keys, [j, j + 4): each K row is loaded (and widened)
 // once for all Q; a key's lanes are summed in score_keys' order, so the same bits.
 template <int Q, typename KV>
 inline void score_keys_shared(const float* const* q, const KV* k_buf, int64_t slot_stride,
-                              const int64_t* slots, int64_t D, float scale,
-                              float* const* scores) {
+                              const int64_t* slots, int64_t j, int64_t n, int64_t D,
+                              float scale, float* const* scores) {
+  prefetch_ahead<4>(k_buf, slot_stride, slots, j, n, D);
+  slots += j;
   __m256 acc[Q][4];
   const KV* k[4];
   for (int i = 0; i < 4; ++i) k[i] = k_buf + slots[i] * slot_stride;
@@ -112,12 +140,13 @@ inline void score_keys_shared(const float* const* q, const KV* k_buf, int64_t sl
 // each lane's order the same whatever C is and however the keys are split into calls.
 template <int C, typename KV>
 inline void weigh_values(const float* p, const KV* v_buf, int64_t slot_stride,
-                         const int64_t* slots, int64_t j0, int64_t j1, int64_t d0, bool first,
-                         float* out) {
+                         const int64_t* slots, int64_t j0, int64_t j1, int64_t n, int64_t d0,
+                         bool first, float* out) {
   __m256 acc[C];
   for (int c = 0; c < C; ++c)
     acc[c] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(out + d0 + 8 * c);
   for (int64_t j = j0; j < j1; ++j) {
+    prefetch_ahead<1>(v_buf + d0, slot_stride, slots, j, n, 8 * C);
     const __m256 pj = _mm256_set1_ps(p[j]);
     const KV* v = v_buf + slots[j] * slot_stride + d0;
     for (int c = 0; c < C; ++c) acc[c] = _mm256_fmadd_ps(pj, load8(v + 8 * c), acc[c]);
@@ -130,13 +159,14 @@ inline void weigh_values(const float* p, const KV* v_buf, int64_t slot_stride,
 // each query's lanes run the fma chain they run in weigh_values, so the same bits.
 template <int Q, int C, typename KV>
 inline void weigh_values_shared(const float* const* p, const KV* v_buf, int64_t slot_stride,
-                                const int64_t* slots, int64_t j0, int64_t j1, int64_t d0,
-                                bool first, float* const* out) {
+                                const int64_t* slots, int64_t j0, int64_t j1, int64_t n,
+                                int64_t d0, bool first, float* const* out) {
   __m256 acc[Q][C];
   for (int q = 0; q < Q; ++q)
     for (int c = 0; c < C; ++c)
       acc[q][c] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(out[q] + d0 + 8 * c);
   for (int64_t j = j0; j < j1; ++j) {
+    prefetch_ahead<1>(v_buf + d0, slot_stride, slots, j, n, 8 * C);
     const KV* v = v_buf + slots[j] * slot_stride + d0;
     __m256 pj[Q];
     for (int q = 0; q < Q; ++q) pj[q] = _mm256_set1_ps(p[q][j]);
@@ -151,13 +181,13 @@ inline void weigh_values_shared(const float* const* p, const KV* v_buf, int64_t 
 
 template <int Q, typename KV>
 inline void weigh_shared_rows(const float* const* p, const KV* v_buf, int64_t slot_stride,
-                              const int64_t* slots, int64_t j0, int64_t j1, int64_t D,
-                              float* const* out) {
+                              const int64_t* slots, int64_t j0, int64_t j1, int64_t n,
+                              int64_t D, float* const* out) {
   int64_t d = 0;
   for (; d + 32 <= D; d += 32)
-    weigh_values_shared<Q, 4>(p, v_buf, slot_stride, slots, j0, j1, d, j0 == 0, out);
+    weigh_values_shared<Q, 4>(p, v_buf, slot_stride, slots, j0, j1, n, d, j0 == 0, out);
   for (; d < D; d += 8)
-    weigh_values_shared<Q, 1>(p, v_buf, slot_stride, slots, j0, j1, d, j0 == 0, out);
+    weigh_values_shared<Q, 1>(p, v_buf, slot_stride, slots, j0, j1, n, d, j0 == 0, out);
 }
 
 // Scores -> probabilities in place (padded with zeros to a multiple of 8); returns 1 / their sum.
