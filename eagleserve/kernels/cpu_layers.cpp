@@ -6,6 +6,7 @@
 // the attention's row bookkeeping, planned once for every layer of the forward.
 
 #include <ATen/ATen.h>
+#include <immintrin.h>
 #include <torch/library.h>
 
 #include <atomic>
@@ -68,6 +69,21 @@ std::tuple<std::vector<std::string>, std::vector<double>, std::vector<int64_t>> 
   return out;
 }
 
+// acc += y, both contiguous float32 of one shape: the residual add as torch's `h + x` computes
+// it (one IEEE fp32 add a value, so the same bits), without a TensorIterator's set-up per call.
+void add_into(const at::Tensor& acc, const at::Tensor& y) {
+  TORCH_CHECK(acc.is_contiguous() && y.is_contiguous() && acc.sizes() == y.sizes() &&
+                  acc.scalar_type() == at::kFloat && y.scalar_type() == at::kFloat,
+              "residual add: two contiguous float32 tensors of one shape");
+  float* a = acc.data_ptr<float>();
+  const float* b = y.data_ptr<float>();
+  const int64_t n = acc.numel();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(a + i, _mm256_add_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i)));
+  for (; i < n; ++i) a[i] += b[i];
+}
+
 // Per layer, in order: input norm weight; q/k/v tiles (w, d, m); o tiles; post-attention norm
 // weight; gate/up tiles; down tiles.
 constexpr int64_t kPerLayer = 14;
@@ -105,7 +121,7 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers(
   const int64_t T = h_in.size(0), D = k_buffers[0].size(2);
   const RowPlan plan = plan_rows(T, req_to_token, req_pool_indices, prefix_lens, extend_lens,
                                  kv_lens, tree_mask);
-  // The residual stream, added to in place (the same fp32 adds as `h + x`, no allocation).
+  // The residual stream, added to in place (add_into: the same fp32 adds as `h + x`).
   at::Tensor h = h_in.clone();
   // The new rows' slots, read by every layer's K/V write.
   const at::Tensor loc = out_cache_loc.to(at::kLong).contiguous();
@@ -136,14 +152,15 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers(
                                sm_scale);
     });
     phase("decoder_layers::o_proj",
-          [&] { h.add_(q4_matmul(attn.view({T, -1}), w[4], w[5], w[6], n[1])); });
+          [&] { add_into(h, q4_matmul(attn.view({T, -1}), w[4], w[5], w[6], n[1])); });
     // ... then h + mlp(post_attention_layernorm(h))
     const at::Tensor x2 =
         phase("decoder_layers::post_norm", [&] { return rms_norm(h, w[7], eps); });
     const at::Tensor gate_up = phase("decoder_layers::gate_up_proj",
                                      [&] { return q4_matmul(x2, w[8], w[9], w[10], n[2]); });
     const at::Tensor act = phase("decoder_layers::silu_mul", [&] { return silu_mul(gate_up); });
-    phase("decoder_layers::down_proj", [&] { h.add_(q4_matmul(act, w[11], w[12], w[13], n[3])); });
+    phase("decoder_layers::down_proj",
+          [&] { add_into(h, q4_matmul(act, w[11], w[12], w[13], n[3])); });
   }
   TORCH_CHECK(next_aux == num_aux, "aux layers: ascending layer indices");
   return {h, aux};
@@ -184,12 +201,16 @@ std::tuple<at::Tensor, at::Tensor> eagle3_layer(
                              sm_scale);
   });
   const at::Tensor x = phase("eagle3_layer::o_proj", [&] {
-    return g + q4_matmul(attn.view({T, -1}), w[5], w[6], w[7], n[1]);
+    at::Tensor y = q4_matmul(attn.view({T, -1}), w[5], w[6], w[7], n[1]);
+    add_into(y, g.contiguous());  // g + y (fp32 addition commutes bit for bit)
+    return y;
   });
   // ... then x + mlp(post_attention_layernorm(x)); the logits read norm(out).
   const at::Tensor out = phase("eagle3_layer::mlp", [&] {
     const at::Tensor act = silu_mul(q4_matmul(rms_norm(x, w[8], eps), w[9], w[10], w[11], n[2]));
-    return x + q4_matmul(act, w[12], w[13], w[14], n[3]);
+    at::Tensor y = q4_matmul(act, w[12], w[13], w[14], n[3]);
+    add_into(y, x);  // x + y
+    return y;
   });
   return {phase("eagle3_layer::lm_head",
                 [&] { return q4_matmul(rms_norm(out, w[15], eps), w[16], w[17], w[18], n[4]); }),

@@ -37,10 +37,6 @@ class PenaltyRows:
     # Host: whether any row needs the counts (penalties or min_tokens); bias alone does not.
     uses_counts: bool
 
-    @property
-    def num_rows(self) -> int:
-        return int(self.frequency.shape[0])
-
     def repeat_interleave(self, n: int) -> PenaltyRows:
         """n rows per row (a verify's nodes): row r becomes rows r * n .. r * n + n - 1."""
         dev = self.frequency.device

@@ -96,24 +96,6 @@ def _walk_start(
     return cur, lens, accept_index
 
 
-def _walk_step(
-    accept_index: torch.Tensor,
-    cur: torch.Tensor,
-    lens: torch.Tensor,
-    ok: torch.Tensor,
-    c: int,
-    depth: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows where ok [bs] accept node c: it is written at their next path slot of accept_index
-    (in place; other rows rewrite their slot's own value) and becomes their current node.
-    Returns the new (cur, lens)."""
-    slot = lens.clamp(max=depth).unsqueeze(1)
-    accept_index.scatter_(
-        1, slot, torch.where(ok, c, torch.gather(accept_index, 1, slot).squeeze(1)).unsqueeze(1)
-    )
-    return torch.where(ok, c, cur), lens + ok.long()
-
-
 def verify_greedy(
     draft_tokens: torch.Tensor,
     parents: torch.Tensor,
