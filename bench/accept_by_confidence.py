@@ -102,7 +102,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     sets = data.sets_of(args)
-    base = Engine(model="default", device="cpu", kv_cache_tokens=4096, max_running_requests=2)
+    base = Engine(model="default", device="cpu", max_total_tokens=4096, max_running_requests=2)
     sequences = {}
     for name, prompts in sets.items():
         ids = [data.chat_ids(base.tokenizer, p) for p in prompts]

@@ -78,7 +78,7 @@ def main() -> None:
     rows, results = [], {}
     for kv in cache_types:
         # "default" (not its converted folder): the GGUF's packed weights, as the server runs them.
-        kw = dict(model="default", device="cpu", kv_cache_tokens=4096, max_running_requests=2,
+        kw = dict(model="default", device="cpu", max_total_tokens=4096, max_running_requests=2,
                   disable_overlap_schedule=True, kv_cache_dtype=kv)  # fmt: skip
         if args.dtype:
             kw["dtype"] = args.dtype

@@ -77,7 +77,7 @@ def main() -> None:
     sets = data.sets_of(args)
     served, sequences = {}, {}
     for dtype in args.target_dtypes.split(","):
-        kw = dict(model="default", device="cpu", kv_cache_tokens=4096, max_running_requests=2,
+        kw = dict(model="default", device="cpu", max_total_tokens=4096, max_running_requests=2,
                   disable_overlap_schedule=True, dtype=dtype)  # fmt: skip
         base = Engine(**kw)
         eagle = Engine(**kw, speculative_algorithm="EAGLE3",

@@ -156,7 +156,7 @@ def main() -> None:
         name: Engine(
             model="default",
             device="cpu",
-            kv_cache_tokens=16384,
+            max_total_tokens=16384,
             max_running_requests=max(batches),
             disable_overlap_schedule=not args.overlap,
             disable_radix_cache=True,  # every round prefills its prompts whole, as fresh ones

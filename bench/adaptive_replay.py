@@ -293,7 +293,7 @@ def main() -> None:
     ap.add_argument("--deterministic", action="store_true")
     ap.add_argument("--out", default="adaptive_replay.json")
     args = ap.parse_args()
-    kw: dict[str, Any] = dict(model=args.model, device=args.device, kv_cache_tokens=16384,
+    kw: dict[str, Any] = dict(model=args.model, device=args.device, max_total_tokens=16384,
                               max_running_requests=1, disable_overlap_schedule=True,
                               disable_radix_cache=True,
                               enable_deterministic_inference=args.deterministic)  # fmt: skip

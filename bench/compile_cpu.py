@@ -81,7 +81,7 @@ def main() -> None:
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     weights = {"quantization": "gguf"} if args.quantization == "gguf" else {"dtype": "float32"}
-    common = dict(device="cpu", max_running_requests=max(batches), kv_cache_tokens=8192)
+    common = dict(device="cpu", max_running_requests=max(batches), max_total_tokens=8192)
     engines = {name: Engine(model="default", **common, **weights) for name in ("eager", "compiled")}
     compile_decode(engines["compiled"])
     tok = engines["eager"].tokenizer

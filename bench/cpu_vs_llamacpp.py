@@ -88,7 +88,7 @@ def make_engine(name: str, prompt_ids: list[list[int]], args: argparse.Namespace
     # int4: the GGUF's packed weights (--quantization gguf); fp32: de-quantized weights.
     weights = dict(quantization="gguf") if "int4" in name else dict(dtype="float32")
     engine = Engine(
-        model=args.model, device="cpu", max_running_requests=1, kv_cache_tokens=8192,
+        model=args.model, device="cpu", max_running_requests=1, max_total_tokens=8192,
         **weights, **kw,
     )  # fmt: skip
     engine.generate([prompt_ids[0]], SamplingParams(max_new_tokens=8, temperature=0.0))  # warm-up

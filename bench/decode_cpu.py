@@ -126,7 +126,7 @@ def main() -> None:
         hf16 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
         systems["transformers bf16"] = lambda p: hf_runner(hf16, p, args.new_tokens, pad_id)
     common_args = dict(
-        device="cpu", dtype="float32", max_running_requests=max(batches), kv_cache_tokens=8192
+        device="cpu", dtype="float32", max_running_requests=max(batches), max_total_tokens=8192
     )
     engines = {"eagleserve fp32": Engine(model=path, **common_args)}
     if not args.no_hf_bf16:

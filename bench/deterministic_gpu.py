@@ -102,7 +102,7 @@ def run(
             model=model_path,
             device=device,
             dtype="bfloat16",
-            kv_cache_tokens=8192,
+            max_total_tokens=8192,
             max_running_requests=16,
             cuda_graph_max_bs=16,
             attention_backend="triton",

@@ -56,7 +56,7 @@ def main() -> None:
     ap.add_argument("--out", default="draft_vocab.json")
     args = ap.parse_args()
 
-    engine = Engine(model="default", device="cpu", kv_cache_tokens=16384)
+    engine = Engine(model="default", device="cpu", max_total_tokens=16384)
     tok = engine.tokenizer
     vocab_size = engine.scheduler.model_config.vocab_size
     convs, train_i, _, keys = sharegpt_split(sharegpt_path(), seed=0, val_fraction=0.03)

@@ -109,7 +109,7 @@ def target_phases(engine: Engine, context: int, reps: int, rounds: int) -> list[
 def head_phases(threads: int, new_tokens: int) -> dict[str, Any]:
     """us per draft step of each phase of the shipped head's layer call, from a served chain-3
     generation (2 MT-bench prompts)."""
-    eng = Engine(model="default", device="cpu", kv_cache_tokens=4096, max_running_requests=2,
+    eng = Engine(model="default", device="cpu", max_total_tokens=4096, max_running_requests=2,
                  disable_overlap_schedule=True, speculative_algorithm="EAGLE3",
                  speculative_draft_model_path=resolve_draft_path("builtin:smollm2-135m-eagle"),
                  speculative_num_steps=3, speculative_eagle_topk=1,
@@ -139,7 +139,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     contexts = [int(c) for c in args.contexts.split(",")]
-    engine = Engine(model="default", device="cpu", kv_cache_tokens=max(contexts) + 64,
+    engine = Engine(model="default", device="cpu", max_total_tokens=max(contexts) + 64,
                     max_running_requests=1, disable_overlap_schedule=True)  # fmt: skip
     rows = [r for c in contexts for r in target_phases(engine, c, args.reps, args.rounds)]
     del engine

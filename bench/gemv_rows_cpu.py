@@ -43,7 +43,7 @@ Matmul = tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]  # w, d, m, n
 
 
 def packed_matmuls() -> list[Matmul]:
-    eng = Engine(model="default", device="cpu", kv_cache_tokens=256, max_running_requests=1)
+    eng = Engine(model="default", device="cpu", max_total_tokens=256, max_running_requests=1)
     layers = eng.scheduler.worker.runner.model.cpu_layers
     assert layers is not None, "the default model did not load packed (no AVX2/F16C CPU?)"
     out: list[Matmul] = []

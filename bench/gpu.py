@@ -153,9 +153,9 @@ def main() -> None:
         device=str(device),
         dtype="bfloat16",
         load_format="dummy",
-        kv_cache_tokens=65536,
+        max_total_tokens=65536,
         max_running_requests=32,
-        max_context_len=4096,
+        context_length=4096,
     )
     vocab = cfg["vocab_size"]
     res: dict[str, Any] = {"device": name, "torch": torch.__version__, "layers": args.layers}

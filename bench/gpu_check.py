@@ -133,7 +133,9 @@ def stage_hang(args: argparse.Namespace, st: Stage) -> None:
     for name, kw in (("target-only", {}), ("chain 3", chain(3))):
         t0 = time.perf_counter()
         with st.watch(f"{name} dtype={dtype}: build"):
-            eng = Engine(model=args.model, device=str(dev), dtype=dtype, kv_cache_tokens=4096, **kw)
+            eng = Engine(
+                model=args.model, device=str(dev), dtype=dtype, max_total_tokens=4096, **kw
+            )
         with st.watch(f"{name} dtype={dtype}: generate"):
             eng.generate([[1, 2, 3, 4, 5, 6, 7, 8]], p)
         times[name] = time.perf_counter() - t0

@@ -100,7 +100,7 @@ def make_runner(path: str, device: torch.device, mode: str, graphs: bool) -> Mod
     fused = mode != "unfused"
     runner = ModelRunner(
         ModelConfig.from_dir(path), path, device, torch.bfloat16,
-        kv_cache_tokens=max(BATCHES) * (CONTEXT + 2) + 8, max_running_requests=max(BATCHES),
+        max_total_tokens=max(BATCHES) * (CONTEXT + 2) + 8, max_running_requests=max(BATCHES),
         max_context_len=1024, attention_backend="triton", load_format="dummy",
         fused_kernels=fused,
     )  # fmt: skip

@@ -35,7 +35,7 @@ def shipped_config() -> dict[str, Any]:
 
     with open(os.path.join(ROOT, "configs", "smollm2-135m-eagle.yaml")) as f:
         cfg = yaml.safe_load(f)
-    for key in ("model", "device", "max_running_requests", "kv_cache_tokens"):
+    for key in ("model", "device", "max_running_requests", "max_total_tokens"):
         cfg.pop(key, None)
     return cfg
 
@@ -107,7 +107,7 @@ def stage_table(args: argparse.Namespace, st: Stage) -> None:
             with st.watch(f"build {name}"):
                 t0 = time.perf_counter()
                 eng = Engine(model=args.model, device=str(dev), max_running_requests=max(batches),
-                             kv_cache_tokens=max(batches) * (new + 256) + 2048,
+                             max_total_tokens=max(batches) * (new + 256) + 2048,
                              disable_radix_cache=True, **kw)  # fmt: skip
                 build_s = time.perf_counter() - t0
             ids = [chat_ids(eng.tokenizer, t) for t in texts]

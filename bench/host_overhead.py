@@ -217,7 +217,7 @@ def tiny_dirs(tmp: str, device: str) -> tuple[str, str]:
                 shutil.copy(os.path.join(src, name), target)
     except (FileNotFoundError, OSError) as exc:
         print(f"no tokenizer for the tiny model ({exc}): detokenization not measured")
-    eng = Engine(model=target, device=device, load_format="dummy", kv_cache_tokens=1024)
+    eng = Engine(model=target, device=device, load_format="dummy", max_total_tokens=1024)
     head = init_eagle_head("EAGLE3", eng.scheduler.worker.runner.model, 256, seed=0)
     head_dir = os.path.join(tmp, "head")
     save_eagle_head(head, head_dir)
@@ -288,7 +288,7 @@ def run(
         common = dict(
             model=target,
             device=str(dev),
-            kv_cache_tokens=max(batches) * (new_tokens + 64) + 1024,
+            max_total_tokens=max(batches) * (new_tokens + 64) + 1024,
             max_running_requests=max(batches),
             disable_radix_cache=True,
             **extra,

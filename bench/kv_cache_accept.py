@@ -103,7 +103,7 @@ def main() -> None:
     if len(cache_types) != 2:
         ap.error("--kv-cache-dtypes: two types, e.g. float32,float16")
     head_path = resolve_draft_path(args.head)
-    kw = dict(model="default", device="cpu", kv_cache_tokens=4096, max_running_requests=2,
+    kw = dict(model="default", device="cpu", max_total_tokens=4096, max_running_requests=2,
               disable_overlap_schedule=True, disable_radix_cache=True,  # scratch slots free
               speculative_algorithm="EAGLE3",
               speculative_draft_model_path=head_path, **CHAIN)  # fmt: skip

@@ -90,8 +90,8 @@ def run_setting(
     mp.setattr(fused_forward, "gemv_max_rows", lambda *args: 64)
     try:
         with graphs_on_cpu(mp):
-            eng = Engine(model=target, device="cpu", kv_cache_tokens=max(256, 64 * batch),
-                         dtype=dtype, max_running_requests=max(2, batch), max_context_len=48,
+            eng = Engine(model=target, device="cpu", max_total_tokens=max(256, 64 * batch),
+                         dtype=dtype, max_running_requests=max(2, batch), context_length=48,
                          attention_backend="triton",
                          disable_overlap_schedule=True, disable_radix_cache=True,
                          **spec)  # fmt: skip

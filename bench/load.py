@@ -184,7 +184,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--draft", default=DEFAULT_DRAFT, help="EAGLE head for --spec")
     p.add_argument("--algorithm", default="EAGLE3", help="the head's kind: EAGLE or EAGLE3")
     p.add_argument("--model", default="default")
-    p.add_argument("--kv-cache-tokens", type=int, default=4096)
+    p.add_argument("--max-total-tokens", type=int, default=4096)
     p.add_argument("--max-running-requests", type=int, default=32)
     p.add_argument("--disable-overlap-schedule", action="store_true")
     p.add_argument("--max-tokens", type=int, default=32, help="most new tokens, short requests")

@@ -40,7 +40,7 @@ def verify_greedy(args: argparse.Namespace, outcomes: list[Outcome]) -> list[dic
     kw: dict[str, Any] = dict(
         device="cpu",
         dtype=args.dtype,
-        kv_cache_tokens=args.kv_cache_tokens,
+        max_total_tokens=args.max_total_tokens,
         max_running_requests=args.max_running_requests,
         disable_overlap_schedule=args.disable_overlap_schedule,
     )

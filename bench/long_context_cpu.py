@@ -142,9 +142,9 @@ def main() -> None:
         f"eagleserve, {dtype.removeprefix('float')}-bit K/V": Engine(
             model="default",
             device="cpu",
-            kv_cache_tokens=kv_tokens,
+            max_total_tokens=kv_tokens,
             max_running_requests=1,
-            max_context_len=kv_tokens,
+            context_length=kv_tokens,
             disable_radix_cache=True,
             kv_cache_dtype=dtype,
         )  # fmt: skip
@@ -192,7 +192,7 @@ def main() -> None:
     print_table(["context", "setting", "decode ms", "verify 2", "verify 3", "verify 4",
                  "verify 4 / decode"], table, title="one target forward (median)")  # fmt: skip
     dense = Engine(model="default", device="cpu", quantization="none", dtype="float32",
-                   kv_cache_tokens=kv_tokens, max_running_requests=1, max_context_len=kv_tokens,
+                   max_total_tokens=kv_tokens, max_running_requests=1, context_length=kv_tokens,
                    disable_radix_cache=True)  # fmt: skip
     quality, table = [], []
     for p in prompts:

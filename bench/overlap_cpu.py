@@ -78,7 +78,7 @@ def main() -> None:
         (name, overlap): Engine(
             model="default",
             device="cpu",
-            kv_cache_tokens=16384,
+            max_total_tokens=16384,
             max_running_requests=max(batches),
             disable_overlap_schedule=not overlap,
             **kw,

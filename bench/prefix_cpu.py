@@ -49,7 +49,7 @@ def make_engine(args: argparse.Namespace, **kw: Any) -> Engine:
                     speculative_num_steps=3, speculative_eagle_topk=1,
                     speculative_num_draft_tokens=4, speculative_adaptive=True)  # fmt: skip
     return Engine(model="default", device="cpu", max_running_requests=16,
-                  kv_cache_tokens=16384, **spec, **kw)  # fmt: skip
+                  max_total_tokens=16384, **spec, **kw)  # fmt: skip
 
 
 def tokens_of(engine: Engine, text: str, n: int) -> list[int]:

@@ -205,7 +205,7 @@ def main() -> None:
         kw, prefill_graphs = table[name]
         t0 = time.perf_counter()
         eng = Engine(model=args.model, device=str(dev), max_running_requests=max(16, args.batch),
-                     kv_cache_tokens=40000, disable_radix_cache=True, **kw)  # fmt: skip
+                     max_total_tokens=40000, disable_radix_cache=True, **kw)  # fmt: skip
         build_s = time.perf_counter() - t0
         if not prefill_graphs:
             eng.scheduler.worker.runner.prefill_graphs = None

@@ -107,7 +107,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     common = dict(model=args.model, device=args.device,
-                  kv_cache_tokens=max(4096, 512 * args.batch),
+                  max_total_tokens=max(4096, 512 * args.batch),
                   max_running_requests=max(4, args.batch),
                   enable_deterministic_inference=args.deterministic)  # fmt: skip
     engines = {

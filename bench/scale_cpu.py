@@ -40,7 +40,7 @@ def start_replicas(n: int, args: argparse.Namespace) -> tuple[subprocess.Popen[s
     cmd = [sys.executable, "-m", "eagleserve", "serve", "--model", args.model, "--dtype",
            args.dtype, "--device", "cpu", "--port", "0", "--log-level", "warning",
            "--dp-size", str(n), "--max-running-requests", str(args.clients),
-           "--kv-cache-tokens", "8192"]  # fmt: skip
+           "--max-total-tokens", "8192"]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
     urls: list[str] = []

@@ -27,8 +27,8 @@ def server_flags(args: argparse.Namespace) -> list[str]:
         args.dtype,
         "--device",
         "cpu",
-        "--kv-cache-tokens",
-        str(args.kv_cache_tokens),
+        "--max-total-tokens",
+        str(args.max_total_tokens),
         "--max-running-requests",
         str(args.max_running_requests),
     ]

@@ -124,7 +124,7 @@ def build_engines(
             model="default",
             dtype=target_dtype,
             device="cpu",
-            kv_cache_tokens=8192,
+            max_total_tokens=8192,
             max_running_requests=8,
             disable_overlap_schedule=True,
             kv_cache_dtype=kv_cache_dtype,

@@ -85,7 +85,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    common = dict(model="default", device="cpu", kv_cache_tokens=4096, max_running_requests=4,
+    common = dict(model="default", device="cpu", max_total_tokens=4096, max_running_requests=4,
                   disable_overlap_schedule=True)  # fmt: skip
     engines = {
         "target-only": Engine(**common),

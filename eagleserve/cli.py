@@ -17,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
 
-from eagleserve.config import ServerArgs
+from eagleserve.config import RENAMED_FIELDS, ServerArgs, renamed_hint
 
 FIELD_HELP: dict[str, str] = {
     "model": "target model: 'default' (SmolLM2-135M-Instruct), a Hugging Face folder, or a .gguf",
@@ -31,12 +31,13 @@ FIELD_HELP: dict[str, str] = {
     "quantization": "auto | none | gguf: run a GGUF's Q4_0/Q4_1/Q8_0 weights packed on CPU "
     "(auto: gguf for a GGUF model, e.g. 'default', on CPU when --dtype is auto)",
     "max_running_requests": "most requests decoding at once",
-    "kv_cache_tokens": "KV cache size in tokens (all requests together)",
-    "max_context_len": "most tokens per request, prompt + output (default: the model's limit)",
+    "max_total_tokens": "KV cache size in tokens (all requests together)",
+    "context_length": "most tokens per request, prompt + output (default: the model's limit)",
     "served_model_name": "model name the API reports and accepts (default: --model)",
     "api_key": "require 'Authorization: Bearer KEY' on /v1/* (default: $EAGLESERVE_API_KEY)",
     "max_request_body_bytes": "larger request bodies get a 413 before they are read",
-    "seed": "random seed of the engine",
+    "random_seed": "seeds the sampling of requests that name no seed: the same requests in the "
+    "same order then draw the same tokens on every run (default: OS entropy per request)",
     "speculative_algorithm": "EAGLE or EAGLE3 to turn on speculative decoding",
     "speculative_draft_model_path": "EAGLE draft head folder",
     "speculative_num_steps": "draft steps per speculative iteration",
@@ -98,7 +99,7 @@ FIELD_CHOICES: dict[str, tuple[str, ...]] = {
     "log_level": ("debug", "info", "warning", "error", "critical"),
 }
 DEVICE_RE = re.compile(r"auto|cpu|cuda(:\d+)?")  # HIP builds of torch call their GPUs cuda too
-POSITIVE = ("max_running_requests", "kv_cache_tokens", "max_context_len",
+POSITIVE = ("max_running_requests", "max_total_tokens", "context_length",
             "max_request_body_bytes", "cuda_graph_max_bs", "tp_size", "dp_size",
             "dist_timeout")  # fmt: skip
 
@@ -143,12 +144,12 @@ def serve_fields() -> list[dataclasses.Field]:
 
 # --help shows the flags in these groups, in this order (every ServerArgs field in one).
 FIELD_GROUPS: dict[str, tuple[str, ...]] = {
-    "model": ("model", "dtype", "kv_cache_dtype", "load_format", "quantization", "max_context_len",
+    "model": ("model", "dtype", "kv_cache_dtype", "load_format", "quantization", "context_length",
               "served_model_name"),
     "server": ("host", "port", "api_key", "max_request_body_bytes", "log_level"),
-    "scheduler": ("max_running_requests", "kv_cache_tokens", "seed", "disable_overlap_schedule",
-                  "disable_radix_cache", "chunked_prefill_size", "enable_dynamic_chunking",
-                  "enable_mixed_chunk"),
+    "scheduler": ("max_running_requests", "max_total_tokens", "random_seed",
+                  "disable_overlap_schedule", "disable_radix_cache", "chunked_prefill_size",
+                  "enable_dynamic_chunking", "enable_mixed_chunk"),
     "speculative decoding": ("speculative_algorithm", "speculative_draft_model_path",
                              "speculative_num_steps", "speculative_eagle_topk",
                              "speculative_num_draft_tokens", "speculative_adaptive",
@@ -169,6 +170,22 @@ def flag_help(f: dataclasses.Field) -> str:
     return f"{text} (default: {f.default})"
 
 
+def _flag(field_name: str) -> str:
+    return "--" + field_name.replace("_", "-")
+
+
+class RenamedFlag(argparse.Action):
+    """A flag renamed to SGLang's name: using it is an error that names the new flag."""
+
+    def __init__(self, *args: Any, new_flag: str, **kwargs: Any) -> None:
+        self.new_flag = new_flag
+        super().__init__(*args, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, ns: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:  # fmt: skip
+        parser.error(f"{option_string} is now {self.new_flag} (SGLang's flag name)")
+
+
 def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--config", metavar="YAML", help="YAML file (or name under configs/) of ServerArgs fields"
@@ -177,11 +194,14 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     grouped = {n for names in FIELD_GROUPS.values() for n in names}
     # A field left out of FIELD_GROUPS still gets its flag (one flag per field, always).
     other = tuple(n for n in by_name if n not in grouped)
+    for old, new in RENAMED_FIELDS.items():
+        parser.add_argument(_flag(old), action=RenamedFlag, nargs="?", new_flag=_flag(new),
+                            help=argparse.SUPPRESS)  # fmt: skip
     for title, names in {**FIELD_GROUPS, "other": other}.items():
         group = parser.add_argument_group(title)
         for name in names:
             f = by_name[name]
-            flag = "--" + name.replace("_", "-")
+            flag = _flag(name)
             kind, _ = _field_type(f)
             if kind == "bool":
                 group.add_argument(flag, action=argparse.BooleanOptionalAction,
@@ -221,7 +241,7 @@ def load_config(name: str) -> dict[str, Any] | str:
     known = {f.name for f in dataclasses.fields(ServerArgs)}
     unknown = sorted(set(data) - known)
     if unknown:
-        return f"{path}: unknown fields {unknown} (known: {sorted(known)})"
+        return f"{path}: unknown fields {unknown}{renamed_hint(unknown)} (known: {sorted(known)})"
     for f in serve_fields():
         if f.name in data and not value_fits(f, data[f.name]):
             kind, _ = _field_type(f)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -136,6 +137,16 @@ class SpecConfig:
 CPU_PREFILL_CHUNK = 64
 GRAPH_MAX_BS = 256  # the default cuda_graph_max_bs's cap
 GPU_PREFILL_CHUNK = 8192
+# ServerArgs fields renamed to SGLang's flag names: an old name in a flag, a YAML config or an
+# Engine argument is an error that names the new one.
+RENAMED_FIELDS = {"kv_cache_tokens": "max_total_tokens", "max_context_len": "context_length",
+                  "seed": "random_seed"}  # fmt: skip
+
+
+def renamed_hint(names: Iterable[str]) -> str:
+    """' (renamed ...: old -> new, ...)' for the renamed fields among names, else ''."""
+    pairs = [f"{n} -> {RENAMED_FIELDS[n]}" for n in sorted(names) if n in RENAMED_FIELDS]
+    return f" (renamed to SGLang's names: {', '.join(pairs)})" if pairs else ""
 
 
 @dataclass(frozen=True)
@@ -154,14 +165,19 @@ class ServerArgs:
     load_format: str = "auto"  # auto | dummy (random weights, for benchmarks)
     quantization: str = "auto"  # auto | none | gguf (the GGUF's own 4/8-bit weights, CPU)
     max_running_requests: int = 32
-    kv_cache_tokens: int = 16384
-    max_context_len: int | None = None  # default: the model's max_position_embeddings, capped
+    max_total_tokens: int = 16384  # the K/V pool's size in tokens (SGLang's flag name)
+    # Most tokens a request may span, prompt + output (SGLang's flag name); default: the
+    # model's max_position_embeddings, capped by max_total_tokens.
+    context_length: int | None = None
     served_model_name: str | None = None
     api_key: str | None = None
     # 16 MiB: over 10x the JSON of a 128k-token prompt (~0.5 MB of text, up to 6x for \u
     # escapes), so only abuse or mistakes hit it; tokenizing 16 MB takes ~15 s of a core.
     max_request_body_bytes: int = 16 * 2**20
-    seed: int = 0
+    # Seeds the sampling of requests that name no `seed` of their own (SGLang's flag name):
+    # with it, the same requests in the same order draw the same tokens from one run to the
+    # next; without, each such request draws its seed from the OS's entropy.
+    random_seed: int | None = None
     speculative_algorithm: str | None = None
     speculative_draft_model_path: str | None = None
     speculative_num_steps: int = 3

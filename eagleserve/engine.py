@@ -6,7 +6,7 @@ import itertools
 from dataclasses import fields, replace
 from typing import Any
 
-from eagleserve.config import ServerArgs
+from eagleserve.config import ServerArgs, renamed_hint
 from eagleserve.messages import EngineStats, GenerateReqInput, TokenOutput
 from eagleserve.sampling_params import SamplingParams
 from eagleserve.scheduler.scheduler import Scheduler
@@ -23,7 +23,7 @@ class Engine:
         known = {f.name for f in fields(ServerArgs)}
         unknown = set(kwargs) - known
         if unknown:
-            raise TypeError(f"unknown Engine arguments: {sorted(unknown)}")
+            raise TypeError(f"unknown Engine arguments: {sorted(unknown)}{renamed_hint(unknown)}")
         self.args = ServerArgs(model=model, **kwargs)
         # --tp-size > 1: this process is rank 0 and starts the other ranks (close() stops them).
         self.scheduler: Scheduler | ReplicatedScheduler = build_scheduler(self.args)

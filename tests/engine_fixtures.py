@@ -17,7 +17,7 @@ def tiny_engine_fixture(tiny_model_dir: str) -> Iterator[Engine]:
         device="cpu",
         dtype="float32",
         max_running_requests=16,
-        kv_cache_tokens=2048,
+        max_total_tokens=2048,
     )
 
 

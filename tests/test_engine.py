@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 from collections.abc import Callable
 
@@ -54,7 +55,7 @@ def test_greedy_matches_transformers_generate(
     smollm2_dir: str, make_engine: Callable[..., Engine]
 ) -> None:
     """8 prompts x 64 new tokens on SmolLM2, batched in one call, equal HF greedy one by one."""
-    engine = make_engine(smollm2_dir, max_running_requests=8, kv_cache_tokens=2048)
+    engine = make_engine(smollm2_dir, max_running_requests=8, max_total_tokens=2048)
     outs = engine.generate(SMOL_PROMPTS, greedy(64))
 
     tok = AutoTokenizer.from_pretrained(smollm2_dir)
@@ -82,7 +83,7 @@ def test_stop_string_inside_a_token_cuts_text(
     smollm2_dir: str, make_engine: Callable[..., Engine]
 ) -> None:
     """A stop string that starts mid-token: text ends right before it; finish_reason "stop"."""
-    engine = make_engine(smollm2_dir, max_running_requests=2, kv_cache_tokens=512)
+    engine = make_engine(smollm2_dir, max_running_requests=2, max_total_tokens=512)
     prompt = "Once upon a time, in a small village by the sea,"
     full = engine.generate(prompt, greedy(32, ignore_eos=True))[0]
     tok, ids = engine.tokenizer, full["token_ids"]
@@ -123,6 +124,25 @@ def test_same_seed_same_tokens_alone_and_batched(tiny: Engine) -> None:
     assert other_seed != alone
     unseeded = tiny.generate([prompt, prompt], sampled(48, seed=None))
     assert unseeded[0]["token_ids"] != unseeded[1]["token_ids"]
+
+
+def test_random_seed_repeats_a_run_of_unseeded_requests(
+    tiny_model_dir: str, make_engine: Callable[..., Engine]
+) -> None:
+    """--random-seed: a fresh engine with the same seed answers the same unseeded sampled
+    requests, sent in the same order, with the same tokens; another seed with others."""
+    prompts = random_prompts(3, [7, 19, 12], seed=random.randrange(2**31))
+    random_seed = random.randrange(2**31)
+
+    def run(seed: int) -> list[list[int]]:
+        eng = make_engine(tiny_model_dir, random_seed=seed)
+        outs = [eng.generate([p], sampled(24, seed=None))[0]["token_ids"] for p in prompts]
+        eng.close()
+        return outs
+
+    first = run(random_seed)
+    assert run(random_seed) == first, f"random_seed {random_seed}"
+    assert run(random_seed + 1) != first
 
 
 def test_top_k_1_and_tiny_temperature_equal_greedy(tiny: Engine) -> None:
@@ -252,7 +272,7 @@ def _first_new(tokens: list[int], min_index: int) -> int:
 def test_eos_and_ignore_eos(
     tiny_model_dir: str, tmp_path: object, make_engine: Callable[..., Engine]
 ) -> None:
-    base = make_engine(tiny_model_dir, max_running_requests=2, kv_cache_tokens=256)
+    base = make_engine(tiny_model_dir, max_running_requests=2, max_total_tokens=256)
     prompt = _prompt_without_specials(base, 10, 40, seed=7)
     full = base.generate([prompt], greedy(40, ignore_eos=True))[0]["token_ids"]
     assert TINY_EOS not in full
@@ -265,7 +285,7 @@ def test_eos_and_ignore_eos(
     cfg["eos_token_id"] = full[k]
     with open(os.path.join(eos_dir, "config.json"), "w") as f:
         json.dump(cfg, f)
-    engine = make_engine(eos_dir, max_running_requests=2, kv_cache_tokens=256)
+    engine = make_engine(eos_dir, max_running_requests=2, max_total_tokens=256)
     out = engine.generate([prompt], greedy(40))[0]
     assert out["token_ids"] == full[: k + 1]
     assert out["finish_reason"] == "stop"
@@ -323,7 +343,7 @@ def test_close_ends_the_overlap_forward_thread(
         return {t for t in threading.enumerate() if t.name.startswith("eagleserve-fwd")}
 
     before = forward_threads()
-    eng = make_engine(tiny_model_dir, max_running_requests=2, kv_cache_tokens=256,
+    eng = make_engine(tiny_model_dir, max_running_requests=2, max_total_tokens=256,
                       disable_overlap_schedule=False)  # fmt: skip
     prompt = random_prompts(1, seed=int.from_bytes(os.urandom(2), "little"))
     want = eng.generate(prompt, greedy(5, ignore_eos=True))[0]["token_ids"]

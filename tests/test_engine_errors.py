@@ -51,7 +51,7 @@ def test_bad_requests_raise_and_engine_keeps_working(
     params: SamplingParams,
     message: str,
 ) -> None:
-    engine = make_engine(tiny_model_dir, max_running_requests=4, kv_cache_tokens=256)
+    engine = make_engine(tiny_model_dir, max_running_requests=4, max_total_tokens=256)
     assert engine.scheduler.max_context_len == 256
     good = random_prompts(2, [6, 13], seed=11)
     before = [o["token_ids"] for o in engine.generate(good, greedy(12, ignore_eos=True))]
@@ -80,7 +80,7 @@ def test_bad_request_in_a_batch_leaves_engine_usable(
     tiny_model_dir: str, make_engine: Callable[..., Engine]
 ) -> None:
     """One invalid request among valid ones: ValueError, and afterwards the engine is clean."""
-    tiny = make_engine(tiny_model_dir, max_running_requests=4, kv_cache_tokens=256)
+    tiny = make_engine(tiny_model_dir, max_running_requests=4, max_total_tokens=256)
     good = random_prompts(2, [6, 13], seed=13)
     want = [o["token_ids"] for o in tiny.generate(good, greedy(12, ignore_eos=True))]
     with pytest.raises(ValueError, match="top_p"):

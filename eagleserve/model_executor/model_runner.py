@@ -118,7 +118,7 @@ class ModelRunner:
         model_path: str | None,
         device: torch.device,
         dtype: torch.dtype,
-        kv_cache_tokens: int,
+        max_total_tokens: int,
         max_running_requests: int,
         max_context_len: int,
         attention_backend: str = "auto",
@@ -189,7 +189,7 @@ class ModelRunner:
             deterministic=deterministic,
         )
         self.token_to_kv_pool = TokenToKVPool(
-            kv_cache_tokens,
+            max_total_tokens,
             model_config.num_hidden_layers,
             len(shard.kv_heads) if shard else model_config.num_key_value_heads,
             model_config.head_dim,
@@ -206,7 +206,7 @@ class ModelRunner:
 
             make_batch_invariant(self.model)
 
-        logger.info("start-up: KV pool of %d tokens in %.2f s", kv_cache_tokens,
+        logger.info("start-up: KV pool of %d tokens in %.2f s", max_total_tokens,
                     time.perf_counter() - t1)  # fmt: skip
         self.graphs: list[GraphedForward] = []
         self.prefill_graphs: PrefillGraphs | None = None
@@ -231,7 +231,7 @@ class ModelRunner:
             model_path,
             device,
             resolve_dtype(args.dtype, device),
-            args.kv_cache_tokens,
+            args.max_total_tokens,
             args.max_running_requests,
             max_context_len,
             args.attention_backend,

@@ -15,6 +15,7 @@ Plain int64 tensor ops on the device (no host read, capturable); every product s
 from __future__ import annotations
 
 import os
+import random
 
 import torch
 
@@ -47,3 +48,19 @@ def position_uniforms(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Ten
 def entropy_seed() -> int:
     """A seed for a request that names none: 63 bits of the OS's entropy."""
     return int.from_bytes(os.urandom(8), "little") >> 1
+
+
+class RequestSeeds:
+    """The seeds of sampled requests that name none: each from the OS's entropy, or, given the
+    engine's random seed (--random-seed), the next of one generator seeded with it, so the same
+    requests arriving in the same order draw the same tokens from one run to the next."""
+
+    def __init__(self, random_seed: int | None) -> None:
+        self._rng = None if random_seed is None else random.Random(random_seed)
+
+    def seed_for(self, own: int | None) -> int:
+        """A request's sampling seed: its own where it names one (the generator does not move
+        then), else the next."""
+        if own is not None:
+            return own
+        return entropy_seed() if self._rng is None else self._rng.getrandbits(63)

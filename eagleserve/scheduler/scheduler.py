@@ -17,7 +17,7 @@ from eagleserve.mem_cache.prefix_cache import PrefixCache
 from eagleserve.messages import EngineStats, GenerateReqInput, TokenOutput
 from eagleserve.model_executor.model_runner import ModelRunner
 from eagleserve.models.loader import load_tokenizer_in_background, resolve_model_path
-from eagleserve.sampling.seeded_noise import entropy_seed
+from eagleserve.sampling.seeded_noise import RequestSeeds
 from eagleserve.sampling_params import check_request
 from eagleserve.scheduler.chunk_budget import ChunkBudget
 from eagleserve.scheduler.engine_stats import engine_stats
@@ -51,12 +51,13 @@ class Scheduler:
         self.model_config = ModelConfig.from_dir(self.model_path)
         tokenizer = load_tokenizer_in_background(self.model_path)  # while the model builds
         self.spec_config = args.spec_config
+        self.request_seeds = RequestSeeds(args.random_seed)
         self.mixed_chunk = args.enable_mixed_chunk
         if self.mixed_chunk and self.spec_config is not None:  # its running requests verify
             raise ValueError("--enable-mixed-chunk does not run with speculative decoding")
         cfg = self.model_config
         self.max_context_len = min(
-            args.max_context_len or cfg.max_position_embeddings, args.kv_cache_tokens
+            args.context_length or cfg.max_position_embeddings, args.max_total_tokens
         )
         # Speculation writes up to alloc_len positions past the committed length per step.
         self.alloc_len = self.spec_config.alloc_len_per_decode if self.spec_config else 1
@@ -129,7 +130,7 @@ class Scheduler:
                 TokenOutput(msg.rid, [], True, "error", error=err, error_code=400)
             )
             return
-        seed = None if params.is_greedy else entropy_seed() if params.seed is None else params.seed
+        seed = None if params.is_greedy else self.request_seeds.seed_for(params.seed)
         req = Req(msg.rid, list(msg.input_ids), params, self.eos_token_ids, sampling_seed=seed)
         req.grammar = grammar
         self.waiting.append(req)

@@ -33,9 +33,11 @@ POLL_S = 0.2
 
 
 def replica_args(args: ServerArgs, i: int) -> ServerArgs:
-    """Replica i's own args: one replica, its port, and its devices on GPUs."""
+    """Replica i's own args: one replica, its port, its devices on GPUs, and its own random seed
+    (replicas with one seed would give their i-th unseeded requests the same draws)."""
     port = args.port + i if args.port else 0
-    out = dataclasses.replace(args, dp_size=1, port=port)
+    seed = None if args.random_seed is None else args.random_seed + i
+    out = dataclasses.replace(args, dp_size=1, port=port, random_seed=seed)
     device = pick_device(args.device)
     if device.type == "cpu":
         return out

@@ -84,7 +84,7 @@ def measure_costs(
     context = width - max_new
     if context < 1:
         raise ValueError(
-            f"--kv-cache-tokens {kv_pool.size} and --max-context-len {max_context} leave no "
+            f"--max-total-tokens {kv_pool.size} and --context-length {max_context} leave no "
             f"context to measure speculation costs on: batches of {bs_max} need "
             f"{max_new + 1} KV slots each"
         )

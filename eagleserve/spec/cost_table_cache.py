@@ -100,7 +100,7 @@ def table_key(
         "spec": [spec.algorithm, spec.num_steps, spec.eagle_topk, spec.num_draft_tokens],
         "buckets": list(buckets),
         "choices": list(choices),
-        "kv_cache_tokens": runner.token_to_kv_pool.size,
+        "max_total_tokens": runner.token_to_kv_pool.size,
         "attention": [type(runner.attn_backend).__name__, type(drafter.attn_backend).__name__],
         "graphs": [len(runner.graphs), drafter.graph is not None],
         "timing": [cost_model.CONTEXT, cost_model.REPEATS],

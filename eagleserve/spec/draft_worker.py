@@ -74,7 +74,7 @@ class EagleDraftWorker:
         target.model.aux_layer_ids = self.head.aux_layer_ids
         hc = self.head.config
         self.kv_pool = TokenToKVPool(
-            args.kv_cache_tokens, hc.num_hidden_layers, hc.num_key_value_heads, hc.head_dim,
+            args.max_total_tokens, hc.num_hidden_layers, hc.num_key_value_heads, hc.head_dim,
             target.dtype, device,
         )  # fmt: skip
         # Trees too: Triton runs a tree-mask step as one kernel a layer (padded SDPA: a dozen ops).

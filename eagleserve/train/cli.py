@@ -154,7 +154,7 @@ def run(ns: argparse.Namespace) -> int:
         device="cpu",
         disable_overlap_schedule=True,
         max_running_requests=ns.gen_batch_size,
-        kv_cache_tokens=ns.gen_batch_size * (ns.max_prompt_tokens + ns.max_new_tokens + 8),
+        max_total_tokens=ns.gen_batch_size * (ns.max_prompt_tokens + ns.max_new_tokens + 8),
     )
     seqs, prompt_lens, source = _data(ns, engine)
     t_data = time.time()

@@ -155,7 +155,7 @@ def distill(
     kv = cfg.batch_size * (cfg.max_prompt_tokens + cfg.max_new_tokens + 8)
 
     def make_engine() -> object:  # graphs cover the whole batch by default (up to 256 rows)
-        return Engine(model=ns.model, device=dev.type, dtype=dtype, kv_cache_tokens=kv,
+        return Engine(model=ns.model, device=dev.type, dtype=dtype, max_total_tokens=kv,
                       max_running_requests=cfg.batch_size)  # fmt: skip
 
     key = cache_key(model_identity(resolve_model_path(ns.model)), f"{dev.type}/{dtype}", cfg,

@@ -27,7 +27,7 @@ def load_target(
     if device != "cpu":
         kw["disable_cuda_graph"] = True  # only the dense training forward runs
     eng = Engine(model=model, device=device, disable_overlap_schedule=True,
-                 max_running_requests=1, kv_cache_tokens=max_len + 16, **kw)  # fmt: skip
+                 max_running_requests=1, max_total_tokens=max_len + 16, **kw)  # fmt: skip
     target = eng.scheduler.worker.runner.model
     for p in target.parameters():
         p.requires_grad_(False)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import select
 import signal
 import subprocess
@@ -26,7 +27,7 @@ API_KEY = "dp-test-key"
 # a cached prefix, so each greedy answer must equal an offline run of it whichever replica and
 # batch served it (an fp32 dense model makes no such promise: a near-tie in its logits can flip).
 MODEL = "default"
-FLAGS = ["--device", "cpu", "--kv-cache-tokens", "2048", "--max-running-requests", "16"]
+FLAGS = ["--device", "cpu", "--max-total-tokens", "2048", "--max-running-requests", "16"]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "EAGLESERVE_API_KEY": API_KEY}
 
 
@@ -90,3 +91,18 @@ def test_load_through_nginx_over_two_replicas(nginx_binary: str, tmp_path: os.Pa
         supervisor.send_signal(signal.SIGTERM)
         code = supervisor.wait(60)
     assert code == 0, f"--dp-size supervisor exited {code}"
+
+
+def test_replicas_draw_from_their_own_random_seeds() -> None:
+    """--dp-size with --random-seed: replica i seeds its unseeded requests with seed + i, so
+    replicas do not give their n-th unseeded requests the same draws; without a seed, none."""
+    from eagleserve.config import ServerArgs
+    from eagleserve.server.dp import replica_args
+
+    seed = random.randrange(2**31)
+    base = ServerArgs(device="cpu", dp_size=3, port=8100, random_seed=seed)
+    replicas = [replica_args(base, i) for i in range(3)]
+    assert [r.random_seed for r in replicas] == [seed, seed + 1, seed + 2]
+    assert [(r.dp_size, r.port) for r in replicas] == [(1, 8100), (1, 8101), (1, 8102)]
+    unseeded = ServerArgs(device="cpu", dp_size=2)
+    assert [replica_args(unseeded, i).random_seed for i in range(2)] == [None, None]

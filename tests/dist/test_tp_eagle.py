@@ -51,7 +51,7 @@ def heads(target_dir: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str
 
 def _generate(target: str, prompts: list[list[int]], params: list[SamplingParams],
               **kw: Any) -> list[list[int]]:  # fmt: skip
-    engine = Engine(target, device="cpu", dtype="float32", kv_cache_tokens=2048, **kw)
+    engine = Engine(target, device="cpu", dtype="float32", max_total_tokens=2048, **kw)
     try:
         return [r["token_ids"] for r in engine.generate(prompts, params)]
     finally:
@@ -91,7 +91,7 @@ def test_tp2_eagle_greedy_equals_tp2_target_only(target_dir: str, heads: dict[st
         "EAGLE-3 chain": _spec("EAGLE3", heads["EAGLE3"], 2, 1, 3),
     }
     for name, spec in runs.items():
-        engine = Engine(target_dir, device="cpu", dtype="float32", kv_cache_tokens=2048,
+        engine = Engine(target_dir, device="cpu", dtype="float32", max_total_tokens=2048,
                         tp_size=2, **spec)  # fmt: skip
         try:
             results = engine.generate([*prompts, prompts[0]], [*greedy, sampled])

@@ -40,7 +40,7 @@ def test_unguarded_script_fails_fast_naming_the_main_guard(
     script = tmp_path / "unguarded.py"
     script.write_text(textwrap.dedent(f"""
         from eagleserve import Engine
-        engine = Engine({target_dir!r}, device="cpu", dtype="float32", kv_cache_tokens=512,
+        engine = Engine({target_dir!r}, device="cpu", dtype="float32", max_total_tokens=512,
                         tp_size=2)
         print("built")
         engine.close()
@@ -70,7 +70,7 @@ def test_a_rank_that_never_joins_fails_after_the_timeout() -> None:
 
 def _build(target_dir: str) -> tuple[Engine, float]:
     t0 = time.monotonic()
-    engine = Engine(target_dir, device="cpu", dtype="float32", kv_cache_tokens=1024, tp_size=2)
+    engine = Engine(target_dir, device="cpu", dtype="float32", max_total_tokens=1024, tp_size=2)
     return engine, time.monotonic() - t0
 
 
@@ -84,9 +84,9 @@ def test_second_tp_engine_starts_as_fast_as_the_first(target_dir: str) -> None:
         # One group per process: a second engine while this one is open is refused, clearly,
         # and leaves the open one working.
         with pytest.raises(RuntimeError, match=r"close\(\) it before building another"):
-            Engine(target_dir, device="cpu", dtype="float32", kv_cache_tokens=1024, tp_size=2)
+            Engine(target_dir, device="cpu", dtype="float32", max_total_tokens=1024, tp_size=2)
         with pytest.raises(RuntimeError, match="tensor-parallel Engine is open"):
-            Engine(target_dir, device="cpu", dtype="float32", kv_cache_tokens=1024)
+            Engine(target_dir, device="cpu", dtype="float32", max_total_tokens=1024)
         assert first.generate([prompt], params)[0]["token_ids"] == want
     first.close()  # again: nothing to do
     second, second_s = _build(target_dir)

@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 SERVE = [sys.executable, "-m", "eagleserve", "serve", "--device", "cpu", "--port", "0",
-         "--dtype", "float32", "--kv-cache-tokens", "1024"]  # fmt: skip
+         "--dtype", "float32", "--max-total-tokens", "1024"]  # fmt: skip
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 

@@ -49,14 +49,14 @@ def test_the_fp16_pool_gives_the_same_tokens_however_the_prompt_was_prefilled() 
     params = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
     answers = {}
     for chunk in (0, 16):
-        with Engine(model="default", device="cpu", kv_cache_tokens=1024,
+        with Engine(model="default", device="cpu", max_total_tokens=1024,
                     max_running_requests=2, chunked_prefill_size=chunk) as engine:  # fmt: skip
             pool = engine.scheduler.worker.runner.token_to_kv_pool
             assert pool.dtype == torch.float16, "a packed CPU target's default pool"
             # The second prompt extends the first: with the radix cache it reuses its K/V.
             answers[chunk] = [engine.generate([p], params)[0]["token_ids"]
                               for p in (prompt, follow)]  # fmt: skip
-    with Engine(model="default", device="cpu", kv_cache_tokens=1024, max_running_requests=2,
+    with Engine(model="default", device="cpu", max_total_tokens=1024, max_running_requests=2,
                 disable_radix_cache=True) as cold:  # fmt: skip
         answers["no prefix cache"] = [cold.generate([follow], params)[0]["token_ids"]]
     assert answers[0] == answers[16]
@@ -65,7 +65,7 @@ def test_the_fp16_pool_gives_the_same_tokens_however_the_prompt_was_prefilled() 
 
 @pytest.mark.skipif(not cpu_ext.load(), reason="the CPU kernels do not run here")
 def test_float32_is_kept_when_asked_for() -> None:
-    with Engine(model="default", device="cpu", kv_cache_tokens=256, max_running_requests=1,
+    with Engine(model="default", device="cpu", max_total_tokens=256, max_running_requests=1,
                 kv_cache_dtype="float32") as engine:  # fmt: skip
         pool = engine.scheduler.worker.runner.token_to_kv_pool
         assert pool.dtype == torch.float32 and pool.k_buffer[0].dtype == torch.float32

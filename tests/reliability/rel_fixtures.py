@@ -88,7 +88,7 @@ def spec_server_fixture(tiny_dirs: tuple[str, str]) -> Iterator[Server]:
     """Tiny target + EAGLE, overlap on (the GPU default, forced here), a small KV pool."""
     if "spec" not in _CACHE:
         target, head = tiny_dirs
-        flags = ["--kv-cache-tokens", str(SMALL_KV), "--max-running-requests", "16",
+        flags = ["--max-total-tokens", str(SMALL_KV), "--max-running-requests", "16",
                  "--no-disable-overlap-schedule",
                  *spec_flags(head)]  # fmt: skip
         _CACHE["spec"] = start_server(target, flags)
@@ -105,7 +105,7 @@ def fault_server_fixture(tiny_dirs: tuple[str, str]) -> Iterator[Server]:
     the batch launched before the failure is known still holds it (with its neighbours). The
     overlap case runs with a one-shot fault in test_shutdown.py."""
     target, head = tiny_dirs
-    flags = ["--kv-cache-tokens", "1024", "--disable-overlap-schedule", *spec_flags(head)]
+    flags = ["--max-total-tokens", "1024", "--disable-overlap-schedule", *spec_flags(head)]
     srv = start_server(target, flags, {"EAGLESERVE_FAULT_INJECT_TOKEN": str(FAULT_TOKEN)})
     yield srv
     srv.stop()

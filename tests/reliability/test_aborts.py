@@ -80,7 +80,7 @@ def test_abort_frees_slots(
     point: str,
 ) -> None:
     target, head = tiny_dirs
-    kw = dict(kv_cache_tokens=1024, max_running_requests=8, disable_overlap_schedule=not overlap)
+    kw = dict(max_total_tokens=1024, max_running_requests=8, disable_overlap_schedule=not overlap)
     sched = make_scheduler(target, **kw, **(spec_kwargs(head) if spec else {}))
     want = reference(sched)
     toks: dict[str, list[int]] = {}
@@ -112,7 +112,7 @@ def test_abort_frees_slots(
 def test_abort_twice_and_unknown_is_harmless(
     make_scheduler: Callable[..., Scheduler], tiny_dirs: tuple[str, str]
 ) -> None:
-    sched = make_scheduler(tiny_dirs[0], kv_cache_tokens=1024, max_running_requests=4)
+    sched = make_scheduler(tiny_dirs[0], max_total_tokens=1024, max_running_requests=4)
     sched.add_request(GenerateReqInput("a", NEWCOMER, PARAMS))
     sched.step()
     sched.abort_request("a")

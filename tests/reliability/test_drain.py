@@ -58,7 +58,7 @@ def test_drain_timeout_cuts_streams_with_error_event_and_done(tiny_dirs: tuple[s
     short so that no machine finishes 16 x 500 tokens within it: at 1 s a fast idle CPU did.)"""
     srv = GroupServer(
         ["--model", tiny_dirs[0], "--device", "cpu", "--dtype", "float32",
-         "--kv-cache-tokens", "8192"],
+         "--max-total-tokens", "8192"],
         {"EAGLESERVE_DRAIN_TIMEOUT_S": "0.1"},
     )  # fmt: skip
     try:
@@ -107,7 +107,7 @@ def test_second_signal_cuts_at_once(tiny_dirs: tuple[str, str]) -> None:
     running streams at once (error event + [DONE]) instead of waiting out the 60 s drain."""
     srv = GroupServer(
         ["--model", tiny_dirs[0], "--device", "cpu", "--dtype", "float32",
-         "--kv-cache-tokens", "8192"],
+         "--max-total-tokens", "8192"],
         {"EAGLESERVE_DRAIN_TIMEOUT_S": "60"},
     )  # fmt: skip
     try:

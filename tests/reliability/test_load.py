@@ -30,7 +30,7 @@ def test_load_bench_with_spec(tiny_dirs: tuple[str, str], tmp_path: os.PathLike)
     cmd = [sys.executable, os.path.join(REPO, "bench", "load.py"), "--model", target,
            "--dtype", "float32", "--spec", "--algorithm", "EAGLE", "--draft", head,
            "--clients", "16", "--duration", "12",
-           "--kv-cache-tokens", str(SMALL_KV), "--max-running-requests", "16", "--max-tokens",
+           "--max-total-tokens", str(SMALL_KV), "--max-running-requests", "16", "--max-tokens",
            "16", "--long-max-tokens", "48", "--long-repeats", "1,2", "--out", out]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
@@ -56,7 +56,7 @@ def test_load_bench_multi_turn(tiny_dirs: tuple[str, str], tmp_path: os.PathLike
     cmd = [sys.executable, os.path.join(REPO, "bench", "load.py"), "--model", target,
            "--dtype", "float32", "--spec", "--algorithm", "EAGLE", "--draft", head,
            "--multi-turn", "--turns", "3", "--clients", "8", "--duration", "10",
-           "--kv-cache-tokens", str(SMALL_KV), "--max-running-requests", "16", "--max-tokens",
+           "--max-total-tokens", str(SMALL_KV), "--max-running-requests", "16", "--max-tokens",
            "16", "--long-max-tokens", "32", "--long-share", "0.1", "--long-repeats", "1,1",
            "--disconnect-share", "0.05", "--out", out]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -100,7 +100,7 @@ def test_overflowing_pool_finishes_exact(spec_server: Server, tiny_dirs: tuple[s
     assert metric(url, "eagleserve_num_retracted_total") > before, "no retraction happened"
     wait_kv_free(url)
     target, head = tiny_dirs
-    eng = Engine(model=target, device="cpu", dtype="float32", kv_cache_tokens=4096,
+    eng = Engine(model=target, device="cpu", dtype="float32", max_total_tokens=4096,
                  speculative_algorithm="EAGLE", speculative_draft_model_path=head,
                  speculative_num_steps=3, speculative_eagle_topk=1,
                  speculative_num_draft_tokens=4)  # fmt: skip

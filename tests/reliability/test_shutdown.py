@@ -72,7 +72,7 @@ def test_forward_fault_fails_only_its_batch(fault_server: Server) -> None:
 
 def test_sigterm_drains_then_exits_0(tiny_dirs: tuple[str, str]) -> None:
     srv = start_server(
-        tiny_dirs[0], ["--kv-cache-tokens", "8192"], {"EAGLESERVE_DRAIN_TIMEOUT_S": "4"}
+        tiny_dirs[0], ["--max-total-tokens", "8192"], {"EAGLESERVE_DRAIN_TIMEOUT_S": "4"}
     )
     url = srv.url
     longs = [f"long{i}" for i in range(16)]  # 16 x 508 tokens fit the 8192-token pool
@@ -121,7 +121,7 @@ def test_sigterm_drains_then_exits_0(tiny_dirs: tuple[str, str]) -> None:
 
 
 def test_engine_death_exits_nonzero(tiny_dirs: tuple[str, str]) -> None:
-    srv = start_server(tiny_dirs[0], ["--kv-cache-tokens", "1024"])
+    srv = start_server(tiny_dirs[0], ["--max-total-tokens", "1024"])
     try:
         children = engine_pids(srv)
         assert children, "no engine process found"
@@ -142,7 +142,7 @@ def test_spec_overlap_fault_does_not_hang(tiny_dirs: tuple[str, str]) -> None:
     The failed forward must still publish (the next step's resolve_seq_lens_cpu waits for it)
     and leave harmless rows in the FutureMap for the batch launched after it."""
     target, head = tiny_dirs
-    args = ServerArgs(model=target, device="cpu", dtype="float32", kv_cache_tokens=1024,
+    args = ServerArgs(model=target, device="cpu", dtype="float32", max_total_tokens=1024,
                       max_running_requests=4, speculative_algorithm="EAGLE",
                       speculative_draft_model_path=head, speculative_num_steps=3,
                       speculative_eagle_topk=1, speculative_num_draft_tokens=4)  # fmt: skip

@@ -56,7 +56,7 @@ def test_penalized_greedy_over_http_equals_target_only(
     with ThreadPoolExecutor(8) as pool:  # concurrent: requests share verify batches
         got = list(pool.map(lambda b: httpx.post(spec_server.url + "/v1/completions", json=b,
                                                  timeout=120), bodies))  # fmt: skip
-    engine = Engine(model=tiny_dirs[0], device="cpu", dtype="float32", kv_cache_tokens=2048,
+    engine = Engine(model=tiny_dirs[0], device="cpu", dtype="float32", max_total_tokens=2048,
                     max_running_requests=8)  # fmt: skip
     want = engine.generate([b["prompt"] for b in bodies], [engine_params(b) for b in bodies])
     for body, resp, w in zip(bodies, got, want):

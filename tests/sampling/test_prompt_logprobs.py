@@ -103,7 +103,7 @@ def test_long_prompts_are_scored_in_chunks(
     tiny_model_dir: str, make_scheduler: Callable[..., Scheduler]
 ) -> None:
     """More rows than one chunk of logits, across two requests of one prefill."""
-    sched = make_scheduler(tiny_model_dir, max_context_len=512)
+    sched = make_scheduler(tiny_model_dir, context_length=512)
     seed = int(torch.randint(0, 2**31, (1,)))
     prompts = random_prompts(2, [ROWS_PER_CHUNK - 7, 300], seed=seed, low=3)
     params = [SamplingParams(max_new_tokens=0, prompt_logprobs=1)] * 2

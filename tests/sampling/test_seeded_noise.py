@@ -10,7 +10,7 @@ import random
 
 import torch
 
-from eagleserve.sampling.seeded_noise import entropy_seed, position_uniforms
+from eagleserve.sampling.seeded_noise import RequestSeeds, entropy_seed, position_uniforms
 
 M32 = 0xFFFFFFFF
 
@@ -73,3 +73,24 @@ def test_one_seed_never_repeats_a_uniform_soon_and_entropy_seeds_fit_the_range()
     u = position_uniforms(torch.full((4096,), seed), torch.arange(4096))
     assert u.unique().numel() >= 4090  # 24-bit values: a few birthday collisions at most
     assert all(0 <= entropy_seed() < 2**63 for _ in range(100))
+
+
+def test_a_random_seed_gives_unseeded_requests_one_sequence_of_seeds() -> None:
+    """--random-seed: a request's own seed is kept, and the n-th unseeded request gets the
+    generator's n-th seed whatever seeded requests come between; another seed or none gives
+    other seeds."""
+    random_seed = random.randrange(2**32)
+    owns = [None if random.random() < 0.6 else random.randrange(2**63) for _ in range(40)]
+    got = [RequestSeeds(random_seed).seed_for(None)]  # a fresh generator's first
+    seeds = RequestSeeds(random_seed)
+    assigned = [seeds.seed_for(own) for own in owns]
+    assert [s for s, own in zip(assigned, owns) if own is not None] == [
+        o for o in owns if o is not None
+    ]
+    unseeded = [s for s, own in zip(assigned, owns) if own is None]
+    fresh = RequestSeeds(random_seed)
+    assert [fresh.seed_for(None) for _ in unseeded] == unseeded and unseeded[:1] == got
+    assert all(0 <= s < 2**63 for s in unseeded) and len(set(unseeded)) == len(unseeded)
+    other = RequestSeeds(random_seed + 1)
+    assert [other.seed_for(None) for _ in unseeded] != unseeded
+    assert RequestSeeds(None).seed_for(None) != RequestSeeds(None).seed_for(None)

@@ -37,7 +37,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 @pytest.fixture(scope="module")
 def head_dir(model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> str:
     """A random EAGLE head for the model."""
-    eng = Engine(model=model_dir, device=DEVICE, kv_cache_tokens=256)
+    eng = Engine(model=model_dir, device=DEVICE, max_total_tokens=256)
     head = init_eagle_head("EAGLE", eng.scheduler.worker.runner.model, seed=3)
     path = str(tmp_path_factory.mktemp("overlap-head"))
     save_eagle_head(head, path)

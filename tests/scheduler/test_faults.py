@@ -55,7 +55,7 @@ def test_forward_exception_fails_only_its_batch(
     eng = Engine(
         model=model_dir,
         device="cpu",
-        kv_cache_tokens=1024,
+        max_total_tokens=1024,
         max_running_requests=8,
         disable_overlap_schedule=not overlap,
         **spec,

@@ -90,7 +90,7 @@ def test_the_cpu_engine_process_is_born_with_them_only_for_overlap(
     args = ServerArgs(
         model=tiny_model_dir,
         device="cpu",
-        kv_cache_tokens=256,
+        max_total_tokens=256,
         max_running_requests=2,
         disable_overlap_schedule=not overlap,
     )

@@ -31,7 +31,7 @@ def test_a_launched_batchs_tensors_live_until_its_result_is_collected(
     eng = Engine(
         model=model_dir,
         device=DEVICE,
-        kv_cache_tokens=1024,
+        max_total_tokens=1024,
         max_running_requests=8,
         disable_overlap_schedule=False,  # an accelerator's default
         **(chain if spec else {}),

@@ -70,7 +70,7 @@ def test_batch_invariance_with_staggered_arrival(
     sched = make_scheduler(
         tiny_model_dir,
         max_running_requests=8,
-        kv_cache_tokens=1024,
+        max_total_tokens=1024,
         disable_overlap_schedule=not overlap,
     )
     alone = run_alone(sched, prompts, params)
@@ -112,7 +112,7 @@ def test_small_kv_pool_waits_and_retracts_with_same_tokens(
     big = make_scheduler(
         tiny_model_dir,
         max_running_requests=8,
-        kv_cache_tokens=4096,
+        max_total_tokens=4096,
         disable_overlap_schedule=not overlap,
     )
     want = run_alone(big, prompts, params)
@@ -120,7 +120,7 @@ def test_small_kv_pool_waits_and_retracts_with_same_tokens(
     small = make_scheduler(
         tiny_model_dir,
         max_running_requests=8,
-        kv_cache_tokens=kv_tokens,
+        max_total_tokens=kv_tokens,
         disable_overlap_schedule=not overlap,
     )
     assert small.max_context_len == kv_tokens
@@ -155,7 +155,7 @@ def test_abort_frees_slots_and_spares_others(
     sched = make_scheduler(
         tiny_model_dir,
         max_running_requests=2,
-        kv_cache_tokens=512,
+        max_total_tokens=512,
         disable_overlap_schedule=not overlap,
     )
     want = run_alone(sched, prompts, params)

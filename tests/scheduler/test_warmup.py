@@ -21,7 +21,7 @@ def _engine(model: str, head: str, spec: bool) -> Engine:
                     speculative_num_steps=3, speculative_eagle_topk=1,
                     speculative_num_draft_tokens=4, speculative_adaptive=True,
                     speculative_adaptive_probe_interval=8)  # fmt: skip
-    eng = Engine(model=model, device="cpu", kv_cache_tokens=2048, max_running_requests=16,
+    eng = Engine(model=model, device="cpu", max_total_tokens=2048, max_running_requests=16,
                  disable_overlap_schedule=False, **(adaptive if spec else {}))  # fmt: skip
     return track(eng)  # type: ignore[return-value]
 

@@ -31,7 +31,7 @@ READY_TIMEOUT_S = 300.0
 class ServerProcess:
     def __init__(self, extra: list[str], env: dict[str, str] | None = None) -> None:
         cmd = [sys.executable, "-m", "eagleserve", "serve", "--model", "default", "--device",
-               "cpu", "--kv-cache-tokens", str(KV_TOKENS), "--port", "0", "--log-level",
+               "cpu", "--max-total-tokens", str(KV_TOKENS), "--port", "0", "--log-level",
                "warning", *extra]  # fmt: skip
         self.log = tempfile.NamedTemporaryFile("w+", prefix="eagleserve-test-", suffix=".log")
         env = {**os.environ, **(env or {})}
@@ -89,7 +89,7 @@ def server_fixture() -> Iterator[ServerProcess]:
 @pytest.fixture(scope="session", name="key_server")
 def key_server_fixture() -> Iterator[ServerProcess]:
     srv = _cached(
-        "key", lambda: ServerProcess(["--kv-cache-tokens", "512"], {"EAGLESERVE_API_KEY": API_KEY})
+        "key", lambda: ServerProcess(["--max-total-tokens", "512"], {"EAGLESERVE_API_KEY": API_KEY})
     )
     yield srv
     srv.stop()
@@ -120,7 +120,7 @@ def engine_fixture() -> Any:
     from eagleserve import Engine
 
     return _cached(
-        "engine", lambda: Engine(model="default", device="cpu", kv_cache_tokens=KV_TOKENS)
+        "engine", lambda: Engine(model="default", device="cpu", max_total_tokens=KV_TOKENS)
     )
 
 

@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from eagleserve import Engine
 from eagleserve.cli import FIELD_HELP, build_parser, build_server_args, serve_fields
-from eagleserve.config import ServerArgs
+from eagleserve.config import RENAMED_FIELDS, ServerArgs
 
 
 def parse(argv: list[str]) -> ServerArgs | str:
@@ -35,7 +36,7 @@ def test_defaults_are_the_dataclass_defaults(monkeypatch: pytest.MonkeyPatch) ->
 
 
 BRIEF_FLAGS = ["--model", "--host", "--port", "--device", "--dtype", "--max-running-requests",
-               "--kv-cache-tokens", "--served-model-name", "--api-key",
+               "--max-total-tokens", "--served-model-name", "--api-key",
                "--speculative-algorithm", "--speculative-draft-model-path",
                "--speculative-num-steps", "--speculative-eagle-topk",
                "--speculative-num-draft-tokens", "--disable-overlap-schedule",
@@ -92,10 +93,10 @@ def test_speculative_flags(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_config_file_and_flag_precedence(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("EAGLESERVE_API_KEY", raising=False)
     cfg = tmp_path / "c.yaml"
-    cfg.write_text("model: default\nport: 1234\ndisable_cuda_graph: true\nkv_cache_tokens: 99\n")
+    cfg.write_text("model: default\nport: 1234\ndisable_cuda_graph: true\nmax_total_tokens: 99\n")
     args = parse(["--config", str(cfg), "--port", "4321", "--no-disable-cuda-graph"])
     assert isinstance(args, ServerArgs)
-    assert (args.port, args.kv_cache_tokens, args.disable_cuda_graph) == (4321, 99, False)
+    assert (args.port, args.max_total_tokens, args.disable_cuda_graph) == (4321, 99, False)
 
 
 def test_config_errors(tmp_path: Path) -> None:
@@ -103,6 +104,23 @@ def test_config_errors(tmp_path: Path) -> None:
     cfg.write_text("no_such_field: 1\n")
     assert "unknown fields" in str(parse(["--config", str(cfg)]))
     assert "not found" in str(parse(["--config", str(tmp_path / "missing.yaml")]))
+
+
+def test_renamed_fields_name_their_new_names(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A flag, YAML field or Engine argument renamed to SGLang's name is an error naming it."""
+    for old, new in RENAMED_FIELDS.items():
+        with pytest.raises(SystemExit) as exit_info:
+            parse(["--" + old.replace("_", "-"), "7"])
+        assert exit_info.value.code == 2
+        assert "--" + new.replace("_", "-") in capsys.readouterr().err
+        cfg = tmp_path / f"{old}.yaml"
+        cfg.write_text(f"{old}: 7\n")
+        assert f"{old} -> {new}" in str(parse(["--config", str(cfg)]))
+        with pytest.raises(TypeError, match=f"{old} -> {new}"):
+            Engine(**{old: 7})
+        assert getattr(parse(["--" + new.replace("_", "-"), "7"]), new) == 7
 
 
 def test_bad_speculative_flags_are_reported() -> None:

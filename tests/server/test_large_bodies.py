@@ -24,7 +24,7 @@ SMALL_LIMIT = 4096
 
 @pytest.fixture(scope="module", name="small_server")
 def small_server_fixture() -> Iterator[ServerProcess]:
-    srv = ServerProcess(["--kv-cache-tokens", "512", "--max-request-body-bytes", str(SMALL_LIMIT)])
+    srv = ServerProcess(["--max-total-tokens", "512", "--max-request-body-bytes", str(SMALL_LIMIT)])
     yield srv
     srv.stop()
 

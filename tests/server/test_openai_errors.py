@@ -146,7 +146,7 @@ def test_metrics_parse_and_move(http: httpx.Client) -> None:
 
 
 def test_engine_death_gives_503() -> None:
-    srv = ServerProcess(["--kv-cache-tokens", "512"])
+    srv = ServerProcess(["--max-total-tokens", "512"])
     try:
         pid = srv.proc.pid
         with open(f"/proc/{pid}/task/{pid}/children") as f:

@@ -56,7 +56,7 @@ def busy_port_fixture() -> Iterator[int]:
         (["--dtype", "float8"], ["--dtype", "float8"]),
         (["--port", "99999"], ["--port", "99999"]),
         (["--port", "abc"], ["--port"]),
-        (["--kv-cache-tokens", "0"], ["--kv-cache-tokens"]),
+        (["--max-total-tokens", "0"], ["--max-total-tokens"]),
         (["--model", "/nonexistent/model"], ["/nonexistent/model"]),
         (["--model", "/nonexistent/model.gguf"], ["GGUF file not found"]),
         (["--speculative-algorithm", "EAGLE", "--speculative-draft-model-path", "/no/head"],

@@ -30,7 +30,7 @@ def engine(target: str, head: str, spec: str, cache: bool, overlap: bool, **kw: 
     eng = Engine(
         model=target,
         device="cpu",
-        kv_cache_tokens=kw.pop("kv_cache_tokens", 2048),
+        max_total_tokens=kw.pop("max_total_tokens", 2048),
         max_running_requests=8,
         disable_overlap_schedule=not overlap,
         disable_radix_cache=not cache,

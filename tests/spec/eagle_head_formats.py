@@ -52,7 +52,7 @@ def make_runner(path: str, aux: tuple[int, ...] = ()) -> ModelRunner:
         path,
         CPU,
         torch.float32,
-        kv_cache_tokens=64,
+        max_total_tokens=64,
         max_running_requests=2,
         max_context_len=64,
         attention_backend="torch",

@@ -111,7 +111,7 @@ def reference(target_dir: str) -> list[list[int]]:
     eng = Engine(
         model=target_dir,
         device="cpu",
-        kv_cache_tokens=2048,
+        max_total_tokens=2048,
         max_running_requests=8,
         disable_overlap_schedule=True,
     )

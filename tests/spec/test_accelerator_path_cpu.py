@@ -57,7 +57,7 @@ def graphs(monkeypatch: pytest.MonkeyPatch) -> Iterator[ReplayCount]:
 
 def accelerator_engine(target_dir: str, overlap: bool, **spec: object) -> Engine:
     """An engine on the accelerator path (with the stand-in graphs open)."""
-    eng = Engine(model=target_dir, device="cpu", kv_cache_tokens=192, max_running_requests=3,
+    eng = Engine(model=target_dir, device="cpu", max_total_tokens=192, max_running_requests=3,
                  attention_backend="triton", disable_overlap_schedule=not overlap,
                  disable_radix_cache=True, **spec)  # fmt: skip
     worker = eng.scheduler.worker
@@ -259,7 +259,7 @@ def test_a_prefill_replays_its_graph_and_equals_the_eager_prefill(
     )  # fmt: skip
 
     def engine(**graphs_off: bool) -> Engine:
-        eng = Engine(model=target_dir, device="cpu", kv_cache_tokens=192,
+        eng = Engine(model=target_dir, device="cpu", max_total_tokens=192,
                      max_running_requests=3, attention_backend="triton",
                      disable_overlap_schedule=True, **extra, **graphs_off)  # fmt: skip
         if extra:
@@ -321,12 +321,12 @@ def test_eagle3_on_the_fused_kernels_gives_the_targets_tokens(
     params = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
     # The interpreter is slow: rows of 48 tokens (prefill graphs of 16 and 32 only), and the
     # reference eager (the same kernels: a graph replays them).
-    target = accelerator_engine(target_dir, False, max_context_len=48, disable_cuda_graph=True)
+    target = accelerator_engine(target_dir, False, context_length=48, disable_cuda_graph=True)
     assert target.scheduler.worker.runner.model.fused_kernels
     want = target.generate(prompts, params)
     spec = dict(speculative_algorithm="EAGLE3", speculative_draft_model_path=heads["EAGLE3"],
                 **(CHAIN3 if shape == "chain 3" else TREE))  # fmt: skip
-    eng = accelerator_engine(target_dir, True, max_context_len=48, **spec)
+    eng = accelerator_engine(target_dir, True, context_length=48, **spec)
     drafter = eng.scheduler.worker.drafter
     assert drafter.head.fused_kernels and drafter.loop_graphs and drafter.extend_graphs
     got = eng.generate(prompts, params)

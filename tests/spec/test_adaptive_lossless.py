@@ -36,7 +36,7 @@ def adaptive_engine(
     return Engine(
         model=target_dir,
         device="cpu",
-        kv_cache_tokens=kw.pop("kv_cache_tokens", 2048),  # type: ignore[arg-type]
+        max_total_tokens=kw.pop("max_total_tokens", 2048),  # type: ignore[arg-type]
         max_running_requests=8,
         disable_overlap_schedule=not overlap,
         speculative_algorithm=kw.pop("speculative_algorithm", "EAGLE"),
@@ -116,7 +116,7 @@ def test_overlap_waits_only_after_a_verify(
 def test_adaptive_retraction_keeps_tokens(
     target_dir: str, heads: dict[str, str], reference: list[list[int]]
 ) -> None:
-    eng = adaptive_engine(target_dir, heads["EAGLE"], True, kv_cache_tokens=130)
+    eng = adaptive_engine(target_dir, heads["EAGLE"], True, max_total_tokens=130)
     script_choices(eng, [0, 0, 0, 2, 0, 3])
     assert run_staggered(eng, prompts(0), params()) == reference
     assert eng.stats().num_retracted_total > 0
@@ -187,7 +187,7 @@ def test_head_kv_after_a_stretch_without_drafting(
             adaptive_engine(target_dir, heads[head], False, speculative_algorithm=algorithm,
                             speculative_adaptive_probe_interval=4 if without > 8 else 8)
             if name == "lagged"
-            else Engine(model=target_dir, device="cpu", kv_cache_tokens=2048,
+            else Engine(model=target_dir, device="cpu", max_total_tokens=2048,
                         max_running_requests=8, speculative_algorithm=algorithm,
                         speculative_draft_model_path=heads[head],
                         speculative_num_steps=1, speculative_eagle_topk=1,

@@ -50,7 +50,7 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
 
 def build(model: tuple[str, str], **kw: Any) -> tuple[Engine, CostTable]:
     target, head = model
-    engine = Engine(model=target, device="cpu", kv_cache_tokens=1024, max_running_requests=4,
+    engine = Engine(model=target, device="cpu", max_total_tokens=1024, max_running_requests=4,
                     speculative_algorithm="EAGLE", speculative_draft_model_path=head,
                     speculative_num_steps=2, speculative_num_draft_tokens=3,
                     speculative_adaptive=True, **kw)  # fmt: skip
@@ -221,15 +221,15 @@ def test_an_edit_to_the_forward_code_changes_the_key(tmp_path: Path) -> None:
 
 
 def test_short_context_rows_still_time_the_table(cache: Path, model: tuple[str, str]) -> None:
-    """--max-context-len below the timing context: the start-up timing fits its scratch requests
+    """--context-length below the timing context: the start-up timing fits its scratch requests
     in a request's slot row (it wrote 128 slots into rows of fewer and failed to start), and
     the engine serves greedy output equal to target-only's."""
     max_context = random.randrange(24, 64)
-    engine, costs = build(model, max_context_len=max_context)
+    engine, costs = build(model, context_length=max_context)
     assert all(0 < s < float("inf") for s in costs.seconds.values())
     target, _ = model
-    plain = Engine(model=target, device="cpu", kv_cache_tokens=1024, max_running_requests=4,
-                   max_context_len=max_context)  # fmt: skip
+    plain = Engine(model=target, device="cpu", max_total_tokens=1024, max_running_requests=4,
+                   context_length=max_context)  # fmt: skip
     prompts = [[random.randrange(3, SPEC_VOCAB - 1) for _ in range(random.randrange(3, 9))]
                for _ in range(3)]  # fmt: skip
     params = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)

@@ -30,7 +30,7 @@ def _engine(target_dir: str, **kw: object) -> Engine:
         model=target_dir,
         device="cuda" if ON_GPU else "cpu",
         dtype="bfloat16",
-        kv_cache_tokens=1024,
+        max_total_tokens=1024,
         max_running_requests=4,
         attention_backend="triton",
         enable_deterministic_inference=True,

@@ -34,7 +34,7 @@ def test_draft_loop_drafts_the_step_by_step_tokens(
     eng = Engine(
         model=target_dir,
         device="cpu",
-        kv_cache_tokens=2048,
+        max_total_tokens=2048,
         max_running_requests=8,
         disable_overlap_schedule=True,
         speculative_algorithm=algo.split("-")[0],

@@ -30,7 +30,7 @@ def test_loop_capture_runs_the_eager_chain_without_nesting(
     eng = Engine(
         model=target_dir,
         device="cuda" if torch.cuda.is_available() else "cpu",
-        kv_cache_tokens=512,
+        max_total_tokens=512,
         max_running_requests=2,
         attention_backend="triton",
         disable_cuda_graph=True,

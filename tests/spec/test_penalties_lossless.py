@@ -47,7 +47,7 @@ def cases() -> tuple[list[list[int]], list[SamplingParams]]:
 
 @pytest.fixture(scope="module")
 def reference(target_dir: str, cases) -> list[list[int]]:  # noqa: F811
-    eng = Engine(model=target_dir, device="cpu", kv_cache_tokens=2048, max_running_requests=8,
+    eng = Engine(model=target_dir, device="cpu", max_total_tokens=2048, max_running_requests=8,
                  disable_overlap_schedule=True)  # fmt: skip
     return run_staggered(eng, *cases)
 
@@ -56,7 +56,7 @@ def test_target_only_follows_the_definitions(target_dir: str, cases, reference) 
     """Each step: the model's last logits, penalized from the definitions, argmax; EOS and
     max_tokens end it, EOS not before min_tokens."""
     model = LlamaForCausalLM.from_pretrained(target_dir).eval()
-    plain = Engine(model=target_dir, device="cpu", kv_cache_tokens=2048, max_running_requests=8,
+    plain = Engine(model=target_dir, device="cpu", max_total_tokens=2048, max_running_requests=8,
                    disable_overlap_schedule=True)  # fmt: skip
     neutral = [SamplingParams(max_new_tokens=p.max_new_tokens, temperature=0.0) for p in cases[1]]
     changed = 0
@@ -106,7 +106,7 @@ def test_greedy_with_penalties_is_lossless(
     eng = Engine(
         model=target_dir,
         device="cpu",
-        kv_cache_tokens=2048,
+        max_total_tokens=2048,
         max_running_requests=8,
         disable_overlap_schedule=not overlap,
         speculative_algorithm="EAGLE3" if head == "EAGLE3" else "EAGLE",

@@ -92,7 +92,7 @@ def test_small_pool_evicts_then_retracts_and_keeps_tokens(
     params = SamplingParams(max_new_tokens=14, temperature=0.0, ignore_eos=True)
     seed = int(torch.randint(1 << 30, ()))
     want = conversation(engine(target_dir, heads["EAGLE"], spec, False, True), seed, params)
-    small = engine(target_dir, heads["EAGLE"], spec, True, True, kv_cache_tokens=190)
+    small = engine(target_dir, heads["EAGLE"], spec, True, True, max_total_tokens=190)
     assert conversation(small, seed, params) == want
     stats = small.stats()
     assert stats.prefix_cache_evicted_tokens_total > 0, stats

@@ -66,7 +66,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
 
 
 def generate(model: str, config: dict[str, Any]) -> list[list[int]]:
-    eng = Engine(model=model, device="cpu", kv_cache_tokens=2048, max_running_requests=4, **config)
+    eng = Engine(model=model, device="cpu", max_total_tokens=2048, max_running_requests=4, **config)
     params = [SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True) for n in MAX_NEW]
     out = eng.generate(PROMPTS, params)
     return [o["token_ids"] for o in out]

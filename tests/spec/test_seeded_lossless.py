@@ -48,7 +48,7 @@ def engine(
     return Engine(
         model=target_dir,
         device="cpu",
-        kv_cache_tokens=kv,
+        max_total_tokens=kv,
         max_running_requests=8,
         disable_overlap_schedule=not overlap,
         **spec,  # type: ignore[arg-type]

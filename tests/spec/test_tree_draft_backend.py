@@ -25,7 +25,7 @@ def test_tree_drafts_on_triton_equal_the_torch_backend(
     prompts = [[rng.randrange(1, 90) for _ in range(n)] for n in (5, rng.randrange(8, 20))]
     params = SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True)
     common = dict(model=target_dir, device=str(triton_mode.DEVICE), dtype="float32",
-                  kv_cache_tokens=1024, max_running_requests=4, disable_overlap_schedule=True,
+                  max_total_tokens=1024, max_running_requests=4, disable_overlap_schedule=True,
                   disable_cuda_graph=True)  # fmt: skip
     spec = dict(TREE, speculative_algorithm="EAGLE", speculative_draft_model_path=heads["EAGLE"])
     expect = [o["token_ids"] for o in Engine(**common).generate(prompts, params)]

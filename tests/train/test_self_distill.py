@@ -49,7 +49,7 @@ def _convs(n: int, seed: int) -> list[list[dict[str, str]]]:
 
 def _engine(path: str, batch: int) -> Engine:
     return Engine(model=path, device="cpu", dtype="float32", max_running_requests=batch,
-                  kv_cache_tokens=batch * 128 + 128, disable_overlap_schedule=True)  # fmt: skip
+                  max_total_tokens=batch * 128 + 128, disable_overlap_schedule=True)  # fmt: skip
 
 
 def test_items_are_the_engines_greedy_tokens_and_cached(chat_target: str, tmp_path) -> None:

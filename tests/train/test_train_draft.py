@@ -131,11 +131,11 @@ def test_checkpoint_serves_losslessly(tiny: tuple[str, str], trained: str) -> No
     assert raw["architectures"] == ["LlamaForCausalLMEagle3"] and raw["draft_vocab_size"] == 96
     p = SamplingParams(max_new_tokens=20, temperature=0.0, ignore_eos=True)
     ids = json.load(open(prompts))[:6]
-    ref = Engine(model=target, device="cpu", kv_cache_tokens=1024).generate(ids, p)
+    ref = Engine(model=target, device="cpu", max_total_tokens=1024).generate(ids, p)
     eng = Engine(
         model=target,
         device="cpu",
-        kv_cache_tokens=1024,
+        max_total_tokens=1024,
         speculative_algorithm="EAGLE3",
         speculative_draft_model_path=trained,
         speculative_num_steps=3,
@@ -175,7 +175,7 @@ def test_default_head_drafts_far_better_than_random(tmp_path) -> None:
     algorithm = (
         "EAGLE3" if "Eagle3" in open(os.path.join(trained, "config.json")).read() else "EAGLE"
     )
-    base = Engine(model=model, device="cpu", kv_cache_tokens=2048, max_running_requests=4)
+    base = Engine(model=model, device="cpu", max_total_tokens=2048, max_running_requests=4)
     random_dir = str(tmp_path / "random")
     save_eagle_head(
         init_eagle_head(algorithm, base.scheduler.worker.runner.model, seed=1), random_dir
@@ -192,7 +192,7 @@ def test_default_head_drafts_far_better_than_random(tmp_path) -> None:
         eng = Engine(
             model=model,
             device="cpu",
-            kv_cache_tokens=2048,
+            max_total_tokens=2048,
             max_running_requests=4,
             speculative_algorithm=algorithm,
             speculative_draft_model_path=head,
