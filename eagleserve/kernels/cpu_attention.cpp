@@ -94,8 +94,9 @@ void attend(const Query* qs, int64_t count, const KV* k_buf, const KV* v_buf,
         for (int r = 0; r < sh.m; ++r) q[r] = qs[sh.member[r]].q;
         for (; j + 4 <= sh.common; j += 4) {
           for (int r = 0; r < sh.m; ++r) s[r] = scores.data() + sh.member[r] * stride + j;
-          if (sh.m == 3) score_keys_shared<3>(q, k_buf, slot_stride, qs[i].slots, j, sh.n, D, scale, s);
-          else score_keys_shared<2>(q, k_buf, slot_stride, qs[i].slots, j, sh.n, D, scale, s);
+          const int64_t* slots = qs[i].slots;
+          if (sh.m == 3) score_keys_shared<3>(q, k_buf, slot_stride, slots, j, sh.n, D, scale, s);
+          else score_keys_shared<2>(q, k_buf, slot_stride, slots, j, sh.n, D, scale, s);
         }
       }
       for (int r = 0; r < sh.m; ++r) score_alone(sh.member[r], j, sh.end[r]);

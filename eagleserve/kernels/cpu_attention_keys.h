@@ -69,11 +69,11 @@ inline float hmax8(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// Scores of keys [j, j + N) of slots (n of them): per key an fma chain over d in order into 8 lanes x0..x7, summed as
-// ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7)), times scale. Eight keys reduce their lanes
-// together (a transpose by hadds, a few shuffles for all eight where one key alone takes as
-// many); a single key sums the same pairs in the same order, so each key's score is the same
-// whichever N computes it.
+// Scores of keys [j, j + N) of slots (n of them): per key an fma chain over d in order into 8
+// lanes x0..x7, summed as ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7)), times scale.
+// Eight keys reduce their lanes together (a transpose by hadds, a few shuffles for all eight
+// where one key alone takes as many); a single key sums the same pairs in the same order, so
+// each key's score is the same whichever N computes it.
 template <int N, typename KV>
 inline void score_keys(const float* q, const KV* k_buf, int64_t slot_stride,
                        const int64_t* slots, int64_t j, int64_t n, int64_t D, float scale,
@@ -105,8 +105,8 @@ inline void score_keys(const float* q, const KV* k_buf, int64_t slot_stride,
   }
 }
 
-// score_keys for Q queries that read the same four keys, [j, j + 4): each K row is loaded (and widened)
-// once for all Q; a key's lanes are summed in score_keys' order, so the same bits.
+// score_keys for Q queries that read the same four keys, [j, j + 4): each K row is loaded (and
+// widened) once for all Q; a key's lanes are summed in score_keys' order, so the same bits.
 template <int Q, typename KV>
 inline void score_keys_shared(const float* const* q, const KV* k_buf, int64_t slot_stride,
                               const int64_t* slots, int64_t j, int64_t n, int64_t D,
