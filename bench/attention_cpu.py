@@ -18,14 +18,13 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 from typing import Any
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import machine, machine_info, print_table, write_json  # noqa: E402
+from bench.common import machine, machine_info, print_table, time_runs, write_json  # noqa: E402
 from eagleserve.kernels import cpu_ext  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64  # SmolLM2-135M's attention
@@ -42,16 +41,15 @@ def slot_rows(order: str, keys: int, slots: int) -> torch.Tensor:
 
 
 def time_layers(fn: Any, layers: int, reps: int) -> float:
-    """Best of `reps` passes over every layer, in microseconds a layer."""
-    for i in range(layers):
-        fn(i)
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
+    """Best of `reps` passes over every layer (after one untimed), in microseconds a layer."""
+
+    def one_pass() -> None:
         for i in range(layers):
             fn(i)
-        best = min(best, time.perf_counter() - t0)
-    return best / layers * 1e6
+
+    one_pass()
+    times, _ = time_runs(one_pass, reps)
+    return min(times) / layers * 1e6
 
 
 def measure(keys: int, rows: int, dtype: torch.dtype, layers: int, reps: int) -> dict[str, Any]:
