@@ -99,7 +99,7 @@ class _Server(uvicorn.Server):
         ctx = self.client.max_context_len
         name = self.args.served_model_name or self.args.model
         print(
-            f"eagleserve ready: http://{host}:{port} (model={name}, max_context_len={ctx})",
+            f"eagleserve ready: http://{host}:{port} (model={name}, context_length={ctx})",
             flush=True,
         )
 
