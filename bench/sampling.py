@@ -3,7 +3,7 @@ target's own tokens under speculation, in one run.
 
     python bench/sampling.py [--device cpu] [--model default] [--deterministic] [--prompts 6]
                              [--new-tokens 64] [--rounds 3] [--batch 1] [--threads N]
-                             [--torch-sampling] [--out PATH]
+                             [--torch-sampling] [--argmax-drafts] [--out PATH]
 
 The default model (on a CPU the packed target as served), held-out MT-bench chat prompts, one
 request at a time (`--batch N`: N at once), EOS ignored; `--deterministic` serves with
@@ -16,7 +16,10 @@ serve`'s adaptive depth 0..3. Per cell: tokens/s (median round), tau and accepta
 with the same seed (all rounds), so "lossless" here means equal token ids. `--torch-sampling`
 adds target-only and chain-3 rows that sample with torch ops instead of the device's sampling
 kernel (on a CPU kernels/cpu_sample.cpp, on a GPU kernels/triton_sample.py: what
-`--disable-fused-kernels` does to sampling), on the same engines. Rounds interleave
+`--disable-fused-kernels` does to sampling), on the same engines. `--argmax-drafts` adds a
+chain-3 row whose sampled requests draft the head's argmax (the chain's drafts before they were
+drawn on the target's noise, spec/draft_extend.py `DraftDraw`) on the same engine and texts: the
+draw's effect on tau alone. Rounds interleave
 settings and engines, reversing the order every other round. Prints a table; writes
 bench/results/sampling_<device>.json (or --out).
 """
@@ -69,6 +72,18 @@ def torch_sampling(engine: Engine) -> Iterator[None]:
         runner.draw_kernel = saved
 
 
+@contextmanager
+def argmax_drafts(engine: Engine) -> Iterator[None]:
+    """The engine's sampled requests drafting the head's argmax for a while: its drafter's
+    `_draw` (which makes their drafts draws) answers None, as for greedy rows."""
+    drafter = engine.scheduler.worker.drafter
+    drafter._draw = lambda sampling, positions: None  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        del drafter._draw
+
+
 def run(
     engine: Engine, prompts: list[list[int]], params: list[SamplingParams], batch: int
 ) -> dict[str, Any]:
@@ -102,6 +117,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     ap.add_argument("--torch-sampling", action="store_true",
                     help="also target-only and chain 3 sampling with torch ops")  # fmt: skip
+    ap.add_argument("--argmax-drafts", action="store_true",
+                    help="also chain 3, its sampled requests drafting the argmax")  # fmt: skip
     ap.add_argument("--out", default=None, help="JSON path (default bench/results/...)")
     args = ap.parse_args()
     if args.threads:
@@ -124,16 +141,21 @@ def main() -> None:
     }  # fmt: skip
     for eng in engines.values():  # warm-up, at the batch size measured (its first shapes)
         eng.generate(prompts[: args.batch], SamplingParams(max_new_tokens=8))
-    variants = {name: (eng, False) for name, eng in engines.items()}
+    # name -> (engine, what runs it differently: None, "torch sampling" or "argmax drafts")
+    variants: dict[str, tuple[Engine, str | None]] = {
+        name: (eng, None) for name, eng in engines.items()
+    }
     if args.torch_sampling:
         for name in ("target-only", "EAGLE chain 3"):
-            variants[f"{name}, torch sampling"] = (engines[name], True)
+            variants[f"{name}, torch sampling"] = (engines[name], "torch sampling")
+    if args.argmax_drafts:
+        variants["EAGLE chain 3, argmax drafts"] = (engines["EAGLE chain 3"], "argmax drafts")
 
     def one(setting: str, name: str) -> dict[str, Any]:
-        eng, torch_ops = variants[name]
-        if not torch_ops:
+        eng, how = variants[name]
+        if how is None:
             return run(eng, prompts, params[setting], args.batch)
-        with torch_sampling(eng):
+        with torch_sampling(eng) if how == "torch sampling" else argmax_drafts(eng):
             return run(eng, prompts, params[setting], args.batch)
 
     runs = interleaved_rounds(args.rounds, list(SETTINGS), list(variants), one)

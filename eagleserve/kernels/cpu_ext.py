@@ -12,7 +12,7 @@
 - `cpu_argmax.cpp`: argmax over the last dim of fp32 rows (`argmax_rows`), torch.argmax's
   answer in one vectorized pass per row;
 - `cpu_sample.cpp`: a sampled row's token from its logits (`sample_rows`): temperature, top-k,
-  top-p, min-p and the seeded inverse-CDF draw, without sorting the vocabulary.
+  top-p, min-p and the seeded exponential race, without sorting the vocabulary.
 
 All keep a row's result independent of the rows beside it (what makes a verify reproduce the
 decodes bit for bit). The sources are compiled once per (sources, torch version, flags) into
@@ -258,11 +258,14 @@ def sample_rows(
     min_ps: torch.Tensor,
     seeds: torch.Tensor,
     positions: torch.Tensor,
+    columns: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Token ids [m] of fp32 logits [m, V], each row drawn from its temperature / top-k / top-p /
-    min-p distribution with the uniform of (its seed, its position): sampler.py's rule."""
+    """Column indices [m] of fp32 logits [m, V], each row drawn from its temperature / top-k /
+    top-p / min-p distribution by the race on the noise of (its seed, its position):
+    sampler.py's rule. `columns` [V]: the token id of each column, which keys its noise
+    (default: the column's index)."""
     return torch.ops.eagleserve_cpu.sample_rows(
-        logits, temperatures, top_ks, top_ps, min_ps, seeds, positions
+        logits, temperatures, top_ks, top_ps, min_ps, seeds, positions, columns
     )
 
 

@@ -1,7 +1,7 @@
 // A sampled row's token from its fp32 logits in one call (a CPU engine's sampled rows):
-// temperature, top-k, top-p and min-p, then the inverse-CDF draw with the uniform of
-// (seed, position). The same rule as sampling/sampler.py's torch ops (`logits_to_probs`, then
-// `draw` with seeded_noise.py's `position_uniforms`), without sorting the vocabulary:
+// temperature, top-k, top-p and min-p, then the exponential race on the noise of (seed,
+// position). The same rule as sampling/sampler.py's torch ops (`logits_to_probs`, then `draw`
+// on seeded_noise.py's noise), without sorting the vocabulary:
 //
 // - weights w = exp(x - max x), x = logits / temperature: the softmax unnormalized, so the
 //   most likely token weighs exactly 1 and min-p keeps w >= min_p;
@@ -10,14 +10,15 @@
 //   the top_p mass is crossed; only that bucket's tokens are sorted. As in the torch rule, top-p
 //   keeps a token while the mass of the more likely ones is below top_p of the whole
 //   distribution (not of what top-k left), and always keeps the most likely token;
-// - the draw: the first token, in vocabulary order, whose running kept mass (fp64) exceeds
-//   u * the kept total, u the 24-bit uniform of the request's seed and the token's position;
-//   eight weights are summed at a time, so the walk scans one token at a time only in the
-//   eight where it crosses.
+// - the draw: the kept token with the least E_t / w_t (the lowest id on a tie), E_t = -log(1 -
+//   W_t) and W_t the uniform of (the row's position hash, t). The most likely token's key
+//   bounds the race from the start, and a token can only beat a bound k if W_t < k * w_t
+//   (E_t >= W_t): eight tokens' uniforms are hashed and compared at a time, and only the few
+//   that pass have their logarithm taken.
 //
-// The torch ops round differently (normalized fp32 probabilities, sorted fp32 sums), so the two
-// agree except where u * total or a top-p cut falls within rounding of a boundary. Each row
-// alone decides its token (the batch invariance of this extension's kernels).
+// The torch ops round differently (normalized fp32 probabilities, a top-p cut by sorted fp32
+// sums), so the two agree except where two keys or a top-p cut fall within rounding of each
+// other. Each row alone decides its token (the batch invariance of this extension's kernels).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -40,6 +41,7 @@ namespace {
 
 constexpr uint64_t kMask32 = 0xFFFFFFFFull;
 constexpr uint64_t kMixMul = 0x45D9F3Bull;  // seeded_noise.py's mixer constant
+constexpr uint64_t kGolden = 0x9E3779B9ull;  // seeded_noise.py's token multiplier
 constexpr int kKeyShift = 19;              // bucket: the float's bits >> 19
 constexpr uint32_t kOneBits = 0x3F800000u;  // 1.0f, the largest weight
 constexpr int kBuckets = static_cast<int>(kOneBits >> kKeyShift) + 1;
@@ -52,14 +54,45 @@ uint64_t mix32(uint64_t x) {
   return x ^ (x >> 16);
 }
 
-// seeded_noise.py `position_uniforms` for one (seed, position), the same float.
-double position_uniform(int64_t seed, int64_t position) {
+// seeded_noise.py `position_hashes` for one (seed, position).
+uint32_t position_hash(int64_t seed, int64_t position) {
   const uint64_t s = static_cast<uint64_t>(seed);
   uint64_t h = mix32(static_cast<uint64_t>(position) & kMask32);
   h = mix32(h ^ (s & kMask32));
-  h = mix32(h ^ (s >> 32));
-  return static_cast<double>(h >> 8) * (1.0 / 16777216.0);
+  return static_cast<uint32_t>(mix32(h ^ (s >> 32)));
 }
+
+// seeded_noise.py `token_uniforms` of token t in the row of hash h: an odd multiple of 2**-24,
+// exact in fp32.
+float token_uniform(uint32_t h, int64_t t) {
+  const uint64_t x = mix32(((static_cast<uint64_t>(t) * kGolden) & kMask32) ^ h);
+  return static_cast<float>((x >> 9) * 2 + 1) * (1.f / 16777216.f);
+}
+
+// The same for the tokens of columns i0 .. i0 + 7 (`columns`: each column's token id, nullptr:
+// the index; 32-bit lanes: the low half of each product, as & kMask32).
+__m256 token_uniforms8(uint32_t h, int64_t i0, const int32_t* columns) {
+  const __m256i mul = _mm256_set1_epi32(static_cast<int32_t>(kMixMul));
+  const __m256i t =
+      columns != nullptr
+          ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(columns + i0))
+          : _mm256_add_epi32(_mm256_set1_epi32(static_cast<int32_t>(i0)),
+                             _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  __m256i x = _mm256_xor_si256(
+      _mm256_mullo_epi32(t, _mm256_set1_epi32(static_cast<int32_t>(kGolden))),
+      _mm256_set1_epi32(static_cast<int32_t>(h)));
+  x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+  x = _mm256_mullo_epi32(x, mul);
+  x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+  x = _mm256_mullo_epi32(x, mul);
+  x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+  const __m256i odd = _mm256_add_epi32(_mm256_slli_epi32(_mm256_srli_epi32(x, 9), 1),
+                                       _mm256_set1_epi32(1));
+  return _mm256_mul_ps(_mm256_cvtepi32_ps(odd), _mm256_set1_ps(1.f / 16777216.f));
+}
+
+// A token's key in the race: its exponential over its weight (+inf at weight 0).
+double race_key(float uniform, float w) { return -std::log1p(-static_cast<double>(uniform)) / w; }
 
 // A weight's histogram bucket (weights are in [0, 1]; clamped all the same, as an index).
 int bucket_of(float w) {
@@ -163,75 +196,60 @@ Cut top_k_top_p(const float* w, int64_t V, int64_t top_k, double top_p) {
   return cut;
 }
 
-// The kept mass of w[i0, i0 + 8) in fp64, the lanes summed in a fixed order (the walk adds the
-// chunk sums the total added, so it crosses u * total by the last kept token).
-double chunk_mass(const float* w, int64_t i0, const Cut& cut) {
-  const __m256 x = _mm256_loadu_ps(w + i0);
-  const __m256 eq = _mm256_cmp_ps(x, _mm256_set1_ps(cut.w_cut), _CMP_EQ_OQ);
-  if (_mm256_movemask_ps(eq) != 0) {  // a weight equal to the cut: its index decides
-    double sum = 0.0;
-    for (int64_t i = i0; i < i0 + 8; ++i) sum += cut.keeps(w[i], i) ? w[i] : 0.0;
-    return sum;
-  }
-  const __m256 keep = _mm256_and_ps(_mm256_cmp_ps(x, _mm256_set1_ps(cut.w_cut), _CMP_GT_OQ),
-                                    _mm256_cmp_ps(x, _mm256_set1_ps(cut.floor), _CMP_GE_OQ));
-  const __m256 kept = _mm256_and_ps(x, keep);
-  const __m256d s = _mm256_add_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(kept)),
-                                  _mm256_cvtps_pd(_mm256_extractf128_ps(kept, 1)));
-  double lanes[4];
-  _mm256_storeu_pd(lanes, s);
-  return (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
-}
-
 int64_t sample_row(const float* logits, int64_t V, float temperature, int64_t top_k,
-                   float top_p, float min_p, double u) {
+                   float top_p, float min_p, uint32_t h, const int32_t* columns) {
   thread_local std::vector<float> buf;
   buf.resize(V);
   float* w = buf.data();
-  if (!weights(logits, V, temperature, w)) return V - 1;  // no mass: the torch draw's clamp
+  if (!weights(logits, V, temperature, w)) return V - 1;  // no mass: the torch draw's
   Cut cut = top_k < V || top_p < 1.f ? top_k_top_p(w, V, top_k, top_p) : Cut{};
   cut.floor = min_p;  // the most likely token weighs 1
+  // The race starts from the most likely token (the first of the largest weight), which every
+  // filter keeps; a token that beats the best key k so far has W_t < k * w_t, tested with a
+  // margin for the product's rounding.
+  auto token = [&](int64_t i) -> int64_t { return columns != nullptr ? columns[i] : i; };
+  int64_t best = std::max_element(w, w + V) - w;
+  double best_key = race_key(token_uniform(h, token(best)), w[best]);
+  auto challenge = [&](int64_t i, float uniform) {
+    if (!cut.keeps(w[i], i)) return;
+    const double key = race_key(uniform, w[i]);
+    if (key < best_key || (key == best_key && i < best)) best = i, best_key = key;
+  };
+  // Every kept token of some weight is at least this (a token of weight 0 never wins).
+  const __m256 lower = _mm256_set1_ps(std::max({cut.floor, cut.w_cut, 1e-45f}));
   const int64_t body = V - V % 8;
-  thread_local std::vector<double> chunks;  // each chunk's kept mass, summed once
-  chunks.resize(body / 8);
-  double total = 0.0;
-  for (int64_t c = 0; c < body / 8; ++c) {
-    chunks[c] = chunk_mass(w, 8 * c, cut);
-    total += chunks[c];
-  }
-  for (int64_t i = body; i < V; ++i) total += cut.keeps(w[i], i) ? w[i] : 0.0;
-  const double target = u * total;  // below total: u < 1
-  double running = 0.0;
   for (int64_t i0 = 0; i0 < body; i0 += 8) {
-    const double chunk = chunks[i0 / 8];
-    if (running + chunk > target) {  // the crossing is in this chunk (which has mass)
-      int64_t last = i0;
-      for (int64_t i = i0; i < i0 + 8; ++i) {
-        if (!cut.keeps(w[i], i)) continue;
-        last = i;
-        running += w[i];
-        if (running > target) return i;
-      }
-      return last;  // the in-chunk sum rounded below the chunk's: its last kept token
+    const __m256 x = _mm256_loadu_ps(w + i0);
+    const __m256 maybe_kept = _mm256_cmp_ps(x, lower, _CMP_GE_OQ);
+    if (_mm256_movemask_ps(maybe_kept) == 0) continue;
+    const __m256 u = token_uniforms8(h, i0, columns);
+    const __m256 bound = _mm256_mul_ps(x, _mm256_set1_ps(static_cast<float>(best_key * 1.0001)));
+    int mask = _mm256_movemask_ps(_mm256_and_ps(maybe_kept, _mm256_cmp_ps(u, bound, _CMP_LE_OQ)));
+    if (mask == 0) continue;
+    float lanes[8];
+    _mm256_storeu_ps(lanes, u);
+    for (; mask != 0; mask &= mask - 1) {
+      const int j = __builtin_ctz(mask);
+      challenge(i0 + j, lanes[j]);
     }
-    running += chunk;
   }
-  for (int64_t i = body; i < V; ++i) {  // the same sums as the total's: the crossing is here
-    running += cut.keeps(w[i], i) ? w[i] : 0.0;
-    if (running > target) return i;
+  for (int64_t i = body; i < V; ++i) {
+    const float u = token_uniform(h, token(i));
+    if (u <= static_cast<float>(best_key * 1.0001) * w[i]) challenge(i, u);
   }
-  return V - 1;  // no mass (not reached: the most likely token is always kept)
+  return best;
 }
 
 }  // namespace
 
 // logits [m, V] fp32; temperatures [m] (or [m, 1]) fp32 > 0; top_ks [m] int64 (V: off);
 // top_ps, min_ps [m] fp32; seeds [m] int64 in [0, 2**63); positions [m] int64 >= 0 (where each
-// drawn token will sit) -> token ids [m] int64.
+// drawn token will sit); columns [V] int64 token ids below 2**31 (the noise's key of each
+// column; None: its index) -> column indices [m] int64.
 at::Tensor sample_rows(const at::Tensor& logits_in, const at::Tensor& temperatures,
                        const at::Tensor& top_ks, const at::Tensor& top_ps,
                        const at::Tensor& min_ps, const at::Tensor& seeds,
-                       const at::Tensor& positions) {
+                       const at::Tensor& positions, const c10::optional<at::Tensor>& columns) {
   TORCH_CHECK(logits_in.scalar_type() == at::kFloat && logits_in.dim() == 2, "float32 [m, V]");
   const at::Tensor x = logits_in.contiguous();
   const int64_t m = x.size(0), V = x.size(1);
@@ -243,6 +261,12 @@ at::Tensor sample_rows(const at::Tensor& logits_in, const at::Tensor& temperatur
   for (const at::Tensor* a : {&t, &k, &p, &mp, &s, &pos}) {
     TORCH_CHECK(a->numel() == m, "one sampling parameter per row");
   }
+  at::Tensor cols;
+  if (columns.has_value()) {
+    cols = columns->to(at::kInt).contiguous();
+    TORCH_CHECK(cols.numel() == V, "one token id per column");
+  }
+  const int32_t* colp = columns.has_value() ? cols.data_ptr<int32_t>() : nullptr;
   at::Tensor out = at::empty({m}, x.options().dtype(at::kLong));
   const float* xp = x.data_ptr<float>();
   const float *tp = t.data_ptr<float>(), *pp = p.data_ptr<float>(), *mpp = mp.data_ptr<float>();
@@ -251,8 +275,8 @@ at::Tensor sample_rows(const at::Tensor& logits_in, const at::Tensor& temperatur
   int64_t* op = out.data_ptr<int64_t>();
   at::parallel_for(0, m, 1, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
-      const double u = position_uniform(sp[r], posp[r]);
-      op[r] = sample_row(xp + r * V, V, tp[r], std::min(kp[r], V), pp[r], mpp[r], u);
+      const uint32_t h = position_hash(sp[r], posp[r]);
+      op[r] = sample_row(xp + r * V, V, tp[r], std::min(kp[r], V), pp[r], mpp[r], h, colp);
     }
   });
   return out;
@@ -263,6 +287,6 @@ at::Tensor sample_rows(const at::Tensor& logits_in, const at::Tensor& temperatur
 TORCH_LIBRARY_FRAGMENT(eagleserve_cpu, lib) {
   lib.def(
       "sample_rows(Tensor logits, Tensor temperatures, Tensor top_ks, Tensor top_ps, "
-      "Tensor min_ps, Tensor seeds, Tensor positions) -> Tensor",
+      "Tensor min_ps, Tensor seeds, Tensor positions, Tensor? columns=None) -> Tensor",
       &eagleserve_cpu::sample_rows);
 }

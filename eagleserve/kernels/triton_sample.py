@@ -1,12 +1,11 @@
-"""A sampled row's token in one launch: sampling/sampler.py's `draw` with the uniform of
-sampling/seeded_noise.py's `position_uniforms`, where the torch ops launch a kernel each (the
-hash's three mixing rounds alone are two dozen).
+"""A sampled row's token in one launch: sampling/sampler.py's `draw` (the exponential race on
+sampling/seeded_noise.py's noise), where the torch ops launch a kernel each (the hash's mixing
+rounds alone are dozens) and hold an [m, V] fp64 row of keys.
 
 One program per row: the hash of (seed, position) in int64 registers (every product below
-2**63, as in the torch version), the row's total in fp64, then a second pass over the same
-blocks for the first token whose running sum exceeds u * total. Only a row without mass
-crossing nowhere (or a rounding of order 1e-16 at the very end) falls back to its last token
-with mass, else its last token.
+2**63, as in the torch version), then one pass over the row's blocks, each token's key E_t /
+p_t in fp64 (E_t = -log(1 - W_t), 1 - W_t exact there), keeping the least and its token (the
+lowest on a tie). A row without mass gives its last token.
 """
 
 from __future__ import annotations
@@ -35,9 +34,11 @@ def _seeded_draw_kernel(
     Probs,  # [m, V] fp32, non-negative, not necessarily normalized
     Seeds,  # [m] int64 in [0, 2**63)
     Positions,  # [m] int64: where each drawn token will sit
+    Columns,  # [V] int64: each column's token id (read where HAS_COLUMNS)
     Out,  # [m] int64
     stride_p, V,
     BLOCK: tl.constexpr,
+    HAS_COLUMNS: tl.constexpr,
     PDL: tl.constexpr,
 ):  # fmt: skip
     wait_previous(PDL)
@@ -46,32 +47,35 @@ def _seeded_draw_kernel(
     h = _mix32(tl.load(Positions + row) % 4294967296)
     h = _mix32(h ^ (seed % 4294967296))
     h = _mix32(h ^ (seed >> 32))
-    u = (h >> 8).to(tl.float64) * (1.0 / 16777216.0)
     offs = tl.arange(0, BLOCK)
-    total = tl.zeros([], tl.float64)
-    last = tl.full([], -1, tl.int64)  # the last token with mass
+    best_key = tl.full([], float("inf"), tl.float64)
+    best = tl.full([], -1, tl.int64)
     for start in range(0, V, BLOCK):
         cols = start + offs
         p = tl.load(Probs + row * stride_p + cols, mask=cols < V, other=0.0).to(tl.float64)
-        total += tl.sum(p, axis=0)
-        last = tl.maximum(last, tl.max(tl.where(p > 0, cols, -1), axis=0).to(tl.int64))
-    target = u * total
-    running = tl.zeros([], tl.float64)
-    found = tl.zeros([], tl.int64) + V
-    for start in range(0, V, BLOCK):
-        cols = start + offs
-        p = tl.load(Probs + row * stride_p + cols, mask=cols < V, other=0.0).to(tl.float64)
-        cum = running + tl.cumsum(p, axis=0)
-        first = tl.min(tl.where((cum > target) & (cols < V), cols, V), axis=0).to(tl.int64)
-        found = tl.where(found == V, first, found)
-        running += tl.sum(p, axis=0)
-    fallback = tl.where(last >= 0, last, V - 1)
-    tl.store(Out + row, tl.where(found < V, found, fallback))
+        tokens = cols.to(tl.int64)
+        if HAS_COLUMNS:
+            tokens = tl.load(Columns + cols, mask=cols < V, other=0)
+        x = _mix32(((tokens * 0x9E3779B9) % 4294967296) ^ h)
+        w = ((x >> 9) * 2 + 1).to(tl.float64) * (1.0 / 16777216.0)
+        key = tl.where(p > 0, -tl.log(1.0 - w) / tl.where(p > 0, p, 1.0), float("inf"))
+        low = tl.min(key, axis=0)
+        first = tl.min(tl.where(key == low, cols, V), axis=0).to(tl.int64)
+        better = low < best_key  # a later block's tie keeps the earlier (lower) token
+        best = tl.where(better, first, best)
+        best_key = tl.where(better, low, best_key)
+    tl.store(Out + row, tl.where(best >= 0, best, V - 1))
 
 
-def seeded_draw(probs: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """[m] int64: row i of probs [m, V] sampled by inverse CDF with the uniform of (seeds[i],
-    positions[i]), as sampler.draw(probs, position_uniforms(seeds, positions)) does."""
+def seeded_draw(
+    probs: torch.Tensor,
+    seeds: torch.Tensor,
+    positions: torch.Tensor,
+    columns: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """[m] int64: the column of row i of probs [m, V] drawn by the exponential race on the noise
+    of (seeds[i], positions[i]) and each column's token id (`columns` [V], default its index),
+    as sampler.draw(probs, seeds, positions, columns) does."""
     assert probs.dim() == 2 and probs.stride(1) == 1 and probs.dtype == torch.float32
     m, v = probs.shape
     out = torch.empty(m, dtype=torch.int64, device=probs.device)
@@ -79,9 +83,10 @@ def seeded_draw(probs: torch.Tensor, seeds: torch.Tensor, positions: torch.Tenso
         return out
     seeds, positions = seeds.contiguous(), positions.contiguous()
     assert seeds.shape == positions.shape == (m,)
+    cols = positions if columns is None else columns.to(torch.int64).contiguous()
     _seeded_draw_kernel[(m,)](
-        probs, seeds, positions, out, probs.stride(0), v,
-        BLOCK=min(2048, triton.next_power_of_2(v)), num_warps=4,
-        **pdl.launch_options(probs.device),
+        probs, seeds, positions, cols, out, probs.stride(0), v,
+        BLOCK=min(2048, triton.next_power_of_2(v)), HAS_COLUMNS=columns is not None,
+        num_warps=4, **pdl.launch_options(probs.device),
     )  # fmt: skip
     return out

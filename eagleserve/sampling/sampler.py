@@ -4,9 +4,9 @@ top-k, top-p, min-p) -> tokens.
 The grammar mask (constrained/grammar_batch.py) comes after penalties and bias, so nothing can
 re-enable a token the grammar forbids; greedy argmax sees it too.
 
-A sampled request draws the token at position t with the uniform of (its seed, t)
-(sampling/seeded_noise.py) by inverse CDF, so a seed gives the same tokens whatever else is in
-the batch, and a speculative verify draws the target's own token at each drafted position.
+A sampled request draws the token at position t by an exponential race on the noise of (its
+seed, t) (sampling/seeded_noise.py), so a seed gives the same tokens whatever else is in the
+batch, and a speculative verify draws the target's own token at each drafted position.
 Penalties and bias change the logits before anything else (sampling/penalty_state.py), greedy
 rows included; logprobs stay those of the raw model, as vLLM's.
 """
@@ -25,7 +25,7 @@ from eagleserve.device import tensor_to
 from eagleserve.distributed.parallel import broadcast_from_first
 from eagleserve.kernels import cpu_ext
 from eagleserve.sampling.penalty_state import BatchPenalties, PenaltyState
-from eagleserve.sampling.seeded_noise import position_uniforms
+from eagleserve.sampling.seeded_noise import exponentials, position_hashes, token_uniforms
 
 # Where sampled rows draw in one fused call: "triton" (an accelerator's one launch,
 # kernels/triton_sample.py) or "cpu" (the C++ call that also filters, from the logits:
@@ -222,45 +222,60 @@ def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(dim=-1)
 
 
-def draw(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """Inverse-CDF sample of each row of non-negative probs [m, V] (not necessarily normalized)
-    with its uniform in [0, 1) [m]: the first token whose cumulative mass exceeds u * total.
-    The sum runs in fp64, so rounding moves no measurable mass over a full vocabulary. That
-    token has mass (a zero adds nothing to the sum before it), and u < 1 keeps u * total below
-    the total: only a row without mass runs past the end (clamped to the last token)."""
-    cdf = probs.cumsum(dim=-1, dtype=torch.float64)  # [m, V]
-    idx = torch.searchsorted(cdf, uniforms.double().unsqueeze(1) * cdf[:, -1:], right=True)
-    return idx.clamp(max=probs.shape[1] - 1).squeeze(1)
+def draw(
+    probs: torch.Tensor,
+    seeds: torch.Tensor,
+    positions: torch.Tensor,
+    columns: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The exponential race of each row of non-negative probs [m, V] (not necessarily
+    normalized): the column with the least E_t / probs_t, E_t the exponential of (seeds[i],
+    positions[i], t) (seeded_noise.py) for t the column's token id (`columns` [V]; default its
+    index), the lowest column on a tie. A column is drawn with probability probs_t /
+    sum(probs), and never one of zero mass; a row without mass gives its last column."""
+    m, v = probs.shape
+    tokens = torch.arange(v, device=probs.device) if columns is None else columns
+    e = exponentials(token_uniforms(position_hashes(seeds, positions), tokens))
+    keys = e / probs.double()  # zero mass: +inf
+    idx = keys.argmin(dim=-1)
+    massless = ~(probs > 0).any(dim=-1)
+    return torch.where(massless, v - 1, idx)
 
 
 def _draw_sampled(
-    logits: torch.Tensor, info: SamplingInfo, positions: torch.Tensor
+    logits: torch.Tensor, info: SamplingInfo, positions: torch.Tensor, columns: torch.Tensor | None
 ) -> torch.Tensor:
-    """Token ids of sampled rows (no greedy one among them)."""
+    """Column indices of sampled rows (no greedy one among them)."""
     if info.draw_kernel == "cpu":
         return cpu_ext.sample_rows(logits.float(), info.temperatures, info.top_ks, info.top_ps,
-                                   info.min_ps, info.seeds, positions)  # fmt: skip
+                                   info.min_ps, info.seeds, positions, columns)  # fmt: skip
     probs = logits_to_probs(logits, info)
     if info.draw_kernel == "triton":
         from eagleserve.kernels.triton_sample import seeded_draw  # imports triton
 
-        return seeded_draw(probs, info.seeds, positions)
-    return draw(probs, position_uniforms(info.seeds, positions))
+        return seeded_draw(probs, info.seeds, positions, columns)
+    return draw(probs, info.seeds, positions, columns)
 
 
-def sample(logits: torch.Tensor, info: SamplingInfo, positions: torch.Tensor) -> torch.Tensor:
-    """logits [m, V] -> token ids [m] int64: the argmax for a greedy row; for a sampled row, the
-    draw of its target distribution with the uniform of (its seed, positions[i]), positions
-    [m] int64 being where the drawn token will sit in its sequence."""
+def sample(
+    logits: torch.Tensor,
+    info: SamplingInfo,
+    positions: torch.Tensor,
+    columns: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """logits [m, V] -> column indices [m] int64: the argmax for a greedy row; for a sampled
+    row, the draw of its target distribution on the noise of (its seed, positions[i]),
+    positions [m] int64 being where the drawn token will sit in its sequence. `columns` [V]:
+    the token id of each column (a draft head's vocabulary), default the column's index."""
     if info.all_greedy:
         return greedy_ids(logits)
     if not any(info.is_greedy):
-        return _draw_sampled(logits, info, positions)
+        return _draw_sampled(logits, info, positions, columns)
     rows = [i for i, g in enumerate(info.is_greedy) if not g]
     idx = tensor_to(rows, torch.long, logits.device)
     sub = info.rows(rows, idx)
     out = greedy_ids(logits)
-    out[idx] = _draw_sampled(logits[idx], sub, positions[idx])
+    out[idx] = _draw_sampled(logits[idx], sub, positions[idx], columns)
     return out
 
 

@@ -1,5 +1,5 @@
-"""Position-keyed sampling noise: a sampled request draws its token at sequence position t with
-a uniform that is a hash of (its seed, t), not the next draw of a stateful generator.
+"""Position-keyed sampling noise: a sampled request draws its token at sequence position t from
+noise that is a hash of (its seed, t, the token), not the next draw of a stateful generator.
 
 Why: a speculative verify samples the target at several positions in one forward, a decode at
 one, and the adaptive controller picks how many from measured costs. With a generator consumed
@@ -7,6 +7,14 @@ in sequence, which draw met which position (and so the tokens) followed that cho
 machine's timing behind it. Keyed by position, the token at t depends only on the seed, t and
 the target's distribution there: the same whatever the batch, the draft length, or whether
 speculation runs at all.
+
+The draw is an exponential race (sampling/sampler.py `draw`): every token t of the vocabulary
+has its own exponential E_t = -log(1 - W_t) from the uniform W_t of (seed, position, t), and the
+token drawn is the one with the least E_t / w_t over the row's weights w. That samples the
+row's distribution exactly, and a draft head that races its own distribution on the same E_t
+draws the target's token wherever the two distributions agree around it (spec/draft_extend.py
+`DraftDraw`), where an inverse-CDF draw in vocabulary order would part at every difference in
+the mass of the tokens before it.
 
 Plain int64 tensor ops on the device (no host read, capturable); every product stays below
 2**63, so nothing relies on integer overflow wrapping.
@@ -33,16 +41,31 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def position_uniforms(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """[m] float32 uniforms in [0, 1) on a 2**-24 grid, one per (seeds[i], positions[i]):
-    seeds int64 in [0, 2**63), positions int64 >= 0 (the position of the token drawn).
+# The golden ratio's 32-bit constant: odd, so t -> t * _GOLDEN mod 2**32 is a bijection.
+_GOLDEN = 0x9E3779B9
 
-    For one seed, distinct positions below 2**32 never share a hash (each round is a
-    bijection of the one before)."""
+
+def position_hashes(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """[m] int64 in [0, 2**32), one per (seeds[i], positions[i]): seeds int64 in [0, 2**63),
+    positions int64 >= 0 (the position of the token drawn). For one seed, distinct positions
+    below 2**32 never share a hash (each round is a bijection of the one before)."""
     h = _mix32(positions & _M32)
     h = _mix32(h ^ (seeds & _M32))
-    h = _mix32(h ^ (seeds >> 32))
-    return (h >> 8).to(torch.float32) * 2.0**-24
+    return _mix32(h ^ (seeds >> 32))
+
+
+def token_uniforms(row_hashes: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """[m, n] float64 uniforms W in (0, 1), odd multiples of 2**-24, of each row's hash
+    (`position_hashes`) and each token id of `tokens` [n] (int64, below 2**31): distinct
+    tokens of a row never share one before the last 9 bits are dropped."""
+    t = (tokens[None, :] * _GOLDEN) & _M32
+    x = _mix32(t ^ row_hashes[:, None])
+    return ((x >> 9) * 2 + 1).double() * 2.0**-24
+
+
+def exponentials(w: torch.Tensor) -> torch.Tensor:
+    """-log(1 - W) of uniforms W in (0, 1), float64 (1 - W is exact there): Exp(1) draws."""
+    return -torch.log1p(-w)
 
 
 def entropy_seed() -> int:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from dataclasses import dataclass
 
 import torch
 
@@ -23,6 +24,7 @@ from eagleserve.layers.attention import AttentionBackend
 from eagleserve.layers.forward_batch import ForwardBatch, HostLens, forward_context
 from eagleserve.mem_cache.kv_cache import TokenToKVPool
 from eagleserve.model_executor.cuda_graph_runner import GraphedForward
+from eagleserve.sampling.sampler import SamplingInfo, sample
 from eagleserve.spec.eagle_head import EagleHead
 
 logger = logging.getLogger(__name__)
@@ -96,12 +98,48 @@ def top_candidates(logits: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch
     return top_p, top_ids
 
 
+@dataclass(frozen=True)
+class DraftDraw:
+    """A chain's drafts for sampled requests: each drawn from the head's distribution by the
+    rule and on the noise the target draws that position's token with (`sample`: the request's
+    temperature, top-k, top-p and min-p over the draft vocabulary, then the exponential race on
+    the exponentials of its seed, the position and each token's target id). A verify accepts a
+    draft when it equals the target's own draw there; the race's winner among the tokens both
+    distributions weigh alike is the same for both, so this drafts what the target then draws
+    wherever the head's distribution matches the target's around it, where the head's argmax
+    is accepted only with the target's probability of it. Greedy rows draft their argmax."""
+
+    info: SamplingInfo  # one row per seed row
+    positions: torch.Tensor  # [rows] int64: where each drafted token will sit
+
+
+def drawn_candidate(
+    head: EagleHead, logits: torch.Tensor, draw: DraftDraw
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(probability [rows, 1] fp32, target id [rows, 1]) of each row's `draw` from head logits
+    [rows, Vd]: the race over the draft vocabulary, each token on the exponential the target's
+    draw gives its target id (the tokens outside weigh zero for the head)."""
+    columns = head.target_ids  # None: an EAGLE-1 head's vocabulary is the target's
+    if columns is None and head.algorithm == "EAGLE3":
+        columns = head.to_target_ids(torch.arange(logits.shape[1], device=logits.device))
+    ids = sample(logits, draw.info, draw.positions, columns)[:, None]
+    x = logits.float()
+    return (x.gather(1, ids) - x.logsumexp(dim=-1, keepdim=True)).exp(), head.to_target_ids(ids)
+
+
 def seed_from_logits(
-    head: EagleHead, logits: torch.Tensor, features: torch.Tensor, topk: int
+    head: EagleHead,
+    logits: torch.Tensor,
+    features: torch.Tensor,
+    topk: int,
+    draw: DraftDraw | None = None,
 ) -> EagleDraftInput:
-    """The next draft's seed: the head's top-k (target ids) and the features it continues from.
-    A chain's on a head on the fused kernels: one launch (kernels/triton_top1.py), the same
-    ids."""
+    """The next draft's seed: the head's top-k (target ids) and the features it continues from;
+    for a chain with sampled rows and `draw`, those rows' drawn drafts (`DraftDraw`). A
+    chain's on a head on the fused kernels: one launch (kernels/triton_top1.py), the same ids."""
+    if draw is not None and topk == 1 and not draw.info.all_greedy:
+        topk_p, target_ids = drawn_candidate(head, logits, draw)
+        return EagleDraftInput(topk_p, target_ids, features)
     if topk == 1 and head.fused_kernels and head.target_ids is not None:
         from eagleserve.kernels.triton_top1 import top1  # imports triton: only where it runs
 

@@ -30,8 +30,14 @@ from eagleserve.mem_cache.kv_cache import TokenToKVPool
 from eagleserve.model_executor.cuda_graph_runner import GraphedForward
 from eagleserve.model_executor.model_runner import ModelRunner
 from eagleserve.models.loader import resolve_draft_path
+from eagleserve.sampling.sampler import SamplingInfo
 from eagleserve.spec.adaptive import acceptance_prior
-from eagleserve.spec.draft_extend import DraftExtendGraphs, last_rows_forward, seed_from_logits
+from eagleserve.spec.draft_extend import (
+    DraftDraw,
+    DraftExtendGraphs,
+    last_rows_forward,
+    seed_from_logits,
+)
 from eagleserve.spec.draft_lag import DraftLag, catch_up_batch
 from eagleserve.spec.draft_loop import DraftLoops, DraftRows, chain_step_batch, tree_step_batch
 from eagleserve.spec.draft_tree import draft_chain, draft_tree
@@ -165,19 +171,30 @@ class EagleDraftWorker:
         features: torch.Tensor,
         last_rows: torch.Tensor | None,
         allowed: torch.Tensor | None = None,
+        sampling: SamplingInfo | None = None,
     ) -> EagleDraftInput:
         """Head forward over `fb`'s tokens (its layout, the head's KV): token j is paired with
         the target feature of the token before it. Returns the seed of the next draft; its top-k
-        only among `allowed` [bs, V] (the grammar after the committed tokens) when given.
+        only among `allowed` [bs, V] (the grammar after the committed tokens) when given, and
+        sampled rows' drafts drawn (`DraftDraw`) given their `sampling` (one row per request).
         `last_rows` None: a fixed-shape path extend as the verify left it (mask_path_rows)."""
         if allowed is None and self.extend_graphs is not None:
             seed = self.extend_graphs.replay(fb, features)
             if seed is not None:
                 return seed
         logits, feats = self.extend_forward(fb, features, last_rows)
+        # A request's last row pairs its newest token (at prefix + extend) with the feature
+        # before it; its draft sits one further on.
+        draw = self._draw(sampling, fb.prefix_lens + fb.extend_lens + 1)
         return seed_from_logits(
-            self.head, self._masked(logits, allowed), feats, self.spec.eagle_topk
+            self.head, self._masked(logits, allowed), feats, self.spec.eagle_topk, draw
         )
+
+    def _draw(self, sampling: SamplingInfo | None, positions: torch.Tensor) -> DraftDraw | None:
+        """How a chain's seed rows at these draft positions draw (None: all by the argmax)."""
+        if sampling is None or sampling.all_greedy or self.spec.eagle_topk != 1:
+            return None
+        return DraftDraw(sampling, positions)
 
     def extend_forward(
         self, fb: ForwardBatch, features: torch.Tensor, last_rows: torch.Tensor | None
@@ -224,17 +241,22 @@ class EagleDraftWorker:
         )
 
     def catch_up(
-        self, batch: ScheduleBatch, info: EagleDraftInput, allowed: torch.Tensor | None = None
+        self,
+        batch: ScheduleBatch,
+        info: EagleDraftInput,
+        allowed: torch.Tensor | None = None,
+        sampling: SamplingInfo | None = None,
     ) -> EagleDraftInput:
         """Runs the head over every input held for the batch's requests (batch.draft_lags);
         returns `info` with those requests' seeds replaced by the fresh ones (`allowed`
-        [bs, V]: grammar masks of the batch's rows)."""
+        [bs, V]: grammar masks of the batch's rows; `sampling`: the batch's, for `extend`)."""
         assert self.lag is not None and batch.draft_lags is not None
         fb, features, last_rows, rows = catch_up_batch(
             self.lag, batch, batch.draft_lags, self.req_to_token, self.kv_pool, self.attn_backend
         )
         idx = tensor_to(rows, torch.long, self.device)
-        fresh = self.extend(fb, features, last_rows, None if allowed is None else allowed[idx])
+        fresh = self.extend(fb, features, last_rows, None if allowed is None else allowed[idx],
+                            None if sampling is None else sampling.rows(rows, idx))  # fmt: skip
         topk_p, topk_index, hidden = (
             info.topk_p.clone(), info.topk_index.clone(), info.hidden_states.clone()
         )  # fmt: skip
@@ -259,11 +281,13 @@ class EagleDraftWorker:
         info: EagleDraftInput,
         num_steps: int,
         grammar: BatchGrammar | None = None,
+        sampling: SamplingInfo | None = None,
     ) -> TreeInfo:
         """`num_steps` head steps from `info`, and the verify tree they draft, rooted at the
         bonus tokens batch.input_ids; batch.seq_lens are the committed lengths L. With
         `grammar`, each branch's top-k is masked by the grammar after its own path (host reads
-        of the paths: one sync per step)."""
+        of the paths: one sync per step). A chain run step by step draws its sampled rows'
+        drafts (`DraftDraw`, given the batch's `sampling`); a loop graph's drafts are top-1."""
         spec = self.spec
         assert batch.seq_lens_cpu is not None, "drafting needs the scheduler's host seq lens"
         L = batch.seq_lens
@@ -300,7 +324,7 @@ class EagleDraftWorker:
             allowed = None
             if grammar is not None and paths is not None:
                 allowed = grammar.branch_allowed(paths, self.device)
-            return self._step(base, rows, ids, feats, depth, mask, allowed)
+            return self._step(base, rows, ids, feats, depth, mask, allowed, sampling)
 
         if spec.is_chain:
             chain = draft_chain(info, num_steps, step, self.chain_buffers[num_steps], track)
@@ -319,6 +343,7 @@ class EagleDraftWorker:
         depth: int,
         region_mask: torch.Tensor | None,
         allowed: torch.Tensor | None = None,
+        sampling: SamplingInfo | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Head forward for draft depth `depth` (1-based) of every branch of `base`'s requests
         (committed lengths L as prefix_lens), its row of `rows` (`DraftLoops.rows`); returns its
@@ -334,5 +359,7 @@ class EagleDraftWorker:
         else:
             with forward_context(fb):
                 logits, next_feats = self.head(input_ids, feats, fb.positions)
-        seed = seed_from_logits(self.head, self._masked(logits, allowed), next_feats, topk)
+        # A step's row at position p holds the draft at p + 1 and proposes the one at p + 2.
+        draw = self._draw(sampling, fb.positions + 2)
+        seed = seed_from_logits(self.head, self._masked(logits, allowed), next_feats, topk, draw)
         return seed.topk_p, seed.topk_index, seed.hidden_states  # p, ids [bs*topk, topk]; features

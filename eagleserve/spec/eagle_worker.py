@@ -205,8 +205,10 @@ class EagleWorker:
         if batch.draft_lags is not None:  # adaptive: no seed until a draft needs one
             batch.spec_info = self.drafter.write_prompt(draft_fb, self._features(out), last, batch)
         else:
-            allowed = self._next_allowed(batch)
-            batch.spec_info = self.drafter.extend(draft_fb, self._features(out), last, allowed)
+            allowed, info = self._next_allowed(batch), self.runner.sampling_info(batch)
+            batch.spec_info = self.drafter.extend(
+                draft_fb, self._features(out), last, allowed, info
+            )
         return result
 
     # ---- decode: draft -> verify -> accept -> draft extend ----------------------------------
@@ -225,8 +227,8 @@ class EagleWorker:
             result = self._decode_without_drafts(batch, on_verified)
         else:
             if batch.draft_lags is not None and any(batch.draft_lags):
-                allowed = self._next_allowed(batch)
-                batch.spec_info = self.drafter.catch_up(batch, batch.spec_info, allowed)
+                allowed, info = self._next_allowed(batch), self.runner.sampling_info(batch)
+                batch.spec_info = self.drafter.catch_up(batch, batch.spec_info, allowed, info)
                 caught_up = True
             result = self._draft_verify(batch, on_verified, k)
         if self.controller is not None and self.device.type == "cpu":
@@ -282,7 +284,8 @@ class EagleWorker:
     ) -> GenerationBatchResult:
         spec = self.spec
         grammar = batch.grammar
-        t = self.drafter.draft(batch, batch.spec_info, k, grammar)
+        info = self.runner.sampling_info(batch)
+        t = self.drafter.draft(batch, batch.spec_info, k, grammar, info)
         n = k + 1 if spec.is_chain else spec.num_draft_tokens
         bs = batch.batch_size
         L = batch.seq_lens
@@ -309,7 +312,6 @@ class EagleWorker:
             )
         )
         logits = out.logits.view(bs, n, -1)
-        info = self.runner.sampling_info(batch)
         pen, state = info.penalties, self.runner.penalty_state
         # Greedy and sampled acceptance both judge the penalized logits: node i sees the counts
         # of its own path, so the walk accepts exactly what target-only decoding would emit.
@@ -355,7 +357,7 @@ class EagleWorker:
         if on_verified is not None:
             on_verified(batch)
         allowed = self._next_allowed(batch)
-        batch.spec_info = self.drafter.extend(extend_fb, feats, last_rows, allowed)
+        batch.spec_info = self.drafter.extend(extend_fb, feats, last_rows, allowed, info)
         result = GenerationBatchResult(acc.output_tokens, a, num_drafts=k)
         if not spec.is_chain:
             result.tree_path, result.tree_nodes = acc.accept_index, n

@@ -13,7 +13,7 @@ import torch
 from eagleserve.kernels import cpu_ext
 from eagleserve.sampling import sampler
 from eagleserve.sampling.sampler import SamplingInfo, draw, logits_to_probs
-from eagleserve.sampling.seeded_noise import position_uniforms
+from eagleserve.sampling.seeded_noise import exponentials, position_hashes, token_uniforms
 
 pytestmark = pytest.mark.skipif(
     not cpu_ext.load(), reason="the AVX2 kernels do not run here (no AVX2/FMA or compiler)"
@@ -47,13 +47,14 @@ def _rows(m: int, vocab: int, gen: torch.Generator) -> tuple[torch.Tensor, Sampl
 
 
 def _margin(logits: torch.Tensor, info: SamplingInfo, positions: torch.Tensor) -> torch.Tensor:
-    """Per row, how far (relative to its mass, in fp64) the rule's decisions lie from a
-    boundary, in units of what rounding may move them: u * total from the running sums' steps
-    (fp64 sums of fp32 weights: ~1e-7), top_p from the sorted running sums and min_p * max from
-    the weights (the torch ops sum sorted fp32 probabilities in fp32: ~1e-4 over a large
+    """Per row, how far the rule's decisions lie from a boundary, in units of what rounding may
+    move them: the race's two least keys E_t / w_t apart (relative: fp32 weights or
+    probabilities, ~1e-7 each), top_p from the sorted running sums and min_p * max from the
+    weights (the torch ops sum sorted fp32 probabilities in fp32: ~1e-4 over a large
     vocabulary). Below 1, the two paths may legitimately differ."""
     w = torch.softmax(logits.double() / info.temperatures.double(), -1)
-    u = position_uniforms(info.seeds, positions).double()
+    tokens = torch.arange(w.shape[1])
+    e = exponentials(token_uniforms(position_hashes(info.seeds, positions), tokens))
     margins = []
     for r in range(w.shape[0]):
         p, idx = w[r].sort(descending=True)
@@ -70,9 +71,9 @@ def _margin(logits: torch.Tensor, info: SamplingInfo, positions: torch.Tensor) -
         if info.min_ps[r] > 0:
             kept &= w[r] >= info.min_ps[r] * w[r].max()
             gaps.append(float((w[r] - info.min_ps[r] * w[r].max()).abs().min()) / 1e-4)
-        cdf = torch.where(kept, w[r], 0).cumsum(0)
-        total = float(cdf[-1])
-        gaps.append(float((cdf[kept] - float(u[r]) * total).abs().min()) / total / 1e-6)
+        keys = torch.where(kept & (w[r] > 0), e[r] / w[r], float("inf")).sort().values
+        if torch.isfinite(keys[1:2]).all():
+            gaps.append(float((keys[1] - keys[0]) / keys[0]) / 1e-5)
         margins.append(min(gaps))
     return torch.tensor(margins)
 
@@ -83,7 +84,7 @@ def test_sample_rows_draws_the_torch_ops_token(vocab: int) -> None:
     m = 64 if vocab > 10_000 else 256
     logits, info = _rows(m, vocab, gen)
     positions = torch.randint(0, 2**40, (m,), generator=gen)
-    want = draw(logits_to_probs(logits, info), position_uniforms(info.seeds, positions))
+    want = draw(logits_to_probs(logits, info), info.seeds, positions)
     got = cpu_ext.sample_rows(logits, info.temperatures, info.top_ks, info.top_ps, info.min_ps,
                               info.seeds, positions)  # fmt: skip
     assert got.dtype == torch.int64 and got.shape == (m,)
@@ -114,6 +115,24 @@ def test_sample_rows_draws_the_filtered_distribution() -> None:
         seen = expected > 0
         chi2 = float(((counts[seen] - expected[seen]) ** 2 / expected[seen]).sum())
         assert chi2 < 35.0, (t, top_k, top_p, min_p, chi2)  # 11 dof: p < 3e-4 by chance
+
+
+@pytest.mark.parametrize("kernel", [None, "cpu"])
+def test_a_row_over_some_columns_draws_the_whole_rows_token(kernel: str | None) -> None:
+    """A row over some of the vocabulary (increasing token ids, `columns`: a draft head's row)
+    draws the column of the token the whole row draws with the other tokens at -inf: the same
+    weights, filters and noise per token, on the torch ops and on the kernel."""
+    gen = torch.Generator().manual_seed(random.randrange(2**31))
+    vocab, m = 4099, 64
+    logits, info = _rows(m, vocab, gen)
+    info.draw_kernel = kernel  # type: ignore[assignment]
+    ids = torch.randperm(vocab, generator=gen)[: vocab // 3].sort().values
+    full = torch.full_like(logits, float("-inf"))
+    full[:, ids] = logits[:, ids]
+    positions = torch.randint(0, 2**40, (m,), generator=gen)
+    want = sampler.sample(full, info, positions)
+    got = sampler.sample(logits[:, ids].contiguous(), info, positions, ids)
+    assert torch.equal(ids[got], want)
 
 
 def test_a_rows_token_does_not_depend_on_its_batch() -> None:

@@ -1,5 +1,6 @@
 """The one-launch seeded draw (kernels/triton_sample.py) against the torch ops it replaces
-(sampling/sampler.py's `draw` of seeded_noise.py's uniforms), on fresh random rows."""
+(sampling/sampler.py's `draw`, the exponential race on seeded_noise.py's noise), on fresh
+random rows."""
 
 from __future__ import annotations
 
@@ -13,13 +14,12 @@ pytest.importorskip("triton")
 
 from eagleserve.kernels.triton_sample import seeded_draw  # noqa: E402
 from eagleserve.sampling.sampler import draw  # noqa: E402
-from eagleserve.sampling.seeded_noise import position_uniforms  # noqa: E402
 
 
 @pytest.mark.parametrize("vocab", [7, 2048, 5000])
 def test_seeded_draw_is_the_torch_draw(vocab: int) -> None:
     """Peaky, flat, sparse (top-k / top-p zeroed) and unnormalized rows, seeds over their whole
-    range: the same token as the torch draw with the same uniform."""
+    range: the same token as the torch draw with the same noise."""
     gen = torch.Generator().manual_seed(random.randrange(2**31))
     m = 64
     scale = torch.tensor([0.3, 2.0, 6.0, 12.0]).repeat(m // 4)[:, None]
@@ -30,10 +30,25 @@ def test_seeded_draw_is_the_torch_draw(vocab: int) -> None:
     seeds = torch.randint(0, 2**63 - 1, (m,), generator=gen)
     seeds[:2] = torch.tensor([0, 2**63 - 1])
     positions = torch.randint(0, 2**31, (m,), generator=gen)
-    want = draw(probs, position_uniforms(seeds, positions))
+    want = draw(probs, seeds, positions)
     got = seeded_draw(probs.to(DEVICE), seeds.to(DEVICE), positions.to(DEVICE)).cpu()
     assert torch.equal(got, want)
     assert (probs.gather(1, got[:, None]) > 0).all()
+
+
+def test_seeded_draw_keys_the_noise_by_the_columns_tokens() -> None:
+    """With `columns` (a draft vocabulary's token ids), the torch draw's column again."""
+    gen = torch.Generator().manual_seed(random.randrange(2**31))
+    m, vocab = 32, 600
+    probs = torch.softmax(torch.randn(m, vocab, generator=gen) * 3, dim=-1)
+    columns = torch.randperm(49152, generator=gen)[:vocab].sort().values
+    seeds = torch.randint(0, 2**63 - 1, (m,), generator=gen)
+    positions = torch.randint(0, 2**31, (m,), generator=gen)
+    want = draw(probs, seeds, positions, columns)
+    got = seeded_draw(probs.to(DEVICE), seeds.to(DEVICE), positions.to(DEVICE),
+                      columns.to(DEVICE)).cpu()  # fmt: skip
+    assert torch.equal(got, want)
+    assert not torch.equal(want, draw(probs, seeds, positions))  # the key moved the draws
 
 
 def test_seeded_draw_survives_a_row_without_mass() -> None:

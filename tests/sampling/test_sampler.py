@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
 
 import torch
@@ -10,6 +11,7 @@ import torch
 from eagleserve.core import Req, SamplingParams, ScheduleBatch
 from eagleserve.sampling import sampler
 from eagleserve.sampling.sampler import SamplingInfo, draw, logits_to_probs, sample
+from eagleserve.sampling.seeded_noise import exponentials, position_hashes, token_uniforms
 
 
 def make_info(bs: int, vocab: int, top_p: float, top_k: int, min_p: float) -> SamplingInfo:
@@ -99,29 +101,44 @@ def test_sampling_info_is_built_once_per_batch_membership() -> None:
     assert torch.equal(first.rows([0], torch.tensor([0])).top_ps, torch.tensor([0.5]))
 
 
-def test_draw_is_the_inverse_cdf() -> None:
-    """Uniform u lands on the token whose cumulative-mass interval holds u (of the row's total:
-    rows need not be normalized); tokens of zero mass are never drawn."""
+def test_draw_follows_each_rows_distribution() -> None:
+    """Over many positions of one seed, each row's tokens follow its (unnormalized) probs: a
+    chi-square far inside its bound; tokens of zero mass are never drawn."""
     probs = torch.rand(5, 30) * (torch.rand(5, 30) > 0.3)
-    probs[:, 7] += 0.01  # every row keeps some mass
-    u = torch.rand(5, 400)
-    rows = torch.arange(5).repeat_interleave(400)
-    got = draw(probs[rows], u.reshape(-1)).view(5, 400)
-    cdf = probs.double().cumsum(-1) / probs.double().sum(-1, keepdim=True)
+    probs[:, 7] += 0.05  # every row keeps some mass
+    probs[2] *= 9.0  # not normalized
+    draws = 20_000
+    rows = torch.arange(5).repeat_interleave(draws)
+    positions = torch.arange(draws).repeat(5) + random.randrange(2**40)
+    got = draw(probs[rows], torch.full((5 * draws,), random.randrange(2**63)), positions)
+    got = got.view(5, draws)
     for r in range(5):
-        for j in range(400):
-            tok = int(got[r, j])
-            lo = float(cdf[r, tok - 1]) if tok else 0.0
-            assert probs[r, tok] > 0 and lo <= float(u[r, j]) < float(cdf[r, tok]) + 1e-12
+        assert (probs[r, got[r]] > 0).all()
+        counts = torch.bincount(got[r], minlength=30).double()
+        kept = probs[r] > 0
+        expected = probs[r].double() / probs[r].sum() * draws
+        chi2 = float(((counts - expected)[kept] ** 2 / expected[kept]).sum())
+        df = int(kept.sum()) - 1
+        assert chi2 < df + 8 * math.sqrt(2 * df)
+
+
+def test_draw_is_the_race_on_the_positions_noise() -> None:
+    """The token drawn has the least exponential over its probability; the lowest id wins a
+    tie (two tokens of one weight and noise do not occur, but the rule is fixed)."""
+    probs = torch.softmax(torch.randn(64, 100) * 3, dim=-1)
+    seeds, positions = torch.randint(0, 2**63 - 1, (64,)), torch.randint(0, 2**31, (64,))
+    e = exponentials(token_uniforms(position_hashes(seeds, positions), torch.arange(100)))
+    assert torch.equal(draw(probs, seeds, positions), (e / probs.double()).argmin(dim=-1))
 
 
 def test_draw_survives_degenerate_rows() -> None:
-    """An all-zero row, subnormal mass and u at the top of its range give valid tokens."""
+    """An all-zero row (its last token), subnormal mass and a single kept token give valid
+    tokens."""
     probs = torch.zeros(3, 6)
     probs[1, 4] = 1e-40
     probs[2, 2:] = 1e-30
-    tokens = draw(probs, torch.tensor([0.5, 1 - 2**-24, 1 - 2**-24]))
-    assert tokens[1] == 4 and 2 <= tokens[2] < 6 and 0 <= tokens[0] < 6
+    tokens = draw(probs, torch.tensor([1, 2, 3]), torch.tensor([5, 6, 7]))
+    assert tokens[0] == 5 and tokens[1] == 4 and 2 <= tokens[2] < 6
 
 
 def test_filtering_among_candidates_equals_sorting_whole_rows(monkeypatch) -> None:

@@ -1,7 +1,7 @@
 """Position-keyed sampling noise (sampling/seeded_noise.py): the documented hash, computed in
 int64 tensor ops without overflow over the whole seed range, gives uniforms that look
-independent across positions of one seed and across neighbouring seeds (a request's n
-choices are seeds one apart)."""
+independent across positions of one seed, across neighbouring seeds (a request's n choices are
+seeds one apart) and across the tokens of one position, and exponentials from them."""
 
 from __future__ import annotations
 
@@ -10,7 +10,13 @@ import random
 
 import torch
 
-from eagleserve.sampling.seeded_noise import RequestSeeds, entropy_seed, position_uniforms
+from eagleserve.sampling.seeded_noise import (
+    RequestSeeds,
+    entropy_seed,
+    exponentials,
+    position_hashes,
+    token_uniforms,
+)
 
 M32 = 0xFFFFFFFF
 
@@ -21,11 +27,17 @@ def _mix32(x: int) -> int:
     return x ^ (x >> 16)
 
 
-def _reference(seed: int, position: int) -> float:
+def _reference(seed: int, position: int, token: int) -> float:
     h = _mix32(position & M32)
     h = _mix32(h ^ (seed & M32))
     h = _mix32(h ^ (seed >> 32))
-    return (h >> 8) / 2**24
+    x = _mix32(((token * 0x9E3779B9) & M32) ^ h)
+    return ((x >> 9) * 2 + 1) / 2**24
+
+
+def _uniforms(seeds: torch.Tensor, positions: torch.Tensor, token: int = 0) -> torch.Tensor:
+    """Each (seed, position)'s uniform of one token."""
+    return token_uniforms(position_hashes(seeds, positions), torch.tensor([token]))[:, 0]
 
 
 def _chi2_bound(df: int) -> float:
@@ -42,26 +54,34 @@ def test_uniforms_are_the_documented_hash_over_the_whole_seed_range() -> None:
     seeds = [0, 1, 2**32 - 1, 2**32, 2**62 + 12345, 2**63 - 1]
     seeds += [random.randrange(2**63) for _ in range(50)]
     positions = [random.randrange(2**31) for _ in seeds]
-    got = position_uniforms(torch.tensor(seeds), torch.tensor(positions))
-    assert got.dtype == torch.float32
-    assert got.tolist() == [_reference(s, p) for s, p in zip(seeds, positions)]
+    tokens = [0, 1, 2**16 + 3, 2**31 - 1] + [random.randrange(2**31) for _ in range(4)]
+    got = token_uniforms(position_hashes(torch.tensor(seeds), torch.tensor(positions)),
+                         torch.tensor(tokens))  # fmt: skip
+    assert got.dtype == torch.float64
+    want = [[_reference(s, p, t) for t in tokens] for s, p in zip(seeds, positions)]
+    assert got.tolist() == want
 
 
-def test_uniforms_fill_the_unit_interval_evenly() -> None:
+def test_uniforms_fill_the_open_unit_interval_evenly() -> None:
     m = 200_000
-    u = position_uniforms(torch.randint(0, 2**63 - 1, (m,)), torch.randint(0, 2**20, (m,)))
-    assert ((u >= 0) & (u < 1)).all()
+    u = _uniforms(torch.randint(0, 2**63 - 1, (m,)), torch.randint(0, 2**20, (m,)))
+    assert ((u > 0) & (u < 1)).all()
     assert _chi2(torch.histc(u, 64, 0, 1)) < _chi2_bound(63)
+    row = token_uniforms(position_hashes(torch.tensor([7]), torch.tensor([3])), torch.arange(m))
+    assert _chi2(torch.histc(row[0], 64, 0, 1)) < _chi2_bound(63)  # one row's tokens
 
 
-def test_neighbouring_positions_and_seeds_are_independent() -> None:
-    """Pairs (u(s, t), u(s, t + 1)) and (u(s, t), u(s + 1, t)) fill a 16 x 16 grid evenly, for
-    small consecutive seeds (as `seed: i` requests send them) and positions from 0."""
+def test_neighbours_are_independent() -> None:
+    """Pairs (u(s, t), u(s, t + 1)), (u(s, t), u(s + 1, t)) and a position's two neighbouring
+    tokens fill a 16 x 16 grid evenly, for small consecutive seeds (as `seed: i` requests send
+    them) and positions from 0."""
     m = 100_000
     seeds = torch.arange(m) + random.randrange(2**40)
     positions = torch.randint(0, 64, (m,))
-    here = position_uniforms(seeds, positions)
-    for other in (position_uniforms(seeds, positions + 1), position_uniforms(seeds + 1, positions)):
+    token = random.randrange(49152)
+    here = _uniforms(seeds, positions, token)
+    for other in (_uniforms(seeds, positions + 1, token), _uniforms(seeds + 1, positions, token),
+                  _uniforms(seeds, positions, token + 1)):  # fmt: skip
         cell = (here * 16).long() * 16 + (other * 16).long()
         counts = torch.bincount(cell, minlength=256).double()
         assert _chi2(counts) < _chi2_bound(255)
@@ -70,9 +90,17 @@ def test_neighbouring_positions_and_seeds_are_independent() -> None:
 
 def test_one_seed_never_repeats_a_uniform_soon_and_entropy_seeds_fit_the_range() -> None:
     seed = random.randrange(2**63)
-    u = position_uniforms(torch.full((4096,), seed), torch.arange(4096))
-    assert u.unique().numel() >= 4090  # 24-bit values: a few birthday collisions at most
+    u = _uniforms(torch.full((4096,), seed), torch.arange(4096))
+    assert u.unique().numel() >= 4090  # 23-bit values: a few birthday collisions at most
     assert all(0 <= entropy_seed() < 2**63 for _ in range(100))
+
+
+def test_exponentials_have_unit_mean_and_no_zero() -> None:
+    e = exponentials(
+        _uniforms(torch.randint(0, 2**63 - 1, (200_000,)), torch.zeros(200_000, dtype=torch.long))
+    )
+    assert (e > 0).all() and torch.isfinite(e).all()
+    assert abs(float(e.mean()) - 1) < 0.01 and abs(float(e.var()) - 1) < 0.03
 
 
 def test_a_random_seed_gives_unseeded_requests_one_sequence_of_seeds() -> None:

@@ -12,7 +12,7 @@ import torch
 from test_accept import _check_result, _random_parents
 
 from eagleserve.sampling.sampler import SamplingInfo
-from eagleserve.sampling.seeded_noise import position_uniforms
+from eagleserve.sampling.seeded_noise import exponentials, position_hashes, token_uniforms
 from eagleserve.spec.accept import AcceptResult, accept, verify_greedy
 
 FIELDS = ("accept_index", "accept_lens", "output_tokens", "bonus_tokens")
@@ -42,15 +42,13 @@ def _node_positions(parents: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
     return start[:, None] + depth
 
 
-def _reference_draw(probs: torch.Tensor, u: float) -> int:
-    """The first token whose cumulative mass exceeds u * total, summed in Python floats."""
-    probs_list = probs.double().tolist()
-    total, cum = sum(probs_list), 0.0
-    for tok, p in enumerate(probs_list):
-        cum += p
-        if cum > u * total and p > 0:
-            return tok
-    return max(range(len(probs_list)), key=probs_list.__getitem__)
+def _reference_draw(probs: torch.Tensor, seed: int, position: int) -> int:
+    """The race: the token of mass with the least exponential over its probability, in
+    Python floats."""
+    row = position_hashes(torch.tensor([seed]), torch.tensor([position]))
+    e = exponentials(token_uniforms(row, torch.arange(probs.numel())))[0].tolist()
+    keys = [e_t / p if p > 0 else math.inf for e_t, p in zip(e, probs.double().tolist())]
+    return min(range(len(keys)), key=keys.__getitem__)
 
 
 def _reference_walk(tokens, parents, probs, seed, positions) -> tuple[list[int], int]:
@@ -60,8 +58,7 @@ def _reference_walk(tokens, parents, probs, seed, positions) -> tuple[list[int],
     while True:
         cur = path[-1]
         # The target's choice after node cur sits one past it.
-        u = float(position_uniforms(torch.tensor([seed]), positions[cur : cur + 1] + 1)[0])
-        choice = _reference_draw(probs[cur], u)
+        choice = _reference_draw(probs[cur], seed, int(positions[cur]) + 1)
         kids = [c for c in range(len(tokens)) if parents[c] == cur and tokens[c] == choice]
         if not kids:
             return path, choice
