@@ -204,12 +204,13 @@ int64_t sample_row(const float* logits, int64_t V, float temperature, int64_t to
   if (!weights(logits, V, temperature, w)) return V - 1;  // no mass: the torch draw's
   Cut cut = top_k < V || top_p < 1.f ? top_k_top_p(w, V, top_k, top_p) : Cut{};
   cut.floor = min_p;  // the most likely token weighs 1
-  // The race starts from the most likely token (the first of the largest weight), which every
-  // filter keeps; a token that beats the best key k so far has W_t < k * w_t, tested with a
-  // margin for the product's rounding.
+  // A token can beat the best key k so far only where its uniform W_t < k * w_t (E_t >= W_t),
+  // and no uniform is below 2**-24: a chunk of eight whose kept weights all give k * w under
+  // that is skipped before its uniforms are hashed. The bound is tested with a margin for the
+  // product's rounding; the first kept tokens pass it (k starts infinite) until k settles.
   auto token = [&](int64_t i) -> int64_t { return columns != nullptr ? columns[i] : i; };
-  int64_t best = std::max_element(w, w + V) - w;
-  double best_key = race_key(token_uniform(h, token(best)), w[best]);
+  int64_t best = -1;
+  double best_key = std::numeric_limits<double>::infinity();
   auto challenge = [&](int64_t i, float uniform) {
     if (!cut.keeps(w[i], i)) return;
     const double key = race_key(uniform, w[i]);
@@ -217,14 +218,16 @@ int64_t sample_row(const float* logits, int64_t V, float temperature, int64_t to
   };
   // Every kept token of some weight is at least this (a token of weight 0 never wins).
   const __m256 lower = _mm256_set1_ps(std::max({cut.floor, cut.w_cut, 1e-45f}));
+  const __m256 least_uniform = _mm256_set1_ps(1.f / 16777216.f);
   const int64_t body = V - V % 8;
   for (int64_t i0 = 0; i0 < body; i0 += 8) {
     const __m256 x = _mm256_loadu_ps(w + i0);
-    const __m256 maybe_kept = _mm256_cmp_ps(x, lower, _CMP_GE_OQ);
-    if (_mm256_movemask_ps(maybe_kept) == 0) continue;
-    const __m256 u = token_uniforms8(h, i0, columns);
     const __m256 bound = _mm256_mul_ps(x, _mm256_set1_ps(static_cast<float>(best_key * 1.0001)));
-    int mask = _mm256_movemask_ps(_mm256_and_ps(maybe_kept, _mm256_cmp_ps(u, bound, _CMP_LE_OQ)));
+    const __m256 viable = _mm256_and_ps(_mm256_cmp_ps(x, lower, _CMP_GE_OQ),
+                                        _mm256_cmp_ps(bound, least_uniform, _CMP_GE_OQ));
+    if (_mm256_movemask_ps(viable) == 0) continue;
+    const __m256 u = token_uniforms8(h, i0, columns);
+    int mask = _mm256_movemask_ps(_mm256_and_ps(viable, _mm256_cmp_ps(u, bound, _CMP_LE_OQ)));
     if (mask == 0) continue;
     float lanes[8];
     _mm256_storeu_ps(lanes, u);
@@ -234,9 +237,11 @@ int64_t sample_row(const float* logits, int64_t V, float temperature, int64_t to
     }
   }
   for (int64_t i = body; i < V; ++i) {
+    if (w[i] <= 0.f) continue;
     const float u = token_uniform(h, token(i));
     if (u <= static_cast<float>(best_key * 1.0001) * w[i]) challenge(i, u);
   }
+  // The most likely token (weight 1) is kept by every filter: some token has a finite key.
   return best;
 }
 
