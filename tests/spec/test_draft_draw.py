@@ -8,14 +8,20 @@ import random
 
 import pytest
 import torch
-from eagle_head_formats import V, target_dir_fixture, target_fixture  # noqa: F401 (fixtures)
+from eagle_head_formats import V, target_dir_fixture, target_fixture
+from sampling_fixtures import PROMPT, head_dir, small_target
 
+from eagleserve import Engine, SamplingParams
 from eagleserve.kernels import cpu_ext
 from eagleserve.models.llama import LlamaForCausalLM
 from eagleserve.sampling.sampler import DrawKernel, SamplingInfo, sample
+from eagleserve.spec import accept, draft_extend
 from eagleserve.spec.draft_extend import DraftDraw, drawn_candidate, seed_from_logits
 from eagleserve.spec.eagle_head import EagleHead
 from eagleserve.spec.head_loader import init_eagle_head
+
+# Fixtures of eagle_head_formats and sampling_fixtures.
+__all__ = ["head_dir", "small_target", "target_dir_fixture", "target_fixture"]
 
 
 def _head(target: LlamaForCausalLM, draft_ids: torch.Tensor) -> EagleHead:
@@ -91,3 +97,35 @@ def test_greedy_rows_draft_their_argmax_and_the_draw_follows_the_position(
     moved = seed_from_logits(head, logits, feats, 1, DraftDraw(info, positions + 1))
     assert not torch.equal(moved.topk_index[~rows], seed.topk_index[~rows])
     assert torch.equal(moved.topk_index[rows], seed.topk_index[rows])
+
+
+def test_a_chains_drafts_are_drawn_where_its_verify_draws(
+    small_target: tuple[str, object], head_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Served: at every verify of a sampled request, the chain's k drafts were drawn on the
+    noise of exactly the positions the verify draws its first k nodes' choices at (an offset
+    there would leave them lossless but no better than independent draws)."""
+    drafted: list[int] = []
+    checked: list[tuple[list[int], list[int]]] = []
+    real_draw, real_sample = draft_extend.drawn_candidate, accept.sample
+
+    def record_draw(head, logits, draw):  # type: ignore[no-untyped-def]
+        drafted.extend(draw.positions.tolist())
+        return real_draw(head, logits, draw)
+
+    def record_verify(rows, info, at):  # type: ignore[no-untyped-def]
+        checked.append((sorted(drafted), sorted(at.tolist())[:-1]))
+        drafted.clear()
+        return real_sample(rows, info, at)
+
+    monkeypatch.setattr(draft_extend, "drawn_candidate", record_draw)
+    monkeypatch.setattr(accept, "sample", record_verify)
+    eng = Engine(model=small_target[0], device="cpu", speculative_algorithm="EAGLE",
+                 speculative_draft_model_path=head_dir, speculative_num_steps=3,
+                 speculative_eagle_topk=1, speculative_num_draft_tokens=4)  # fmt: skip
+    params = SamplingParams(max_new_tokens=24, temperature=1.0, seed=random.randrange(2**40),
+                            ignore_eos=True)  # fmt: skip
+    eng.generate([PROMPT], params)
+    assert len(checked) >= 4
+    for drafts, nodes in checked:
+        assert len(drafts) == 3 and drafts == nodes

@@ -47,7 +47,7 @@ def test_draft_loop_drafts_the_step_by_step_tokens(
     real = drafter.draft
     checked = []
 
-    def draft(batch: Any, info: Any, k: int, grammar: Any = None) -> Any:
+    def draft(batch: Any, info: Any, k: int, grammar: Any = None, sampling: Any = None) -> Any:
         L = batch.seq_lens
         fb = ForwardBatch(
             mode="draft",
@@ -66,7 +66,7 @@ def test_draft_loop_drafts_the_step_by_step_tokens(
         loop = (drafter.loops.chain if topk == 1 else drafter.loops.tree)(fb, extras, k)
         pool = drafter.kv_pool
         kv = [b.clone() for b in (*pool.k_buffer, *pool.v_buffer)]
-        tree = real(batch, info, k, grammar)  # rewrites the same head KV, slot for slot
+        tree = real(batch, info, k, grammar, sampling)  # rewrites the same head KV, slot for slot
         assert all(torch.equal(a, b) for a, b in zip(kv, (*pool.k_buffer, *pool.v_buffer)))
         if topk == 1:  # the chain's drafted tokens, after its root
             assert torch.equal(loop[2], tree.draft_tokens[:, 1:])
