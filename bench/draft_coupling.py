@@ -5,12 +5,12 @@ race on the target's per-token noise (what a chain drafts since spec/draft_exten
 `DraftDraw`), against the most any rule can reach, sum(min(p, q)).
 
 The served chain-3 engine (the packed default model and the built-in head) answers held-out
-MT-bench prompts at temperature 1 with per-request seeds; at every iteration the head's logits
-for its first draft and the target's verify row for the same position (the same committed
-context) are kept. Then for each sampling setting (temperature, top-p, top-k applied to both
-distributions, as a draft and the target apply them) the chance each rule drafts the target's
-token is computed exactly per pair (the race's by Monte Carlo over fresh exponentials), and
-averaged over the pairs.
+MT-bench prompts one at a time at temperature 1 with per-request seeds; at every iteration the
+head's logits for its first draft and the target's verify row for the same position (the same
+committed context) are kept. Then for each sampling setting (temperature, top-p, top-k applied
+to both distributions, as a draft and the target apply them) the chance each rule drafts the
+target's token is computed exactly per pair (the race's by Monte Carlo over fresh exponentials)
+and averaged over the pairs.
 
     python bench/draft_coupling.py [--prompts 6] [--new-tokens 96] [--samples 64]
         [--out draft_coupling.json]
@@ -70,7 +70,8 @@ def first_draft_pairs(prompts: int, new_tokens: int) -> list[tuple[torch.Tensor,
         qs = [data.chat_ids(eng.tokenizer, q) for q in data.mt_bench(prompts)]
         params = [SamplingParams(max_new_tokens=new_tokens, temperature=1.0, seed=500 + i,
                                  ignore_eos=True) for i in range(len(qs))]  # fmt: skip
-        eng.generate(qs, params)
+        for q, p in zip(qs, params):  # one at a time: each verify row 0 is the first draft's
+            eng.generate([q], p)
     finally:
         draft_extend.drawn_candidate, accept.sample = real_draw, real_sample  # type: ignore
     return pairs
