@@ -11,10 +11,9 @@
 //   keeps a token while the mass of the more likely ones is below top_p of the whole
 //   distribution (not of what top-k left), and always keeps the most likely token;
 // - the draw: the kept token with the least E_t / w_t (the lowest id on a tie), E_t = -log(1 -
-//   W_t) and W_t the uniform of (the row's position hash, t). The most likely token's key
-//   bounds the race from the start, and a token can only beat a bound k if W_t < k * w_t
-//   (E_t >= W_t): eight tokens' uniforms are hashed and compared at a time, and only the few
-//   that pass have their logarithm taken.
+//   W_t) and W_t the uniform of (the row's position hash, t). A token can only beat the best
+//   key k so far if W_t < k * w_t (E_t >= W_t): eight tokens' uniforms are hashed and compared
+//   at a time, and only the few that pass have their logarithm taken.
 //
 // The torch ops round differently (normalized fp32 probabilities, a top-p cut by sorted fp32
 // sums), so the two agree except where two keys or a top-p cut fall within rounding of each
@@ -201,7 +200,7 @@ int64_t sample_row(const float* logits, int64_t V, float temperature, int64_t to
   thread_local std::vector<float> buf;
   buf.resize(V);
   float* w = buf.data();
-  if (!weights(logits, V, temperature, w)) return V - 1;  // no mass: the torch draw's
+  if (!weights(logits, V, temperature, w)) return V - 1;  // no mass: as the torch draw
   Cut cut = top_k < V || top_p < 1.f ? top_k_top_p(w, V, top_k, top_p) : Cut{};
   cut.floor = min_p;  // the most likely token weighs 1
   // A token can beat the best key k so far only where its uniform W_t < k * w_t (E_t >= W_t),
