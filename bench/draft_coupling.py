@@ -31,6 +31,7 @@ from bench import data  # noqa: E402
 from bench.common import machine, machine_info, print_table, write_json  # noqa: E402
 from bench.gpu_table import chain  # noqa: E402
 from eagleserve import Engine, SamplingParams  # noqa: E402
+from eagleserve.sampling.sampler import SamplingInfo, logits_to_probs  # noqa: E402
 from eagleserve.spec import accept, draft_extend  # noqa: E402
 
 SETTINGS = {  # name -> (temperature, top_p, top_k or None)
@@ -78,18 +79,21 @@ def first_draft_pairs(prompts: int, new_tokens: int) -> list[tuple[torch.Tensor,
 
 
 def distribution(logits: torch.Tensor, t: float, top_p: float, top_k: int | None) -> torch.Tensor:
-    """The sampler's rule in fp64: temperature, then top-k, then top-p over the whole mass."""
-    p = torch.softmax(logits.double() / t, dim=-1)
-    order = p.argsort(descending=True)
-    s = p[order]
-    keep = torch.ones_like(s, dtype=torch.bool)
-    if top_k is not None:
-        keep[top_k:] = False
-    if top_p < 1.0:
-        keep &= ((s.cumsum(0) - s) < top_p) | (torch.arange(s.numel()) == 0)
-    out = torch.zeros_like(p)
-    out[order[keep]] = s[keep]
-    return out / out.sum()
+    """One row's distribution by the sampler's own rule (`logits_to_probs`: temperature, top-k,
+    top-p over the whole mass), normalized, in fp64."""
+    info = SamplingInfo(
+        temperatures=torch.full((1, 1), t),
+        top_ps=torch.tensor([top_p]),
+        top_ks=torch.tensor([top_k or logits.numel()]),
+        min_ps=torch.zeros(1),
+        is_greedy=[False],
+        seeds=torch.zeros(1, dtype=torch.long),
+        needs_top_k=top_k is not None,
+        needs_top_p=top_p < 1.0,
+        needs_min_p=False,
+    )
+    p = logits_to_probs(logits[None], info)[0].double()
+    return p / p.sum()
 
 
 def rule_rates(p: torch.Tensor, q: torch.Tensor, samples: int) -> dict[str, float]:
