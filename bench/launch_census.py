@@ -59,11 +59,11 @@ def name_graphs(census: LaunchCensus, worker: Any) -> None:
     drafter = getattr(worker, "drafter", None)
     if drafter is None:
         return
-    for k, g in drafter.loop_graphs.items():
-        census.names[id(g)] = f"draft loop (k={k})"
+    for (k, mode), g in drafter.loop_graphs.items():
+        census.names[id(g)] = f"draft loop (k={k}, {mode})"
     if drafter.extend_graphs is not None:
-        for w, g in drafter.extend_graphs.graphs.items():
-            census.names[id(g)] = f"seed extend (w={w})"
+        for (w, mode), g in drafter.extend_graphs.graphs.items():
+            census.names[id(g)] = f"seed extend (w={w}, {mode})"
     if drafter.graph is not None:
         census.names[id(drafter.graph)] = "draft step"
 

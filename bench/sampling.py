@@ -75,13 +75,16 @@ def torch_sampling(engine: Engine) -> Iterator[None]:
 @contextmanager
 def argmax_drafts(engine: Engine) -> Iterator[None]:
     """The engine's sampled requests drafting the head's argmax for a while: its drafter's
-    `_draw` (which makes their drafts draws) answers None, as for greedy rows."""
+    `_draw` (which makes their drafts draws) answers None, as for greedy rows, and its draft
+    graphs (an accelerator's) are those of greedy batches."""
     drafter = engine.scheduler.worker.drafter
     drafter._draw = lambda sampling, positions: None  # type: ignore[method-assign]
+    saved, drafter.draw_modes = drafter.draw_modes, ("argmax",)
     try:
         yield
     finally:
         del drafter._draw
+        drafter.draw_modes = saved
 
 
 def run(

@@ -49,8 +49,12 @@ class SamplingInfo:
     penalties: BatchPenalties | None = None
     # The model runner's choice (model_runner.py `draw_kernel`).
     draw_kernel: DrawKernel | None = None
-    # repeat_interleave's results by n: a batch's verifies reuse them while its membership holds.
+    # repeat_interleave's and packed's results by n: a batch's verifies and draft graphs reuse
+    # them while its membership holds.
     _per_node: dict[int, SamplingInfo] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
+    _packed: dict[int, PackedSampling] = field(
         default_factory=dict, init=False, repr=False, compare=False
     )
 
@@ -129,6 +133,18 @@ class SamplingInfo:
             self._per_node[n] = self._repeated(n)
         return self._per_node[n]
 
+    def packed(self, n: int = 1) -> PackedSampling:
+        """The rows' parameters in two tensors, each row repeated n times (a graph's rows per
+        request), made once per n."""
+        if n not in self._packed:
+            greedy = tensor_to(self.is_greedy, torch.bool, self.seeds.device)
+            floats = torch.stack([self.temperatures[:, 0], self.top_ps, self.min_ps], dim=1)
+            ints = torch.stack([self.top_ks, self.seeds, (~greedy).long()], dim=1)
+            self._packed[n] = PackedSampling(
+                floats.repeat_interleave(n, 0), ints.repeat_interleave(n, 0)
+            )
+        return self._packed[n]
+
     def _repeated(self, n: int) -> SamplingInfo:
         return SamplingInfo(
             self.temperatures.repeat_interleave(n, 0),
@@ -142,6 +158,15 @@ class SamplingInfo:
             self.needs_min_p,
             draw_kernel=self.draw_kernel,
         )
+
+
+@dataclass(frozen=True)
+class PackedSampling:
+    """A batch's sampling parameters in two device tensors, one row each (a device graph's
+    static inputs: two copies per replay where six tensors and a host list would not do)."""
+
+    floats: torch.Tensor  # [rows, 3] fp32: temperature (1 on a greedy row), top_p, min_p
+    ints: torch.Tensor  # [rows, 3] int64: top_k, seed, 1 on a sampled row and 0 on a greedy one
 
 
 # Candidates a CPU row's top-k / top-p filter looks among when torch's ops sample (no C++
@@ -277,6 +302,27 @@ def sample(
     out = greedy_ids(logits)
     out[idx] = _draw_sampled(logits[idx], sub, positions[idx], columns)
     return out
+
+
+def sample_packed(
+    logits: torch.Tensor,
+    packed: PackedSampling,
+    positions: torch.Tensor,
+    columns: torch.Tensor | None,
+    filtered: bool,
+    draw_kernel: DrawKernel | None,
+) -> torch.Tensor:
+    """`sample` of rows whose parameters are `packed`, with nothing read on the host (inside a
+    device graph): every row is drawn and a greedy row's argmax taken in its place. `filtered`
+    False: no row filters by top-k or top-p (min-p is always applied: a 0 changes nothing). A
+    row's token is `sample`'s, since a filter a row does not ask for keeps every weight."""
+    f, i = packed.floats, packed.ints
+    info = SamplingInfo(temperatures=f[:, 0:1], top_ps=f[:, 1], top_ks=i[:, 0], min_ps=f[:, 2],
+                        is_greedy=[False] * logits.shape[0], seeds=i[:, 1],
+                        needs_top_k=filtered, needs_top_p=filtered, needs_min_p=True,
+                        draw_kernel=draw_kernel)  # fmt: skip
+    drawn = _draw_sampled(logits, info, positions, columns)
+    return torch.where(i[:, 2] != 0, drawn, greedy_ids(logits))
 
 
 def top_logprobs(

@@ -155,7 +155,7 @@ def _part_times(
 
     def draft_loop(k: int) -> Callable[[], object]:
         """The k-step draft as its loop graph replays it (drafter.draft)."""
-        loop, topk = drafter.loop_graphs[k], drafter.spec.eagle_topk
+        loop, topk = drafter.loop_graphs[k, "argmax"], drafter.spec.eagle_topk
         seed = (torch.rand(bs, topk, device=dev, dtype=runner.dtype),
                 torch.randint(0, runner.config.vocab_size, (bs, topk), device=dev),
                 torch.randn(bs, hidden, device=dev, dtype=runner.dtype))  # fmt: skip
@@ -189,7 +189,8 @@ def _part_times(
     for k in choices:
         if k:
             pieces["extend", k + 1] = extend(k + 1)
-        if k in drafter.loop_graphs and bs <= drafter.loop_graphs[k].max_bs:
+        loop = drafter.loop_graphs.get((k, "argmax"))
+        if loop is not None and bs <= loop.max_bs:
             pieces["draft loop", k] = draft_loop(k)
     # Tree branches run side by side (topk rows per request; the causal mask of this timing
     # costs about what the region mask does).

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -24,7 +25,13 @@ from eagleserve.layers.attention import AttentionBackend
 from eagleserve.layers.forward_batch import ForwardBatch, HostLens, forward_context
 from eagleserve.mem_cache.kv_cache import TokenToKVPool
 from eagleserve.model_executor.cuda_graph_runner import GraphedForward
-from eagleserve.sampling.sampler import SamplingInfo, sample
+from eagleserve.sampling.sampler import (
+    DrawKernel,
+    PackedSampling,
+    SamplingInfo,
+    sample,
+    sample_packed,
+)
 from eagleserve.spec.eagle_head import EagleHead
 
 logger = logging.getLogger(__name__)
@@ -112,9 +119,48 @@ class DraftDraw:
     info: SamplingInfo  # one row per seed row
     positions: torch.Tensor  # [rows] int64: where each drafted token will sit
 
+    @property
+    def all_greedy(self) -> bool:
+        return self.info.all_greedy
+
+    def columns(self, logits: torch.Tensor, column_ids: torch.Tensor | None) -> torch.Tensor:
+        """Each row's drawn column of `logits` (column_ids: their target ids)."""
+        return sample(logits, self.info, self.positions, column_ids)
+
+
+# How a chain's drafts are chosen inside a device graph, one graph per mode: the head's argmax
+# (every row greedy), or sampled rows drawn (`GraphDraftDraw`) with no row filtering by top-k or
+# top-p, or with filters (a sort of each row).
+DrawMode = Literal["argmax", "drawn", "drawn_filtered"]
+
+
+def draw_mode(sampling: SamplingInfo | None) -> DrawMode:
+    """The graph a batch with these sampling parameters drafts in."""
+    if sampling is None or sampling.all_greedy:
+        return "argmax"
+    return "drawn_filtered" if sampling.needs_top_k or sampling.needs_top_p else "drawn"
+
+
+@dataclass(frozen=True)
+class GraphDraftDraw:
+    """`DraftDraw` inside a device graph: the parameters are the graph's static inputs
+    (`PackedSampling`), every row is drawn and a greedy row takes its argmax instead, nothing
+    is read on the host. Each row drafts `DraftDraw`'s token (`sample_packed`)."""
+
+    packed: PackedSampling
+    positions: torch.Tensor
+    filtered: bool  # a row may filter by top-k / top-p (DrawMode "drawn_filtered")
+    kernel: DrawKernel | None
+
+    all_greedy = False
+
+    def columns(self, logits: torch.Tensor, column_ids: torch.Tensor | None) -> torch.Tensor:
+        return sample_packed(logits, self.packed, self.positions, column_ids, self.filtered,
+                             self.kernel)  # fmt: skip
+
 
 def drawn_candidate(
-    head: EagleHead, logits: torch.Tensor, draw: DraftDraw
+    head: EagleHead, logits: torch.Tensor, draw: DraftDraw | GraphDraftDraw
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(probability [rows, 1] fp32, target id [rows, 1]) of each row's `draw` from head logits
     [rows, Vd]: the race over the draft vocabulary, each token on the exponential the target's
@@ -122,7 +168,7 @@ def drawn_candidate(
     columns = head.target_ids  # None: an EAGLE-1 head's vocabulary is the target's
     if columns is None and head.algorithm == "EAGLE3":
         columns = head.to_target_ids(torch.arange(logits.shape[1], device=logits.device))
-    ids = sample(logits, draw.info, draw.positions, columns)[:, None]
+    ids = draw.columns(logits, columns)[:, None]
     x = logits.float()
     return (x.gather(1, ids) - x.logsumexp(dim=-1, keepdim=True)).exp(), head.to_target_ids(ids)
 
@@ -132,12 +178,12 @@ def seed_from_logits(
     logits: torch.Tensor,
     features: torch.Tensor,
     topk: int,
-    draw: DraftDraw | None = None,
+    draw: DraftDraw | GraphDraftDraw | None = None,
 ) -> EagleDraftInput:
     """The next draft's seed: the head's top-k (target ids) and the features it continues from;
     for a chain with sampled rows and `draw`, those rows' drawn drafts (`DraftDraw`). A
     chain's on a head on the fused kernels: one launch (kernels/triton_top1.py), the same ids."""
-    if draw is not None and topk == 1 and not draw.info.all_greedy:
+    if draw is not None and topk == 1 and not draw.all_greedy:
         topk_p, target_ids = drawn_candidate(head, logits, draw)
         return EagleDraftInput(topk_p, target_ids, features)
     if topk == 1 and head.fused_kernels and head.target_ids is not None:
@@ -149,11 +195,36 @@ def seed_from_logits(
     return EagleDraftInput(topk_p, head.to_target_ids(topk_ids), features)
 
 
+def draw_extras(mode: DrawMode) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """A draft graph's static inputs for drafting in `mode`: none for the argmax, the
+    `PackedSampling` of each row otherwise."""
+    if mode == "argmax":
+        return {}
+    return {"draw_f": ((3,), torch.float32), "draw_i": ((3,), torch.long)}
+
+
+def graph_draw(
+    mode: DrawMode,
+    extras: dict[str, torch.Tensor],
+    rows: int,
+    stride: int,
+    positions: torch.Tensor,
+    kernel: DrawKernel | None,
+) -> GraphDraftDraw | None:
+    """The draw of a graph captured for `mode` (None: the argmax) over its first `rows` rows:
+    the packed parameters of every `stride`-th row of its extras (a request's first)."""
+    if mode == "argmax":
+        return None
+    f, i = (extras[k][: rows * stride : stride] for k in ("draw_f", "draw_i"))
+    return GraphDraftDraw(PackedSampling(f, i), positions, mode == "drawn_filtered", kernel)
+
+
 class DraftExtendGraphs:
-    """One device graph per path width (draft depth + 1) of the seed extend after a verify:
-    inputs the path rows (ids, positions, slots), the requests' slots and committed lengths,
-    the target features and each row's request accept length; outputs the seed (top-`topk`
-    probabilities and target ids, next features) per request."""
+    """One device graph per path width (draft depth + 1) and draw mode of the seed extend after
+    a verify: inputs the path rows (ids, positions, slots), the requests' slots and committed
+    lengths, the target features, each row's request accept length and, for a drawn mode, its
+    sampling parameters; outputs the seed (top-`topk` probabilities and target ids, next
+    features) per request."""
 
     def __init__(
         self,
@@ -165,8 +236,11 @@ class DraftExtendGraphs:
         max_bs: int,
         dtype: torch.dtype,
         topk: int = 1,
+        modes: tuple[DrawMode, ...] = ("argmax",),
+        draw_kernel: DrawKernel | None = None,
     ) -> None:
         self.head, self.attn_backend, self.topk = head, attn_backend, topk
+        self.draw_kernel = draw_kernel
         extras = {"features": ((head.feature_size,), dtype), "accept_lens": ((), torch.long)}
         # Constants of the row bookkeeping, made before any capture (a graph only reads them):
         # the path steps 0..width-1, each request's row before its path (b * width - 1), and
@@ -175,18 +249,19 @@ class DraftExtendGraphs:
         self.row_base = {w: torch.arange(max_bs, device=device) * w - 1 for w in widths}
         self.ones = torch.ones(max_bs, dtype=torch.long, device=device)
         self.graphs = {
-            w: GraphedForward(
-                self.path_seed,
+            (w, mode): GraphedForward(
+                lambda fb, ex, mode=mode: self.path_seed(fb, ex, mode),
                 "extend",
                 kv_pool,
                 attn_backend,
                 device,
                 max_bs,
                 w,
-                extra_shapes=extras,
+                extra_shapes=extras | draw_extras(mode),
                 own_context=False,  # the write and the last rows each open their own
             )  # fmt: skip
             for w in widths
+            for mode in modes
         }
 
     def capture(self) -> None:
@@ -194,13 +269,13 @@ class DraftExtendGraphs:
             graph.capture()
 
     def path_seed(
-        self, fb: ForwardBatch, extras: dict[str, torch.Tensor]
+        self, fb: ForwardBatch, extras: dict[str, torch.Tensor], mode: DrawMode = "argmax"
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """`last_rows_forward` over a fixed-shape path extend (`width` rows per request) and
-        its seed, with nothing read from the host: the last rows come from the accept lengths
-        on the device, and their attention metadata from the static buffers where the backend
-        has them. A bucket's padding rows have accept length 0: taken as 1 (slot 0, an empty
-        prefix), so they read valid memory."""
+        its seed (drafted in `mode`), with nothing read from the host: the last rows come from
+        the accept lengths on the device, and their attention metadata from the static buffers
+        where the backend has them. A bucket's padding rows have accept length 0: taken as 1
+        (slot 0, an empty prefix), so they read valid memory."""
         width, bs = fb.host.max_extend, fb.batch_size
         a = extras["accept_lens"].view(bs, width)[:, 0].clamp(min=1)
         # `mask_path_rows` on the constants: padding requests' rows hold slot 0 already; a
@@ -231,18 +306,33 @@ class DraftExtendGraphs:
         with forward_context(last):
             self.head.write_kv(ids, g, fb.positions, loc)
             logits, next_feats = self.head(last.input_ids, g[last_rows], last.positions)
-        seed = seed_from_logits(self.head, logits, next_feats, self.topk)
+        # The last row's draft sits one past the row after it (as `extend` draws it).
+        draw = graph_draw(mode, extras, bs, width, committed + 2, self.draw_kernel)
+        seed = seed_from_logits(self.head, logits, next_feats, self.topk, draw)
         return seed.topk_p, seed.topk_index, seed.hidden_states
 
-    def replay(self, fb: ForwardBatch, features: torch.Tensor) -> EagleDraftInput | None:
-        """The seed of the path extend `fb` (the head's KV and backend), or None when no graph
-        computes it (another width, a larger batch, rows not `width` per request). The seed
-        is copied out: a later replay overwrites the graph's outputs."""
+    def replay(
+        self,
+        fb: ForwardBatch,
+        features: torch.Tensor,
+        mode: DrawMode = "argmax",
+        sampling: SamplingInfo | None = None,
+    ) -> EagleDraftInput | None:
+        """The seed of the path extend `fb` (the head's KV and backend), drafted in `mode`
+        (a drawn one with the batch's `sampling`), or None when no graph computes it (another
+        width or mode, a larger batch, rows not `width` per request). The seed is copied out:
+        a later replay overwrites the graph's outputs."""
         width, bs = fb.host.max_extend, fb.batch_size
-        graph = self.graphs.get(width)
+        graph = self.graphs.get((width, mode))
         if graph is None or not 0 < bs <= graph.max_bs or fb.input_ids.shape[0] != bs * width:
             return None
         accept_lens = fb.extend_lens.repeat_interleave(width)
-        out = graph.replay(fb, features=features, accept_lens=accept_lens)
+        if mode == "argmax":
+            out = graph.replay(fb, features=features, accept_lens=accept_lens)
+        else:
+            assert sampling is not None
+            p = sampling.packed(width)
+            out = graph.replay(fb, features=features, accept_lens=accept_lens, draw_f=p.floats,
+                               draw_i=p.ints)  # fmt: skip
         topk_p, topk_index, hidden = (o[:bs].clone() for o in out)  # per request, not per row
         return EagleDraftInput(topk_p, topk_index, hidden)

@@ -4,9 +4,10 @@ metadata come from device tensors (static metadata where the backend has it), so
 loop reads the host; eager, the same draft launches every step's ops from the host.
 
 Inputs (a GraphedForward of one token per request): the seed as extras (topk_p, topk_index
-[bs, topk], hidden [bs, h]), the requests' slots and committed lengths L (prefix_lens) and their
-bound (host.max_kv), and for a tree the bonus tokens (input_ids). Outputs: a chain's DraftTree
-tensors; a tree's verify tree (TreeInfo's tensors).
+[bs, topk], hidden [bs, h]), for a chain's drawn modes the requests' sampling parameters
+(draft_extend.py `draw_extras`), the requests' slots and committed lengths L (prefix_lens) and
+their bound (host.max_kv), and for a tree the bonus tokens (input_ids). Outputs: a chain's
+DraftTree tensors; a tree's verify tree (TreeInfo's tensors).
 """
 
 from __future__ import annotations
@@ -21,7 +22,14 @@ from eagleserve.layers.attention import AttentionBackend
 from eagleserve.layers.forward_batch import ForwardBatch, HostLens, forward_context
 from eagleserve.mem_cache.kv_cache import TokenToKVPool
 from eagleserve.model_executor.cuda_graph_runner import GraphedForward
-from eagleserve.spec.draft_extend import seed_from_logits
+from eagleserve.sampling.sampler import DrawKernel
+from eagleserve.spec.draft_extend import (
+    DrawMode,
+    GraphDraftDraw,
+    draw_extras,
+    graph_draw,
+    seed_from_logits,
+)
 from eagleserve.spec.draft_tree import draft_chain, draft_tree
 from eagleserve.spec.eagle_head import EagleHead
 from eagleserve.spec.tree import Topk1ChainBuffers, build_tree
@@ -145,8 +153,10 @@ class DraftLoops:
         num_draft_tokens: int,
         chain_buffers: dict[int, Topk1ChainBuffers],
         num_steps: int,
+        draw_kernel: DrawKernel | None = None,
     ) -> None:
         self.head, self.kv_pool, self.attn_backend = head, kv_pool, attn_backend
+        self.draw_kernel = draw_kernel
         self.req_to_token = req_to_token
         self.topk, self.num_draft_tokens = topk, num_draft_tokens
         self.chain_buffers = chain_buffers
@@ -159,46 +169,68 @@ class DraftLoops:
         return draft_rows(fb, self.req_to_token, self.offsets, steps)
 
     def graph(
-        self, k: int, max_bs: int, dtype: torch.dtype, device: torch.device
+        self,
+        k: int,
+        max_bs: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        mode: DrawMode = "argmax",
     ) -> GraphedForward:
-        """A graph of the k-step draft (uncaptured)."""
+        """A graph of the k-step draft (uncaptured); a chain's drafted in `mode`."""
         h, topk = self.head.hidden_size, self.topk
         extras = {"topk_p": ((topk,), dtype), "topk_index": ((topk,), torch.long),
-                  "hidden": ((h,), dtype)}  # fmt: skip
+                  "hidden": ((h,), dtype)} | draw_extras(mode)  # fmt: skip
         run: Callable[..., tuple[torch.Tensor, ...]] = self.chain if topk == 1 else self.tree
         return GraphedForward(
-            lambda fb, ex: run(fb, ex, k), "draft", self.kv_pool, self.attn_backend, device,
+            lambda fb, ex: run(fb, ex, k, mode), "draft", self.kv_pool, self.attn_backend, device,
             max_bs, 1, extra_shapes=extras,
             own_context=False,  # each of the k steps opens its own forward context
         )  # fmt: skip
 
-    def _seed(self, sfb: ForwardBatch, ids: torch.Tensor, feats: torch.Tensor) -> LoopOutputs:
-        """One head step over `sfb` (its metadata built here) and its top-k."""
+    def _seed(
+        self,
+        sfb: ForwardBatch,
+        ids: torch.Tensor,
+        feats: torch.Tensor,
+        draw: Callable[[torch.Tensor], GraphDraftDraw | None] = lambda _: None,
+    ) -> LoopOutputs:
+        """One head step over `sfb` (its metadata built here) and its top-k, or the chain's
+        draw at the positions of its drafts (`draw`, from the step's positions)."""
         if self.static:
             self.attn_backend.init_forward_metadata_static(sfb)  # type: ignore[attr-defined]
         with forward_context(sfb):
             logits, next_feats = self.head(ids, feats, sfb.positions)
-        seed = seed_from_logits(self.head, logits, next_feats, self.topk)
+        seed = seed_from_logits(self.head, logits, next_feats, self.topk, draw(sfb.positions))
         return seed.topk_p, seed.topk_index, seed.hidden_states
 
-    def chain(self, fb: ForwardBatch, extras: dict[str, torch.Tensor], k: int) -> LoopOutputs:
-        """The k-step chain draft (`draft_chain`). A graph passes the longest row as the
-        bound of the committed lengths (its static metadata covers every length)."""
+    def chain(
+        self, fb: ForwardBatch, extras: dict[str, torch.Tensor], k: int, mode: DrawMode = "argmax"
+    ) -> LoopOutputs:
+        """The k-step chain draft (`draft_chain`), drafted in `mode`. A graph passes the
+        longest row as the bound of the committed lengths (its static metadata covers every
+        length)."""
 
         rows = self.rows(fb, k - 1)
-        width = self.req_to_token.shape[1]
+        width, bs = self.req_to_token.shape[1], fb.batch_size
+
+        def draw(positions: torch.Tensor) -> GraphDraftDraw | None:
+            # A step's row at position p holds the draft at p + 1 and proposes the one at p + 2.
+            return graph_draw(mode, extras, bs, 1, positions + 2, self.draw_kernel)
 
         def step(ids: torch.Tensor, feats: torch.Tensor, depth: int, *_: object) -> LoopOutputs:
             sfb = chain_step_batch(fb, rows, ids, depth, self.static, width)
-            return self._seed(sfb, ids, feats)
+            return self._seed(sfb, ids, feats, draw)
 
         info = EagleDraftInput(extras["topk_p"], extras["topk_index"], extras["hidden"])
         tree = draft_chain(info, k, step, self.chain_buffers[k])
         return tree.parent_list, tree.top_scores_index, tree.draft_tokens
 
-    def tree(self, fb: ForwardBatch, extras: dict[str, torch.Tensor], k: int) -> TreeOutputs:
+    def tree(
+        self, fb: ForwardBatch, extras: dict[str, torch.Tensor], k: int, mode: DrawMode = "argmax"
+    ) -> TreeOutputs:
         """The k-step top-k tree draft (`draft_tree`) and the verify tree built from it, rooted
-        at the bonus tokens `fb.input_ids`."""
+        at the bonus tokens `fb.input_ids`. A tree drafts its top-k (`mode` the argmax)."""
+        assert mode == "argmax", "a tree's branches are its top-k: nothing is drawn"
 
         rows, width = self.rows(fb, k - 1), self.req_to_token.shape[1]
 

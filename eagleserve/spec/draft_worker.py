@@ -35,6 +35,8 @@ from eagleserve.spec.adaptive import acceptance_prior
 from eagleserve.spec.draft_extend import (
     DraftDraw,
     DraftExtendGraphs,
+    DrawMode,
+    draw_mode,
     last_rows_forward,
     seed_from_logits,
 )
@@ -116,24 +118,32 @@ class EagleDraftWorker:
             k: Topk1ChainBuffers(max(graph_bs, args.max_running_requests), k, k + 1, device)
             for k in (chain_lengths if spec.is_chain else ())
         }
-        # The whole k-step draft, chain or tree, as one graph per k (a chain's per-step graph
-        # above replays k times with eager ops between; a tree has no other graph).
-        # EAGLESERVE_DISABLE_DRAFT_LOOP_GRAPH=1 keeps the steps.
+        # The whole k-step draft, chain or tree, as one graph per k and draw mode (a chain's
+        # per-step graph above replays k times with eager ops between; a tree has no other
+        # graph). EAGLESERVE_DISABLE_DRAFT_LOOP_GRAPH=1 keeps the steps.
+        graphs_on = target.graphs_enabled(args)
+        self.draw_modes = self._graph_draw_modes()
         self.loops = DraftLoops(self.head, self.kv_pool, self.attn_backend, self.req_to_token,
                                 spec.eagle_topk, spec.num_draft_tokens, self.chain_buffers,
-                                spec.num_steps)  # fmt: skip
-        self.loop_graphs: dict[int, GraphedForward] = {}
-        graphs_on = target.graphs_enabled(args)
+                                spec.num_steps, target.draw_kernel)  # fmt: skip
+        self.loop_graphs: dict[tuple[int, DrawMode], GraphedForward] = {}
         if graphs_on and os.environ.get("EAGLESERVE_DISABLE_DRAFT_LOOP_GRAPH") != "1":
+            t1 = time.perf_counter()
             try:
                 for k in chain_lengths if spec.is_chain else (spec.num_steps,):
-                    if k > 1:  # one step drafts from the seed alone: no head forward
-                        self.loop_graphs[k] = self.loops.graph(k, graph_bs, target.dtype, device)
-                        self.loop_graphs[k].capture()
+                    for mode in self.draw_modes:
+                        if k > 1:  # one step drafts from the seed alone: no head forward
+                            graph = self.loops.graph(k, graph_bs, target.dtype, device, mode)
+                            graph.capture()
+                            self.loop_graphs[k, mode] = graph
             except Exception:  # the eager steps still serve; tests/spec/test_gpu_paths.py
                 logger.exception("capturing the draft loop failed: drafting step by step")
                 self.loop_graphs = {}
-        # The seed extend after each verify as one graph per path width (draft_extend.py).
+            logger.info("start-up: %d draft loop graphs (draws: %s) captured in %.2f s",
+                        len(self.loop_graphs), ", ".join(self.draw_modes),
+                        time.perf_counter() - t1)  # fmt: skip
+        # The seed extend after each verify as one graph per path width and draw mode
+        # (draft_extend.py).
         self.extend_graphs: DraftExtendGraphs | None = None
         # A head of several layers extends eagerly: its graph writes K/V as a one-layer head's.
         extend_graphs = graphs_on and not self.head.upper_layers
@@ -141,8 +151,8 @@ class EagleDraftWorker:
             # A tree's accepted path is at most its draft steps deep (accept()'s max_depth).
             widths = [k + 1 for k in chain_lengths] if spec.is_chain else [spec.num_steps + 1]
             graphs = DraftExtendGraphs(self.head, self.kv_pool, self.attn_backend, device,
-                                       widths, graph_bs, target.dtype,
-                                       spec.eagle_topk)  # fmt: skip
+                                       widths, graph_bs, target.dtype, spec.eagle_topk,
+                                       self.draw_modes, target.draw_kernel)  # fmt: skip
             try:
                 graphs.capture()
                 self.extend_graphs = graphs
@@ -154,6 +164,22 @@ class EagleDraftWorker:
             if spec.adaptive
             else None
         )
+
+    def _graph_draw_modes(self) -> tuple[DrawMode, ...]:
+        """The draw modes the draft graphs are captured for: a chain's sampled requests draft
+        in graphs of their own (`DraftDraw`), unless EAGLESERVE_DISABLE_DRAWN_DRAFT_GRAPHS=1
+        (their graphs then draft the argmax, as a tree's always do)."""
+        if (
+            self.spec.eagle_topk != 1
+            or os.environ.get("EAGLESERVE_DISABLE_DRAWN_DRAFT_GRAPHS") == "1"
+        ):
+            return ("argmax",)
+        return ("argmax", "drawn", "drawn_filtered")
+
+    def _graph_mode(self, sampling: SamplingInfo | None) -> DrawMode:
+        """The draw mode of the graphs a batch with this `sampling` drafts in."""
+        mode = draw_mode(sampling)
+        return mode if mode in self.draw_modes else "argmax"
 
     def _masked(self, logits: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
         """Head logits [rows, Vd] with a grammar mask [rows, V] (target ids) applied, so the
@@ -179,7 +205,7 @@ class EagleDraftWorker:
         sampled rows' drafts drawn (`DraftDraw`) given their `sampling` (one row per request).
         `last_rows` None: a fixed-shape path extend as the verify left it (mask_path_rows)."""
         if allowed is None and self.extend_graphs is not None:
-            seed = self.extend_graphs.replay(fb, features)
+            seed = self.extend_graphs.replay(fb, features, self._graph_mode(sampling), sampling)
             if seed is not None:
                 return seed
         logits, feats = self.extend_forward(fb, features, last_rows)
@@ -287,7 +313,8 @@ class EagleDraftWorker:
         bonus tokens batch.input_ids; batch.seq_lens are the committed lengths L. With
         `grammar`, each branch's top-k is masked by the grammar after its own path (host reads
         of the paths: one sync per step). A chain run step by step draws its sampled rows'
-        drafts (`DraftDraw`, given the batch's `sampling`); a loop graph's drafts are top-1."""
+        drafts (`DraftDraw`, given the batch's `sampling`), as does a chain's loop graph of its
+        draw mode."""
         spec = self.spec
         assert batch.seq_lens_cpu is not None, "drafting needs the scheduler's host seq lens"
         L = batch.seq_lens
@@ -305,11 +332,16 @@ class EagleDraftWorker:
         )
 
         track = grammar is not None
-        loop = None if track else self.loop_graphs.get(num_steps)
+        mode = self._graph_mode(sampling)
+        loop = None if track else self.loop_graphs.get((num_steps, mode))
         if loop is not None and batch.batch_size <= loop.max_bs:
-            out = loop.replay(
-                base, topk_p=info.topk_p, topk_index=info.topk_index, hidden=info.hidden_states
-            )
+            drawn = {}
+            if mode != "argmax":
+                assert sampling is not None
+                p = sampling.packed()
+                drawn = {"draw_f": p.floats, "draw_i": p.ints}
+            out = loop.replay(base, topk_p=info.topk_p, topk_index=info.topk_index,
+                              hidden=info.hidden_states, **drawn)  # fmt: skip
             # A tree's loop built its verify tree; a chain's is one concatenation.
             return build_chain(batch.input_ids, out[2]) if spec.is_chain else TreeInfo(*out)
         rows = self.loops.rows(base, num_steps - 1)  # the graph makes its own

@@ -157,3 +157,45 @@ def test_filtering_among_candidates_equals_sorting_whole_rows(monkeypatch) -> No
     assert torch.equal(got, sampler._top_k_top_p(probs.clone(), top_ks, top_ps))
     kept = (got > 0).sum(-1)
     assert (kept <= 256).any() and ((kept > 256) & (kept <= 4096)).any() and (kept > 4096).any()
+
+
+def _mixed_reqs(n: int, filtered: bool) -> list[Req]:
+    """Requests of random sampling parameters, some greedy; top-k / top-p only if `filtered`."""
+    reqs = []
+    for i in range(n):
+        if random.random() < 0.3:
+            params = SamplingParams(temperature=0.0)
+        else:
+            params = SamplingParams(
+                temperature=random.uniform(0.3, 1.5),
+                top_p=random.choice([1.0, 0.9, 0.5]) if filtered else 1.0,
+                top_k=random.choice([-1, 5, 40]) if filtered else -1,
+                min_p=random.choice([0.0, 0.0, 0.1]),
+                seed=random.randrange(2**40),
+            )
+        reqs.append(Req(str(i), [1, 2, 3], params, sampling_seed=params.seed))
+    return reqs
+
+
+def test_a_graphs_packed_draw_is_the_samplers() -> None:
+    """`sample_packed` (inside a draft graph: every row drawn, greedy rows' argmax taken, no
+    host list) picks the token `sample` picks for every row, greedy or sampled, with or without
+    filters, each row repeated as a graph's per-token rows hold it; on every draw path a CPU
+    has."""
+    kernels = [None, "cpu"] if sampler.cpu_ext.load() else [None]
+    for kernel in kernels:
+        for filtered in (False, True):
+            reqs = _mixed_reqs(24, filtered)
+            info = SamplingInfo.from_reqs(reqs, 97, torch.device("cpu"), draw_kernel=kernel)
+            logits = torch.randn(24, 97) * torch.rand(24, 1) * 5
+            at = torch.randint(0, 2**31, (24,))
+            columns = torch.randperm(5000)[:97]
+            want = sample(logits, info, at, columns)
+            packed = info.packed(3)  # three rows per request; the graph reads the first
+            first = sampler.PackedSampling(packed.floats[::3], packed.ints[::3])
+            assert torch.equal(packed.floats[1::3], first.floats)
+            got = sampler.sample_packed(logits, first, at, columns, filtered, kernel)
+            assert torch.equal(got, want)
+            greedy = torch.tensor([r.sampling_params.is_greedy for r in reqs])
+            assert torch.equal(got[greedy], logits[greedy].argmax(-1))
+            assert info.packed(3) is packed  # made once per batch membership

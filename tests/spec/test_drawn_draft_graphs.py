@@ -1,0 +1,120 @@
+"""A chain's drafts for sampled requests drawn inside the device graphs (spec/draft_extend.py
+`GraphDraftDraw`, one draft-loop and seed-extend graph per draw mode), run on a CPU through the
+graph stand-in (graph_standin.py) under the Triton interpreter: every verify sees the drafts the
+eager path draws for the same batch, the graphs of the batch's mode are the ones replayed, and
+the output stays the target's own for each seed."""
+
+from __future__ import annotations
+
+import os
+import random
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+if torch.cuda.is_available():  # the real path runs there: tests/spec/test_gpu_paths.py
+    pytest.skip("a CPU stand-in for a GPU's graphs", allow_module_level=True)
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
+pytest.importorskip("triton")
+
+from graph_standin import ReplayCount, graphs_on_cpu  # noqa: E402
+from lossless_fixtures import VOCAB, heads, target_dir  # noqa: E402
+
+from eagleserve import Engine, SamplingParams  # noqa: E402
+from eagleserve.spec import draft_worker  # noqa: E402
+
+__all__ = ["heads", "target_dir"]  # module-scoped fixtures of lossless_fixtures
+
+CHAIN3 = dict(speculative_num_steps=3, speculative_eagle_topk=1, speculative_num_draft_tokens=4)
+
+
+@pytest.fixture
+def graphs(monkeypatch: pytest.MonkeyPatch) -> Iterator[ReplayCount]:
+    with graphs_on_cpu(monkeypatch) as count:
+        yield count
+
+
+def _engine(target_dir: str, **kw: object) -> Engine:
+    eng = Engine(model=target_dir, device="cpu", max_total_tokens=256, max_running_requests=3,
+                 attention_backend="triton", disable_overlap_schedule=True,
+                 disable_radix_cache=True, **kw)  # fmt: skip
+    worker = eng.scheduler.worker
+    if hasattr(worker, "paths"):
+        worker.paths.fixed_shape = True  # as on an accelerator: every path row runs
+    return eng
+
+
+def _batches() -> list[tuple[str, list[SamplingParams]]]:
+    """Two batches of three requests: seeded sampling without filters beside a greedy row
+    (the "drawn" graphs), and with top-p / top-k filters (the "drawn_filtered" ones)."""
+    seed = lambda: random.randrange(2**40)  # noqa: E731
+    base = dict(max_new_tokens=10, ignore_eos=True)
+    return [
+        ("drawn", [SamplingParams(temperature=0.0, **base),
+                   SamplingParams(temperature=1.0, seed=seed(), **base),
+                   SamplingParams(temperature=0.7, min_p=0.05, seed=seed(), **base)]),
+        ("drawn_filtered", [SamplingParams(temperature=0.8, top_p=0.9, seed=seed(), **base),
+                            SamplingParams(temperature=1.2, top_k=20, seed=seed(), **base),
+                            SamplingParams(temperature=0.0, **base)]),
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("head", ["EAGLE", "EAGLE3"])
+def test_sampled_drafts_in_graphs_are_the_eager_draws(
+    target_dir: str,
+    heads: dict[str, str],
+    graphs: ReplayCount,
+    monkeypatch: pytest.MonkeyPatch,
+    head: str,
+) -> None:
+    drafts: list[list[list[int]]] = []
+    real_build = draft_worker.build_chain
+
+    def record(bonus: torch.Tensor, draft_tokens: torch.Tensor) -> object:
+        drafts.append(draft_tokens.tolist())
+        return real_build(bonus, draft_tokens)
+
+    monkeypatch.setattr(draft_worker, "build_chain", record)
+    rng = random.Random()
+    prompts = [[rng.randrange(1, VOCAB - 1) for _ in range(rng.randrange(3, 9))] for _ in range(3)]
+    batches = _batches()
+    spec = dict(speculative_algorithm=head, speculative_draft_model_path=heads[head], **CHAIN3)
+
+    def run(eng: Engine) -> tuple[list[list[int]], list[list[list[int]]]]:
+        drafts.clear()
+        out = [o["token_ids"] for _, ps in batches for o in eng.generate(prompts, ps)]
+        return out, list(drafts)
+
+    target_only, _ = run(_engine(target_dir))
+    eager, eager_drafts = run(_engine(target_dir, disable_cuda_graph=True, **spec))
+    eng = _engine(target_dir, **spec)
+    drafter = eng.scheduler.worker.drafter
+    assert drafter.draw_modes == ("argmax", "drawn", "drawn_filtered")
+    graphed, graphed_drafts = run(eng)
+    assert eager == target_only and graphed == target_only  # each seed's own tokens
+    assert len(graphed_drafts) >= 6 and graphed_drafts == eager_drafts
+    assert drafter.extend_graphs is not None
+    for mode, _ in batches:
+        assert graphs.of(drafter.loop_graphs[3, mode]) > 0
+        assert graphs.of(drafter.extend_graphs.graphs[4, mode]) > 0
+    # No batch here is all greedy: the argmax graphs are left to greedy batches.
+    assert graphs.of(drafter.loop_graphs[3, "argmax"]) == 0
+
+
+def test_drawn_graphs_can_be_left_out(
+    target_dir: str, heads: dict[str, str], graphs: ReplayCount, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """EAGLESERVE_DISABLE_DRAWN_DRAFT_GRAPHS=1: only the argmax graphs are captured, and a
+    sampled batch drafts in them (its output still the target's own)."""
+    monkeypatch.setenv("EAGLESERVE_DISABLE_DRAWN_DRAFT_GRAPHS", "1")
+    eng = _engine(target_dir, speculative_algorithm="EAGLE",
+                  speculative_draft_model_path=heads["EAGLE"], **CHAIN3)  # fmt: skip
+    drafter = eng.scheduler.worker.drafter
+    assert sorted(drafter.loop_graphs) == [(3, "argmax")]
+    _, params = _batches()[0]
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
+    got = [o["token_ids"] for o in eng.generate(prompts, params)]
+    want = [o["token_ids"] for o in _engine(target_dir).generate(prompts, params)]
+    assert got == want
+    assert graphs.of(drafter.loop_graphs[3, "argmax"]) > 0
