@@ -127,6 +127,14 @@ class DraftDraw:
         """Each row's drawn column of `logits` (column_ids: their target ids)."""
         return sample(logits, self.info, self.positions, column_ids)
 
+    def one_launch(self) -> PackedSampling | None:
+        """The rows' parameters where one kernel draws them (`drawn_top1`: an accelerator's
+        Triton draw, no row filtering by top-k or top-p); else None."""
+        info = self.info
+        if info.draw_kernel != "triton" or info.needs_top_k or info.needs_top_p:
+            return None
+        return info.packed()
+
 
 # How a chain's drafts are chosen inside a device graph, one graph per mode: the head's argmax
 # (every row greedy), or sampled rows drawn (`GraphDraftDraw`) with no row filtering by top-k or
@@ -158,6 +166,9 @@ class GraphDraftDraw:
         return sample_packed(logits, self.packed, self.positions, column_ids, self.filtered,
                              self.kernel)  # fmt: skip
 
+    def one_launch(self) -> PackedSampling | None:
+        return self.packed if self.kernel == "triton" and not self.filtered else None
+
 
 def drawn_candidate(
     head: EagleHead, logits: torch.Tensor, draw: DraftDraw | GraphDraftDraw
@@ -168,6 +179,11 @@ def drawn_candidate(
     columns = head.target_ids  # None: an EAGLE-1 head's vocabulary is the target's
     if columns is None and head.algorithm == "EAGLE3":
         columns = head.to_target_ids(torch.arange(logits.shape[1], device=logits.device))
+    packed = draw.one_launch()
+    if packed is not None:  # the draw, its probability and its target id in one kernel
+        from eagleserve.kernels.triton_top1 import drawn_top1  # imports triton: only there
+
+        return drawn_top1(logits, packed.floats, packed.ints, draw.positions, columns)
     ids = draw.columns(logits, columns)[:, None]
     x = logits.float()
     return (x.gather(1, ids) - x.logsumexp(dim=-1, keepdim=True)).exp(), head.to_target_ids(ids)

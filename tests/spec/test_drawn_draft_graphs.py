@@ -22,6 +22,8 @@ from graph_standin import ReplayCount, graphs_on_cpu  # noqa: E402
 from lossless_fixtures import VOCAB, heads, target_dir  # noqa: E402
 
 from eagleserve import Engine, SamplingParams  # noqa: E402
+from eagleserve.kernels import cpu_ext, triton_top1  # noqa: E402
+from eagleserve.model_executor import model_runner  # noqa: E402
 from eagleserve.spec import draft_worker  # noqa: E402
 
 __all__ = ["heads", "target_dir"]  # module-scoped fixtures of lossless_fixtures
@@ -60,14 +62,29 @@ def _batches() -> list[tuple[str, list[SamplingParams]]]:
     ]  # fmt: skip
 
 
-@pytest.mark.parametrize("head", ["EAGLE", "EAGLE3"])
+# The draw kernels: the C++ sampler's (a CPU's), and the Triton draws an accelerator's graphs
+# run (kernels/triton_sample.py; kernels/triton_top1.py's `drawn_top1` for unfiltered drafts),
+# here under the interpreter.
+@pytest.mark.parametrize(("head", "kernel"), [("EAGLE", "cpu"), ("EAGLE3", "triton")])
 def test_sampled_drafts_in_graphs_are_the_eager_draws(
     target_dir: str,
     heads: dict[str, str],
     graphs: ReplayCount,
     monkeypatch: pytest.MonkeyPatch,
     head: str,
+    kernel: str,
 ) -> None:
+    if kernel == "cpu" and not cpu_ext.load():
+        pytest.skip("the C++ sampler does not build here")
+    monkeypatch.setattr(model_runner, "draw_kernel", lambda device: kernel)
+    launched: list[str] = []
+    real_drawn_top1 = triton_top1.drawn_top1
+
+    def count_drawn_top1(*args: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        launched.append("drawn_top1")
+        return real_drawn_top1(*args)
+
+    monkeypatch.setattr(triton_top1, "drawn_top1", count_drawn_top1)
     drafts: list[list[list[int]]] = []
     real_build = draft_worker.build_chain
 
@@ -100,6 +117,7 @@ def test_sampled_drafts_in_graphs_are_the_eager_draws(
         assert graphs.of(drafter.extend_graphs.graphs[4, mode]) > 0
     # No batch here is all greedy: the argmax graphs are left to greedy batches.
     assert graphs.of(drafter.loop_graphs[3, "argmax"]) == 0
+    assert bool(launched) == (kernel == "triton")  # the one-launch draw drafted the "drawn" rows
 
 
 def test_drawn_graphs_can_be_left_out(
