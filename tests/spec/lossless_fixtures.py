@@ -77,6 +77,45 @@ def params() -> list[SamplingParams]:
     return out
 
 
+def sampled_batches(max_new_tokens: int = 10) -> list[tuple[str, list[SamplingParams]]]:
+    """Two batches of three seeded requests for a chain's drawn drafts, each named by the draw
+    mode of the draft graphs it runs in (spec/draft_extend.py `DrawMode`): sampling without
+    filters beside a greedy row ("drawn"), and with top-p / top-k filters ("drawn_filtered")."""
+    seed = lambda: int(torch.randint(0, 2**40, ()))  # noqa: E731
+    base = dict(max_new_tokens=max_new_tokens, ignore_eos=True)
+    return [
+        ("drawn", [SamplingParams(temperature=0.0, **base),
+                   SamplingParams(temperature=1.0, seed=seed(), **base),
+                   SamplingParams(temperature=0.7, min_p=0.05, seed=seed(), **base)]),
+        ("drawn_filtered", [SamplingParams(temperature=0.8, top_p=0.9, seed=seed(), **base),
+                            SamplingParams(temperature=1.2, top_k=20, seed=seed(), **base),
+                            SamplingParams(temperature=0.0, **base)]),
+    ]  # fmt: skip
+
+
+def run_drafts_recorded(
+    eng: Engine,
+    prompts: list[list[int]],
+    batches: list[tuple[str, list[SamplingParams]]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> tuple[list[list[int]], list[list[list[int]]]]:
+    """Each batch's output tokens (`prompts` under its params), and the draft tokens of every
+    chain verify on the way, in order (what spec/tree.py `build_chain` was handed)."""
+    from eagleserve.spec import draft_worker
+
+    drafts: list[list[list[int]]] = []
+    real_build = draft_worker.build_chain
+
+    def record(bonus: torch.Tensor, draft_tokens: torch.Tensor) -> object:
+        drafts.append(draft_tokens.tolist())
+        return real_build(bonus, draft_tokens)
+
+    with monkeypatch.context() as m:
+        m.setattr(draft_worker, "build_chain", record)
+        out = [o["token_ids"] for _, ps in batches for o in eng.generate(prompts, ps)]
+    return out, drafts
+
+
 def run_staggered(
     engine: Engine, prompts: list[list[int]], params: list[SamplingParams]
 ) -> list[list[int]]:

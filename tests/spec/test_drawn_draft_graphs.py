@@ -19,12 +19,17 @@ os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
 pytest.importorskip("triton")
 
 from graph_standin import ReplayCount, graphs_on_cpu  # noqa: E402
-from lossless_fixtures import VOCAB, heads, target_dir  # noqa: E402
+from lossless_fixtures import (  # noqa: E402
+    VOCAB,
+    heads,
+    run_drafts_recorded,
+    sampled_batches,
+    target_dir,
+)
 
-from eagleserve import Engine, SamplingParams  # noqa: E402
+from eagleserve import Engine  # noqa: E402
 from eagleserve.kernels import cpu_ext, triton_top1  # noqa: E402
 from eagleserve.model_executor import model_runner  # noqa: E402
-from eagleserve.spec import draft_worker  # noqa: E402
 
 __all__ = ["heads", "target_dir"]  # module-scoped fixtures of lossless_fixtures
 
@@ -45,21 +50,6 @@ def _engine(target_dir: str, **kw: object) -> Engine:
     if hasattr(worker, "paths"):
         worker.paths.fixed_shape = True  # as on an accelerator: every path row runs
     return eng
-
-
-def _batches() -> list[tuple[str, list[SamplingParams]]]:
-    """Two batches of three requests: seeded sampling without filters beside a greedy row
-    (the "drawn" graphs), and with top-p / top-k filters (the "drawn_filtered" ones)."""
-    seed = lambda: random.randrange(2**40)  # noqa: E731
-    base = dict(max_new_tokens=10, ignore_eos=True)
-    return [
-        ("drawn", [SamplingParams(temperature=0.0, **base),
-                   SamplingParams(temperature=1.0, seed=seed(), **base),
-                   SamplingParams(temperature=0.7, min_p=0.05, seed=seed(), **base)]),
-        ("drawn_filtered", [SamplingParams(temperature=0.8, top_p=0.9, seed=seed(), **base),
-                            SamplingParams(temperature=1.2, top_k=20, seed=seed(), **base),
-                            SamplingParams(temperature=0.0, **base)]),
-    ]  # fmt: skip
 
 
 # The draw kernels: the C++ sampler's (a CPU's), and the Triton draws an accelerator's graphs
@@ -85,30 +75,18 @@ def test_sampled_drafts_in_graphs_are_the_eager_draws(
         return real_drawn_top1(*args)
 
     monkeypatch.setattr(triton_top1, "drawn_top1", count_drawn_top1)
-    drafts: list[list[list[int]]] = []
-    real_build = draft_worker.build_chain
-
-    def record(bonus: torch.Tensor, draft_tokens: torch.Tensor) -> object:
-        drafts.append(draft_tokens.tolist())
-        return real_build(bonus, draft_tokens)
-
-    monkeypatch.setattr(draft_worker, "build_chain", record)
     rng = random.Random()
     prompts = [[rng.randrange(1, VOCAB - 1) for _ in range(rng.randrange(3, 9))] for _ in range(3)]
-    batches = _batches()
+    batches = sampled_batches()
     spec = dict(speculative_algorithm=head, speculative_draft_model_path=heads[head], **CHAIN3)
-
-    def run(eng: Engine) -> tuple[list[list[int]], list[list[list[int]]]]:
-        drafts.clear()
-        out = [o["token_ids"] for _, ps in batches for o in eng.generate(prompts, ps)]
-        return out, list(drafts)
-
-    target_only, _ = run(_engine(target_dir))
-    eager, eager_drafts = run(_engine(target_dir, disable_cuda_graph=True, **spec))
+    target_only, _ = run_drafts_recorded(_engine(target_dir), prompts, batches, monkeypatch)
+    eager, eager_drafts = run_drafts_recorded(
+        _engine(target_dir, disable_cuda_graph=True, **spec), prompts, batches, monkeypatch
+    )
     eng = _engine(target_dir, **spec)
     drafter = eng.scheduler.worker.drafter
     assert drafter.draw_modes == ("argmax", "drawn", "drawn_filtered")
-    graphed, graphed_drafts = run(eng)
+    graphed, graphed_drafts = run_drafts_recorded(eng, prompts, batches, monkeypatch)
     assert eager == target_only and graphed == target_only  # each seed's own tokens
     assert len(graphed_drafts) >= 6 and graphed_drafts == eager_drafts
     assert drafter.extend_graphs is not None
@@ -130,7 +108,7 @@ def test_drawn_graphs_can_be_left_out(
                   speculative_draft_model_path=heads["EAGLE"], **CHAIN3)  # fmt: skip
     drafter = eng.scheduler.worker.drafter
     assert sorted(drafter.loop_graphs) == [(3, "argmax")]
-    _, params = _batches()[0]
+    _, params = sampled_batches()[0]
     prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
     got = [o["token_ids"] for o in eng.generate(prompts, params)]
     want = [o["token_ids"] for o in _engine(target_dir).generate(prompts, params)]
