@@ -88,6 +88,8 @@ def run_setting(
     mp = pytest.MonkeyPatch()
     mp.setattr(model_runner, "use_fused_kernels", lambda device, backend, *_: backend == "triton")
     mp.setattr(fused_forward, "gemv_max_rows", lambda *args: 64)
+    # Sampled rows draw as on a GPU (the draft graphs capture their draw kernel at start-up).
+    mp.setattr(model_runner, "draw_kernel", lambda device: "triton")
     try:
         with graphs_on_cpu(mp):
             eng = Engine(model=target, device="cpu", max_total_tokens=max(256, 64 * batch),
@@ -100,7 +102,6 @@ def run_setting(
                 worker.controller.choose = lambda *args, **kwargs: 0
             if hasattr(worker, "paths"):
                 worker.paths.fixed_shape = True  # as on an accelerator
-            mp.setattr(worker.runner, "draw_kernel", "triton")  # sampled rows as on a GPU
             name_graphs(census, worker)
             sched = eng.scheduler
             rng = random.Random(0)

@@ -52,6 +52,35 @@ def gpu_engine(target_dir: str, heads: dict[str, str], algo: str | None, steps: 
                   **kw)  # fmt: skip
 
 
+def test_gpu_sampled_drafts_in_graphs_are_the_eager_draws(
+    target_dir: str, heads: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A chain's sampled drafts drawn in the draft graphs of their draw mode (the one-launch
+    draw for unfiltered rows) are the drafts the eager steps draw, in fp32, and each seed's
+    output is target-only's (tests/spec/test_drawn_draft_graphs.py runs the same on a CPU).
+    Three requests and graphs of at most three rows: no padding row changes a matmul's shape.
+    First in the file: bench/gpu_check.py's tests stage may stop within it."""
+    batches = sampled_batches(16)
+    ps = prompts(1)[:3]
+    kw = dict(model=target_dir, device="cuda", dtype="float32", max_total_tokens=2048,
+              max_running_requests=3, cuda_graph_max_bs=3, attention_backend="triton")  # fmt: skip
+    want, _ = run_drafts_recorded(Engine(**kw), ps, batches, monkeypatch)
+    runs = []
+    for graphs in (False, True):
+        eng = Engine(**kw, speculative_algorithm="EAGLE3",
+                     speculative_draft_model_path=heads["EAGLE3"], speculative_num_steps=3,
+                     speculative_eagle_topk=1, speculative_num_draft_tokens=4,
+                     disable_cuda_graph=not graphs)  # fmt: skip
+        drafter = eng.scheduler.worker.drafter
+        assert {mode for _, mode in drafter.loop_graphs} == (
+            {"argmax", "drawn", "drawn_filtered"} if graphs else set()
+        )
+        runs.append(run_drafts_recorded(eng, ps, batches, monkeypatch))
+    (eager, eager_drafts), (graphed, graphed_drafts) = runs
+    assert eager == want and graphed == want
+    assert len(graphed_drafts) >= 10 and graphed_drafts == eager_drafts
+
+
 @pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "no-graphs"])
 @pytest.mark.parametrize(("algo", "steps", "topk", "ndt"), SPEC_CASES)
 def test_gpu_greedy_equals_cpu(
@@ -97,34 +126,6 @@ def test_gpu_greedy_with_pdl_equals_cpu(
         assert run_staggered(eng, prompts(0), params()) == reference
     finally:
         pdl.configure(False, torch.device("cuda"))
-
-
-def test_gpu_sampled_drafts_in_graphs_are_the_eager_draws(
-    target_dir: str, heads: dict[str, str], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A chain's sampled drafts drawn in the draft graphs of their draw mode (the one-launch
-    draw for unfiltered rows) are the drafts the eager steps draw, in fp32, and each seed's
-    output is target-only's (tests/spec/test_drawn_draft_graphs.py runs the same on a CPU).
-    Three requests and graphs of at most three rows: no padding row changes a matmul's shape."""
-    batches = sampled_batches(16)
-    ps = prompts(1)[:3]
-    kw = dict(model=target_dir, device="cuda", dtype="float32", max_total_tokens=2048,
-              max_running_requests=3, cuda_graph_max_bs=3, attention_backend="triton")  # fmt: skip
-    want, _ = run_drafts_recorded(Engine(**kw), ps, batches, monkeypatch)
-    runs = []
-    for graphs in (False, True):
-        eng = Engine(**kw, speculative_algorithm="EAGLE3",
-                     speculative_draft_model_path=heads["EAGLE3"], speculative_num_steps=3,
-                     speculative_eagle_topk=1, speculative_num_draft_tokens=4,
-                     disable_cuda_graph=not graphs)  # fmt: skip
-        drafter = eng.scheduler.worker.drafter
-        assert {mode for _, mode in drafter.loop_graphs} == (
-            {"argmax", "drawn", "drawn_filtered"} if graphs else set()
-        )
-        runs.append(run_drafts_recorded(eng, ps, batches, monkeypatch))
-    (eager, eager_drafts), (graphed, graphed_drafts) = runs
-    assert eager == want and graphed == want
-    assert len(graphed_drafts) >= 10 and graphed_drafts == eager_drafts
 
 
 def _joint_counts(eng: Engine, params: SamplingParams, n: int) -> np.ndarray:
