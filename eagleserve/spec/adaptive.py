@@ -37,6 +37,15 @@ the decodes between probes (`iterations_between_probes`): a probe drafts for the
 and catches up every request's held head inputs, which grows with the batch. Each probe after
 which the controller still does not draft by itself doubles the stretch, up to
 MAX_PROBE_BACKOFF times: where drafting keeps not paying, probing less is what is left to gain.
+
+The other way round, iterations that draft measure no plain decode, and the plain decodes'
+cost scale is what drafting is weighed against: if the first plain decodes were slow (a cold
+start) or the machine has sped up since, a plain decode keeps looking dearer than it is and
+drafting that does not pay goes on for good. So a controller that drafts by choice decodes
+plainly once every stretch (a plain probe; at most the resume of one held input, and one
+iteration's share of what drafting gains), and a cost scale not measured for STALE_AFTER
+iterations, or not yet measured at all, takes its next measurement at STALE_WEIGHT instead of
+COST_EMA.
 """
 
 from __future__ import annotations
@@ -59,8 +68,11 @@ ACCEPT_PRIOR = 0.5
 # Iterations a resumed drafting run is expected to last (a request's acceptance moves slowly):
 # deciding to resume, the controller spreads the resume's cost over them.
 RESUME_HORIZON = 4
-# Weight of the newest measured iteration in a cost EMA.
+# Weight of the newest measured iteration in a cost EMA; where the scale it refines was last
+# measured STALE_AFTER or more iterations earlier, STALE_WEIGHT (see module).
 COST_EMA = 0.1
+STALE_AFTER = 16
+STALE_WEIGHT = 0.5
 # How much more expected tokens per second a draft must promise than a plain decode.
 DRAFT_MARGIN = 0.05
 # Most of the decode time that probes may add, and how far failed probes stretch the time
@@ -148,6 +160,9 @@ class CostTable:
     # steady one of its depth: the head extend that catches up held inputs, and the head's
     # weights and KV coming back into caches that plain decodes filled.
     catch_up: dict[int, float] = field(default_factory=dict)
+    # Iterations observed so far, and the one at which each scale was last refined.
+    clock: int = 0
+    scale_at: dict[tuple[int, bool], int] = field(default_factory=dict)
 
     def bucket(self, bs: int) -> int:
         i = bisect.bisect_left(self.buckets, bs)
@@ -173,10 +188,21 @@ class CostTable:
         drafting scale, learnt from probes alone while the controller does not draft, would
         price every drafting iteration as a resume."""
         b = self.bucket(bs)
+        self.clock += 1
         if resumed and k:
             _ema(self.catch_up, b, max(0.0, seconds - self.cost(bs, k)))
-        else:
-            _ema(self.scale, (b, k > 0), seconds / self.seconds[(b, k)])
+            return
+        key = (b, k > 0)
+        # A scale not measured yet starts from its prior (the start-up table as measured, or
+        # for drafting the decode scale) and takes its first measurement as a stale one: one
+        # slow early iteration (a cold cache, a collection) must not set it outright.
+        prior = self.scale.get((b, False), 1.0) if k else 1.0
+        old = self.scale.get(key, prior)
+        last = self.scale_at.get(key)
+        stale = last is None or self.clock - last >= STALE_AFTER
+        ratio = seconds / self.seconds[(b, k)]
+        self.scale[key] = old + (STALE_WEIGHT if stale else COST_EMA) * (ratio - old)
+        self.scale_at[key] = self.clock
 
 
 def _ema(table: dict, key: object, value: float) -> None:
@@ -232,6 +258,7 @@ class AdaptiveController:
     probe_interval: int
     since_draft: int = 0  # iterations since the last one that drafted
     backoff: int = 1  # the stretch between probes is this many times the base one
+    since_plain: int = 0  # iterations since the last plain decode
 
     def choose(self, alphas_per_req: Sequence[Sequence[float]], catching_up: bool = False) -> int:
         self.since_draft += 1
@@ -242,6 +269,14 @@ class AdaptiveController:
             self.backoff = min(2 * self.backoff, MAX_PROBE_BACKOFF)
             return probe_k
         k = choose_num_drafts(alphas_per_req, self.costs, self.choices, catching_up)
-        if k:  # drafting pays by itself: acceptance is current, and probes start over
-            self.since_draft, self.backoff = 0, 1
+        if not k:
+            self.since_plain = 0
+            return 0
+        # Drafting pays by itself: acceptance is current, and probes start over; the plain
+        # decode it is weighed against is measured once a stretch (see module).
+        self.since_draft, self.backoff = 0, 1
+        self.since_plain += 1
+        if self.since_plain > every:
+            self.since_plain = 0
+            return 0
         return k

@@ -12,6 +12,7 @@ import pytest
 
 from eagleserve.spec.adaptive import (
     ACCEPT_PRIOR,
+    COST_EMA,
     DRAFT_MARGIN,
     ENGINE_ACCEPT_EMA,
     EVIDENCE_DECAY,
@@ -19,6 +20,8 @@ from eagleserve.spec.adaptive import (
     PRIOR_TRIALS,
     PRIOR_VERIFIES,
     PROBE_SHARE,
+    STALE_AFTER,
+    STALE_WEIGHT,
     AdaptiveController,
     CostTable,
     acceptance_prior,
@@ -258,7 +261,9 @@ def test_drafting_goes_on_where_it_pays_and_stops_where_it_does_not(seed: int) -
 def test_cost_table_buckets_and_ema() -> None:
     """Measured plain decodes scale their whole bucket until it drafts; measured drafting
     iterations then scale every drafting depth (a depth the controller does not run keeps its
-    start-up ratio to the ones it does), and plain decodes keep their own scale."""
+    start-up ratio to the ones it does), and plain decodes keep their own scale. A scale's
+    first measurement moves it from its prior (1, the start-up table; for drafting, the decode
+    scale) by STALE_WEIGHT, later consecutive ones by COST_EMA."""
     t = CostTable((1, 2, 4, 8))
     rng = random.Random()
     start = {k: rng.uniform(0.5, 2.0) for k in range(4)}
@@ -267,15 +272,17 @@ def test_cost_table_buckets_and_ema() -> None:
     t.seconds[(8, 0)] = 9.0
     assert t.bucket(3) == 4 and t.bucket(8) == 8 and t.bucket(50) == 8
     ratio = rng.uniform(1.1, 1.5)
-    t.observe(3, 0, start[0] * ratio)  # the first measurement sets the scale
-    assert [t.cost(4, k) for k in range(4)] == pytest.approx([c * ratio for c in start.values()])
-    drafting = rng.uniform(1.6, 2.0)
-    t.observe(4, 2, start[2] * drafting)  # a drafting iteration: its own scale from here
-    assert t.cost(4, 0) == pytest.approx(start[0] * ratio)
+    t.observe(3, 0, start[0] * ratio)
+    decode = 1 + STALE_WEIGHT * (ratio - 1)
+    assert [t.cost(4, k) for k in range(4)] == pytest.approx([c * decode for c in start.values()])
+    measured = rng.uniform(1.6, 2.0)
+    t.observe(4, 2, start[2] * measured)  # a drafting iteration: its own scale from here
+    drafting = decode + STALE_WEIGHT * (measured - decode)
+    assert t.cost(4, 0) == pytest.approx(start[0] * decode)
     drafted = [t.cost(4, k) for k in (1, 3)]
     assert drafted == pytest.approx([start[1] * drafting, start[3] * drafting])
     t.observe(4, 3, start[3] * 2.5)
-    assert t.cost(4, 1) == pytest.approx(start[1] * (drafting + 0.1 * (2.5 - drafting)))
+    assert t.cost(4, 1) == pytest.approx(start[1] * (drafting + COST_EMA * (2.5 - drafting)))
     assert t.cost(8, 0) == 9.0 and t.cost(8, 0, catching_up=True) == 9.0  # others untouched
 
 
@@ -313,14 +320,69 @@ def test_a_resumed_iteration_prices_the_resume_not_the_depth() -> None:
     rng = random.Random()
     costs = table([1.0, 1.3, 1.5, 1.8])
     costs.observe(1, 0, 1.0)
-    costs.observe(1, 3, 1.8 * 1.1)  # a steady 3-chain: 10 % over its start-up figure
+    for _ in range(60):  # steady 3-chains: 10 % over their start-up figure
+        costs.observe(1, 3, 1.8 * 1.1)
     resume = rng.uniform(0.3, 0.8)
     for _ in range(50):
         costs.observe(1, 1, 1.3 * 1.1 + resume, resumed=True)  # probes
-    assert costs.cost(1, 1) == pytest.approx(1.3 * 1.1)
+    assert costs.cost(1, 1) == pytest.approx(1.3 * 1.1, rel=1e-3)
     assert costs.cost(1, 1, catching_up=True) == pytest.approx(1.3 * 1.1 + resume, rel=0.01)
-    costs.observe(1, 0, 0.9, resumed=True)  # a plain decode resumes nothing
-    assert costs.cost(1, 0) == pytest.approx(1.0 + 0.1 * (0.9 - 1.0))
+    costs.observe(1, 0, 0.9, resumed=True)  # a plain decode resumes nothing...
+    # ...and its scale, last measured 51 iterations earlier, takes it at STALE_WEIGHT.
+    assert costs.cost(1, 0) == pytest.approx(1.0 + STALE_WEIGHT * (0.9 - 1.0))
+
+
+def test_a_scale_not_measured_for_a_while_takes_a_measurement_at_more_weight() -> None:
+    """Consecutive measurements refine a scale by COST_EMA; one that comes STALE_AFTER or more
+    iterations after the scale's last (a plain probe among drafting iterations) by
+    STALE_WEIGHT, so what the machine does now outweighs what it did long ago."""
+    rng = random.Random()
+    costs = table([1.0, 1.3, 1.5, 1.8])
+    first, second, late = (rng.uniform(0.8, 1.4) for _ in range(3))
+    costs.observe(1, 0, first)  # the first: from the start-up table's 1, at STALE_WEIGHT
+    costs.observe(1, 0, second)
+    after_first = 1 + STALE_WEIGHT * (first - 1)
+    want = after_first + COST_EMA * (second - after_first)
+    assert costs.cost(1, 0) == pytest.approx(want)
+    for _ in range(STALE_AFTER - 1):
+        costs.observe(1, 2, 1.5 * rng.uniform(0.9, 1.1))
+    costs.observe(1, 0, late)
+    assert costs.cost(1, 0) == pytest.approx(want + STALE_WEIGHT * (late - want))
+
+
+def simulate_costs(costs: CostTable, true: list[float], alphas: list[float], n: int) -> list[int]:
+    """The controller's k over n iterations at batch 1, each measured at its true cost."""
+    ctl = AdaptiveController(costs, CHAIN, probe_interval=64)
+    picks = []
+    for _ in range(n):
+        k = ctl.choose([alphas])
+        costs.observe(1, k, true[k] * random.uniform(0.97, 1.03))
+        picks.append(k)
+    return picks
+
+
+def test_drafting_stops_once_a_plain_decode_is_measured_cheaper_than_it_first_was() -> None:
+    """The first plain decodes measured slow (a cold start: 30-45 % over the truth), drafting
+    that does not pay looks as if it did and runs; a drafting controller's plain probes measure
+    the decode again, and within a few stretches it stops drafting. Where drafting does pay,
+    the probes cost about one plain decode a stretch."""
+    rng = random.Random()
+    true = [1.0, 1.45, 1.7, 1.95]
+    alphas = [0.4, 0.5, 0.3]  # E[2] = 1.6 in 1.7 decodes: drafting loses
+    costs = table(true)
+    for _ in range(20):
+        costs.observe(1, 0, rng.uniform(1.3, 1.45))  # cold
+    for _ in range(20):
+        costs.observe(1, 2, true[2])  # drafting iterations, measured at their truth
+    picks = simulate_costs(costs, true, alphas, 64 * 8)
+    assert picks[0] > 0  # the cold decode makes drafting look worth it...
+    assert 0 in picks, "no plain decode measured again: drafting for good"
+    # ...until the probes measure it again: stopped within four stretches, and since then
+    # drafting only in the k > 0 probes.
+    assert sum(k > 0 for k in picks[64 * 4 :]) <= 4
+    paying = [0.7, 0.6, 0.5]  # E[3] = 2.09 in 1.95 decodes
+    picks = simulate_costs(table(true), true, paying, 64 * 8)
+    assert 0.97 <= sum(k > 0 for k in picks) / len(picks) < 1.0
 
 
 def test_acceptance_prior_starts_from_the_measured_depths() -> None:
