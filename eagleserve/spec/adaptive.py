@@ -41,11 +41,11 @@ MAX_PROBE_BACKOFF times: where drafting keeps not paying, probing less is what i
 The other way round, iterations that draft measure no plain decode, and the plain decodes'
 cost scale is what drafting is weighed against: if the first plain decodes were slow (a cold
 start) or the machine has sped up since, a plain decode keeps looking dearer than it is and
-drafting that does not pay goes on for good. So a controller that drafts by choice decodes
-plainly once every stretch (a plain probe; at most the resume of one held input, and one
-iteration's share of what drafting gains), and a cost scale not measured for STALE_AFTER
-iterations, or not yet measured at all, takes its next measurement at STALE_WEIGHT instead of
-COST_EMA.
+drafting that does not pay goes on for good. So a controller that drafts by choice, and whose
+iterations are timed (a CPU's), decodes plainly once every stretch (a plain probe; at most the
+resume of one held input, and one iteration's share of what drafting gains), and a cost scale
+not measured for STALE_AFTER iterations, or not yet measured at all, takes its next
+measurement at STALE_WEIGHT instead of COST_EMA.
 """
 
 from __future__ import annotations
@@ -259,6 +259,9 @@ class AdaptiveController:
     since_draft: int = 0  # iterations since the last one that drafted
     backoff: int = 1  # the stretch between probes is this many times the base one
     since_plain: int = 0  # iterations since the last plain decode
+    # Whether the iterations' times refine `costs` (a CPU's, timed as they run): only then does
+    # a plain probe measure anything.
+    plain_probes: bool = True
 
     def choose(self, alphas_per_req: Sequence[Sequence[float]], catching_up: bool = False) -> int:
         self.since_draft += 1
@@ -276,7 +279,7 @@ class AdaptiveController:
         # decode it is weighed against is measured once a stretch (see module).
         self.since_draft, self.backoff = 0, 1
         self.since_plain += 1
-        if self.since_plain > every:
+        if self.plain_probes and self.since_plain > every:
             self.since_plain = 0
             return 0
         return k

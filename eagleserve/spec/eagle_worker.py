@@ -64,7 +64,12 @@ class EagleWorker:
             costs = cost_table(
                 runner, self.drafter, args, (*buckets, args.max_running_requests), choices
             )
-            self.controller = AdaptiveController(costs, choices, spec.adaptive_probe_interval)
+            # A CPU's iterations are timed as they run (`_forward_decode`), so its controller
+            # can measure a plain decode between drafts; an accelerator's run asynchronously.
+            timed = self.device.type == "cpu"
+            self.controller = AdaptiveController(
+                costs, choices, spec.adaptive_probe_interval, plain_probes=timed
+            )
 
     @property
     def max_depth(self) -> int | None:

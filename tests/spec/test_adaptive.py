@@ -385,6 +385,13 @@ def test_drafting_stops_once_a_plain_decode_is_measured_cheaper_than_it_first_wa
     assert 0.97 <= sum(k > 0 for k in picks) / len(picks) < 1.0
 
 
+def test_a_controller_whose_iterations_are_not_timed_makes_no_plain_probes() -> None:
+    """An accelerator's iterations run asynchronously and are not timed: a plain probe would
+    measure nothing, so a drafting controller there drafts every iteration it chooses to."""
+    ctl = AdaptiveController(table([1.0, 1.45, 1.7, 1.95]), CHAIN, 64, plain_probes=False)
+    assert all(ctl.choose([[0.7, 0.6, 0.5]]) for _ in range(64 * 4))
+
+
 def test_acceptance_prior_starts_from_the_measured_depths() -> None:
     rng = random.Random()
     measured = [rng.uniform(0.05, 0.9) for _ in range(rng.randrange(1, 4))]
