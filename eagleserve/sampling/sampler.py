@@ -62,6 +62,11 @@ class SamplingInfo:
     def all_greedy(self) -> bool:
         return all(self.is_greedy)
 
+    @property
+    def sorts(self) -> bool:
+        """Whether a row filters by top-k or top-p (its draw sorts its row)."""
+        return self.needs_top_k or self.needs_top_p
+
     @classmethod
     def of_batch(
         cls, batch: ScheduleBatch, vocab_size: int, draw_kernel: DrawKernel | None
@@ -294,6 +299,13 @@ def sample(
     the token id of each column (a draft head's vocabulary), default the column's index."""
     if info.all_greedy:
         return greedy_ids(logits)
+    if columns is None and info.draw_kernel == "triton" and not info.sorts:
+        # No row filters by top-k / top-p: every row, greedy or drawn, in one kernel from the
+        # logits (the draw's weights unnormalized: the same token but at near-ties of the race).
+        from eagleserve.kernels.triton_top1 import drawn_top1  # imports triton: only here
+
+        packed = info.packed()
+        return drawn_top1(logits, packed.floats, packed.ints, positions.contiguous())[1][:, 0]
     if not any(info.is_greedy):
         return _draw_sampled(logits, info, positions, columns)
     rows = [i for i, g in enumerate(info.is_greedy) if not g]

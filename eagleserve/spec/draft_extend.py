@@ -131,7 +131,7 @@ class DraftDraw:
         """The rows' parameters where one kernel draws them (`drawn_top1`: an accelerator's
         Triton draw, no row filtering by top-k or top-p); else None."""
         info = self.info
-        if info.draw_kernel != "triton" or info.needs_top_k or info.needs_top_p:
+        if info.draw_kernel != "triton" or info.sorts:
             return None
         return info.packed()
 
@@ -146,7 +146,7 @@ def draw_mode(sampling: SamplingInfo | None) -> DrawMode:
     """The graph a batch with these sampling parameters drafts in."""
     if sampling is None or sampling.all_greedy:
         return "argmax"
-    return "drawn_filtered" if sampling.needs_top_k or sampling.needs_top_p else "drawn"
+    return "drawn_filtered" if sampling.sorts else "drawn"
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,7 @@ random rows."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -13,7 +14,17 @@ from triton_mode import DEVICE  # before triton is imported: picks the interpret
 pytest.importorskip("triton")
 
 from eagleserve.kernels.triton_sample import seeded_draw  # noqa: E402
-from eagleserve.sampling.sampler import draw  # noqa: E402
+from eagleserve.sampling.sampler import (  # noqa: E402
+    SamplingInfo,
+    draw,
+    logits_to_probs,
+    sample,
+)
+from eagleserve.sampling.seeded_noise import (  # noqa: E402
+    exponentials,
+    position_hashes,
+    token_uniforms,
+)
 
 
 @pytest.mark.parametrize("vocab", [7, 2048, 5000])
@@ -85,3 +96,66 @@ def test_the_sampler_draws_the_same_tokens_with_the_kernel(monkeypatch) -> None:
         want = sampler.sample(logits, info, positions)
         got = sampler.sample(logits, on_kernel, positions)
         assert torch.equal(got, want)
+
+
+def _info(m: int, vocab: int, kernel: str | None, top_p: float) -> SamplingInfo:
+    """m rows, about a quarter greedy, the others at random temperatures and min-p, top-p
+    `top_p` on every sampled row."""
+    greedy = [random.random() < 0.25 for _ in range(m)]
+    return SamplingInfo(
+        temperatures=torch.tensor([1.0 if g else random.uniform(0.3, 1.5) for g in greedy])[
+            :, None
+        ],
+        top_ps=torch.full((m,), top_p),
+        top_ks=torch.full((m,), vocab),
+        min_ps=torch.tensor([random.choice([0.0, 0.0, 0.05]) for _ in greedy]),
+        is_greedy=greedy,
+        seeds=torch.randint(0, 2**63 - 1, (m,)),
+        needs_top_k=False,
+        needs_top_p=top_p < 1,
+        needs_min_p=True,
+        draw_kernel=kernel,  # type: ignore[arg-type]
+    )
+
+
+def test_an_unfiltered_batch_samples_in_one_kernel_with_the_torch_draws_tokens(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`sample` on the Triton path: a batch whose rows filter by neither top-k nor top-p, greedy
+    rows among them, is one launch from the logits (`drawn_top1`), and gives the torch draw's
+    token on every row whose race is clear of a near-tie, a greedy row's argmax always; a batch
+    with a top-p row takes the probabilities and the seeded draw, the torch draw's tokens
+    exactly."""
+    from eagleserve.kernels import triton_top1
+
+    launches: list[int] = []
+    real = triton_top1.drawn_top1
+
+    def counted(*args: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        launches.append(args[0].shape[0])
+        return real(*args)
+
+    monkeypatch.setattr(triton_top1, "drawn_top1", counted)
+    m, vocab = 48, 3000
+    logits = torch.randn(m, vocab) * torch.rand(m, 1) * 6
+    positions = torch.randint(0, 2**31, (m,))
+    for top_p in (1.0, 0.9):
+        torch_info = _info(m, vocab, None, top_p)
+        want = sample(logits, torch_info, positions)
+        fused = dataclasses.replace(torch_info, draw_kernel="triton")
+        launches.clear()
+        got = sample(logits.to(DEVICE), fused, positions.to(DEVICE)).cpu()
+        assert launches == ([m] if top_p == 1 else [])  # every row, in one launch
+        greedy = torch.tensor(torch_info.is_greedy)
+        assert torch.equal(got[greedy], logits[greedy].argmax(-1))
+        if top_p < 1:
+            assert torch.equal(got, want)
+            continue
+        probs = logits_to_probs(logits, torch_info)
+        e = exponentials(token_uniforms(position_hashes(torch_info.seeds, positions),
+                                        torch.arange(vocab)))  # fmt: skip
+        two = (e / probs.double()).topk(2, dim=-1, largest=False).values
+        clear = (two[:, 1] - two[:, 0]) > 1e-4 * two[:, 0]
+        assert clear.float().mean() > 0.8
+        assert torch.equal(got[clear], want[clear])
+        assert not torch.equal(got[~greedy], logits[~greedy].argmax(-1))
