@@ -15,10 +15,12 @@ serve`'s adaptive depth 0..3. Per cell: tokens/s (median round), tau and accepta
 (P(at least d drafts accepted) per verify), and how many requests' tokens equal target-only's
 with the same seed (all rounds), so "lossless" here means equal token ids. `--torch-sampling`
 adds target-only and chain-3 rows that sample with torch ops instead of the device's sampling
-kernel (on a CPU kernels/cpu_sample.cpp, on a GPU kernels/triton_sample.py: what
-`--disable-fused-kernels` does to sampling), on the same engines. `--argmax-drafts` adds a
-chain-3 row whose sampled requests draft the head's argmax (the chain's drafts before they were
-drawn on the target's noise, spec/draft_extend.py `DraftDraw`) on the same engine and texts: the
+kernel (on a CPU kernels/cpu_sample.cpp, on a GPU kernels/triton_sample.py and, for rows
+without top-k / top-p, kernels/triton_top1.py: what `--disable-fused-kernels` does to the
+target's sampling; a GPU's draft graphs keep the kernels they were captured with), on the same
+engines. `--argmax-drafts` adds a chain-3 row whose sampled requests draft the head's argmax
+(the chain's drafts before they were drawn on the target's noise, spec/draft_extend.py
+`DraftDraw`; on a GPU in the greedy batches' draft graphs) on the same engine and texts: the
 draw's effect on tau alone. Rounds interleave
 settings and engines, reversing the order every other round. Prints a table; writes
 bench/results/sampling_<device>.json (or --out).
