@@ -280,9 +280,23 @@ class DraftExtendGraphs:
             for mode in modes
         }
 
-    def capture(self) -> None:
-        for graph in self.graphs.values():
-            graph.capture()
+    def capture(self) -> list[DrawMode]:
+        """Captures every graph; returns the drawn modes whose capture failed, their graphs
+        dropped (those batches extend in the argmax graphs). The argmax ones failing raises."""
+        failed: list[DrawMode] = []
+        for (_, mode), graph in self.graphs.items():
+            if mode in failed:
+                continue
+            try:
+                graph.capture()
+            except Exception:
+                if mode == "argmax":
+                    raise
+                logger.exception("capturing the %s seed extend failed: its batches extend in "
+                                 "the argmax graphs", mode)  # fmt: skip
+                failed.append(mode)
+        self.graphs = {key: g for key, g in self.graphs.items() if key[1] not in failed}
+        return failed
 
     def path_seed(
         self, fb: ForwardBatch, extras: dict[str, torch.Tensor], mode: DrawMode = "argmax"

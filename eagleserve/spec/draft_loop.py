@@ -12,6 +12,8 @@ DraftTree tensors; a tree's verify tree (TreeInfo's tensors).
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -38,6 +40,8 @@ LoopOutputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # parents, score 
 # A tree loop's outputs: the verify tree it built (TreeInfo's draft_tokens, parents, depths,
 # tree_mask), so building it launches nothing from the host either.
 TreeOutputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -186,6 +190,39 @@ class DraftLoops:
             max_bs, 1, extra_shapes=extras,
             own_context=False,  # each of the k steps opens its own forward context
         )  # fmt: skip
+
+    def capture_graphs(
+        self,
+        lengths: list[int],
+        modes: tuple[DrawMode, ...],
+        max_bs: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> tuple[dict[tuple[int, DrawMode], GraphedForward], tuple[DrawMode, ...]]:
+        """The captured graphs of these draft lengths per draw mode (the argmax first), and
+        the modes that have theirs. A drawn mode whose capture fails is dropped (its batches
+        then draft in the argmax graphs); the argmax ones failing, none (every draft runs step
+        by step)."""
+        t0 = time.perf_counter()
+        graphs: dict[tuple[int, DrawMode], GraphedForward] = {}
+        kept = modes
+        for mode in modes:
+            try:
+                for k in lengths:
+                    graph = self.graph(k, max_bs, dtype, device, mode)
+                    graph.capture()
+                    graphs[k, mode] = graph
+            except Exception:  # the eager steps still serve; tests/spec/test_gpu_paths.py
+                if mode == "argmax":
+                    logger.exception("capturing the draft loop failed: drafting step by step")
+                    return {}, modes
+                logger.exception("capturing the %s draft loop failed: its batches draft the "
+                                 "argmax", mode)  # fmt: skip
+                graphs = {key: g for key, g in graphs.items() if key[1] != mode}
+                kept = tuple(m for m in kept if m != mode)
+        logger.info("start-up: %d draft loop graphs (draws: %s) captured in %.2f s",
+                    len(graphs), ", ".join(kept), time.perf_counter() - t0)  # fmt: skip
+        return graphs, kept
 
     def _seed(
         self,

@@ -128,20 +128,10 @@ class EagleDraftWorker:
                                 spec.num_steps, target.draw_kernel)  # fmt: skip
         self.loop_graphs: dict[tuple[int, DrawMode], GraphedForward] = {}
         if graphs_on and os.environ.get("EAGLESERVE_DISABLE_DRAFT_LOOP_GRAPH") != "1":
-            t1 = time.perf_counter()
-            try:
-                for k in chain_lengths if spec.is_chain else (spec.num_steps,):
-                    for mode in self.draw_modes:
-                        if k > 1:  # one step drafts from the seed alone: no head forward
-                            graph = self.loops.graph(k, graph_bs, target.dtype, device, mode)
-                            graph.capture()
-                            self.loop_graphs[k, mode] = graph
-            except Exception:  # the eager steps still serve; tests/spec/test_gpu_paths.py
-                logger.exception("capturing the draft loop failed: drafting step by step")
-                self.loop_graphs = {}
-            logger.info("start-up: %d draft loop graphs (draws: %s) captured in %.2f s",
-                        len(self.loop_graphs), ", ".join(self.draw_modes),
-                        time.perf_counter() - t1)  # fmt: skip
+            lengths = chain_lengths if spec.is_chain else (spec.num_steps,)
+            self.loop_graphs, self.draw_modes = self.loops.capture_graphs(
+                [k for k in lengths if k > 1], self.draw_modes, graph_bs, target.dtype, device
+            )
         # The seed extend after each verify as one graph per path width and draw mode
         # (draft_extend.py).
         self.extend_graphs: DraftExtendGraphs | None = None
@@ -154,8 +144,9 @@ class EagleDraftWorker:
                                        widths, graph_bs, target.dtype, spec.eagle_topk,
                                        self.draw_modes, target.draw_kernel)  # fmt: skip
             try:
-                graphs.capture()
+                failed = graphs.capture()
                 self.extend_graphs = graphs
+                self.draw_modes = tuple(m for m in self.draw_modes if m not in failed)
             except Exception:  # the eager extend still serves; tests/spec/test_gpu_paths.py
                 logger.exception("capturing the draft extend failed: extending eagerly")
         # Adaptive: head inputs held while requests do not draft (flushed when the ring is full).

@@ -30,6 +30,8 @@ from lossless_fixtures import (  # noqa: E402
 from eagleserve import Engine  # noqa: E402
 from eagleserve.kernels import cpu_ext, triton_top1  # noqa: E402
 from eagleserve.model_executor import model_runner  # noqa: E402
+from eagleserve.sampling import sampler  # noqa: E402
+from eagleserve.spec import draft_extend  # noqa: E402
 
 __all__ = ["heads", "target_dir"]  # module-scoped fixtures of lossless_fixtures
 
@@ -109,6 +111,36 @@ def test_drawn_graphs_can_be_left_out(
     drafter = eng.scheduler.worker.drafter
     assert sorted(drafter.loop_graphs) == [(3, "argmax")]
     _, params = sampled_batches()[0]
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
+    got = [o["token_ids"] for o in eng.generate(prompts, params)]
+    want = [o["token_ids"] for o in _engine(target_dir).generate(prompts, params)]
+    assert got == want
+    assert graphs.of(drafter.loop_graphs[3, "argmax"]) > 0
+
+
+def test_a_drawn_graph_that_fails_to_capture_leaves_the_argmax_graphs(
+    target_dir: str, heads: dict[str, str], graphs: ReplayCount, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A drawn mode whose capture fails (its draw cannot run in a graph on this device) is
+    dropped, with its graphs: the argmax graphs stay and serve every batch, a sampled one's
+    output still the target's own. Before drawn graphs, such a failure would have cost the
+    greedy graphs too."""
+    real = sampler.sample_packed
+
+    def broken(*args: object) -> torch.Tensor:
+        if args[4]:  # filtered: the sort, say, cannot be captured here
+            raise RuntimeError("not capturable")
+        return real(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(draft_extend, "sample_packed", broken)
+    eng = _engine(target_dir, speculative_algorithm="EAGLE",
+                  speculative_draft_model_path=heads["EAGLE"], **CHAIN3)  # fmt: skip
+    drafter = eng.scheduler.worker.drafter
+    assert drafter.draw_modes == ("argmax", "drawn")
+    assert sorted(drafter.loop_graphs) == [(3, "argmax"), (3, "drawn")]
+    assert drafter.extend_graphs is not None
+    assert {mode for _, mode in drafter.extend_graphs.graphs} == {"argmax", "drawn"}
+    _, params = sampled_batches()[1]  # filtered: drafts in the argmax graphs now
     prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
     got = [o["token_ids"] for o in eng.generate(prompts, params)]
     want = [o["token_ids"] for o in _engine(target_dir).generate(prompts, params)]
