@@ -29,8 +29,12 @@ BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
 # fn(fb, extras) -> output tensors, run inside forward_context(fb); rows follow the tokens.
 GraphFn = Callable[[ForwardBatch, dict[str, torch.Tensor]], tuple[torch.Tensor, ...]]
-# More outputs of a target graph, from its static batch and the forward's logits.
-GraphEpilogue = Callable[[ForwardBatch, torch.Tensor], tuple[torch.Tensor, ...]]
+# More outputs of a target graph, from its static batch, its extras and the forward's logits.
+GraphEpilogue = Callable[
+    [ForwardBatch, dict[str, torch.Tensor], torch.Tensor], tuple[torch.Tensor, ...]
+]
+# The extras a graph's epilogue reads: name -> (per-token shape, dtype).
+ExtraShapes = dict[str, tuple[tuple[int, ...], torch.dtype]]
 
 
 def bucket_for(buckets: list[int], bs: int) -> int:
@@ -87,7 +91,7 @@ class GraphedForward:
         max_bs: int,
         tokens_per_req: int,
         tree: bool = False,
-        extra_shapes: dict[str, tuple[tuple[int, ...], torch.dtype]] | None = None,
+        extra_shapes: ExtraShapes | None = None,
         own_context: bool = True,
     ) -> None:
         self.fn, self.mode, self.device = fn, mode, device

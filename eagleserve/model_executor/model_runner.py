@@ -15,6 +15,7 @@ from eagleserve.layers.attention import create_attn_backend
 from eagleserve.layers.forward_batch import ForwardBatch, forward_context
 from eagleserve.mem_cache.kv_cache import ReqToTokenPool, TokenToKVPool
 from eagleserve.model_executor.cuda_graph_runner import (
+    ExtraShapes,
     GraphedForward,
     GraphEpilogue,
     graphs_supported,
@@ -251,18 +252,20 @@ class ModelRunner:
         verify_tokens: tuple[int, ...],
         tree: bool,
         verify_epilogue: GraphEpilogue | None = None,
+        verify_extras: ExtraShapes | None = None,
     ) -> None:
         """Device graphs for decode, for verify with each of `verify_tokens` per request, and
-        for a single request's prefill (prefill_graphs.py). `verify_epilogue(fb, logits)`:
-        tensors each verify graph also computes after its forward (a chain's greedy
-        acceptance), in the replay's ModelOutput.epilogue."""
+        for a single request's prefill (prefill_graphs.py). `verify_epilogue(fb, extras,
+        logits)`: tensors each verify graph also computes after its forward (the acceptance
+        walks), in the replay's ModelOutput.epilogue, from the static `verify_extras` a
+        forward may fill (`forward`'s `extras`)."""
         t0 = time.perf_counter()
         kinds: list[tuple[ForwardMode, int, bool]] = [("decode", 1, False)]
         kinds += [("verify", n, tree) for n in verify_tokens]
         for mode, n, with_tree in kinds:
             epilogue = verify_epilogue if mode == "verify" else None
             graph = GraphedForward(
-                lambda fb, extras, epilogue=epilogue: self._graph_outputs(fb, epilogue),
+                lambda fb, extras, epilogue=epilogue: self._graph_outputs(fb, epilogue, extras),
                 mode,
                 self.token_to_kv_pool,
                 self.attn_backend,
@@ -270,10 +273,11 @@ class ModelRunner:
                 max_bs,
                 n,
                 tree=with_tree,
+                extra_shapes=verify_extras if mode == "verify" else None,
             )
             graph.capture()
             self.graphs.append(graph)
-        prefill = PrefillGraphs(lambda fb, extras: self._graph_outputs(fb, None),
+        prefill = PrefillGraphs(lambda fb, extras: self._graph_outputs(fb, None, extras),
                                 self.token_to_kv_pool, self.attn_backend, self.device)  # fmt: skip
         try:
             prefill.capture()
@@ -285,17 +289,18 @@ class ModelRunner:
                     time.perf_counter() - t0)  # fmt: skip
 
     def _graph_outputs(
-        self, fb: ForwardBatch, epilogue: GraphEpilogue | None
+        self, fb: ForwardBatch, epilogue: GraphEpilogue | None, extras: dict[str, torch.Tensor]
     ) -> tuple[torch.Tensor, ...]:
         """(logits, hidden, [aux hidden: EAGLE3 targets], *epilogue)."""
         out = self.model()
         aux = () if out.aux_hidden_states is None else (out.aux_hidden_states,)
-        more = () if epilogue is None else epilogue(fb, out.logits)
+        more = () if epilogue is None else epilogue(fb, extras, out.logits)
         return (out.logits, out.hidden_states, *aux, *more)
 
     @torch.inference_mode()
-    def forward(self, fb: ForwardBatch) -> ModelOutput:
-        """One target forward: a captured graph when one computes `fb`, else eager."""
+    def forward(self, fb: ForwardBatch, **extras: torch.Tensor) -> ModelOutput:
+        """One target forward: a captured graph when one computes `fb` (`extras` into its
+        static extras, for its epilogue), else eager (no epilogue)."""
         n = None if self.prefill_graphs is None else self.prefill_graphs.bucket(fb)
         if n is not None:
             assert self.prefill_graphs is not None
@@ -305,7 +310,7 @@ class ModelRunner:
             return ModelOutput(logits[new - 1 : new], hidden[:new], aux, graph_buffers=True)
         for graph in self.graphs:
             if graph.can_replay(fb):
-                logits, hidden, *rest = graph.replay(fb)
+                logits, hidden, *rest = graph.replay(fb, **extras)
                 aux = rest.pop(0) if self.model.aux_layer_ids else None
                 return ModelOutput(logits, hidden, aux, graph_buffers=True, epilogue=tuple(rest))
         with forward_context(fb):

@@ -329,6 +329,10 @@ def sample_packed(
     False: no row filters by top-k or top-p (min-p is always applied: a 0 changes nothing). A
     row's token is `sample`'s, since a filter a row does not ask for keeps every weight."""
     f, i = packed.floats, packed.ints
+    if columns is None and draw_kernel == "triton" and not filtered:  # as `sample` does
+        from eagleserve.kernels.triton_top1 import drawn_top1  # imports triton: only here
+
+        return drawn_top1(logits, f, i, positions.contiguous())[1][:, 0]
     info = SamplingInfo(temperatures=f[:, 0:1], top_ps=f[:, 1], top_ks=i[:, 0], min_ps=f[:, 2],
                         is_greedy=[False] * logits.shape[0], seeds=i[:, 1],
                         needs_top_k=filtered, needs_top_p=filtered, needs_min_p=True,

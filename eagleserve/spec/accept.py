@@ -21,7 +21,14 @@ from dataclasses import dataclass
 import torch
 
 from eagleserve.distributed.parallel import broadcast_from_first
-from eagleserve.sampling.sampler import SamplingInfo, greedy_ids, sample
+from eagleserve.sampling.sampler import (
+    DrawKernel,
+    PackedSampling,
+    SamplingInfo,
+    greedy_ids,
+    sample,
+    sample_packed,
+)
 from eagleserve.spec.tree import parents_from_mask
 
 __all__ = [
@@ -166,10 +173,22 @@ def packed_greedy(
     when `tree_mask` is None: `verify_greedy_chain`; else `verify_greedy` of the tree whose
     ancestor mask [bs, n, n] it is), packed into one [bs, 2D + 2] tensor (accept_index,
     output_tokens, accept_lens, bonus_tokens): a verify graph computes it after its forward,
-    so an all-greedy batch's acceptance launches nothing from the host (`unpack_greedy`).
+    so an all-greedy batch's acceptance launches nothing from the host (`unpack_walk`).
     `kernel`: the walk in one Triton launch (kernels/triton_accept.py), the same values."""
-    bs, n = tokens.shape
-    predict = greedy_ids(logits).view(bs, n)
+    predict = greedy_ids(logits).view(tokens.shape)
+    return packed_walk(tokens, predict, tree_mask, max_depth, kernel=kernel)
+
+
+def packed_walk(
+    tokens: torch.Tensor,
+    predict: torch.Tensor,
+    tree_mask: torch.Tensor | None = None,
+    max_depth: int | None = None,
+    *,
+    kernel: bool = False,
+) -> torch.Tensor:
+    """`packed_greedy`'s walk over the target's choice `predict` [bs, n] after each node (its
+    argmax, or for a sampled row its draw: `accept`)."""
     if kernel:
         from eagleserve.kernels.triton_accept import greedy_accept  # imports triton
 
@@ -183,8 +202,29 @@ def packed_greedy(
                       acc.bonus_tokens[:, None]], dim=1)  # fmt: skip
 
 
-def unpack_greedy(packed: torch.Tensor) -> AcceptResult:
-    """The AcceptResult of `packed_greedy`'s output: views of it, no copy."""
+def verify_walks(
+    tokens: torch.Tensor,
+    positions: torch.Tensor,
+    logits: torch.Tensor,
+    sampling: PackedSampling,
+    tree_mask: torch.Tensor | None,
+    max_depth: int | None,
+    kernel: bool,
+    draw_kernel: DrawKernel | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A verify graph's two acceptance walks of the nodes `tokens` [bs, n] at `positions`
+    [bs * n] (`packed_walk`'s layout): greedy, and over the target's draws for rows whose
+    parameters are `sampling` (each request's repeated per node; none filtering by top-k or
+    top-p), each node's choice drawn where it would sit, one past the node, as `accept` draws
+    it. A batch reads the one its rows need (`unpack_walk`)."""
+    greedy = packed_greedy(tokens, logits, tree_mask, max_depth, kernel=kernel)
+    drawn = sample_packed(logits, sampling, positions + 1, None, False, draw_kernel)
+    return greedy, packed_walk(tokens, drawn.view(tokens.shape), tree_mask, max_depth,
+                               kernel=kernel)  # fmt: skip
+
+
+def unpack_walk(packed: torch.Tensor) -> AcceptResult:
+    """The AcceptResult of `packed_walk`'s output: views of it, no copy."""
     d = (packed.shape[1] - 2) // 2
     return AcceptResult(packed[:, :d], packed[:, 2 * d], packed[:, d : 2 * d], packed[:, -1])
 
@@ -218,7 +258,7 @@ def accept(
     positions: torch.Tensor,
     *,
     chain: bool = False,
-    greedy: AcceptResult | None = None,
+    walked: AcceptResult | None = None,
     max_depth: int | None = None,
 ) -> AcceptResult:
     """The walk over the target's own choice after each node: its argmax for a greedy row, for
@@ -228,13 +268,13 @@ def accept(
     committed token is the target's own, as target-only decoding would draw it with the same
     seed: lossless, and a drafted token is accepted with its target probability (for a tree,
     the sum over the distinct tokens of the children). `chain`: every row's tree is a chain
-    (a top-1 draft), walked in a few ops; `greedy`: the greedy walk already done on these
-    logits (a verify graph's `packed_greedy`, unpacked), used when every row is greedy.
+    (a top-1 draft), walked in a few ops; `walked`: this walk already done on these logits (a
+    verify graph's epilogue, `packed_walk`'s result unpacked), used as it is.
     `max_depth`: a tree's depth bound (the result's width is max_depth + 1; default n - 1).
     Under tensor parallelism every rank takes rank 0's result: the ranks then commit the same
     tokens and KV paths."""
-    if greedy is not None and info.all_greedy:
-        acc = greedy
+    if walked is not None:
+        acc = walked
     else:
         bs, n = tokens.shape
         rows = logits.reshape(bs * n, -1)

@@ -25,11 +25,12 @@ from eagleserve.model_executor.cuda_graph_runner import BUCKETS
 from eagleserve.model_executor.model_runner import ModelRunner
 from eagleserve.models.llama import ModelOutput
 from eagleserve.sampling.prompt_logprobs import score_prompts, wants_prompt_logprobs
-from eagleserve.sampling.sampler import sample_next, top_logprobs
-from eagleserve.spec.accept import accept, commit_tree_path, packed_greedy, unpack_greedy
+from eagleserve.sampling.sampler import PackedSampling, sample_next, top_logprobs
+from eagleserve.spec.accept import accept, commit_tree_path, unpack_walk, verify_walks
 from eagleserve.spec.accepted_path import AcceptedPaths
 from eagleserve.spec.adaptive import AdaptiveController, depth_choices, request_acceptance
 from eagleserve.spec.cost_table_cache import cost_table
+from eagleserve.spec.draft_extend import draw_extras
 from eagleserve.spec.draft_worker import EagleDraftWorker
 
 
@@ -56,8 +57,9 @@ class EagleWorker:
         )
         if runner.graphs_enabled(args):
             max_bs = args.graph_max_bs()
-            # Verify graphs also walk the greedy acceptance (packed_greedy).
-            runner.capture_graphs(max_bs, verify_sizes, not spec.is_chain, self._epilogue)
+            # Verify graphs also walk the acceptance, greedy and drawn (`_epilogue`).
+            runner.capture_graphs(max_bs, verify_sizes, not spec.is_chain, self._epilogue,
+                                  draw_extras("drawn"))  # fmt: skip
         self.controller: AdaptiveController | None = None
         if spec.adaptive:
             buckets = tuple(b for b in BUCKETS if b < args.max_running_requests)
@@ -77,12 +79,15 @@ class EagleWorker:
         `accept` returns, less one); a chain's are its length."""
         return None if self.spec.is_chain else self.spec.num_steps
 
-    def _epilogue(self, fb: ForwardBatch, logits: torch.Tensor) -> tuple[torch.Tensor]:
-        """A verify graph's greedy walk (`packed_greedy`), on the walk kernel where the target
-        runs the fused Triton kernels."""
-        tokens = fb.input_ids.view(fb.batch_size, -1)
-        kernel = self.runner.model.fused_kernels
-        return (packed_greedy(tokens, logits, fb.tree_mask, self.max_depth, kernel=kernel),)
+    def _epilogue(
+        self, fb: ForwardBatch, extras: dict[str, torch.Tensor], logits: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A verify graph's acceptance walks (`verify_walks`), on the walk kernel where the
+        target runs the fused Triton kernels."""
+        return verify_walks(fb.input_ids.view(fb.batch_size, -1), fb.positions, logits,
+                            PackedSampling(extras["draw_f"], extras["draw_i"]), fb.tree_mask,
+                            self.max_depth, self.runner.model.fused_kernels,
+                            self.runner.draw_kernel)  # fmt: skip
 
     # ---- scheduler interface ---------------------------------------------------------------
     def plan_launch(
@@ -301,6 +306,15 @@ class EagleWorker:
         # extend reuses these positions and slots.
         cols, slots = self.paths.slots(L, batch.req_pool_indices, n)
         positions = cols if spec.is_chain else L[:, None] + t.depths  # [bs, n]
+        pen, state = info.penalties, self.runner.penalty_state
+        # A verify graph walks the acceptance of the raw logits: greedy, or drawn where every
+        # row's draw is the graph's (no top-k / top-p; its parameters staged as its extras).
+        raw = pen is None and grammar is None
+        drawn = raw and not info.all_greedy and not info.sorts
+        staged = {}
+        if drawn:
+            packed = info.packed(n)
+            staged = {"draw_f": packed.floats, "draw_i": packed.ints}
         out = self.runner.forward(
             ForwardBatch(
                 mode="verify",
@@ -314,10 +328,10 @@ class EagleWorker:
                 kv_pool=self.token_to_kv_pool,
                 attn_backend=self.runner.attn_backend,
                 tree_mask=None if spec.is_chain else t.tree_mask,
-            )
+            ),
+            **staged,
         )
         logits = out.logits.view(bs, n, -1)
-        pen, state = info.penalties, self.runner.penalty_state
         # Greedy and sampled acceptance both judge the penalized logits: node i sees the counts
         # of its own path, so the walk accepts exactly what target-only decoding would emit.
         scored = logits if pen is None else pen.verify_logits(
@@ -326,9 +340,9 @@ class EagleWorker:
         if grammar is not None:  # node i: the grammar after its own path (a host sync)
             scored = mask_logits(scored, grammar.tree_allowed(t.draft_tokens, t.parents,
                                                               self.device))  # fmt: skip
-        done = None  # the graph's walk is of the raw logits; the next replay overwrites it
-        if out.epilogue and scored is logits:
-            done = unpack_greedy(out.epilogue[0].clone())
+        done = None  # copied out: the next replay overwrites the graph's walks
+        if out.epilogue and raw and (drawn or info.all_greedy):
+            done = unpack_walk(out.epilogue[1 if drawn else 0].clone())
         acc = accept(
             info,
             t.draft_tokens,
@@ -336,7 +350,7 @@ class EagleWorker:
             scored,
             positions,
             chain=spec.is_chain,
-            greedy=done,
+            walked=done,
             max_depth=self.max_depth,
         )
         if pen is not None:

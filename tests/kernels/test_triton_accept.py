@@ -10,7 +10,7 @@ from triton_mode import DEVICE  # before triton is imported: picks the interpret
 pytest.importorskip("triton")
 
 from eagleserve.kernels.triton_accept import greedy_accept  # noqa: E402
-from eagleserve.spec.accept import packed_greedy, unpack_greedy  # noqa: E402
+from eagleserve.spec.accept import packed_greedy, unpack_walk  # noqa: E402
 
 
 def random_tree(bs: int, n: int, gen: torch.Generator) -> tuple[torch.Tensor, int]:
@@ -55,7 +55,7 @@ def test_the_kernel_walks_a_chain_as_the_torch_ops_do(bs: int, n: int) -> None:
         vocab = 3  # small: rejections, partial and full runs all occur
         logits = torch.randn(bs * n, vocab, generator=gen)
         tokens = torch.randint(0, vocab, (bs, n), generator=gen)
-        lens |= set(unpack_greedy(check(tokens, logits, None, None)).accept_lens.tolist())
+        lens |= set(unpack_walk(check(tokens, logits, None, None)).accept_lens.tolist())
     assert 1 in lens and (bs == 1 or len(lens) > 1)
 
 
@@ -74,7 +74,7 @@ def test_the_kernel_walks_a_tree_as_the_torch_ops_do(bs: int, n: int) -> None:
         tokens[0, 1:] = logits.view(bs, n, 3)[0, :-1].argmax(-1)
         for bound in (depth, n - 1):
             packed = check(tokens, logits, mask, bound)
-            longest = max(longest, int(unpack_greedy(packed).accept_lens.max()))
+            longest = max(longest, int(unpack_walk(packed).accept_lens.max()))
     assert longest == n, seed  # row 0's walk went past every depth
 
 

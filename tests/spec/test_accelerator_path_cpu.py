@@ -165,6 +165,49 @@ def test_the_greedy_acceptance_runs_in_the_verify_graph(
     ]
 
 
+@pytest.mark.parametrize("shape", ["chain 3", "tree 3x2/5"])
+def test_a_sampled_acceptance_runs_in_the_verify_graph(
+    target_dir: str,
+    heads: dict[str, str],
+    graphs: ReplayCount,
+    monkeypatch: pytest.MonkeyPatch,
+    shape: str,
+) -> None:
+    """Seeded sampled requests filtering by neither top-k nor top-p, beside a greedy one: the
+    verify graph walks their acceptance over the target's draws (accept.py `verify_walks`), so
+    the host walks nothing; with a top-p request among them the host walks (the draw sorts).
+    Every seed's output is target-only's either way."""
+    from eagleserve.spec import accept as accept_mod
+
+    walked_on_host: list[str] = []
+    for name in ("verify_greedy_chain", "verify_greedy"):
+        real = getattr(accept_mod, name)
+
+        def record(*args, _real=real, _name=name, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            if not graphs.inside:
+                walked_on_host.append(_name)
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(accept_mod, name, record)
+    spec = dict(speculative_algorithm="EAGLE", speculative_draft_model_path=heads["EAGLE"],
+                **(CHAIN3 if shape == "chain 3" else TREE))  # fmt: skip
+    eng = accelerator_engine(target_dir, False, **spec)
+    target = accelerator_engine(target_dir, False)
+    prompts = random_prompts(3)
+    seeds = [random.randrange(2**31) for _ in prompts]
+    base = dict(max_new_tokens=10, ignore_eos=True)
+    unfiltered = [SamplingParams(temperature=0.0, **base),
+                  SamplingParams(temperature=1.0, seed=seeds[1], **base),
+                  SamplingParams(temperature=0.6, min_p=0.1, seed=seeds[2], **base)]  # fmt: skip
+    filtered = [*unfiltered[:2], SamplingParams(temperature=0.6, top_p=0.8, seed=seeds[2], **base)]
+    for params, host_walks in ((unfiltered, False), (filtered, True)):
+        walked_on_host.clear()
+        got = [o["token_ids"] for o in eng.generate(prompts, params)]
+        assert bool(walked_on_host) == host_walks
+        assert got == [o["token_ids"] for o in target.generate(prompts, params)]
+    assert eng.stats().spec_accepted_tokens_total > 0
+
+
 def _ops_per_iteration(eng: Engine, graphs: ReplayCount) -> float:
     """Ops dispatched outside graph replays per decode iteration of 2 requests: the median of
     enough iterations (a chain commits up to 4 tokens each) that the one where they finish

@@ -10,7 +10,7 @@ from eagleserve.spec.accept import (
     AcceptResult,
     commit_tree_path,
     packed_greedy,
-    unpack_greedy,
+    unpack_walk,
     verify_greedy,
     verify_greedy_chain,
 )
@@ -129,7 +129,7 @@ def test_packed_greedy_chain_unpacks_to_the_chain_walk(bs: int, n: int) -> None:
     vocab = 3  # small: rejections, partial and full runs all occur
     logits = torch.randn(bs * n, vocab, generator=gen)
     tokens = torch.randint(0, vocab, (bs, n), generator=gen)
-    got = unpack_greedy(packed_greedy(tokens, logits))
+    got = unpack_walk(packed_greedy(tokens, logits))
     want = verify_greedy_chain(tokens, logits.argmax(-1).view(bs, n))
     for name in ("accept_index", "accept_lens", "output_tokens", "bonus_tokens"):
         assert torch.equal(getattr(got, name), getattr(want, name)), name
@@ -147,7 +147,7 @@ def test_a_tree_verify_graph_walks_what_the_host_walks(topk: int, steps: int, n:
     assert torch.equal(parents_from_mask(tree.tree_mask), tree.parents), seed
     assert int(tree.depths.max()) <= steps
     logits = torch.randn(bs * n, vocab, generator=gen)
-    got = unpack_greedy(packed_greedy(tree.draft_tokens, logits, tree.tree_mask, steps))
+    got = unpack_walk(packed_greedy(tree.draft_tokens, logits, tree.tree_mask, steps))
     want = verify_greedy(tree.draft_tokens, tree.parents, logits.argmax(-1).view(bs, n))
     assert got.accept_index.shape == (bs, steps + 1)
     assert torch.equal(got.accept_lens, want.accept_lens), seed
