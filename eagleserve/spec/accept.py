@@ -206,18 +206,20 @@ def verify_walks(
     tokens: torch.Tensor,
     positions: torch.Tensor,
     logits: torch.Tensor,
-    sampling: PackedSampling,
+    sampling: PackedSampling | None,
     tree_mask: torch.Tensor | None,
     max_depth: int | None,
     kernel: bool,
     draw_kernel: DrawKernel | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """A verify graph's two acceptance walks of the nodes `tokens` [bs, n] at `positions`
-    [bs * n] (`packed_walk`'s layout): greedy, and over the target's draws for rows whose
-    parameters are `sampling` (each request's repeated per node; none filtering by top-k or
+) -> tuple[torch.Tensor, ...]:
+    """A verify graph's acceptance walks of the nodes `tokens` [bs, n] at `positions` [bs * n]
+    (`packed_walk`'s layout): greedy, and with `sampling` over the target's draws for rows
+    whose parameters it holds (each request's repeated per node; none filtering by top-k or
     top-p), each node's choice drawn where it would sit, one past the node, as `accept` draws
     it. A batch reads the one its rows need (`unpack_walk`)."""
     greedy = packed_greedy(tokens, logits, tree_mask, max_depth, kernel=kernel)
+    if sampling is None:
+        return (greedy,)
     drawn = sample_packed(logits, sampling, positions + 1, None, False, draw_kernel)
     return greedy, packed_walk(tokens, drawn.view(tokens.shape), tree_mask, max_depth,
                                kernel=kernel)  # fmt: skip

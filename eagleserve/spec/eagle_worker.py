@@ -59,7 +59,7 @@ class EagleWorker:
             max_bs = args.graph_max_bs()
             # Verify graphs also walk the acceptance, greedy and drawn (`_epilogue`).
             runner.capture_graphs(max_bs, verify_sizes, not spec.is_chain, self._epilogue,
-                                  draw_extras("drawn"))  # fmt: skip
+                                  draw_extras("drawn") if runner.draw_kernel else None)  # fmt: skip
         self.controller: AdaptiveController | None = None
         if spec.adaptive:
             buckets = tuple(b for b in BUCKETS if b < args.max_running_requests)
@@ -81,13 +81,14 @@ class EagleWorker:
 
     def _epilogue(
         self, fb: ForwardBatch, extras: dict[str, torch.Tensor], logits: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, ...]:
         """A verify graph's acceptance walks (`verify_walks`), on the walk kernel where the
-        target runs the fused Triton kernels."""
+        target runs the fused Triton kernels; the drawn one where a draw kernel (one launch,
+        no [rows, vocabulary] temporaries) draws."""
+        sampling = PackedSampling(extras["draw_f"], extras["draw_i"]) if extras else None
         return verify_walks(fb.input_ids.view(fb.batch_size, -1), fb.positions, logits,
-                            PackedSampling(extras["draw_f"], extras["draw_i"]), fb.tree_mask,
-                            self.max_depth, self.runner.model.fused_kernels,
-                            self.runner.draw_kernel)  # fmt: skip
+                            sampling, fb.tree_mask, self.max_depth,
+                            self.runner.model.fused_kernels, self.runner.draw_kernel)  # fmt: skip
 
     # ---- scheduler interface ---------------------------------------------------------------
     def plan_launch(
@@ -310,7 +311,7 @@ class EagleWorker:
         # A verify graph walks the acceptance of the raw logits: greedy, or drawn where every
         # row's draw is the graph's (no top-k / top-p; its parameters staged as its extras).
         raw = pen is None and grammar is None
-        drawn = raw and not info.all_greedy and not info.sorts
+        drawn = raw and not info.all_greedy and not info.sorts and bool(self.runner.draw_kernel)
         staged = {}
         if drawn:
             packed = info.packed(n)
