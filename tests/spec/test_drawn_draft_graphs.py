@@ -1,8 +1,9 @@
 """A chain's drafts for sampled requests drawn inside the device graphs (spec/draft_extend.py
 `GraphDraftDraw`, one draft-loop and seed-extend graph per draw mode), run on a CPU through the
 graph stand-in (graph_standin.py) under the Triton interpreter: every verify sees the drafts the
-eager path draws for the same batch, the graphs of the batch's mode are the ones replayed, and
-the output stays the target's own for each seed."""
+eager path draws for the same batch, the graphs of each batch's mode replay (a batch whose
+sampled requests have finished drafts in the argmax ones), and the output stays the target's
+own for each seed."""
 
 from __future__ import annotations
 
@@ -95,8 +96,6 @@ def test_sampled_drafts_in_graphs_are_the_eager_draws(
     for mode, _ in batches:
         assert graphs.of(drafter.loop_graphs[3, mode]) > 0
         assert graphs.of(drafter.extend_graphs.graphs[4, mode]) > 0
-    # No batch here is all greedy: the argmax graphs are left to greedy batches.
-    assert graphs.of(drafter.loop_graphs[3, "argmax"]) == 0
     assert bool(launched) == (kernel == "triton")  # the one-launch draw drafted the "drawn" rows
 
 
