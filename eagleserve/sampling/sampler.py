@@ -300,12 +300,8 @@ def sample(
     if info.all_greedy:
         return greedy_ids(logits)
     if columns is None and info.draw_kernel == "triton" and not info.sorts:
-        # No row filters by top-k / top-p: every row, greedy or drawn, in one kernel from the
-        # logits (the draw's weights unnormalized: the same token but at near-ties of the race).
-        from eagleserve.kernels.triton_top1 import drawn_top1  # imports triton: only here
-
-        packed = info.packed()
-        return drawn_top1(logits, packed.floats, packed.ints, positions.contiguous())[1][:, 0]
+        # No row filters by top-k / top-p: every row, greedy or drawn, in one kernel.
+        return sample_packed(logits, info.packed(), positions, None, False, "triton")
     if not any(info.is_greedy):
         return _draw_sampled(logits, info, positions, columns)
     rows = [i for i, g in enumerate(info.is_greedy) if not g]
@@ -329,7 +325,9 @@ def sample_packed(
     False: no row filters by top-k or top-p (min-p is always applied: a 0 changes nothing). A
     row's token is `sample`'s, since a filter a row does not ask for keeps every weight."""
     f, i = packed.floats, packed.ints
-    if columns is None and draw_kernel == "triton" and not filtered:  # as `sample` does
+    if columns is None and draw_kernel == "triton" and not filtered:
+        # One kernel from the logits (kernels/triton_top1.py: the race over unnormalized
+        # weights, the torch draw's token but at near-ties of the race).
         from eagleserve.kernels.triton_top1 import drawn_top1  # imports triton: only here
 
         return drawn_top1(logits, f, i, positions.contiguous())[1][:, 0]
