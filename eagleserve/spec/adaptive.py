@@ -46,6 +46,14 @@ iterations are timed (a CPU's), decodes plainly once every stretch (a plain prob
 resume of one held input, and one iteration's share of what drafting gains), and a cost scale
 not measured for STALE_AFTER iterations, or not yet measured at all, takes its next
 measurement at STALE_WEIGHT instead of COST_EMA.
+
+Only steady iterations are measured: the first WARM_DECODES decode iterations after a prefill
+are not. A prefill, or the idle time before a new request's, leaves the weights out of the
+caches, and the decodes after it slow down by tens of percent, fading over about ten
+iterations; drafting iterations, rarer and mostly later in a stretch, are seldom among them,
+so measuring those decodes priced a plain decode above what it costs once warm, against a
+drafting iteration measured warm, and drafting that did not pay looked as if it did. Both
+kinds slow down alike while cold, so the choice made from warm prices holds then too.
 """
 
 from __future__ import annotations
@@ -73,6 +81,8 @@ RESUME_HORIZON = 4
 COST_EMA = 0.1
 STALE_AFTER = 16
 STALE_WEIGHT = 0.5
+# Decode iterations after a prefill whose times are not measured (see module).
+WARM_DECODES = 12
 # How much more expected tokens per second a draft must promise than a plain decode.
 DRAFT_MARGIN = 0.05
 # Most of the decode time that probes may add, and how far failed probes stretch the time
@@ -262,6 +272,18 @@ class AdaptiveController:
     # Whether the iterations' times refine `costs` (a CPU's, timed as they run): only then does
     # a plain probe measure anything.
     plain_probes: bool = True
+    decodes_since_prefill: int = 0
+
+    def note_prefill(self) -> None:
+        """A prefill ran: the decodes after it are not measured until warm (see module)."""
+        self.decodes_since_prefill = 0
+
+    def observe(self, bs: int, k: int, seconds: float, resumed: bool = False) -> None:
+        """One timed decode iteration (`CostTable.observe`), unless it is one of the first
+        WARM_DECODES after a prefill."""
+        self.decodes_since_prefill += 1
+        if self.decodes_since_prefill > WARM_DECODES:
+            self.costs.observe(bs, k, seconds, resumed)
 
     def choose(self, alphas_per_req: Sequence[Sequence[float]], catching_up: bool = False) -> int:
         self.since_draft += 1

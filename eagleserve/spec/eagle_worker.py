@@ -193,6 +193,8 @@ class EagleWorker:
     def _forward_prefill(
         self, batch: ScheduleBatch, on_verified: OnVerified | None
     ) -> GenerationBatchResult:
+        if self.controller is not None:
+            self.controller.note_prefill()
         fb = ForwardBatch.init_new(batch, self.token_to_kv_pool, self.runner.attn_backend)
         out = self.runner.forward(fb)
         assert batch.seq_lens is not None  # a prefill's: the length with its tokens
@@ -246,7 +248,7 @@ class EagleWorker:
             # On a CPU the forward ran synchronously: wall time is what the iteration cost (a
             # plain decode's flush of full rings aside: the price of holding, not of k = 0).
             seconds = time.perf_counter() - t0 - flushed
-            self.controller.costs.observe(batch.batch_size, k, seconds, resumed=caught_up)
+            self.controller.observe(batch.batch_size, k, seconds, resumed=caught_up)
         return result
 
     def _decode_without_drafts(

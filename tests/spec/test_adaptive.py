@@ -22,6 +22,7 @@ from eagleserve.spec.adaptive import (
     PROBE_SHARE,
     STALE_AFTER,
     STALE_WEIGHT,
+    WARM_DECODES,
     AdaptiveController,
     CostTable,
     acceptance_prior,
@@ -383,6 +384,58 @@ def test_drafting_stops_once_a_plain_decode_is_measured_cheaper_than_it_first_wa
     paying = [0.7, 0.6, 0.5]  # E[3] = 2.09 in 1.95 decodes
     picks = simulate_costs(table(true), true, paying, 64 * 8)
     assert 0.97 <= sum(k > 0 for k in picks) / len(picks) < 1.0
+
+
+def test_the_decodes_right_after_a_prefill_are_not_measured() -> None:
+    """A prefill leaves the weights out of the caches: the first WARM_DECODES decode
+    iterations after it leave the cost table as it was, whatever they took; the next one is
+    measured."""
+    rng = random.Random()
+    costs = table([1.0, 1.45, 1.7, 1.95])
+    ctl = AdaptiveController(costs, CHAIN, probe_interval=64)
+    for _ in range(2):  # and again after the next prefill
+        ctl.note_prefill()
+        for _ in range(WARM_DECODES):
+            ctl.observe(1, rng.choice(CHAIN), rng.uniform(1.3, 3.0))
+        assert costs.scale == {} and costs.catch_up == {}
+        ctl.observe(1, 0, 1.1)  # from the start-up table's 1 towards 1.1, nothing cold in it
+        assert 1.0 < costs.cost(1, 0) <= 1 + STALE_WEIGHT * 0.1 + 1e-9
+        costs.scale.clear()
+
+
+def serve(
+    ctl: AdaptiveController, true: list[float], alphas: list[float], requests: int
+) -> list[int]:
+    """The controller's k over `requests` requests of 48 decode iterations each at batch 1, a
+    prefill before each; an iteration costs its truth, times 1.45 right after the prefill,
+    fading to 1 over twelve iterations (the caches refilling)."""
+    picks = []
+    for _ in range(requests):
+        ctl.note_prefill()
+        for i in range(48):
+            k = ctl.choose([alphas])
+            cold = 1 + 0.45 * max(0.0, 1 - i / 12)
+            ctl.observe(1, k, true[k] * cold * random.uniform(0.97, 1.03))
+            picks.append(k)
+    return picks
+
+
+def test_a_cold_start_after_each_prefill_does_not_make_drafting_look_worth_it() -> None:
+    """Every request's first decodes run slow, whatever they draft; drafting iterations come
+    mostly later in a stretch. Priced from warm iterations alone, a plain decode costs what it
+    does once warm, and where drafting gains nothing the controller drafts only in its probes
+    (measuring every iteration, it drafted on 2-12 % of them); where it pays, it drafts nearly
+    throughout."""
+    true = [1.0, 1.45, 1.7, 1.95]
+    costs = table(true)
+    ctl = AdaptiveController(costs, CHAIN, probe_interval=64)
+    # E[1] = 1.45 tokens in 1.45 decodes, E[2] = 1.675 in 1.7: drafting gains nothing.
+    picks = serve(ctl, true, [0.45, 0.5, 0.3], 40)
+    assert costs.cost(1, 0) == pytest.approx(true[0], rel=0.04)
+    assert sum(k > 0 for k in picks) <= len(picks) // 100
+    ctl = AdaptiveController(table(true), CHAIN, probe_interval=64)
+    picks = serve(ctl, true, [0.7, 0.6, 0.5], 40)  # E[3] = 2.09 in 1.95 decodes
+    assert sum(k > 0 for k in picks) / len(picks) >= 0.95
 
 
 def test_a_controller_whose_iterations_are_not_timed_makes_no_plain_probes() -> None:
