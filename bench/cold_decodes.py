@@ -9,7 +9,7 @@ prompts right after the last request. For each, the median time of decode iterat
 `forward_batch_generation`) over the requests, i counted from the first decode after the
 prefill, and its ratio to the last ones. Beside them, the same warm-up in plain memory
 streaming: a numpy sum over the packed weights' size (66 MB) after 0.3 s idle, pass by pass,
-which shows it is the caches, not the engine.
+which shows it is the memory system's warm-up, not the engine's.
 """
 
 from __future__ import annotations

@@ -48,12 +48,13 @@ not measured for STALE_AFTER iterations, or not yet measured at all, takes its n
 measurement at STALE_WEIGHT instead of COST_EMA.
 
 Only steady iterations are measured: the first WARM_DECODES decode iterations after a prefill
-are not. A prefill, or the idle time before a new request's, leaves the weights out of the
-caches, and the decodes after it slow down by tens of percent, fading over about ten
-iterations; drafting iterations, rarer and mostly later in a stretch, are seldom among them,
-so measuring those decodes priced a plain decode above what it costs once warm, against a
-drafting iteration measured warm, and drafting that did not pay looked as if it did. Both
-kinds slow down alike while cold, so the choice made from warm prices holds then too.
+are not. After a prefill, or the idle time before a new request's, the decodes slow down by
+tens of percent, fading over about ten iterations, as memory streams slowly at first (on a
+CPU; a plain pass over as many bytes slows alike); drafting iterations, rarer and mostly
+later in a stretch, are seldom among them, so measuring those decodes priced a plain decode
+above what it costs once warm, against a drafting iteration measured warm, and drafting that
+did not pay looked as if it did. Both kinds slow down alike while cold, so the choice made
+from warm prices holds then too.
 """
 
 from __future__ import annotations
