@@ -69,8 +69,8 @@ def last_rows_forward(
         extend_lens=torch.ones_like(fb.extend_lens),
         host=HostLens(1, fb.host.max_kv, True),
     )
-    g = head.fused_features(features)
-    with forward_context(last):
+    with forward_context(last):  # the fc too: its kernels are the forward's
+        g = head.fused_features(features)
         head.write_kv(fb.input_ids, g, fb.positions, fb.out_cache_loc)
         return head(last.input_ids, g[last_rows], last.positions)
 
