@@ -387,9 +387,9 @@ def test_drafting_stops_once_a_plain_decode_is_measured_cheaper_than_it_first_wa
 
 
 def test_the_decodes_right_after_a_prefill_are_not_measured() -> None:
-    """A prefill leaves the weights out of the caches: the first WARM_DECODES decode
-    iterations after it leave the cost table as it was, whatever they took; the next one is
-    measured."""
+    """The decodes after a prefill run slow for a while (the memory system warming up): the
+    first WARM_DECODES decode iterations after it leave the cost table as it was, whatever
+    they took; the next one is measured."""
     rng = random.Random()
     costs = table([1.0, 1.45, 1.7, 1.95])
     ctl = AdaptiveController(costs, CHAIN, probe_interval=64)
@@ -408,7 +408,7 @@ def serve(
 ) -> list[int]:
     """The controller's k over `requests` requests of 48 decode iterations each at batch 1, a
     prefill before each; an iteration costs its truth, times 1.45 right after the prefill,
-    fading to 1 over twelve iterations (the caches refilling)."""
+    fading to 1 over twelve iterations (the memory system warming up)."""
     picks = []
     for _ in range(requests):
         ctl.note_prefill()
