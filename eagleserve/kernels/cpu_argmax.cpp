@@ -1,5 +1,6 @@
 // argmax over the last dim of fp32 rows (greedy sampling and the greedy verify of a packed CPU
-// target), AVX2: one pass for each row's maximum, one for its first position.
+// target), AVX2: one pass for each row's maximum, one for its first position; and a chain
+// verify's greedy walk over them.
 //
 // torch.argmax's answer exactly: the first index of the maximum; a row holding a NaN answers
 // its first NaN (torch propagates NaN as the maximum); a row of -inf answers 0. Each row alone
@@ -75,8 +76,39 @@ at::Tensor argmax_rows(const at::Tensor& logits_in) {
   return out;
 }
 
+// The greedy acceptance of a chain verify in one call (spec/accept.py's verify_greedy_chain of
+// the rows' argmax, packed as packed_walk packs it): tokens [bs, n] the drafted nodes, logits
+// [bs * n, V] the target's after each node. Node i + 1 is accepted while every node up to it
+// carries the argmax after the node before, so a request commits the argmax at nodes
+// 0 .. len - 1, the last one its bonus. Returns int64 [bs, 2n + 2]: accept_index (node i, or
+// -1 past len), output_tokens (the argmax, or -1 past len), len, bonus.
+at::Tensor greedy_chain_walk(const at::Tensor& tokens_in, const at::Tensor& logits_in) {
+  TORCH_CHECK(tokens_in.dim() == 2, "tokens [bs, n]");
+  const at::Tensor tokens = tokens_in.to(at::kLong).contiguous();
+  const int64_t bs = tokens.size(0), n = tokens.size(1);
+  const at::Tensor predict = argmax_rows(logits_in);
+  TORCH_CHECK(predict.dim() == 1 && predict.size(0) == bs * n, "logits [bs * n, V]");
+  at::Tensor out = at::empty({bs, 2 * n + 2}, tokens.options());
+  const int64_t* tok = tokens.data_ptr<int64_t>();
+  const int64_t* pred = predict.data_ptr<int64_t>();
+  int64_t* o = out.data_ptr<int64_t>();
+  for (int64_t b = 0; b < bs; ++b, tok += n, pred += n, o += 2 * n + 2) {
+    int64_t len = 1;
+    while (len < n && tok[len] == pred[len - 1]) ++len;
+    for (int64_t i = 0; i < n; ++i) {
+      o[i] = i < len ? i : -1;
+      o[n + i] = i < len ? pred[i] : -1;
+    }
+    o[2 * n] = len;
+    o[2 * n + 1] = pred[len - 1];
+  }
+  return out;
+}
+
 }  // namespace eagleserve_cpu
 
 TORCH_LIBRARY_FRAGMENT(eagleserve_cpu, lib) {
   lib.def("argmax_rows(Tensor logits) -> Tensor", &eagleserve_cpu::argmax_rows);
+  lib.def("greedy_chain_walk(Tensor tokens, Tensor logits) -> Tensor",
+          &eagleserve_cpu::greedy_chain_walk);
 }

@@ -10,7 +10,8 @@
   EAGLE-3 head's layer and lm_head in another (`eagle3_layer`), the kernels above in the
   order the modules call them;
 - `cpu_argmax.cpp`: argmax over the last dim of fp32 rows (`argmax_rows`), torch.argmax's
-  answer in one vectorized pass per row;
+  answer in one vectorized pass per row, and a chain verify's greedy walk over them
+  (`greedy_chain_walk`);
 - `cpu_sample.cpp`: a sampled row's token from its logits (`sample_rows`): temperature, top-k,
   top-p, min-p and the seeded exponential race, without sorting the vocabulary.
 
@@ -250,6 +251,12 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     return torch.ops.eagleserve_cpu.argmax_rows(logits)
 
 
+def greedy_chain_walk(tokens: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """The greedy acceptance of a chain verify, tokens [bs, n] against the argmax of logits
+    [bs * n, V] fp32 (cpu_argmax.cpp), packed as spec/accept.py's packed_walk packs it."""
+    return torch.ops.eagleserve_cpu.greedy_chain_walk(tokens, logits)
+
+
 def sample_rows(
     logits: torch.Tensor,
     temperatures: torch.Tensor,
@@ -304,15 +311,17 @@ def eagle3_layer(
     kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     rows: tuple[torch.Tensor | None, ...],
     sm_scale: float,
+    last_rows: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """An EAGLE-3 head's layer and lm_head over emb, g [T, hidden] fp32 (cpu_layers.cpp):
     weights 19 and out_features 5 (models/cpu_layers.py, CpuHeadLayer builds both); shape,
     rotary and rows as `decoder_layers` takes them; kv (K buffer, V buffer, the new tokens'
-    slots). Returns (logits [T, draft vocab], the layer's output)."""
+    slots). Returns (logits [T, draft vocab], the layer's output); with `last_rows` (each
+    request's last row of a causal extend) every row's K/V is written and the two outputs
+    are of those rows alone."""
     eps, heads, kv_heads = shape
-    return torch.ops.eagleserve_cpu.eagle3_layer(
-        emb, g, weights, out_features, eps, heads, kv_heads, *rotary, *kv, *rows, sm_scale
-    )
+    args = (emb, g, weights, out_features, eps, heads, kv_heads, *rotary, *kv, *rows, sm_scale)
+    return torch.ops.eagleserve_cpu.eagle3_layer(*args, last_rows)
 
 
 def phase_times(on: bool) -> dict[str, tuple[float, int]]:

@@ -170,8 +170,11 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers(
 // the q4 kernels beside a packed target, the modules' kernels in their order: emb [T, h] the
 // new tokens' embeddings, g [T, h] the features it continues from (after fc). Weights, in
 // order: input norm, hidden norm, q/k/v tiles (w, d, m), o tiles, post-attention norm,
-// gate/up tiles, down tiles, final norm, lm_head tiles. Returns (logits [T, draft vocab], the
-// layer's output, the next draft step's features).
+// gate/up tiles, down tiles, final norm, lm_head tiles. Returns (logits, the layer's output,
+// the next draft step's features) of every row, or with `last_rows` (one row per request, the
+// last of its extend) of those rows alone: every row's K/V is written, and only they attend
+// and run the rest. A one-layer head's K/V of a row depend on its own input alone, so this is
+// the whole extend's result at those rows, bit for bit.
 std::tuple<at::Tensor, at::Tensor> eagle3_layer(
     const at::Tensor& emb, const at::Tensor& g, at::TensorList w, at::IntArrayRef n,
     double eps, int64_t heads, int64_t kv_heads, const at::Tensor& cos,
@@ -179,15 +182,14 @@ std::tuple<at::Tensor, at::Tensor> eagle3_layer(
     const at::Tensor& out_cache_loc, const at::Tensor& req_to_token,
     const at::Tensor& req_pool_indices, const at::Tensor& prefix_lens,
     const at::Tensor& extend_lens, const at::Tensor& kv_lens,
-    const c10::optional<at::Tensor>& tree_mask, double sm_scale) {
+    const c10::optional<at::Tensor>& tree_mask, double sm_scale,
+    const c10::optional<at::Tensor>& last_rows) {
   using namespace eagleserve_cpu;
   TORCH_CHECK(w.size() == 19 && n.size() == 5, "19 weight tensors, 5 output sizes");
   TORCH_CHECK(emb.dim() == 2 && emb.scalar_type() == at::kFloat && g.sizes() == emb.sizes() &&
                   g.scalar_type() == at::kFloat,
               "emb, g [T, hidden] float32");
   const int64_t T = emb.size(0), D = k_buf.size(2);
-  const RowPlan plan = plan_rows(T, req_to_token, req_pool_indices, prefix_lens, extend_lens,
-                                 kv_lens, tree_mask);
   const at::Tensor loc = out_cache_loc.to(at::kLong).contiguous();
   TORCH_CHECK(loc.numel() == T, "one slot per new token");
   // Eagle3MidLayer: attention over cat(input_layernorm(emb), hidden_norm(g)), residual g ...
@@ -195,14 +197,36 @@ std::tuple<at::Tensor, at::Tensor> eagle3_layer(
     const at::Tensor attn_in = at::cat({rms_norm(emb, w[0], eps), rms_norm(g, w[1], eps)}, 1);
     return q4_matmul(attn_in, w[2], w[3], w[4], n[0]).view({T, heads + 2 * kv_heads, D});
   });
+  at::Tensor residual = g.contiguous();
   const at::Tensor attn = phase("eagle3_layer::rope_kv_store_attention", [&] {
     rope_(qkv, cos, signed_sin, heads + kv_heads);
-    return attend_projection(plan, qkv, heads, kv_heads, k_buf, v_buf, loc.data_ptr<int64_t>(),
-                             sm_scale);
+    if (!last_rows.has_value()) {
+      const RowPlan plan = plan_rows(T, req_to_token, req_pool_indices, prefix_lens,
+                                     extend_lens, kv_lens, tree_mask);
+      return attend_projection(plan, qkv, heads, kv_heads, k_buf, v_buf,
+                               loc.data_ptr<int64_t>(), sm_scale);
+    }
+    TORCH_CHECK(!tree_mask.has_value(), "last_rows: a causal extend");
+    const at::Tensor rows = last_rows->to(at::kLong).contiguous();
+    TORCH_CHECK(rows.numel() == extend_lens.numel(), "last_rows: one row per request");
+    const int64_t row = (heads + 2 * kv_heads) * D;
+    const float* base = qkv.data_ptr<float>();
+    store_kv_rows(k_buf, v_buf, loc.data_ptr<int64_t>(),
+                  HeadRows{base + heads * D, T, kv_heads, D, row},
+                  HeadRows{base + (heads + kv_heads) * D, T, kv_heads, D, row});
+    // Each last row attends as a one-token extend after the rest of its request's rows.
+    const at::Tensor ones = at::ones_like(extend_lens);
+    const RowPlan plan = plan_rows(rows.numel(), req_to_token, req_pool_indices,
+                                   prefix_lens + extend_lens - ones, ones, kv_lens, tree_mask);
+    const at::Tensor q = qkv.index_select(0, rows);
+    residual = residual.index_select(0, rows);
+    return attend_rows(plan, HeadRows{q.data_ptr<float>(), q.size(0), heads, D, row}, k_buf,
+                       v_buf, sm_scale);
   });
+  const int64_t R = residual.size(0);
   const at::Tensor x = phase("eagle3_layer::o_proj", [&] {
-    at::Tensor y = q4_matmul(attn.view({T, -1}), w[5], w[6], w[7], n[1]);
-    add_into(y, g.contiguous());  // g + y (fp32 addition commutes bit for bit)
+    at::Tensor y = q4_matmul(attn.view({R, -1}), w[5], w[6], w[7], n[1]);
+    add_into(y, residual);  // g + y (fp32 addition commutes bit for bit)
     return y;
   });
   // ... then x + mlp(post_attention_layernorm(x)); the logits read norm(out).
@@ -225,8 +249,8 @@ TORCH_LIBRARY_FRAGMENT(eagleserve_cpu, lib) {
       "eagle3_layer(Tensor emb, Tensor g, Tensor[] weights, int[] out_features, float eps, "
       "int heads, int kv_heads, Tensor cos, Tensor signed_sin, Tensor k_buf, Tensor v_buf, "
       "Tensor out_cache_loc, Tensor req_to_token, Tensor req_pool_indices, Tensor prefix_lens, "
-      "Tensor extend_lens, Tensor kv_lens, Tensor? tree_mask, float sm_scale) "
-      "-> (Tensor, Tensor)",
+      "Tensor extend_lens, Tensor kv_lens, Tensor? tree_mask, float sm_scale, "
+      "Tensor? last_rows) -> (Tensor, Tensor)",
       &eagle3_layer);
   lib.def(
       "decoder_layers(Tensor h, Tensor[] weights, int[] out_features, float eps, int heads, "

@@ -138,10 +138,16 @@ class CpuHeadLayer:
         return CpuHeadLayer(weights, [n_qkv, n_o, n_gu, n_down, n_vocab], shape, attn.layer_id)
 
     def forward(
-        self, emb: torch.Tensor, g: torch.Tensor, fb: ForwardBatch, rotary: BoundRotary
+        self,
+        emb: torch.Tensor,
+        g: torch.Tensor,
+        fb: ForwardBatch,
+        rotary: BoundRotary,
+        last_rows: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(logits [T, draft vocab] fp32, the layer's output [T, hidden]) of the rows whose
-        embeddings are `emb` and features (after fc) `g`."""
+        embeddings are `emb` and features (after fc) `g`; with `last_rows` (each request's
+        last row of the extend `fb`), of those rows, every row's K/V written."""
         backend = fb.attn_backend
         assert isinstance(backend, TorchAttnBackend)
         pool = fb.kv_pool
@@ -149,5 +155,5 @@ class CpuHeadLayer:
             emb, g, self.weights, self.out_features, self.shape,
             (rotary.cos, rotary.signed_sin),
             (pool.k_buffer[self.layer_id], pool.v_buffer[self.layer_id], fb.out_cache_loc),
-            CpuLayers.attention_rows(fb), backend.sm_scale,
+            CpuLayers.attention_rows(fb), backend.sm_scale, last_rows,
         )  # fmt: skip

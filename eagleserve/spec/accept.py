@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from eagleserve.distributed.parallel import broadcast_from_first
+from eagleserve.kernels import cpu_ext
 from eagleserve.sampling.sampler import (
     DrawKernel,
     PackedSampling,
@@ -225,6 +226,13 @@ def verify_walks(
                                kernel=kernel)  # fmt: skip
 
 
+def cpu_walk(logits: torch.Tensor) -> bool:
+    """Whether a greedy chain's argmax and walk over these logits run as one call of the CPU
+    kernels (`greedy_chain_walk`: the values `verify_greedy_chain` gives, without the dozen
+    ops a CPU runs cold after a forward has streamed the weights through its caches)."""
+    return logits.device.type == "cpu" and logits.dtype == torch.float32 and cpu_ext.loaded()
+
+
 def unpack_walk(packed: torch.Tensor) -> AcceptResult:
     """The AcceptResult of `packed_walk`'s output: views of it, no copy."""
     d = (packed.shape[1] - 2) // 2
@@ -275,11 +283,13 @@ def accept(
     `max_depth`: a tree's depth bound (the result's width is max_depth + 1; default n - 1).
     Under tensor parallelism every rank takes rank 0's result: the ranks then commit the same
     tokens and KV paths."""
+    bs, n = tokens.shape
+    rows = logits.reshape(bs * n, -1)
     if walked is not None:
         acc = walked
+    elif chain and info.all_greedy and cpu_walk(rows):
+        acc = unpack_walk(cpu_ext.greedy_chain_walk(tokens, rows))
     else:
-        bs, n = tokens.shape
-        rows = logits.reshape(bs * n, -1)
         if info.all_greedy:
             predict = greedy_ids(rows).view(bs, n)
         else:

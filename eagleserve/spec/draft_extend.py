@@ -54,7 +54,9 @@ def last_rows_forward(
             width = fb.host.max_extend
             fb = dataclasses.replace(fb, extend_lens=torch.full_like(fb.extend_lens, width),
                                      host=HostLens(width, fb.host.max_kv, True))  # fmt: skip
-    if head.upper_layers:  # layer 1's K/V read layer 0's attention: every row runs every layer
+    # Layer 1's K/V read layer 0's attention: every row runs every layer. On the one-call CPU
+    # layer, every row's K/V and the last rows' layer are one kernel call.
+    if head.upper_layers or head.extends_in_one_call(fb):
         with forward_context(fb):
             return head(fb.input_ids, features, fb.positions, logit_rows=last_rows)
     if fb.input_ids.shape[0] == fb.batch_size:  # one row per request: all are last rows

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from eagleserve.config import ModelConfig
-from eagleserve.layers.forward_batch import get_forward_batch, in_forward
+from eagleserve.layers.forward_batch import ForwardBatch, get_forward_batch, in_forward
 from eagleserve.models.cpu_layers import CpuHeadLayer, CpuLayers
 from eagleserve.models.llama import (
     LlamaAttention,
@@ -226,12 +226,10 @@ class EagleHead(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """input_ids [T] (token t[j+1]), features [T, feature_size or h] (aligned with t[j]),
         positions [T]. Returns (logits [T, draft_vocab], fp32 except on the fused kernels, which
-        keep the model dtype; next_features [T, h]). `logit_rows`: of these rows only (every
-        row still runs the layers and writes its K/V; a multi-layer head's extend)."""
-        if logit_rows is not None:
-            out = self.layers_output(input_ids, features, positions)[logit_rows]
-            return self._logits(out), out
-        if self.fused_kernels and in_forward():  # the embedding is looked up in a kernel
+        keep the model dtype; next_features [T, h]). `logit_rows`: of these rows only, each
+        request's last of an extend (every row still writes its K/V; on the one-call CPU layer
+        only the last rows run the rest of it, which leaves their results as they are)."""
+        if self.fused_kernels and in_forward() and logit_rows is None:  # embeddings in a kernel
             from eagleserve.spec import fused_head  # imports triton: only where it runs
 
             g = self.fused_features(self._features(features))
@@ -243,9 +241,19 @@ class EagleHead(nn.Module):
         if self.cpu_layer is not None and in_forward():
             fb = get_forward_batch()
             if CpuLayers.applies(fb, emb):  # the layer and lm_head in one kernel call
-                return self.cpu_layer.forward(emb, self.fused_features(feats), fb, rotary)
+                g = self.fused_features(feats)
+                return self.cpu_layer.forward(emb, g, fb, rotary, logit_rows)
         out = self._layers(emb, feats, positions, rotary)
+        if logit_rows is not None:
+            out = out[logit_rows]
         return self._logits(out), out  # next_features are pre-norm
+
+    def extends_in_one_call(self, fb: ForwardBatch) -> bool:
+        """Whether an extend over `fb` runs the one-call CPU layer: every row's K/V and each
+        request's last row's layer and lm_head in one kernel call (`logit_rows`)."""
+        return self.cpu_layer is not None and CpuLayers.applies(
+            fb, self.target.model.embed_tokens.weight
+        )
 
     def _logits(self, out: torch.Tensor) -> torch.Tensor:
         if self.algorithm == "EAGLE":

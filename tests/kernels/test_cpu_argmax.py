@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from eagleserve.kernels import cpu_ext
-from eagleserve.sampling.sampler import greedy_ids
+from eagleserve.sampling.sampler import SamplingInfo, greedy_ids
+from eagleserve.spec.accept import accept, unpack_walk, verify_greedy_chain
 
 pytestmark = pytest.mark.skipif(
     not cpu_ext.load(), reason="the AVX2 kernels do not run here (no AVX2/FMA or compiler)"
@@ -46,3 +47,58 @@ def test_greedy_ids_keeps_torch_where_the_kernel_does_not_apply() -> None:
     assert torch.equal(greedy_ids(half), half.argmax(-1))  # torch's, as before
     strided = torch.randn(100, 3).t()  # a non-contiguous view: made contiguous first
     assert torch.equal(greedy_ids(strided), strided.argmax(-1))
+
+
+@pytest.mark.parametrize(("bs", "n", "vocab"), [(1, 1, 5), (1, 2, 3), (16, 4, 3), (33, 6, 49152)])
+def test_the_chain_walk_commits_what_the_torch_walk_commits(bs: int, n: int, vocab: int) -> None:
+    """A greedy chain verify on a CPU walks the argmax in one kernel call (`accept`): the
+    accepted nodes, committed tokens, lengths and bonus of `verify_greedy_chain` over
+    torch.argmax, field for field; with ties (integer logits) and, on the full vocabulary,
+    drafts equal to the argmax for a random run of nodes, so every length occurs."""
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 10**6, ())))
+    seen: set[int] = set()
+    for _ in range(6):
+        logits = (torch.randn(bs * n, vocab, generator=gen) * 2).round()
+        predict = logits.argmax(-1).view(bs, n)
+        tokens = torch.randint(0, vocab, (bs, n), generator=gen)
+        run = torch.randint(0, n, (bs,), generator=gen)  # draft nodes 1..run are right
+        for b in range(bs):
+            tokens[b, 1 : int(run[b]) + 1] = predict[b, : int(run[b])]
+        got = unpack_walk(cpu_ext.greedy_chain_walk(tokens, logits))
+        want = verify_greedy_chain(tokens, predict)
+        for name in ("accept_index", "accept_lens", "output_tokens", "bonus_tokens"):
+            assert torch.equal(getattr(got, name), getattr(want, name)), name
+        seen |= set(got.accept_lens.tolist())
+    if bs > 8:  # enough requests that the shortest and the longest run both occur
+        assert seen >= {1, n}
+
+
+def test_a_greedy_chain_accept_takes_the_kernel_walk() -> None:
+    """`accept` of an all-greedy chain on fp32 CPU logits runs the one-call walk and commits
+    what the torch ops commit on the same logits in fp64 (which keep the ops)."""
+    bs, n, vocab = 4, 3, 50
+    logits = torch.randn(bs, n, vocab)
+    tokens = torch.randint(0, vocab, (bs, n))
+    tokens[:, 1] = logits[:, 0].argmax(-1)  # every request accepts its first draft at least
+    seeds = torch.zeros(bs, dtype=torch.long)
+    info = SamplingInfo(torch.ones(bs, 1), torch.ones(bs), torch.full((bs,), vocab),
+                        torch.zeros(bs), [True] * bs, seeds)  # fmt: skip
+    parents = torch.arange(-1, n - 1).expand(bs, n)
+    positions = 10 + torch.arange(n).expand(bs, n)
+    calls = []
+    original = cpu_ext.greedy_chain_walk
+
+    def counting(*a: torch.Tensor) -> torch.Tensor:
+        calls.append(1)
+        return original(*a)
+
+    cpu_ext.greedy_chain_walk = counting  # type: ignore[assignment]
+    try:
+        got = accept(info, tokens, parents, logits, positions, chain=True)
+        ops = accept(info, tokens, parents, logits.double(), positions, chain=True)
+    finally:
+        cpu_ext.greedy_chain_walk = original  # type: ignore[assignment]
+    assert len(calls) == 1, "the fp32 logits took the kernel, the fp64 ones the ops"
+    assert bool((got.accept_lens >= 2).all())
+    for name in ("accept_index", "accept_lens", "output_tokens", "bonus_tokens"):
+        assert torch.equal(getattr(got, name), getattr(ops, name)), name

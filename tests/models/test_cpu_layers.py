@@ -117,7 +117,9 @@ def test_a_layer_the_kernel_does_not_cover_keeps_the_modules(runner: ModelRunner
 def test_the_heads_one_call_equals_its_modules(runner: ModelRunner) -> None:
     """An EAGLE-3 head beside the packed target (Q4 tiles, row kernels) runs its layer and
     lm_head in one call: the same logits, next features and head K/V as its modules, for an
-    extend of two requests (target features) and a draft step (the head's own features)."""
+    extend of two requests (target features), a draft step (the head's own features), and an
+    extend after them that wants each request's last row alone (a seed extend after a verify:
+    every row's K/V, the last rows' layer)."""
     from conftest import make_forward_batch
 
     from eagleserve.layers.attention import create_attn_backend
@@ -143,13 +145,13 @@ def test_the_heads_one_call_equals_its_modules(runner: ModelRunner) -> None:
     r2t = torch.zeros(4, 64, dtype=torch.long)
     backend = create_attn_backend("auto", torch.device("cpu"), r2t, hc.head_dim**-0.5,
                                   shape_invariant=True)  # fmt: skip
-    lens = [int(torch.randint(3, 30, (), generator=g)) for _ in range(2)]
+    lens = [int(torch.randint(3, 26, (), generator=g)) for _ in range(2)]  # room for 5 more
     rpi = torch.tensor([2, 0])
     slots = (torch.randperm(95, generator=g) + 1)[: 2 * 32].view(2, 32)
     r2t[rpi, :32] = slots
 
     def both(mode: str, ids: torch.Tensor, feats: torch.Tensor, prefix: list[int],
-             ext: list[int]) -> None:  # fmt: skip
+             ext: list[int], last: torch.Tensor | None = None) -> None:  # fmt: skip
         pos = torch.cat([torch.arange(p, p + e) for p, e in zip(prefix, ext, strict=True)])
         loc = torch.cat([slots[i, p : p + e] for i, (p, e) in enumerate(zip(prefix, ext))])
         outs, kv = [], []
@@ -160,10 +162,11 @@ def test_the_heads_one_call_equals_its_modules(runner: ModelRunner) -> None:
                                     extend_lens=torch.tensor(ext), kv_pool=pool,
                                     attn_backend=backend)  # fmt: skip
             with forward_context(fb):
-                outs.append(head(ids, feats, pos))
+                outs.append(head(ids, feats, pos, logit_rows=last))
             kv.append((pool.k_buffer[0][loc].clone(), pool.v_buffer[0][loc].clone()))
         head.cpu_layer = one_call
         for a, b in zip(*outs, strict=True):
+            assert a.shape[0] == (ids.shape[0] if last is None else len(last))
             assert torch.equal(a, b)
         assert all(torch.equal(a, b) for a, b in zip(*kv, strict=True))
 
@@ -172,6 +175,11 @@ def test_the_heads_one_call_equals_its_modules(runner: ModelRunner) -> None:
          torch.randn(n, head.feature_size, generator=g), [0, 0], lens)  # fmt: skip
     both("draft", torch.randint(0, 49152, (2,), generator=g),
          torch.randn(2, head.hidden_size, generator=g), lens, [1, 1])  # fmt: skip
+    ext = [int(torch.randint(1, 5, (), generator=g)) for _ in range(2)]
+    last = torch.cumsum(torch.tensor(ext), 0) - 1
+    both("extend", torch.randint(0, 49152, (sum(ext),), generator=g),
+         torch.randn(sum(ext), head.feature_size, generator=g), [m + 1 for m in lens], ext,
+         last)  # fmt: skip
 
 
 def test_phase_timers_see_each_phase_of_every_layer(runner: ModelRunner) -> None:
