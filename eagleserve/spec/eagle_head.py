@@ -249,11 +249,9 @@ class EagleHead(nn.Module):
         return self._logits(out), out  # next_features are pre-norm
 
     def extends_in_one_call(self, fb: ForwardBatch) -> bool:
-        """Whether an extend over `fb` runs the one-call CPU layer: every row's K/V and each
-        request's last row's layer and lm_head in one kernel call (`logit_rows`)."""
-        return self.cpu_layer is not None and CpuLayers.applies(
-            fb, self.target.model.embed_tokens.weight
-        )
+        """Whether an extend over `fb` runs the one-call CPU layer (`logit_rows`)."""
+        embed = self.target.model.embed_tokens.weight
+        return self.cpu_layer is not None and CpuLayers.applies(fb, embed)
 
     def _logits(self, out: torch.Tensor) -> torch.Tensor:
         if self.algorithm == "EAGLE":
