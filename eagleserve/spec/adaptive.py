@@ -197,12 +197,19 @@ class CostTable:
         drafting (it caught up held inputs first, in `seconds`) is not a steady one: what it
         took beyond a steady iteration of depth k is the resume's cost instead, or the
         drafting scale, learnt from probes alone while the controller does not draft, would
-        price every drafting iteration as a resume."""
+        price every drafting iteration as a resume; where it took less than a steady one is
+        priced, it is a steady one's upper bound, and refines the drafting scale."""
         b = self.bucket(bs)
         self.clock += 1
         if resumed and k:
-            _ema(self.catch_up, b, max(0.0, seconds - self.cost(bs, k)))
-            return
+            over = seconds - self.cost(bs, k)
+            _ema(self.catch_up, b, max(0.0, over))
+            if over >= 0:
+                return
+            # Cheaper than a steady iteration is priced: the price is too high (a start-up
+            # table timed while the host ran slow), and while it keeps the controller from
+            # drafting, only probes, which resume, run to show it. A resume costs at least a
+            # steady iteration, so it refines the drafting scale as one would, from above.
         key = (b, k > 0)
         # A scale not measured yet starts from its prior (the start-up table as measured, or
         # for drafting the decode scale) and takes its first measurement as a stale one: one

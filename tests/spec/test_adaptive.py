@@ -333,6 +333,31 @@ def test_a_resumed_iteration_prices_the_resume_not_the_depth() -> None:
     assert costs.cost(1, 0) == pytest.approx(1.0 + STALE_WEIGHT * (0.9 - 1.0))
 
 
+def test_a_start_up_table_that_overprices_drafting_is_corrected_by_the_probes() -> None:
+    """A start-up table timed while the host ran slow can price drafting at twice what it
+    costs; a controller that believes it never drafts by choice, and its probes resume held
+    inputs, so they price the resume alone. A probe that costs less than a steady iteration
+    is priced shows the price too high: it refines the drafting scale, and where drafting
+    pays the controller drafts nearly throughout within a few probes."""
+    rng = random.Random()
+    true = [1.0, 1.25, 1.35, 1.5]
+    costs = table([1.0] + [2 * c for c in true[1:]])  # drafting timed at twice its cost
+    ctl = AdaptiveController(costs, CHAIN, probe_interval=64)
+    alphas = [0.62, 0.57, 0.3]  # E[2] = 1.97 tokens in 1.35 decodes: drafting pays
+    resume = rng.uniform(0.05, 0.15)
+    picks, last = [], 0
+    for _ in range(1500):
+        catching_up = last == 0
+        k = ctl.choose([alphas], catching_up)
+        seconds = true[k] * rng.uniform(0.97, 1.03) + (resume if k and catching_up else 0.0)
+        ctl.observe(1, k, seconds, resumed=bool(k) and catching_up)
+        picks.append(k)
+        last = k
+    assert sum(k > 0 for k in picks[:64]) <= 1  # at first, only the probe drafts
+    assert sum(k > 0 for k in picks[750:]) / 750 >= 0.9
+    assert costs.cost(1, 2) == pytest.approx(true[2], rel=0.1)
+
+
 def test_a_scale_not_measured_for_a_while_takes_a_measurement_at_more_weight() -> None:
     """Consecutive measurements refine a scale by COST_EMA; one that comes STALE_AFTER or more
     iterations after the scale's last (a plain probe among drafting iterations) by
