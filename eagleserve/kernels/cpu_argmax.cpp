@@ -1,6 +1,6 @@
 // argmax over the last dim of fp32 rows (greedy sampling and the greedy verify of a packed CPU
-// target), AVX2: one pass for each row's maximum, one for its first position; and a chain
-// verify's greedy walk over them.
+// target), AVX2: one pass for each row's maximum, one for its first position; a chain
+// verify's greedy walk over them, and a chain draft's top-1 with its probability.
 //
 // torch.argmax's answer exactly: the first index of the maximum; a row holding a NaN answers
 // its first NaN (torch propagates NaN as the maximum); a row of -inf answers 0. Each row alone
@@ -13,7 +13,10 @@
 
 #include <cmath>
 #include <limits>
+#include <tuple>
 #include <vector>
+
+#include "cpu_simd.h"
 
 namespace eagleserve_cpu {
 
@@ -105,10 +108,50 @@ at::Tensor greedy_chain_walk(const at::Tensor& tokens_in, const at::Tensor& logi
   return out;
 }
 
+// A chain draft's candidate of each row of head logits [R, V] fp32 (spec/draft_extend.py's
+// seed_from_logits, topk 1): the argmax (argmax_rows' answer), mapped through id_map [V] int64
+// (the draft-to-target vocabulary map) where given, and its softmax probability 1 / sum of
+// exp(x - max) (fp32, exp_nonpositive's rounding: within a few ulp of torch.softmax's).
+// Returns (p [R, 1] fp32, ids [R, 1] int64).
+std::tuple<at::Tensor, at::Tensor> top1_rows(const at::Tensor& logits_in,
+                                             const c10::optional<at::Tensor>& id_map) {
+  TORCH_CHECK(logits_in.scalar_type() == at::kFloat && logits_in.dim() == 2, "float32 [R, V]");
+  const at::Tensor x = logits_in.contiguous();
+  const int64_t R = x.size(0), V = x.size(1);
+  TORCH_CHECK(V > 0, "top-1 over an empty row");
+  at::Tensor map;
+  if (id_map.has_value()) {
+    map = id_map->to(at::kLong).contiguous();
+    TORCH_CHECK(map.numel() == V, "id_map: one id per column");
+  }
+  at::Tensor p = at::empty({R, 1}, x.options());
+  at::Tensor ids = at::empty({R, 1}, x.options().dtype(at::kLong));
+  const float* xp = x.data_ptr<float>();
+  for (int64_t r = 0; r < R; ++r) {
+    const float* row = xp + r * V;
+    const int64_t best = argmax_row(row, V);
+    const __m256 top = _mm256_set1_ps(row[best]);
+    __m256 acc = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= V; i += 8)
+      acc = _mm256_add_ps(acc, exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(row + i), top)));
+    float lanes[8];
+    _mm256_storeu_ps(lanes, acc);
+    float total = 0.f;
+    for (float lane : lanes) total += lane;
+    for (; i < V; ++i) total += std::exp(row[i] - row[best]);
+    p.data_ptr<float>()[r] = 1.f / total;
+    ids.data_ptr<int64_t>()[r] = map.defined() ? map.data_ptr<int64_t>()[best] : best;
+  }
+  return {p, ids};
+}
+
 }  // namespace eagleserve_cpu
 
 TORCH_LIBRARY_FRAGMENT(eagleserve_cpu, lib) {
   lib.def("argmax_rows(Tensor logits) -> Tensor", &eagleserve_cpu::argmax_rows);
   lib.def("greedy_chain_walk(Tensor tokens, Tensor logits) -> Tensor",
           &eagleserve_cpu::greedy_chain_walk);
+  lib.def("top1_rows(Tensor logits, Tensor? id_map) -> (Tensor, Tensor)",
+          &eagleserve_cpu::top1_rows);
 }

@@ -10,8 +10,8 @@
   EAGLE-3 head's layer and lm_head in another (`eagle3_layer`), the kernels above in the
   order the modules call them;
 - `cpu_argmax.cpp`: argmax over the last dim of fp32 rows (`argmax_rows`), torch.argmax's
-  answer in one vectorized pass per row, and a chain verify's greedy walk over them
-  (`greedy_chain_walk`);
+  answer in one vectorized pass per row, a chain verify's greedy walk over them
+  (`greedy_chain_walk`) and a chain draft's top-1 and its probability (`top1_rows`);
 - `cpu_sample.cpp`: a sampled row's token from its logits (`sample_rows`): temperature, top-k,
   top-p, min-p and the seeded exponential race, without sorting the vocabulary.
 
@@ -255,6 +255,14 @@ def greedy_chain_walk(tokens: torch.Tensor, logits: torch.Tensor) -> torch.Tenso
     """The greedy acceptance of a chain verify, tokens [bs, n] against the argmax of logits
     [bs * n, V] fp32 (cpu_argmax.cpp), packed as spec/accept.py's packed_walk packs it."""
     return torch.ops.eagleserve_cpu.greedy_chain_walk(tokens, logits)
+
+
+def top1_rows(
+    logits: torch.Tensor, id_map: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's argmax of head logits [R, V] fp32, mapped through id_map [V] where given,
+    and its softmax probability: (p [R, 1] fp32, ids [R, 1] int64) (cpu_argmax.cpp)."""
+    return torch.ops.eagleserve_cpu.top1_rows(logits, id_map)
 
 
 def sample_rows(

@@ -21,6 +21,7 @@ from typing import Literal
 import torch
 
 from eagleserve.core import EagleDraftInput
+from eagleserve.kernels import cpu_ext
 from eagleserve.layers.attention import AttentionBackend
 from eagleserve.layers.forward_batch import ForwardBatch, HostLens, forward_context
 from eagleserve.mem_cache.kv_cache import TokenToKVPool
@@ -200,7 +201,8 @@ def seed_from_logits(
 ) -> EagleDraftInput:
     """The next draft's seed: the head's top-k (target ids) and the features it continues from;
     for a chain with sampled rows and `draw`, those rows' drawn drafts (`DraftDraw`). A
-    chain's on a head on the fused kernels: one launch (kernels/triton_top1.py), the same ids."""
+    chain's on a head on the fused kernels: one launch (kernels/triton_top1.py), on the
+    one-call CPU layer one call (`cpu_ext.top1_rows`), the same ids."""
     if draw is not None and topk == 1 and not draw.all_greedy:
         topk_p, target_ids = drawn_candidate(head, logits, draw)
         return EagleDraftInput(topk_p, target_ids, features)
@@ -208,6 +210,11 @@ def seed_from_logits(
         from eagleserve.kernels.triton_top1 import top1  # imports triton: only where it runs
 
         topk_p, target_ids = top1(logits, head.target_ids)
+        return EagleDraftInput(topk_p, target_ids, features)
+    cpu_top1 = head.cpu_layer is not None and logits.dtype == torch.float32
+    if topk == 1 and cpu_top1 and head.target_ids is not None:
+        # One call of the CPU kernels where a softmax, a max and a gather take three ops.
+        topk_p, target_ids = cpu_ext.top1_rows(logits, head.target_ids)
         return EagleDraftInput(topk_p, target_ids, features)
     topk_p, topk_ids = top_candidates(logits, topk)
     return EagleDraftInput(topk_p, head.to_target_ids(topk_ids), features)

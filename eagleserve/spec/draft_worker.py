@@ -202,15 +202,22 @@ class EagleDraftWorker:
         logits, feats = self.extend_forward(fb, features, last_rows)
         # A request's last row pairs its newest token (at prefix + extend) with the feature
         # before it; its draft sits one further on.
-        draw = self._draw(sampling, fb.prefix_lens + fb.extend_lens + 1)
+        draw = self._draw(sampling, fb.prefix_lens, fb.extend_lens, 1)
         return seed_from_logits(
             self.head, self._masked(logits, allowed), feats, self.spec.eagle_topk, draw
         )
 
-    def _draw(self, sampling: SamplingInfo | None, positions: torch.Tensor) -> DraftDraw | None:
-        """How a chain's seed rows at these draft positions draw (None: all by the argmax)."""
+    def _draw(
+        self, sampling: SamplingInfo | None, *position: torch.Tensor | int
+    ) -> DraftDraw | None:
+        """How a chain's seed rows draw, their drafts sitting at the sum of `position` (None:
+        all by the argmax, and the sum, ops a greedy batch does not need, is not taken)."""
         if sampling is None or sampling.all_greedy or self.spec.eagle_topk != 1:
             return None
+        positions = position[0]
+        for term in position[1:]:
+            positions = positions + term
+        assert isinstance(positions, torch.Tensor)
         return DraftDraw(sampling, positions)
 
     def extend_forward(
@@ -383,6 +390,6 @@ class EagleDraftWorker:
             with forward_context(fb):
                 logits, next_feats = self.head(input_ids, feats, fb.positions)
         # A step's row at position p holds the draft at p + 1 and proposes the one at p + 2.
-        draw = self._draw(sampling, fb.positions + 2)
+        draw = self._draw(sampling, fb.positions, 2)
         seed = seed_from_logits(self.head, self._masked(logits, allowed), next_feats, topk, draw)
         return seed.topk_p, seed.topk_index, seed.hidden_states  # p, ids [bs*topk, topk]; features

@@ -10,6 +10,7 @@ import torch
 from eagleserve.kernels import cpu_ext
 from eagleserve.sampling.sampler import SamplingInfo, greedy_ids
 from eagleserve.spec.accept import accept, unpack_walk, verify_greedy_chain
+from eagleserve.spec.draft_extend import top_candidates
 
 pytestmark = pytest.mark.skipif(
     not cpu_ext.load(), reason="the AVX2 kernels do not run here (no AVX2/FMA or compiler)"
@@ -102,3 +103,20 @@ def test_a_greedy_chain_accept_takes_the_kernel_walk() -> None:
     assert bool((got.accept_lens >= 2).all())
     for name in ("accept_index", "accept_lens", "output_tokens", "bonus_tokens"):
         assert torch.equal(getattr(got, name), getattr(ops, name)), name
+
+
+@pytest.mark.parametrize(("rows", "vocab"), [(1, 8192), (3, 1000), (5, 7)])
+def test_a_chain_drafts_top1_is_the_softmax_max_and_its_mapped_id(rows: int, vocab: int) -> None:
+    """A chain draft's candidate on a CPU head (`top1_rows`): the first argmax of each row
+    (ties included), mapped through the draft-to-target table, and its softmax probability
+    to fp32 rounding, as `top_candidates` and the map give them."""
+    logits = torch.randn(rows, vocab) * 3
+    logits[0, torch.randperm(vocab)[: max(1, vocab // 4)]] = logits[0].max()  # ties
+    id_map = torch.randperm(49152)[:vocab]
+    p, ids = cpu_ext.top1_rows(logits, id_map)
+    want_p, want = top_candidates(logits, 1)
+    assert ids.shape == (rows, 1) and p.shape == (rows, 1)
+    assert torch.equal(ids, id_map[want])
+    assert torch.allclose(p, want_p, rtol=1e-5, atol=0)
+    p2, unmapped = cpu_ext.top1_rows(logits, None)
+    assert torch.equal(unmapped, want) and torch.equal(p2, p)
