@@ -314,6 +314,8 @@ class EagleDraftWorker:
         drafts (`DraftDraw`, given the batch's `sampling`), as does a chain's loop graph of its
         draw mode."""
         spec = self.spec
+        if spec.is_chain and num_steps == 1 and not self.loop_graphs:
+            return build_chain(batch.input_ids, info.topk_index)  # the seed: no head step
         assert batch.seq_lens_cpu is not None, "drafting needs the scheduler's host seq lens"
         L = batch.seq_lens
         base = ForwardBatch(  # the requests, their bonus tokens and committed lengths

@@ -369,6 +369,8 @@ class EagleWorker:
             # A chain's path row j is its verify row j; rows past the accept length seed
             # nothing, so every verify row's feature is used as it is, without a gather.
             feats = self._features(out)
+        elif spec.is_chain:  # the path rows kept are the verify rows of the accepted nodes
+            feats = self._features(out)[path_rows]
         else:
             feats = self._features(out)[self.paths.verify_rows(acc, n).reshape(-1)[path_rows]]
         # Producer of new lengths: the scheduler's refresh point recomputes the host mirror.
