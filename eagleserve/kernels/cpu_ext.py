@@ -310,8 +310,9 @@ def decoder_layers(
 
 
 def eagle3_layer(
-    emb: torch.Tensor,
-    g: torch.Tensor,
+    input_ids: torch.Tensor,
+    features: torch.Tensor,
+    inputs: tuple[torch.Tensor, list[torch.Tensor]],
     weights: list[torch.Tensor],
     out_features: list[int],
     shape: tuple[float, int, int],
@@ -321,14 +322,17 @@ def eagle3_layer(
     sm_scale: float,
     last_rows: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """An EAGLE-3 head's layer and lm_head over emb, g [T, hidden] fp32 (cpu_layers.cpp):
-    weights 19 and out_features 5 (models/cpu_layers.py, CpuHeadLayer builds both); shape,
-    rotary and rows as `decoder_layers` takes them; kv (K buffer, V buffer, the new tokens'
-    slots). Returns (logits [T, draft vocab], the layer's output); with `last_rows` (each
-    request's last row of a causal extend) every row's K/V is written and the two outputs
-    are of those rows alone."""
+    """An EAGLE-3 head's layer and lm_head (cpu_layers.cpp) over the tokens input_ids [T] and
+    the features [T, F] fp32 they continue from: a draft step's (F = hidden) or the target's,
+    fused by the fc tiles; inputs (the target's embedding table, the fc tiles or []), weights
+    19 and out_features 5 (models/cpu_layers.py, CpuHeadLayer builds them); shape, rotary and
+    rows as `decoder_layers` takes them; kv (K buffer, V buffer, the new tokens' slots).
+    Returns (logits [T, draft vocab], the layer's output); with `last_rows` (each request's
+    last row of a causal extend) every row's K/V is written and the two outputs are of those
+    rows alone."""
     eps, heads, kv_heads = shape
-    args = (emb, g, weights, out_features, eps, heads, kv_heads, *rotary, *kv, *rows, sm_scale)
+    args = (input_ids, features, *inputs, weights, out_features, eps, heads, kv_heads, *rotary,
+            *kv, *rows, sm_scale)  # fmt: skip
     return torch.ops.eagleserve_cpu.eagle3_layer(*args, last_rows)
 
 

@@ -167,16 +167,19 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers(
 }
 
 // The EAGLE-3 head's layer and lm_head (spec/eagle_head.py, EagleHead.forward) for a head on
-// the q4 kernels beside a packed target, the modules' kernels in their order: emb [T, h] the
-// new tokens' embeddings, g [T, h] the features it continues from (after fc). Weights, in
-// order: input norm, hidden norm, q/k/v tiles (w, d, m), o tiles, post-attention norm,
-// gate/up tiles, down tiles, final norm, lm_head tiles. Returns (logits, the layer's output,
-// the next draft step's features) of every row, or with `last_rows` (one row per request, the
-// last of its extend) of those rows alone: every row's K/V is written, and only they attend
-// and run the rest. A one-layer head's K/V of a row depend on its own input alone, so this is
-// the whole extend's result at those rows, bit for bit.
+// the q4 kernels beside a packed target, the modules' kernels in their order: input_ids [T]
+// the new tokens (their rows of `embed`, the target's embedding table), features [T, F] what
+// they continue from: the target's (F wider than h: fused by the fc tiles) or a draft step's
+// (F = h, as they are). Weights, in order: input norm, hidden norm, q/k/v tiles (w, d, m), o
+// tiles, post-attention norm, gate/up tiles, down tiles, final norm, lm_head tiles. Returns
+// (logits, the layer's output, the next draft step's features) of every row, or with
+// `last_rows` (one row per request, the last of its extend) of those rows alone: every row's
+// K/V is written, and only they attend and run the rest. A one-layer head's K/V of a row
+// depend on its own input alone, so this is the whole extend's result at those rows, bit for
+// bit.
 std::tuple<at::Tensor, at::Tensor> eagle3_layer(
-    const at::Tensor& emb, const at::Tensor& g, at::TensorList w, at::IntArrayRef n,
+    const at::Tensor& input_ids, const at::Tensor& features, const at::Tensor& embed,
+    at::TensorList fc, at::TensorList w, at::IntArrayRef n,
     double eps, int64_t heads, int64_t kv_heads, const at::Tensor& cos,
     const at::Tensor& signed_sin, const at::Tensor& k_buf, const at::Tensor& v_buf,
     const at::Tensor& out_cache_loc, const at::Tensor& req_to_token,
@@ -186,9 +189,17 @@ std::tuple<at::Tensor, at::Tensor> eagle3_layer(
     const c10::optional<at::Tensor>& last_rows) {
   using namespace eagleserve_cpu;
   TORCH_CHECK(w.size() == 19 && n.size() == 5, "19 weight tensors, 5 output sizes");
-  TORCH_CHECK(emb.dim() == 2 && emb.scalar_type() == at::kFloat && g.sizes() == emb.sizes() &&
-                  g.scalar_type() == at::kFloat,
-              "emb, g [T, hidden] float32");
+  TORCH_CHECK(embed.dim() == 2 && embed.scalar_type() == at::kFloat, "embed [V, hidden] float32");
+  TORCH_CHECK(features.dim() == 2 && features.scalar_type() == at::kFloat &&
+                  features.size(0) == input_ids.numel(),
+              "features [T, F] float32, one row per input id");
+  const int64_t hidden = embed.size(1);
+  const at::Tensor emb = at::embedding(embed, input_ids.to(at::kLong));
+  at::Tensor g = features.contiguous();
+  if (features.size(1) != hidden) {  // the target's features: fc fuses them
+    TORCH_CHECK(fc.size() == 3, "features wider than the hidden size need the fc tiles");
+    g = q4_matmul(g, fc[0], fc[1], fc[2], hidden);
+  }
   const int64_t T = emb.size(0), D = k_buf.size(2);
   const at::Tensor loc = out_cache_loc.to(at::kLong).contiguous();
   TORCH_CHECK(loc.numel() == T, "one slot per new token");
@@ -197,7 +208,7 @@ std::tuple<at::Tensor, at::Tensor> eagle3_layer(
     const at::Tensor attn_in = at::cat({rms_norm(emb, w[0], eps), rms_norm(g, w[1], eps)}, 1);
     return q4_matmul(attn_in, w[2], w[3], w[4], n[0]).view({T, heads + 2 * kv_heads, D});
   });
-  at::Tensor residual = g.contiguous();
+  at::Tensor residual = g;
   const at::Tensor attn = phase("eagle3_layer::rope_kv_store_attention", [&] {
     rope_(qkv, cos, signed_sin, heads + kv_heads);
     if (!last_rows.has_value()) {
@@ -246,7 +257,8 @@ std::tuple<at::Tensor, at::Tensor> eagle3_layer(
 TORCH_LIBRARY_FRAGMENT(eagleserve_cpu, lib) {
   lib.def("phase_times(bool on) -> (str[], float[], int[])", &phase_times);
   lib.def(
-      "eagle3_layer(Tensor emb, Tensor g, Tensor[] weights, int[] out_features, float eps, "
+      "eagle3_layer(Tensor input_ids, Tensor features, Tensor embed, Tensor[] fc, "
+      "Tensor[] weights, int[] out_features, float eps, "
       "int heads, int kv_heads, Tensor cos, Tensor signed_sin, Tensor k_buf, Tensor v_buf, "
       "Tensor out_cache_loc, Tensor req_to_token, Tensor req_pool_indices, Tensor prefix_lens, "
       "Tensor extend_lens, Tensor kv_lens, Tensor? tree_mask, float sm_scale, "

@@ -109,50 +109,60 @@ class CpuLayers:
 
 class CpuHeadLayer:
     """An EAGLE-3 head's layer and lm_head on Q4 tiles in one kernel call (cpu_layers.cpp,
-    `eagle3_layer`): the modules' kernels in their order, so the bits are theirs. Built where
-    every linear is Q4-tiled without bias and the norms, rotary and SiLU gate run the row
-    kernels (a head beside a packed target, spec/eagle_head.py's use_row_kernels)."""
+    `eagle3_layer`), the token embeddings and, for the target's features, the fc included: the
+    modules' kernels in their order, so the bits are theirs. Built where every linear is Q4-tiled
+    without bias and the norms, rotary and SiLU gate run the row kernels (a head beside a packed
+    target, spec/eagle_head.py's use_row_kernels)."""
 
-    def __init__(self, weights: list[torch.Tensor], out_features: list[int],
+    def __init__(self, inputs: tuple[torch.Tensor, list[torch.Tensor]],
+                 weights: list[torch.Tensor], out_features: list[int],
                  shape: tuple[float, int, int], layer_id: int) -> None:  # fmt: skip
+        self.inputs = inputs  # the embedding table, the fc tiles
         self.weights, self.out_features, self.shape = weights, out_features, shape
         self.layer_id = layer_id  # its K/V's layer in the head's pool
 
     @staticmethod
-    def build(layer: nn.Module, norm: nn.Module, lm_head: nn.Module) -> CpuHeadLayer | None:
+    def build(
+        layer: nn.Module, norm: nn.Module, lm_head: nn.Module, embed: nn.Module, fc: nn.Module
+    ) -> CpuHeadLayer | None:
         """From an Eagle3MidLayer (input_layernorm, hidden_norm, self_attn, post-attention
-        norm, mlp), the head's final norm and its lm_head; None where the kernel cannot run
-        them."""
+        norm, mlp), the head's final norm, its lm_head, the target's embedding and the head's
+        fc; None where the kernel cannot run them."""
         attn, mlp = layer.self_attn, layer.mlp
         norms = (layer.input_layernorm, layer.hidden_norm, layer.post_attention_layernorm, norm)
         if not (all(n.row_kernel for n in norms) and attn.row_kernel and mlp.row_kernel):
             return None
         tiles = [_tiles(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
-                                     mlp.down_proj, lm_head)]  # fmt: skip
+                                     mlp.down_proj, lm_head, fc)]  # fmt: skip
+        table = embed.weight.detach()
         if any(t is None for t in tiles) or len({float(n.eps) for n in norms}) != 1:
             return None
-        (qkv, n_qkv), (o, n_o), (gate_up, n_gu), (down, n_down), (head, n_vocab) = tiles  # type: ignore[misc]
+        if table.dtype != torch.float32:
+            return None
+        (qkv, n_qkv), (o, n_o), (gate_up, n_gu), (down, n_down), (head, n_vocab), (f, _) = tiles  # type: ignore[misc]
         w = [n.weight.detach() for n in norms]
         weights = [w[0], w[1], *qkv, *o, w[2], *gate_up, *down, w[3], *head]
         shape = (float(norms[0].eps), attn.num_heads, attn.num_kv_heads)
-        return CpuHeadLayer(weights, [n_qkv, n_o, n_gu, n_down, n_vocab], shape, attn.layer_id)
+        return CpuHeadLayer((table, f), weights, [n_qkv, n_o, n_gu, n_down, n_vocab], shape,
+                            attn.layer_id)  # fmt: skip
 
     def forward(
         self,
-        emb: torch.Tensor,
-        g: torch.Tensor,
+        input_ids: torch.Tensor,
+        features: torch.Tensor,
         fb: ForwardBatch,
         rotary: BoundRotary,
         last_rows: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(logits [T, draft vocab] fp32, the layer's output [T, hidden]) of the rows whose
-        embeddings are `emb` and features (after fc) `g`; with `last_rows` (each request's
-        last row of the extend `fb`), of those rows, every row's K/V written."""
+        """(logits [T, draft vocab] fp32, the layer's output [T, hidden]) of the rows of these
+        tokens and the features they continue from (the target's or a draft step's); with
+        `last_rows` (each request's last row of the extend `fb`), of those rows, every row's
+        K/V written."""
         backend = fb.attn_backend
         assert isinstance(backend, TorchAttnBackend)
         pool = fb.kv_pool
         return cpu_ext.eagle3_layer(
-            emb, g, self.weights, self.out_features, self.shape,
+            input_ids, features, self.inputs, self.weights, self.out_features, self.shape,
             (rotary.cos, rotary.signed_sin),
             (pool.k_buffer[self.layer_id], pool.v_buffer[self.layer_id], fb.out_cache_loc),
             CpuLayers.attention_rows(fb), backend.sm_scale, last_rows,

@@ -235,14 +235,13 @@ class EagleHead(nn.Module):
             g = self.fused_features(self._features(features))
             rotary = self.rotary_emb.at(positions, g.dtype)
             return fused_head.layer_forward(self, input_ids, g, get_forward_batch(), rotary)
+        layer = self.cpu_layer if in_forward() else None
+        if layer is not None and CpuLayers.applies(get_forward_batch(), features):  # one call
+            fb, rotary = get_forward_batch(), self.rotary_emb.at(positions, features.dtype)
+            return layer.forward(input_ids, self._features(features), fb, rotary, logit_rows)
         emb, feats = self._inputs(input_ids, features)
         # Bound once: a fused q/k/v then rotates q and k together (one kernel on a CPU).
         rotary = self.rotary_emb.at(positions, emb.dtype)
-        if self.cpu_layer is not None and in_forward():
-            fb = get_forward_batch()
-            if CpuLayers.applies(fb, emb):  # the layer and lm_head in one kernel call
-                g = self.fused_features(feats)
-                return self.cpu_layer.forward(emb, g, fb, rotary, logit_rows)
         out = self._layers(emb, feats, positions, rotary)
         if logit_rows is not None:
             out = out[logit_rows]
@@ -357,7 +356,9 @@ class EagleHead(nn.Module):
             elif isinstance(module, LlamaAttention):  # the rotary kernel's vector width
                 module.row_kernel = module.head_dim % 16 == 0
         if self.algorithm == "EAGLE3" and not self.upper_layers:
-            self.cpu_layer = CpuHeadLayer.build(self.midlayer, self.norm, self.lm_head)
+            embed = self.target.model.embed_tokens
+            self.cpu_layer = CpuHeadLayer.build(self.midlayer, self.norm, self.lm_head, embed,
+                                                self.fc)  # fmt: skip
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         if self.algorithm == "EAGLE":
