@@ -172,7 +172,7 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers(
 // they continue from: the target's (F wider than h: fused by the fc tiles) or a draft step's
 // (F = h, as they are). Weights, in order: input norm, hidden norm, q/k/v tiles (w, d, m), o
 // tiles, post-attention norm, gate/up tiles, down tiles, final norm, lm_head tiles. Returns
-// (logits, the layer's output, the next draft step's features) of every row, or with
+// (logits, the layer's output: the next draft step's features) of every row, or with
 // `last_rows` (one row per request, the last of its extend) of those rows alone: every row's
 // K/V is written, and only they attend and run the rest. A one-layer head's K/V of a row
 // depend on its own input alone, so this is the whole extend's result at those rows, bit for
