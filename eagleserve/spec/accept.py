@@ -283,13 +283,13 @@ def accept(
     `max_depth`: a tree's depth bound (the result's width is max_depth + 1; default n - 1).
     Under tensor parallelism every rank takes rank 0's result: the ranks then commit the same
     tokens and KV paths."""
-    bs, n = tokens.shape
-    rows = logits.reshape(bs * n, -1)
     if walked is not None:
         acc = walked
-    elif chain and info.all_greedy and cpu_walk(rows):
-        acc = unpack_walk(cpu_ext.greedy_chain_walk(tokens, rows))
+    elif chain and info.all_greedy and cpu_walk(logits):
+        acc = unpack_walk(cpu_ext.greedy_chain_walk(tokens, logits.reshape(-1, logits.shape[-1])))
     else:
+        bs, n = tokens.shape
+        rows = logits.reshape(bs * n, -1)
         if info.all_greedy:
             predict = greedy_ids(rows).view(bs, n)
         else:
