@@ -2,7 +2,7 @@
 
     python bench/adaptive_replay.py [--draft HEAD] [--sets mtbench,humaneval] [--prompts 8]
         [--new-tokens 48] [--device cpu] [--model default] [--deterministic]
-        [--out adaptive_replay.json]
+        [--traces RESULTS.json] [--out adaptive_replay.json]
 
 1. Costs: one adaptive engine (the packed-int4 SmolLM2 as `make serve` runs it, overlap off)
    generates `--cost-prompts` MT-bench prompts at each fixed depth k = 0..3 (the controller
@@ -33,13 +33,21 @@
 On a GPU in half precision, `--deterministic` (`--enable-deterministic-inference`): the drafts
 are judged against the target-only answer, which a verify must reproduce token for token.
 
+4. Traffic that changes: the controller (start-up table) replayed on every other set's
+   requests SHIFT_ROUNDS times, then on this set's, its state carried over; the row is this
+   set's part ("adaptive, after 3 x humaneval"). Its acceptance estimates are what it learnt
+   on the other text, which is what a server sees when its traffic moves from chat to code.
+
 Prints, per prompt set, each policy's speed against target-only's (serving's step costs), the
 share of iterations that drafted and tau; writes bench/results/adaptive_replay.json.
+`--traces` replays the traces and costs of an earlier run's JSON (no engine: seconds), e.g.
+to weigh a change of the controller on the same measurements.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -53,24 +61,14 @@ import torch  # noqa: E402
 
 from bench.adaptive import BUILTIN_HEAD, chat_ids, prompt_set  # noqa: E402
 from bench.common import machine, print_table, write_json  # noqa: E402
+from bench.replay_policies import DEPTH, GATES, after_shift, replay, table_of  # noqa: E402
 from eagleserve import Engine, SamplingParams  # noqa: E402
 from eagleserve.messages import GenerateReqInput  # noqa: E402
 from eagleserve.scheduler.scheduler import Scheduler  # noqa: E402
 from eagleserve.spec import cost_model, draft_worker  # noqa: E402
-from eagleserve.spec.adaptive import (  # noqa: E402
-    AdaptiveController,
-    CostTable,
-    choose_num_drafts,
-    depth_choices,
-    record_verify,
-    request_acceptance,
-    update_acceptance,
-)
 
-DEPTH = 3
 RESUME_AFTER = 12  # plain decodes before the scripted resume
-# `gated F/C` policies: the first draft's least probability, the path's to draft on from it.
-GATES = ((0.25, 0.5), (0.35, 0.5), (0.35, 0.65))
+SHIFT_ROUNDS = 3  # passes over the other sets' requests before a set's own (step 4)
 
 
 def greedy(new_tokens: int) -> SamplingParams:
@@ -190,109 +188,8 @@ def acceptance_trace(
     return out, confidence
 
 
-def gated_depth(probs: list[float], first: float, path: float) -> int:
-    """The drafts a confidence gate makes from the head's probabilities of a chain's drafts
-    (`probs`, depth 1 first): none where the first is below `first`, else one more draft for
-    as long as the product of those made so far is at least `path`."""
-    if probs[0] < first:
-        return 0
-    k, made = 1, probs[0]
-    for p in probs[1:]:
-        if made < path:
-            break
-        k, made = k + 1, made * p
-    return k
-
-
-def replay(
-    traces: list[list[int]],
-    step_ms: dict[int, float],
-    resume_ms: float,
-    fixed: int | None = None,
-    prices: CostTable | None = None,
-    prior: list[float] | None = None,
-    learns: bool = True,
-    gate: tuple[float, float, list[list[list[float]]], float] | None = None,
-    head_probs: tuple[list[list[list[float]]], float] | None = None,
-) -> dict[str, Any]:
-    """Batch 1, the traces' requests in turn; a fixed depth, the depth `gate` (its two
-    thresholds, each trace's per-position draft probabilities, a head step's ms) allows, or the
-    controller priced by `prices` and (`learns`: a CPU worker's) refining them online from
-    serving's costs. `head_probs` (each trace's per-position draft probabilities, a head
-    step's ms): the controller's choice with the first draft's probability as its depth-1
-    acceptance, the head extended at k = 0 too."""
-    engine_rate = list(prior or [])
-    judged = [0] * DEPTH
-    ctl = None
-    if fixed is None and gate is None:
-        assert prices is not None
-        ctl = AdaptiveController(prices, depth_choices(DEPTH, True), probe_interval=64)
-    ms = tokens = verifies = accepted_total = 0.0
-    per_k = [0] * (DEPTH + 1)
-    for n, trace in enumerate(traces):
-        hits, trials = [0.0] * DEPTH, [0.0] * DEPTH
-        q, held = 0, 1  # the prefill holds the prompt's last row
-        while q < len(trace):
-            if gate is not None:
-                k = gated_depth(gate[2][n][q], gate[0], gate[1])
-            elif head_probs is not None and ctl is not None:
-                alphas = request_acceptance(hits, trials, engine_rate)
-                alphas[0] = head_probs[0][n][q][0]
-                k = choose_num_drafts([alphas], ctl.costs, ctl.choices)
-            elif ctl is None:
-                k = fixed or 0
-            else:
-                alphas = request_acceptance(hits, trials, engine_rate)
-                k = ctl.choose([alphas], held > 0)
-            cost = step_ms[k] + (resume_ms if k and held else 0.0)
-            if gate is not None and not k:  # the head still extends: priced as a draft step
-                cost += gate[3]
-            if head_probs is not None and not k:
-                cost += head_probs[1]
-            if ctl is not None and learns:
-                ctl.costs.observe(1, k, cost / 1e3, resumed=bool(k and held))
-            per_k[k] += 1
-            ms += cost
-            a = min(trace[q], k)
-            if k and ctl is not None:
-                record_verify(hits, trials, k, a)
-                update_acceptance(engine_rate, judged, k, a)
-            if k:
-                verifies += 1
-                accepted_total += a + 1
-                held = 0
-            elif gate is None and head_probs is None:  # else the head extended at k = 0 too
-                held += 1
-            q += a + 1
-            tokens += a + 1
-    iterations = sum(per_k)
-    return {
-        "x_target": tokens / ms * step_ms[0],
-        "drafting_share": 1 - per_k[0] / iterations,
-        "tau": accepted_total / verifies if verifies else None,
-        "iterations_per_k": per_k,
-    }
-
-
-def table_of(ms: dict[int, float], catch_up_ms: float) -> CostTable:
-    table = CostTable((1,))
-    table.seconds = {(1, k): v / 1e3 for k, v in ms.items()}
-    table.catch_up = {1: catch_up_ms / 1e3}
-    return table
-
-
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--draft", default=BUILTIN_HEAD, help="the EAGLE3 head (default: shipped)")
-    ap.add_argument("--sets", default="mtbench,humaneval")
-    ap.add_argument("--prompts", type=int, default=8, help="prompts per set")
-    ap.add_argument("--new-tokens", type=int, default=48)
-    ap.add_argument("--cost-prompts", type=int, default=6)
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--model", default="default")
-    ap.add_argument("--deterministic", action="store_true")
-    ap.add_argument("--out", default="adaptive_replay.json")
-    args = ap.parse_args()
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    """Serving's costs, the start-up table, and each set's acceptance traces (steps 1 and 2)."""
     kw: dict[str, Any] = dict(model=args.model, device=args.device, max_total_tokens=16384,
                               max_running_requests=1, disable_overlap_schedule=True,
                               disable_radix_cache=True,
@@ -305,9 +202,7 @@ def main() -> None:
     engine.generate(["Hello"], greedy(8))
     cost_prompts = [chat_ids(tok, p) for p in prompt_set("mtbench", args.cost_prompts)]
     costs = serving_costs(engine, cost_prompts, args.new_tokens)
-    step_ms, resume_ms = costs["step_ms"], costs["resume_ms"]
-    prior = engine.scheduler.worker.drafter.acceptance_prior
-    rows, table, traces_by_set, confidence_by_set = [], [], {}, {}
+    traces_by_set, confidence_by_set = {}, {}
     for set_name in args.sets.split(","):
         traces, confidence = [], []
         for p in prompt_set(set_name, args.prompts):
@@ -317,6 +212,51 @@ def main() -> None:
             traces.append(trace)
             confidence.append(probs)
         traces_by_set[set_name], confidence_by_set[set_name] = traces, confidence
+    dev = torch.device(args.device)
+    name = "cpu" if dev.type == "cpu" else torch.get_device_module(dev).get_device_name(dev)
+    return {"machine": machine(), "device": name, "draft": args.draft,
+            "new_tokens": args.new_tokens, "costs": costs,
+            "prior": engine.scheduler.worker.drafter.acceptance_prior,
+            "traces": traces_by_set, "draft_probs": confidence_by_set}  # fmt: skip
+
+
+def load_measured(path: str) -> dict[str, Any]:
+    """An earlier run's measurements (`--traces`), the cost tables' keys ints again."""
+    with open(path) as f:
+        data = json.load(f)
+    costs = data["costs"]
+    for key in ("step_ms", "table_ms"):
+        costs[key] = {int(k): v for k, v in costs[key].items()}
+    data.pop("rows", None)
+    return data
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--draft", default=BUILTIN_HEAD, help="the EAGLE3 head (default: shipped)")
+    ap.add_argument("--sets", default="mtbench,humaneval")
+    ap.add_argument("--prompts", type=int, default=8, help="prompts per set")
+    ap.add_argument("--new-tokens", type=int, default=48)
+    ap.add_argument("--cost-prompts", type=int, default=6)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--model", default="default")
+    ap.add_argument("--deterministic", action="store_true")
+    ap.add_argument("--traces", default=None, help="replay an earlier run's JSON (no engine)")
+    ap.add_argument("--out", default="adaptive_replay.json")
+    args = ap.parse_args()
+    data = load_measured(args.traces) if args.traces else measure(args)
+    costs, prior = data["costs"], data["prior"]
+    step_ms, resume_ms = costs["step_ms"], costs["resume_ms"]
+    traces_by_set, confidence_by_set = data["traces"], data["draft_probs"]
+    learns = data["device"] == "cpu"
+
+    def startup_table() -> dict[str, Any]:
+        return dict(prices=table_of(costs["table_ms"], costs["table_catch_up_ms"]), prior=prior,
+                    learns=learns)  # fmt: skip
+
+    rows, table = [], []
+    for set_name, traces in traces_by_set.items():
+        confidence = confidence_by_set[set_name]
         first = sum(a > 0 for t in traces for a in t) / sum(len(t) for t in traces)
         policies: dict[str, dict[str, Any]] = {
             f"chain {k}": dict(fixed=k) for k in range(1, DEPTH + 1)
@@ -325,11 +265,7 @@ def main() -> None:
         known = step is not None and all(p is not None for t in confidence for p in t)
         if known:
             policies |= {f"gated {f}/{c}": dict(gate=(f, c, confidence, step)) for f, c in GATES}
-        learns = args.device == "cpu"
-        policies["adaptive, start-up table"] = dict(
-            prices=table_of(costs["table_ms"], costs["table_catch_up_ms"]), prior=prior,
-            learns=learns,
-        )  # fmt: skip
+        policies["adaptive, start-up table"] = startup_table()
         policies["adaptive, serving's costs"] = dict(
             prices=table_of(step_ms, resume_ms), prior=prior, learns=learns
         )
@@ -348,15 +284,19 @@ def main() -> None:
             tau = "-" if r["tau"] is None else f"{r['tau']:.2f}"
             table.append([set_name, name, f"{r['x_target']:.3f}", f"{r['drafting_share']:.2f}",
                           tau, " ".join(map(str, r["iterations_per_k"]))])  # fmt: skip
+        for other, before in traces_by_set.items():
+            if other == set_name:
+                continue
+            name = f"adaptive, after {SHIFT_ROUNDS} x {other}"
+            x = after_shift(before * SHIFT_ROUNDS, traces, step_ms, resume_ms, startup_table)
+            rows.append({"set": set_name, "policy": name, "first_draft_acceptance": first,
+                         "x_target": x})  # fmt: skip
+            table.append([set_name, name, f"{x:.3f}", "-", "-", "-"])
     print(f"serving's step ms by k: {step_ms}, resume +{resume_ms:.2f} ms; "
           f"start-up table ms: {costs['table_ms']}")  # fmt: skip
     print_table(["set", "policy", "x target-only", "drafting", "tau", "iters per k"], table)
-    dev = torch.device(args.device)
-    name = "cpu" if dev.type == "cpu" else torch.get_device_module(dev).get_device_name(dev)
-    path = write_json(args.out, {"machine": machine(), "device": name, "draft": args.draft,
-                                 "new_tokens": args.new_tokens, "costs": costs, "prior": prior,
-                                 "traces": traces_by_set, "draft_probs": confidence_by_set,
-                                 "rows": rows})  # fmt: skip
+    replayed = args.traces and os.path.basename(args.traces)
+    path = write_json(args.out, {**data, "replayed_from": replayed, "rows": rows})
     print(path)
 
 
