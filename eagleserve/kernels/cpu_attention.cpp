@@ -1,6 +1,7 @@
 // Paged attention on x86 CPUs with AVX2 + FMA, fp32 arithmetic over an fp32 or fp16 K/V pool
 // (F16C widens each K/V row as it is read): decode, verify and draft rows, and the causal rows
-// of a prefill (extend) of a packed CPU target.
+// of a prefill (extend) of a packed CPU target; a prefill's rows on AVX-512 where the CPU has
+// it (cpu_attention_avx512.cpp, the same bits).
 //
 // Layout as kernels/torch_attention.py: K/V buffers [slots, kv_heads, head_dim] already hold
 // every key a query may see; request b reads slots req_to_token[req_pool_indices[b], j] for
@@ -22,78 +23,50 @@
 #include <torch/library.h>
 
 #include "cpu_attention_keys.h"
+#include "cpu_attention_query.h"
 #include "cpu_kernels.h"
 
 #include <algorithm>
+#include <string>
+#include <type_traits>
 #include <vector>
 
 namespace {
 
 using namespace eagleserve_cpu::attention;  // NOLINT: this file's building blocks
 
-// One attention query: its q and out rows [D], its visible key slots [0, n).
-struct Query {
-  const float* q;
-  float* out;
-  const int64_t* slots;
-  int64_t n;
-};
+using Query = eagleserve_cpu::AttentionQuery;
+using eagleserve_cpu::kKeyChunk;
 
-constexpr int64_t kKeyChunk = 32;  // keys whose K (or V) rows stay in L1 across the queries
+// The AVX-512 scores and weighted sums where the CPU has them (the same bits as AVX2's);
+// switched only through attention_isa.
+bool use_avx512 = eagleserve_cpu::avx512_attention_supported();
+constexpr int kShare = 3;  // queries per shared K or V row: their accumulators fill the registers
+using Share = eagleserve_cpu::Share<kShare>;
 
-// Queries that read the same K/V head (a request's rows times the heads of one GQA group),
-// walked key chunk by key chunk so a chunk loaded for the first query is in L1 for the rest.
-// Each query's scores, softmax and weighted sum are the sequence of operations it would run
-// alone: the chunking only interleaves queries.
+// Queries [0, count)'s scores (times scale) into scores + i * stride, AVX2: key chunk by key
+// chunk, the queries that share a chunk's rows taking each row from one load.
 template <typename KV>
-void attend(const Query* qs, int64_t count, const KV* k_buf, const KV* v_buf,
-            int64_t slot_stride, int64_t D, float scale, std::vector<float>& scores) {
-  int64_t max_n = 0, stride = 0;
-  for (int64_t i = 0; i < count; ++i) max_n = std::max(max_n, qs[i].n);
-  stride = (max_n + 7) / 8 * 8;
-  scores.resize(count * stride);
+void score_rows(const Query* qs, int64_t count, const KV* k_buf, int64_t slot_stride, int64_t D,
+                float scale, float* scores, int64_t stride, int64_t max_n) {
   // Keys [j, j1) of query i's scores, alone.
   auto score_alone = [&](int64_t i, int64_t j, int64_t j1) {
-    float* s = scores.data() + i * stride;
+    float* s = scores + i * stride;
     const Query& x = qs[i];
     for (; j + 8 <= j1; j += 8) score_keys<8>(x.q, k_buf, slot_stride, x.slots, j, x.n, D, scale, s + j);
     for (; j < j1; ++j) score_keys<1>(x.q, k_buf, slot_stride, x.slots, j, x.n, D, scale, s + j);
   };
-  constexpr int kShare = 3;  // queries per shared K or V row: their accumulators fill the registers
-  // Up to kShare queries from i on the same slots with keys in chunk j0 (a GQA group's heads,
-  // one request's rows): member, the end of each one's keys in the chunk, the keys all of
-  // them have, [j0, common), and the most keys any of them sees, n; returns the query after
-  // them.
-  struct Share {
-    int m = 0;
-    int64_t member[kShare], end[kShare], common, n;
-  };
-  auto share = [&](int64_t i, int64_t j0, Share& sh) {
-    sh.m = 0;
-    sh.common = j0 + kKeyChunk;
-    sh.n = 0;
-    int64_t next = i;
-    for (; next < count && sh.m < kShare && qs[next].slots == qs[i].slots; ++next) {
-      const int64_t j1 = std::min(j0 + kKeyChunk, qs[next].n);
-      if (j1 <= j0) continue;
-      sh.member[sh.m] = next;
-      sh.end[sh.m++] = j1;
-      sh.n = std::max(sh.n, qs[next].n);
-      sh.common = std::min(sh.common, j1);
-    }
-    return next;
-  };
   for (int64_t j0 = 0; j0 < max_n; j0 += kKeyChunk) {
     for (int64_t i = 0; i < count;) {
       Share sh;
-      const int64_t next = share(i, j0, sh);
+      const int64_t next = eagleserve_cpu::share_chunk(qs, count, i, j0, sh);
       int64_t j = j0;
       if (sh.m >= 2) {
         const float* q[kShare];
         float* s[kShare];
         for (int r = 0; r < sh.m; ++r) q[r] = qs[sh.member[r]].q;
         for (; j + 4 <= sh.common; j += 4) {
-          for (int r = 0; r < sh.m; ++r) s[r] = scores.data() + sh.member[r] * stride + j;
+          for (int r = 0; r < sh.m; ++r) s[r] = scores + sh.member[r] * stride + j;
           const int64_t* slots = qs[i].slots;
           if (sh.m == 3) score_keys_shared<3>(q, k_buf, slot_stride, slots, j, sh.n, D, scale, s);
           else score_keys_shared<2>(q, k_buf, slot_stride, slots, j, sh.n, D, scale, s);
@@ -103,11 +76,16 @@ void attend(const Query* qs, int64_t count, const KV* k_buf, const KV* v_buf,
       i = next;
     }
   }
-  std::vector<float> inv(count);
-  for (int64_t i = 0; i < count; ++i) inv[i] = softmax_(scores.data() + i * stride, qs[i].n);
+}
+
+// Queries [0, count)'s weighted sums of their probabilities (scores + i * stride), unnormalized,
+// into each one's out, AVX2, chunked and shared as score_rows.
+template <typename KV>
+void weigh_rows(const Query* qs, int64_t count, const KV* v_buf, int64_t slot_stride, int64_t D,
+                const float* scores, int64_t stride, int64_t max_n) {
   // Keys [j0, j1) of query i's weighted sum, alone.
   auto weigh_alone = [&](int64_t i, int64_t j0, int64_t j1) {
-    const float* p = scores.data() + i * stride;
+    const float* p = scores + i * stride;
     int64_t d = 0;
     for (; d + 64 <= D; d += 64)
       weigh_values<8>(p, v_buf, slot_stride, qs[i].slots, j0, j1, qs[i].n, d, j0 == 0, qs[i].out);
@@ -117,11 +95,11 @@ void attend(const Query* qs, int64_t count, const KV* k_buf, const KV* v_buf,
   for (int64_t j0 = 0; j0 < max_n; j0 += kKeyChunk) {
     for (int64_t i = 0; i < count;) {
       Share sh;
-      const int64_t next = share(i, j0, sh);
+      const int64_t next = eagleserve_cpu::share_chunk(qs, count, i, j0, sh);
       const float* p[kShare];
       float* out[kShare];
       for (int r = 0; r < sh.m; ++r) {
-        p[r] = scores.data() + sh.member[r] * stride;
+        p[r] = scores + sh.member[r] * stride;
         out[r] = qs[sh.member[r]].out;
       }
       if (sh.m == 3)
@@ -133,6 +111,35 @@ void attend(const Query* qs, int64_t count, const KV* k_buf, const KV* v_buf,
         if (from < sh.end[r]) weigh_alone(sh.member[r], from, sh.end[r]);
       i = next;
     }
+  }
+}
+
+// Queries that read the same K/V head (a request's rows times the heads of one GQA group),
+// walked key chunk by key chunk so a chunk loaded for the first query is in L1 for the rest.
+// Each query's scores, softmax and weighted sum are the sequence of operations it would run
+// alone: the chunking only interleaves queries. `wide`: the AVX-512 scores and weighted sums
+// (the same bits).
+template <typename KV>
+void attend(const Query* qs, int64_t count, const KV* k_buf, const KV* v_buf,
+            int64_t slot_stride, int64_t D, float scale, std::vector<float>& scores, bool wide) {
+  int64_t max_n = 0, stride = 0;
+  for (int64_t i = 0; i < count; ++i) max_n = std::max(max_n, qs[i].n);
+  stride = (max_n + 7) / 8 * 8;
+  scores.resize(count * stride);
+  constexpr bool kHalf = std::is_same_v<KV, at::Half>;
+  if (wide) {
+    eagleserve_cpu::attention_scores_avx512(qs, count, k_buf, kHalf, slot_stride, D, scale,
+                                            scores.data(), stride);
+  } else {
+    score_rows(qs, count, k_buf, slot_stride, D, scale, scores.data(), stride, max_n);
+  }
+  std::vector<float> inv(count);
+  for (int64_t i = 0; i < count; ++i) inv[i] = softmax_(scores.data() + i * stride, qs[i].n);
+  if (wide) {
+    eagleserve_cpu::attention_values_avx512(qs, count, v_buf, kHalf, slot_stride, D,
+                                            scores.data(), stride);
+  } else {
+    weigh_rows(qs, count, v_buf, slot_stride, D, scores.data(), stride, max_n);
   }
   for (int64_t i = 0; i < count; ++i) {
     const __m256 s = _mm256_set1_ps(inv[i]);
@@ -245,9 +252,17 @@ at::Tensor attend_rows(const RowPlan& plan, const HeadRows& q, const at::Tensor&
   // unit, two threads then read that K/V head) and each reads only its share's heads. Within
   // a share, attend() takes at most kMaxQueries of a unit at a time. Which thread or call runs
   // a query changes nothing in it.
-  constexpr int64_t kRowGroup = 8, kMaxQueries = 16;
+  //
+  // A unit of at least kWideRows rows on one slot list (a prefill chunk's, a long chain
+  // verify's) runs the AVX-512 kernels where the CPU has them: its queries share each K/V row,
+  // so the rows come from the caches and the arithmetic sets the time. A decode's or a short
+  // verify's few queries per row wait on the rows streaming from memory, which the AVX-512
+  // loops read slower (docs/design.md). Both give the same bits.
+  constexpr int64_t kRowGroup = 8, kMaxQueries = 16, kWideRows = 5;
   std::vector<Query> queries;
   std::vector<int64_t> unit_start, unit_head;
+  std::vector<bool> unit_wide;
+  const bool avx512 = use_avx512 && D <= eagleserve_cpu::kMaxWideDim;  // one ISA for the call
   queries.reserve(T * H);
   auto row_end = [&](int64_t r0) {
     int64_t r = r0 + 1;
@@ -256,9 +271,13 @@ at::Tensor attend_rows(const RowPlan& plan, const HeadRows& q, const at::Tensor&
   };
   for (int64_t r0 = 0; r0 < T; r0 = row_end(r0)) {
     const int64_t r1 = row_end(r0);
+    bool wide = avx512 && r1 - r0 >= kWideRows;
+    for (int64_t row = r0 + 1; row < r1 && wide; ++row)
+      wide = plan.row_slots[row] == plan.row_slots[r0];
     for (int64_t g = 0; g < Hkv; ++g) {
       unit_start.push_back(static_cast<int64_t>(queries.size()));
       unit_head.push_back(g);
+      unit_wide.push_back(wide);
       for (int64_t row = r0; row < r1; ++row) {
         for (int64_t h = g * group; h < (g + 1) * group; ++h)
           queries.push_back({qp + row * q_row + h * D, op + (row * H + h) * D,
@@ -292,7 +311,7 @@ at::Tensor attend_rows(const RowPlan& plan, const HeadRows& q, const at::Tensor&
           while (i < end) {
             const int64_t count = std::min(kMaxQueries, end - i);
             attend(queries.data() + i, count, kp + g * D, vp + g * D, slot_stride, D,
-                   static_cast<float>(sm_scale), scores);
+                   static_cast<float>(sm_scale), scores, unit_wide[u]);
             i += count;
           }
         }
@@ -342,9 +361,26 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_buf, const a
   return eagleserve_cpu::attend_rows(plan, eagleserve_cpu::head_rows(q), k_buf, v_buf, sm_scale);
 }
 
+// "avx2" or "avx512" (where the CPU has it) for every later call, "auto" the best here, "" to
+// ask; returns the ISA now in use.
+std::string attention_isa(const std::string& isa) {
+  if (isa == "auto") {
+    use_avx512 = eagleserve_cpu::avx512_attention_supported();
+  } else if (isa == "avx2") {
+    use_avx512 = false;
+  } else if (isa == "avx512") {
+    TORCH_CHECK(eagleserve_cpu::avx512_attention_supported(), "this CPU has no AVX-512");
+    use_avx512 = true;
+  } else {
+    TORCH_CHECK(isa.empty(), "isa: auto, avx2 or avx512 (or '' to ask), not ", isa);
+  }
+  return use_avx512 ? "avx512" : "avx2";
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(eagleserve_cpu, lib) {
+  lib.def("attention_isa(str isa) -> str", &attention_isa);
   lib.def("store_kv_(Tensor(a!) k_buf, Tensor(b!) v_buf, Tensor loc, Tensor k, Tensor v) -> ()",
           &eagleserve_cpu::store_kv_);
   lib.def(

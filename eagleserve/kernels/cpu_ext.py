@@ -3,7 +3,9 @@
 - `cpu_gemv.cpp`: blocked 4-/8-bit GEMV/GEMM (`q4_matmul`, `q8_matmul`) over weights in column
   tiles (`pack_q4`, `pack_q8`), with `cpu_gemv_avx512.cpp` where the CPU has AVX-512 VNNI;
   activations are quantized to int8 per 32-block, as llama.cpp does for these weight types;
-- `cpu_attention.cpp`: paged attention for decode/verify rows (`paged_attention`), fp32;
+- `cpu_attention.cpp`: paged attention for decode/verify rows (`paged_attention`), fp32, with
+  `cpu_attention_avx512.cpp`'s scores and weighted sums for a prefill's rows where the CPU has
+  AVX-512 (the same bits);
 - `cpu_norm.cpp`: RMSNorm of fp32 rows in one call (`rms_norm`);
 - `cpu_pointwise.cpp`: rotary of the fused q/k heads in place (`rope_`) and `silu_mul`;
 - `cpu_layers.cpp`: a packed target's decoder layers in one call (`decoder_layers`), an
@@ -42,13 +44,13 @@ logger = logging.getLogger(__name__)
 _SOURCES = [
     os.path.join(os.path.dirname(os.path.abspath(__file__)), name)
     for name in (
-        "cpu_gemv.cpp", "cpu_gemv_avx512.cpp", "cpu_attention.cpp", "cpu_norm.cpp",
-        "cpu_pointwise.cpp", "cpu_layers.cpp", "cpu_argmax.cpp", "cpu_sample.cpp",
+        "cpu_gemv.cpp", "cpu_gemv_avx512.cpp", "cpu_attention.cpp", "cpu_attention_avx512.cpp",
+        "cpu_norm.cpp", "cpu_pointwise.cpp", "cpu_layers.cpp", "cpu_argmax.cpp", "cpu_sample.cpp",
     )
 ]  # fmt: skip
 _HEADERS = [
     os.path.join(os.path.dirname(_SOURCES[0]), n)
-    for n in ("cpu_simd.h", "cpu_kernels.h", "cpu_attention_keys.h")
+    for n in ("cpu_simd.h", "cpu_kernels.h", "cpu_attention_keys.h", "cpu_attention_query.h")
 ]
 # -ffp-contract=off: g++ would otherwise fuse a written mul + add into one fma where it sees
 # fit (intrinsics included); the kernels' op order is their row-invariance contract.
@@ -196,6 +198,15 @@ def gemv_isa(isa: str = "") -> str:
     has, chosen at load; both give the same bits). Pass one of those, or "auto", to switch for
     every later call (tests and A/B benchmarks)."""
     return str(torch.ops.eagleserve_cpu.gemv_isa(isa))
+
+
+def attention_isa(isa: str = "") -> str:
+    """The instructions `paged_attention` (and the one-call layers' attention) runs: "avx2", or
+    "avx512" where the CPU has it (chosen at load), which takes the AVX-512 kernels for units of
+    5 or more rows on one slot list (a prefill chunk's, a long chain verify's) and AVX2's for
+    the rest; both give the same bits. Pass one of those, or "auto", to switch for every later
+    call (tests and A/B benchmarks)."""
+    return str(torch.ops.eagleserve_cpu.attention_isa(isa))
 
 
 def store_kv_(

@@ -100,6 +100,43 @@ def test_tree_node_equals_the_decode_along_its_path(pool: torch.dtype) -> None:
     assert torch.equal(one[0], out[5])
 
 
+def has_avx512() -> bool:
+    try:
+        cpu_ext.attention_isa("avx512")
+    except RuntimeError:
+        return False
+    finally:
+        cpu_ext.attention_isa("auto")
+    return True
+
+
+@pytest.mark.skipif(not cpu_ext.load() or not has_avx512(), reason="no AVX-512 here")
+@pytest.mark.parametrize("pool", [torch.float32, torch.float16])
+def test_avx512_rows_are_avx2_bits(pool: torch.dtype) -> None:
+    """A process runs a prefill's rows on the AVX-512 kernels and a decode's on AVX2's: the two
+    must give the same bits, or a verify row would not equal its decode. Random batches of
+    prefill chunks (units of 5-8 rows on one slot list run wide), verifies and decodes, causal
+    and tree-masked, with heads whose GQA groups share each K/V row."""
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    for _ in range(6):
+        n = [int(torch.randint(1, 40, (), generator=gen)) for _ in range(3)]
+        prefix = [int(torch.randint(0, 900, (), generator=gen)) for _ in n]
+        k, v, r2t = setup(gen, [p + e for p, e in zip(prefix, n)], pool)
+        rpi, pre, ext = torch.tensor([1, 2, 3]), torch.tensor(prefix), torch.tensor(n)
+        q = torch.randn(sum(n), H, D, generator=gen)
+        tree = torch.rand(3, max(n), max(n), generator=gen) < 0.5  # any mask: rows alike
+        outs = {}
+        for isa in ("avx2", "avx512"):
+            cpu_ext.attention_isa(isa)
+            try:
+                outs[isa] = (kernel(q, k, v, r2t, rpi, pre, ext),
+                             kernel(q, k, v, r2t, rpi, pre, ext, tree | torch.eye(max(n)).bool()))
+            finally:
+                cpu_ext.attention_isa("auto")
+        assert torch.equal(outs["avx2"][0], outs["avx512"][0]), (n, prefix)
+        assert torch.equal(outs["avx2"][1], outs["avx512"][1]), (n, prefix)
+
+
 def test_rms_norm_matches_the_composite_and_keeps_rows_apart() -> None:
     x = torch.randn(7, 576) * torch.rand(7, 1) * 10
     w = torch.randn(576)
