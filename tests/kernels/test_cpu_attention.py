@@ -129,8 +129,10 @@ def test_avx512_rows_are_avx2_bits(pool: torch.dtype) -> None:
         for isa in ("avx2", "avx512"):
             cpu_ext.attention_isa(isa)
             try:
-                outs[isa] = (kernel(q, k, v, r2t, rpi, pre, ext),
-                             kernel(q, k, v, r2t, rpi, pre, ext, tree | torch.eye(max(n)).bool()))
+                outs[isa] = (
+                    kernel(q, k, v, r2t, rpi, pre, ext),
+                    kernel(q, k, v, r2t, rpi, pre, ext, tree | torch.eye(max(n)).bool()),
+                )
             finally:
                 cpu_ext.attention_isa("auto")
         assert torch.equal(outs["avx2"][0], outs["avx512"][0]), (n, prefix)
