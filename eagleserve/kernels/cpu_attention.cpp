@@ -48,7 +48,7 @@ using Share = eagleserve_cpu::Share<kShare>;
 // chunk, the queries that share a chunk's rows taking each row from one load.
 template <typename KV>
 void score_rows(const Query* qs, int64_t count, const KV* k_buf, int64_t slot_stride, int64_t D,
-                float scale, float* scores, int64_t stride) {
+                float scale, float* scores, int64_t stride, int64_t max_n) {
   // Keys [j, j1) of query i's scores, alone.
   auto score_alone = [&](int64_t i, int64_t j, int64_t j1) {
     float* s = scores + i * stride;
@@ -56,28 +56,33 @@ void score_rows(const Query* qs, int64_t count, const KV* k_buf, int64_t slot_st
     for (; j + 8 <= j1; j += 8) score_keys<8>(x.q, k_buf, slot_stride, x.slots, j, x.n, D, scale, s + j);
     for (; j < j1; ++j) score_keys<1>(x.q, k_buf, slot_stride, x.slots, j, x.n, D, scale, s + j);
   };
-  eagleserve_cpu::for_each_share<kShare>(qs, count, [&](int64_t j0, int64_t i, const Share& sh) {
-    int64_t j = j0;
-    if (sh.m >= 2) {
-      const float* q[kShare];
-      float* s[kShare];
-      for (int r = 0; r < sh.m; ++r) q[r] = qs[sh.member[r]].q;
-      for (; j + 4 <= sh.common; j += 4) {
-        for (int r = 0; r < sh.m; ++r) s[r] = scores + sh.member[r] * stride + j;
-        const int64_t* slots = qs[i].slots;
-        if (sh.m == 3) score_keys_shared<3>(q, k_buf, slot_stride, slots, j, sh.n, D, scale, s);
-        else score_keys_shared<2>(q, k_buf, slot_stride, slots, j, sh.n, D, scale, s);
+  for (int64_t j0 = 0; j0 < max_n; j0 += kKeyChunk) {
+    for (int64_t i = 0; i < count;) {
+      Share sh;
+      const int64_t next = eagleserve_cpu::share_chunk(qs, count, i, j0, sh);
+      int64_t j = j0;
+      if (sh.m >= 2) {
+        const float* q[kShare];
+        float* s[kShare];
+        for (int r = 0; r < sh.m; ++r) q[r] = qs[sh.member[r]].q;
+        for (; j + 4 <= sh.common; j += 4) {
+          for (int r = 0; r < sh.m; ++r) s[r] = scores + sh.member[r] * stride + j;
+          const int64_t* slots = qs[i].slots;
+          if (sh.m == 3) score_keys_shared<3>(q, k_buf, slot_stride, slots, j, sh.n, D, scale, s);
+          else score_keys_shared<2>(q, k_buf, slot_stride, slots, j, sh.n, D, scale, s);
+        }
       }
+      for (int r = 0; r < sh.m; ++r) score_alone(sh.member[r], j, sh.end[r]);
+      i = next;
     }
-    for (int r = 0; r < sh.m; ++r) score_alone(sh.member[r], j, sh.end[r]);
-  });
+  }
 }
 
 // Queries [0, count)'s weighted sums of their probabilities (scores + i * stride), unnormalized,
 // into each one's out, AVX2, chunked and shared as score_rows.
 template <typename KV>
 void weigh_rows(const Query* qs, int64_t count, const KV* v_buf, int64_t slot_stride, int64_t D,
-                const float* scores, int64_t stride) {
+                const float* scores, int64_t stride, int64_t max_n) {
   // Keys [j0, j1) of query i's weighted sum, alone.
   auto weigh_alone = [&](int64_t i, int64_t j0, int64_t j1) {
     const float* p = scores + i * stride;
@@ -87,21 +92,26 @@ void weigh_rows(const Query* qs, int64_t count, const KV* v_buf, int64_t slot_st
     for (; d < D; d += 8)
       weigh_values<1>(p, v_buf, slot_stride, qs[i].slots, j0, j1, qs[i].n, d, j0 == 0, qs[i].out);
   };
-  eagleserve_cpu::for_each_share<kShare>(qs, count, [&](int64_t j0, int64_t i, const Share& sh) {
-    const float* p[kShare];
-    float* out[kShare];
-    for (int r = 0; r < sh.m; ++r) {
-      p[r] = scores + sh.member[r] * stride;
-      out[r] = qs[sh.member[r]].out;
+  for (int64_t j0 = 0; j0 < max_n; j0 += kKeyChunk) {
+    for (int64_t i = 0; i < count;) {
+      Share sh;
+      const int64_t next = eagleserve_cpu::share_chunk(qs, count, i, j0, sh);
+      const float* p[kShare];
+      float* out[kShare];
+      for (int r = 0; r < sh.m; ++r) {
+        p[r] = scores + sh.member[r] * stride;
+        out[r] = qs[sh.member[r]].out;
+      }
+      if (sh.m == 3)
+        weigh_shared_rows<3>(p, v_buf, slot_stride, qs[i].slots, j0, sh.common, sh.n, D, out);
+      if (sh.m == 2)
+        weigh_shared_rows<2>(p, v_buf, slot_stride, qs[i].slots, j0, sh.common, sh.n, D, out);
+      const int64_t from = sh.m >= 2 ? sh.common : j0;  // the keys past the shared ones, alone
+      for (int r = 0; r < sh.m; ++r)
+        if (from < sh.end[r]) weigh_alone(sh.member[r], from, sh.end[r]);
+      i = next;
     }
-    if (sh.m == 3)
-      weigh_shared_rows<3>(p, v_buf, slot_stride, qs[i].slots, j0, sh.common, sh.n, D, out);
-    if (sh.m == 2)
-      weigh_shared_rows<2>(p, v_buf, slot_stride, qs[i].slots, j0, sh.common, sh.n, D, out);
-    const int64_t from = sh.m >= 2 ? sh.common : j0;  // the keys past the shared ones, alone
-    for (int r = 0; r < sh.m; ++r)
-      if (from < sh.end[r]) weigh_alone(sh.member[r], from, sh.end[r]);
-  });
+  }
 }
 
 // Queries that read the same K/V head (a request's rows times the heads of one GQA group),
@@ -121,7 +131,7 @@ void attend(const Query* qs, int64_t count, const KV* k_buf, const KV* v_buf,
     eagleserve_cpu::attention_scores_avx512(qs, count, k_buf, kHalf, slot_stride, D, scale,
                                             scores.data(), stride);
   } else {
-    score_rows(qs, count, k_buf, slot_stride, D, scale, scores.data(), stride);
+    score_rows(qs, count, k_buf, slot_stride, D, scale, scores.data(), stride, max_n);
   }
   std::vector<float> inv(count);
   for (int64_t i = 0; i < count; ++i) inv[i] = softmax_(scores.data() + i * stride, qs[i].n);
@@ -129,7 +139,7 @@ void attend(const Query* qs, int64_t count, const KV* k_buf, const KV* v_buf,
     eagleserve_cpu::attention_values_avx512(qs, count, v_buf, kHalf, slot_stride, D,
                                             scores.data(), stride);
   } else {
-    weigh_rows(qs, count, v_buf, slot_stride, D, scores.data(), stride);
+    weigh_rows(qs, count, v_buf, slot_stride, D, scores.data(), stride, max_n);
   }
   for (int64_t i = 0; i < count; ++i) {
     const __m256 s = _mm256_set1_ps(inv[i]);

@@ -126,39 +126,46 @@ template <typename KV>
 void scores(const AttentionQuery* qs, int64_t count, const KV* k_buf, int64_t slot_stride,
             int64_t D, float scale, float* out, int64_t stride) {
   alignas(64) float qq[kShare][2 * kMaxWideDim];
-  eagleserve_cpu::for_each_share<kShare>(qs, count, [&](int64_t j0, int64_t i, const Share& sh) {
-    const int64_t* slots = qs[i].slots;
-    const float* qp[kShare];
-    float* s[kShare];
-    for (int r = 0; r < sh.m; ++r) {
-      const float* q = qs[sh.member[r]].q;
-      for (int64_t d = 0; d < D; d += 8) {
-        std::copy_n(q + d, 8, qq[r] + 2 * d);
-        std::copy_n(q + d, 8, qq[r] + 2 * d + 8);
+  int64_t max_n = 0;
+  for (int64_t i = 0; i < count; ++i) max_n = std::max(max_n, qs[i].n);
+  for (int64_t j0 = 0; j0 < max_n; j0 += kKeyChunk) {
+    for (int64_t i = 0; i < count;) {
+      Share sh;
+      const int64_t next = eagleserve_cpu::share_chunk(qs, count, i, j0, sh);
+      const int64_t* slots = qs[i].slots;
+      const float* qp[kShare];
+      float* s[kShare];
+      for (int r = 0; r < sh.m; ++r) {
+        const float* q = qs[sh.member[r]].q;
+        for (int64_t d = 0; d < D; d += 8) {
+          std::copy_n(q + d, 8, qq[r] + 2 * d);
+          std::copy_n(q + d, 8, qq[r] + 2 * d + 8);
+        }
+        qp[r] = qq[r];
+        s[r] = out + sh.member[r] * stride;
       }
-      qp[r] = qq[r];
-      s[r] = out + sh.member[r] * stride;
-    }
-    // The keys all members see, 8 at a time for all of them; then each one's rest alone.
-    const int64_t shared_end = j0 + (sh.common - j0) / 8 * 8;
-    switch (sh.m) {
-      case 4: score_shared<4>(qp, k_buf, slot_stride, slots, j0, shared_end, sh.n, D, scale, s); break;
-      case 3: score_shared<3>(qp, k_buf, slot_stride, slots, j0, shared_end, sh.n, D, scale, s); break;
-      case 2: score_shared<2>(qp, k_buf, slot_stride, slots, j0, shared_end, sh.n, D, scale, s); break;
-      case 1: score_shared<1>(qp, k_buf, slot_stride, slots, j0, shared_end, sh.n, D, scale, s); break;
-      default: break;
-    }
-    for (int r = 0; r < sh.m; ++r) {
-      const AttentionQuery& x = qs[sh.member[r]];
-      int64_t j = shared_end;
-      for (; j + 8 <= sh.end[r]; j += 8)
-        score8<1>(qp + r, k_buf, slot_stride, x.slots, j, x.n, D, scale, s + r);
-      for (; j < sh.end[r]; ++j) {
-        prefetch_key(k_buf, slot_stride, x.slots, j, x.n, D);
-        s[r][j] = score_one(x.q, k_buf + x.slots[j] * slot_stride, D, scale);
+      // The keys all members see, 8 at a time for all of them; then each one's rest alone.
+      const int64_t shared_end = j0 + (sh.common - j0) / 8 * 8;
+      switch (sh.m) {
+        case 4: score_shared<4>(qp, k_buf, slot_stride, slots, j0, shared_end, sh.n, D, scale, s); break;
+        case 3: score_shared<3>(qp, k_buf, slot_stride, slots, j0, shared_end, sh.n, D, scale, s); break;
+        case 2: score_shared<2>(qp, k_buf, slot_stride, slots, j0, shared_end, sh.n, D, scale, s); break;
+        case 1: score_shared<1>(qp, k_buf, slot_stride, slots, j0, shared_end, sh.n, D, scale, s); break;
+        default: break;
       }
+      for (int r = 0; r < sh.m; ++r) {
+        const AttentionQuery& x = qs[sh.member[r]];
+        int64_t j = shared_end;
+        for (; j + 8 <= sh.end[r]; j += 8)
+          score8<1>(qp + r, k_buf, slot_stride, x.slots, j, x.n, D, scale, s + r);
+        for (; j < sh.end[r]; ++j) {
+          prefetch_key(k_buf, slot_stride, x.slots, j, x.n, D);
+          s[r][j] = score_one(x.q, k_buf + x.slots[j] * slot_stride, D, scale);
+        }
+      }
+      i = next;
     }
-  });
+  }
 }
 
 // out[q][d0, d0 + 16C) += sum over keys [j0, j1) in order of p_j * v_j for Q queries, each V
@@ -214,25 +221,32 @@ void weigh_rows(const float* const* p, const KV* v_buf, int64_t slot_stride,
 template <typename KV>
 void values(const AttentionQuery* qs, int64_t count, const KV* v_buf, int64_t slot_stride,
             int64_t D, const float* probs, int64_t stride) {
-  eagleserve_cpu::for_each_share<kShare>(qs, count, [&](int64_t j0, int64_t i, const Share& sh) {
-    const float* p[kShare];
-    float* out[kShare];
-    for (int r = 0; r < sh.m; ++r) {
-      p[r] = probs + sh.member[r] * stride;
-      out[r] = qs[sh.member[r]].out;
+  int64_t max_n = 0;
+  for (int64_t i = 0; i < count; ++i) max_n = std::max(max_n, qs[i].n);
+  for (int64_t j0 = 0; j0 < max_n; j0 += kKeyChunk) {
+    for (int64_t i = 0; i < count;) {
+      Share sh;
+      const int64_t next = eagleserve_cpu::share_chunk(qs, count, i, j0, sh);
+      const float* p[kShare];
+      float* out[kShare];
+      for (int r = 0; r < sh.m; ++r) {
+        p[r] = probs + sh.member[r] * stride;
+        out[r] = qs[sh.member[r]].out;
+      }
+      const int64_t* slots = qs[i].slots;
+      switch (sh.m) {
+        case 4: weigh_rows<4>(p, v_buf, slot_stride, slots, j0, sh.common, sh.n, D, out); break;
+        case 3: weigh_rows<3>(p, v_buf, slot_stride, slots, j0, sh.common, sh.n, D, out); break;
+        case 2: weigh_rows<2>(p, v_buf, slot_stride, slots, j0, sh.common, sh.n, D, out); break;
+        case 1: weigh_rows<1>(p, v_buf, slot_stride, slots, j0, sh.common, sh.n, D, out); break;
+        default: break;
+      }
+      for (int r = 0; r < sh.m; ++r)  // the keys past the shared ones, alone
+        weigh_rows<1>(p + r, v_buf, slot_stride, qs[sh.member[r]].slots, sh.common, sh.end[r],
+                      qs[sh.member[r]].n, D, out + r);
+      i = next;
     }
-    const int64_t* slots = qs[i].slots;
-    switch (sh.m) {
-      case 4: weigh_rows<4>(p, v_buf, slot_stride, slots, j0, sh.common, sh.n, D, out); break;
-      case 3: weigh_rows<3>(p, v_buf, slot_stride, slots, j0, sh.common, sh.n, D, out); break;
-      case 2: weigh_rows<2>(p, v_buf, slot_stride, slots, j0, sh.common, sh.n, D, out); break;
-      case 1: weigh_rows<1>(p, v_buf, slot_stride, slots, j0, sh.common, sh.n, D, out); break;
-      default: break;
-    }
-    for (int r = 0; r < sh.m; ++r)  // the keys past the shared ones, alone
-      weigh_rows<1>(p + r, v_buf, slot_stride, qs[sh.member[r]].slots, sh.common, sh.end[r],
-                    qs[sh.member[r]].n, D, out + r);
-  });
+  }
 }
 
 }  // namespace

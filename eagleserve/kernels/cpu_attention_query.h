@@ -48,23 +48,6 @@ static int64_t share_chunk(const AttentionQuery* qs, int64_t count, int64_t i, i
   return next;
 }
 
-// f(j0, i, sh) for every key chunk j0 any of the queries sees and, within it, every group sh
-// of up to S queries from i on that share its rows (share_chunk), in order: the walk each of
-// the attention's kernels takes over a unit's queries.
-template <int S, typename F>
-static void for_each_share(const AttentionQuery* qs, int64_t count, F&& f) {
-  int64_t max_n = 0;
-  for (int64_t i = 0; i < count; ++i) max_n = std::max(max_n, qs[i].n);
-  for (int64_t j0 = 0; j0 < max_n; j0 += kKeyChunk) {
-    for (int64_t i = 0; i < count;) {
-      Share<S> sh;
-      const int64_t next = share_chunk(qs, count, i, j0, sh);
-      f(j0, i, sh);
-      i = next;
-    }
-  }
-}
-
 // cpu_attention_avx512.cpp: the AVX2 kernels' scores (times scale, query i's at
 // scores + i * stride) and weighted sums (of the probabilities there, unnormalized, into each
 // query's out), bit for bit, over an fp32 or fp16 (`half`) pool; head dims up to 256.
