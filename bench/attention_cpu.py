@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from typing import Any
 
 import torch
@@ -39,6 +40,7 @@ from bench.common import (  # noqa: E402
     time_runs,
     write_json,
 )
+from eagleserve import Engine, SamplingParams  # noqa: E402
 from eagleserve.kernels import cpu_ext  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64  # SmolLM2-135M's attention
@@ -108,10 +110,6 @@ def row_cells(r: dict[str, Any]) -> list[Any]:
 def prefills(lengths: list[int], isas: list[str], rounds: int) -> list[dict[str, Any]]:
     """Each prompt length's prefill (one generated token) with each ISA in turns, `rounds`
     times: wall seconds and the attention phase's, best and median; the first token compared."""
-    import time
-
-    from eagleserve import Engine, SamplingParams
-
     engine = Engine(model="default", device="cpu", max_total_tokens=8192,
                     max_running_requests=1, disable_overlap_schedule=True,
                     disable_radix_cache=True)  # fmt: skip
