@@ -2,7 +2,7 @@
 
     python bench/adaptive.py [--batches 1,4,16] [--sets mtbench,humaneval,copy] [--rounds 2]
         [--draft HEAD] [--out NAME.json]
-        [--new-tokens 48] [--overlap] [--threads N]
+        [--new-tokens 48] [--overlap] [--threads N] [--whole-chains]
 
 For every prompt set and batch size, one row per setting: target-only, fixed 1- and 3-chains
 (the shipped EAGLE3 head, or `--draft`), and adaptive (chain lengths 0..3 chosen per
@@ -12,7 +12,9 @@ settings taking turns wave by wave), on the packed-int4 SmolLM2 as `make serve` 
 EOS ignored; the prefix cache off, so that every round prefills its prompts whole, the head's
 share of a prefill included). Reports tok/s (median over rounds), the ratio to target-only
 (median and range of each round's ratio to the target-only run beside it), tau, acceptance by
-depth, the chain lengths adaptive chose,
+depth, the chain lengths adaptive chose (and, for the chains, the lengths they drafted: a
+chain stops short where the head is unsure of its drafts, --speculative-min-path-prob; with
+`--whole-chains`, chain 3 and adaptive also run drafting every step, each beside its twin),
 and whether every setting's tokens equal target-only's. Writes bench/results/adaptive.json.
 
 Prompt sets: MT-bench first turns, HumanEval, "copy" (passages the answer must repeat:
@@ -47,21 +49,31 @@ from eagleserve import Engine, SamplingParams  # noqa: E402
 BUILTIN_HEAD = "builtin:smollm2-135m-eagle"
 
 
-def settings(draft: str) -> dict[str, dict[str, Any]]:
+def settings(draft: str, whole_chains: bool = False) -> dict[str, dict[str, Any]]:
+    """Each setting's engine arguments; `whole_chains` adds chain 3 and adaptive drafting every
+    step (--speculative-min-path-prob 0) beside the default's chains cut by the head's path
+    probability."""
     head = dict(speculative_algorithm="EAGLE3", speculative_draft_model_path=draft,
                 speculative_eagle_topk=1)  # fmt: skip
-    return {
+    chain3 = dict(head, speculative_num_steps=3, speculative_num_draft_tokens=4)
+    out = {
         "target-only": {},
         "chain 1": dict(head, speculative_num_steps=1, speculative_num_draft_tokens=2),
-        "chain 3": dict(head, speculative_num_steps=3, speculative_num_draft_tokens=4),
-        "adaptive 0..3": dict(
-            head, speculative_num_steps=3, speculative_num_draft_tokens=4, speculative_adaptive=True
-        ),
+        "chain 3": chain3,
+        "adaptive 0..3": dict(chain3, speculative_adaptive=True),
     }
+    if whole_chains:
+        out[WHOLE["chain 3"]] = dict(chain3, speculative_min_path_prob=0.0)
+        out[WHOLE["adaptive 0..3"]] = dict(chain3, speculative_adaptive=True,
+                                           speculative_min_path_prob=0.0)  # fmt: skip
+    return out
 
 
-# Run order within a round (reversed every other round): adaptive beside target-only.
-ORDER = ["target-only", "adaptive 0..3", "chain 1", "chain 3"]
+# Run order within a round (reversed every other round): adaptive beside target-only, and
+# each setting beside its whole-chain twin where there is one.
+ORDER = ["target-only", "adaptive 0..3", "adaptive 0..3, whole chains", "chain 1", "chain 3",
+         "chain 3, whole chain"]  # fmt: skip
+WHOLE = {"chain 3": "chain 3, whole chain", "adaptive 0..3": "adaptive 0..3, whole chains"}
 MIN_REQUESTS = 8
 COPY_TEXT = [
     "The mitochondria is the powerhouse of the cell. It produces energy through respiration.",
@@ -147,6 +159,8 @@ def main() -> None:
     ap.add_argument("--overlap", action="store_true", help="overlap scheduler on (CPU: off)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--draft", default=BUILTIN_HEAD, help="the EAGLE3 head (default: shipped)")
+    ap.add_argument("--whole-chains", action="store_true",
+                    help="also chain 3, adaptive at --speculative-min-path-prob 0")  # fmt: skip
     ap.add_argument("--out", default=None, help="JSON name under bench/results (and its PNG)")
     args = ap.parse_args()
     if args.threads:
@@ -162,7 +176,7 @@ def main() -> None:
             disable_radix_cache=True,  # every round prefills its prompts whole, as fresh ones
             **kw,
         )
-        for name, kw in settings(args.draft).items()
+        for name, kw in settings(args.draft, args.whole_chains).items()
     }
     tok = engines["target-only"].tokenizer
     warm = SamplingParams(max_new_tokens=8, temperature=0.0)
@@ -175,7 +189,8 @@ def main() -> None:
             runs: dict[str, list[dict[str, Any]]] = {name: [] for name in engines}
             for r in range(args.rounds):
                 # target-only next to adaptive in every round, each first on alternate rounds
-                order = ORDER if r % 2 == 0 else ORDER[::-1]
+                order = [n for n in ORDER if n in engines]
+                order = order if r % 2 == 0 else order[::-1]
                 for name, result in run_round(engines, order, prompts, bs, args.new_tokens).items():
                     runs[name].append(result)
             base = [r["tok_s"] for r in runs["target-only"]]
@@ -220,7 +235,7 @@ def main() -> None:
     )  # fmt: skip
     name = args.out or ("adaptive_overlap.json" if args.overlap else "adaptive.json")
     meta = {"machine": machine(), "new_tokens": args.new_tokens, "rounds": args.rounds,
-            "draft": args.draft}  # fmt: skip
+            "draft": args.draft, "whole_chains": args.whole_chains}  # fmt: skip
     # What the controller decided from, at the end: its costs (ms per iteration, by batch
     # bucket and k) and the engine-wide acceptance by depth.
     adaptive = engines["adaptive 0..3"].scheduler
@@ -242,7 +257,7 @@ def plot(rows: list[dict[str, Any]], path: str, title: str) -> None:
     import matplotlib.pyplot as plt
 
     cells = sorted({(r["set"], r["batch"]) for r in rows}, key=lambda c: (c[0], c[1]))
-    names = [n for n in ORDER if n != "target-only"]
+    names = [n for n in ORDER if n != "target-only" and any(r["setting"] == n for r in rows)]
     fig, ax = plt.subplots(figsize=(max(8, len(cells) * 0.9), 4))
     width = 0.8 / len(names)
     for j, name in enumerate(names):

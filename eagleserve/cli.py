@@ -49,6 +49,10 @@ FIELD_HELP: dict[str, str] = {
     "without a draft, draft once at the shallowest depth to keep acceptance figures current "
     "(longer where that costs more than 1%% of the decodes between; doubled after each such "
     "probe that does not pay, up to 8x)",
+    "speculative_min_path_prob": "a chain drafted on a CPU stops drafting where no request's "
+    "drafts so far have a path probability (the product of the head's probabilities of them) of "
+    "at least P: no verify rows for drafts the target would likely reject; 0: always "
+    "--speculative-num-steps drafts; a GPU drafts the whole chain in one graph (default: 0.5)",
     "speculative_adaptive_retime": "with --speculative-adaptive: time the cost of each draft "
     "depth at start-up even where a table timed before for this device, model, head, dtype "
     "and thread count is in the cache directory ($EAGLESERVE_CACHE or ~/.cache/eagleserve)",
@@ -154,7 +158,7 @@ FIELD_GROUPS: dict[str, tuple[str, ...]] = {
                              "speculative_num_steps", "speculative_eagle_topk",
                              "speculative_num_draft_tokens", "speculative_adaptive",
                              "speculative_adaptive_probe_interval",
-                             "speculative_adaptive_retime"),
+                             "speculative_adaptive_retime", "speculative_min_path_prob"),
     "GPU": ("device", "attention_backend", "enable_deterministic_inference",
             "disable_cuda_graph", "disable_fused_kernels", "enable_pdl", "cuda_graph_max_bs",
             "skip_server_warmup"),

@@ -91,6 +91,9 @@ class SpecConfig:
     # Choose the chain length per iteration (spec/adaptive.py); num_steps is the longest.
     adaptive: bool = False
     adaptive_probe_interval: int = 64
+    # A chain drafted step by step on a CPU stops where no request's path probability reaches
+    # this (spec/draft_tree.py, chain_goes_on); 0 drafts num_steps every iteration.
+    min_path_prob: float = 0.0
 
     def __post_init__(self) -> None:
         if self.algorithm not in ("EAGLE", "EAGLE3"):
@@ -106,6 +109,8 @@ class SpecConfig:
                 "a chain (--speculative-eagle-topk 1) needs --speculative-num-draft-tokens == "
                 f"--speculative-num-steps + 1 = {self.num_steps + 1}, got {self.num_draft_tokens}"
             )
+        if not 0.0 <= self.min_path_prob <= 1.0:
+            raise ValueError("--speculative-min-path-prob must be in [0, 1]")
         if self.adaptive and self.adaptive_probe_interval < 1:
             raise ValueError("--speculative-adaptive-probe-interval must be at least 1")
         max_nodes = self.eagle_topk + (self.num_steps - 1) * self.eagle_topk**2
@@ -136,6 +141,11 @@ class SpecConfig:
 # (bench/prefix_cpu.py --only-chunking). SGLang's GPU default for the GPU.
 CPU_PREFILL_CHUNK = 64
 GRAPH_MAX_BS = 256  # the default cuda_graph_max_bs's cap
+# --speculative-min-path-prob's default, where chains cut there ran faster than whole ones on
+# CPUs, with the same tokens (docs/benchmarks.md, "a chain stops where its path is unlikely").
+# A name, not a literal: the tests' random heads are never that sure, so the suite drafts
+# their whole chains (tests/conftest.py) to keep every depth exercised.
+DEFAULT_MIN_PATH_PROB = 0.5
 GPU_PREFILL_CHUNK = 8192
 # ServerArgs fields renamed to SGLang's flag names: an old name in a flag, a YAML config or an
 # Engine argument is an error that names the new one.
@@ -185,6 +195,7 @@ class ServerArgs:
     speculative_num_draft_tokens: int = 4
     speculative_adaptive: bool = False
     speculative_adaptive_probe_interval: int = 64
+    speculative_min_path_prob: float = field(default_factory=lambda: DEFAULT_MIN_PATH_PROB)
     # Time the adaptive controller's cost table now even where a cached one fits (else it is
     # timed only when no table in the cache directory fits: spec/cost_table_cache.py).
     speculative_adaptive_retime: bool = False
@@ -243,6 +254,7 @@ class ServerArgs:
             num_draft_tokens=self.speculative_num_draft_tokens,
             adaptive=self.speculative_adaptive,
             adaptive_probe_interval=self.speculative_adaptive_probe_interval,
+            min_path_prob=self.speculative_min_path_prob,
         )
 
     def overlap_schedule(self, device_type: str) -> bool:

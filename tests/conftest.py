@@ -26,6 +26,7 @@ import torch  # noqa: E402
 # GPU is present) only if TRITON_INTERPRET is set by then, whichever test file is collected first.
 import triton_mode  # noqa: E402, F401  (torch and pytest do not import triton)
 
+from eagleserve import config  # noqa: E402
 from eagleserve.config import ServerArgs  # noqa: E402
 from eagleserve.core import ForwardMode, SamplingParams  # noqa: E402
 from eagleserve.engine import Engine  # noqa: E402
@@ -33,6 +34,13 @@ from eagleserve.layers.forward_batch import ForwardBatch, HostLens  # noqa: E402
 from eagleserve.model_executor.model_runner import ModelRunner  # noqa: E402
 from eagleserve.models.llama import ModelOutput  # noqa: E402
 from eagleserve.scheduler.scheduler import Scheduler  # noqa: E402
+
+# The tests' random heads are never as sure of a draft as --speculative-min-path-prob's default
+# asks: with it every chain on a CPU would stop at its first draft and the deeper draft steps
+# would go untested. So the suite drafts whole chains unless a test sets the field (the
+# default's own tests: tests/spec/test_draft_tree.py, test_recorded_tokens.py).
+SERVED_MIN_PATH_PROB = config.DEFAULT_MIN_PATH_PROB
+config.DEFAULT_MIN_PATH_PROB = 0.0
 
 TINY_VOCAB = 256
 TINY_EOS = 2

@@ -88,22 +88,46 @@ def draft_chain(
     step_fn: StepFn,
     buffers: Topk1ChainBuffers,
     track_paths: bool = False,
+    min_path_prob: float = 0.0,
 ) -> DraftTree:
     """The tree `draft_tree` builds for topk == 1, without its bookkeeping: one branch, whose
     only candidate each step is the next node (scores, parents and the selection are the
-    identity). Each step feeds back the step's token and features as they are."""
+    identity). Each step feeds back the step's token and features as they are.
+
+    With `min_path_prob` > 0 the chain stops before a step where no request's path probability
+    (`chain_goes_on`) reaches it: fewer than num_steps drafts, at least the seed. Each check
+    reads a probability on the host, so only a CPU's drafting passes one (there it is memory
+    the host already holds; on a GPU it would be a device sync per step)."""
     ids, feats = info.topk_index.flatten(), info.hidden_states
     tokens = [info.topk_index]
     paths = None
+    path_prob = info.topk_p.reshape(-1) if min_path_prob > 0 else None
     for depth in range(1, num_steps):
+        if path_prob is not None and not chain_goes_on(path_prob, min_path_prob):
+            break
         if track_paths:  # [bs, 1, depth]: the tokens drafted so far, newest last
             new = ids.view(-1, 1, 1)
             paths = new if paths is None else torch.cat([paths, new], dim=2)
-        _, topk_index, feats = step_fn(ids, feats, depth, None, paths)
+        step_p, topk_index, feats = step_fn(ids, feats, depth, None, paths)
+        if path_prob is not None:
+            path_prob = path_prob * step_p.reshape(-1)
         tokens.append(topk_index)
         ids = topk_index.flatten()
     parent_list, top_scores_index = buffers.constants(ids.shape[0], num_steps)
+    if len(tokens) < num_steps:  # a shorter chain's are prefixes of these (views: no kernel)
+        n = len(tokens)
+        parent_list, top_scores_index = parent_list[:, : n if n > 1 else 0], top_scores_index[:, :n]
     return DraftTree(parent_list, top_scores_index, torch.cat(tokens, dim=1))
+
+
+def chain_goes_on(path_prob: torch.Tensor, min_path_prob: float) -> bool:
+    """Whether a chain drafts one more token: some request's path probability, the product of
+    the head's probability of each of its drafts so far (EAGLE-2's path score; path_prob [bs]),
+    is at least min_path_prob. The head's probability predicts acceptance (TRAINING.md, "Where
+    the first draft misses"), so a draft after an unlikely path would cost a head step and a
+    verify row for a token the target seldom keeps; the batch's verify has one width, so the
+    chain goes on while any request's path is likely."""
+    return float(path_prob.max()) >= min_path_prob
 
 
 def draft_tree(

@@ -111,6 +111,8 @@ class EagleDraftWorker:
             t1 = time.perf_counter()
             self.graph.capture()
             logger.info("start-up: draft graph captured in %.2f s", time.perf_counter() - t1)
+        # Eager chains only, which on a CPU read the probabilities for free (draft_chain).
+        self.min_path_prob = spec.min_path_prob if device.type == "cpu" else 0.0
         # Per chain length drafted (adaptive speculation drafts 1..num_steps), sized for the
         # largest batch that can run, so no batch falls back to the slow path.
         chain_lengths = range(1 if spec.adaptive else spec.num_steps, spec.num_steps + 1)
@@ -359,7 +361,8 @@ class EagleDraftWorker:
             return self._step(base, rows, ids, feats, depth, mask, allowed, sampling)
 
         if spec.is_chain:
-            chain = draft_chain(info, num_steps, step, self.chain_buffers[num_steps], track)
+            chain = draft_chain(info, num_steps, step, self.chain_buffers[num_steps], track,
+                                self.min_path_prob)  # fmt: skip
             return build_chain(batch.input_ids, chain.draft_tokens)
         d = draft_tree(info, num_steps, spec.eagle_topk, spec.num_draft_tokens, step, track)
         return build_tree(batch.input_ids, d.parent_list, d.top_scores_index, d.draft_tokens,

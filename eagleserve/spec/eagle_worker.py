@@ -69,9 +69,8 @@ class EagleWorker:
             # A CPU's iterations are timed as they run (`_forward_decode`), so its controller
             # can measure a plain decode between drafts; an accelerator's run asynchronously.
             timed = self.device.type == "cpu"
-            self.controller = AdaptiveController(
-                costs, choices, spec.adaptive_probe_interval, plain_probes=timed
-            )
+            self.controller = AdaptiveController(costs, choices, spec.adaptive_probe_interval,
+                                                 plain_probes=timed)  # fmt: skip
 
     @property
     def max_depth(self) -> int | None:
@@ -246,9 +245,10 @@ class EagleWorker:
             result = self._draft_verify(batch, on_verified, k)
         if self.controller is not None and self.device.type == "cpu":
             # On a CPU the forward ran synchronously: wall time is what the iteration cost (a
-            # plain decode's flush of full rings aside: the price of holding, not of k = 0).
+            # plain decode's flush of full rings aside: the price of holding, not of k = 0), at
+            # the depth drafted (k, or less where the chain stopped short: draft_chain).
             seconds = time.perf_counter() - t0 - flushed
-            self.controller.observe(batch.batch_size, k, seconds, resumed=caught_up)
+            self.controller.observe(batch.batch_size, result.num_drafts or 0, seconds, caught_up)
         return result
 
     def _decode_without_drafts(
@@ -299,7 +299,9 @@ class EagleWorker:
         grammar = batch.grammar
         info = self.runner.sampling_info(batch)
         t = self.drafter.draft(batch, batch.spec_info, k, grammar, info)
-        n = k + 1 if spec.is_chain else spec.num_draft_tokens
+        # A CPU's chain may stop short of k where its path is unlikely (draft_chain).
+        n = t.draft_tokens.shape[1] if spec.is_chain else spec.num_draft_tokens
+        k = n - 1 if spec.is_chain else k
         bs = batch.batch_size
         L = batch.seq_lens
         assert batch.seq_lens_cpu is not None

@@ -58,6 +58,9 @@ def test_flags_map_one_to_one(monkeypatch: pytest.MonkeyPatch) -> None:
         elif kind.startswith("int"):
             argv += [flag, str((value or 0) + 3)]
             expected[f.name] = (value or 0) + 3
+        elif kind.startswith("float"):
+            argv += [flag, str(value / 2 + 0.25)]
+            expected[f.name] = value / 2 + 0.25
         else:
             text = "EAGLE3" if f.name == "speculative_algorithm" else f"v-{f.name}"
             argv += [flag, text]
@@ -88,6 +91,12 @@ def test_speculative_flags(monkeypatch: pytest.MonkeyPatch) -> None:
     spec = ["--speculative-algorithm", "EAGLE", "--speculative-draft-model-path", "/d"]
     bad = parse([*spec, "--speculative-adaptive", "--speculative-adaptive-probe-interval", "0"])
     assert "probe-interval must be at least 1" in str(bad)
+    cut = parse([*spec, "--speculative-min-path-prob", "0.3"])
+    assert isinstance(cut, ServerArgs) and cut.spec_config is not None
+    assert cut.spec_config.min_path_prob == 0.3
+    for value in ("1.5", "-0.1"):
+        bad = parse([*spec, "--speculative-min-path-prob", value])
+        assert "--speculative-min-path-prob must be in [0, 1]" in str(bad)
 
 
 def test_config_file_and_flag_precedence(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -14,6 +14,7 @@ import os
 from typing import Any
 
 import pytest
+from conftest import SERVED_MIN_PATH_PROB
 
 from eagleserve import Engine, SamplingParams
 
@@ -77,6 +78,54 @@ def test_greedy_ids_equal_the_recorded_ones(smollm2_dir: str, name: str) -> None
     with open(DATA) as f:
         recorded = json.load(f)
     assert generate(smollm2_dir, CONFIGS[name]) == recorded["ids"]
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_chains_cut_short_by_their_path_probability_commit_the_recorded_ids(
+    smollm2_dir: str, adaptive: bool
+) -> None:
+    """--speculative-min-path-prob at its product default: the shipped head is sure of some
+    drafts and unsure of others, so a 3-chain stops short on some iterations and not on others
+    (both are counted), and every committed id is still the recorded one. The adaptive
+    controller prices each iteration as the depth it drafted, not the one it planned."""
+    with open(DATA) as f:
+        recorded = json.load(f)
+    assert SERVED_MIN_PATH_PROB > 0  # the served default (the suite's own is 0: conftest.py)
+    config = dict(CONFIGS["adaptive_chain3" if adaptive else "chain3"],
+                  speculative_min_path_prob=SERVED_MIN_PATH_PROB)  # fmt: skip
+    eng = Engine(model=smollm2_dir, device="cpu", max_total_tokens=2048, max_running_requests=4,
+                 **config)  # fmt: skip
+    worker = eng.scheduler.worker
+    drafted: list[int] = []  # per drafting iteration: its drafts, and its requests
+    rows: list[int] = []
+    draft = worker.drafter.draft
+
+    def counted(batch, info, num_steps, *args, **kwargs):  # noqa: ANN001, ANN202
+        tree = draft(batch, info, num_steps, *args, **kwargs)
+        drafted.append(tree.draft_tokens.shape[1] - 1)  # the bonus token, then the drafts
+        rows.append(batch.batch_size)
+        return tree
+
+    worker.drafter.draft = counted
+    observed: list[int] = []
+    if adaptive:
+        observe = worker.controller.observe
+
+        def recorded_k(bs, k, seconds, resumed=False):  # noqa: ANN001, ANN202
+            if k:
+                observed.append(k)
+            observe(bs, k, seconds, resumed)
+
+        worker.controller.observe = recorded_k
+    params = [SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True) for n in MAX_NEW]
+    out = eng.generate(PROMPTS, params)
+    assert [o["token_ids"] for o in out] == recorded["ids"]
+    per_k = eng.stats().spec_iterations_per_num_drafts
+    assert sum(per_k[1:3]) > 0 and per_k[3] > 0, per_k  # cut short, and whole
+    # The stats count each request's iterations by the drafts it verified.
+    assert [sum(b for k, b in zip(drafted, rows) if k == d) for d in (1, 2, 3)] == per_k[1:]
+    if adaptive:
+        assert observed == drafted
 
 
 if __name__ == "__main__":
