@@ -45,7 +45,9 @@ from eagleserve.train.shards import ShardWriter  # noqa: E402
 from eagleserve.train.target import load_target, target_layer_ids  # noqa: E402
 from eagleserve.train.tf_train import head_accuracy  # noqa: E402
 
-CHAIN = dict(speculative_num_steps=3, speculative_eagle_topk=1, speculative_num_draft_tokens=4)
+# Whole chains: every verify judges every depth (the default cuts unsure chains short).
+CHAIN = dict(speculative_num_steps=3, speculative_eagle_topk=1, speculative_num_draft_tokens=4,
+             speculative_min_path_prob=0.0)  # fmt: skip
 DEPTHS = 3
 TOP_K = 32  # the target's top-k kept per position, as train-draft extracts them
 

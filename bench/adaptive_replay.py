@@ -194,9 +194,11 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                               max_running_requests=1, disable_overlap_schedule=True,
                               disable_radix_cache=True,
                               enable_deterministic_inference=args.deterministic)  # fmt: skip
+    # Whole chains (--speculative-min-path-prob 0): each depth traced and timed as drafted.
     spec = dict(speculative_algorithm="EAGLE3", speculative_draft_model_path=args.draft,
                 speculative_eagle_topk=1, speculative_num_steps=DEPTH,
-                speculative_num_draft_tokens=DEPTH + 1, speculative_adaptive=True)  # fmt: skip
+                speculative_num_draft_tokens=DEPTH + 1, speculative_adaptive=True,
+                speculative_min_path_prob=0.0)  # fmt: skip
     target, engine = Engine(**kw), Engine(**kw, **spec)
     tok = target.tokenizer
     engine.generate(["Hello"], greedy(8))

@@ -113,7 +113,7 @@ def head_phases(threads: int, new_tokens: int) -> dict[str, Any]:
                  disable_overlap_schedule=True, speculative_algorithm="EAGLE3",
                  speculative_draft_model_path=resolve_draft_path("builtin:smollm2-135m-eagle"),
                  speculative_num_steps=3, speculative_eagle_topk=1,
-                 speculative_num_draft_tokens=4)  # fmt: skip
+                 speculative_num_draft_tokens=4, speculative_min_path_prob=0.0)  # fmt: skip
     ids = [data.chat_ids(eng.tokenizer, p) for p in data.mt_bench(3)]
     params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     eng.generate(ids[:1], params)

@@ -229,8 +229,9 @@ def tiny_dirs(tmp: str, device: str) -> tuple[str, str]:
 
 def settings(head: str) -> dict[str, dict[str, Any]]:
     eagle = dict(speculative_algorithm="EAGLE3", speculative_draft_model_path=head)
+    # Whole chains (an iteration of each depth as it was before chains were cut short).
     chain = dict(eagle, speculative_num_steps=3, speculative_eagle_topk=1,
-                 speculative_num_draft_tokens=4)  # fmt: skip
+                 speculative_num_draft_tokens=4, speculative_min_path_prob=0.0)  # fmt: skip
     return {
         "target-only": {},
         "adaptive, k = 0": dict(chain, speculative_adaptive=True),

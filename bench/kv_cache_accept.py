@@ -37,7 +37,9 @@ from eagleserve.models.loader import resolve_draft_path  # noqa: E402
 from eagleserve.spec.head_loader import load_eagle_head  # noqa: E402
 from eagleserve.train.ttt import head_step, lm_head_weight  # noqa: E402
 
-CHAIN = dict(speculative_num_steps=3, speculative_eagle_topk=1, speculative_num_draft_tokens=4)
+# Whole chains: every verify judges every depth (the default cuts unsure chains short).
+CHAIN = dict(speculative_num_steps=3, speculative_eagle_topk=1, speculative_num_draft_tokens=4,
+             speculative_min_path_prob=0.0)  # fmt: skip
 
 
 @torch.inference_mode()

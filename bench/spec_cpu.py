@@ -4,12 +4,15 @@
 
 In one run, greedy, `--new-tokens` new tokens (EOS ignored), the default packed target (or
 `--target-dtype float32`): transformers `generate`; eagleserve
-without speculation; chains with 3 and 5 steps; a tree (top-k 2). For each prompt set (MT-bench
-first, then HumanEval and math; bench/data.py; none seen in training) and batch size: tokens/s,
-speedup over each baseline, mean accepted length tau (bonus token included), acceptance by
-draft depth, and losslessness (speculative tokens == eagleserve target-only tokens). A cost
-profile (mean ms per target decode, verify, draft step, draft extend) says what limits the
-speedup. Prints tables; writes bench/results/spec_cpu.json and .png (`--out`).
+without speculation; chains with 3 and 5 steps, drafted whole (`--speculative-min-path-prob
+0`: each tau is the head's over every depth, as before chains were cut short; the server's
+default cuts them, bench/adaptive.py --whole-chains compares); a tree (top-k 2). For each
+prompt set (MT-bench first, then HumanEval and math; bench/data.py; none seen in training) and
+batch size: tokens/s, speedup over each baseline, mean accepted length tau (bonus token
+included), acceptance by draft depth, and losslessness (speculative tokens == eagleserve
+target-only tokens). A cost profile (mean ms per target decode, verify, draft step, draft
+extend) says what limits the speedup. Prints tables; writes bench/results/spec_cpu.json and
+.png (`--out`).
 """
 
 from __future__ import annotations
@@ -31,16 +34,13 @@ from bench.common import machine, machine_info, print_table, write_json  # noqa:
 from eagleserve import Engine, SamplingParams  # noqa: E402
 from eagleserve.models.loader import resolve_draft_path, resolve_model_path  # noqa: E402
 
+# The chains draft every step (--speculative-min-path-prob 0): tau and acceptance by depth are
+# the head's over whole chains, as every tau here before chains were cut short.
+WHOLE = dict(speculative_eagle_topk=1, speculative_min_path_prob=0.0)
 SETTINGS: list[tuple[str, dict[str, Any]]] = [
     ("eagleserve", {}),
-    (
-        "chain 3",
-        dict(speculative_num_steps=3, speculative_eagle_topk=1, speculative_num_draft_tokens=4),
-    ),
-    (
-        "chain 5",
-        dict(speculative_num_steps=5, speculative_eagle_topk=1, speculative_num_draft_tokens=6),
-    ),
+    ("chain 3", dict(WHOLE, speculative_num_steps=3, speculative_num_draft_tokens=4)),
+    ("chain 5", dict(WHOLE, speculative_num_steps=5, speculative_num_draft_tokens=6)),
     (
         "tree k2",
         dict(speculative_num_steps=4, speculative_eagle_topk=2, speculative_num_draft_tokens=8),
