@@ -32,17 +32,21 @@ def recording_step(calls: list[tuple[torch.Tensor, ...]], seed: int):  # noqa: A
     return step
 
 
+def random_seeds(bs: int, g: torch.Generator) -> EagleDraftInput:
+    """Each request's seed: its first draft's probability, its token and its features."""
+    return EagleDraftInput(
+        torch.rand(bs, 1, generator=g),
+        torch.randint(0, VOCAB, (bs, 1), generator=g),
+        torch.randn(bs, HIDDEN, generator=g),
+    )
+
+
 @pytest.mark.parametrize("num_steps", [1, 2, 5])
 @pytest.mark.parametrize("bs", [3, 9])  # 9: past the buffers (their constants built afresh)
 @pytest.mark.parametrize("track", [False, True])
 def test_chain_draft_is_the_topk1_tree(num_steps: int, bs: int, track: bool) -> None:
     seed = int(torch.randint(0, 2**31, ()))
-    g = torch.Generator().manual_seed(seed)
-    info = EagleDraftInput(
-        torch.rand(bs, 1, generator=g),
-        torch.randint(0, VOCAB, (bs, 1), generator=g),
-        torch.randn(bs, HIDDEN, generator=g),
-    )
+    info = random_seeds(bs, torch.Generator().manual_seed(seed))
     buffers = Topk1ChainBuffers(4, num_steps, num_steps + 1, "cpu")
     fast_calls: list[tuple[torch.Tensor, ...]] = []
     slow_calls: list[tuple[torch.Tensor, ...]] = []
@@ -78,11 +82,7 @@ def test_a_chain_stops_where_no_request_has_a_likely_path(bs: int) -> None:
     for _ in range(20):
         seed = int(torch.randint(0, 2**31, ()))
         g = torch.Generator().manual_seed(seed)
-        info = EagleDraftInput(
-            torch.rand(bs, 1, generator=g),
-            torch.randint(0, VOCAB, (bs, 1), generator=g),
-            torch.randn(bs, HIDDEN, generator=g),
-        )
+        info = random_seeds(bs, g)
         threshold = float(torch.rand((), generator=g)) * 0.6
         buffers = Topk1ChainBuffers(4, num_steps, num_steps + 1, "cpu")
         whole_probs: list[torch.Tensor] = []
