@@ -63,6 +63,7 @@ from bench.adaptive import BUILTIN_HEAD, chat_ids, prompt_set  # noqa: E402
 from bench.common import machine, print_table, write_json  # noqa: E402
 from bench.replay_policies import DEPTH, GATES, after_shift, replay, table_of  # noqa: E402
 from eagleserve import Engine, SamplingParams  # noqa: E402
+from eagleserve.config import DEFAULT_MIN_PATH_PROB  # noqa: E402
 from eagleserve.messages import GenerateReqInput  # noqa: E402
 from eagleserve.scheduler.scheduler import Scheduler  # noqa: E402
 from eagleserve.spec import cost_model, draft_worker  # noqa: E402
@@ -268,6 +269,10 @@ def main() -> None:
         if known:
             policies |= {f"gated {f}/{c}": dict(gate=(f, c, confidence, step)) for f, c in GATES}
         policies["adaptive, start-up table"] = startup_table()
+        if known:  # as a CPU serves since chains are cut (--speculative-min-path-prob)
+            cut = (DEFAULT_MIN_PATH_PROB, confidence)
+            policies[f"chain {DEPTH}, cut at {cut[0]}"] = dict(fixed=DEPTH, cut=cut)
+            policies[f"adaptive, start-up table, cut at {cut[0]}"] = dict(startup_table(), cut=cut)
         policies["adaptive, serving's costs"] = dict(
             prices=table_of(step_ms, resume_ms), prior=prior, learns=learns
         )

@@ -46,13 +46,17 @@ def replay(
     learns: bool = True,
     gate: tuple[float, float, list[list[list[float]]], float] | None = None,
     head_probs: tuple[list[list[list[float]]], float] | None = None,
+    cut: tuple[float, list[list[list[float]]]] | None = None,
 ) -> dict[str, Any]:
     """Batch 1, the traces' requests in turn; a fixed depth, the depth `gate` (its two
     thresholds, each trace's per-position draft probabilities, a head step's ms) allows, or the
     controller priced by `prices` and (`learns`: a CPU worker's) refining them online from
     serving's costs. `head_probs` (each trace's per-position draft probabilities, a head
     step's ms): the controller's choice with the first draft's probability as its depth-1
-    acceptance, the head extended at k = 0 too."""
+    acceptance, the head extended at k = 0 too. `cut` (a --speculative-min-path-prob and each
+    trace's per-position draft probabilities): a fixed or chosen chain stops where the drafts'
+    path probability falls below it (spec/draft_tree.py), priced and judged at the depth
+    drafted, as a CPU serves since chains are cut."""
     engine_rate = list(prior or [])
     judged = [0] * DEPTH
     ctl = None
@@ -76,6 +80,8 @@ def replay(
             else:
                 alphas = request_acceptance(hits, trials, engine_rate)
                 k = ctl.choose([alphas], held > 0)
+            if cut is not None and k > 1:  # the first draft is always made
+                k = gated_depth(cut[1][n][q][:k], 0.0, cut[0])
             cost = step_ms[k] + (resume_ms if k and held else 0.0)
             if gate is not None and not k:  # the head still extends: priced as a draft step
                 cost += gate[3]
