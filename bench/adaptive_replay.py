@@ -273,6 +273,9 @@ def main() -> None:
             cut = (DEFAULT_MIN_PATH_PROB, confidence)
             policies[f"chain {DEPTH}, cut at {cut[0]}"] = dict(fixed=DEPTH, cut=cut)
             policies[f"adaptive, start-up table, cut at {cut[0]}"] = dict(startup_table(), cut=cut)
+            policies[f"adaptive, start-up table, cut at {cut[0]}, priced whole"] = dict(
+                startup_table(), cut=cut, cut_priced=False
+            )
         policies["adaptive, serving's costs"] = dict(
             prices=table_of(step_ms, resume_ms), prior=prior, learns=learns
         )

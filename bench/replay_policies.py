@@ -4,6 +4,7 @@ and the scheduler feed it. Pure functions of the traces: no engine, no timing.""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -47,6 +48,7 @@ def replay(
     gate: tuple[float, float, list[list[list[float]]], float] | None = None,
     head_probs: tuple[list[list[list[float]]], float] | None = None,
     cut: tuple[float, list[list[list[float]]]] | None = None,
+    cut_priced: bool = True,
 ) -> dict[str, Any]:
     """Batch 1, the traces' requests in turn; a fixed depth, the depth `gate` (its two
     thresholds, each trace's per-position draft probabilities, a head step's ms) allows, or the
@@ -56,7 +58,9 @@ def replay(
     acceptance, the head extended at k = 0 too. `cut` (a --speculative-min-path-prob and each
     trace's per-position draft probabilities): a fixed or chosen chain stops where the drafts'
     path probability falls below it (spec/draft_tree.py), priced and judged at the depth
-    drafted, as a CPU serves since chains are cut."""
+    drafted, as a CPU serves since chains are cut; the controller prices a planned depth by
+    how far its chains go and how often what they drafted is accepted (spec/chain_cut.py;
+    `cut_priced`, as served since then) or as a whole chain."""
     engine_rate = list(prior or [])
     judged = [0] * DEPTH
     ctl = None
@@ -92,6 +96,9 @@ def replay(
             per_k[k] += 1
             ms += cost
             a = min(trace[q], k)
+            if cut is not None and k and ctl is not None and cut_priced:
+                path = math.prod(cut[1][n][q][:k])
+                ctl.observe_chain(1, k, k < DEPTH and path >= cut[0], [a])
             if k and ctl is not None:
                 record_verify(hits, trials, k, a)
                 update_acceptance(engine_rate, judged, k, a)

@@ -64,6 +64,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from eagleserve.spec.chain_cut import ChainCut, planned_cost, planned_tokens
+
 # Weight of the newest verify in the engine-wide acceptance EMA (see module), and how many
 # verifies its start, the head's held-out accuracy, is worth.
 ENGINE_ACCEPT_EMA = 0.01
@@ -233,24 +235,37 @@ def choose_num_drafts(
     costs: CostTable,
     choices: Sequence[int],
     catching_up: bool = False,
+    cut: ChainCut | None = None,
 ) -> int:
     """The draft depth k among `choices` (increasing; 0 = no drafts) with the most expected
     committed tokens per second for this batch, where k > 0 must beat k = 0 by DRAFT_MARGIN;
     ties go to the shorter one. `catching_up`: some request holds head inputs, so drafting
     now also pays the resume, spread over RESUME_HORIZON iterations (which makes a stretch
-    without drafts end only when drafting clearly pays)."""
+    without drafts end only when drafting clearly pays). `cut`: chains stop short where the
+    head is unsure (spec/chain_cut.py), so a planned depth yields and costs what those do."""
     bs = len(alphas_per_req)
-    per_req = (expected_tokens(a, choices[-1]) for a in alphas_per_req)
-    tokens_by_k = [sum(col) for col in zip(*per_req)]
+    tokens_by_k = batch_tokens(alphas_per_req, choices[-1])
+    if cut is not None:
+        cost_of = [costs.cost(bs, k) for k in range(choices[-1] + 1)]
     resume = costs.resume(bs) if catching_up else 0.0
     best_k, best_rate = 0, -1.0
     for k in choices:
-        rate = tokens_by_k[k] / (costs.cost(bs, k) + (resume / RESUME_HORIZON if k else 0.0))
+        if cut is None:
+            tokens, seconds = tokens_by_k[k], costs.cost(bs, k)
+        else:
+            tokens, seconds = planned_tokens(tokens_by_k, cut, k), planned_cost(cost_of, cut, k)
+        rate = tokens / (seconds + (resume / RESUME_HORIZON if k else 0.0))
         if k == 0:
             rate *= 1 + DRAFT_MARGIN
         if rate > best_rate * (1 + 1e-9):
             best_k, best_rate = k, rate
     return best_k
+
+
+def batch_tokens(alphas_per_req: Sequence[Sequence[float]], depth: int) -> list[float]:
+    """`expected_tokens` summed over the batch, for every k in 0..depth."""
+    per_req = (expected_tokens(a, depth) for a in alphas_per_req)
+    return [sum(col) for col in zip(*per_req)]
 
 
 def depth_choices(num_steps: int, is_chain: bool) -> tuple[int, ...]:
@@ -281,6 +296,10 @@ class AdaptiveController:
     # a plain probe measure anything.
     plain_probes: bool = True
     decodes_since_prefill: int = 0
+    # Per batch-size bucket, its chains cut short (`observe_chain`); none: chains priced whole.
+    cuts: dict[int, ChainCut] = field(default_factory=dict)
+    # The last choice's mean predicted chance of a request accepting j drafts, j = 1..depth.
+    predicted: list[float] = field(default_factory=list)
 
     def note_prefill(self) -> None:
         """A prefill ran: the decodes after it are not measured until warm (see module)."""
@@ -293,15 +312,28 @@ class AdaptiveController:
         if self.decodes_since_prefill > WARM_DECODES:
             self.costs.observe(bs, k, seconds, resumed)
 
+    def observe_chain(
+        self, bs: int, num_drafts: int, goes_on: bool, accepted: Sequence[int]
+    ) -> None:
+        """A chain that may stop short drafted `num_drafts` tokens (`ChainCut.observe`), the
+        latest choice's prediction for it (with overlap, one iteration newer: they move
+        slowly)."""
+        b, depth = self.costs.bucket(bs), self.choices[-1]
+        cut = self.cuts.setdefault(b, ChainCut(depth))
+        cut.observe(num_drafts, goes_on, accepted, self.predicted or [1.0] * depth)
+
     def choose(self, alphas_per_req: Sequence[Sequence[float]], catching_up: bool = False) -> int:
         self.since_draft += 1
         bs, probe_k = len(alphas_per_req), self.choices[1]
+        tokens = batch_tokens(alphas_per_req, self.choices[-1])
+        self.predicted = [(b - a) / bs for a, b in zip(tokens, tokens[1:])]
         every = iterations_between_probes(self.costs, bs, probe_k, self.probe_interval)
         if self.since_draft >= every * self.backoff:
             self.since_draft = 0
             self.backoff = min(2 * self.backoff, MAX_PROBE_BACKOFF)
             return probe_k
-        k = choose_num_drafts(alphas_per_req, self.costs, self.choices, catching_up)
+        cut = self.cuts.get(self.costs.bucket(bs))
+        k = choose_num_drafts(alphas_per_req, self.costs, self.choices, catching_up, cut)
         if not k:
             self.since_plain = 0
             return 0

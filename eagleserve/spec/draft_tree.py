@@ -25,6 +25,9 @@ class DraftTree:
     parent_list: torch.Tensor  # [bs, W] long
     top_scores_index: torch.Tensor  # [bs, num_draft_tokens - 1] long
     draft_tokens: torch.Tensor  # [bs, num_draft_tokens - 1]
+    # A chain that may stop short: whether some request's path was still likely after its
+    # last draft (it would go on if planned deeper); None where not checked.
+    goes_on: bool | None = None
 
 
 def _run_steps(
@@ -117,17 +120,18 @@ def draft_chain(
     if len(tokens) < num_steps:  # a shorter chain's are prefixes of these (views: no kernel)
         n = len(tokens)
         parent_list, top_scores_index = parent_list[:, : n if n > 1 else 0], top_scores_index[:, :n]
-    return DraftTree(parent_list, top_scores_index, torch.cat(tokens, dim=1))
+    goes_on = None if path_prob is None else chain_goes_on(path_prob, min_path_prob)
+    return DraftTree(parent_list, top_scores_index, torch.cat(tokens, dim=1), goes_on)
 
 
-def chain_goes_on(path_prob: torch.Tensor, min_path_prob: float) -> bool:
+def chain_goes_on(path_prob: torch.Tensor, min_path_prob: float) -> bool | None:
     """Whether a chain drafts one more token: some request's path probability, the product of
     the head's probability of each of its drafts so far (EAGLE-2's path score; path_prob [bs]),
     is at least min_path_prob. The head's probability predicts acceptance (TRAINING.md, "Where
     the first draft misses"), so a draft after an unlikely path would cost a head step and a
     verify row for a token the target seldom keeps; the batch's verify has one width, so the
-    chain goes on while any request's path is likely."""
-    return float(path_prob.max()) >= min_path_prob
+    chain goes on while any request's path is likely. None without a cut (min_path_prob 0)."""
+    return float(path_prob.max()) >= min_path_prob if min_path_prob > 0 else None
 
 
 def draft_tree(

@@ -42,7 +42,7 @@ from eagleserve.spec.draft_extend import (
 )
 from eagleserve.spec.draft_lag import DraftLag, catch_up_batch
 from eagleserve.spec.draft_loop import DraftLoops, DraftRows, chain_step_batch, tree_step_batch
-from eagleserve.spec.draft_tree import draft_chain, draft_tree
+from eagleserve.spec.draft_tree import chain_goes_on, draft_chain, draft_tree
 from eagleserve.spec.head_loader import load_eagle_head, measured_acceptance
 from eagleserve.spec.tree import Topk1ChainBuffers, TreeInfo, build_chain, build_tree
 
@@ -100,14 +100,9 @@ class EagleDraftWorker:
         if spec.is_chain and target.graphs_enabled(args):
             self.graph = GraphedForward(
                 lambda fb, ex: self.head(fb.input_ids, ex["features"], fb.positions),
-                "draft",
-                self.kv_pool,
-                self.attn_backend,
-                device,
-                graph_bs,
-                1,
+                "draft", self.kv_pool, self.attn_backend, device, graph_bs, 1,
                 extra_shapes={"features": ((self.head.hidden_size,), target.dtype)},
-            )
+            )  # fmt: skip
             t1 = time.perf_counter()
             self.graph.capture()
             logger.info("start-up: draft graph captured in %.2f s", time.perf_counter() - t1)
@@ -316,8 +311,9 @@ class EagleDraftWorker:
         drafts (`DraftDraw`, given the batch's `sampling`), as does a chain's loop graph of its
         draw mode."""
         spec = self.spec
-        if spec.is_chain and num_steps == 1 and not self.loop_graphs:
-            return build_chain(batch.input_ids, info.topk_index)  # the seed: no head step
+        if spec.is_chain and num_steps == 1 and not self.loop_graphs:  # the seed: no head step
+            goes_on = chain_goes_on(info.topk_p, self.min_path_prob)
+            return build_chain(batch.input_ids, info.topk_index, goes_on)
         assert batch.seq_lens_cpu is not None, "drafting needs the scheduler's host seq lens"
         L = batch.seq_lens
         base = ForwardBatch(  # the requests, their bonus tokens and committed lengths
@@ -363,7 +359,7 @@ class EagleDraftWorker:
         if spec.is_chain:
             chain = draft_chain(info, num_steps, step, self.chain_buffers[num_steps], track,
                                 self.min_path_prob)  # fmt: skip
-            return build_chain(batch.input_ids, chain.draft_tokens)
+            return build_chain(batch.input_ids, chain.draft_tokens, chain.goes_on)
         d = draft_tree(info, num_steps, spec.eagle_topk, spec.num_draft_tokens, step, track)
         return build_tree(batch.input_ids, d.parent_list, d.top_scores_index, d.draft_tokens,
                           spec.eagle_topk, spec.num_draft_tokens,

@@ -174,10 +174,8 @@ class EagleWorker:
         self, logits: torch.Tensor, batch: ScheduleBatch, positions: torch.Tensor, prefill: bool
     ) -> GenerationBatchResult:
         """The next token of each request, to sit at positions [bs]."""
-        info = self.runner.sampling_info(batch)
-        state = self.runner.penalty_state
-        slots = batch.req_pool_indices
-        grammar = batch.grammar
+        info, state = self.runner.sampling_info(batch), self.runner.penalty_state
+        slots, grammar = batch.req_pool_indices, batch.grammar
         return sample_next(logits, batch.reqs, info, positions, state, slots, prefill, grammar)
 
     def _next_allowed(self, batch: ScheduleBatch) -> torch.Tensor | None:
@@ -185,8 +183,7 @@ class EagleWorker:
         return None if batch.grammar is None else batch.grammar.next_allowed(self.device)
 
     def _features(self, out: ModelOutput) -> torch.Tensor:
-        aux = out.aux_hidden_states
-        return aux if self.spec.algorithm == "EAGLE3" else out.hidden_states
+        return out.aux_hidden_states if self.spec.algorithm == "EAGLE3" else out.hidden_states
 
     # ---- prefill -----------------------------------------------------------------------------
     def _forward_prefill(
@@ -365,6 +362,8 @@ class EagleWorker:
         if not spec.is_chain:  # the host's copy follows when the scheduler reads the result
             commit_tree_path(r2t, batch.req_pool_indices, L, acc.accept_index, n)
         a = acc.accept_lens
+        if t.goes_on is not None and self.controller is not None:  # a CPU's chain (host memory)
+            self.controller.observe_chain(bs, k, t.goes_on, (a - 1).tolist())
         path = (cols, slots) if spec.is_chain else None
         extend_fb, path_rows, last_rows = self.paths.extend(batch, acc, max_len, path)
         if spec.is_chain and self.paths.fixed_shape:

@@ -225,6 +225,7 @@ class TreeInfo:
     parents: torch.Tensor
     depths: torch.Tensor
     tree_mask: torch.Tensor
+    goes_on: bool | None = None  # a chain that may stop short: `DraftTree.goes_on`
 
     def positions(self, seq_lens: torch.Tensor) -> torch.Tensor:
         """[bs, n] positions of the nodes given the committed lengths seq_lens [bs]."""
@@ -325,7 +326,9 @@ def _chain_layout(n: int, device: torch.device) -> tuple[torch.Tensor, torch.Ten
     return node - 1, node, torch.ones(n, n, dtype=torch.bool, device=device).tril()
 
 
-def build_chain(verified_id: torch.Tensor, draft_tokens: torch.Tensor) -> TreeInfo:
+def build_chain(
+    verified_id: torch.Tensor, draft_tokens: torch.Tensor, goes_on: bool | None = None
+) -> TreeInfo:
     """`build_tree` for a top-1 chain (draft_tokens [bs, k] in drafting order): the same
     TreeInfo, from one concatenation. Parents, depths and mask are read-only views of shared
     constants (a chain's shape does not depend on its tokens); a chain verify then launches
@@ -338,4 +341,5 @@ def build_chain(verified_id: torch.Tensor, draft_tokens: torch.Tensor) -> TreeIn
         parents=parents.expand(bs, k + 1),
         depths=depths.expand(bs, k + 1),
         tree_mask=mask.expand(bs, k + 1, k + 1),
+        goes_on=goes_on,
     )

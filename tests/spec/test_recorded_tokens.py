@@ -105,23 +105,32 @@ def test_chains_cut_short_by_their_path_probability_commit_the_recorded_ids(
     rows: list[int] = []
     draft = worker.drafter.draft
 
+    planned: list[int] = []
+
     def counted(batch, info, num_steps, *args, **kwargs):  # noqa: ANN001, ANN202
         tree = draft(batch, info, num_steps, *args, **kwargs)
         drafted.append(tree.draft_tokens.shape[1] - 1)  # the bonus token, then the drafts
         rows.append(batch.batch_size)
+        planned.append(num_steps)
         return tree
 
     worker.drafter.draft = counted
     observed: list[int] = []
+    chains: list[tuple[int, int, bool, list[int]]] = []
     if adaptive:
-        observe = worker.controller.observe
+        observe, observe_chain = worker.controller.observe, worker.controller.observe_chain
 
         def recorded_k(bs, k, seconds, resumed=False):  # noqa: ANN001, ANN202
             if k:
                 observed.append(k)
             observe(bs, k, seconds, resumed)
 
+        def recorded_chain(bs, k, goes_on, accepted):  # noqa: ANN001, ANN202
+            chains.append((bs, k, goes_on, list(accepted)))
+            observe_chain(bs, k, goes_on, accepted)
+
         worker.controller.observe = recorded_k
+        worker.controller.observe_chain = recorded_chain
     params = [SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True) for n in MAX_NEW]
     out = eng.generate(PROMPTS, params)
     assert [o["token_ids"] for o in out] == recorded["ids"]
@@ -136,6 +145,16 @@ def test_chains_cut_short_by_their_path_probability_commit_the_recorded_ids(
         assert by_k == per_k[1:]
     if adaptive:
         assert observed == drafted
+        # Every chain also teaches the controller how far chains get and what they yield there
+        # (spec/chain_cut.py): a chain cut short was one whose path was no longer likely, and
+        # its requests' accepted drafts are what the stats count.
+        assert [(bs, k) for bs, k, _, _ in chains] == list(zip(rows, drafted, strict=True))
+        assert all(not on for (_, k, on, _), p in zip(chains, planned) if k < p)
+        assert any(on for (_, k, on, _), p in zip(chains, planned) if k == p < 3)
+        assert all(len(acc) == bs and all(0 <= a <= k for a in acc) for bs, k, _, acc in chains)
+        committed = sum(a + 1 for *_, acc in chains for a in acc)
+        assert committed == eng.stats().spec_accepted_tokens_total
+        assert any(r < 1.0 for cut in worker.controller.cuts.values() for r in cut.reach)
 
 
 def test_a_chain_cut_short_draws_the_target_only_seeded_tokens(smollm2_dir: str) -> None:
