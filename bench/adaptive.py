@@ -2,7 +2,7 @@
 
     python bench/adaptive.py [--batches 1,4,16] [--sets mtbench,humaneval,copy] [--rounds 2]
         [--draft HEAD] [--out NAME.json]
-        [--new-tokens 48] [--overlap] [--threads N] [--whole-chains]
+        [--new-tokens 48] [--overlap] [--threads N] [--whole-chains] [--pricing-twins]
 
 For every prompt set and batch size, one row per setting: target-only, fixed 1- and 3-chains
 (the shipped EAGLE3 head, or `--draft`), and adaptive (chain lengths 0..3 chosen per
@@ -14,7 +14,10 @@ share of a prefill included). Reports tok/s (median over rounds), the ratio to t
 (median and range of each round's ratio to the target-only run beside it), tau, acceptance by
 depth, the chain lengths adaptive chose (and, for the chains, the lengths they drafted: a
 chain stops short where the head is unsure of its drafts, --speculative-min-path-prob; with
-`--whole-chains`, chain 3 and adaptive also run drafting every step, each beside its twin),
+`--whole-chains`, chain 3 and adaptive also run drafting every step, each beside its twin;
+with `--pricing-twins`, adaptive also runs as it priced before two changes, one at a time: its
+cut chains priced as whole ones (before spec/chain_cut.py), and its drafting iterations
+priced on a scale of their own, not over the decode's (`CostTable.drafting_follows_decode`)),
 and whether every setting's tokens equal target-only's. Writes bench/results/adaptive.json.
 
 Prompt sets: MT-bench first turns, HumanEval, "copy" (passages the answer must repeat:
@@ -49,10 +52,13 @@ from eagleserve import Engine, SamplingParams  # noqa: E402
 BUILTIN_HEAD = "builtin:smollm2-135m-eagle"
 
 
-def settings(draft: str, whole_chains: bool = False) -> dict[str, dict[str, Any]]:
+def settings(
+    draft: str, whole_chains: bool = False, pricing_twins: bool = False
+) -> dict[str, dict[str, Any]]:
     """Each setting's engine arguments; `whole_chains` adds chain 3 and adaptive drafting every
     step (--speculative-min-path-prob 0) beside the default's chains cut by the head's path
-    probability."""
+    probability; `pricing_twins` adaptive as the default runs it, twice more, each controller
+    then pricing as before one change (`PRICING_TWINS`)."""
     head = dict(speculative_algorithm="EAGLE3", speculative_draft_model_path=draft,
                 speculative_eagle_topk=1)  # fmt: skip
     chain3 = dict(head, speculative_num_steps=3, speculative_num_draft_tokens=4)
@@ -66,13 +72,29 @@ def settings(draft: str, whole_chains: bool = False) -> dict[str, dict[str, Any]
         out[WHOLE["chain 3"]] = dict(chain3, speculative_min_path_prob=0.0)
         out[WHOLE["adaptive 0..3"]] = dict(chain3, speculative_adaptive=True,
                                            speculative_min_path_prob=0.0)  # fmt: skip
+    if pricing_twins:
+        out |= dict.fromkeys(PRICING_TWINS, out["adaptive 0..3"])
     return out
 
 
+def price_as_before(name: str, engine: Engine) -> None:
+    """The engine's adaptive controller as it priced before one change: learning nothing of cut
+    chains (spec/chain_cut.py), so every planned depth is priced whole; or its drafting scale
+    its own, not a ratio over the decode scale."""
+    controller = engine.scheduler.worker.controller  # type: ignore[union-attr]
+    if name == PRICED_WHOLE:
+        controller.observe_chain = lambda *args: None
+    else:
+        controller.costs.drafting_follows_decode = False
+
+
+PRICED_WHOLE = "adaptive 0..3, cut chains priced whole"
+OWN_SCALE = "adaptive 0..3, drafting on its own scale"
+PRICING_TWINS = (PRICED_WHOLE, OWN_SCALE)
 # Run order within a round (reversed every other round): adaptive beside target-only, and
 # each setting beside its whole-chain twin where there is one.
-ORDER = ["target-only", "adaptive 0..3", "adaptive 0..3, whole chains", "chain 1", "chain 3",
-         "chain 3, whole chain"]  # fmt: skip
+ORDER = ["target-only", "adaptive 0..3", "adaptive 0..3, whole chains", PRICED_WHOLE, OWN_SCALE,
+         "chain 1", "chain 3", "chain 3, whole chain"]  # fmt: skip
 WHOLE = {"chain 3": "chain 3, whole chain", "adaptive 0..3": "adaptive 0..3, whole chains"}
 MIN_REQUESTS = 8
 COPY_TEXT = [
@@ -161,6 +183,8 @@ def main() -> None:
     ap.add_argument("--draft", default=BUILTIN_HEAD, help="the EAGLE3 head (default: shipped)")
     ap.add_argument("--whole-chains", action="store_true",
                     help="also chain 3, adaptive at --speculative-min-path-prob 0")  # fmt: skip
+    ap.add_argument("--pricing-twins", action="store_true",
+                    help="also adaptive pricing as before each of two changes")  # fmt: skip
     ap.add_argument("--out", default=None, help="JSON name under bench/results (and its PNG)")
     args = ap.parse_args()
     if args.threads:
@@ -176,8 +200,10 @@ def main() -> None:
             disable_radix_cache=True,  # every round prefills its prompts whole, as fresh ones
             **kw,
         )
-        for name, kw in settings(args.draft, args.whole_chains).items()
+        for name, kw in settings(args.draft, args.whole_chains, args.pricing_twins).items()
     }
+    for name in PRICING_TWINS if args.pricing_twins else ():
+        price_as_before(name, engines[name])
     tok = engines["target-only"].tokenizer
     warm = SamplingParams(max_new_tokens=8, temperature=0.0)
     for eng in engines.values():
@@ -235,7 +261,8 @@ def main() -> None:
     )  # fmt: skip
     name = args.out or ("adaptive_overlap.json" if args.overlap else "adaptive.json")
     meta = {"machine": machine(), "new_tokens": args.new_tokens, "rounds": args.rounds,
-            "draft": args.draft, "whole_chains": args.whole_chains}  # fmt: skip
+            "draft": args.draft, "whole_chains": args.whole_chains,
+            "pricing_twins": args.pricing_twins}  # fmt: skip
     # What the controller decided from, at the end: its costs (ms per iteration, by batch
     # bucket and k) and the engine-wide acceptance by depth.
     adaptive = engines["adaptive 0..3"].scheduler

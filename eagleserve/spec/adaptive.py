@@ -163,11 +163,18 @@ class CostTable:
     every k: the controller runs some k rarely, and an EMA per (bucket, k) would move the k it
     runs (to what an iteration costs with sampling and bookkeeping) and leave the others at
     their start-up figures, which miss those, so the comparison would drift towards the k it
-    does not run. Until a bucket has drafted, its drafting iterations take the decode scale."""
+    does not run. Until a bucket has drafted, its drafting iterations take the decode scale.
+
+    The drafting scale is a ratio over the decode scale: the host's speed moves both alike
+    (other tenants, clocks: tens of percent from one minute to the next on a shared CPU), and
+    while the controller does not draft, only plain decodes are measured, so a drafting scale
+    of its own would keep the price of the minute it was last measured in while the decode's
+    follows the host, and drafting that pays again would not be chosen again."""
 
     buckets: tuple[int, ...]  # increasing batch sizes; a batch uses the smallest bucket >= bs
     seconds: dict[tuple[int, int], float] = field(default_factory=dict)
-    # (bucket, drafting) -> measured over start-up seconds.
+    # (bucket, False) -> a decode's measured over start-up seconds; (bucket, True) -> a drafting
+    # iteration's, over the decode scale at the time (see class).
     scale: dict[tuple[int, bool], float] = field(default_factory=dict)
     # Per bucket: what the first drafting iteration after a stretch without costs beyond a
     # steady one of its depth: the head extend that catches up held inputs, and the head's
@@ -176,6 +183,9 @@ class CostTable:
     # Iterations observed so far, and the one at which each scale was last refined.
     clock: int = 0
     scale_at: dict[tuple[int, bool], int] = field(default_factory=dict)
+    # False: the drafting scale is its own, not over the decode's (as before; bench/adaptive.py
+    # runs such a twin beside the default).
+    drafting_follows_decode: bool = True
 
     def bucket(self, bs: int) -> int:
         i = bisect.bisect_left(self.buckets, bs)
@@ -185,10 +195,14 @@ class CostTable:
         """One steady iteration of depth k; with `catching_up`, the first after a stretch
         without drafts, which pays the resume (`catch_up`) too."""
         b = self.bucket(bs)
-        extra = self.resume(bs) if catching_up and k else 0.0
         decode = self.scale.get((b, False), 1.0)
-        scale = self.scale.get((b, True), decode) if k else decode
-        return self.seconds[(b, k)] * scale + extra
+        if not k:
+            return self.seconds[(b, 0)] * decode
+        if self.drafting_follows_decode:
+            scale = decode * self.scale.get((b, True), 1.0)
+        else:
+            scale = self.scale.get((b, True), decode)
+        return self.seconds[(b, k)] * scale + (self.resume(bs) if catching_up else 0.0)
 
     def resume(self, bs: int) -> float:
         """What the first drafting iteration after a stretch without costs over a steady one."""
@@ -216,11 +230,13 @@ class CostTable:
         # A scale not measured yet starts from its prior (the start-up table as measured, or
         # for drafting the decode scale) and takes its first measurement as a stale one: one
         # slow early iteration (a cold cache, a collection) must not set it outright.
-        prior = self.scale.get((b, False), 1.0) if k else 1.0
+        decode = self.scale.get((b, False), 1.0)
+        relative = k > 0 and self.drafting_follows_decode
+        prior = decode if k and not relative else 1.0
         old = self.scale.get(key, prior)
         last = self.scale_at.get(key)
         stale = last is None or self.clock - last >= STALE_AFTER
-        ratio = seconds / self.seconds[(b, k)]
+        ratio = seconds / self.seconds[(b, k)] / (decode if relative else 1.0)
         self.scale[key] = old + (STALE_WEIGHT if stale else COST_EMA) * (ratio - old)
         self.scale_at[key] = self.clock
 

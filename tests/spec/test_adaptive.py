@@ -287,6 +287,32 @@ def test_cost_table_buckets_and_ema() -> None:
     assert t.cost(8, 0) == 9.0 and t.cost(8, 0, catching_up=True) == 9.0  # others untouched
 
 
+@pytest.mark.parametrize("follows", [True, False])
+def test_a_host_that_speeds_up_while_not_drafting_lowers_the_drafting_price_too(
+    follows: bool,
+) -> None:
+    """Drafting measured in a slow minute, then only plain decodes measured as the host speeds
+    up by a random factor: drafting's price follows the decode's, their ratio as measured
+    (with `drafting_follows_decode` off, as before, drafting keeps the slow minute's price)."""
+    rng = random.Random()
+    start = [1.0, rng.uniform(1.2, 1.5), rng.uniform(1.5, 1.8), rng.uniform(1.8, 2.1)]
+    costs = table(start)
+    costs.drafting_follows_decode = follows
+    slow, over = rng.uniform(1.3, 1.6), rng.uniform(0.9, 1.2)  # drafting's extra work: `over`
+    for _ in range(200):
+        costs.observe(1, 0, start[0] * slow)
+        costs.observe(1, 2, start[2] * slow * over)
+    ratio = [costs.cost(1, k) / costs.cost(1, 0) for k in range(4)]
+    assert ratio == pytest.approx([s * over if k else 1.0 for k, s in enumerate(start)], rel=1e-3)
+    fast = rng.uniform(0.6, 0.8)
+    for _ in range(200):
+        costs.observe(1, 0, start[0] * fast)
+    assert costs.cost(1, 0) == pytest.approx(start[0] * fast, rel=1e-3)
+    drafting = [costs.cost(1, k) for k in (1, 2, 3)]
+    per_second = fast if follows else slow  # the host's speed drafting is priced at
+    assert drafting == pytest.approx([s * per_second * over for s in start[1:]], rel=1e-3)
+
+
 def test_a_tree_is_drafted_whole_or_not_at_all() -> None:
     assert CHAIN == (0, 1, 2, 3)
     tree = depth_choices(3, is_chain=False)
