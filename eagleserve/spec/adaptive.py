@@ -314,8 +314,8 @@ class AdaptiveController:
     decodes_since_prefill: int = 0
     # Per batch-size bucket, its chains cut short (`observe_chain`); none: chains priced whole.
     cuts: dict[int, ChainCut] = field(default_factory=dict)
-    # The last choice's mean predicted chance of a request accepting j drafts, j = 1..depth.
-    predicted: list[float] = field(default_factory=list)
+    # The acceptance the last choice was made with (per request, by depth).
+    last_alphas: Sequence[Sequence[float]] = ()
 
     def note_prefill(self) -> None:
         """A prefill ran: the decodes after it are not measured until warm (see module)."""
@@ -331,18 +331,20 @@ class AdaptiveController:
     def observe_chain(
         self, bs: int, num_drafts: int, goes_on: bool, accepted: Sequence[int]
     ) -> None:
-        """A chain that may stop short drafted `num_drafts` tokens (`ChainCut.observe`), the
-        latest choice's prediction for it (with overlap, one iteration newer: they move
-        slowly)."""
+        """A chain that may stop short drafted `num_drafts` tokens (`ChainCut.observe`), with
+        the batch's mean chance of accepting j drafts that the latest choice was made with
+        (with overlap, one iteration newer: estimates move slowly)."""
         b, depth = self.costs.bucket(bs), self.choices[-1]
         cut = self.cuts.setdefault(b, ChainCut(depth))
-        cut.observe(num_drafts, goes_on, accepted, self.predicted or [1.0] * depth)
+        reqs = self.last_alphas or [[1.0] * depth]
+        tokens = batch_tokens(reqs, depth)
+        predicted = [(y - x) / len(reqs) for x, y in zip(tokens, tokens[1:])]
+        cut.observe(num_drafts, goes_on, accepted, predicted)
 
     def choose(self, alphas_per_req: Sequence[Sequence[float]], catching_up: bool = False) -> int:
         self.since_draft += 1
         bs, probe_k = len(alphas_per_req), self.choices[1]
-        tokens = batch_tokens(alphas_per_req, self.choices[-1])
-        self.predicted = [(b - a) / bs for a, b in zip(tokens, tokens[1:])]
+        self.last_alphas = alphas_per_req
         every = iterations_between_probes(self.costs, bs, probe_k, self.probe_interval)
         if self.since_draft >= every * self.backoff:
             self.since_draft = 0

@@ -33,13 +33,13 @@ class ChainCut:
     """One batch-size bucket's chains, `depth` = the deepest a chain is planned."""
 
     depth: int
-    reach: list[float] = field(default_factory=list)  # [depth - 1]
-    reach_seen: list[int] = field(default_factory=list)
+    reach: list[float] = field(init=False)  # [depth - 1]
+    reach_seen: list[int] = field(init=False)
     # [depth - 1], for depths 2..depth: EMAs of the share of requests that accepted j drafts
     # and of what the controller predicted for them, over chains that drafted j.
-    accepted: list[float] = field(default_factory=list)
-    predicted: list[float] = field(default_factory=list)
-    lift_seen: list[int] = field(default_factory=list)
+    accepted: list[float] = field(init=False)
+    predicted: list[float] = field(init=False)
+    lift_seen: list[int] = field(init=False)
 
     def __post_init__(self) -> None:
         n = self.depth - 1
