@@ -106,9 +106,9 @@ def run_drafts_recorded(
     drafts: list[list[list[int]]] = []
     real_build = draft_worker.build_chain
 
-    def record(bonus: torch.Tensor, draft_tokens: torch.Tensor) -> object:
+    def record(bonus: torch.Tensor, draft_tokens: torch.Tensor, *rest: object) -> object:
         drafts.append(draft_tokens.tolist())
-        return real_build(bonus, draft_tokens)
+        return real_build(bonus, draft_tokens, *rest)
 
     with monkeypatch.context() as m:
         m.setattr(draft_worker, "build_chain", record)
