@@ -84,6 +84,9 @@ RESUME_HORIZON = 4
 COST_EMA = 0.1
 STALE_AFTER = 16
 STALE_WEIGHT = 0.5
+# A bucket's first decode measurements, which correct the start-up table's decode figure: while
+# they do, drafting's price does not follow the decode's (see CostTable).
+SETTLE_DECODES = 20
 # Decode iterations after a prefill whose times are not measured (see module).
 WARM_DECODES = 12
 # How much more expected tokens per second a draft must promise than a plain decode.
@@ -169,7 +172,10 @@ class CostTable:
     (other tenants, clocks: tens of percent from one minute to the next on a shared CPU), and
     while the controller does not draft, only plain decodes are measured, so a drafting scale
     of its own would keep the price of the minute it was last measured in while the decode's
-    follows the host, and drafting that pays again would not be chosen again."""
+    follows the host, and drafting that pays again would not be chosen again. Except while a
+    bucket's first SETTLE_DECODES decode measurements correct the start-up table's decode
+    figure (its own error, not the host's speed): a controller that drafted meanwhile keeps
+    drafting's price as measured."""
 
     buckets: tuple[int, ...]  # increasing batch sizes; a batch uses the smallest bucket >= bs
     seconds: dict[tuple[int, int], float] = field(default_factory=dict)
@@ -186,6 +192,7 @@ class CostTable:
     # False: the drafting scale is its own, not over the decode's (as before; bench/adaptive.py
     # runs such a twin beside the default).
     drafting_follows_decode: bool = True
+    decodes_seen: dict[int, int] = field(default_factory=dict)  # per bucket
 
     def bucket(self, bs: int) -> int:
         i = bisect.bisect_left(self.buckets, bs)
@@ -239,6 +246,13 @@ class CostTable:
         ratio = seconds / self.seconds[(b, k)] / (decode if relative else 1.0)
         self.scale[key] = old + (STALE_WEIGHT if stale else COST_EMA) * (ratio - old)
         self.scale_at[key] = self.clock
+        settling = self.decodes_seen.get(b, 0) < SETTLE_DECODES
+        if not k and settling and (b, True) in self.scale and self.drafting_follows_decode:
+            # The decode scale is still correcting the start-up table's own error, not following
+            # the host: drafting's price, measured meanwhile, stays where it was measured.
+            self.scale[(b, True)] *= decode / self.scale[key]
+        if not k:
+            self.decodes_seen[b] = self.decodes_seen.get(b, 0) + 1
 
 
 def _ema(table: dict, key: object, value: float) -> None:

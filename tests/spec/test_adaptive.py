@@ -20,6 +20,7 @@ from eagleserve.spec.adaptive import (
     PRIOR_TRIALS,
     PRIOR_VERIFIES,
     PROBE_SHARE,
+    SETTLE_DECODES,
     STALE_AFTER,
     STALE_WEIGHT,
     WARM_DECODES,
@@ -311,6 +312,29 @@ def test_a_host_that_speeds_up_while_not_drafting_lowers_the_drafting_price_too(
     drafting = [costs.cost(1, k) for k in (1, 2, 3)]
     per_second = fast if follows else slow  # the host's speed drafting is priced at
     assert drafting == pytest.approx([s * per_second * over for s in start[1:]], rel=1e-3)
+
+
+def test_the_first_decodes_correct_the_table_without_moving_drafting_price() -> None:
+    """A controller that drafts from its first iteration measures drafting before any decode:
+    the decode measurements that follow first correct the start-up table's decode figure (its
+    own error, not the host's speed), and drafting's price stays as measured meanwhile; after
+    SETTLE_DECODES of them, drafting follows the decode's scale again."""
+    rng = random.Random()
+    start = [1.0, 1.4, 1.7, 2.0]
+    costs = table(start)
+    drafted = rng.uniform(1.1, 1.3)  # a 2-chain's measured over its start-up figure
+    for _ in range(100):
+        costs.observe(1, 2, start[2] * drafted)
+    price = costs.cost(1, 2)
+    assert price == pytest.approx(start[2] * drafted, rel=1e-3)
+    error = rng.uniform(0.7, 0.9)  # the start-up table's decode figure was this far off
+    for _ in range(SETTLE_DECODES):
+        costs.observe(1, 0, start[0] * error)
+    assert costs.cost(1, 0) < start[0] * 0.95  # corrected (most of the way)...
+    assert costs.cost(1, 2) == pytest.approx(price)  # ...and drafting's price untouched
+    decode = costs.cost(1, 0)
+    costs.observe(1, 0, decode * 0.5)  # the host speeds up
+    assert costs.cost(1, 2) / costs.cost(1, 0) == pytest.approx(price / decode)
 
 
 def test_a_tree_is_drafted_whole_or_not_at_all() -> None:
