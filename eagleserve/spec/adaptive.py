@@ -64,7 +64,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from eagleserve.spec.chain_cut import ChainCut, planned_cost, planned_tokens
+from eagleserve.spec.chain_cut import ChainCut, planned
 
 # Weight of the newest verify in the engine-wide acceptance EMA (see module), and how many
 # verifies its start, the head's held-out accuracy, is worth.
@@ -275,15 +275,16 @@ def choose_num_drafts(
     head is unsure (spec/chain_cut.py), so a planned depth yields and costs what those do."""
     bs = len(alphas_per_req)
     tokens_by_k = batch_tokens(alphas_per_req, choices[-1])
-    if cut is not None:
-        cost_of = [costs.cost(bs, k) for k in range(choices[-1] + 1)]
+    if cut is None:
+        seconds_by_k = {k: costs.cost(bs, k) for k in choices}
+    else:  # a chain: every depth 0..choices[-1] is a choice, and has a cost
+        whole = [costs.cost(bs, k) for k in range(choices[-1] + 1)]
+        tokens_by_k, expected_seconds = planned(tokens_by_k, whole, cut)
+        seconds_by_k = dict(enumerate(expected_seconds))
     resume = costs.resume(bs) if catching_up else 0.0
     best_k, best_rate = 0, -1.0
     for k in choices:
-        if cut is None:
-            tokens, seconds = tokens_by_k[k], costs.cost(bs, k)
-        else:
-            tokens, seconds = planned_tokens(tokens_by_k, cut, k), planned_cost(cost_of, cut, k)
+        tokens, seconds = tokens_by_k[k], seconds_by_k[k]
         rate = tokens / (seconds + (resume / RESUME_HORIZON if k else 0.0))
         if k == 0:
             rate *= 1 + DRAFT_MARGIN

@@ -98,25 +98,23 @@ def _weight(seen: list[int], d: int) -> float:
     return max(CUT_EMA, 1.0 / (seen[d] + CUT_PRIOR))
 
 
-def planned_tokens(tokens_by_k: Sequence[float], cut: ChainCut | None, k: int) -> float:
-    """The batch's expected committed tokens from a chain planned k deep: `tokens_by_k`
-    (`expected_tokens` summed over the batch, whole chains) with each depth j's share weighed
-    by the chance the chain gets there and the lift of getting there."""
-    if cut is None or k < 2:
-        return tokens_by_k[k]
+def planned(
+    tokens_by_k: Sequence[float], cost_of: Sequence[float], cut: ChainCut
+) -> tuple[list[float], list[float]]:
+    """Per planned depth k = 0..depth: the batch's expected committed tokens and a chain's
+    expected seconds. `tokens_by_k` is `expected_tokens` summed over the batch (whole chains),
+    `cost_of[j]` a j-chain's seconds; a chain planned k deep that stops after j drafts costs a
+    j-chain's, and each depth's tokens weigh by the chance of getting there and its lift.
+    Written as what the whole chain would give less what the cut takes off (nothing, exactly,
+    before any chain is seen)."""
     bs = tokens_by_k[0]  # one committed token per request, whatever is drafted
     predicted = [(b - a) / bs for a, b in zip(tokens_by_k, tokens_by_k[1:])]
     drafted, lift = cut.drafted(), cut.lift(predicted)
-    return tokens_by_k[0] + sum(
-        drafted[j - 1] * lift[j - 1] * (tokens_by_k[j] - tokens_by_k[j - 1])
-        for j in range(1, k + 1)
-    )
-
-
-def planned_cost(cost_of: Sequence[float], cut: ChainCut | None, k: int) -> float:
-    """A chain planned k deep's expected seconds, `cost_of[j]` a j-chain's: it costs a
-    j-chain's where it stops after j drafts."""
-    if cut is None or k < 2:
-        return cost_of[k]
-    drafted = cut.drafted()
-    return cost_of[1] + sum(drafted[j - 1] * (cost_of[j] - cost_of[j - 1]) for j in range(2, k + 1))
+    tokens, seconds = list(tokens_by_k[:2]), list(cost_of[:2])
+    fewer_tokens = fewer_seconds = 0.0
+    for j in range(2, len(tokens_by_k)):
+        fewer_tokens += (1.0 - drafted[j - 1] * lift[j - 1]) * (tokens_by_k[j] - tokens_by_k[j - 1])
+        fewer_seconds += (1.0 - drafted[j - 1]) * (cost_of[j] - cost_of[j - 1])
+        tokens.append(tokens_by_k[j] - fewer_tokens)
+        seconds.append(cost_of[j] - fewer_seconds)
+    return tokens, seconds

@@ -18,7 +18,7 @@ from eagleserve.spec.adaptive import (
     choose_num_drafts,
     depth_choices,
 )
-from eagleserve.spec.chain_cut import ChainCut, planned_cost, planned_tokens
+from eagleserve.spec.chain_cut import ChainCut, planned
 
 DEPTH = 3
 CHAIN = depth_choices(DEPTH, is_chain=True)
@@ -84,9 +84,10 @@ def test_a_fresh_cut_prices_a_whole_chain(seed: int) -> None:
     rng = random.Random(seed)
     tokens = batch_tokens([[rng.uniform(0.1, 0.9) for _ in range(DEPTH)] for _ in range(3)], DEPTH)
     cost_of = sorted(rng.uniform(1.0, 5.0) for _ in range(DEPTH + 1))
+    planned_tokens, planned_cost = planned(tokens, cost_of, ChainCut(DEPTH))
     for k in range(DEPTH + 1):
-        assert planned_tokens(tokens, ChainCut(DEPTH), k) == tokens[k]
-        assert planned_cost(cost_of, ChainCut(DEPTH), k) == cost_of[k]
+        assert planned_tokens[k] == tokens[k]
+        assert planned_cost[k] == cost_of[k]
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -104,10 +105,11 @@ def test_learnt_chains_price_each_planned_depth_at_what_it_yields_and_costs(
     assert cut.drafted() == pytest.approx([math.prod(reach[:j]) for j in range(DEPTH)], abs=0.04)
     tokens_by_k = batch_tokens([alphas] * bs, DEPTH)
     cost_of = [1.0] + [1.0 + rng.uniform(0.2, 0.6) * k for k in range(1, DEPTH + 1)]
+    planned_tokens, planned_cost = planned(tokens_by_k, cost_of, cut)
     for k in range(DEPTH + 1):
         tokens, seconds = true_value(reach, accept, cost_of, k)
-        assert planned_tokens(tokens_by_k, cut, k) == pytest.approx(bs * tokens, rel=0.05)
-        assert planned_cost(cost_of, cut, k) == pytest.approx(seconds, rel=0.03)
+        assert planned_tokens[k] == pytest.approx(bs * tokens, rel=0.05)
+        assert planned_cost[k] == pytest.approx(seconds, rel=0.03)
 
 
 def test_a_depth_no_chain_drafted_is_priced_as_accepted_as_the_deepest_drafted() -> None:
