@@ -5,20 +5,22 @@
         [--new-tokens 48] [--overlap] [--threads N] [--whole-chains] [--pricing-twins]
 
 For every prompt set and batch size, one row per setting: target-only, fixed 1- and 3-chains
-(the shipped EAGLE3 head, or `--draft`), and adaptive (chain lengths 0..3 chosen per
-iteration). Settings run interleaved (adaptive beside target-only, the order reversed every
-other round; a batch smaller than 8 runs in waves of distinct prompts, 8 requests in all, the
-settings taking turns wave by wave), on the packed-int4 SmolLM2 as `make serve` runs it (greedy,
-EOS ignored; the prefix cache off, so that every round prefills its prompts whole, the head's
-share of a prefill included). Reports tok/s (median over rounds), the ratio to target-only
-(median and range of each round's ratio to the target-only run beside it), tau, acceptance by
-depth, the chain lengths adaptive chose (and, for the chains, the lengths they drafted: a
-chain stops short where the head is unsure of its drafts, --speculative-min-path-prob; with
-`--whole-chains`, chain 3 and adaptive also run drafting every step, each beside its twin;
-with `--pricing-twins`, adaptive also runs as it priced before two changes, one at a time: its
-cut chains priced as whole ones (before spec/chain_cut.py), and its drafting iterations
-priced on a scale of their own, not over the decode's (`CostTable.drafting_follows_decode`)),
-and whether every setting's tokens equal target-only's. Writes bench/results/adaptive.json.
+(the shipped EAGLE3 head, or `--draft`), and adaptive (chain lengths 0..3 chosen per iteration).
+Settings run interleaved (adaptive beside target-only, the order rotated one place from one
+round to the next: with as many rounds as settings, each takes every place once; a batch smaller
+than 8 runs in waves of distinct prompts, 8 requests in all, the settings taking turns wave by
+wave, the order reversed from one wave to the next), on the packed-int4 SmolLM2 as `make serve`
+runs it (greedy, EOS ignored; the prefix cache off, so that every round prefills its prompts
+whole, the head's share of a prefill included). Reports tok/s (median over rounds), the ratio to
+target-only (median and range of each round's ratio to the target-only run beside it), tau,
+acceptance by depth, the chain lengths adaptive chose (and, for the chains, the lengths they
+drafted: a chain stops short where the head is unsure of its drafts,
+--speculative-min-path-prob; with `--whole-chains`, chain 3 and adaptive also run drafting every
+step, each beside its twin; with `--pricing-twins`, adaptive also runs as it priced before two
+changes, one at a time: its cut chains priced as whole ones (before spec/chain_cut.py), and its
+drafting iterations priced on a scale of their own, not over the decode's
+(`CostTable.drafting_follows_decode`)), and whether every setting's tokens equal target-only's.
+Writes bench/results/adaptive.json.
 
 Prompt sets: MT-bench first turns, HumanEval, "copy" (passages the answer must repeat:
 acceptance is high there, so longer chains pay), and "mixed" (the three interleaved in one
@@ -127,6 +129,15 @@ def chat_ids(tokenizer: Any, prompt: str) -> list[int]:
     )
 
 
+def round_order(names: list[str], r: int) -> list[str]:
+    """Round r's order of `names`: rotated r places, so that over len(names) rounds every
+    setting takes every place in a wave once (the place itself moves a setting's speed: the
+    two at a wave's ends run twice in a row where the waves turn), each keeping its neighbours
+    (adaptive beside target-only) but at the wrap."""
+    k = r % len(names)
+    return names[k:] + names[:k]
+
+
 def run_round(
     engines: dict[str, Engine], order: list[str], prompts: list[list[int]], batch: int, new: int
 ) -> dict[str, dict[str, Any]]:
@@ -214,9 +225,7 @@ def main() -> None:
         for bs in batches:
             runs: dict[str, list[dict[str, Any]]] = {name: [] for name in engines}
             for r in range(args.rounds):
-                # target-only next to adaptive in every round, each first on alternate rounds
-                order = [n for n in ORDER if n in engines]
-                order = order if r % 2 == 0 else order[::-1]
+                order = round_order([n for n in ORDER if n in engines], r)
                 for name, result in run_round(engines, order, prompts, bs, args.new_tokens).items():
                     runs[name].append(result)
             base = [r["tok_s"] for r in runs["target-only"]]

@@ -10,13 +10,13 @@ from typing import Any
 
 from eagleserve.spec.adaptive import (
     AdaptiveController,
-    CostTable,
     choose_num_drafts,
     depth_choices,
     record_verify,
     request_acceptance,
     update_acceptance,
 )
+from eagleserve.spec.cost_table import CostTable
 
 DEPTH = 3
 # `gated F/C` policies: the first draft's least probability, the path's to draft on from it.

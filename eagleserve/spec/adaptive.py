@@ -20,9 +20,9 @@ a tree is drafted whole (k = num_steps) or not at all (k = 0, a plain decode).
 - Expected committed tokens of one request with a k-chain (the bonus token always counts):
   E[k] = 1 + sum_{j=1..k} prod_{d<j} alphas[d]  (`expected_tokens`, every k at once); for a
   tree the same sum over its per-depth acceptance (the accepted path is a chain through the tree).
-- Cost: `CostTable` holds the seconds of one decode iteration per batch-size bucket and k,
-  measured at start-up and scaled per bucket by EMAs of measured iterations, one for plain
-  decodes and one for drafting iterations (see `CostTable`).
+- Cost: `CostTable` (spec/cost_table.py) holds the seconds of one decode iteration per
+  batch-size bucket and k, measured at start-up and scaled per bucket by EMAs of measured
+  iterations, one for plain decodes and one for drafting iterations.
 - `choose_num_drafts`: argmax_k sum_r E_r[k] / cost(bs, k); k = 0 is a plain target decode,
   and a draft must beat it by DRAFT_MARGIN: acceptance is an estimate (the head's held-out
   accuracy runs above what it achieves on live text, and deep depths are rarely judged), so
@@ -44,8 +44,8 @@ start) or the machine has sped up since, a plain decode keeps looking dearer tha
 drafting that does not pay goes on for good. So a controller that drafts by choice, and whose
 iterations are timed (a CPU's), decodes plainly once every stretch (a plain probe; at most the
 resume of one held input, and one iteration's share of what drafting gains), and a cost scale
-not measured for STALE_AFTER iterations, or not yet measured at all, takes its next
-measurement at STALE_WEIGHT instead of COST_EMA.
+not measured for a while, or not yet measured at all, takes its next measurement at more
+weight (spec/cost_table.py, STALE_AFTER).
 
 Only steady iterations are measured: the first WARM_DECODES decode iterations after a prefill
 are not. After a prefill, or the idle time before a new request's, the decodes slow down by
@@ -59,12 +59,12 @@ from warm prices holds then too.
 
 from __future__ import annotations
 
-import bisect
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from eagleserve.spec.chain_cut import ChainCut, planned
+from eagleserve.spec.cost_table import CostTable
 
 # Weight of the newest verify in the engine-wide acceptance EMA (see module), and how many
 # verifies its start, the head's held-out accuracy, is worth.
@@ -79,14 +79,6 @@ ACCEPT_PRIOR = 0.5
 # Iterations a resumed drafting run is expected to last (a request's acceptance moves slowly):
 # deciding to resume, the controller spreads the resume's cost over them.
 RESUME_HORIZON = 4
-# Weight of the newest measured iteration in a cost EMA; where the scale it refines was last
-# measured STALE_AFTER or more iterations earlier, STALE_WEIGHT (see module).
-COST_EMA = 0.1
-STALE_AFTER = 16
-STALE_WEIGHT = 0.5
-# A bucket's first decode measurements, which correct the start-up table's decode figure: while
-# they do, drafting's price does not follow the decode's (see CostTable).
-SETTLE_DECODES = 20
 # Decode iterations after a prefill whose times are not measured (see module).
 WARM_DECODES = 12
 # How much more expected tokens per second a draft must promise than a plain decode.
@@ -152,112 +144,6 @@ def request_acceptance(
         trials[d] *= EVIDENCE_DECAY
         out.append((PRIOR_TRIALS * rate + hits[d]) / (PRIOR_TRIALS + trials[d]))
     return out
-
-
-@dataclass
-class CostTable:
-    """Seconds per decode iteration, by batch-size bucket and chain length k: the start-up
-    measurement times a per-bucket scale, an EMA of measured iterations over their start-up
-    figure. Two scales per bucket, one for plain decodes (k = 0) and one for drafting
-    iterations (every k > 0): the start-up parts miss work only a drafting iteration does (the
-    acceptance walk, more tokens to commit), and a stored table measured in another process
-    can have another ratio of verify to decode; with one scale shared by every k, the k the
-    controller runs would set what the others seem to cost. Within drafting, one scale for
-    every k: the controller runs some k rarely, and an EMA per (bucket, k) would move the k it
-    runs (to what an iteration costs with sampling and bookkeeping) and leave the others at
-    their start-up figures, which miss those, so the comparison would drift towards the k it
-    does not run. Until a bucket has drafted, its drafting iterations take the decode scale.
-
-    The drafting scale is a ratio over the decode scale: the host's speed moves both alike
-    (other tenants, clocks: tens of percent from one minute to the next on a shared CPU), and
-    while the controller does not draft, only plain decodes are measured, so a drafting scale
-    of its own would keep the price of the minute it was last measured in while the decode's
-    follows the host, and drafting that pays again would not be chosen again. Except while a
-    bucket's first SETTLE_DECODES decode measurements correct the start-up table's decode
-    figure (its own error, not the host's speed): a controller that drafted meanwhile keeps
-    drafting's price as measured."""
-
-    buckets: tuple[int, ...]  # increasing batch sizes; a batch uses the smallest bucket >= bs
-    seconds: dict[tuple[int, int], float] = field(default_factory=dict)
-    # (bucket, False) -> a decode's measured over start-up seconds; (bucket, True) -> a drafting
-    # iteration's, over the decode scale at the time (see class).
-    scale: dict[tuple[int, bool], float] = field(default_factory=dict)
-    # Per bucket: what the first drafting iteration after a stretch without costs beyond a
-    # steady one of its depth: the head extend that catches up held inputs, and the head's
-    # weights and KV coming back into caches that plain decodes filled.
-    catch_up: dict[int, float] = field(default_factory=dict)
-    # Iterations observed so far, and the one at which each scale was last refined.
-    clock: int = 0
-    scale_at: dict[tuple[int, bool], int] = field(default_factory=dict)
-    # False: the drafting scale is its own, not over the decode's (as before; bench/adaptive.py
-    # runs such a twin beside the default).
-    drafting_follows_decode: bool = True
-    decodes_seen: dict[int, int] = field(default_factory=dict)  # per bucket
-
-    def bucket(self, bs: int) -> int:
-        i = bisect.bisect_left(self.buckets, bs)
-        return self.buckets[min(i, len(self.buckets) - 1)]
-
-    def cost(self, bs: int, k: int, catching_up: bool = False) -> float:
-        """One steady iteration of depth k; with `catching_up`, the first after a stretch
-        without drafts, which pays the resume (`catch_up`) too."""
-        b = self.bucket(bs)
-        decode = self.scale.get((b, False), 1.0)
-        if not k:
-            return self.seconds[(b, 0)] * decode
-        if self.drafting_follows_decode:
-            scale = decode * self.scale.get((b, True), 1.0)
-        else:
-            scale = self.scale.get((b, True), decode)
-        return self.seconds[(b, k)] * scale + (self.resume(bs) if catching_up else 0.0)
-
-    def resume(self, bs: int) -> float:
-        """What the first drafting iteration after a stretch without costs over a steady one."""
-        return self.catch_up.get(self.bucket(bs), 0.0)
-
-    def observe(self, bs: int, k: int, seconds: float, resumed: bool = False) -> None:
-        """Folds one measured iteration into its bucket's scale for k. One that `resumed`
-        drafting (it caught up held inputs first, in `seconds`) is not a steady one: what it
-        took beyond a steady iteration of depth k is the resume's cost instead, or the
-        drafting scale, learnt from probes alone while the controller does not draft, would
-        price every drafting iteration as a resume; where it took less than a steady one is
-        priced, it is a steady one's upper bound, and refines the drafting scale."""
-        b = self.bucket(bs)
-        self.clock += 1
-        if resumed and k:
-            over = seconds - self.cost(bs, k)
-            _ema(self.catch_up, b, max(0.0, over))
-            if over >= 0:
-                return
-            # Cheaper than a steady iteration is priced: the price is too high (a start-up
-            # table timed while the host ran slow), and while it keeps the controller from
-            # drafting, only probes, which resume, run to show it. A resume costs at least a
-            # steady iteration, so it refines the drafting scale as one would, from above.
-        key = (b, k > 0)
-        # A scale not measured yet starts from its prior (the start-up table as measured, or
-        # for drafting the decode scale) and takes its first measurement as a stale one: one
-        # slow early iteration (a cold cache, a collection) must not set it outright.
-        decode = self.scale.get((b, False), 1.0)
-        relative = k > 0 and self.drafting_follows_decode
-        prior = decode if k and not relative else 1.0
-        old = self.scale.get(key, prior)
-        last = self.scale_at.get(key)
-        stale = last is None or self.clock - last >= STALE_AFTER
-        ratio = seconds / self.seconds[(b, k)] / (decode if relative else 1.0)
-        self.scale[key] = old + (STALE_WEIGHT if stale else COST_EMA) * (ratio - old)
-        self.scale_at[key] = self.clock
-        settling = self.decodes_seen.get(b, 0) < SETTLE_DECODES
-        if not k and settling and (b, True) in self.scale and self.drafting_follows_decode:
-            # The decode scale is still correcting the start-up table's own error, not following
-            # the host: drafting's price, measured meanwhile, stays where it was measured.
-            self.scale[(b, True)] *= decode / self.scale[key]
-        if not k:
-            self.decodes_seen[b] = self.decodes_seen.get(b, 0) + 1
-
-
-def _ema(table: dict, key: object, value: float) -> None:
-    old = table.get(key)
-    table[key] = value if old is None else old + COST_EMA * (value - old)
 
 
 def choose_num_drafts(

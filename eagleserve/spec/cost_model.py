@@ -29,7 +29,7 @@ import torch
 from eagleserve.device import synchronize
 from eagleserve.layers.forward_batch import ForwardBatch, HostLens, forward_context
 from eagleserve.model_executor.model_runner import ModelRunner
-from eagleserve.spec.adaptive import CostTable
+from eagleserve.spec.cost_table import CostTable
 from eagleserve.spec.draft_worker import EagleDraftWorker
 
 CONTEXT = 128

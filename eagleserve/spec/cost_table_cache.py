@@ -43,7 +43,7 @@ from eagleserve.models.loader import (
     source_digest,
 )
 from eagleserve.spec import cost_model
-from eagleserve.spec.adaptive import CostTable
+from eagleserve.spec.cost_table import CostTable
 from eagleserve.spec.draft_worker import EagleDraftWorker
 
 logger = logging.getLogger(__name__)

@@ -13,12 +13,12 @@ from eagleserve.spec import chain_cut
 from eagleserve.spec.adaptive import (
     DRAFT_MARGIN,
     AdaptiveController,
-    CostTable,
     batch_tokens,
     choose_num_drafts,
     depth_choices,
 )
 from eagleserve.spec.chain_cut import ChainCut, planned
+from eagleserve.spec.cost_table import CostTable
 
 DEPTH = 3
 CHAIN = depth_choices(DEPTH, is_chain=True)

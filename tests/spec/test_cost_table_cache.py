@@ -21,7 +21,7 @@ from conftest import SPEC_VOCAB, save_spec_target
 from eagleserve import Engine, SamplingParams
 from eagleserve.config import ModelConfig
 from eagleserve.model_executor.model_runner import ModelRunner
-from eagleserve.spec.adaptive import CostTable
+from eagleserve.spec.cost_table import CostTable
 from eagleserve.spec.cost_table_cache import load_table, save_table, table_path
 from eagleserve.spec.head_loader import init_eagle_head, save_eagle_head
 
