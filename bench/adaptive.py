@@ -47,7 +47,7 @@ use_overlap_spin()
 
 import torch  # noqa: E402
 
-from bench.common import machine, median, print_table, write_json  # noqa: E402
+from bench.common import machine, median, print_table, rotated, write_json  # noqa: E402
 from bench.data import human_eval, mt_bench  # noqa: E402
 from eagleserve import Engine, SamplingParams  # noqa: E402
 
@@ -127,15 +127,6 @@ def chat_ids(tokenizer: Any, prompt: str) -> list[int]:
         add_generation_prompt=True,
         return_dict=False,
     )
-
-
-def round_order(names: list[str], r: int) -> list[str]:
-    """Round r's order of `names`: rotated r places, so that over len(names) rounds every
-    setting takes every place in a wave once (the place itself moves a setting's speed: the
-    two at a wave's ends run twice in a row where the waves turn), each keeping its neighbours
-    (adaptive beside target-only) but at the wrap."""
-    k = r % len(names)
-    return names[k:] + names[:k]
 
 
 def run_round(
@@ -225,7 +216,7 @@ def main() -> None:
         for bs in batches:
             runs: dict[str, list[dict[str, Any]]] = {name: [] for name in engines}
             for r in range(args.rounds):
-                order = round_order([n for n in ORDER if n in engines], r)
+                order = rotated([n for n in ORDER if n in engines], r)
                 for name, result in run_round(engines, order, prompts, bs, args.new_tokens).items():
                     runs[name].append(result)
             base = [r["tok_s"] for r in runs["target-only"]]

@@ -86,6 +86,15 @@ def interleaved_rounds(
     return runs
 
 
+def rotated(names: Sequence[str], r: int) -> list[str]:
+    """Round r's order of `names`: rotated r places, so that over len(names) rounds every
+    setting runs in every place once (a setting's place in a round moves its speed: after
+    which other setting it runs, and where rounds or waves turn, twice in a row), each keeping
+    its neighbours but at the wrap."""
+    k = r % len(names)
+    return list(names[k:]) + list(names[:k])
+
+
 def against_baseline(
     runs: Sequence[dict[str, Any]], base: Sequence[dict[str, Any]]
 ) -> dict[str, Any]:

@@ -5,7 +5,8 @@
 
 Same GGUF, same prompt token ids (chat template applied once, by eagleserve's tokenizer), same
 budget (greedy, EOS ignored), 2 threads each, default scheduling (no overlap on CPU). Every
-setting runs once per round, rounds interleaved so that load from other jobs hits all alike;
+setting runs once per round, rounds interleaved so that load from other jobs hits all alike,
+the order rotated one place from round to round (llama.cpp runs in every place in turn);
 tok/s is the median over rounds (all prompts of a round, prefill included). Prints tok/s,
 ratios, EAGLE's tau and whether EAGLE's tokens equal eagleserve's own target-only greedy tokens
 on the same weights; then the cost of one target forward over 1 (a decode), 2, 3 and 4 new
@@ -32,7 +33,7 @@ from transformers import AutoTokenizer
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from bench.common import machine  # noqa: E402
+from bench.common import machine, rotated  # noqa: E402
 from bench.data import mt_bench  # noqa: E402
 from bench.forwards import scratch_batch, scratch_request  # noqa: E402
 from bench.llamacpp_run import run_llamacpp  # noqa: E402
@@ -236,13 +237,14 @@ def main() -> None:
     engines = {name: make_engine(name, prompt_ids, args, **kw) for name, kw in settings.items()}
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in [*engines, "llama.cpp"]}
     for i in range(args.rounds):
-        for name, engine in engines.items():
-            runs[name].append(run_setting(name, engine, prompt_ids, args))
-            print(f"round {i + 1}: {name:<22} {runs[name][-1]['tok_s']:6.1f} tok/s", flush=True)
-        llama_run = run_llamacpp(prompt_ids, args, gguf)
-        if llama_run is not None:
-            runs["llama.cpp"].append(llama_run)
-            print(f"round {i + 1}: {llama_run['setting']:<22} {llama_run['tok_s']:6.1f} tok/s")
+        for name in rotated(list(runs), i):  # llama.cpp takes every place over the rounds
+            if name == "llama.cpp":
+                run = run_llamacpp(prompt_ids, args, gguf)
+            else:
+                run = run_setting(name, engines[name], prompt_ids, args)
+            if run is not None:
+                runs[name].append(run)
+                print(f"round {i + 1}: {run['setting']:<22} {run['tok_s']:6.1f} tok/s", flush=True)
     costs = verify_costs(engines["eagleserve int4"], args.cost_context, 9 * args.rounds)
     result["target_forward_ms"] = {"context": args.cost_context, **costs}
     print(f"target forward at {args.cost_context} tokens of context (median ms): "
