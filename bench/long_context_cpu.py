@@ -11,13 +11,12 @@ through its scheduler's steps with the prefix cache off: time to first token cov
 (chunked) prefill, the decode time per token everything after it, host work included.
 llama.cpp (llama-cpp-python, from the venv of `make bench-llamacpp` where it does not import
 here) reports its own timers: prompt eval and eval per token, without the Python around them.
-Median of `--rounds`. Then, per context, eagleserve's target forward alone
-(bench/cpu_vs_llamacpp.py's `verify_costs`): a decode and verifies of 2-4 tokens, what a
-speculative iteration's verify costs against a decode. And what the cache's type costs in
-quality: each setting's perplexity of the text's `context` tokens (its prompt log-probabilities)
-beside the de-quantized fp32 model's (`--quantization none`, an fp32 cache), and the mean
-|difference| of their per-token log-probabilities.
-"""
+Median of `--rounds`, the order rotated one place per round (`common.rotated`). Then, per
+context, eagleserve's target forward alone (bench/cpu_vs_llamacpp.py's `verify_costs`): a decode
+and verifies of 2-4 tokens, what a speculative iteration's verify costs against a decode. And
+what the cache's type costs in quality: each setting's perplexity of the text's `context` tokens
+(its prompt log-probabilities) beside the de-quantized fp32 model's (`--quantization none`, an
+fp32 cache), and the mean |difference| of their per-token log-probabilities. """
 
 from __future__ import annotations
 
@@ -34,7 +33,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import machine, machine_info, print_table, write_json  # noqa: E402
+from bench.common import machine, machine_info, print_table, rotated, write_json  # noqa: E402
 from bench.cpu_vs_llamacpp import verify_costs  # noqa: E402
 from bench.data import mt_bench_turns  # noqa: E402
 from bench.llamacpp_run import build_flags  # noqa: E402
@@ -154,13 +153,15 @@ def main() -> None:
     runs: dict[str, list[list[dict[str, float]]]] = {name: [] for name in engines}
     llama: list[dict[str, Any]] = []
     for r in range(args.rounds):
-        for name, engine in engines.items():
-            runs[name].append([eagleserve_run(engine, p, args.new_tokens) for p in prompts])
+        for name in rotated([*engines, "llama.cpp"], r):  # llama.cpp in every place in turn
+            if name != "llama.cpp":
+                runs[name].append([eagleserve_run(engines[name], p, args.new_tokens)
+                                   for p in prompts])  # fmt: skip
+            elif (out := llamacpp_run(prompts, args)) is not None:
+                llama.append(out)
+            else:
+                continue
             print(f"round {r + 1}: {name} done", flush=True)
-        out = llamacpp_run(prompts, args)
-        if out is not None:
-            llama.append(out)
-            print(f"round {r + 1}: llama.cpp done", flush=True)
     if llama:
         runs[f"llama.cpp {llama[0]['version']}"] = [o["rows"] for o in llama]
 
