@@ -16,7 +16,7 @@ context, eagleserve's target forward alone (bench/cpu_vs_llamacpp.py's `verify_c
 and verifies of 2-4 tokens, what a speculative iteration's verify costs against a decode. And
 what the cache's type costs in quality: each setting's perplexity of the text's `context` tokens
 (its prompt log-probabilities) beside the de-quantized fp32 model's (`--quantization none`, an
-fp32 cache), and the mean |difference| of their per-token log-probabilities. """
+fp32 cache), and the mean |difference| of their per-token log-probabilities."""
 
 from __future__ import annotations
 
