@@ -12,7 +12,7 @@ than 8 runs in waves of distinct prompts, 8 requests in all, the settings taking
 wave, the order reversed from one wave to the next), on the packed-int4 SmolLM2 as `make serve`
 runs it (greedy, EOS ignored; the prefix cache off, so that every round prefills its prompts
 whole, the head's share of a prefill included). Reports tok/s (median over rounds), the ratio to
-target-only (median and range of each round's ratio to the target-only run beside it), tau,
+target-only (median and range of each round's ratio to the same round's target-only run), tau,
 acceptance by depth, the chain lengths adaptive chose (and, for the chains, the lengths they
 drafted: a chain stops short where the head is unsure of its drafts,
 --speculative-min-path-prob; with `--whole-chains`, chain 3 and adaptive also run drafting every
@@ -93,8 +93,8 @@ def price_as_before(name: str, engine: Engine) -> None:
 PRICED_WHOLE = "adaptive 0..3, cut chains priced whole"
 OWN_SCALE = "adaptive 0..3, drafting on its own scale"
 PRICING_TWINS = (PRICED_WHOLE, OWN_SCALE)
-# Run order within a round (reversed every other round): adaptive beside target-only, and
-# each setting beside its whole-chain twin where there is one.
+# Run order within a round (rotated from round to round, `rotated`): adaptive beside target-only,
+# and each setting beside its whole-chain twin where there is one.
 ORDER = ["target-only", "adaptive 0..3", "adaptive 0..3, whole chains", PRICED_WHOLE, OWN_SCALE,
          "chain 1", "chain 3", "chain 3, whole chain"]  # fmt: skip
 WHOLE = {"chain 3": "chain 3, whole chain", "adaptive 0..3": "adaptive 0..3, whole chains"}
@@ -223,8 +223,8 @@ def main() -> None:
             ref = runs["target-only"][0]["tokens"]
             for name, rs in runs.items():
                 tok_s = median([r["tok_s"] for r in rs])
-                # Each round's ratio to the target-only run next to it (the machine's speed
-                # drifts between rounds, less between neighbours): median and range.
+                # Each round's ratio to the same round's target-only run (the machine's speed
+                # drifts between rounds, less within one): median and range.
                 ratios = sorted(r["tok_s"] / b for r, b in zip(rs, base, strict=True))
                 last = rs[-1]
                 row = {
