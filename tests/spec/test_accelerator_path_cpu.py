@@ -56,10 +56,13 @@ def graphs(monkeypatch: pytest.MonkeyPatch) -> Iterator[ReplayCount]:
 
 
 def accelerator_engine(target_dir: str, overlap: bool, **spec: object) -> Engine:
-    """An engine on the accelerator path (with the stand-in graphs open)."""
+    """An engine on the accelerator path (with the stand-in graphs open). Rows of 48 tokens
+    unless `spec` says otherwise: every prompt here and its answer fit, and a start-up captures
+    the prefill graphs of buckets 16 and 32 only (each bucket's capture is a forward under the
+    interpreter)."""
     eng = Engine(model=target_dir, device="cpu", max_total_tokens=192, max_running_requests=3,
                  attention_backend="triton", disable_overlap_schedule=not overlap,
-                 disable_radix_cache=True, **spec)  # fmt: skip
+                 disable_radix_cache=True, **{"context_length": 48, **spec})  # fmt: skip
     worker = eng.scheduler.worker
     if hasattr(worker, "paths"):
         worker.paths.fixed_shape = True  # as on an accelerator: every path row runs
@@ -84,7 +87,8 @@ def test_speculative_output_is_the_targets_on_the_graph_path(
     monkeypatch.setattr(cost_model, "REPEATS", 1)
     prompts = random_prompts(3)
     params = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
-    want = accelerator_engine(target_dir, False).generate(prompts, params)
+    # Target-only's tokens, eagerly: the spec engine's graphs against the eager path.
+    want = accelerator_engine(target_dir, False, disable_cuda_graph=True).generate(prompts, params)
     eng = accelerator_engine(target_dir, overlap, speculative_algorithm=head.split("-")[0],
                              speculative_draft_model_path=heads[head], **spec)  # fmt: skip
     got = eng.generate(prompts, params)
@@ -107,7 +111,7 @@ def test_seed_extend_replays_its_graph_and_output_stays_the_targets(
 ) -> None:
     prompts = random_prompts(3)
     params = SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True)
-    want = accelerator_engine(target_dir, False).generate(prompts, params)
+    want = accelerator_engine(target_dir, False, disable_cuda_graph=True).generate(prompts, params)
     eng = accelerator_engine(target_dir, False, speculative_algorithm="EAGLE",
                              speculative_draft_model_path=heads["EAGLE"], **CHAIN3)  # fmt: skip
     drafter = eng.scheduler.worker.drafter
@@ -367,14 +371,13 @@ def test_eagle3_on_the_fused_kernels_gives_the_targets_tokens(
     monkeypatch.setattr(fused_forward, "gemv_max_rows", lambda *args: 64)
     prompts = random_prompts(3)
     params = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
-    # The interpreter is slow: rows of 48 tokens (prefill graphs of 16 and 32 only), and the
-    # reference eager (the same kernels: a graph replays them).
-    target = accelerator_engine(target_dir, False, context_length=48, disable_cuda_graph=True)
+    # The reference eager: the same kernels (a graph replays them).
+    target = accelerator_engine(target_dir, False, disable_cuda_graph=True)
     assert target.scheduler.worker.runner.model.fused_kernels
     want = target.generate(prompts, params)
     spec = dict(speculative_algorithm="EAGLE3", speculative_draft_model_path=heads["EAGLE3"],
                 **(CHAIN3 if shape == "chain 3" else TREE))  # fmt: skip
-    eng = accelerator_engine(target_dir, True, context_length=48, **spec)
+    eng = accelerator_engine(target_dir, True, **spec)
     drafter = eng.scheduler.worker.drafter
     assert drafter.head.fused_kernels and drafter.loop_graphs and drafter.extend_graphs
     got = eng.generate(prompts, params)

@@ -28,7 +28,7 @@ from lossless_fixtures import (  # noqa: E402
     target_dir,
 )
 
-from eagleserve import Engine  # noqa: E402
+from eagleserve import Engine, SamplingParams  # noqa: E402
 from eagleserve.kernels import cpu_ext, triton_top1  # noqa: E402
 from eagleserve.model_executor import model_runner  # noqa: E402
 from eagleserve.sampling import sampler  # noqa: E402
@@ -46,13 +46,23 @@ def graphs(monkeypatch: pytest.MonkeyPatch) -> Iterator[ReplayCount]:
 
 
 def _engine(target_dir: str, **kw: object) -> Engine:
+    """Rows of 48 tokens: the prompts here and their answers fit, and a start-up captures the
+    prefill graphs of buckets 16 and 32 only (each capture a forward under the interpreter)."""
     eng = Engine(model=target_dir, device="cpu", max_total_tokens=256, max_running_requests=3,
                  attention_backend="triton", disable_overlap_schedule=True,
-                 disable_radix_cache=True, **kw)  # fmt: skip
+                 disable_radix_cache=True, context_length=48, **kw)  # fmt: skip
     worker = eng.scheduler.worker
     if hasattr(worker, "paths"):
         worker.paths.fixed_shape = True  # as on an accelerator: every path row runs
     return eng
+
+
+def _target_tokens(
+    target_dir: str, prompts: list[list[int]], params: list[SamplingParams]
+) -> list[list[int]]:
+    """Target-only's tokens, eagerly: the same kernels a graph replays."""
+    eng = _engine(target_dir, disable_cuda_graph=True)
+    return [o["token_ids"] for o in eng.generate(prompts, params)]
 
 
 # The draw kernels: the C++ sampler's (a CPU's), and the Triton draws an accelerator's graphs
@@ -82,7 +92,9 @@ def test_sampled_drafts_in_graphs_are_the_eager_draws(
     prompts = [[rng.randrange(1, VOCAB - 1) for _ in range(rng.randrange(3, 9))] for _ in range(3)]
     batches = sampled_batches()
     spec = dict(speculative_algorithm=head, speculative_draft_model_path=heads[head], **CHAIN3)
-    target_only, _ = run_drafts_recorded(_engine(target_dir), prompts, batches, monkeypatch)
+    target_only, _ = run_drafts_recorded(
+        _engine(target_dir, disable_cuda_graph=True), prompts, batches, monkeypatch
+    )
     eager, eager_drafts = run_drafts_recorded(
         _engine(target_dir, disable_cuda_graph=True, **spec), prompts, batches, monkeypatch
     )
@@ -112,7 +124,7 @@ def test_drawn_graphs_can_be_left_out(
     _, params = sampled_batches()[0]
     prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
     got = [o["token_ids"] for o in eng.generate(prompts, params)]
-    want = [o["token_ids"] for o in _engine(target_dir).generate(prompts, params)]
+    want = _target_tokens(target_dir, prompts, params)
     assert got == want
     assert graphs.of(drafter.loop_graphs[3, "argmax"]) > 0
 
@@ -142,6 +154,6 @@ def test_a_drawn_graph_that_fails_to_capture_leaves_the_argmax_graphs(
     _, params = sampled_batches()[1]  # filtered: drafts in the argmax graphs now
     prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
     got = [o["token_ids"] for o in eng.generate(prompts, params)]
-    want = [o["token_ids"] for o in _engine(target_dir).generate(prompts, params)]
+    want = _target_tokens(target_dir, prompts, params)
     assert got == want
     assert graphs.of(drafter.loop_graphs[3, "argmax"]) > 0
