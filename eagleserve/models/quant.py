@@ -112,10 +112,12 @@ class Int4Linear(nn.Module):
         return cpu_ext.q4_matmul(x2, *self.blocked, self.out_features)
 
     @torch.no_grad()
-    def dequantize(self) -> torch.Tensor:
-        """[N, K] fp32 weight, read back through the kernel itself (fp32 path, identity input)."""
+    def dequantize(self, cols: torch.Tensor | None = None) -> torch.Tensor:
+        """[N, K] fp32 weight, read back through the kernel itself (fp32 path, identity input);
+        with `cols`, only those input columns ([N, len(cols)]: one kernel row each)."""
         eye = torch.eye(self.in_features, dtype=torch.float32, device=self.qweight.device)
-        return self._mm(self._kernel_input(eye), self.scales_and_zeros).t().contiguous()
+        rows = eye if cols is None else eye[cols]
+        return self._mm(self._kernel_input(rows), self.scales_and_zeros).t().contiguous()
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, compute={self.compute_dtype}"

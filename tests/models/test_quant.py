@@ -153,8 +153,11 @@ def test_smollm2_quantized_close_to_fp32(smollm2_dir: str) -> None:
         f"{mlp}.down_proj": fp[f"{mlp}.down_proj.weight"],
     }
     expect["lm_head"] = runner.model.model.embed_tokens.weight  # the Q8_0 table, de-quantized
+    # Through the kernel, one identity row per input column: 64 random columns of each (the
+    # whole of these matrices takes the CPU's int4pack kernel tens of seconds), every row.
     for name, weight in expect.items():
-        assert torch.equal(mods[name].dequantize(), weight), name
+        cols = torch.randperm(weight.shape[1])[:64]
+        assert torch.equal(mods[name].dequantize(cols), weight[:, cols]), name
     out = _prefill_logits(runner, ids)
     # Inside a forward the packed linears run the AVX2 kernels where they load (activations
     # quantized to int8 per 32-block, as llama.cpp): observed over 4 prompts, max |diff|

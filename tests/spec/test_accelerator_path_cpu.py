@@ -29,6 +29,7 @@ from graph_standin import ReplayCount, graphs_on_cpu, outside_replays  # noqa: E
 from lossless_fixtures import VOCAB, heads, script_choices, target_dir  # noqa: E402
 
 from eagleserve import Engine, SamplingParams  # noqa: E402
+from eagleserve.kernels import gemv_config  # noqa: E402
 from eagleserve.messages import GenerateReqInput  # noqa: E402
 from eagleserve.spec import cost_model  # noqa: E402
 
@@ -350,7 +351,17 @@ def test_a_prefill_replays_its_graph_and_equals_the_eager_prefill(
     assert [o["token_ids"] for o in together] == [o["token_ids"] for o in want[:2]]
 
 
+@pytest.fixture
+def wide_column_blocks() -> Iterator[None]:
+    """Each GEMV launch's columns in one block: the interpreter runs a launch's programs one
+    after another, and a row's bits do not depend on the column blocks (the kernels' own tests,
+    tests/kernels/test_triton_gemv.py, run the blocks apart)."""
+    with gemv_config.overriding(block_n=256):
+        yield
+
+
 @pytest.mark.parametrize("shape", ["chain 3", "tree 3x2/5"])
+@pytest.mark.usefixtures("wide_column_blocks")
 def test_eagle3_on_the_fused_kernels_gives_the_targets_tokens(
     target_dir: str,
     heads: dict[str, str],
