@@ -68,6 +68,47 @@ def _fix_interpreter() -> None:
         return interpreter.TensorHandle((exact + d.data).astype(np.float32), d.dtype.scalar)
 
     builder.create_dot = create_dot
+    _lighten_type_bookkeeping(interpreter)
+
+
+def _lighten_type_bookkeeping(interpreter) -> None:  # noqa: ANN001
+    """Two costs of every interpreted op that change nothing it computes (the language's
+    Python runs once per op and program): `tl.tuple_type` formats its name at construction,
+    for each of the tuples a block's shape makes, where the name is read only when printed; and
+    `_get_np_dtype` builds its table of numpy types at every call. The name is formatted on
+    first use instead, and each scalar type's numpy type is kept. Triton 3.6's definitions
+    (the version the CPU set-up installs); another version keeps its own."""
+    import triton
+
+    if not triton.__version__.startswith("3.6."):
+        return
+    tuple_type = tl.core.tuple_type
+
+    def tuple_init(self, types, fields=None):  # noqa: ANN001, ANN202 (triton's signature)
+        self.types = types
+        self.fields = fields or [""] * len(types)
+
+    def tuple_name(self, attr: str) -> str:  # only for attributes the instance lacks
+        if attr != "name":
+            raise AttributeError(attr)
+        fields, types = self.__dict__.get("fields", ()), self.__dict__.get("types", ())
+        self.name = "[" + ",".join(f"{k}:{v}" for k, v in zip(fields, types)) + "]"
+        return self.name
+
+    tuple_type.__init__ = tuple_init
+    tuple_type.__getattr__ = tuple_name
+    np_dtype = interpreter._get_np_dtype
+    by_scalar: dict[str, np.dtype] = {}
+
+    def get_np_dtype(tt_dtype):  # noqa: ANN001, ANN202
+        # The numpy type depends on the scalar (element) type alone.
+        key = str(tt_dtype.scalar)
+        found = by_scalar.get(key)
+        if found is None:
+            found = by_scalar[key] = np_dtype(tt_dtype)
+        return found
+
+    interpreter._get_np_dtype = get_np_dtype
 
 
 def _patched_once_per_launch(patch_lang, interpreter):  # noqa: ANN001, ANN202
