@@ -153,8 +153,8 @@ def test_smollm2_quantized_close_to_fp32(smollm2_dir: str) -> None:
         f"{mlp}.down_proj": fp[f"{mlp}.down_proj.weight"],
     }
     expect["lm_head"] = runner.model.model.embed_tokens.weight  # the Q8_0 table, de-quantized
-    # Through the kernel, one identity row per input column: 64 random columns of each (the
-    # whole of these matrices takes the CPU's int4pack kernel tens of seconds), every row.
+    # Through the kernel, one identity row per input column: 64 random columns of each, every
+    # output row (the whole lm_head's 576 identity rows were most of this test's time).
     for name, weight in expect.items():
         cols = torch.randperm(weight.shape[1])[:64]
         assert torch.equal(mods[name].dequantize(cols), weight[:, cols]), name

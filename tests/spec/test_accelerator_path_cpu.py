@@ -1,8 +1,9 @@
 """The accelerator path of speculative decoding, run on a CPU before any GPU sees it: Triton
 attention under the interpreter, device graphs through the stand-in of graph_standin.py (decode,
 verify, draft steps, the draft loop, the seed extend), fixed-shape extends after a verify, host
-reads refused inside every graph. Greedy output equals target-only's on the same path, for
-EAGLE-1 and EAGLE-3, chains, a tree and adaptive depth, overlap on and off. The seed extend
+reads refused inside every graph. Greedy output equals target-only's on the same kernels (run
+eagerly, or replaying its own graphs), for EAGLE-1 and EAGLE-3, chains, a tree and adaptive
+depth, overlap on and off. The seed extend
 after a verify replays its own graph (spec/draft_extend.py), and what is left for the host to
 launch per iteration stays small.
 
