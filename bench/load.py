@@ -50,6 +50,10 @@ def chunk_text(kind: str, choice: dict[str, Any]) -> str:
     return choice.get("text") or ""
 
 
+def cached_tokens(usage: dict[str, Any]) -> int | None:
+    return (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+
+
 async def run_job(http: httpx.AsyncClient, job: Job, model: str, timeout: float) -> Outcome:
     path, body = request_body(job, model)
     t0 = time.monotonic()
@@ -80,6 +84,7 @@ def finish_plain(job: Job, resp: httpx.Response) -> Outcome:
     out = Outcome(
         job, "completed", text or "", choice["finish_reason"], usage.get("completion_tokens", 0)
     )
+    out.cached_tokens = cached_tokens(usage)
     if job.echo_logprobs:
         out.token_logprobs = choice["logprobs"]["token_logprobs"]
     return out
@@ -103,6 +108,7 @@ async def read_stream(job: Job, resp: httpx.Response, t0: float) -> Outcome:
             break
         if data.get("usage"):
             out.completion_tokens = data["usage"]["completion_tokens"]
+            out.cached_tokens = cached_tokens(data["usage"])
         for choice in data.get("choices", []):
             text = chunk_text(job.kind, choice)
             out.finish_reason = choice.get("finish_reason") or out.finish_reason

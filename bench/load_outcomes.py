@@ -25,6 +25,7 @@ class Outcome:
     chunk_gaps: list[float] = field(default_factory=list)
     detail: str = ""
     token_logprobs: list[float | None] = field(default_factory=list)  # echo jobs: all entries
+    cached_tokens: int | None = None  # prompt tokens the server's prefix cache served (usage)
 
 
 # ---- offline check -------------------------------------------------------------------------
@@ -93,6 +94,9 @@ def verify_greedy(args: argparse.Namespace, outcomes: list[Outcome]) -> list[dic
                         "want": w["text"],
                         "got_finish": o.finish_reason,
                         "want_finish": w["finish_reason"],
+                        "fields": o.job.fields,
+                        "echo": key[5],
+                        "cached_tokens": o.cached_tokens,
                     }
                 )
     return bad

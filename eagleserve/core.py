@@ -128,9 +128,9 @@ class ScheduleBatch:
     # prefill, 1 for a request whose prompt ends here (its last row's input is held).
     num_drafts: int | None = None
     draft_lags: list[int] | None = None
-    # (ids of `reqs`, SamplingInfo) built by the scheduler before launch, reused while the
-    # batch's membership is unchanged (sampling/sampler.py SamplingInfo.of_batch).
-    sampling_info: tuple[tuple[int, ...], Any] | None = None
+    # (the `reqs` it was built for, SamplingInfo) built by the scheduler before launch, reused
+    # while the batch holds those same Req objects (sampling/sampler.py SamplingInfo.of_batch).
+    sampling_info: tuple[tuple[Req, ...], Any] | None = None
     # The constrained/grammar_batch.py BatchGrammar of this launch (None: no grammar row), built by
     # the scheduler before each launch.
     grammar: Any = None

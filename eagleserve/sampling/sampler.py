@@ -72,13 +72,22 @@ class SamplingInfo:
         cls, batch: ScheduleBatch, vocab_size: int, draw_kernel: DrawKernel | None
     ) -> SamplingInfo:
         """The batch's sampling info, rebuilt only when its requests changed (a membership
-        change: admission, finish, retraction); every forward in between reuses it."""
-        key = tuple(id(r) for r in batch.reqs)
+        change: admission, finish, retraction); every forward in between reuses it.
+
+        The cache holds the Req objects themselves and compares them by identity: an `id()`
+        key matched a request that joined in place of a finished one whenever Python gave the
+        new Req the freed one's address, and the newcomer sampled with the old one's
+        temperature, seed, penalties and bias."""
+        reqs = batch.reqs
         cached = batch.sampling_info
-        if cached is None or cached[0] != key:
+        if (
+            cached is None
+            or len(cached[0]) != len(reqs)
+            or any(a is not b for a, b in zip(cached[0], reqs))
+        ):
             prefilled = batch.batch_size - batch.decode_rows if batch.mode == "extend" else 0
             info = cls.from_reqs(batch.reqs, vocab_size, batch.device, prefilled, draw_kernel)
-            batch.sampling_info = (key, info)
+            batch.sampling_info = (tuple(reqs), info)
         return batch.sampling_info[1]
 
     @classmethod

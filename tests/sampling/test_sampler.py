@@ -101,6 +101,34 @@ def test_sampling_info_is_built_once_per_batch_membership() -> None:
     assert torch.equal(first.rows([0], torch.tensor([0])).top_ps, torch.tensor([0.5]))
 
 
+def test_a_request_joining_after_one_finished_gets_its_own_sampling_info() -> None:
+    """The running batch loses a finished request and gains the next one (a client sends it as
+    soon as its last answer ends): the new row samples with its own parameters, not with those
+    of the request it replaced, even where Python gives the new `Req` the freed one's address."""
+    rng = random.Random()
+    for trial in range(20):
+        temperature = round(rng.uniform(0.3, 1.5), 3)
+        bias = {rng.randrange(40): rng.choice([-50.0, 50.0])}
+        gone = _reqs([SamplingParams(temperature=0.0),
+                      SamplingParams(temperature=temperature, logit_bias=bias)])  # fmt: skip
+        batch = ScheduleBatch(reqs=list(gone), mode="decode", device=torch.device("cpu"))
+        batch.req_pool_indices = torch.tensor([0, 1])
+        batch.seq_lens = batch.input_ids = torch.tensor([4, 4])
+        SamplingInfo.of_batch(batch, 40, None)
+        batch.filter_batch([0])  # the sampled one finished
+        kept = gone[0]
+        del gone
+        joined = Req(f"new{trial}", [1, 2, 3], SamplingParams(temperature=0.0))
+        other = ScheduleBatch(reqs=[joined], mode="decode", device=torch.device("cpu"))
+        other.req_pool_indices, other.seq_lens = torch.tensor([1]), torch.tensor([4])
+        other.input_ids = torch.tensor([5])
+        batch.merge_batch(other)
+        info = SamplingInfo.of_batch(batch, 40, None)
+        assert batch.reqs == [kept, joined]
+        assert info.is_greedy == [True, True] and info.penalties is None, trial
+        assert torch.equal(info.temperatures.flatten(), torch.ones(2))
+
+
 def test_draw_follows_each_rows_distribution() -> None:
     """Over many positions of one seed, each row's tokens follow its (unnormalized) probs: a
     chi-square far inside its bound; tokens of zero mass are never drawn."""
