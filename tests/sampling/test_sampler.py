@@ -117,14 +117,15 @@ def test_a_request_joining_after_one_finished_gets_its_own_sampling_info() -> No
         SamplingInfo.of_batch(batch, 40, None)
         batch.filter_batch([0])  # the sampled one finished
         kept = gone[0]
-        del gone
-        joined = Req(f"new{trial}", [1, 2, 3], SamplingParams(temperature=0.0))
+        rid, prompt, params = f"new{trial}", [1, 2, 3], SamplingParams(temperature=0.0)
+        del gone  # the finished Req is freed; the next object made may take its address
+        joined = Req(rid, prompt, params)
         other = ScheduleBatch(reqs=[joined], mode="decode", device=torch.device("cpu"))
         other.req_pool_indices, other.seq_lens = torch.tensor([1]), torch.tensor([4])
         other.input_ids = torch.tensor([5])
         batch.merge_batch(other)
         info = SamplingInfo.of_batch(batch, 40, None)
-        assert batch.reqs == [kept, joined]
+        assert batch.reqs[0] is kept and batch.reqs[1] is joined
         assert info.is_greedy == [True, True] and info.penalties is None, trial
         assert torch.equal(info.temperatures.flatten(), torch.ones(2))
 
