@@ -14,6 +14,7 @@ rows included; logprobs stay those of the raw model, as vLLM's.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from operator import is_not
 from typing import Literal
 
 import torch
@@ -71,20 +72,12 @@ class SamplingInfo:
     def of_batch(
         cls, batch: ScheduleBatch, vocab_size: int, draw_kernel: DrawKernel | None
     ) -> SamplingInfo:
-        """The batch's sampling info, rebuilt only when its requests changed (a membership
-        change: admission, finish, retraction); every forward in between reuses it.
-
-        The cache holds the Req objects themselves and compares them by identity: an `id()`
-        key matched a request that joined in place of a finished one whenever Python gave the
-        new Req the freed one's address, and the newcomer sampled with the old one's
-        temperature, seed, penalties and bias."""
-        reqs = batch.reqs
-        cached = batch.sampling_info
-        if (
-            cached is None
-            or len(cached[0]) != len(reqs)
-            or any(a is not b for a, b in zip(cached[0], reqs))
-        ):
+        """The batch's sampling info, rebuilt only when its requests changed (admission, finish,
+        retraction). The cache holds the Req objects and compares them by identity: with an
+        id() key, a request that joined in place of a finished one at the freed Req's address
+        sampled with the old one's temperature, seed, penalties and bias."""
+        reqs, cached = batch.reqs, batch.sampling_info
+        if cached is None or len(cached[0]) != len(reqs) or any(map(is_not, cached[0], reqs)):
             prefilled = batch.batch_size - batch.decode_rows if batch.mode == "extend" else 0
             info = cls.from_reqs(batch.reqs, vocab_size, batch.device, prefilled, draw_kernel)
             batch.sampling_info = (tuple(reqs), info)
