@@ -1,4 +1,4 @@
-"""Load test: N concurrent clients drive a real server; every greedy answer is checked offline.
+"""Load test: N concurrent clients drive a real server; greedy and seeded answers checked offline.
 
     python bench/load.py [--clients 64] [--duration 60] [--spec] [--multi-turn] [--url URL]
 
@@ -7,11 +7,11 @@ for `--duration` seconds: completions and chat, streamed and not, greedy and sam
 long prompts, some with penalties, min_tokens and logit_bias, some completions with echo +
 logprobs (max_tokens 0 among them: prompt scoring); some clients hang up mid-stream, some send
 requests that can never fit (400), and long `ignore_eos` requests together overflow the KV pool
-(waiting / retraction). After the load, every completed greedy response is recomputed with the
-offline `Engine` (same model, flags and fields) and must match exactly (text, finish reason,
-and the prompt logprobs of echo requests), and the server's KV pool must be empty. Writes
-bench/results/load*.json and exits non-zero on any lost request, inexact greedy text or KV
-left in use.
+(waiting / retraction). After the load, every completed greedy or seeded response is recomputed
+with the offline `Engine` (same model, flags and fields) and must match exactly (text, finish
+reason, and the prompt logprobs of echo requests), and the server's KV pool must be empty.
+Writes bench/results/load*.json and exits non-zero on any lost request, inexact text or KV left
+in use.
 
 --multi-turn: every client holds chat conversations (one of two system prompts, up to
 --turns turns, each request sending the whole conversation so far), as chat clients do; the
@@ -38,7 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import machine_info  # noqa: E402
 from bench.load_mix import Job, make_job, messages_of, next_turn, request_body  # noqa: E402
-from bench.load_outcomes import Outcome, summarize, verify_greedy  # noqa: E402
+from bench.load_outcomes import Outcome, summarize, verify_exact  # noqa: E402
 from bench.server_proc import HOST, Server, server_flags, wait_idle  # noqa: E402
 
 DEFAULT_DRAFT = "builtin:smollm2-135m-eagle"
@@ -210,7 +210,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="completions with echo + logprobs (max_tokens 0 among them)")  # fmt: skip
     p.add_argument("--request-timeout", type=float, default=300.0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--no-verify", action="store_true", help="skip the offline greedy check")
+    p.add_argument("--no-verify", action="store_true", help="skip the offline exactness check")
     p.add_argument("--out", help="JSON path (default: bench/results/load[_spec].json)")
     return p.parse_args(argv)
 
@@ -241,8 +241,10 @@ def main(argv: list[str] | None = None) -> int:
         max_context_len=ctx,
         elapsed_s=round(elapsed, 2),
     )
-    mismatches = [] if args.no_verify else verify_greedy(args, outcomes)
-    summary["greedy_exact"] = summary["completed_greedy"] - len(mismatches)
+    mismatches = [] if args.no_verify else verify_exact(args, outcomes)
+    inexact_greedy = sum(m["greedy"] for m in mismatches)
+    summary["greedy_exact"] = summary["completed_greedy"] - inexact_greedy
+    summary["seeded_exact"] = summary["completed_seeded"] - (len(mismatches) - inexact_greedy)
     summary["mismatches"] = mismatches[:10]
     ok = summary["lost"] == 0 and summary["errors"] == 0 and not mismatches and kv_used == 0
     summary["ok"] = ok
@@ -265,6 +267,8 @@ def main(argv: list[str] | None = None) -> int:
         "completed",
         "greedy_exact",
         "completed_greedy",
+        "seeded_exact",
+        "completed_seeded",
         "completed_with_penalties",
         "completed_echo_logprobs",
         "aborted_by_client",

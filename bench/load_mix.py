@@ -107,9 +107,7 @@ def penalty_fields(rng: random.Random, max_tokens: int) -> dict[str, Any]:
 
 def request_body(job: Job, model: str) -> tuple[str, dict[str, Any]]:
     body: dict[str, Any] = {"model": model, "max_tokens": job.max_tokens, "stream": job.stream}
-    body["temperature"] = 0.0 if job.greedy else 0.8
-    if not job.greedy:
-        body.update(top_p=0.95, seed=job.seed)
+    body.update(sampling_fields(job))
     if job.ignore_eos:
         body["ignore_eos"] = True
     if job.stream:
@@ -122,6 +120,13 @@ def request_body(job: Job, model: str) -> tuple[str, dict[str, Any]]:
         return "/v1/chat/completions", body
     body["prompt"] = job.prompt
     return "/v1/completions", body
+
+
+def sampling_fields(job: Job) -> dict[str, Any]:
+    """The request's temperature, and its top_p and seed (maybe None) when it samples."""
+    if job.greedy:
+        return {"temperature": 0.0}
+    return {"temperature": 0.8, "top_p": 0.95, "seed": job.seed}
 
 
 def messages_of(job: Job) -> list[dict[str, str]]:

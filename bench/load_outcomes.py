@@ -1,5 +1,6 @@
 """What the requests of a bench/load.py run came to: one `Outcome` per request, the offline check
-of every completed greedy answer (`verify_greedy`) and the summary of the run (`summarize`)."""
+of every completed greedy or seeded answer (`verify_exact`) and the summary of the run
+(`summarize`)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from bench.load_mix import Job, messages_of
+from bench.load_mix import Job, messages_of, sampling_fields
 
 
 @dataclass
@@ -31,11 +32,17 @@ class Outcome:
 # ---- offline check -------------------------------------------------------------------------
 
 
-def verify_greedy(args: argparse.Namespace, outcomes: list[Outcome]) -> list[dict[str, Any]]:
-    """Recomputes every completed greedy response offline; returns the mismatches."""
+def exact(job: Job) -> bool:
+    """Whether the answer is fixed by the request: greedy, or sampled with a seed (its draws
+    are keyed by the seed and the position, whatever else the batch holds)."""
+    return job.greedy or job.seed is not None
+
+
+def verify_exact(args: argparse.Namespace, outcomes: list[Outcome]) -> list[dict[str, Any]]:
+    """Recomputes every completed greedy or seeded response offline; returns the mismatches."""
     from eagleserve import Engine, SamplingParams
 
-    todo = [o for o in outcomes if o.status == "completed" and o.job.greedy]
+    todo = [o for o in outcomes if o.status == "completed" and exact(o.job)]
     if not todo:
         return []
     kw: dict[str, Any] = dict(
@@ -59,7 +66,7 @@ def verify_greedy(args: argparse.Namespace, outcomes: list[Outcome]) -> list[dic
     for o in todo:
         j = o.job
         text = json.dumps(messages_of(j)) if j.kind == "chat" else j.prompt
-        fields = json.dumps(j.fields, sort_keys=True)
+        fields = json.dumps({**j.fields, **sampling_fields(j)}, sort_keys=True)
         key = (j.kind, text, j.max_tokens, j.ignore_eos, fields, j.echo_logprobs)
         keys.setdefault(key, []).append(o)
     prompts, params = [], []
@@ -68,7 +75,7 @@ def verify_greedy(args: argparse.Namespace, outcomes: list[Outcome]) -> list[dic
             msgs = json.loads(prompt)
             prompt = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
         prompts.append(tok.encode(prompt, add_special_tokens=False))
-        p = SamplingParams(max_new_tokens=max_tokens, temperature=0.0, ignore_eos=ignore_eos,
+        p = SamplingParams(max_new_tokens=max_tokens, ignore_eos=ignore_eos,
                            prompt_logprobs=1 if echo else None, **json.loads(fields))  # fmt: skip
         p.logit_bias = {int(t): b for t, b in p.logit_bias.items()}
         params.append(p)
@@ -94,7 +101,8 @@ def verify_greedy(args: argparse.Namespace, outcomes: list[Outcome]) -> list[dic
                         "want": w["text"],
                         "got_finish": o.finish_reason,
                         "want_finish": w["finish_reason"],
-                        "fields": o.job.fields,
+                        "greedy": o.job.greedy,
+                        "fields": json.loads(key[4]),
                         "echo": key[5],
                         "cached_tokens": o.cached_tokens,
                     }
@@ -137,6 +145,7 @@ def summarize(outcomes: list[Outcome], elapsed: float) -> dict[str, Any]:
         "sent": len(outcomes),
         "completed": len(done),
         "completed_greedy": sum(o.job.greedy for o in done),
+        "completed_seeded": sum(exact(o.job) and not o.job.greedy for o in done),
         "completed_with_penalties": sum(bool(o.job.fields) for o in done),
         "completed_echo_logprobs": sum(o.job.echo_logprobs for o in done),
         "aborted_by_client": len(by["aborted"]),
