@@ -1,5 +1,6 @@
-"""Under load, with speculation on: nothing lost, greedy text exact, KV empty afterwards; requests
-that never fit get 400; requests that overflow the KV pool together still finish exactly."""
+"""Under load, with speculation on: nothing lost, greedy and seeded text exact, KV empty
+afterwards; requests that never fit get 400; requests that overflow the KV pool together still
+finish exactly."""
 
 from __future__ import annotations
 
@@ -41,6 +42,7 @@ def test_load_bench_with_spec(tiny_dirs: tuple[str, str], tmp_path: os.PathLike)
     assert proc.returncode == 0 and s["ok"], detail
     assert s["lost"] == 0 and s["errors"] == 0, detail
     assert s["completed_greedy"] > 10 and s["greedy_exact"] == s["completed_greedy"], detail
+    assert s["completed_seeded"] > 0 and s["seeded_exact"] == s["completed_seeded"], detail
     assert s["aborted_by_client"] > 0, detail  # the disconnect path was exercised
     # Penalties / logit_bias / min_tokens and echo + logprobs were in the mix (and exact).
     assert s["completed_with_penalties"] > 3 and s["completed_echo_logprobs"] > 0, detail
@@ -68,6 +70,7 @@ def test_load_bench_multi_turn(tiny_dirs: tuple[str, str], tmp_path: os.PathLike
     assert proc.returncode == 0 and s["ok"], detail
     assert s["lost"] == 0 and s["errors"] == 0, detail
     assert s["completed_greedy"] > 10 and s["greedy_exact"] == s["completed_greedy"], detail
+    assert s["completed_seeded"] > 0 and s["seeded_exact"] == s["completed_seeded"], detail
     assert s["prefix_cache_hit_rate"] > 0.15, detail  # 0 without the cache
     assert s["kv_used_tokens_end"] == 0, detail
 
