@@ -129,6 +129,12 @@ class SpecConfig:
         """KV slots one request may write in one speculative iteration."""
         return max(self.num_steps * self.eagle_topk, self.num_draft_tokens)
 
+    def decode_slots_per_req(self, overlap: bool) -> int:
+        """KV slots a running request holds past its committed length for its next iteration:
+        one iteration's alloc_len, twice under the overlap scheduler (it prepares N+1 before it
+        knows N's accept lengths, so the host's committed length lags one iteration)."""
+        return self.alloc_len_per_decode * (2 if overlap else 1)
+
     @property
     def max_accept_len(self) -> int:
         """The most tokens one verify commits per request: a path of num_steps drafts (a
@@ -256,6 +262,22 @@ class ServerArgs:
             adaptive_probe_interval=self.speculative_adaptive_probe_interval,
             min_path_prob=self.speculative_min_path_prob,
         )
+
+    def max_context_len(self, max_position_embeddings: int, device_type: str) -> int:
+        """The most tokens a request may have (prompt and new ones): the model's context (or
+        --context-length), capped so that a request that long still finds its next iteration's
+        KV slots in the pool, which it holds past its committed length (at most this minus
+        one): one per request target-only, a speculative iteration's reserve with EAGLE."""
+        spec = self.spec_config
+        reserve = spec.decode_slots_per_req(self.overlap_schedule(device_type)) if spec else 1
+        if self.max_total_tokens <= reserve:
+            raise ValueError(
+                f"--max-total-tokens {self.max_total_tokens} leaves no room for a request: a "
+                f"running one holds {reserve} KV slots ahead of its tokens with these "
+                "speculative settings"
+            )
+        return min(self.context_length or max_position_embeddings,
+                   self.max_total_tokens - reserve + 1)  # fmt: skip
 
     def overlap_schedule(self, device_type: str) -> bool:
         """Whether the overlap scheduler runs. By default not on a CPU: there the scheduler thread

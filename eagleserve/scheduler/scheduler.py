@@ -56,11 +56,9 @@ class Scheduler:
         if self.mixed_chunk and self.spec_config is not None:  # its running requests verify
             raise ValueError("--enable-mixed-chunk does not run with speculative decoding")
         cfg = self.model_config
-        self.max_context_len = min(
-            args.context_length or cfg.max_position_embeddings, args.max_total_tokens
-        )
         # Speculation writes up to alloc_len positions past the committed length per step.
         self.alloc_len = self.spec_config.alloc_len_per_decode if self.spec_config else 1
+        self.max_context_len = args.max_context_len(cfg.max_position_embeddings, self.device.type)
         runner = ModelRunner.from_args(
             args, cfg, self.model_path, self.device, self.max_context_len + 2 * self.alloc_len
         )

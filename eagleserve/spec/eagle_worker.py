@@ -45,10 +45,9 @@ class EagleWorker:
         self.paths = AcceptedPaths(
             runner, max(args.max_running_requests, spec.num_draft_tokens, spec.num_steps + 1) + 1
         )
-        # The overlap scheduler prepares N+1 before it knows N's accept lengths: 2x covers the
-        # one-iteration lag of the host's committed length.
-        overlap = args.overlap_schedule(self.device.type)
-        self.decode_slots_per_req = spec.alloc_len_per_decode * (2 if overlap else 1)
+        self.decode_slots_per_req = spec.decode_slots_per_req(
+            args.overlap_schedule(self.device.type)
+        )
         choices = depth_choices(spec.num_steps, spec.is_chain) if spec.adaptive else ()
         verify_sizes = (
             tuple(k + 1 for k in choices if k)

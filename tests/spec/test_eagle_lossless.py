@@ -8,10 +8,12 @@ and rejection. EAGLE-3 heads are random (mostly rejections) and use a reduced dr
 
 from __future__ import annotations
 
-import pytest
-from lossless_fixtures import heads, params, prompts, reference, run_staggered, target_dir
+import random
 
-from eagleserve import Engine
+import pytest
+from lossless_fixtures import VOCAB, heads, params, prompts, reference, run_staggered, target_dir
+
+from eagleserve import Engine, SamplingParams
 
 __all__ = ["heads", "reference", "target_dir"]  # module-scoped fixtures of lossless_fixtures
 
@@ -115,3 +117,30 @@ def test_small_kv_pool_waits_and_retracts(
     got = run_staggered(eng, prompts(0), params())
     assert got == reference
     assert eng.stats().num_retracted_total > 0, "the pool was meant to force retraction"
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
+@pytest.mark.parametrize(("topk", "ndt"), [(1, 4), (2, 6)])
+def test_a_request_of_the_whole_context_runs_to_its_end(
+    target_dir: str, heads: dict[str, str], overlap: bool, topk: int, ndt: int
+) -> None:
+    """The pool bounds the context: a request of exactly the advertised context (prompt and new
+    tokens) still finds the KV slots each speculative iteration reserves past its committed
+    length, to its last token, and its tokens are the target's."""
+    pool = 96
+    eng = Engine(model=target_dir, device="cpu", max_total_tokens=pool, max_running_requests=2,
+                 disable_overlap_schedule=not overlap, speculative_algorithm="EAGLE",
+                 speculative_draft_model_path=heads["EAGLE"], speculative_num_steps=3,
+                 speculative_eagle_topk=topk, speculative_num_draft_tokens=ndt)  # fmt: skip
+    ctx = eng.scheduler.max_context_len
+    assert ctx < pool  # the reserve comes off the context, not out of a full request's slots
+    rng = random.Random()
+    prompt = [rng.randrange(1, VOCAB - 1) for _ in range(rng.randint(5, 30))]
+    want = SamplingParams(max_new_tokens=ctx - len(prompt), temperature=0.0, ignore_eos=True)
+    target = Engine(model=target_dir, device="cpu", max_total_tokens=pool, max_running_requests=2)
+    ref = target.generate([prompt], [want])[0]
+    got = eng.generate([prompt], [want])[0]
+    assert got["finish_reason"] == "length" and got["token_ids"] == ref["token_ids"]
+    assert eng.stats().kv_used_tokens == 0
+    with pytest.raises(ValueError, match="maximum context length"):
+        eng.generate([prompt], [SamplingParams(max_new_tokens=ctx - len(prompt) + 1)])
