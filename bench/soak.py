@@ -1,0 +1,157 @@
+"""Soak: bench/load.py's request mix through one in-process engine; every greedy or seeded answer
+is recomputed alone and must match.
+
+    python bench/soak.py [--clients 4] [--steps 3000] [--mix-seed 0] [serve flags: --model DIR
+        --max-total-tokens 300 --speculative-algorithm EAGLE ...]
+
+C closed-loop clients each send their next request as soon as their last one ends, as chat
+clients do, so new requests keep taking finished ones' places in the running batch; a client
+that hangs up aborts its request after its first 1-3 outputs; requests that cannot fit are
+rejected and not counted. No HTTP: the scheduler steps as fast as it can, and a failure names
+the request and the first token that differs. After the steps, every completed greedy or seeded
+request runs again alone on the same engine, and the KV pool must be empty. Writes
+bench/results/soak.json (--out); exits non-zero on any inexact answer or KV left in use (an
+engine error ends it with its traceback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import random
+import sys
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.common import machine_info  # noqa: E402
+from bench.load_mix import Job, make_job, messages_of, sampling_fields  # noqa: E402
+from bench.load_outcomes import exact  # noqa: E402
+from eagleserve import Engine, SamplingParams  # noqa: E402
+from eagleserve.cli import add_serve_flags, build_server_args  # noqa: E402
+from eagleserve.messages import GenerateReqInput  # noqa: E402
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Engine]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--clients", type=int, default=4)
+    p.add_argument("--steps", type=int, default=3000, help="scheduler steps with clients sending")
+    p.add_argument("--mix-seed", type=int, default=0, help="the request mix's random seed")
+    p.add_argument("--max-tokens", type=int, default=32, help="most new tokens, short requests")
+    p.add_argument("--long-max-tokens", type=int, default=96, help="most new tokens, long ones")
+    p.add_argument("--long-share", type=float, default=0.25)
+    p.add_argument("--long-repeats", type=lambda v: tuple(int(x) for x in v.split(",")),
+                   default=(1, 2), help="LO,HI: a long prompt's sentence repeats")  # fmt: skip
+    p.add_argument("--disconnect-share", type=float, default=0.1)
+    p.add_argument("--penalty-share", type=float, default=0.3)
+    p.add_argument("--echo-share", type=float, default=0.1)
+    p.add_argument("--out", default=os.path.join("bench", "results", "soak.json"))
+    add_serve_flags(p)
+    ns = p.parse_args(argv)
+    server_args = build_server_args(ns)
+    if isinstance(server_args, str):
+        p.error(server_args)
+    kw = {f.name: getattr(server_args, f.name) for f in dataclasses.fields(server_args)}
+    return ns, Engine(**kw)
+
+
+def request_params(job: Job) -> SamplingParams:
+    """The SamplingParams the server makes of the job's request body (load_mix.request_body)."""
+    fields = {**job.fields, **sampling_fields(job)}
+    fields["logit_bias"] = {int(t): b for t, b in fields.get("logit_bias", {}).items()}
+    return SamplingParams(max_new_tokens=job.max_tokens, ignore_eos=job.ignore_eos,
+                          logprobs=1 if job.echo_logprobs else None,
+                          prompt_logprobs=1 if job.echo_logprobs else None, **fields)  # fmt: skip
+
+
+def soak(ns: argparse.Namespace, engine: Engine) -> dict[str, Any]:
+    sched, tok = engine.scheduler, engine.tokenizer
+    rng = random.Random(ns.mix_seed)
+    jobs: dict[str, tuple[Job, list[int]]] = {}
+    tokens: dict[str, list[int]] = {}
+    ends: dict[str, str] = {}  # rid -> finish reason ("hung up" for a client's abort)
+    outputs: dict[str, int] = {}
+    live: set[str] = set()
+
+    def send() -> None:
+        job = make_job(rng, ns, sched.max_context_len)
+        text = job.prompt
+        if job.kind == "chat":
+            text = tok.apply_chat_template(messages_of(job), add_generation_prompt=True,
+                                           tokenize=False)  # fmt: skip
+        rid = f"s{len(jobs)}"
+        jobs[rid] = (job, tok.encode(text, add_special_tokens=False))
+        tokens[rid], outputs[rid] = [], 0
+        sched.add_request(GenerateReqInput(rid, jobs[rid][1], request_params(job)))
+        live.add(rid)
+
+    def collect() -> None:
+        for out in sched.step():
+            tokens[out.rid] += out.new_token_ids
+            outputs[out.rid] += bool(out.new_token_ids)
+            hang_up = jobs[out.rid][0].disconnect_after
+            if out.finished:
+                ends.setdefault(out.rid, out.finish_reason or "")
+                live.discard(out.rid)
+            elif hang_up is not None and outputs[out.rid] >= hang_up and out.rid in live:
+                sched.abort_request(out.rid)
+                ends[out.rid] = "hung up"
+                live.discard(out.rid)
+
+    for _ in range(ns.steps):
+        while len(live) < ns.clients:
+            send()
+        collect()
+    while sched.has_work():
+        collect()
+    kv_used = engine.stats().kv_used_tokens
+    done = [r for r in jobs if ends.get(r) in ("length", "stop") and exact(jobs[r][0])]
+    mismatches = []
+    for rid in done:
+        job, ids = jobs[rid]
+        alone = engine.generate([ids], [request_params(job)])[0]["token_ids"]
+        if alone != tokens[rid]:
+            first = next((i for i, (a, b) in enumerate(zip(alone, tokens[rid])) if a != b), None)
+            mismatches.append({"rid": rid, "greedy": job.greedy, "fields": job.fields,
+                               "first_difference": first, "got": tokens[rid],
+                               "want": alone})  # fmt: skip
+    reasons = list(ends.values())
+    return {
+        "requests": len(jobs),
+        "completed": sum(r in ("length", "stop") for r in reasons),
+        "hung_up": reasons.count("hung up"),
+        "rejected": reasons.count("error"),
+        "checked_greedy": sum(jobs[r][0].greedy for r in done),
+        "checked_seeded": sum(not jobs[r][0].greedy for r in done),
+        "inexact": len(mismatches),
+        "retracted": sched.num_retracted,
+        "kv_used_tokens_end": kv_used,
+        "ok": not mismatches and kv_used == 0,
+        "mismatches": mismatches[:10],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns, engine = parse_args(argv)
+    summary = soak(ns, engine)
+    for k, v in summary.items():
+        if k != "mismatches":
+            print(f"{k:>20}: {v}")
+    for m in summary["mismatches"][:3]:
+        print("  mismatch:", json.dumps(m)[:400])
+    payload = {"benchmark": "soak", "args": {k: v for k, v in vars(ns).items()},
+               "engine": dataclasses.asdict(engine.args), "machine": machine_info(),
+               "summary": summary}  # fmt: skip
+    os.makedirs(os.path.dirname(os.path.abspath(ns.out)), exist_ok=True)
+    with open(ns.out, "w") as f:
+        json.dump(payload, f, indent=2, default=str)
+        f.write("\n")
+    print(f"wrote {ns.out}")
+    engine.close()
+    return 0 if summary["ok"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
