@@ -32,7 +32,8 @@ FIELD_HELP: dict[str, str] = {
     "(auto: gguf for a GGUF model, e.g. 'default', on CPU when --dtype is auto)",
     "max_running_requests": "most requests decoding at once",
     "max_total_tokens": "KV cache size in tokens (all requests together)",
-    "context_length": "most tokens per request, prompt + output (default: the model's limit)",
+    "context_length": "most tokens per request, prompt + output (default: the model's limit; "
+    "at most the KV pool, less a speculative iteration's slots with EAGLE)",
     "served_model_name": "model name the API reports and accepts (default: --model)",
     "api_key": "require 'Authorization: Bearer KEY' on /v1/* (default: $EAGLESERVE_API_KEY)",
     "max_request_body_bytes": "larger request bodies get a 413 before they are read",

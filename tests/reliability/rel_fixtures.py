@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 import threading
 from collections.abc import Iterator
@@ -72,6 +73,19 @@ def tiny_dirs_fixture(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, st
         target = build_tiny_target(str(root / "target"))
         _CACHE["dirs"] = (target, build_tiny_head(target, str(root / "head")))
     return _CACHE["dirs"]
+
+
+def run_bench(script: str, args: list[str], out: str) -> tuple[int, dict[str, Any], str]:
+    """Runs bench/`script` with `args` and `--out out` on one OpenMP thread; returns its exit
+    code, the summary it wrote, and a failure message (the summary, a dead server's log)."""
+    cmd = [sys.executable, os.path.join(REPO, "bench", script), *args, "--out", out]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+    assert os.path.exists(out), proc.stdout[-3000:] + proc.stderr[-3000:]
+    with open(out) as f:
+        summary = json.load(f)["summary"]
+    detail = summary.get("server_log_tail", "") + json.dumps(summary, indent=1)[:4000]
+    return proc.returncode, summary, detail
 
 
 def spec_flags(head: str) -> list[str]:

@@ -4,10 +4,7 @@ finish exactly."""
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -17,6 +14,7 @@ from rel_fixtures import (  # noqa: F401 (fixtures)
     Server,
     completion,
     metric,
+    run_bench,
     spec_server_fixture,
     tiny_dirs_fixture,
     wait_kv_free,
@@ -27,19 +25,12 @@ from eagleserve import Engine, SamplingParams
 
 def test_load_bench_with_spec(tiny_dirs: tuple[str, str], tmp_path: os.PathLike) -> None:
     target, head = tiny_dirs
-    out = os.path.join(tmp_path, "load.json")
-    cmd = [sys.executable, os.path.join(REPO, "bench", "load.py"), "--model", target,
-           "--dtype", "float32", "--spec", "--algorithm", "EAGLE", "--draft", head,
-           "--clients", "16", "--duration", "12",
-           "--max-total-tokens", str(SMALL_KV), "--max-running-requests", "16", "--max-tokens",
-           "16", "--long-max-tokens", "48", "--long-repeats", "1,2", "--out", out]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
-    assert os.path.exists(out), proc.stdout[-3000:] + proc.stderr[-3000:]
-    with open(out) as f:
-        s = json.load(f)["summary"]
-    detail = s.get("server_log_tail", "") + json.dumps(s, indent=1)[:4000]
-    assert proc.returncode == 0 and s["ok"], detail
+    args = ["--model", target, "--dtype", "float32", "--spec", "--algorithm", "EAGLE", "--draft",
+            head, "--clients", "16", "--duration", "12", "--max-total-tokens", str(SMALL_KV),
+            "--max-running-requests", "16", "--max-tokens", "16", "--long-max-tokens", "48",
+            "--long-repeats", "1,2"]  # fmt: skip
+    rc, s, detail = run_bench("load.py", args, os.path.join(tmp_path, "load.json"))
+    assert rc == 0 and s["ok"], detail
     assert s["lost"] == 0 and s["errors"] == 0, detail
     assert s["completed_greedy"] > 10 and s["greedy_exact"] == s["completed_greedy"], detail
     assert s["completed_seeded"] > 0 and s["seeded_exact"] == s["completed_seeded"], detail
@@ -54,20 +45,13 @@ def test_load_bench_multi_turn(tiny_dirs: tuple[str, str], tmp_path: os.PathLike
     """Chat conversations re-sending their history: the prefix cache serves most prompt tokens,
     and every greedy answer is still exact."""
     target, head = tiny_dirs
-    out = os.path.join(tmp_path, "load_multi_turn.json")
-    cmd = [sys.executable, os.path.join(REPO, "bench", "load.py"), "--model", target,
-           "--dtype", "float32", "--spec", "--algorithm", "EAGLE", "--draft", head,
-           "--multi-turn", "--turns", "3", "--clients", "8", "--duration", "10",
-           "--max-total-tokens", str(SMALL_KV), "--max-running-requests", "16", "--max-tokens",
-           "16", "--long-max-tokens", "32", "--long-share", "0.1", "--long-repeats", "1,1",
-           "--disconnect-share", "0.05", "--out", out]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
-    assert os.path.exists(out), proc.stdout[-3000:] + proc.stderr[-3000:]
-    with open(out) as f:
-        s = json.load(f)["summary"]
-    detail = s.get("server_log_tail", "") + json.dumps(s, indent=1)[:4000]
-    assert proc.returncode == 0 and s["ok"], detail
+    args = ["--model", target, "--dtype", "float32", "--spec", "--algorithm", "EAGLE", "--draft",
+            head, "--multi-turn", "--turns", "3", "--clients", "8", "--duration", "10",
+            "--max-total-tokens", str(SMALL_KV), "--max-running-requests", "16", "--max-tokens",
+            "16", "--long-max-tokens", "32", "--long-share", "0.1", "--long-repeats", "1,1",
+            "--disconnect-share", "0.05"]  # fmt: skip
+    rc, s, detail = run_bench("load.py", args, os.path.join(tmp_path, "load_multi_turn.json"))
+    assert rc == 0 and s["ok"], detail
     assert s["lost"] == 0 and s["errors"] == 0, detail
     assert s["completed_greedy"] > 10 and s["greedy_exact"] == s["completed_greedy"], detail
     assert s["completed_seeded"] > 0 and s["seeded_exact"] == s["completed_seeded"], detail
