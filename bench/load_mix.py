@@ -7,7 +7,10 @@ from __future__ import annotations
 import argparse
 import random
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from eagleserve import SamplingParams
 
 TOPICS = [
     "the sea",
@@ -127,6 +130,17 @@ def sampling_fields(job: Job) -> dict[str, Any]:
     if job.greedy:
         return {"temperature": 0.0}
     return {"temperature": 0.8, "top_p": 0.95, "seed": job.seed}
+
+
+def request_params(job: Job) -> SamplingParams:
+    """The SamplingParams the server makes of the job's request body (`request_body`)."""
+    from eagleserve import SamplingParams
+
+    fields = {**job.fields, **sampling_fields(job)}
+    fields["logit_bias"] = {int(t): b for t, b in fields.get("logit_bias", {}).items()}
+    return SamplingParams(max_new_tokens=job.max_tokens, ignore_eos=job.ignore_eos,
+                          logprobs=1 if job.echo_logprobs else None,
+                          prompt_logprobs=1 if job.echo_logprobs else None, **fields)  # fmt: skip
 
 
 def messages_of(job: Job) -> list[dict[str, str]]:

@@ -9,7 +9,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from bench.load_mix import Job, messages_of, sampling_fields
+from bench.load_mix import Job, messages_of, request_params, sampling_fields
 
 
 @dataclass
@@ -40,7 +40,7 @@ def exact(job: Job) -> bool:
 
 def verify_exact(args: argparse.Namespace, outcomes: list[Outcome]) -> list[dict[str, Any]]:
     """Recomputes every completed greedy or seeded response offline; returns the mismatches."""
-    from eagleserve import Engine, SamplingParams
+    from eagleserve import Engine
 
     todo = [o for o in outcomes if o.status == "completed" and exact(o.job)]
     if not todo:
@@ -70,15 +70,12 @@ def verify_exact(args: argparse.Namespace, outcomes: list[Outcome]) -> list[dict
         key = (j.kind, text, j.max_tokens, j.ignore_eos, fields, j.echo_logprobs)
         keys.setdefault(key, []).append(o)
     prompts, params = [], []
-    for kind, prompt, max_tokens, ignore_eos, fields, echo in keys:
+    for (kind, prompt, *_), outs in keys.items():
         if kind == "chat":
             msgs = json.loads(prompt)
             prompt = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
         prompts.append(tok.encode(prompt, add_special_tokens=False))
-        p = SamplingParams(max_new_tokens=max_tokens, ignore_eos=ignore_eos,
-                           prompt_logprobs=1 if echo else None, **json.loads(fields))  # fmt: skip
-        p.logit_bias = {int(t): b for t, b in p.logit_bias.items()}
-        params.append(p)
+        params.append(request_params(outs[0].job))  # the key holds everything it reads
     want = []
     for i in range(0, len(prompts), args.max_running_requests):
         want += engine.generate(

@@ -27,9 +27,9 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import machine_info  # noqa: E402
-from bench.load_mix import Job, make_job, messages_of, sampling_fields  # noqa: E402
+from bench.load_mix import Job, make_job, messages_of, request_params  # noqa: E402
 from bench.load_outcomes import exact  # noqa: E402
-from eagleserve import Engine, SamplingParams  # noqa: E402
+from eagleserve import Engine  # noqa: E402
 from eagleserve.cli import add_serve_flags, build_server_args  # noqa: E402
 from eagleserve.messages import GenerateReqInput  # noqa: E402
 
@@ -55,15 +55,6 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Engin
         p.error(server_args)
     kw = {f.name: getattr(server_args, f.name) for f in dataclasses.fields(server_args)}
     return ns, Engine(**kw)
-
-
-def request_params(job: Job) -> SamplingParams:
-    """The SamplingParams the server makes of the job's request body (load_mix.request_body)."""
-    fields = {**job.fields, **sampling_fields(job)}
-    fields["logit_bias"] = {int(t): b for t, b in fields.get("logit_bias", {}).items()}
-    return SamplingParams(max_new_tokens=job.max_tokens, ignore_eos=job.ignore_eos,
-                          logprobs=1 if job.echo_logprobs else None,
-                          prompt_logprobs=1 if job.echo_logprobs else None, **fields)  # fmt: skip
 
 
 def soak(ns: argparse.Namespace, engine: Engine) -> dict[str, Any]:
