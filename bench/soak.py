@@ -1,17 +1,18 @@
 """Soak: bench/load.py's request mix through one in-process engine; every greedy or seeded answer
 is recomputed alone and must match.
 
-    python bench/soak.py [--clients 4] [--steps 3000] [--mix-seed 0] [serve flags: --model DIR
-        --max-total-tokens 300 --speculative-algorithm EAGLE ...]
+    python bench/soak.py [--clients 4] [--steps 3000] [--mix-seed 0] [--multi-turn] [serve
+        flags: --model DIR --max-total-tokens 300 --speculative-algorithm EAGLE ...]
 
 C closed-loop clients each send their next request as soon as their last one ends, as chat
 clients do, so new requests keep taking finished ones' places in the running batch; a client
-that hangs up aborts its request after its first 1-3 outputs; requests that cannot fit are
-rejected and not counted. No HTTP: the scheduler steps as fast as it can, and a failure names
-the request and the first token that differs. After the steps, every completed greedy or seeded
-request runs again alone on the same engine, and the KV pool must be empty. Writes
-bench/results/soak.json (--out); exits non-zero on any inexact answer or KV left in use (an
-engine error ends it with its traceback).
+that hangs up aborts its request after its first 1-3 outputs; with --multi-turn each client
+holds a chat conversation of --turns turns, each request re-sending the whole of it; requests
+that cannot fit are rejected and not counted. No HTTP: the scheduler steps as fast as it can,
+and a failure names the request and the first token that differs. After the steps, every
+completed greedy or seeded request runs again alone on the same engine, and the KV pool must be
+empty. Writes bench/results/soak.json (--out); exits non-zero on any inexact answer or KV left in
+use (an engine error ends it with its traceback).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import machine_info  # noqa: E402
-from bench.load_mix import Job, make_job, messages_of, request_params  # noqa: E402
+from bench.load_mix import Job, make_job, messages_of, next_turn, request_params  # noqa: E402
 from bench.load_outcomes import exact  # noqa: E402
 from eagleserve import Engine  # noqa: E402
 from eagleserve.cli import add_serve_flags, build_server_args  # noqa: E402
@@ -39,6 +40,12 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Engin
     p.add_argument("--clients", type=int, default=4)
     p.add_argument("--steps", type=int, default=3000, help="scheduler steps with clients sending")
     p.add_argument("--mix-seed", type=int, default=0, help="the request mix's random seed")
+    p.add_argument(
+        "--multi-turn",
+        action="store_true",
+        help="chat conversations: each request sends the whole conversation so far",
+    )
+    p.add_argument("--turns", type=int, default=4, help="--multi-turn: turns per conversation")
     p.add_argument("--max-tokens", type=int, default=32, help="most new tokens, short requests")
     p.add_argument("--long-max-tokens", type=int, default=96, help="most new tokens, long ones")
     p.add_argument("--long-share", type=float, default=0.25)
@@ -64,10 +71,14 @@ def soak(ns: argparse.Namespace, engine: Engine) -> dict[str, Any]:
     tokens: dict[str, list[int]] = {}
     ends: dict[str, str] = {}  # rid -> finish reason ("hung up" for a client's abort)
     outputs: dict[str, int] = {}
-    live: set[str] = set()
+    live: dict[str, int] = {}  # rid -> client
+    # Per client: the conversation its next request continues (--multi-turn; empty: a new one).
+    histories: list[list[dict[str, str]]] = [[] for _ in range(ns.clients)]
 
-    def send() -> None:
-        job = make_job(rng, ns, sched.max_context_len)
+    def send(client: int) -> None:
+        ctx = sched.max_context_len
+        history = histories[client]
+        job = next_turn(rng, ns, ctx, history) if ns.multi_turn else make_job(rng, ns, ctx)
         text = job.prompt
         if job.kind == "chat":
             text = tok.apply_chat_template(messages_of(job), add_generation_prompt=True,
@@ -76,24 +87,33 @@ def soak(ns: argparse.Namespace, engine: Engine) -> dict[str, Any]:
         jobs[rid] = (job, tok.encode(text, add_special_tokens=False))
         tokens[rid], outputs[rid] = [], 0
         sched.add_request(GenerateReqInput(rid, jobs[rid][1], request_params(job)))
-        live.add(rid)
+        live[rid] = client
+
+    def end(rid: str, reason: str) -> None:
+        ends.setdefault(rid, reason)
+        client, job = live.pop(rid), jobs[rid][0]
+        turns = sum(m["role"] == "user" for m in job.history) + 1
+        histories[client] = []
+        if ns.multi_turn and reason in ("length", "stop") and turns < ns.turns:
+            answer = tok.decode(tokens[rid], skip_special_tokens=True)
+            histories[client] = [*messages_of(job), {"role": "assistant", "content": answer}]
 
     def collect() -> None:
         for out in sched.step():
             tokens[out.rid] += out.new_token_ids
             outputs[out.rid] += bool(out.new_token_ids)
             hang_up = jobs[out.rid][0].disconnect_after
+            if out.rid not in live:  # the client hung up: what is left is not read
+                continue
             if out.finished:
-                ends.setdefault(out.rid, out.finish_reason or "")
-                live.discard(out.rid)
-            elif hang_up is not None and outputs[out.rid] >= hang_up and out.rid in live:
+                end(out.rid, out.finish_reason or "")
+            elif hang_up is not None and outputs[out.rid] >= hang_up:
                 sched.abort_request(out.rid)
-                ends[out.rid] = "hung up"
-                live.discard(out.rid)
+                end(out.rid, "hung up")
 
     for _ in range(ns.steps):
-        while len(live) < ns.clients:
-            send()
+        for client in sorted(set(range(ns.clients)) - set(live.values())):
+            send(client)
         collect()
     while sched.has_work():
         collect()

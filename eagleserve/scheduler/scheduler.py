@@ -134,29 +134,20 @@ class Scheduler:
         self.waiting.append(req)
 
     def abort_request(self, rid: str) -> None:
-        for req in list(self.waiting):
-            if req.rid == rid:
-                self.waiting.remove(req)
-                req.finish_reason = FinishReason.ABORT
-                self.pending_outputs.append(make_output(req))
+        running = self.running_batch.reqs if self.running_batch is not None else []
+        req = next((r for r in self.waiting if r.rid == rid), None)
+        if req is not None:
+            self.waiting.remove(req)
+        elif self.chunked_req is not None and self.chunked_req.rid == rid:  # prefill part-way
+            req, self.chunked_req = self.chunked_req, None
+        else:
+            req = next((r for r in running if r.rid == rid), None)
+            if req is None:
                 return
-        req = self.chunked_req
-        if req is not None and req.rid == rid:  # part-way through its prefill
-            self.chunked_req = None
-            req.finish_reason = FinishReason.ABORT
-            self._release(req)
-            self.pending_outputs.append(make_output(req))
-            return
-        batch = self.running_batch
-        if batch is None:
-            return
-        for req in batch.reqs:
-            if req.rid == rid:
-                req.finish_reason = FinishReason.ABORT
-                self._release(req)
-                self._drop_finished_from_running()
-                self.pending_outputs.append(make_output(req))
-                return
+        req.finish_reason = FinishReason.ABORT
+        self._release(req)  # a waiting request holds no slots
+        self._drop_finished_from_running()
+        self.pending_outputs.append(make_output(req))
 
     # ---- the loop --------------------------------------------------------------------------
     def has_work(self) -> bool:
@@ -225,8 +216,10 @@ class Scheduler:
     def _get_mixed_batch(self) -> ScheduleBatch | None:
         """The running requests' decode step, with the next prefill (a chunk or new prompts)
         as more rows of the same forward when there is one."""
-        prefill = self.get_new_batch_prefill()  # reserves the running requests' decode slots
+        # The decode slots first: a shortage may send the part-way prefill back (before it is
+        # in a batch); the prefill then keeps a next step's slots free for the running requests.
         self.update_running_batch()
+        prefill = self.get_new_batch_prefill()
         running = self.running_batch
         if prefill is None or running is None:
             return prefill or running
@@ -270,13 +263,21 @@ class Scheduler:
             batch = self.running_batch
             if batch is None:
                 return
-        while not self.prefix_cache.make_room(batch.batch_size * per_req) and batch.batch_size > 1:
-            req = batch.reqs[-1]
+        while not self.prefix_cache.make_room(batch.batch_size * per_req):
+            # A prefill part-way holds slots for its whole prompt and has produced nothing: it
+            # goes back first (its chunks are computed again), else the newest running request.
+            # One running request alone always fits (max_context_len), whatever else is cached.
+            if self.chunked_req is not None:
+                req, self.chunked_req = self.chunked_req, None
+            elif batch.batch_size > 1:
+                req = batch.reqs[-1]
+                batch.filter_batch(list(range(batch.batch_size - 1)))
+            else:
+                break
             logger.info("KV pool full: retracting request %s", req.rid)
             self._release(req, cache=False)
             req.retract_count += 1
             self.num_retracted += 1
-            batch.filter_batch(list(range(batch.batch_size - 1)))
             self.waiting.appendleft(req)
         self.worker.prepare_for_decode(batch)
 

@@ -6,16 +6,27 @@ from __future__ import annotations
 import os
 import random
 
+import pytest
 from rel_fixtures import run_bench, tiny_dirs_fixture  # noqa: F401 (fixture)
 
+# Single requests; chat conversations re-sending their history (prefix cache hits) in chunks of
+# 16 tokens, so that part-way prefills meet a full pool too.
+MIXES = {
+    "requests": ["--steps", "500", "--clients", "5", "--max-total-tokens", "300"],
+    "multi-turn": ["--multi-turn", "--turns", "3", "--chunked-prefill-size", "16", "--steps",
+                   "800", "--clients", "6", "--max-total-tokens", "256"],
+}  # fmt: skip
 
-def test_soak_with_spec_and_a_small_pool(tiny_dirs: tuple[str, str], tmp_path: os.PathLike) -> None:
+
+@pytest.mark.parametrize("mix", MIXES)
+def test_soak_with_spec_and_a_small_pool(
+    tiny_dirs: tuple[str, str], tmp_path: os.PathLike, mix: str
+) -> None:
     target, head = tiny_dirs
-    args = ["--steps", "500", "--clients", "5", "--mix-seed", str(random.randrange(1 << 20)),
-            "--model", target, "--dtype", "float32", "--device", "cpu", "--max-total-tokens",
-            "300", "--speculative-algorithm", "EAGLE", "--speculative-draft-model-path", head,
-            "--speculative-num-steps", "3", "--speculative-eagle-topk", "1",
-            "--speculative-num-draft-tokens", "4"]  # fmt: skip
+    args = [*MIXES[mix], "--mix-seed", str(random.randrange(1 << 20)), "--model", target,
+            "--dtype", "float32", "--device", "cpu", "--speculative-algorithm", "EAGLE",
+            "--speculative-draft-model-path", head, "--speculative-num-steps", "3",
+            "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4"]  # fmt: skip
     rc, s, detail = run_bench("soak.py", args, os.path.join(tmp_path, "soak.json"))
     assert rc == 0 and s["ok"], detail
     assert s["inexact"] == 0 and s["kv_used_tokens_end"] == 0, detail

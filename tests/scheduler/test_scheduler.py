@@ -9,6 +9,7 @@ slots (conftest `check_pools_free`).
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable
 
 import pytest
@@ -175,3 +176,39 @@ def test_abort_frees_slots_and_spares_others(
     assert tokens["r0"] == want[0] and tokens["r2"] == want[2]
     assert tokens["r3"] == []
     assert tokens["r1"] == want[1][: len(tokens["r1"])]
+
+
+@OVERLAP
+@pytest.mark.parametrize("mixed", [False, True], ids=["chunks", "mixed-chunks"])
+def test_running_request_outlasting_a_chunked_prefill_gets_its_slots(
+    tiny_model_dir: str, make_scheduler: Callable[..., Scheduler], overlap: bool, mixed: bool
+) -> None:
+    """A chunked prefill holds KV for its whole prompt from its first chunk, while the running
+    request decodes once between chunks; when the pool runs out with one request running, the
+    part-way prefill gives its slots back and starts again later, and both get their tokens."""
+    seed = random.randrange(1 << 20)
+    running, long = random_prompts(2, [40, 50], seed=seed)
+    params = greedy(50)
+    pool = 100
+    sched = make_scheduler(
+        tiny_model_dir,
+        max_running_requests=4,
+        max_total_tokens=pool,
+        chunked_prefill_size=4,
+        enable_mixed_chunk=mixed,
+        disable_overlap_schedule=not overlap,
+    )
+    want = run_alone(sched, [running, long], params)
+    tokens: dict[str, list[int]] = {}
+    done: dict[str, str] = {}
+    add(sched, "running", running, params)
+    while len(tokens.get("running", [])) < 2:  # the long prompt then just fits the pool
+        collect(sched.step(), tokens, done)
+    late = add(sched, "long", long, params)
+    for _ in range(2000):
+        if not sched.has_work():
+            break
+        collect(sched.step(), tokens, done)
+    assert done == {"running": "length", "long": "length"}, f"seed {seed}"
+    assert late.retract_count > 0, f"seed {seed}: the pool never ran out"
+    assert tokens["running"] == want[0] and tokens["long"] == want[1], f"seed {seed}"

@@ -14,6 +14,7 @@ import pytest
 from lossless_fixtures import VOCAB, heads, params, prompts, reference, run_staggered, target_dir
 
 from eagleserve import Engine, SamplingParams
+from eagleserve.messages import GenerateReqInput
 
 __all__ = ["heads", "reference", "target_dir"]  # module-scoped fixtures of lossless_fixtures
 
@@ -144,3 +145,42 @@ def test_a_request_of_the_whole_context_runs_to_its_end(
     assert eng.stats().kv_used_tokens == 0
     with pytest.raises(ValueError, match="maximum context length"):
         eng.generate([prompt], [SamplingParams(max_new_tokens=ctx - len(prompt) + 1)])
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
+@pytest.mark.parametrize("adaptive", [False, True], ids=["chain", "adaptive"])
+def test_a_prefill_in_chunks_goes_back_when_a_running_request_needs_its_slots(
+    target_dir: str, heads: dict[str, str], overlap: bool, adaptive: bool
+) -> None:
+    """A long prompt in chunks holds slots for all its positions while the running request
+    drafts and verifies between its chunks; when the pool runs short, the part-way prefill is
+    retracted (one running request is never the one to go), and both keep the target's tokens."""
+    reserve = 8 if overlap else 4  # chain 3: a verify's 4 slots, twice under overlap
+    eng = Engine(model=target_dir, device="cpu", max_total_tokens=104 + 2 * reserve,
+                 max_running_requests=2, chunked_prefill_size=4,
+                 disable_overlap_schedule=not overlap, speculative_algorithm="EAGLE",
+                 speculative_draft_model_path=heads["EAGLE"], speculative_num_steps=3,
+                 speculative_eagle_topk=1, speculative_num_draft_tokens=4,
+                 speculative_adaptive=adaptive)  # fmt: skip
+    assert eng.scheduler.worker.decode_slots_per_req == reserve
+    rng = random.Random()
+    running, long = ([rng.randrange(1, VOCAB - 1) for _ in range(n)] for n in (40, 50))
+    want = SamplingParams(max_new_tokens=50, temperature=0.0, ignore_eos=True)
+    target = Engine(model=target_dir, device="cpu", max_total_tokens=512, max_running_requests=2)
+    ref = [r["token_ids"] for r in target.generate([running, long], [want, want])]
+    sched = eng.scheduler
+    tokens: dict[str, list[int]] = {"running": [], "long": []}
+    sched.add_request(GenerateReqInput("running", running, want))
+    while len(tokens["running"]) < 2:  # the long prompt then just fits the pool
+        for out in sched.step():
+            tokens[out.rid] += out.new_token_ids
+    sched.add_request(GenerateReqInput("long", long, want))
+    for _ in range(2000):
+        if not sched.has_work():
+            break
+        for out in sched.step():
+            assert out.error is None, out.error
+            tokens[out.rid] += out.new_token_ids
+    assert [tokens["running"], tokens["long"]] == ref
+    assert eng.stats().num_retracted_total > 0, "the pool never ran short"
+    assert eng.stats().kv_used_tokens == 0
