@@ -50,14 +50,23 @@ class StopChecker:
         # Every token decodes to at least one character or is part of one, so this tail covers
         # any stop string ending in the newest token.
         tail_ids = req.output_ids[-(longest + 4) :]
-        tail = self.tokenizer.decode(tail_ids, skip_special_tokens=False)
-        # Only a match that involves the newest token counts; earlier ones were checked before.
-        prev = self.tokenizer.decode(tail_ids[:-1], skip_special_tokens=False)
+        tail = self._decode(tail_ids)
+        # Only a match that ends in the newest token's text counts: earlier ones were checked
+        # before, or fell in the first min_tokens tokens (an occurrence there must not hide a
+        # new one). Half a character decodes to U+FFFD until its last byte arrives.
+        before = len(self._decode(tail_ids[:-1]).rstrip("\ufffd"))
         for s in req.sampling_params.stop:
-            if s in tail and s not in prev:
+            if tail.find(s, max(0, before - len(s) + 1)) >= 0:
                 req.matched_stop = s
                 return True
         return False
+
+    def _decode(self, ids: list[int]) -> str:
+        # No clean-up of spaces (as the server's detokenizer): a later token must not change
+        # the text of earlier ones.
+        return self.tokenizer.decode(
+            ids, skip_special_tokens=False, clean_up_tokenization_spaces=False
+        )
 
 
 def committed_rows(

@@ -1,14 +1,19 @@
 """scheduler/output_processor.py: a tree verify's accepted paths reorder the host's copy of the
-req_to_token rows exactly as they reordered the device's, for the requests that go on."""
+req_to_token rows exactly as they reordered the device's, for the requests that go on; stop
+strings end a request where the server cuts its text."""
 
 from __future__ import annotations
+
+import random
+from typing import Any
 
 import pytest
 import torch
 
 from eagleserve.core import FinishReason, GenerationBatchResult, Req, SamplingParams
 from eagleserve.mem_cache.kv_cache import ReqToTokenPool
-from eagleserve.scheduler.output_processor import commit_tree_paths_host
+from eagleserve.scheduler.output_processor import StopChecker, append_tokens, commit_tree_paths_host
+from eagleserve.server.detokenizer import IncrementalDetokenizer
 from eagleserve.spec.accept import commit_tree_path
 
 
@@ -63,3 +68,45 @@ def test_the_hosts_rows_follow_the_devices_tree_paths(device: str) -> None:
         L = req.kv_committed_len
         assert torch.equal(host[L : L + len(path)], slots[rows[b], L + path])
     assert not torch.equal(pool.req_to_token_host, slots)
+
+
+def finish_at(checker: StopChecker, ids: list[int], params: SamplingParams) -> int:
+    """How many of `ids` a request takes, fed one decode step at a time, before it finishes."""
+    req = Req("r", [1, 2, 3], params)
+    for i in range(0, len(ids), 2):  # two at a time, as a verify commits them
+        append_tokens(req, ids[i : i + 2], checker)
+        if req.finished:
+            break
+    return len(req.output_ids)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_stop_string_after_min_tokens_ends_the_request_where_the_text_is_cut(
+    smollm2_dir: str, seed: int
+) -> None:
+    """The engine stops at the first stop string that ends after the text of the first
+    min_tokens tokens, the one the server's detokenizer cuts the text before, even when the
+    same string also occurs just before, inside those first tokens."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    rng = random.Random(seed)
+    words = [rng.choice([" one", " two", " three", " four"]) + rng.choice([",", ""])
+             for _ in range(12)]  # fmt: skip
+    ids = tok.encode("".join(words) + ", end", add_special_tokens=False)
+    checker = StopChecker(tok)
+    for min_tokens in range(len(ids) - 2):
+        params = SamplingParams(max_new_tokens=len(ids), stop=[","], min_tokens=min_tokens)
+        head = len(tok.decode(ids[:min_tokens]))
+        want = next(k for k in range(min_tokens + 1, len(ids) + 1)
+                    if tok.decode(ids[:k]).find(",", head) >= 0)  # fmt: skip
+        assert finish_at(checker, ids, params) == want, (words, min_tokens)
+        text = tok.decode(ids[:want])
+        assert (
+            "".join(stream_text(tok, ids[:want], [","], min_tokens)) == text[: text.find(",", head)]
+        )
+
+
+def stream_text(tok: Any, ids: list[int], stop: list[str], min_tokens: int) -> list[str]:
+    detok = IncrementalDetokenizer(tok, stop, min_tokens=min_tokens)
+    return [detok.add([i]) for i in ids] + [detok.finish()]
