@@ -206,6 +206,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--disconnect-share", type=float, default=0.1)
     p.add_argument("--penalty-share", type=float, default=0.3,
                    help="requests with penalties / min_tokens / logit_bias")  # fmt: skip
+    p.add_argument("--stop-share", type=float, default=0.15, help="requests with stop strings")
     p.add_argument("--echo-share", type=float, default=0.1,
                    help="completions with echo + logprobs (max_tokens 0 among them)")  # fmt: skip
     p.add_argument("--request-timeout", type=float, default=300.0)
@@ -270,6 +271,7 @@ def main(argv: list[str] | None = None) -> int:
         "seeded_exact",
         "completed_seeded",
         "completed_with_penalties",
+        "completed_with_stop",
         "completed_echo_logprobs",
         "aborted_by_client",
         "rejected_400_expected",

@@ -1,6 +1,7 @@
 """The request mix of bench/load.py: what each simulated client sends (completions and chat,
-streamed and not, greedy and sampled, short and long prompts, penalties, echo + logprobs,
-hang-ups, requests that can never fit) and the chat turns of --multi-turn conversations."""
+streamed and not, greedy and sampled, short and long prompts, penalties, stop strings, echo +
+logprobs, hang-ups, requests that can never fit) and the chat turns of --multi-turn
+conversations."""
 
 from __future__ import annotations
 
@@ -37,6 +38,8 @@ STARTS = [
     "List three things about",
     "Once upon a time, near",
 ]
+# Stop strings: common in English (SmolLM2's answers), single characters (a tiny test model's).
+STOPS = ["\n\n", ".", " the", ",", "e", " "]
 FILLER = (
     "The committee met on a grey morning to review the harbour plans, the budget for the "
     "new bridge, the school timetable and the library's opening hours. "
@@ -57,7 +60,7 @@ class Job:
     never_fits: bool = False  # prompt + max_tokens > context: must get a 400
     seed: int | None = None
     history: list[dict[str, str]] = field(default_factory=list)  # chat: messages before prompt
-    # Penalties, min_tokens, logit_bias (API names and values), sent as they are.
+    # Penalties, min_tokens, logit_bias, stop (API names and values), sent as they are.
     fields: dict[str, Any] = field(default_factory=dict)
     echo_logprobs: bool = False  # completion with echo + logprobs: the prompt is scored too
 
@@ -82,6 +85,8 @@ def make_job(rng: random.Random, args: argparse.Namespace, ctx: int) -> Job:
     )
     if rng.random() < args.penalty_share:
         job.fields = penalty_fields(rng, job.max_tokens)
+    if rng.random() < args.stop_share:
+        job.fields["stop"] = rng.sample(STOPS, rng.randint(1, 2))
     if rng.random() < args.disconnect_share:
         job.stream, job.disconnect_after = True, rng.randint(1, 3)
         job.max_tokens = max(job.max_tokens, 32)

@@ -53,6 +53,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Engin
                    default=(1, 2), help="LO,HI: a long prompt's sentence repeats")  # fmt: skip
     p.add_argument("--disconnect-share", type=float, default=0.1)
     p.add_argument("--penalty-share", type=float, default=0.3)
+    p.add_argument("--stop-share", type=float, default=0.15)
     p.add_argument("--echo-share", type=float, default=0.1)
     p.add_argument("--out", default=os.path.join("bench", "results", "soak.json"))
     add_serve_flags(p)
