@@ -4,14 +4,14 @@
 
 Starts `eagleserve serve` on 127.0.0.1 with a small KV pool (unless --url), then runs clients
 for `--duration` seconds: completions and chat, streamed and not, greedy and sampled, short and
-long prompts, some with penalties, min_tokens and logit_bias, some completions with echo +
-logprobs (max_tokens 0 among them: prompt scoring); some clients hang up mid-stream, some send
-requests that can never fit (400), and long `ignore_eos` requests together overflow the KV pool
-(waiting / retraction). After the load, every completed greedy or seeded response is recomputed
-with the offline `Engine` (same model, flags and fields) and must match exactly (text, finish
-reason, and the prompt logprobs of echo requests), and the server's KV pool must be empty.
-Writes bench/results/load*.json and exits non-zero on any lost request, inexact text or KV left
-in use.
+long prompts, some with penalties, min_tokens, logit_bias or stop strings, some of n choices,
+some completions with echo + logprobs (max_tokens 0 among them: prompt scoring); some clients
+hang up mid-stream, some send requests that can never fit (400), and long `ignore_eos` requests
+together overflow the KV pool (waiting / retraction). After the load, every completed greedy or
+seeded response is recomputed with the offline `Engine` (same model, flags and fields; choice
+j's seed the request's + j) and must match exactly (text, finish reason, and the prompt logprobs
+of echo requests), and the server's KV pool must be empty. Writes bench/results/load*.json and
+exits non-zero on any lost request, inexact text or KV left in use.
 
 --multi-turn: every client holds chat conversations (one of two system prompts, up to
 --turns turns, each request sending the whole conversation so far), as chat clients do; the
@@ -78,21 +78,24 @@ def finish_plain(job: Job, resp: httpx.Response) -> Outcome:
     if resp.status_code != 200:
         return Outcome(job, "error", detail=f"HTTP {resp.status_code}: {resp.text[:300]}")
     data = resp.json()
-    choice = data["choices"][0]
-    text = choice["message"]["content"] if job.kind == "chat" else choice["text"]
+    answers = [
+        (c["message"]["content"] if job.kind == "chat" else c["text"], c["finish_reason"])
+        for c in sorted(data["choices"], key=lambda c: c["index"])
+    ]
     usage = data.get("usage") or {}
-    out = Outcome(
-        job, "completed", text or "", choice["finish_reason"], usage.get("completion_tokens", 0)
-    )
+    (text, finish), *more = answers
+    out = Outcome(job, "completed", text or "", finish, usage.get("completion_tokens", 0))
+    out.more_choices = [(t or "", f) for t, f in more]
     out.cached_tokens = cached_tokens(usage)
     if job.echo_logprobs:
-        out.token_logprobs = choice["logprobs"]["token_logprobs"]
+        out.token_logprobs = data["choices"][0]["logprobs"]["token_logprobs"]
     return out
 
 
 async def read_stream(job: Job, resp: httpx.Response, t0: float) -> Outcome:
     out = Outcome(job, "lost", detail="stream ended without [DONE]")
     parts: list[str] = []
+    more: dict[int, tuple[str, str | None]] = {}  # choices 1..n-1: text and finish so far
     chunks = 0
     first = last = None
     async for line in resp.aiter_lines():
@@ -111,6 +114,10 @@ async def read_stream(job: Job, resp: httpx.Response, t0: float) -> Outcome:
             out.cached_tokens = cached_tokens(data["usage"])
         for choice in data.get("choices", []):
             text = chunk_text(job.kind, choice)
+            if choice.get("index", 0):  # another choice of n: its text and its end
+                was, end = more.get(choice["index"], ("", None))
+                more[choice["index"]] = (was + text, choice.get("finish_reason") or end)
+                continue
             out.finish_reason = choice.get("finish_reason") or out.finish_reason
             if job.echo_logprobs and choice.get("logprobs"):
                 out.token_logprobs += choice["logprobs"]["token_logprobs"]
@@ -128,9 +135,10 @@ async def read_stream(job: Job, resp: httpx.Response, t0: float) -> Outcome:
             out.status, out.detail = "aborted", ""
             break  # leaving the `async with` closes the connection mid-stream
     out.text = "".join(parts)
+    out.more_choices = [more.get(j, ("", None)) for j in range(1, job.n)]
     if first is not None and last is not None and out.completion_tokens > 1:
         out.tpot = (last - first) / (out.completion_tokens - 1)
-    if out.status == "completed" and out.finish_reason is None:
+    if out.status == "completed" and any(finish is None for _, _, finish in out.answers()):
         out.status, out.detail = "lost", "stream finished without a finish_reason"
     return out
 
@@ -207,6 +215,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--penalty-share", type=float, default=0.3,
                    help="requests with penalties / min_tokens / logit_bias")  # fmt: skip
     p.add_argument("--stop-share", type=float, default=0.15, help="requests with stop strings")
+    p.add_argument("--n-share", type=float, default=0.1, help="requests of 2-3 choices (n)")
     p.add_argument("--echo-share", type=float, default=0.1,
                    help="completions with echo + logprobs (max_tokens 0 among them)")  # fmt: skip
     p.add_argument("--request-timeout", type=float, default=300.0)
@@ -272,6 +281,7 @@ def main(argv: list[str] | None = None) -> int:
         "completed_seeded",
         "completed_with_penalties",
         "completed_with_stop",
+        "completed_n_choices",
         "completed_echo_logprobs",
         "aborted_by_client",
         "rejected_400_expected",

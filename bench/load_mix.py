@@ -63,6 +63,7 @@ class Job:
     # Penalties, min_tokens, logit_bias, stop (API names and values), sent as they are.
     fields: dict[str, Any] = field(default_factory=dict)
     echo_logprobs: bool = False  # completion with echo + logprobs: the prompt is scored too
+    n: int = 1  # choices (OpenAI's n): choice j samples with seed + j, as the server seeds it
 
 
 def make_job(rng: random.Random, args: argparse.Namespace, ctx: int) -> Job:
@@ -96,6 +97,8 @@ def make_job(rng: random.Random, args: argparse.Namespace, ctx: int) -> Job:
         job.kind, job.greedy, job.echo_logprobs = "completion", True, True
         job.max_tokens = rng.choice([0, 0, 1, 4, 8])
         job.fields.pop("min_tokens", None)
+    elif rng.random() < args.n_share:
+        job.n = rng.randint(2, 3)
     return job
 
 
@@ -115,6 +118,8 @@ def penalty_fields(rng: random.Random, max_tokens: int) -> dict[str, Any]:
 
 def request_body(job: Job, model: str) -> tuple[str, dict[str, Any]]:
     body: dict[str, Any] = {"model": model, "max_tokens": job.max_tokens, "stream": job.stream}
+    if job.n > 1:
+        body["n"] = job.n
     body.update(sampling_fields(job))
     if job.ignore_eos:
         body["ignore_eos"] = True
@@ -130,18 +135,21 @@ def request_body(job: Job, model: str) -> tuple[str, dict[str, Any]]:
     return "/v1/completions", body
 
 
-def sampling_fields(job: Job) -> dict[str, Any]:
-    """The request's temperature, and its top_p and seed (maybe None) when it samples."""
+def sampling_fields(job: Job, choice: int = 0) -> dict[str, Any]:
+    """The temperature of the request's `choice`, and its top_p and seed (maybe None) when it
+    samples."""
     if job.greedy:
         return {"temperature": 0.0}
-    return {"temperature": 0.8, "top_p": 0.95, "seed": job.seed}
+    seed = None if job.seed is None else job.seed + choice
+    return {"temperature": 0.8, "top_p": 0.95, "seed": seed}
 
 
-def request_params(job: Job) -> SamplingParams:
-    """The SamplingParams the server makes of the job's request body (`request_body`)."""
+def request_params(job: Job, choice: int = 0) -> SamplingParams:
+    """The SamplingParams the server makes of the job's request body (`request_body`) for its
+    `choice`."""
     from eagleserve import SamplingParams
 
-    fields = {**job.fields, **sampling_fields(job)}
+    fields = {**job.fields, **sampling_fields(job, choice)}
     fields["logit_bias"] = {int(t): b for t, b in fields.get("logit_bias", {}).items()}
     return SamplingParams(max_new_tokens=job.max_tokens, ignore_eos=job.ignore_eos,
                           logprobs=1 if job.echo_logprobs else None,

@@ -27,6 +27,13 @@ class Outcome:
     detail: str = ""
     token_logprobs: list[float | None] = field(default_factory=list)  # echo jobs: all entries
     cached_tokens: int | None = None  # prompt tokens the server's prefix cache served (usage)
+    # Choices 1..n-1 of a request with n > 1: (text, finish_reason); `text` is choice 0's.
+    more_choices: list[tuple[str, str | None]] = field(default_factory=list)
+
+    def answers(self) -> list[tuple[int, str, str | None]]:
+        """(choice, text, finish_reason) of every choice."""
+        more = [(j, text, finish) for j, (text, finish) in enumerate(self.more_choices, 1)]
+        return [(0, self.text, self.finish_reason), *more]
 
 
 # ---- offline check -------------------------------------------------------------------------
@@ -62,20 +69,22 @@ def verify_exact(args: argparse.Namespace, outcomes: list[Outcome]) -> list[dict
         )
     engine = Engine(model=args.model, **kw)
     tok = engine.tokenizer
-    keys: dict[tuple[str, str, int, bool, str, bool], list[Outcome]] = {}
+    # Every choice's answer, grouped by what fixes it (a choice's seed is the request's + j).
+    keys: dict[tuple[str, str, int, bool, str, bool], list[tuple[Outcome, int]]] = {}
     for o in todo:
         j = o.job
         text = json.dumps(messages_of(j)) if j.kind == "chat" else j.prompt
-        fields = json.dumps({**j.fields, **sampling_fields(j)}, sort_keys=True)
-        key = (j.kind, text, j.max_tokens, j.ignore_eos, fields, j.echo_logprobs)
-        keys.setdefault(key, []).append(o)
+        for choice, *_ in o.answers():
+            fields = json.dumps({**j.fields, **sampling_fields(j, choice)}, sort_keys=True)
+            key = (j.kind, text, j.max_tokens, j.ignore_eos, fields, j.echo_logprobs)
+            keys.setdefault(key, []).append((o, choice))
     prompts, params = [], []
     for (kind, prompt, *_), outs in keys.items():
         if kind == "chat":
             msgs = json.loads(prompt)
             prompt = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
         prompts.append(tok.encode(prompt, add_special_tokens=False))
-        params.append(request_params(outs[0].job))  # the key holds everything it reads
+        params.append(request_params(outs[0][0].job, outs[0][1]))  # the key holds all it reads
     want = []
     for i in range(0, len(prompts), args.max_running_requests):
         want += engine.generate(
@@ -85,18 +94,20 @@ def verify_exact(args: argparse.Namespace, outcomes: list[Outcome]) -> list[dict
     for (key, outs), w, ids in zip(keys.items(), want, prompts, strict=True):
         if key[5]:  # echo: the prompt, then the completion; the prompt's logprobs first
             w = {**w, "text": tok.decode(ids) + w["text"]}
-        for o in outs:
+        for o, choice in outs:
+            _, text, finish = o.answers()[choice]
             scores_ok = not key[5] or prompt_scores_match(o.token_logprobs, w, len(ids))
-            if o.text != w["text"] or o.finish_reason != w["finish_reason"] or not scores_ok:
+            if text != w["text"] or finish != w["finish_reason"] or not scores_ok:
                 bad.append(
                     {
                         "kind": key[0],
                         "stream": o.job.stream,
                         "prompt": key[1][-80:],
                         "max_tokens": key[2],
-                        "got": o.text,
+                        "choice": f"{choice} of {o.job.n}",
+                        "got": text,
                         "want": w["text"],
-                        "got_finish": o.finish_reason,
+                        "got_finish": finish,
                         "want_finish": w["finish_reason"],
                         "greedy": o.job.greedy,
                         "fields": json.loads(key[4]),
@@ -141,11 +152,13 @@ def summarize(outcomes: list[Outcome], elapsed: float) -> dict[str, Any]:
     return {
         "sent": len(outcomes),
         "completed": len(done),
-        "completed_greedy": sum(o.job.greedy for o in done),
-        "completed_seeded": sum(exact(o.job) and not o.job.greedy for o in done),
+        # Answers: a request of n choices gives n.
+        "completed_greedy": sum(o.job.n for o in done if o.job.greedy),
+        "completed_seeded": sum(o.job.n for o in done if exact(o.job) and not o.job.greedy),
         "completed_with_penalties": sum(bool(o.job.fields.keys() - {"stop"}) for o in done),
         "completed_with_stop": sum("stop" in o.job.fields for o in done),
         "completed_echo_logprobs": sum(o.job.echo_logprobs for o in done),
+        "completed_n_choices": sum(o.job.n > 1 for o in done),
         "aborted_by_client": len(by["aborted"]),
         "rejected_400_expected": len(by["rejected"]),
         "conversations_at_context_limit": len(by["context_full"]),
