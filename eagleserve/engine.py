@@ -9,6 +9,7 @@ from typing import Any
 from eagleserve.config import ServerArgs, renamed_hint
 from eagleserve.messages import EngineStats, GenerateReqInput, TokenOutput
 from eagleserve.sampling_params import SamplingParams
+from eagleserve.scheduler.output_processor import response_text, text_before_stop
 from eagleserve.scheduler.scheduler import Scheduler
 from eagleserve.scheduler.tp_engine import ReplicatedScheduler, build_scheduler
 
@@ -111,7 +112,6 @@ class Engine:
     def _decode(self, ids: list[int], matched_stop: int | str | None, p: SamplingParams) -> str:
         if self.tokenizer is None:
             return ""
-        text = self.tokenizer.decode(ids, skip_special_tokens=True)
-        if isinstance(matched_stop, str):
-            text = text[: text.find(matched_stop)] if matched_stop in text else text
-        return text
+        if isinstance(matched_stop, str):  # a stop string ended it
+            return text_before_stop(self.tokenizer, ids, p.stop, p.min_tokens)
+        return response_text(self.tokenizer, ids)

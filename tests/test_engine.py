@@ -104,6 +104,29 @@ def test_stop_string_inside_a_token_cuts_text(
     assert len(out["token_ids"]) < len(full["token_ids"])
 
 
+def test_min_tokens_keeps_a_stop_string_of_the_first_tokens_in_the_text(
+    smollm2_dir: str, make_engine: Callable[..., Engine]
+) -> None:
+    """A stop string inside the first min_tokens tokens stays in the text; the first one after
+    them ends the request, and the text is cut before it (as the server cuts it)."""
+    engine = make_engine(smollm2_dir, max_running_requests=2, max_total_tokens=512)
+    prompt = random.choice(SMOL_PROMPTS)
+    full = engine.generate(prompt, greedy(48, ignore_eos=True))[0]
+    tok, ids, text = engine.tokenizer, full["token_ids"], full["text"]
+    # The first character that recurs after at least 3 tokens, with min_tokens between the two.
+    for k in range(3, len(ids) - 3):
+        head = tok.decode(ids[:k])
+        stop = next((c for c in head[1:] if c in text[len(head) :]), None)
+        if stop is not None and text.find(stop) < len(head):
+            break
+    else:
+        pytest.fail(f"no character recurs in {text!r}")
+    out = engine.generate(prompt, greedy(48, ignore_eos=True, stop=[stop], min_tokens=k))[0]
+    assert out["finish_reason"] == "stop"
+    assert out["text"] == text[: text.find(stop, len(head))], (stop, k)
+    assert out["token_ids"] == ids[: len(out["token_ids"])]
+
+
 # ---- sampling -----------------------------------------------------------------------------------
 
 

@@ -19,6 +19,21 @@ def eos_token_ids(config_eos: tuple[int, ...], tokenizer: object | None) -> froz
     return frozenset(config_eos) | ({tokenizer_eos} if tokenizer_eos is not None else set())
 
 
+def response_text(tokenizer: object, ids: list[int]) -> str:
+    """The text of `ids` as a response shows it (and the server's detokenizer builds it): no
+    special tokens, no clean-up of spaces (a later token must not change earlier text)."""
+    return tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+
+def text_before_stop(tokenizer: object, ids: list[int], stop: list[str], min_tokens: int) -> str:
+    """The response text of a request that a stop string ended: cut before the first stop
+    string that ends after the text of its first min_tokens tokens, as the server cuts it."""
+    text = response_text(tokenizer, ids)
+    head = len(response_text(tokenizer, ids[:min_tokens]).rstrip("\ufffd")) if min_tokens else 0
+    found = (text.find(s, max(0, head - len(s) + 1)) for s in stop if s)
+    return text[: min((i for i in found if i >= 0), default=len(text))]
+
+
 class StopChecker:
     """EOS, stop ids, max_new_tokens and stop strings; one token at a time so a run of accepted
     speculative tokens is cut exactly where target-only decoding would stop."""
@@ -50,23 +65,16 @@ class StopChecker:
         # Every token decodes to at least one character or is part of one, so this tail covers
         # any stop string ending in the newest token.
         tail_ids = req.output_ids[-(longest + 4) :]
-        tail = self._decode(tail_ids)
+        tail = response_text(self.tokenizer, tail_ids)
         # Only a match that ends in the newest token's text counts: earlier ones were checked
         # before, or fell in the first min_tokens tokens (an occurrence there must not hide a
         # new one). Half a character decodes to U+FFFD until its last byte arrives.
-        before = len(self._decode(tail_ids[:-1]).rstrip("\ufffd"))
+        before = len(response_text(self.tokenizer, tail_ids[:-1]).rstrip("\ufffd"))
         for s in req.sampling_params.stop:
             if tail.find(s, max(0, before - len(s) + 1)) >= 0:
                 req.matched_stop = s
                 return True
         return False
-
-    def _decode(self, ids: list[int]) -> str:
-        # No clean-up of spaces (as the server's detokenizer): a later token must not change
-        # the text of earlier ones.
-        return self.tokenizer.decode(
-            ids, skip_special_tokens=False, clean_up_tokenization_spaces=False
-        )
 
 
 def committed_rows(

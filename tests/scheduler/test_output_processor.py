@@ -9,10 +9,17 @@ from typing import Any
 
 import pytest
 import torch
+from transformers import AutoTokenizer
 
 from eagleserve.core import FinishReason, GenerationBatchResult, Req, SamplingParams
 from eagleserve.mem_cache.kv_cache import ReqToTokenPool
-from eagleserve.scheduler.output_processor import StopChecker, append_tokens, commit_tree_paths_host
+from eagleserve.scheduler.output_processor import (
+    StopChecker,
+    append_tokens,
+    commit_tree_paths_host,
+    response_text,
+    text_before_stop,
+)
 from eagleserve.server.detokenizer import IncrementalDetokenizer
 from eagleserve.spec.accept import commit_tree_path
 
@@ -80,33 +87,51 @@ def finish_at(checker: StopChecker, ids: list[int], params: SamplingParams) -> i
     return len(req.output_ids)
 
 
+def server_text(tok: Any, ids: list[int], stop: list[str], min_tokens: int) -> str:
+    """The text the server streams for `ids`, one token at a time."""
+    detok = IncrementalDetokenizer(tok, stop, min_tokens=min_tokens)
+    return "".join([detok.add([i]) for i in ids] + [detok.finish()])
+
+
+def check_stop(tok: Any, ids: list[int], stop: list[str], min_tokens: int) -> None:
+    """The engine stops at the first token whose response text has a stop string ending after
+    the text of the first min_tokens tokens, and its text (offline `Engine`) is the server's."""
+    params = SamplingParams(max_new_tokens=len(ids), stop=stop, min_tokens=min_tokens)
+    head = len(response_text(tok, ids[:min_tokens]))
+
+    def stops_at(k: int) -> bool:
+        text = response_text(tok, ids[:k])
+        return any(text.find(s, max(0, head - len(s) + 1)) >= 0 for s in stop)
+
+    want = next(k for k in range(min_tokens + 1, len(ids) + 1) if stops_at(k))
+    assert finish_at(StopChecker(tok), ids, params) == want
+    assert text_before_stop(tok, ids[:want], stop, min_tokens) == server_text(
+        tok, ids[:want], stop, min_tokens
+    )
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_a_stop_string_after_min_tokens_ends_the_request_where_the_text_is_cut(
     smollm2_dir: str, seed: int
 ) -> None:
-    """The engine stops at the first stop string that ends after the text of the first
-    min_tokens tokens, the one the server's detokenizer cuts the text before, even when the
-    same string also occurs just before, inside those first tokens."""
-    from transformers import AutoTokenizer
-
+    """Even when the same string also occurs just before, inside the first min_tokens tokens."""
     tok = AutoTokenizer.from_pretrained(smollm2_dir)
     rng = random.Random(seed)
     words = [rng.choice([" one", " two", " three", " four"]) + rng.choice([",", ""])
              for _ in range(12)]  # fmt: skip
     ids = tok.encode("".join(words) + ", end", add_special_tokens=False)
-    checker = StopChecker(tok)
     for min_tokens in range(len(ids) - 2):
-        params = SamplingParams(max_new_tokens=len(ids), stop=[","], min_tokens=min_tokens)
-        head = len(tok.decode(ids[:min_tokens]))
-        want = next(k for k in range(min_tokens + 1, len(ids) + 1)
-                    if tok.decode(ids[:k]).find(",", head) >= 0)  # fmt: skip
-        assert finish_at(checker, ids, params) == want, (words, min_tokens)
-        text = tok.decode(ids[:want])
-        assert (
-            "".join(stream_text(tok, ids[:want], [","], min_tokens)) == text[: text.find(",", head)]
-        )
+        check_stop(tok, ids, [","], min_tokens)
 
 
-def stream_text(tok: Any, ids: list[int], stop: list[str], min_tokens: int) -> list[str]:
-    detok = IncrementalDetokenizer(tok, stop, min_tokens=min_tokens)
-    return [detok.add([i]) for i in ids] + [detok.finish()]
+def test_a_stop_string_across_a_special_token_counts_as_the_response_shows_it(
+    smollm2_dir: str,
+) -> None:
+    """A response's text leaves special tokens out, so "\\n<|im_end|>\\n" reads "\\n\\n"."""
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    rng = random.Random()
+    enc = lambda text: tok.encode(text, add_special_tokens=False)  # noqa: E731
+    words = " ".join(rng.choice(["sea", "moon", "bread", "rain"]) for _ in range(6))
+    ids = enc(words + "\n") + [tok.convert_tokens_to_ids("<|im_end|>")] + enc("\nok, more")
+    check_stop(tok, ids, ["\n\n"], 0)
+    assert response_text(tok, ids).startswith(words + "\n\nok")
