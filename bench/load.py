@@ -5,9 +5,10 @@
 Starts `eagleserve serve` on 127.0.0.1 with a small KV pool (unless --url), then runs clients
 for `--duration` seconds: completions and chat, streamed and not, greedy and sampled, short and
 long prompts, some with penalties, min_tokens, logit_bias or stop strings, some of n choices,
-some completions with echo + logprobs (max_tokens 0 among them: prompt scoring); some clients
-hang up mid-stream, some send requests that can never fit (400), and long `ignore_eos` requests
-together overflow the KV pool (waiting / retraction). After the load, every completed greedy or
+some with an output constraint (JSON, a JSON schema, a regex, chat tools), some completions
+with echo + logprobs (max_tokens 0 among them: prompt scoring); some clients hang up
+mid-stream, some send requests that can never fit (400), and long `ignore_eos` requests together
+overflow the KV pool (waiting / retraction). After the load, every completed greedy or
 seeded response is recomputed with the offline `Engine` (same model, flags and fields; choice
 j's seed the request's + j) and must match exactly (text, finish reason, and the prompt logprobs
 of echo requests), and the server's KV pool must be empty. Writes bench/results/load*.json and
@@ -38,7 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import machine_info  # noqa: E402
 from bench.load_mix import Job, make_job, messages_of, next_turn, request_body  # noqa: E402
-from bench.load_outcomes import Outcome, summarize, verify_exact  # noqa: E402
+from bench.load_outcomes import Outcome, shown_answer, summarize, verify_exact  # noqa: E402
 from bench.server_proc import HOST, Server, server_flags, wait_idle  # noqa: E402
 
 DEFAULT_DRAFT = "builtin:smollm2-135m-eagle"
@@ -79,13 +80,14 @@ def finish_plain(job: Job, resp: httpx.Response) -> Outcome:
         return Outcome(job, "error", detail=f"HTTP {resp.status_code}: {resp.text[:300]}")
     data = resp.json()
     answers = [
-        (c["message"]["content"] if job.kind == "chat" else c["text"], c["finish_reason"])
+        (shown_answer(job, c["message"]["content"], c["message"].get("tool_calls") or [])
+         if job.kind == "chat" else c["text"], c["finish_reason"])
         for c in sorted(data["choices"], key=lambda c: c["index"])
-    ]
+    ]  # fmt: skip
     usage = data.get("usage") or {}
     (text, finish), *more = answers
-    out = Outcome(job, "completed", text or "", finish, usage.get("completion_tokens", 0))
-    out.more_choices = [(t or "", f) for t, f in more]
+    out = Outcome(job, "completed", text, finish, usage.get("completion_tokens", 0))
+    out.more_choices = more
     out.cached_tokens = cached_tokens(usage)
     if job.echo_logprobs:
         out.token_logprobs = data["choices"][0]["logprobs"]["token_logprobs"]
@@ -96,6 +98,7 @@ async def read_stream(job: Job, resp: httpx.Response, t0: float) -> Outcome:
     out = Outcome(job, "lost", detail="stream ended without [DONE]")
     parts: list[str] = []
     more: dict[int, tuple[str, str | None]] = {}  # choices 1..n-1: text and finish so far
+    calls: dict[int, list[dict[str, Any]]] = {}  # tools: each choice's calls (its last delta)
     chunks = 0
     first = last = None
     async for line in resp.aiter_lines():
@@ -114,6 +117,9 @@ async def read_stream(job: Job, resp: httpx.Response, t0: float) -> Outcome:
             out.cached_tokens = cached_tokens(data["usage"])
         for choice in data.get("choices", []):
             text = chunk_text(job.kind, choice)
+            delta_calls = (choice.get("delta") or {}).get("tool_calls")
+            if delta_calls:
+                calls.setdefault(choice.get("index", 0), []).extend(delta_calls)
             if choice.get("index", 0):  # another choice of n: its text and its end
                 was, end = more.get(choice["index"], ("", None))
                 more[choice["index"]] = (was + text, choice.get("finish_reason") or end)
@@ -136,6 +142,10 @@ async def read_stream(job: Job, resp: httpx.Response, t0: float) -> Outcome:
             break  # leaving the `async with` closes the connection mid-stream
     out.text = "".join(parts)
     out.more_choices = [more.get(j, ("", None)) for j in range(1, job.n)]
+    if job.tools:
+        out.text = shown_answer(job, out.text, calls.get(0, []))
+        out.more_choices = [(shown_answer(job, t, calls.get(j, [])), f)
+                            for j, (t, f) in enumerate(out.more_choices, 1)]  # fmt: skip
     if first is not None and last is not None and out.completion_tokens > 1:
         out.tpot = (last - first) / (out.completion_tokens - 1)
     if out.status == "completed" and any(finish is None for _, _, finish in out.answers()):
@@ -216,6 +226,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="requests with penalties / min_tokens / logit_bias")  # fmt: skip
     p.add_argument("--stop-share", type=float, default=0.15, help="requests with stop strings")
     p.add_argument("--n-share", type=float, default=0.1, help="requests of 2-3 choices (n)")
+    p.add_argument("--structured-share", type=float, default=0.1,
+                   help="requests with response_format, a regex or (chat) tools")  # fmt: skip
     p.add_argument("--echo-share", type=float, default=0.1,
                    help="completions with echo + logprobs (max_tokens 0 among them)")  # fmt: skip
     p.add_argument("--request-timeout", type=float, default=300.0)
@@ -282,6 +294,8 @@ def main(argv: list[str] | None = None) -> int:
         "completed_with_penalties",
         "completed_with_stop",
         "completed_n_choices",
+        "completed_structured",
+        "answers_with_tool_calls",
         "completed_echo_logprobs",
         "aborted_by_client",
         "rejected_400_expected",

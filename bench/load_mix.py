@@ -1,7 +1,8 @@
 """The request mix of bench/load.py: what each simulated client sends (completions and chat,
-streamed and not, greedy and sampled, short and long prompts, penalties, stop strings, echo +
-logprobs, hang-ups, requests that can never fit) and the chat turns of --multi-turn
-conversations."""
+streamed and not, greedy and sampled, short and long prompts, penalties, stop strings, structured
+output and tool calls, echo + logprobs, hang-ups, requests that can never fit), the chat turns of
+--multi-turn conversations, and what the server makes of a request (`engine_view`), which the
+offline checks replay."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from eagleserve import SamplingParams
+    from eagleserve.sampling_params import GrammarSpec
 
 TOPICS = [
     "the sea",
@@ -40,6 +42,28 @@ STARTS = [
 ]
 # Stop strings: common in English (SmolLM2's answers), single characters (a tiny test model's).
 STOPS = ["\n\n", ".", " the", ",", "e", " "]
+# Output constraints: OpenAI's response_format, SGLang's regex, chat tools (the server's formats).
+SCHEMAS = [
+    {"type": "object", "required": ["name", "age"],
+     "properties": {"name": {"type": "string", "maxLength": 12},
+                    "age": {"type": "integer", "minimum": 0, "maximum": 120}}},
+    {"type": "object", "required": ["answer"],
+     "properties": {"answer": {"enum": ["yes", "no", "maybe"]},
+                    "tags": {"type": "array", "maxItems": 3,
+                             "items": {"type": "string", "maxLength": 8}}}},
+]  # fmt: skip
+REGEXES = [r"(yes|no|maybe)[a-z ]{0,24}\.", r"[0-9]{1,4}(, [0-9]{1,4}){0,5}"]
+TOOLS = [
+    {"type": "function", "function": {
+        "name": "weather", "description": "Today's weather in a city.",
+        "parameters": {"type": "object", "required": ["city"],
+                       "properties": {"city": {"type": "string", "maxLength": 12}}}}},
+    {"type": "function", "function": {
+        "name": "search", "description": "Search the library.",
+        "parameters": {"type": "object", "required": ["query"],
+                       "properties": {"query": {"type": "string", "maxLength": 16},
+                                      "limit": {"type": "integer", "maximum": 5}}}}},
+]  # fmt: skip
 FILLER = (
     "The committee met on a grey morning to review the harbour plans, the budget for the "
     "new bridge, the school timetable and the library's opening hours. "
@@ -64,6 +88,12 @@ class Job:
     fields: dict[str, Any] = field(default_factory=dict)
     echo_logprobs: bool = False  # completion with echo + logprobs: the prompt is scored too
     n: int = 1  # choices (OpenAI's n): choice j samples with seed + j, as the server seeds it
+    # response_format, regex or tools (+ tool_choice, parallel_tool_calls), sent as they are.
+    constraint: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def tools(self) -> bool:
+        return "tools" in self.constraint
 
 
 def make_job(rng: random.Random, args: argparse.Namespace, ctx: int) -> Job:
@@ -99,7 +129,29 @@ def make_job(rng: random.Random, args: argparse.Namespace, ctx: int) -> Job:
         job.fields.pop("min_tokens", None)
     elif rng.random() < args.n_share:
         job.n = rng.randint(2, 3)
+    if rng.random() < args.structured_share:
+        job.constraint = constraint_fields(rng, job.kind == "chat" and not long, ctx)
+        job.fields.pop("min_tokens", None)  # the server refuses it with a constraint (a 400)
+        if job.tools:  # room for a call or two
+            job.max_tokens = max(job.max_tokens, 64)
     return job
+
+
+def constraint_fields(rng: random.Random, tools_fit: bool, ctx: int) -> dict[str, Any]:
+    """An output constraint: JSON (any object or a schema), a regex, or tools where they fit
+    (a chat with a short prompt; one tool's description in a context under 2,048 tokens)."""
+    which = rng.choice(["json_object", "json_schema", "regex"] + ["tools"] * tools_fit)
+    if which == "json_object":
+        return {"response_format": {"type": "json_object"}}
+    if which == "json_schema":
+        payload = {"name": "answer", "schema": rng.choice(SCHEMAS)}
+        return {"response_format": {"type": "json_schema", "json_schema": payload}}
+    if which == "regex":
+        return {"regex": rng.choice(REGEXES)}
+    tools = rng.sample(TOOLS, 1 if ctx < 2048 else rng.randint(1, len(TOOLS)))
+    named = {"type": "function", "function": {"name": tools[0]["function"]["name"]}}
+    return {"tools": tools, "tool_choice": rng.choice(["auto", "required", named]),
+            "parallel_tool_calls": rng.random() < 0.5}  # fmt: skip
 
 
 def penalty_fields(rng: random.Random, max_tokens: int) -> dict[str, Any]:
@@ -126,6 +178,7 @@ def request_body(job: Job, model: str) -> tuple[str, dict[str, Any]]:
     if job.stream:
         body["stream_options"] = {"include_usage": True}
     body.update(job.fields)
+    body.update(job.constraint)
     if job.echo_logprobs:
         body.update(echo=True, logprobs=1)
     if job.kind == "chat":
@@ -144,16 +197,41 @@ def sampling_fields(job: Job, choice: int = 0) -> dict[str, Any]:
     return {"temperature": 0.8, "top_p": 0.95, "seed": seed}
 
 
-def request_params(job: Job, choice: int = 0) -> SamplingParams:
+def engine_view(job: Job, tokenizer: Any) -> tuple[str, GrammarSpec | None]:
+    """The prompt text (a chat's rendered by the template, tools described in its system
+    message) and the output constraint the server makes of the job's request body, by the
+    server's own translation."""
+    from eagleserve.server.handlers import chat_constraint, chat_messages
+    from eagleserve.server.protocol import ChatCompletionRequest, CompletionRequest
+    from eagleserve.server.serving import ApiError
+    from eagleserve.server.structured import output_constraint
+    from eagleserve.server.tool_calls import tool_setup
+
+    _, body = request_body(job, "model")
+    if job.kind != "chat":
+        grammar = output_constraint(CompletionRequest(**body))
+        assert not isinstance(grammar, ApiError), grammar.message
+        return job.prompt, grammar
+    req = ChatCompletionRequest(**body)
+    tools = tool_setup(req)
+    assert not isinstance(tools, ApiError), tools.message
+    grammar = chat_constraint(req, tools)
+    assert not isinstance(grammar, ApiError), grammar.message
+    msgs = chat_messages(req, tools)
+    return tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False), grammar
+
+
+def request_params(job: Job, choice: int = 0, grammar: GrammarSpec | None = None) -> SamplingParams:
     """The SamplingParams the server makes of the job's request body (`request_body`) for its
-    `choice`."""
+    `choice`, given its output constraint (`engine_view`)."""
     from eagleserve import SamplingParams
 
     fields = {**job.fields, **sampling_fields(job, choice)}
     fields["logit_bias"] = {int(t): b for t, b in fields.get("logit_bias", {}).items()}
     return SamplingParams(max_new_tokens=job.max_tokens, ignore_eos=job.ignore_eos,
                           logprobs=1 if job.echo_logprobs else None,
-                          prompt_logprobs=1 if job.echo_logprobs else None, **fields)  # fmt: skip
+                          prompt_logprobs=1 if job.echo_logprobs else None, grammar=grammar,
+                          **fields)  # fmt: skip
 
 
 def messages_of(job: Job) -> list[dict[str, str]]:
@@ -171,6 +249,8 @@ def next_turn(rng: random.Random, args: argparse.Namespace, ctx: int, history: l
     job = make_job(rng, args, ctx)
     if job.echo_logprobs:  # prompt scoring is a completions feature: a plain turn instead
         job.echo_logprobs, job.max_tokens = False, max(job.max_tokens, 4)
+    if job.tools:  # an answer of tool calls would need a tool's reply: JSON instead
+        job.constraint = {"response_format": {"type": "json_object"}}
     job.kind = "chat"
     job.history = history or [{"role": "system", "content": rng.choice(SYSTEM_PROMPTS)}]
     return job

@@ -9,7 +9,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from bench.load_mix import Job, messages_of, request_params, sampling_fields
+from bench.load_mix import Job, engine_view, request_params, sampling_fields
 
 
 @dataclass
@@ -27,7 +27,8 @@ class Outcome:
     detail: str = ""
     token_logprobs: list[float | None] = field(default_factory=list)  # echo jobs: all entries
     cached_tokens: int | None = None  # prompt tokens the server's prefix cache served (usage)
-    # Choices 1..n-1 of a request with n > 1: (text, finish_reason); `text` is choice 0's.
+    # Choices 1..n-1 of a request with n > 1: (text, finish_reason); `text` is choice 0's. With
+    # tools a choice's text is its `shown_answer`.
     more_choices: list[tuple[str, str | None]] = field(default_factory=list)
 
     def answers(self) -> list[tuple[int, str, str | None]]:
@@ -36,7 +37,28 @@ class Outcome:
         return [(0, self.text, self.finish_reason), *more]
 
 
+def shown_answer(job: Job, content: str | None, calls: list[dict[str, Any]]) -> str:
+    """A choice's answer as compared: its text, or with tools its text and its calls' names and
+    arguments (their ids are random)."""
+    if not job.tools:
+        return content or ""
+    named = [[c["function"]["name"], c["function"]["arguments"]] for c in calls]
+    return json.dumps({"content": content or "", "calls": named})
+
+
 # ---- offline check -------------------------------------------------------------------------
+
+
+def offline_answer(job: Job, text: str, finish: str | None) -> tuple[str, str | None]:
+    """The answer and finish reason the server shows for the engine's `text`: with tools the
+    calls parsed out of it, finish `tool_calls` when it has some and was not cut (OpenAI's)."""
+    if not job.tools:
+        return text, finish
+    from eagleserve.server.tool_calls import parse_tool_calls
+
+    content, calls = parse_tool_calls(text)
+    shown = shown_answer(job, content, calls)
+    return shown, "tool_calls" if calls and finish != "length" else finish
 
 
 def exact(job: Job) -> bool:
@@ -70,21 +92,22 @@ def verify_exact(args: argparse.Namespace, outcomes: list[Outcome]) -> list[dict
     engine = Engine(model=args.model, **kw)
     tok = engine.tokenizer
     # Every choice's answer, grouped by what fixes it (a choice's seed is the request's + j).
-    keys: dict[tuple[str, str, int, bool, str, bool], list[tuple[Outcome, int]]] = {}
+    keys: dict[tuple[str, str, int, bool, str, bool, str], list[tuple[Outcome, int]]] = {}
+    grammars = {}
     for o in todo:
         j = o.job
-        text = json.dumps(messages_of(j)) if j.kind == "chat" else j.prompt
+        text, grammar = engine_view(j, tok)
         for choice, *_ in o.answers():
             fields = json.dumps({**j.fields, **sampling_fields(j, choice)}, sort_keys=True)
-            key = (j.kind, text, j.max_tokens, j.ignore_eos, fields, j.echo_logprobs)
+            constraint = json.dumps(j.constraint, sort_keys=True)
+            key = (j.kind, text, j.max_tokens, j.ignore_eos, fields, j.echo_logprobs, constraint)
             keys.setdefault(key, []).append((o, choice))
+            grammars[key] = grammar
     prompts, params = [], []
-    for (kind, prompt, *_), outs in keys.items():
-        if kind == "chat":
-            msgs = json.loads(prompt)
-            prompt = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
-        prompts.append(tok.encode(prompt, add_special_tokens=False))
-        params.append(request_params(outs[0][0].job, outs[0][1]))  # the key holds all it reads
+    for key, outs in keys.items():
+        prompts.append(tok.encode(key[1], add_special_tokens=False))
+        # The key holds all that the job and choice set.
+        params.append(request_params(outs[0][0].job, outs[0][1], grammars[key]))
     want = []
     for i in range(0, len(prompts), args.max_running_requests):
         want += engine.generate(
@@ -94,10 +117,11 @@ def verify_exact(args: argparse.Namespace, outcomes: list[Outcome]) -> list[dict
     for (key, outs), w, ids in zip(keys.items(), want, prompts, strict=True):
         if key[5]:  # echo: the prompt, then the completion; the prompt's logprobs first
             w = {**w, "text": tok.decode(ids) + w["text"]}
+        want_text, want_finish = offline_answer(outs[0][0].job, w["text"], w["finish_reason"])
         for o, choice in outs:
             _, text, finish = o.answers()[choice]
             scores_ok = not key[5] or prompt_scores_match(o.token_logprobs, w, len(ids))
-            if text != w["text"] or finish != w["finish_reason"] or not scores_ok:
+            if text != want_text or finish != want_finish or not scores_ok:
                 bad.append(
                     {
                         "kind": key[0],
@@ -106,12 +130,13 @@ def verify_exact(args: argparse.Namespace, outcomes: list[Outcome]) -> list[dict
                         "max_tokens": key[2],
                         "choice": f"{choice} of {o.job.n}",
                         "got": text,
-                        "want": w["text"],
+                        "want": want_text,
                         "got_finish": finish,
-                        "want_finish": w["finish_reason"],
+                        "want_finish": want_finish,
                         "greedy": o.job.greedy,
                         "fields": json.loads(key[4]),
                         "echo": key[5],
+                        "constraint": o.job.constraint,
                         "cached_tokens": o.cached_tokens,
                     }
                 )
@@ -159,6 +184,8 @@ def summarize(outcomes: list[Outcome], elapsed: float) -> dict[str, Any]:
         "completed_with_stop": sum("stop" in o.job.fields for o in done),
         "completed_echo_logprobs": sum(o.job.echo_logprobs for o in done),
         "completed_n_choices": sum(o.job.n > 1 for o in done),
+        "completed_structured": sum(bool(o.job.constraint) for o in done),
+        "answers_with_tool_calls": sum(f == "tool_calls" for o in done for *_, f in o.answers()),
         "aborted_by_client": len(by["aborted"]),
         "rejected_400_expected": len(by["rejected"]),
         "conversations_at_context_limit": len(by["context_full"]),

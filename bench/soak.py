@@ -28,9 +28,16 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import machine_info  # noqa: E402
-from bench.load_mix import Job, make_job, messages_of, next_turn, request_params  # noqa: E402
+from bench.load_mix import (  # noqa: E402
+    Job,
+    engine_view,
+    make_job,
+    messages_of,
+    next_turn,
+    request_params,
+)
 from bench.load_outcomes import exact  # noqa: E402
-from eagleserve import Engine  # noqa: E402
+from eagleserve import Engine, SamplingParams  # noqa: E402
 from eagleserve.cli import add_serve_flags, build_server_args  # noqa: E402
 from eagleserve.messages import GenerateReqInput  # noqa: E402
 
@@ -54,6 +61,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Engin
     p.add_argument("--disconnect-share", type=float, default=0.1)
     p.add_argument("--penalty-share", type=float, default=0.3)
     p.add_argument("--stop-share", type=float, default=0.15)
+    p.add_argument("--structured-share", type=float, default=0.1)
     p.set_defaults(n_share=0.0)  # n choices are the server's: one engine request per choice
     p.add_argument("--echo-share", type=float, default=0.1)
     p.add_argument("--out", default=os.path.join("bench", "results", "soak.json"))
@@ -69,7 +77,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Engin
 def soak(ns: argparse.Namespace, engine: Engine) -> dict[str, Any]:
     sched, tok = engine.scheduler, engine.tokenizer
     rng = random.Random(ns.mix_seed)
-    jobs: dict[str, tuple[Job, list[int]]] = {}
+    jobs: dict[str, tuple[Job, list[int], SamplingParams]] = {}
     tokens: dict[str, list[int]] = {}
     ends: dict[str, str] = {}  # rid -> finish reason ("hung up" for a client's abort)
     outputs: dict[str, int] = {}
@@ -81,14 +89,12 @@ def soak(ns: argparse.Namespace, engine: Engine) -> dict[str, Any]:
         ctx = sched.max_context_len
         history = histories[client]
         job = next_turn(rng, ns, ctx, history) if ns.multi_turn else make_job(rng, ns, ctx)
-        text = job.prompt
-        if job.kind == "chat":
-            text = tok.apply_chat_template(messages_of(job), add_generation_prompt=True,
-                                           tokenize=False)  # fmt: skip
+        text, grammar = engine_view(job, tok)
         rid = f"s{len(jobs)}"
-        jobs[rid] = (job, tok.encode(text, add_special_tokens=False))
+        ids = tok.encode(text, add_special_tokens=False)
+        jobs[rid] = (job, ids, request_params(job, 0, grammar))
         tokens[rid], outputs[rid] = [], 0
-        sched.add_request(GenerateReqInput(rid, jobs[rid][1], request_params(job)))
+        sched.add_request(GenerateReqInput(rid, jobs[rid][1], jobs[rid][2]))
         live[rid] = client
 
     def end(rid: str, reason: str) -> None:
@@ -123,11 +129,12 @@ def soak(ns: argparse.Namespace, engine: Engine) -> dict[str, Any]:
     done = [r for r in jobs if ends.get(r) in ("length", "stop") and exact(jobs[r][0])]
     mismatches = []
     for rid in done:
-        job, ids = jobs[rid]
-        alone = engine.generate([ids], [request_params(job)])[0]["token_ids"]
+        job, ids, params = jobs[rid]
+        alone = engine.generate([ids], [params])[0]["token_ids"]
         if alone != tokens[rid]:
             first = next((i for i, (a, b) in enumerate(zip(alone, tokens[rid])) if a != b), None)
             mismatches.append({"rid": rid, "greedy": job.greedy, "fields": job.fields,
+                               "constraint": job.constraint,
                                "first_difference": first, "got": tokens[rid],
                                "want": alone})  # fmt: skip
     reasons = list(ends.values())
@@ -138,6 +145,7 @@ def soak(ns: argparse.Namespace, engine: Engine) -> dict[str, Any]:
         "rejected": reasons.count("error"),
         "checked_greedy": sum(jobs[r][0].greedy for r in done),
         "checked_seeded": sum(not jobs[r][0].greedy for r in done),
+        "checked_structured": sum(bool(jobs[r][0].constraint) for r in done),
         "inexact": len(mismatches),
         "retracted": sched.num_retracted,
         "kv_used_tokens_end": kv_used,

@@ -26,9 +26,11 @@ def test_soak_with_spec_and_a_small_pool(
     args = [*MIXES[mix], "--mix-seed", str(random.randrange(1 << 20)), "--model", target,
             "--dtype", "float32", "--device", "cpu", "--speculative-algorithm", "EAGLE",
             "--speculative-draft-model-path", head, "--speculative-num-steps", "3",
-            "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4"]  # fmt: skip
+            "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4",
+            "--structured-share", "0.2"]  # fmt: skip
     rc, s, detail = run_bench("soak.py", args, os.path.join(tmp_path, "soak.json"))
     assert rc == 0 and s["ok"], detail
     assert s["inexact"] == 0 and s["kv_used_tokens_end"] == 0, detail
     assert s["checked_greedy"] > 10 and s["checked_seeded"] > 0, detail
+    assert s["checked_structured"] > 0, detail  # JSON, schemas, regexes, tools: grammar masks
     assert s["hung_up"] > 0 and s["retracted"] > 0, detail  # aborts and retraction exercised
