@@ -6,7 +6,8 @@ plain ints here; what a key stands for is the caller's business (mem_cache/prefi
 
 Invariants:
 - A slot is owned either by the tree (exactly one node) or by whoever inserted it; the tree
-  frees slots only in `evict`, through the callback it was built with.
+  frees slots only in `evict`, through the callback it was built with, a whole leaf or the tail
+  of one.
 - `lock_ref` counts the requests reading a node; locking a node locks its whole path to the
   root, so a locked node's ancestors are locked too and only unlocked leaves are evicted.
 - `evictable_size + protected_size` is the number of slots in the tree: unlocked nodes count in
@@ -128,15 +129,24 @@ class RadixCache:
 
     # ---- eviction --------------------------------------------------------------------------
     def evict(self, num_slots: int) -> int:
-        """Frees at least `num_slots` slots (fewer if the tree has fewer unlocked) from the least
-        recently used unlocked leaves; a parent left childless becomes a candidate in turn.
-        Returns how many were freed."""
+        """Frees `num_slots` slots (fewer if the tree has fewer unlocked) from the least recently
+        used unlocked leaves; a parent left childless becomes a candidate in turn. The last leaf
+        it reaches loses only the tail it must (a prefix of a cached run is a cached run), so a
+        request's cached positions outlast a shortage smaller than them. Returns how many were
+        freed."""
         order = itertools.count()  # tie-break: nodes do not compare
         heap = [(n.last_access, next(order), n) for n in self._leaves() if n.lock_ref == 0]
         heapq.heapify(heap)
         freed = 0
         while freed < num_slots and heap:
             _, _, node = heapq.heappop(heap)
+            keep = len(node.key) - (num_slots - freed)
+            if keep > 0:
+                self.free_slots(node.value[keep:])
+                freed += len(node.key) - keep
+                self.evictable_size -= len(node.key) - keep
+                node.key, node.value = node.key[:keep], node.value[:keep]
+                break
             parent = node.parent
             assert parent is not None
             self.free_slots(node.value)

@@ -104,7 +104,7 @@ class Scheduler:
         # The launched batch's requests, its result, and its request whose prefill goes on
         # (no token of that one is kept).
         self.inflight: tuple[list[Req], Future[GenerationBatchResult], Req | None] | None = None
-        self.deferred_release: list[tuple[Req, bool]] = []
+        self.deferred_release: list[Req] = []
         self.num_retracted = 0
         eagle = self.worker if isinstance(self.worker, EagleWorker) else None
         self.spec_stats = SpecStats(self.spec_config, eagle and eagle.drafter.acceptance_prior)
@@ -265,8 +265,10 @@ class Scheduler:
                 return
         while not self.prefix_cache.make_room(batch.batch_size * per_req):
             # A prefill part-way holds slots for its whole prompt and has produced nothing: it
-            # goes back first (its chunks are computed again), else the newest running request.
-            # One running request alone always fits (max_context_len), whatever else is cached.
+            # goes back first, else the newest running request. Its computed positions go into
+            # the prefix cache, whose eviction takes only the tail the shortage needs: back in
+            # the queue, it recomputes what was evicted. One running request alone always fits
+            # (max_context_len), whatever else is cached.
             if self.chunked_req is not None:
                 req, self.chunked_req = self.chunked_req, None
             elif batch.batch_size > 1:
@@ -275,7 +277,7 @@ class Scheduler:
             else:
                 break
             logger.info("KV pool full: retracting request %s", req.rid)
-            self._release(req, cache=False)
+            self._release(req)
             req.retract_count += 1
             self.num_retracted += 1
             self.waiting.appendleft(req)
@@ -378,21 +380,20 @@ class Scheduler:
             self._release(req)
         self._drop_finished_from_running()
 
-    def _release(self, req: Req, cache: bool = True) -> None:
-        """Frees `req`'s KV and request slots, its cacheable prefix into the radix cache first
-        with `cache` (not a retracted request's); after the in-flight forward, which may still
-        read or write them."""
+    def _release(self, req: Req) -> None:
+        """Frees `req`'s KV and request slots, its cacheable prefix into the radix cache first;
+        after the in-flight forward, which may still read or write them."""
         if req.req_pool_idx is None:
             return
         if self.inflight is not None:
-            self.deferred_release.append((req, cache))
+            self.deferred_release.append(req)
             return
-        self.prefix_cache.release(req, cache)
+        self.prefix_cache.release(req, cache=True)
 
     def _flush_deferred_release(self) -> None:
-        for req, cache in self.deferred_release:
+        for req in self.deferred_release:
             if req.req_pool_idx is not None:
-                self.prefix_cache.release(req, cache)
+                self.prefix_cache.release(req, cache=True)
         self.deferred_release = []
 
     def stats(self) -> EngineStats:

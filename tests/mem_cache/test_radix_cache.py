@@ -92,9 +92,15 @@ def test_locked_paths_survive_eviction_and_lru_order_holds() -> None:
     assert tree.protected_size == 2
     total = tree.evictable_size + tree.protected_size
 
-    freed = tree.evict(1)  # the least recently used leaf: key 1
-    assert freed == len(keys[1])
+    # Slots were handed out in order: key i's are the next len(key) numbers.
+    starts = [1 + sum(len(k) for k in keys[:i]) for i in range(len(keys))]
+    assert tree.evict(1) == 1  # the least recently used leaf, key 1, loses its last position
+    assert slots.freed == [starts[1] + len(keys[1]) - 1]
+    # Key 1's rest, then the next least recently used leaf (key 2's unlocked part) loses one.
+    assert tree.evict(len(keys[1])) == len(keys[1])
+    assert sorted(slots.freed) == [*range(starts[1], starts[2]), starts[3] - 1]
     assert tree.match_prefix(keys[1])[0].numel() == 0
+    assert tree.match_prefix(keys[2])[0].numel() == len(keys[2]) - 1
     # Evicting everything leaves the locked path (the lower part of key 2 is an unlocked leaf).
     tree.evict(10**6)
     assert tree.evictable_size == 0 and tree.protected_size == 2
@@ -102,7 +108,7 @@ def test_locked_paths_survive_eviction_and_lru_order_holds() -> None:
     assert len(slots.freed) == total - 2
     tree.unlock(locked)
     assert tree.evictable_size == 2 and tree.protected_size == 0
-    assert tree.evict(1) == 2
+    assert tree.evict(3) == 2
     assert sorted(slots.freed) == list(range(1, slots.next))
 
 
@@ -114,7 +120,49 @@ def test_evicting_a_leaf_frees_a_childless_parent_in_turn() -> None:
     slots.free(torch.arange(5, 7))  # that insert's duplicates of [1, 2]
     assert tree.insert([1, 2, 7], slots.take(3)) == 3
     slots.free(torch.arange(8, 11))
-    # [3, 4] (least recent) then [7] go: 3 < 4 slots, so the now childless [1, 2] goes too.
-    assert tree.evict(4) == 5
+    # [3, 4] (least recent) then [7] go: 3 < 4 slots, so the now childless [1, 2] loses its
+    # last position too.
+    assert tree.evict(4) == 4
+    assert tree.match_prefix([1, 2, 7])[0].tolist() == [1]
+    assert tree.evictable_size == 1
+    assert tree.evict(4) == 1
     assert tree.evictable_size == 0 and not tree.root.children
     assert sorted(slots.freed) == list(range(1, 11))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_eviction_frees_what_is_asked_and_keeps_prefixes(seed: int) -> None:
+    """Evicting n slots frees exactly n (or all that is unlocked); what stays of a key is a
+    prefix of it, with its own slots; locked paths stay whole."""
+    rng = random.Random(seed * 104729 + random.randrange(1 << 20))
+    slots = Slots()
+    tree = RadixCache(slots.free)
+    keys = []
+    slot_of: dict[tuple[int, ...], int] = {}  # a prefix -> the slot its last position got
+    locked = []
+    for _ in range(40):
+        key = [rng.randrange(3) for _ in range(rng.randint(1, 10))]
+        new = slots.take(len(key))
+        present = tree.insert(key, new)
+        slots.free(new[:present])
+        keys.append(key)
+        slot_of.update({tuple(key[: i + 1]): int(new[i]) for i in range(present, len(key))})
+        if rng.random() < 0.2:
+            _, node = tree.match_prefix(key[: rng.randint(1, len(key))])
+            tree.lock(node)
+            locked.append((key, node))
+        if rng.random() < 0.4:
+            before = tree.evictable_size
+            ask = rng.randint(1, 12)
+            assert tree.evict(ask) == min(ask, before)
+            assert tree.evictable_size == before - min(ask, before)
+        for key in keys:  # what is cached of a key is a prefix, with the slots it was given
+            got = tree.match_prefix(key)[0].tolist()
+            assert got == [slot_of[tuple(key[: i + 1])] for i in range(len(got))]
+        for key, node in locked:
+            path = []
+            while node is not tree.root:
+                path, node = node.key + path, node.parent
+            assert key[: len(path)] == path  # the locked node still spells a prefix of key
+        assert tree.evictable_size + tree.protected_size == len(tree_slots(tree))
+    assert sorted(tree_slots(tree) + slots.freed) == list(range(1, slots.next))

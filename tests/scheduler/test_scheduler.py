@@ -147,6 +147,34 @@ def test_small_kv_pool_waits_and_retracts_with_same_tokens(
 
 
 @OVERLAP
+def test_a_retracted_request_comes_back_to_its_cached_positions(
+    tiny_model_dir: str, make_scheduler: Callable[..., Scheduler], overlap: bool
+) -> None:
+    """Retraction puts the request's computed positions into the prefix cache, whose eviction
+    takes only the tail that the running request needs: the request comes back to the rest
+    (prefix hits on prompts that share nothing) and still gets its alone-tokens."""
+    seed = random.randrange(1 << 20)
+    prompts = random_prompts(2, [30, 30], seed=seed)
+    params = greedy(40)
+    flags = dict(max_running_requests=2, disable_overlap_schedule=not overlap)
+    want = run_alone(make_scheduler(tiny_model_dir, max_total_tokens=1024, **flags), prompts,
+                     params)  # fmt: skip
+    sched = make_scheduler(tiny_model_dir, max_total_tokens=100, **flags)
+    reqs = [add(sched, f"r{i}", p, params) for i, p in enumerate(prompts)]
+    tokens: dict[str, list[int]] = {}
+    done: dict[str, str] = {}
+    for _ in range(2000):
+        if not sched.has_work():
+            break
+        collect(sched.step(), tokens, done)
+    assert done == {"r0": "length", "r1": "length"}, f"seed {seed}"
+    assert reqs[1].retract_count > 0 and reqs[0].retract_count == 0, f"seed {seed}"
+    # The 30 + 40 positions of r0 take 70 of 100 slots: r1 keeps about 30 of its own cached.
+    assert sched.prefix_cache.hit_tokens >= 20, f"seed {seed}"
+    assert [tokens["r0"], tokens["r1"]] == want, f"seed {seed}"
+
+
+@OVERLAP
 def test_abort_frees_slots_and_spares_others(
     tiny_model_dir: str, make_scheduler: Callable[..., Scheduler], overlap: bool
 ) -> None:
@@ -189,16 +217,12 @@ def test_running_request_outlasting_a_chunked_prefill_gets_its_slots(
     seed = random.randrange(1 << 20)
     running, long = random_prompts(2, [40, 50], seed=seed)
     params = greedy(50)
-    pool = 100
-    sched = make_scheduler(
-        tiny_model_dir,
-        max_running_requests=4,
-        max_total_tokens=pool,
-        chunked_prefill_size=4,
-        enable_mixed_chunk=mixed,
-        disable_overlap_schedule=not overlap,
-    )
-    want = run_alone(sched, [running, long], params)
+    flags = dict(max_running_requests=4, chunked_prefill_size=4, enable_mixed_chunk=mixed,
+                 disable_overlap_schedule=not overlap)  # fmt: skip
+    # Alone on another scheduler: nothing of the prompts is cached on this one.
+    want = run_alone(make_scheduler(tiny_model_dir, max_total_tokens=1024, **flags),
+                     [running, long], params)  # fmt: skip
+    sched = make_scheduler(tiny_model_dir, max_total_tokens=100, **flags)
     tokens: dict[str, list[int]] = {}
     done: dict[str, str] = {}
     add(sched, "running", running, params)
