@@ -36,8 +36,10 @@ class Engine:
         prompts: list[str] | list[list[int]] | str,
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
     ) -> list[dict[str, Any]]:
-        """Returns, per prompt, {"text", "token_ids", "finish_reason", "spec_accept_length"},
-        and "prompt_logprobs" (None first) where `prompt_logprobs` was asked for."""
+        """Returns, per prompt, {"text", "token_ids", "finish_reason", "spec_accept_length"};
+        where `logprobs` was asked for, "logprobs" (one per token) and "top_logprobs" (per token,
+        its `logprobs` most likely alternatives as (token id, logprob)); where
+        `prompt_logprobs` was, "prompt_logprobs" (None first)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         params = sampling_params or SamplingParams()
@@ -51,6 +53,8 @@ class Engine:
         done: dict[str, TokenOutput] = {}
         tokens: dict[str, list[int]] = {rid: [] for rid in rids}
         scores: dict[str, list[float | None]] = {}
+        lps: dict[str, list[float]] = {rid: [] for rid in rids}
+        tops: dict[str, list[list[tuple[int, float]]]] = {rid: [] for rid in rids}
         error: str | None = None
         while len(done) < len(rids):
             for out in self.scheduler.step():
@@ -63,6 +67,8 @@ class Engine:
                         if rid not in done and rid != out.rid:
                             self.scheduler.abort_request(rid)
                 tokens[out.rid].extend(out.new_token_ids)
+                lps[out.rid].extend(out.logprobs or [])
+                tops[out.rid].extend(out.top_logprobs or [])
                 if out.prompt_logprobs is not None:
                     scores[out.rid] = out.prompt_logprobs
                 if out.finished:
@@ -81,6 +87,8 @@ class Engine:
                 "finish_reason": out.finish_reason,
                 "spec_accept_length": out.spec_accept_length,
             }
+            if p.logprobs is not None:
+                result["logprobs"], result["top_logprobs"] = lps[rid], tops[rid]
             if p.prompt_logprobs is not None:
                 result["prompt_logprobs"] = scores.get(rid)
             results.append(result)

@@ -109,13 +109,16 @@ def append_tokens(
     logprobs: list[float] | None = None,
     top: list[list[tuple[int, float]]] | None = None,
 ) -> int:
-    """Appends tokens one by one until the request finishes; returns how many were taken."""
+    """Appends tokens one by one until the request finishes; returns how many were taken.
+    `top` holds the batch's most alternatives per token: the request keeps the number it asked
+    for, so its answer does not depend on what else was batched with it."""
     taken = 0
+    k = req.sampling_params.logprobs or 0
     for i, tok in enumerate(tokens):
         req.output_ids.append(tok)
         if logprobs is not None:
             req.output_logprobs.append(logprobs[i])
-            req.output_top_logprobs.append(top[i] if top is not None else [])
+            req.output_top_logprobs.append(top[i][:k] if top is not None else [])
         taken += 1
         checker.check(req)
         if req.finished:
