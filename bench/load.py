@@ -5,14 +5,15 @@
 Starts `eagleserve serve` on 127.0.0.1 with a small KV pool (unless --url), then runs clients
 for `--duration` seconds: completions and chat, streamed and not, greedy and sampled, short and
 long prompts, some with penalties, min_tokens, logit_bias or stop strings, some of n choices,
-some with an output constraint (JSON, a JSON schema, a regex, chat tools), some completions
-with echo + logprobs (max_tokens 0 among them: prompt scoring); some clients hang up
-mid-stream, some send requests that can never fit (400), and long `ignore_eos` requests together
-overflow the KV pool (waiting / retraction). After the load, every completed greedy or
+some with an output constraint (JSON, a JSON schema, a regex, chat tools), some with logprobs,
+some completions with echo + logprobs (max_tokens 0 among them: prompt scoring); some clients
+hang up mid-stream, some send requests that can never fit (400), and long `ignore_eos` requests
+together overflow the KV pool (waiting / retraction). After the load, every completed greedy or
 seeded response is recomputed with the offline `Engine` (same model, flags and fields; choice
-j's seed the request's + j) and must match exactly (text, finish reason, and the prompt logprobs
-of echo requests), and the server's KV pool must be empty. Writes bench/results/load*.json and
-exits non-zero on any lost request, inexact text or KV left in use.
+j's seed the request's + j) and must match exactly (text, finish reason; the logprobs asked for,
+an echo's prompt entries included, to 1e-4), and the server's KV pool must be empty. Writes
+bench/results/load*.json and exits non-zero on any lost request, inexact answer or KV left in
+use.
 
 --multi-turn: every client holds chat conversations (one of two system prompts, up to
 --turns turns, each request sending the whole conversation so far), as chat clients do; the
@@ -89,9 +90,24 @@ def finish_plain(job: Job, resp: httpx.Response) -> Outcome:
     out = Outcome(job, "completed", text, finish, usage.get("completion_tokens", 0))
     out.more_choices = more
     out.cached_tokens = cached_tokens(usage)
-    if job.echo_logprobs:
-        out.token_logprobs = data["choices"][0]["logprobs"]["token_logprobs"]
+    if job.logprobs is not None:
+        first = next(c for c in data["choices"] if c["index"] == 0)
+        add_logprobs(job, out, first.get("logprobs"))
     return out
+
+
+def add_logprobs(job: Job, out: Outcome, lp: dict[str, Any] | None) -> None:
+    """Appends a choice's logprobs entries (a response's, or a stream chunk's) to `out`: each
+    entry's logprob and its alternatives' (most likely first)."""
+    if not lp:
+        return
+    if job.kind == "chat":
+        for entry in lp.get("content") or []:
+            out.token_logprobs.append(entry["logprob"])
+            out.top_values.append([t["logprob"] for t in entry["top_logprobs"]])
+        return
+    out.token_logprobs += lp["token_logprobs"]
+    out.top_values += [sorted(d.values(), reverse=True) if d else [] for d in lp["top_logprobs"]]
 
 
 async def read_stream(job: Job, resp: httpx.Response, t0: float) -> Outcome:
@@ -125,8 +141,8 @@ async def read_stream(job: Job, resp: httpx.Response, t0: float) -> Outcome:
                 more[choice["index"]] = (was + text, choice.get("finish_reason") or end)
                 continue
             out.finish_reason = choice.get("finish_reason") or out.finish_reason
-            if job.echo_logprobs and choice.get("logprobs"):
-                out.token_logprobs += choice["logprobs"]["token_logprobs"]
+            if job.logprobs is not None:
+                add_logprobs(job, out, choice.get("logprobs"))
             if text:
                 now = time.monotonic()
                 if first is None:
@@ -226,6 +242,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="requests with penalties / min_tokens / logit_bias")  # fmt: skip
     p.add_argument("--stop-share", type=float, default=0.15, help="requests with stop strings")
     p.add_argument("--n-share", type=float, default=0.1, help="requests of 2-3 choices (n)")
+    p.add_argument("--logprobs-share", type=float, default=0.1,
+                   help="requests with logprobs (0-3 top alternatives)")  # fmt: skip
     p.add_argument("--structured-share", type=float, default=0.1,
                    help="requests with response_format, a regex or (chat) tools")  # fmt: skip
     p.add_argument("--echo-share", type=float, default=0.1,
@@ -296,6 +314,7 @@ def main(argv: list[str] | None = None) -> int:
         "completed_n_choices",
         "completed_structured",
         "answers_with_tool_calls",
+        "completed_logprobs",
         "completed_echo_logprobs",
         "aborted_by_client",
         "rejected_400_expected",

@@ -1,8 +1,8 @@
 """The request mix of bench/load.py: what each simulated client sends (completions and chat,
 streamed and not, greedy and sampled, short and long prompts, penalties, stop strings, structured
-output and tool calls, echo + logprobs, hang-ups, requests that can never fit), the chat turns of
---multi-turn conversations, and what the server makes of a request (`engine_view`), which the
-offline checks replay."""
+output and tool calls, logprobs, echo + logprobs, hang-ups, requests that can never fit), the
+chat turns of --multi-turn conversations, and what the server makes of a request
+(`engine_view`), which the offline checks replay."""
 
 from __future__ import annotations
 
@@ -87,6 +87,7 @@ class Job:
     # Penalties, min_tokens, logit_bias, stop (API names and values), sent as they are.
     fields: dict[str, Any] = field(default_factory=dict)
     echo_logprobs: bool = False  # completion with echo + logprobs: the prompt is scored too
+    logprobs: int | None = None  # logprobs asked for, with this many top alternatives
     n: int = 1  # choices (OpenAI's n): choice j samples with seed + j, as the server seeds it
     # response_format, regex or tools (+ tool_choice, parallel_tool_calls), sent as they are.
     constraint: dict[str, Any] = field(default_factory=dict)
@@ -124,11 +125,13 @@ def make_job(rng: random.Random, args: argparse.Namespace, ctx: int) -> Job:
     elif rng.random() < 0.03:
         job.never_fits, job.max_tokens = True, ctx  # any prompt + ctx tokens > ctx
     elif rng.random() < args.echo_share:
-        job.kind, job.greedy, job.echo_logprobs = "completion", True, True
+        job.kind, job.greedy, job.echo_logprobs, job.logprobs = "completion", True, True, 1
         job.max_tokens = rng.choice([0, 0, 1, 4, 8])
         job.fields.pop("min_tokens", None)
     elif rng.random() < args.n_share:
         job.n = rng.randint(2, 3)
+    if job.logprobs is None and rng.random() < args.logprobs_share:
+        job.logprobs = rng.randint(0, 3)
     if rng.random() < args.structured_share:
         job.constraint = constraint_fields(rng, job.kind == "chat" and not long, ctx)
         job.fields.pop("min_tokens", None)  # the server refuses it with a constraint (a 400)
@@ -180,7 +183,11 @@ def request_body(job: Job, model: str) -> tuple[str, dict[str, Any]]:
     body.update(job.fields)
     body.update(job.constraint)
     if job.echo_logprobs:
-        body.update(echo=True, logprobs=1)
+        body["echo"] = True
+    if job.logprobs is not None and job.kind == "chat":
+        body.update(logprobs=True, top_logprobs=job.logprobs)
+    elif job.logprobs is not None:
+        body["logprobs"] = job.logprobs
     if job.kind == "chat":
         body["messages"] = messages_of(job)
         return "/v1/chat/completions", body
@@ -229,7 +236,7 @@ def request_params(job: Job, choice: int = 0, grammar: GrammarSpec | None = None
     fields = {**job.fields, **sampling_fields(job, choice)}
     fields["logit_bias"] = {int(t): b for t, b in fields.get("logit_bias", {}).items()}
     return SamplingParams(max_new_tokens=job.max_tokens, ignore_eos=job.ignore_eos,
-                          logprobs=1 if job.echo_logprobs else None,
+                          logprobs=job.logprobs,
                           prompt_logprobs=1 if job.echo_logprobs else None, grammar=grammar,
                           **fields)  # fmt: skip
 
@@ -248,7 +255,7 @@ def next_turn(rng: random.Random, args: argparse.Namespace, ctx: int, history: l
     """The next chat turn of a conversation (a new one when `history` is empty)."""
     job = make_job(rng, args, ctx)
     if job.echo_logprobs:  # prompt scoring is a completions feature: a plain turn instead
-        job.echo_logprobs, job.max_tokens = False, max(job.max_tokens, 4)
+        job.echo_logprobs, job.logprobs, job.max_tokens = False, None, max(job.max_tokens, 4)
     if job.tools:  # an answer of tool calls would need a tool's reply: JSON instead
         job.constraint = {"response_format": {"type": "json_object"}}
     job.kind = "chat"

@@ -25,7 +25,10 @@ class Outcome:
     tpot: float | None = None  # mean time per output token after the first (streams)
     chunk_gaps: list[float] = field(default_factory=list)
     detail: str = ""
-    token_logprobs: list[float | None] = field(default_factory=list)  # echo jobs: all entries
+    # Logprobs entries of choice 0 (an echo's prompt first): the chosen token's logprob, and its
+    # alternatives' (most likely first; a completion's may be fewer: those are by token text).
+    token_logprobs: list[float | None] = field(default_factory=list)
+    top_values: list[list[float]] = field(default_factory=list)
     cached_tokens: int | None = None  # prompt tokens the server's prefix cache served (usage)
     # Choices 1..n-1 of a request with n > 1: (text, finish_reason); `text` is choice 0's. With
     # tools a choice's text is its `shown_answer`.
@@ -47,6 +50,10 @@ def shown_answer(job: Job, content: str | None, calls: list[dict[str, Any]]) -> 
 
 
 # ---- offline check -------------------------------------------------------------------------
+
+# What fixes an answer: kind, prompt text, max_tokens, ignore_eos, the fields (the choice's
+# seed among them), echo, the output constraint, the logprobs asked for.
+AnswerKey = tuple[str, str, int, bool, str, bool, str, int | None]
 
 
 def offline_answer(job: Job, text: str, finish: str | None) -> tuple[str, str | None]:
@@ -92,7 +99,7 @@ def verify_exact(args: argparse.Namespace, outcomes: list[Outcome]) -> list[dict
     engine = Engine(model=args.model, **kw)
     tok = engine.tokenizer
     # Every choice's answer, grouped by what fixes it (a choice's seed is the request's + j).
-    keys: dict[tuple[str, str, int, bool, str, bool, str], list[tuple[Outcome, int]]] = {}
+    keys: dict[AnswerKey, list[tuple[Outcome, int]]] = {}
     grammars = {}
     for o in todo:
         j = o.job
@@ -100,7 +107,8 @@ def verify_exact(args: argparse.Namespace, outcomes: list[Outcome]) -> list[dict
         for choice, *_ in o.answers():
             fields = json.dumps({**j.fields, **sampling_fields(j, choice)}, sort_keys=True)
             constraint = json.dumps(j.constraint, sort_keys=True)
-            key = (j.kind, text, j.max_tokens, j.ignore_eos, fields, j.echo_logprobs, constraint)
+            key = (j.kind, text, j.max_tokens, j.ignore_eos, fields, j.echo_logprobs, constraint,
+                   j.logprobs)  # fmt: skip
             keys.setdefault(key, []).append((o, choice))
             grammars[key] = grammar
     prompts, params = [], []
@@ -120,7 +128,7 @@ def verify_exact(args: argparse.Namespace, outcomes: list[Outcome]) -> list[dict
         want_text, want_finish = offline_answer(outs[0][0].job, w["text"], w["finish_reason"])
         for o, choice in outs:
             _, text, finish = o.answers()[choice]
-            scores_ok = not key[5] or prompt_scores_match(o.token_logprobs, w, len(ids))
+            scores_ok = choice > 0 or logprobs_match(o, w, len(ids) if key[5] else 0)
             if text != want_text or finish != want_finish or not scores_ok:
                 bad.append(
                     {
@@ -143,13 +151,40 @@ def verify_exact(args: argparse.Namespace, outcomes: list[Outcome]) -> list[dict
     return bad
 
 
-def prompt_scores_match(got: list[float | None], want: dict[str, Any], n: int) -> bool:
-    """The server's prompt entries equal the offline engine's (None first; within 1e-4: the
-    two computed them in different batches) and one entry follows per generated token."""
-    ref = want["prompt_logprobs"]
-    if len(got) != n + len(want["token_ids"]) or got[0] is not None or ref[0] is not None:
+def logprobs_match(o: Outcome, want: dict[str, Any], n_prompt: int) -> bool:
+    """The server's logprobs entries of choice 0 equal the offline engine's, to 1e-4 (the two
+    computed them in different batches): an echo's `n_prompt` prompt entries first (None for
+    the first token), then one per generated token with its alternatives, as many as asked
+    (a completion's by token text: fewer where two alternatives read the same)."""
+    if o.job.logprobs is None:
+        return True
+    close = lambda a, b: abs(a - b) <= 1e-4  # noqa: E731
+    got, tops = o.token_logprobs, o.top_values
+    if len(got) != n_prompt + len(want["token_ids"]) or len(tops) != len(got):
         return False
-    return all(abs(a - b) <= 1e-4 for a, b in zip(got[1:n], ref[1:], strict=True))
+    if n_prompt:
+        ref = want["prompt_logprobs"]
+        if got[0] is not None or ref[0] is not None:
+            return False
+        if not all(close(a, b) for a, b in zip(got[1:n_prompt], ref[1:], strict=True)):
+            return False
+    wanted = zip(got[n_prompt:], tops[n_prompt:], want["logprobs"], want["top_logprobs"])
+    for value, alts, ref, ref_alts in wanted:
+        if value is None or not close(value, ref):
+            return False
+        ref_values = [v for _, v in ref_alts]
+        if o.job.kind == "chat" and len(alts) != len(ref_values):
+            return False
+        if len(alts) > len(ref_values) or (ref_values and not alts):
+            return False
+        # Each of the server's values is one of the engine's (both most likely first).
+        rest = list(ref_values)
+        for v in alts:
+            hit = next((i for i, r in enumerate(rest) if close(v, r)), None)
+            if hit is None:
+                return False
+            rest.pop(hit)
+    return True
 
 
 # ---- report -----------------------------------------------------------------------------------
@@ -186,6 +221,7 @@ def summarize(outcomes: list[Outcome], elapsed: float) -> dict[str, Any]:
         "completed_n_choices": sum(o.job.n > 1 for o in done),
         "completed_structured": sum(bool(o.job.constraint) for o in done),
         "answers_with_tool_calls": sum(f == "tool_calls" for o in done for *_, f in o.answers()),
+        "completed_logprobs": sum(o.job.logprobs is not None for o in done),
         "aborted_by_client": len(by["aborted"]),
         "rejected_400_expected": len(by["rejected"]),
         "conversations_at_context_limit": len(by["context_full"]),

@@ -62,6 +62,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Engin
     p.add_argument("--penalty-share", type=float, default=0.3)
     p.add_argument("--stop-share", type=float, default=0.15)
     p.add_argument("--structured-share", type=float, default=0.1)
+    p.add_argument("--logprobs-share", type=float, default=0.1)
     p.set_defaults(n_share=0.0)  # n choices are the server's: one engine request per choice
     p.add_argument("--echo-share", type=float, default=0.1)
     p.add_argument("--out", default=os.path.join("bench", "results", "soak.json"))
