@@ -22,6 +22,8 @@ from eagleserve.core import FinishReason, Req
 from eagleserve.mem_cache.kv_cache import ReqToTokenPool, TokenToKVPool
 from eagleserve.mem_cache.radix_cache import RadixCache, TreeNode
 
+EVICT_STEPS = 64
+
 
 def pair_keys(token_ids: list[int], vocab_size: int) -> list[int]:
     """Key of position p: t[p] * vocab + t[p+1]; one key fewer than tokens."""
@@ -71,10 +73,13 @@ class PrefixCache:
         return self.kv_pool.available_size() + self.evictable_size
 
     def make_room(self, num_slots: int) -> bool:
-        """Evicts least recently used cached prefixes until `num_slots` slots are free."""
+        """Evicts least recently used cached prefixes until `num_slots` slots are free. An
+        eviction walks the whole tree, so it frees at least 1/EVICT_STEPS of the pool: a full
+        pool of cached prefixes costs a walk every so many decode steps, not every step."""
         short = num_slots - self.kv_pool.available_size()
         if short > 0 and self.tree is not None:
-            self.evicted_tokens += self.tree.evict(short)
+            step = self.kv_pool.size // EVICT_STEPS
+            self.evicted_tokens += self.tree.evict(max(short, step))
         return self.kv_pool.available_size() >= num_slots
 
     # ---- a request's slots -----------------------------------------------------------------

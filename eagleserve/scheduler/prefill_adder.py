@@ -67,7 +67,7 @@ def plan_prefill(
             break
         waiting.popleft()
         cache.count_admitted(prefix_len, len(req.fill_ids))
-        if not req.output_ids:  # a first admission, not a retracted request coming back
+        if not req.retract_count:  # a first admission: a retracted request's own KV is no hit
             req.cached_tokens = prefix_len
         n = remaining if whole else min(remaining, budget)
         reqs.append(req)

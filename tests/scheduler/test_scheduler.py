@@ -235,4 +235,7 @@ def test_running_request_outlasting_a_chunked_prefill_gets_its_slots(
         collect(sched.step(), tokens, done)
     assert done == {"running": "length", "long": "length"}, f"seed {seed}"
     assert late.retract_count > 0, f"seed {seed}: the pool never ran out"
+    # Back from the chunks it had computed, it reports no cached prompt tokens (nothing else
+    # held its prompt).
+    assert late.cached_tokens == 0, f"seed {seed}"
     assert tokens["running"] == want[0] and tokens["long"] == want[1], f"seed {seed}"
