@@ -6,7 +6,8 @@ Starts `eagleserve serve` on 127.0.0.1 with a small KV pool (unless --url), then
 for `--duration` seconds: completions and chat, streamed and not, greedy and sampled, short and
 long prompts, some with penalties, min_tokens, logit_bias or stop strings, some of n choices,
 some with an output constraint (JSON, a JSON schema, a regex, chat tools), some with logprobs,
-some completions with echo + logprobs (max_tokens 0 among them: prompt scoring); some clients
+some completions with a list of prompts or with echo + logprobs (max_tokens 0 among them:
+prompt scoring); some clients
 hang up mid-stream, some send requests that can never fit (400), and long `ignore_eos` requests
 together overflow the KV pool (waiting / retraction). After the load, every completed greedy or
 seeded response is recomputed with the offline `Engine` (same model, flags and fields; choice
@@ -157,7 +158,7 @@ async def read_stream(job: Job, resp: httpx.Response, t0: float) -> Outcome:
             out.status, out.detail = "aborted", ""
             break  # leaving the `async with` closes the connection mid-stream
     out.text = "".join(parts)
-    out.more_choices = [more.get(j, ("", None)) for j in range(1, job.n)]
+    out.more_choices = [more.get(j, ("", None)) for j in range(1, job.num_choices)]
     if job.tools:
         out.text = shown_answer(job, out.text, calls.get(0, []))
         out.more_choices = [(shown_answer(job, t, calls.get(j, [])), f)
@@ -242,6 +243,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="requests with penalties / min_tokens / logit_bias")  # fmt: skip
     p.add_argument("--stop-share", type=float, default=0.15, help="requests with stop strings")
     p.add_argument("--n-share", type=float, default=0.1, help="requests of 2-3 choices (n)")
+    p.add_argument("--multi-prompt-share", type=float, default=0.1,
+                   help="completions with a list of 2-3 prompts")  # fmt: skip
     p.add_argument("--logprobs-share", type=float, default=0.1,
                    help="requests with logprobs (0-3 top alternatives)")  # fmt: skip
     p.add_argument("--structured-share", type=float, default=0.1,
@@ -312,6 +315,7 @@ def main(argv: list[str] | None = None) -> int:
         "completed_with_penalties",
         "completed_with_stop",
         "completed_n_choices",
+        "completed_multi_prompt",
         "completed_structured",
         "answers_with_tool_calls",
         "completed_logprobs",

@@ -91,6 +91,16 @@ class Job:
     n: int = 1  # choices (OpenAI's n): choice j samples with seed + j, as the server seeds it
     # response_format, regex or tools (+ tool_choice, parallel_tool_calls), sent as they are.
     constraint: dict[str, Any] = field(default_factory=dict)
+    # Completions: more prompts in the request's list; choice index = prompt * n + j.
+    more_prompts: list[str] = field(default_factory=list)
+
+    @property
+    def prompts(self) -> list[str]:
+        return [self.prompt, *self.more_prompts]
+
+    @property
+    def num_choices(self) -> int:
+        return self.n * len(self.prompts)
 
     @property
     def tools(self) -> bool:
@@ -130,6 +140,9 @@ def make_job(rng: random.Random, args: argparse.Namespace, ctx: int) -> Job:
         job.fields.pop("min_tokens", None)
     elif rng.random() < args.n_share:
         job.n = rng.randint(2, 3)
+    if job.kind == "completion" and not job.never_fits and rng.random() < args.multi_prompt_share:
+        job.more_prompts = [f"{rng.choice(STARTS)} {rng.choice(TOPICS)} (#{rng.randrange(1000)})."
+                            for _ in range(rng.randint(1, 2))]  # fmt: skip
     if job.logprobs is None and rng.random() < args.logprobs_share:
         job.logprobs = rng.randint(0, 3)
     if rng.random() < args.structured_share:
@@ -191,7 +204,7 @@ def request_body(job: Job, model: str) -> tuple[str, dict[str, Any]]:
     if job.kind == "chat":
         body["messages"] = messages_of(job)
         return "/v1/chat/completions", body
-    body["prompt"] = job.prompt
+    body["prompt"] = job.prompts if job.more_prompts else job.prompt
     return "/v1/completions", body
 
 
@@ -204,10 +217,10 @@ def sampling_fields(job: Job, choice: int = 0) -> dict[str, Any]:
     return {"temperature": 0.8, "top_p": 0.95, "seed": seed}
 
 
-def engine_view(job: Job, tokenizer: Any) -> tuple[str, GrammarSpec | None]:
-    """The prompt text (a chat's rendered by the template, tools described in its system
-    message) and the output constraint the server makes of the job's request body, by the
-    server's own translation."""
+def engine_view(job: Job, tokenizer: Any, prompt: int = 0) -> tuple[str, GrammarSpec | None]:
+    """The text of the job's `prompt`-th prompt (a chat's rendered by the template, tools
+    described in its system message) and the output constraint the server makes of the job's
+    request body, by the server's own translation."""
     from eagleserve.server.handlers import chat_constraint, chat_messages
     from eagleserve.server.protocol import ChatCompletionRequest, CompletionRequest
     from eagleserve.server.serving import ApiError
@@ -218,7 +231,7 @@ def engine_view(job: Job, tokenizer: Any) -> tuple[str, GrammarSpec | None]:
     if job.kind != "chat":
         grammar = output_constraint(CompletionRequest(**body))
         assert not isinstance(grammar, ApiError), grammar.message
-        return job.prompt, grammar
+        return job.prompts[prompt], grammar
     req = ChatCompletionRequest(**body)
     tools = tool_setup(req)
     assert not isinstance(tools, ApiError), tools.message
@@ -258,6 +271,6 @@ def next_turn(rng: random.Random, args: argparse.Namespace, ctx: int, history: l
         job.echo_logprobs, job.logprobs, job.max_tokens = False, None, max(job.max_tokens, 4)
     if job.tools:  # an answer of tool calls would need a tool's reply: JSON instead
         job.constraint = {"response_format": {"type": "json_object"}}
-    job.kind = "chat"
+    job.kind, job.more_prompts = "chat", []
     job.history = history or [{"role": "system", "content": rng.choice(SYSTEM_PROMPTS)}]
     return job

@@ -30,12 +30,12 @@ class Outcome:
     token_logprobs: list[float | None] = field(default_factory=list)
     top_values: list[list[float]] = field(default_factory=list)
     cached_tokens: int | None = None  # prompt tokens the server's prefix cache served (usage)
-    # Choices 1..n-1 of a request with n > 1: (text, finish_reason); `text` is choice 0's. With
-    # tools a choice's text is its `shown_answer`.
+    # Choices 1.. of a request of n > 1 or of several prompts: (text, finish_reason); `text` is
+    # choice 0's. With tools a choice's text is its `shown_answer`.
     more_choices: list[tuple[str, str | None]] = field(default_factory=list)
 
     def answers(self) -> list[tuple[int, str, str | None]]:
-        """(choice, text, finish_reason) of every choice."""
+        """(choice index, text, finish_reason) of every choice (index = prompt * n + j)."""
         more = [(j, text, finish) for j, (text, finish) in enumerate(self.more_choices, 1)]
         return [(0, self.text, self.finish_reason), *more]
 
@@ -103,19 +103,21 @@ def verify_exact(args: argparse.Namespace, outcomes: list[Outcome]) -> list[dict
     grammars = {}
     for o in todo:
         j = o.job
-        text, grammar = engine_view(j, tok)
-        for choice, *_ in o.answers():
-            fields = json.dumps({**j.fields, **sampling_fields(j, choice)}, sort_keys=True)
+        views = [engine_view(j, tok, p) for p in range(len(j.prompts))]
+        for index, *_ in o.answers():
+            text, grammar = views[index // j.n]
+            fields = json.dumps({**j.fields, **sampling_fields(j, index % j.n)}, sort_keys=True)
             constraint = json.dumps(j.constraint, sort_keys=True)
             key = (j.kind, text, j.max_tokens, j.ignore_eos, fields, j.echo_logprobs, constraint,
                    j.logprobs)  # fmt: skip
-            keys.setdefault(key, []).append((o, choice))
+            keys.setdefault(key, []).append((o, index))
             grammars[key] = grammar
     prompts, params = [], []
     for key, outs in keys.items():
         prompts.append(tok.encode(key[1], add_special_tokens=False))
         # The key holds all that the job and choice set.
-        params.append(request_params(outs[0][0].job, outs[0][1], grammars[key]))
+        first, index = outs[0]
+        params.append(request_params(first.job, index % first.job.n, grammars[key]))
     want = []
     for i in range(0, len(prompts), args.max_running_requests):
         want += engine.generate(
@@ -136,7 +138,7 @@ def verify_exact(args: argparse.Namespace, outcomes: list[Outcome]) -> list[dict
                         "stream": o.job.stream,
                         "prompt": key[1][-80:],
                         "max_tokens": key[2],
-                        "choice": f"{choice} of {o.job.n}",
+                        "choice": f"{choice} of {o.job.num_choices} (n {o.job.n})",
                         "got": text,
                         "want": want_text,
                         "got_finish": finish,
@@ -213,12 +215,15 @@ def summarize(outcomes: list[Outcome], elapsed: float) -> dict[str, Any]:
         "sent": len(outcomes),
         "completed": len(done),
         # Answers: a request of n choices gives n.
-        "completed_greedy": sum(o.job.n for o in done if o.job.greedy),
-        "completed_seeded": sum(o.job.n for o in done if exact(o.job) and not o.job.greedy),
+        "completed_greedy": sum(o.job.num_choices for o in done if o.job.greedy),
+        "completed_seeded": sum(
+            o.job.num_choices for o in done if exact(o.job) and not o.job.greedy
+        ),  # fmt: skip
         "completed_with_penalties": sum(bool(o.job.fields.keys() - {"stop"}) for o in done),
         "completed_with_stop": sum("stop" in o.job.fields for o in done),
         "completed_echo_logprobs": sum(o.job.echo_logprobs for o in done),
         "completed_n_choices": sum(o.job.n > 1 for o in done),
+        "completed_multi_prompt": sum(bool(o.job.more_prompts) for o in done),
         "completed_structured": sum(bool(o.job.constraint) for o in done),
         "answers_with_tool_calls": sum(f == "tool_calls" for o in done for *_, f in o.answers()),
         "completed_logprobs": sum(o.job.logprobs is not None for o in done),

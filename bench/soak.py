@@ -63,7 +63,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Engin
     p.add_argument("--stop-share", type=float, default=0.15)
     p.add_argument("--structured-share", type=float, default=0.1)
     p.add_argument("--logprobs-share", type=float, default=0.1)
-    p.set_defaults(n_share=0.0)  # n choices are the server's: one engine request per choice
+    # n choices and prompt lists are the server's: one engine request per choice.
+    p.set_defaults(n_share=0.0, multi_prompt_share=0.0)
     p.add_argument("--echo-share", type=float, default=0.1)
     p.add_argument("--out", default=os.path.join("bench", "results", "soak.json"))
     add_serve_flags(p)

@@ -35,10 +35,11 @@ def test_load_bench_with_spec(tiny_dirs: tuple[str, str], tmp_path: os.PathLike)
     assert s["completed_greedy"] > 10 and s["greedy_exact"] == s["completed_greedy"], detail
     assert s["completed_seeded"] > 0 and s["seeded_exact"] == s["completed_seeded"], detail
     assert s["aborted_by_client"] > 0, detail  # the disconnect path was exercised
-    # Penalties / logit_bias / min_tokens, stop strings, n choices, output constraints, logprobs
-    # and echo + logprobs were in the mix (and exact, logprobs included).
+    # Penalties / logit_bias / min_tokens, stop strings, n choices, prompt lists, output
+    # constraints, logprobs and echo + logprobs were in the mix (and exact, logprobs included).
     assert s["completed_with_penalties"] > 3 and s["completed_echo_logprobs"] > 0, detail
     assert s["completed_with_stop"] > 0 and s["completed_n_choices"] > 0, detail
+    assert s["completed_multi_prompt"] > 0, detail
     assert s["completed_structured"] > 0 and s["completed_logprobs"] > 0, detail
     assert s["kv_used_tokens_end"] == 0, detail
     assert s["server_exit_code"] == 0, detail
