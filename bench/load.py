@@ -3,18 +3,17 @@
     python bench/load.py [--clients 64] [--duration 60] [--spec] [--multi-turn] [--url URL]
 
 Starts `eagleserve serve` on 127.0.0.1 with a small KV pool (unless --url), then runs clients
-for `--duration` seconds: completions and chat, streamed and not, greedy and sampled, short and
-long prompts, some with penalties, min_tokens, logit_bias or stop strings, some of n choices,
-some with an output constraint (JSON, a JSON schema, a regex, chat tools), some with logprobs,
-some completions with a list of prompts or with echo + logprobs (max_tokens 0 among them:
-prompt scoring); some clients
-hang up mid-stream, some send requests that can never fit (400), and long `ignore_eos` requests
-together overflow the KV pool (waiting / retraction). After the load, every completed greedy or
-seeded response is recomputed with the offline `Engine` (same model, flags and fields; choice
-j's seed the request's + j) and must match exactly (text, finish reason; the logprobs asked for,
-an echo's prompt entries included, to 1e-4), and the server's KV pool must be empty. Writes
-bench/results/load*.json and exits non-zero on any lost request, inexact answer or KV left in
-use.
+for `--duration` seconds: completions and chat, streamed and not, greedy and sampled (top_p,
+top_k, min_p), short and long prompts, some with penalties, min_tokens, logit_bias, stop strings
+or stop token ids, some of n choices, some with an output constraint (JSON, a JSON schema, a
+regex, chat tools), some with logprobs, some completions with a list of prompts or with echo +
+logprobs (max_tokens 0 among them: prompt scoring); some clients hang up mid-stream, some send
+requests that can never fit (400), and long `ignore_eos` requests together overflow the KV pool
+(waiting / retraction). After the load, every completed greedy or seeded response is recomputed
+with the offline `Engine` (same model, flags and fields; choice j's seed the request's + j) and
+must match exactly (text, finish reason; the logprobs asked for, an echo's prompt entries
+included, to 1e-4), and the server's KV pool must be empty. Writes bench/results/load*.json and
+exits non-zero on any lost request, inexact answer or KV left in use.
 
 --multi-turn: every client holds chat conversations (one of two system prompts, up to
 --turns turns, each request sending the whole conversation so far), as chat clients do; the

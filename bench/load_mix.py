@@ -89,6 +89,7 @@ class Job:
     echo_logprobs: bool = False  # completion with echo + logprobs: the prompt is scored too
     logprobs: int | None = None  # logprobs asked for, with this many top alternatives
     n: int = 1  # choices (OpenAI's n): choice j samples with seed + j, as the server seeds it
+    sampler: dict[str, Any] = field(default_factory=dict)  # sampled: temperature, top_p/k, min_p
     # response_format, regex or tools (+ tool_choice, parallel_tool_calls), sent as they are.
     constraint: dict[str, Any] = field(default_factory=dict)
     # Completions: more prompts in the request's list; choice index = prompt * n + j.
@@ -124,11 +125,14 @@ def make_job(rng: random.Random, args: argparse.Namespace, ctx: int) -> Job:
         else rng.randint(4, args.max_tokens),
         ignore_eos=long,
         seed=rng.randrange(1 << 16) if rng.random() < 0.5 else None,
+        sampler=sampler_fields(rng),
     )
     if rng.random() < args.penalty_share:
         job.fields = penalty_fields(rng, job.max_tokens)
     if rng.random() < args.stop_share:
         job.fields["stop"] = rng.sample(STOPS, rng.randint(1, 2))
+        if rng.random() < 0.3:  # low ids: inside any vocabulary
+            job.fields["stop_token_ids"] = rng.sample(range(200), rng.randint(1, 3))
     if rng.random() < args.disconnect_share:
         job.stream, job.disconnect_after = True, rng.randint(1, 3)
         job.max_tokens = max(job.max_tokens, 32)
@@ -170,6 +174,17 @@ def constraint_fields(rng: random.Random, tools_fit: bool, ctx: int) -> dict[str
             "parallel_tool_calls": rng.random() < 0.5}  # fmt: skip
 
 
+def sampler_fields(rng: random.Random) -> dict[str, Any]:
+    """A sampled request's temperature and filters: top_p, sometimes top_k or min_p."""
+    out: dict[str, Any] = {"temperature": rng.choice([0.6, 0.8, 1.0, 1.3]),
+                           "top_p": rng.choice([1.0, 0.95, 0.8])}  # fmt: skip
+    if rng.random() < 0.3:
+        out["top_k"] = rng.randint(1, 40)
+    if rng.random() < 0.3:
+        out["min_p"] = rng.choice([0.02, 0.1, 0.3])
+    return out
+
+
 def penalty_fields(rng: random.Random, max_tokens: int) -> dict[str, Any]:
     """A random subset of the penalty fields (OpenAI's ranges); bias keys are low token ids,
     inside any vocabulary."""
@@ -209,12 +224,12 @@ def request_body(job: Job, model: str) -> tuple[str, dict[str, Any]]:
 
 
 def sampling_fields(job: Job, choice: int = 0) -> dict[str, Any]:
-    """The temperature of the request's `choice`, and its top_p and seed (maybe None) when it
+    """The temperature of the request's `choice`, and its filters and seed (maybe None) when it
     samples."""
     if job.greedy:
         return {"temperature": 0.0}
     seed = None if job.seed is None else job.seed + choice
-    return {"temperature": 0.8, "top_p": 0.95, "seed": seed}
+    return {**job.sampler, "seed": seed}
 
 
 def engine_view(job: Job, tokenizer: Any, prompt: int = 0) -> tuple[str, GrammarSpec | None]:

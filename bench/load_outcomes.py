@@ -191,6 +191,8 @@ def logprobs_match(o: Outcome, want: dict[str, Any], n_prompt: int) -> bool:
 
 # ---- report -----------------------------------------------------------------------------------
 
+STOP_FIELDS = {"stop", "stop_token_ids"}
+
 
 def pct(xs: list[float], q: float) -> float | None:
     if not xs:
@@ -214,13 +216,13 @@ def summarize(outcomes: list[Outcome], elapsed: float) -> dict[str, Any]:
     return {
         "sent": len(outcomes),
         "completed": len(done),
-        # Answers: a request of n choices gives n.
+        # Answers: one per choice (n of them per prompt).
         "completed_greedy": sum(o.job.num_choices for o in done if o.job.greedy),
         "completed_seeded": sum(
             o.job.num_choices for o in done if exact(o.job) and not o.job.greedy
-        ),  # fmt: skip
-        "completed_with_penalties": sum(bool(o.job.fields.keys() - {"stop"}) for o in done),
-        "completed_with_stop": sum("stop" in o.job.fields for o in done),
+        ),
+        "completed_with_penalties": sum(bool(o.job.fields.keys() - STOP_FIELDS) for o in done),
+        "completed_with_stop": sum(bool(o.job.fields.keys() & STOP_FIELDS) for o in done),
         "completed_echo_logprobs": sum(o.job.echo_logprobs for o in done),
         "completed_n_choices": sum(o.job.n > 1 for o in done),
         "completed_multi_prompt": sum(bool(o.job.more_prompts) for o in done),
