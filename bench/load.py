@@ -226,7 +226,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default="default")
     p.add_argument("--max-total-tokens", type=int, default=4096)
     p.add_argument("--max-running-requests", type=int, default=32)
-    p.add_argument("--disable-overlap-schedule", action="store_true")
+    p.add_argument("--disable-overlap-schedule", action=argparse.BooleanOptionalAction,
+                   help="the server's and the offline check's (default: the device's)")  # fmt: skip
     p.add_argument("--max-tokens", type=int, default=32, help="most new tokens, short requests")
     p.add_argument("--long-max-tokens", type=int, default=96, help="most new tokens, long ones")
     p.add_argument("--long-share", type=float, default=0.25)

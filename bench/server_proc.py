@@ -45,8 +45,9 @@ def server_flags(args: argparse.Namespace) -> list[str]:
             "--speculative-num-draft-tokens",
             "4",
         ]
-    if args.disable_overlap_schedule:
-        flags.append("--disable-overlap-schedule")
+    if args.disable_overlap_schedule is not None:  # else the device's default
+        no = "" if args.disable_overlap_schedule else "no-"
+        flags.append(f"--{no}disable-overlap-schedule")
     return flags
 
 

@@ -47,13 +47,13 @@ def test_load_bench_with_spec(tiny_dirs: tuple[str, str], tmp_path: os.PathLike)
 
 def test_load_bench_multi_turn(tiny_dirs: tuple[str, str], tmp_path: os.PathLike) -> None:
     """Chat conversations re-sending their history: the prefix cache serves most prompt tokens,
-    and every greedy answer is still exact."""
+    and every greedy answer is still exact; with the overlap scheduler on (the GPU default)."""
     target, head = tiny_dirs
     args = ["--model", target, "--dtype", "float32", "--spec", "--algorithm", "EAGLE", "--draft",
             head, "--multi-turn", "--turns", "3", "--clients", "8", "--duration", "10",
             "--max-total-tokens", str(SMALL_KV), "--max-running-requests", "16", "--max-tokens",
             "16", "--long-max-tokens", "32", "--long-share", "0.1", "--long-repeats", "1,1",
-            "--disconnect-share", "0.05"]  # fmt: skip
+            "--disconnect-share", "0.05", "--no-disable-overlap-schedule"]  # fmt: skip
     rc, s, detail = run_bench("load.py", args, os.path.join(tmp_path, "load_multi_turn.json"))
     assert rc == 0 and s["ok"], detail
     assert s["lost"] == 0 and s["errors"] == 0, detail
