@@ -219,6 +219,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--clients", type=int, default=64)
     p.add_argument("--duration", type=float, default=60.0, help="seconds of load")
     p.add_argument("--spec", action="store_true", help="speculative decoding on (EAGLE)")
+    p.add_argument("--config", help="serve with this config file (e.g. configs/smollm2-135m-eagle."
+                   "yaml, the shipped adaptive EAGLE3); the flags here override it")  # fmt: skip
     p.add_argument("--multi-turn", action="store_true", help="chat conversations (see above)")
     p.add_argument("--turns", type=int, default=4, help="--multi-turn: turns per conversation")
     p.add_argument("--draft", default=DEFAULT_DRAFT, help="EAGLE head for --spec")
@@ -299,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": machine_info(),
         "summary": summary,
     }
-    tag = ("_spec" if args.spec else "") + ("_multi_turn" if args.multi_turn else "")
+    tag = ("_spec" if args.spec or args.config else "") + ("_multi_turn" if args.multi_turn else "")
     name = args.out or os.path.join("bench", "results", f"load{tag}.json")
     os.makedirs(os.path.dirname(os.path.abspath(name)), exist_ok=True)
     with open(name, "w") as f:

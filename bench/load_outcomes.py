@@ -74,6 +74,21 @@ def exact(job: Job) -> bool:
     return job.greedy or job.seed is not None
 
 
+def server_engine_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The ServerArgs fields of the server bench/load.py starts (its flags, its --config), for
+    an offline `Engine` that computes what the server should."""
+    import dataclasses
+
+    from bench.server_proc import server_flags
+    from eagleserve.cli import add_serve_flags, build_server_args
+
+    parser = argparse.ArgumentParser()
+    add_serve_flags(parser)
+    server_args = build_server_args(parser.parse_args(server_flags(args)))
+    assert not isinstance(server_args, str), server_args
+    return {f.name: getattr(server_args, f.name) for f in dataclasses.fields(server_args)}
+
+
 def verify_exact(args: argparse.Namespace, outcomes: list[Outcome]) -> list[dict[str, Any]]:
     """Recomputes every completed greedy or seeded response offline; returns the mismatches."""
     from eagleserve import Engine
@@ -81,22 +96,7 @@ def verify_exact(args: argparse.Namespace, outcomes: list[Outcome]) -> list[dict
     todo = [o for o in outcomes if o.status == "completed" and exact(o.job)]
     if not todo:
         return []
-    kw: dict[str, Any] = dict(
-        device="cpu",
-        dtype=args.dtype,
-        max_total_tokens=args.max_total_tokens,
-        max_running_requests=args.max_running_requests,
-        disable_overlap_schedule=args.disable_overlap_schedule,
-    )
-    if args.spec:
-        kw.update(
-            speculative_algorithm=args.algorithm,
-            speculative_draft_model_path=args.draft,
-            speculative_num_steps=3,
-            speculative_eagle_topk=1,
-            speculative_num_draft_tokens=4,
-        )
-    engine = Engine(model=args.model, **kw)
+    engine = Engine(**server_engine_args(args))
     tok = engine.tokenizer
     # Every choice's answer, grouped by what fixes it (a choice's seed is the request's + j).
     keys: dict[AnswerKey, list[tuple[Outcome, int]]] = {}

@@ -19,7 +19,8 @@ HOST = "127.0.0.1"  # all traffic stays on the loopback interface
 
 
 def server_flags(args: argparse.Namespace) -> list[str]:
-    """`eagleserve serve` flags for bench/load.py's parsed arguments (model, KV pool, EAGLE)."""
+    """`eagleserve serve` flags for bench/load.py's parsed arguments (model, KV pool, EAGLE,
+    a config file)."""
     flags = [
         "--model",
         args.model,
@@ -45,6 +46,8 @@ def server_flags(args: argparse.Namespace) -> list[str]:
             "--speculative-num-draft-tokens",
             "4",
         ]
+    if args.config:  # the flags above and below override it
+        flags += ["--config", args.config]
     if args.disable_overlap_schedule is not None:  # else the device's default
         no = "" if args.disable_overlap_schedule else "no-"
         flags.append(f"--{no}disable-overlap-schedule")

@@ -63,6 +63,20 @@ def test_load_bench_multi_turn(tiny_dirs: tuple[str, str], tmp_path: os.PathLike
     assert s["kv_used_tokens_end"] == 0, detail
 
 
+def test_load_bench_with_the_shipped_config(smollm2_dir: str, tmp_path: os.PathLike) -> None:
+    """What `make serve` deploys (SmolLM2, its EAGLE3 head, adaptive depth; the config file)
+    under a short load: every greedy and seeded answer exact."""
+    args = ["--config", "smollm2-135m-eagle", "--model", smollm2_dir, "--clients",
+            "4", "--duration", "8", "--max-total-tokens", "1024", "--max-tokens", "12",
+            "--long-max-tokens", "24", "--long-repeats", "1,2"]  # fmt: skip
+    rc, s, detail = run_bench("load.py", args, os.path.join(tmp_path, "load_shipped.json"))
+    assert rc == 0 and s["ok"], detail
+    assert s["lost"] == 0 and s["errors"] == 0, detail
+    assert s["completed_greedy"] > 5 and s["greedy_exact"] == s["completed_greedy"], detail
+    assert s["seeded_exact"] == s["completed_seeded"], detail
+    assert s["kv_used_tokens_end"] == 0, detail
+
+
 def test_never_fits_is_400(spec_server: Server) -> None:
     url = spec_server.url
     ctx = httpx.get(url + "/v1/models").json()["data"][0]["max_model_len"]
