@@ -41,7 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.common import machine_info  # noqa: E402
 from bench.load_mix import Job, make_job, messages_of, next_turn, request_body  # noqa: E402
 from bench.load_outcomes import Outcome, shown_answer, summarize, verify_exact  # noqa: E402
-from bench.server_proc import HOST, Server, server_flags, wait_idle  # noqa: E402
+from bench.server_proc import HOST, Server, server_flags, spec_figures, wait_idle  # noqa: E402
 
 DEFAULT_DRAFT = "builtin:smollm2-135m-eagle"
 
@@ -271,8 +271,9 @@ def main(argv: list[str] | None = None) -> int:
         outcomes, elapsed, ctx = asyncio.run(drive(args, url))
         try:
             final = wait_idle(url)
+            spec = spec_figures(url)
         except httpx.TransportError:  # the server is gone: the summary says how it ended
-            final = {}
+            final, spec = {}, None
     finally:
         rc = server.stop() if server is not None else None
     summary = summarize(outcomes, elapsed)
@@ -285,6 +286,7 @@ def main(argv: list[str] | None = None) -> int:
         server_exit_code=rc,
         max_context_len=ctx,
         elapsed_s=round(elapsed, 2),
+        speculation=spec,
     )
     mismatches = [] if args.no_verify else verify_exact(args, outcomes)
     inexact_greedy = sum(m["greedy"] for m in mismatches)
@@ -327,6 +329,7 @@ def main(argv: list[str] | None = None) -> int:
         "errors",
         "lost",
         "tokens_per_s",
+        "speculation",
         "ttft_ms",
         "itl_ms",
         "chunk_gap_ms",
