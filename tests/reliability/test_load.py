@@ -35,6 +35,8 @@ def test_load_bench_with_spec(tiny_dirs: tuple[str, str], tmp_path: os.PathLike)
     assert s["completed_greedy"] > 10 and s["greedy_exact"] == s["completed_greedy"], detail
     assert s["completed_seeded"] > 0 and s["seeded_exact"] == s["completed_seeded"], detail
     assert s["aborted_by_client"] > 0, detail  # the disconnect path was exercised
+    # Speculation ran and is reported: tau counts the verify's own token, so it is at least 1.
+    assert s["speculation"]["tau"] >= 1.0 and s["speculation"]["acceptance_by_depth"], detail
     # Penalties / logit_bias / min_tokens, stop strings, n choices, prompt lists, output
     # constraints, logprobs and echo + logprobs were in the mix (and exact, logprobs included).
     assert s["completed_with_penalties"] > 3 and s["completed_echo_logprobs"] > 0, detail
