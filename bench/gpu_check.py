@@ -29,6 +29,9 @@ writing DIR/<stage>.json (and .log); DIR/summary.json is rewritten after every s
             share and top ops; dense vs sdpa depth attention, batch 16-64)
   hang      target-only Engine, then an EAGLE3 chain-3 Engine with dtype passed explicitly, in
             one process (reported to print nothing for 60-150 s)
+  load      bench/load.py on the shipped config with deterministic inference: 16 clients of the
+            whole request mix for 30 s against a server on the GPU, every greedy and seeded
+            answer recomputed by an offline Engine on the GPU and equal
 Inside a stage, faulthandler dumps every thread's traceback into DIR/<stage>.traceback when a
 step runs longer than --hang-s, so a hang leaves where it hung.
 """
@@ -54,10 +57,11 @@ sys.path.insert(0, ROOT)
 
 from bench.gpu_table import chain, stage_table  # noqa: E402
 
-STAGES = ("tests", "table", "gpu", "kernels", "determinism", "requests", "host", "train", "hang")
+STAGES = ("tests", "table", "gpu", "kernels", "determinism", "requests", "host", "train", "hang",
+          "load")  # fmt: skip
 # Seconds each stage may run on the GPU (the whole check is also held to --budget-s).
 LIMITS = {"tests": 100, "table": 240, "gpu": 120, "kernels": 45, "determinism": 45,
-          "requests": 90, "host": 150, "train": 90, "hang": 60}  # fmt: skip
+          "requests": 90, "host": 150, "train": 90, "hang": 60, "load": 150}  # fmt: skip
 HOOKS = {"kernels": "gpu_kernels.py", "determinism": "deterministic_gpu.py"}
 
 
@@ -206,6 +210,20 @@ def stage_requests(args: argparse.Namespace, st: Stage, limit: float) -> None:
     run_child(st, cmd, limit, {**child_env(), "TQDM_DISABLE": "1"})
 
 
+def stage_load(args: argparse.Namespace, st: Stage, limit: float) -> None:
+    device = "cpu" if args.device == "cpu" else "cuda"
+    out = os.path.join(args.out, "load_result.json")  # the stage's own JSON is load.json
+    cmd = [sys.executable, os.path.join(HERE, "load.py"), "--config", "smollm2-135m-eagle",
+           "--model", args.model, "--device", device, "--out", out]  # fmt: skip
+    if args.quick:
+        cmd += "--clients 4 --duration 5 --max-total-tokens 1024 --max-tokens 8".split()
+        cmd += "--long-max-tokens 16 --long-repeats 1,2".split()
+    else:
+        cmd += "--clients 16 --duration 30 --max-total-tokens 8192".split()
+        cmd.append("--serve-flags=--enable-deterministic-inference")  # a value, not a flag
+    run_child(st, cmd, limit, {**child_env(), "TQDM_DISABLE": "1"})
+
+
 def run_child(st: Stage, cmd: list[str], limit: float, env: dict[str, str] | None = None) -> None:
     """cmd in the checkout, stopped 5 s before the stage's limit; its return code (or
     "timeout") and the tail of its output go into the stage's JSON and to stdout, and the
@@ -249,6 +267,8 @@ def run_stage(args: argparse.Namespace) -> None:
             stage_train(args, st, args.limit_s)
         elif args.stage == "requests":
             stage_requests(args, st, args.limit_s)
+        elif args.stage == "load":
+            stage_load(args, st, args.limit_s)
         st.data.setdefault("ok", "errors" not in st.data)
     except BaseException:
         st.data["ok"], st.data["error"] = False, traceback.format_exc()

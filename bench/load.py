@@ -240,6 +240,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="LO,HI: a long prompt repeats a ~30-token sentence LO..HI times",
     )
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--device", default="cpu", help="the server's and the offline check's")
+    p.add_argument("--serve-flags", default="",
+                   help="more `eagleserve serve` flags, e.g. --serve-flags='--enable-pdl' "
+                   "(the offline check gets them too)")  # fmt: skip
     p.add_argument("--disconnect-share", type=float, default=0.1)
     p.add_argument("--penalty-share", type=float, default=0.3,
                    help="requests with penalties / min_tokens / logit_bias")  # fmt: skip

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import os
 import select
+import shlex
 import signal
 import subprocess
 import sys
@@ -28,7 +29,7 @@ def server_flags(args: argparse.Namespace) -> list[str]:
         "--dtype",
         args.dtype,
         "--device",
-        "cpu",
+        args.device,
         "--max-total-tokens",
         str(args.max_total_tokens),
         "--max-running-requests",
@@ -52,7 +53,7 @@ def server_flags(args: argparse.Namespace) -> list[str]:
     if args.disable_overlap_schedule is not None:  # else the device's default
         no = "" if args.disable_overlap_schedule else "no-"
         flags.append(f"--{no}disable-overlap-schedule")
-    return flags
+    return flags + shlex.split(args.serve_flags)
 
 
 class Server:
