@@ -57,15 +57,14 @@ AnswerKey = tuple[str, str, int, bool, str, bool, str, int | None]
 
 
 def offline_answer(job: Job, text: str, finish: str | None) -> tuple[str, str | None]:
-    """The answer and finish reason the server shows for the engine's `text`: with tools the
-    calls parsed out of it, finish `tool_calls` when it has some and was not cut (OpenAI's)."""
+    """The answer and finish reason the server shows for the engine's `text` (with tools: the
+    calls parsed out of it, by the server's own rule)."""
     if not job.tools:
         return text, finish
-    from eagleserve.server.tool_calls import parse_tool_calls
+    from eagleserve.server.tool_calls import tool_answer
 
-    content, calls = parse_tool_calls(text)
-    shown = shown_answer(job, content, calls)
-    return shown, "tool_calls" if calls and finish != "length" else finish
+    content, calls, finish = tool_answer(text, finish)
+    return shown_answer(job, content, calls), finish
 
 
 def exact(job: Job) -> bool:

@@ -136,28 +136,26 @@ def read_metrics(url: str) -> dict[str, float]:
     return out
 
 
-def spec_figures(url: str) -> dict[str, Any] | None:
-    """The server's speculation since it started (None without any verify): tau (tokens
-    committed per verify), the share of draft tokens accepted, and by draft depth the share of
-    the iterations drafting that deep (adaptive; else of all verifies) whose draft there was
-    accepted."""
+def spec_figures(url: str, totals: dict[str, float]) -> dict[str, Any] | None:
+    """The server's speculation since it started (None without any verify), from its /metrics
+    `totals` (`read_metrics`) and its per-depth counters: tau (tokens committed per verify), the
+    share of draft tokens accepted, and by draft depth the share of the iterations drafting that
+    deep (adaptive; else of all verifies) whose draft there was accepted."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    total: dict[str, float] = {}
     by: dict[str, dict[int, float]] = {"accepted": {}, "iterations": {}}
     text = httpx.get(url + "/metrics", timeout=30).text
     for fam in text_string_to_metric_families(text):
-        for s in fam.samples:  # one model: its model_name label is the same on all
+        for s in fam.samples:
             if s.name == "eagleserve_spec_accepted_per_position_total":
                 by["accepted"][int(s.labels["position"])] = s.value
             elif s.name == "eagleserve_spec_iterations_total":
                 by["iterations"][int(s.labels["num_drafts"])] = s.value
-            else:
-                total[s.name] = total.get(s.name, 0.0) + s.value
-    verifies = total.get("eagleserve_spec_verify_calls_total", 0.0)
+    verifies = totals.get("eagleserve_spec_verify_calls_total", 0.0)
     if not verifies:
         return None
-    proposed = total.get("eagleserve_spec_proposed_tokens_total", 0.0)
+    proposed = totals.get("eagleserve_spec_proposed_tokens_total", 0.0)
+    committed = totals.get("eagleserve_spec_accepted_tokens_total", 0.0)
     iterations = by["iterations"]
 
     def drafted_at(depth: int) -> float:
@@ -167,9 +165,8 @@ def spec_figures(url: str) -> dict[str, Any] | None:
         return sum(n for k, n in iterations.items() if k > depth)
 
     return {
-        "tau": round(total.get("eagleserve_spec_accepted_tokens_total", 0.0) / verifies, 3),
-        "draft_acceptance": round((total.get("eagleserve_spec_accepted_tokens_total", 0.0)
-                                   - verifies) / proposed, 3) if proposed else None,
+        "tau": round(committed / verifies, 3),
+        "draft_acceptance": round((committed - verifies) / proposed, 3) if proposed else None,
         "acceptance_by_depth": {d: round(a / drafted_at(d), 3)
                                 for d, a in sorted(by["accepted"].items()) if drafted_at(d)},
         "iterations_by_num_drafts": {k: int(n) for k, n in sorted(iterations.items())},

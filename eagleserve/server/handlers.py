@@ -33,8 +33,8 @@ from eagleserve.server.serving import ApiError, Serving, Tracker, run_to_end
 from eagleserve.server.structured import checked, output_constraint
 from eagleserve.server.tool_calls import (
     ToolSetup,
-    parse_tool_calls,
     render_calls,
+    tool_answer,
     tool_grammar,
     tool_prompt,
     tool_setup,
@@ -245,10 +245,7 @@ async def create_chat(serving: Serving, body: ChatCompletionRequest, request: Re
         """(content, tool calls, finish reason) of a finished choice."""
         if tools is None:
             return c.text, [], c.finish_reason
-        content, calls = parse_tool_calls(c.text)
-        # As OpenAI: an output cut by max_tokens says so, with the calls it completed.
-        cut = c.finish_reason == "length"
-        return content, calls, "tool_calls" if calls and not cut else c.finish_reason
+        return tool_answer(c.text, c.finish_reason)
 
     def delta(c: ChoiceState, text: str, out: TokenOutput) -> str | None:
         calls: list[dict[str, Any]] = []

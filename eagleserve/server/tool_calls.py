@@ -152,3 +152,14 @@ def parse_tool_calls(text: str) -> tuple[str | None, list[dict[str, Any]]]:
         })  # fmt: skip
     content = ("".join(kept) + text[at:]).strip()
     return (content or None), calls
+
+
+def tool_answer(
+    text: str, finish_reason: str | None
+) -> tuple[str | None, list[dict[str, Any]], str | None]:
+    """(content, tool_calls, finish_reason) of an output with tools: as OpenAI's, finish
+    `tool_calls` when it made calls, unless max_tokens cut it (it says so, with the calls it
+    completed)."""
+    content, calls = parse_tool_calls(text)
+    cut = finish_reason == "length"
+    return content, calls, "tool_calls" if calls and not cut else finish_reason
