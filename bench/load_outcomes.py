@@ -122,6 +122,7 @@ def verify_exact(args: argparse.Namespace, outcomes: list[Outcome]) -> list[dict
         want += engine.generate(
             prompts[i : i + args.max_running_requests], params[i : i + args.max_running_requests]
         )
+    engine.close()  # with --tp-size its other ranks leave with it
     bad = []
     for (key, outs), w, ids in zip(keys.items(), want, prompts, strict=True):
         if key[5]:  # echo: the prompt, then the completion; the prompt's logprobs first

@@ -8,7 +8,8 @@ changes state (add_request, abort_request, step) is broadcast, in rank 0's order
 makes it, and each follower makes the same calls. The schedulers then choose the same batches,
 allocate the same KV slots and run the same forwards, whose collectives meet; what a forward
 decides (sampled and accepted tokens) is rank 0's on every rank (broadcast_from_first), so no
-replica drifts. This is SGLang's layout too: its rank 0 broadcasts the requests it receives.
+replica drifts; what a rank computes before that (a sampled chain's drafts) agrees because every
+input does, the seeds of requests that name none included (`join`). This is SGLang's layout too: its rank 0 broadcasts the requests it receives.
 
 A failure inside a forward is fatal under tensor parallelism (the process exits 1): a rank
 that raised mid-forward has left the others waiting in a collective, and the schedulers could
@@ -45,6 +46,7 @@ from eagleserve.distributed.parallel import (
 )
 from eagleserve.messages import GenerateReqInput, TokenOutput
 from eagleserve.models.loader import resolve_model_path
+from eagleserve.sampling.seeded_noise import entropy_seed
 from eagleserve.scheduler.faults import install_fault_injection
 from eagleserve.scheduler.scheduler import Scheduler
 
@@ -173,6 +175,11 @@ def join(
         store.set(_joined_key(rank), str(os.getpid()))
     _threads_per_rank(args)
     init_tensor_parallel(rank, args.tp_size, port, pick_device(own.device), store=store)
+    # Sampled requests that name no seed get theirs from one generator, seeded alike on every
+    # rank: each rank draws a sampled chain's drafts on the request's noise itself, and a
+    # verify whose ranks drafted different tokens mixes their shards' inputs.
+    seed = own.random_seed if own.random_seed is not None else entropy_seed()
+    own = dataclasses.replace(own, random_seed=broadcast_object(seed))
     scheduler: Scheduler | None = None
     error: BaseException | None = None
     try:

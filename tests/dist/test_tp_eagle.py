@@ -4,14 +4,15 @@ token for token, which equals TP=1's; sampled requests run through the broadcast
 
 from __future__ import annotations
 
+import copy
 import os
 import random
+from dataclasses import replace
 from typing import Any
 
 import pytest
 import torch
 from conftest import SPEC_VOCAB, save_spec_target
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from eagleserve import Engine, SamplingParams
 from eagleserve.config import ModelConfig
@@ -103,3 +104,31 @@ def test_tp2_eagle_greedy_equals_tp2_target_only(target_dir: str, heads: dict[st
         assert stats.spec_verify_calls_total > 0, name
         if name in ("EAGLE chain", "EAGLE chain, overlap"):  # the good head: drafts were accepted
             assert stats.spec_accepted_tokens_total > stats.spec_verify_calls_total, name
+
+
+def test_tp2_sampled_requests_without_a_seed_draft_alike_on_both_ranks(
+    target_dir: str, heads: dict[str, str]
+) -> None:
+    """A sampled request that names no seed gets the same one on every rank: each rank draws a
+    sampled chain's drafts on that seed's noise, and ranks that drafted different tokens would
+    verify a mix of their shards' inputs. So the run equals one whose requests name the seeds
+    rank 0 drew. (With the head that mostly guesses right, drafts are often accepted: a mixed
+    verify then changes the tokens, which it rarely does where drafts are rejected.)"""
+    rng = random.Random()
+    prompts = [[rng.randrange(1, VOCAB - 1) for _ in range(rng.randrange(4, 30))] for _ in range(4)]
+    unseeded = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=1.0, ignore_eos=True)
+    spec = _spec("EAGLE", heads["EAGLE"], 3, 1, 4)
+    runs, drawn = [], []
+    for named_seeds in (False, True):
+        engine = Engine(target_dir, device="cpu", dtype="float32", max_total_tokens=2048,
+                        tp_size=2, **spec)  # fmt: skip
+        try:
+            if not named_seeds:  # the seeds rank 0 draws for the requests, in their order
+                seeds = copy.deepcopy(engine.scheduler.request_seeds)
+                drawn = [seeds.seed_for(None) for _ in prompts]
+            params = [replace(unseeded, seed=s) if named_seeds else unseeded for s in drawn]
+            runs.append([r["token_ids"] for r in engine.generate(prompts, params)])
+        finally:
+            engine.close()
+    assert runs[0] == runs[1]
+    assert all(len(t) == NEW_TOKENS for t in runs[0])
