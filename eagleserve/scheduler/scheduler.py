@@ -12,7 +12,7 @@ from eagleserve.constrained.grammar import GrammarBackend, request_grammar
 from eagleserve.constrained.grammar_batch import BatchGrammar
 from eagleserve.core import FinishReason, GenerationBatchResult, Req, ScheduleBatch
 from eagleserve.device import pick_device
-from eagleserve.distributed.parallel import broadcast_object
+from eagleserve.distributed.parallel import broadcast_object, get_tp
 from eagleserve.mem_cache.prefix_cache import PrefixCache
 from eagleserve.messages import EngineStats, GenerateReqInput, TokenOutput
 from eagleserve.model_executor.model_runner import ModelRunner
@@ -266,9 +266,8 @@ class Scheduler:
         while not self.prefix_cache.make_room(batch.batch_size * per_req):
             # A prefill part-way holds slots for its whole prompt and has produced nothing: it
             # goes back first, else the newest running request. Its computed positions go into
-            # the prefix cache, whose eviction takes only the tail the shortage needs: back in
-            # the queue, it recomputes what was evicted. One running request alone always fits
-            # (max_context_len), whatever else is cached.
+            # the prefix cache, whose eviction takes only the tail the shortage needs: back in the
+            # queue, it recomputes what was evicted. One request alone fits (max_context_len).
             if self.chunked_req is not None:
                 req, self.chunked_req = self.chunked_req, None
             elif batch.batch_size > 1:
@@ -276,7 +275,8 @@ class Scheduler:
                 batch.filter_batch(list(range(batch.batch_size - 1)))
             else:
                 break
-            logger.info("KV pool full: retracting request %s", req.rid)
+            if get_tp().rank == 0:  # every rank retracts it; one line says so
+                logger.info("KV pool full: retracting request %s", req.rid)
             self._release(req)
             req.retract_count += 1
             self.num_retracted += 1

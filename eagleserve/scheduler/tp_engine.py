@@ -9,7 +9,8 @@ makes it, and each follower makes the same calls. The schedulers then choose the
 allocate the same KV slots and run the same forwards, whose collectives meet; what a forward
 decides (sampled and accepted tokens) is rank 0's on every rank (broadcast_from_first), so no
 replica drifts; what a rank computes before that (a sampled chain's drafts) agrees because every
-input does, the seeds of requests that name none included (`join`). This is SGLang's layout too: its rank 0 broadcasts the requests it receives.
+input does, the seeds of requests that name none included (`join`). This is SGLang's layout
+too: its rank 0 broadcasts the requests it receives.
 
 A failure inside a forward is fatal under tensor parallelism (the process exits 1): a rank
 that raised mid-forward has left the others waiting in a collective, and the schedulers could

@@ -1,10 +1,12 @@
 """A tensor-parallel engine's life in one process: a rank that dies before it joins fails the
 engine within seconds (with the likely cause), a rank that never joins fails it after
 --dist-timeout, and after close() another TP engine starts as fast as the first; while one is
-open, building another is a clear error."""
+open, building another is a clear error; a retraction, made by every rank, is logged by rank 0
+alone."""
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import subprocess
@@ -95,3 +97,23 @@ def test_second_tp_engine_starts_as_fast_as_the_first(target_dir: str) -> None:
     # Both builds start a Python process for rank 1 on a machine whose cores may be shared:
     # a few seconds of slack on top of the 2x.
     assert second_s <= 2 * first_s + 5, f"first {first_s:.1f} s, second {second_s:.1f} s"
+
+
+def test_a_retraction_is_logged_once_not_once_per_rank(
+    target_dir: str, capfd: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Every rank retracts the same request when the KV pool runs out; rank 0 alone says so
+    (rank 0 logs in this process, its followers to the stderr they share with it)."""
+    rng = random.Random()
+    prompts = [[rng.randrange(1, SPEC_VOCAB - 1) for _ in range(24)] for _ in range(6)]
+    params = SamplingParams(max_new_tokens=40, temperature=0, ignore_eos=True)
+    caplog.set_level(logging.INFO, logger="eagleserve.scheduler.scheduler")
+    with Engine(target_dir, device="cpu", dtype="float32", max_total_tokens=160, tp_size=2,
+                log_level="info") as engine:  # fmt: skip
+        outs = engine.generate(prompts, params)
+        retracted = engine.stats().num_retracted_total
+    assert all(len(o["token_ids"]) == 40 for o in outs)
+    followers = [ln for ln in capfd.readouterr().err.splitlines() if "retracting request" in ln]
+    own = [r for r in caplog.records if "retracting request" in r.getMessage()]
+    assert retracted > 0
+    assert (len(own), followers) == (retracted, [])

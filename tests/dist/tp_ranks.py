@@ -13,9 +13,9 @@ import torch
 import torch.multiprocessing as tmp
 
 from eagleserve.config import ModelConfig
-from eagleserve.models.llama import ModelOutput
 from eagleserve.distributed.parallel import destroy_tensor_parallel, init_tensor_parallel
 from eagleserve.model_executor.model_runner import ModelRunner
+from eagleserve.models.llama import ModelOutput
 
 CPU = torch.device("cpu")
 RANK_TIMEOUT_S = 300
