@@ -19,6 +19,7 @@ no longer be kept equal. The server sees the engine die and answers 503, then ex
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import logging
 import os
@@ -226,6 +227,9 @@ class ReplicatedScheduler:
         self.followers = followers  # the ones this process started (offline Engine)
         self.calls: list[tuple[str, Any]] = []
         self.closed = False
+        # A script that never closes its Engine would hang at exit: multiprocessing joins the
+        # followers, which ignore SIGTERM and wait for rank 0's next call. This is that call.
+        atexit.register(self.close)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.scheduler, name)
@@ -252,6 +256,7 @@ class ReplicatedScheduler:
         if self.closed:
             return
         self.closed = True
+        atexit.unregister(self.close)
         try:
             self._publish("exit")
         finally:

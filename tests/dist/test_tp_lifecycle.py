@@ -1,11 +1,12 @@
 """A tensor-parallel engine's life in one process: a rank that dies before it joins fails the
 engine within seconds (with the likely cause), a rank that never joins fails it after
---dist-timeout, and after close() another TP engine starts as fast as the first; while one is
-open, building another is a clear error; a retraction, made by every rank, is logged by rank 0
-alone."""
+--dist-timeout, a script that never closes its engine still exits, and after close() another
+TP engine starts as fast as the first; while one is open, building another is a clear error; a
+retraction, made by every rank, is logged by rank 0 alone."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import random
@@ -56,6 +57,34 @@ def test_unguarded_script_fails_fast_naming_the_main_guard(
     assert "exited (exit code 1) before it joined rank 0" in proc.stderr
     assert 'if __name__ == "__main__":' in proc.stderr
     assert elapsed < FAIL_FAST_S, f"took {elapsed:.0f} s to fail"
+
+
+def test_a_script_that_never_closes_its_engine_exits(target_dir: str, tmp_path: Path) -> None:
+    """A guarded script that builds a TP Engine, generates and ends without close(): it exits
+    at once and cleanly (its followers ignore SIGTERM, and multiprocessing joins them at exit:
+    without the engine's own exit hook the script hung there until the group's timeout)."""
+    rng = random.Random()
+    prompt = [rng.randrange(1, SPEC_VOCAB - 1) for _ in range(rng.randrange(3, 12))]
+    script = tmp_path / "unclosed.py"
+    script.write_text(textwrap.dedent(f"""
+        from eagleserve import Engine, SamplingParams
+        if __name__ == "__main__":
+            engine = Engine({target_dir!r}, device="cpu", dtype="float32", max_total_tokens=512,
+                            tp_size=2)
+            params = SamplingParams(max_new_tokens=4, temperature=0, ignore_eos=True)
+            print(engine.generate([{prompt!r}], params)[0]["token_ids"])
+    """))
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    t0 = time.monotonic()
+    try:
+        proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                              env=env, timeout=FAIL_FAST_S, cwd=tmp_path)  # fmt: skip
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the script did not exit within {FAIL_FAST_S} s")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert len(json.loads(proc.stdout.strip().splitlines()[-1])) == 4
+    assert "lost rank 0" not in proc.stderr and "Traceback" not in proc.stderr
+    assert time.monotonic() - t0 < FAIL_FAST_S
 
 
 def test_a_rank_that_never_joins_fails_after_the_timeout() -> None:
