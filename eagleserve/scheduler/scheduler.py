@@ -12,7 +12,7 @@ from eagleserve.constrained.grammar import GrammarBackend, request_grammar
 from eagleserve.constrained.grammar_batch import BatchGrammar
 from eagleserve.core import FinishReason, GenerationBatchResult, Req, ScheduleBatch
 from eagleserve.device import pick_device
-from eagleserve.distributed.parallel import broadcast_object, get_tp
+from eagleserve.distributed.parallel import broadcast_object
 from eagleserve.mem_cache.prefix_cache import PrefixCache
 from eagleserve.messages import EngineStats, GenerateReqInput, TokenOutput
 from eagleserve.model_executor.model_runner import ModelRunner
@@ -275,8 +275,7 @@ class Scheduler:
                 batch.filter_batch(list(range(batch.batch_size - 1)))
             else:
                 break
-            if get_tp().rank == 0:  # every rank retracts it; one line says so
-                logger.info("KV pool full: retracting request %s", req.rid)
+            logger.info("KV pool full: retracting request %s", req.rid)
             self._release(req)
             req.retract_count += 1
             self.num_retracted += 1

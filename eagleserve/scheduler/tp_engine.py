@@ -308,6 +308,10 @@ def follower_main(args: ServerArgs, rank: int, port: int) -> None:
         level=args.log_level.upper(),
         format=f"%(asctime)s %(levelname)s tp{rank} %(name)s: %(message)s",
     )
+    # A follower replays rank 0's scheduler: rank 0's log already says what it does (a
+    # retraction, say); a follower's scheduler speaks only of what goes wrong.
+    sched_logger = logging.getLogger(Scheduler.__module__)
+    sched_logger.setLevel(max(sched_logger.getEffectiveLevel(), logging.WARNING))
     try:
         scheduler = join(args, rank, port)
     except Exception as exc:  # rank 0 reports it (join's all-gather)
