@@ -5,8 +5,10 @@ token for token, which equals TP=1's; sampled requests run through the broadcast
 from __future__ import annotations
 
 import copy
+import json
 import os
 import random
+import shutil
 from dataclasses import replace
 from typing import Any
 
@@ -47,6 +49,14 @@ def heads(target_dir: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str
                 head.fc.weight[:, :h].add_(torch.eye(h))
         out[algorithm] = os.path.join(tmp, algorithm)
         save_eagle_head(head, out[algorithm])
+    # The good head with the held-out accuracy a trained one carries: the adaptive controller
+    # starts from it and drafts from the first iterations (from the 0.5 prior it may price a
+    # draft above a decode on this CPU and wait longer than a short run for its first probe).
+    out["EAGLE-logged"] = os.path.join(tmp, "EAGLE-logged")
+    shutil.copytree(out["EAGLE"], out["EAGLE-logged"])
+    log = {"val_accuracy_by_depth": {f"acc{d}": 0.9 for d in range(3)}}
+    with open(os.path.join(out["EAGLE-logged"], "training_log.json"), "w") as f:
+        json.dump(log, f)
     return out
 
 
@@ -85,7 +95,7 @@ def test_tp2_eagle_greedy_equals_tp2_target_only(target_dir: str, heads: dict[st
         },  # fmt: skip
         # Each rank times its own iterations: the chosen depth must be rank 0's on both.
         "EAGLE chain, adaptive": {
-            **_spec("EAGLE", heads["EAGLE"], 3, 1, 4),
+            **_spec("EAGLE", heads["EAGLE-logged"], 3, 1, 4),
             "speculative_adaptive": True,
         },  # fmt: skip
         "EAGLE tree": _spec("EAGLE", heads["EAGLE"], 3, 2, 6),
@@ -102,7 +112,7 @@ def test_tp2_eagle_greedy_equals_tp2_target_only(target_dir: str, heads: dict[st
         assert [r["token_ids"] for r in results[:4]] == tp2, name
         assert len(results[4]["token_ids"]) == NEW_TOKENS, name
         assert stats.spec_verify_calls_total > 0, name
-        if name in ("EAGLE chain", "EAGLE chain, overlap"):  # the good head: drafts were accepted
+        if name.startswith("EAGLE chain"):  # the good head: drafts were accepted
             assert stats.spec_accepted_tokens_total > stats.spec_verify_calls_total, name
 
 
