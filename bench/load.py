@@ -41,6 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.common import machine_info  # noqa: E402
 from bench.load_mix import Job, make_job, messages_of, next_turn, request_body  # noqa: E402
 from bench.load_outcomes import Outcome, shown_answer, summarize, verify_exact  # noqa: E402
+from bench.mem_watch import MemoryWatch  # noqa: E402
 from bench.server_proc import HOST, Server, server_flags, spec_figures, wait_idle  # noqa: E402
 
 DEFAULT_DRAFT = "builtin:smollm2-135m-eagle"
@@ -271,6 +272,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     server = None if args.url else Server(server_flags(args))
     url = args.url or server.url  # type: ignore[union-attr]
+    watch = MemoryWatch(server.proc.pid) if server is not None and os.path.isdir("/proc") else None
     try:
         outcomes, elapsed, ctx = asyncio.run(drive(args, url))
         try:
@@ -279,6 +281,8 @@ def main(argv: list[str] | None = None) -> int:
         except httpx.TransportError:  # the server is gone: the summary says how it ended
             final, spec = {}, None
     finally:
+        if watch is not None:
+            watch.stop()
         rc = server.stop() if server is not None else None
     summary = summarize(outcomes, elapsed)
     kv_used = final.get("eagleserve_kv_used_tokens", -1)
@@ -291,6 +295,7 @@ def main(argv: list[str] | None = None) -> int:
         max_context_len=ctx,
         elapsed_s=round(elapsed, 2),
         speculation=spec,
+        memory=watch.growth() if watch is not None else None,
     )
     mismatches = [] if args.no_verify else verify_exact(args, outcomes)
     inexact_greedy = sum(m["greedy"] for m in mismatches)
@@ -344,6 +349,11 @@ def main(argv: list[str] | None = None) -> int:
     ]
     for k in keys:
         print(f"{k:>22}: {summary[k]}")
+    for label, m in (summary["memory"] or {}).items():
+        print(
+            f"  memory {label[:48]}: {m['mib_after_warmup']} -> {m['mib_end']} MiB anonymous, "
+            f"{m['mib_per_min']:+} MiB/min after warm-up"
+        )
     for d in summary["error_details"][:5]:
         print("  error:", d)
     for m in mismatches[:3]:

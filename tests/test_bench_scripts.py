@@ -7,8 +7,13 @@ from __future__ import annotations
 import glob
 import json
 import os
+import random
+import signal
 import subprocess
 import sys
+import time
+
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Scripts for a tool the CPU suite does not install (built by `make bench-llamacpp`).
@@ -41,3 +46,46 @@ def test_every_bench_script_imports() -> None:
     failed = json.loads(out.stdout.strip().splitlines()[-1])
     broken = {n: f for n, f in failed.items() if not (f[0] == "missing" and f[1] in OPTIONAL)}
     assert not broken, broken
+
+
+# A root that holds a fixed heap, and its child whose heap grows by `step` MiB every 0.1 s.
+GROWER = """
+import subprocess, sys, time
+role, held, step = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+heap = [bytearray(held * 2**20)]
+if role == "root":
+    subprocess.Popen([sys.executable, "-c", sys.argv[4], "grow", "1", str(step)])
+while True:
+    if role == "grow":
+        heap.append(bytearray(step * 2**20))
+    for chunk in heap[-1:]:
+        chunk[::4096] = b"x" * len(chunk[::4096])  # touched: resident
+    time.sleep(0.1)
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc")
+def test_memory_watch_finds_the_process_that_grows() -> None:
+    """bench/load.py's leak check: the growing process is found under the root (its child), and
+    its slope is its growth rate; the root, whose heap stays, reads flat."""
+    sys.path.insert(0, ROOT)
+    from bench.mem_watch import MemoryWatch, process_tree
+
+    rng = random.Random()
+    held, step = rng.randint(20, 40), rng.randint(2, 4)
+    root = subprocess.Popen([sys.executable, "-c", GROWER, "root", str(held), str(step), GROWER])
+    try:
+        time.sleep(0.5)
+        watch = MemoryWatch(root.pid, period=0.1)
+        time.sleep(2.5)
+        watch.stop()
+    finally:
+        for pid in process_tree(root.pid)[::-1]:
+            os.kill(pid, signal.SIGKILL)
+        root.wait()
+    growth = watch.growth(warmup_share=0.2)
+    assert growth["server"]["mib_per_min"] == pytest.approx(0, abs=3)
+    assert growth["server"]["mib_end"] >= held
+    (child,) = [m for label, m in growth.items() if label != "server"]
+    # 10 steps a second, less the sleeps' and the sampling's drift.
+    assert 0.7 * 600 * step < child["mib_per_min"] < 1.1 * 600 * step, child
