@@ -68,6 +68,16 @@ def least_squares_slope(xs: list[float], ys: list[float]) -> float:
     return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
 
 
+def each_minute(series: list[tuple[float, float]]) -> list[float]:
+    """The first sample at or after each whole minute of (seconds, MiB) samples (the run's shape
+    for the JSON: a spike, a plateau or a slope)."""
+    out: list[float] = []
+    for t, mib in series:
+        if t >= 60 * len(out):
+            out.append(round(mib, 1))
+    return out
+
+
 class MemoryWatch:
     """Samples RssAnon of `root`'s process tree in a daemon thread until `stop()`."""
 
@@ -94,8 +104,9 @@ class MemoryWatch:
         self._thread.join()
 
     def growth(self, warmup_share: float = 0.25) -> dict[str, dict[str, Any]]:
-        """Per process: MiB at the end of the warm-up share of the run and at its end, the
-        peak, and the least-squares slope in MiB per minute over the samples after warm-up."""
+        """Per process: MiB at the end of the warm-up share of the run, at its end and at each
+        minute, the peak, and the least-squares slope in MiB per minute over the samples after
+        warm-up."""
         out: dict[str, dict[str, Any]] = {}
         for label, series in self.samples.items():
             if len(series) < 2:
@@ -108,6 +119,7 @@ class MemoryWatch:
                 "mib_end": round(series[-1][1], 1),
                 "mib_peak": round(max(m for _, m in series), 1),
                 "mib_per_min": round(60 * slope, 2),
+                "mib_each_minute": each_minute(series),
                 "samples": len(series),
                 "minutes_measured": round((t_end - warm[0][0]) / 60, 2),
             }

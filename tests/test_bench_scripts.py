@@ -87,5 +87,5 @@ def test_memory_watch_finds_the_process_that_grows() -> None:
     assert growth["server"]["mib_per_min"] == pytest.approx(0, abs=3)
     assert growth["server"]["mib_end"] >= held
     (child,) = [m for label, m in growth.items() if label != "server"]
-    # 10 steps a second, less the sleeps' and the sampling's drift.
-    assert 0.7 * 600 * step < child["mib_per_min"] < 1.1 * 600 * step, child
+    # At most 10 steps a second (fewer where the machine is busy).
+    assert 0.5 * 600 * step < child["mib_per_min"] < 1.1 * 600 * step, child
