@@ -76,7 +76,9 @@ async def run_job(http: httpx.AsyncClient, job: Job, model: str, timeout: float)
 def finish_plain(job: Job, resp: httpx.Response) -> Outcome:
     if resp.status_code == 400 and job.never_fits:
         return Outcome(job, "rejected")
-    if resp.status_code == 400 and len(job.history) > 1 and "context_length" in resp.text:
+    # A conversation's turn, its first included: the mix sizes a prompt, not the system prompt
+    # and chat template around it, so a long first turn may not fit a small context either.
+    if resp.status_code == 400 and job.history and "context_length" in resp.text:
         return Outcome(job, "context_full")
     if resp.status_code != 200:
         return Outcome(job, "error", detail=f"HTTP {resp.status_code}: {resp.text[:300]}")

@@ -15,8 +15,8 @@ from bench.load_mix import Job, engine_view, request_params, sampling_fields
 @dataclass
 class Outcome:
     job: Job
-    # completed | aborted | rejected (expected 400) | context_full (a conversation outgrew the
-    # context: a 400 that ends it) | error | lost
+    # completed | aborted | rejected (expected 400) | context_full (a conversation's turn does
+    # not fit the context: a 400 that ends the conversation) | error | lost
     status: str
     text: str = ""
     finish_reason: str | None = None

@@ -89,3 +89,30 @@ def test_memory_watch_finds_the_process_that_grows() -> None:
     (child,) = [m for label, m in growth.items() if label != "server"]
     # At most 10 steps a second (fewer where the machine is busy).
     assert 0.5 * 600 * step < child["mib_per_min"] < 1.1 * 600 * step, child
+
+
+def test_load_counts_a_conversation_that_outgrows_the_context_apart_from_errors() -> None:
+    """bench/load.py: a 400 for the context, to any turn of a conversation (the first too: its
+    system prompt and template are not in the mix's sizing), ends the conversation and is no
+    server error; the same 400 to a single request is one."""
+    import httpx
+
+    sys.path.insert(0, ROOT)
+    from bench.load import finish_plain
+    from bench.load_mix import Job
+
+    rng = random.Random()
+    prompt, n = rng.randint(400, 500), rng.randint(64, 96)
+    body = {"error": {"message": f"the prompt has {prompt} and max_tokens is {n}",
+                      "code": "context_length_exceeded"}}  # fmt: skip
+    resp = httpx.Response(400, json=body)
+    system = [{"role": "system", "content": "Be brief."}]
+    first_turn = Job(kind="chat", stream=False, greedy=True, prompt="hi", max_tokens=n)
+    first_turn.history = system
+    later_turn = Job(kind="chat", stream=False, greedy=True, prompt="and?", max_tokens=n)
+    later_turn.history = [*system, {"role": "user", "content": "hi"},
+                          {"role": "assistant", "content": "hello"}]  # fmt: skip
+    single = Job(kind="chat", stream=False, greedy=True, prompt="hi", max_tokens=n)
+    assert finish_plain(first_turn, resp).status == "context_full"
+    assert finish_plain(later_turn, resp).status == "context_full"
+    assert finish_plain(single, resp).status == "error"
