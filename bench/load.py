@@ -337,6 +337,7 @@ def main(argv: list[str] | None = None) -> int:
         "completed_echo_logprobs",
         "aborted_by_client",
         "rejected_400_expected",
+        "conversations_at_context_limit",
         "errors",
         "lost",
         "tokens_per_s",
