@@ -1,8 +1,9 @@
 """eagleserve's CPU kernels for x86 with AVX2, FMA and F16C, built on first use:
 
 - `cpu_gemv.cpp`: blocked 4-/8-bit GEMV/GEMM (`q4_matmul`, `q8_matmul`) over weights in column
-  tiles (`pack_q4`, `pack_q8`), with `cpu_gemv_avx512.cpp` where the CPU has AVX-512 VNNI;
-  activations are quantized to int8 per 32-block, as llama.cpp does for these weight types;
+  tiles (`pack_q4`, `pack_q8`), with `cpu_gemv_avx512.cpp` where the CPU has AVX-512 VNNI
+  and `cpu_gemm_amx.cpp` for each 16 rows of a call where it has AMX-INT8 too; activations
+  are quantized to int8 per 32-block, as llama.cpp does for these weight types;
 - `cpu_attention.cpp`: paged attention for decode/verify rows (`paged_attention`), fp32, with
   `cpu_attention_avx512.cpp`'s scores and weighted sums for a prefill's rows where the CPU has
   AVX-512 (the same bits);
@@ -44,8 +45,9 @@ logger = logging.getLogger(__name__)
 _SOURCES = [
     os.path.join(os.path.dirname(os.path.abspath(__file__)), name)
     for name in (
-        "cpu_gemv.cpp", "cpu_gemv_avx512.cpp", "cpu_attention.cpp", "cpu_attention_avx512.cpp",
-        "cpu_norm.cpp", "cpu_pointwise.cpp", "cpu_layers.cpp", "cpu_argmax.cpp", "cpu_sample.cpp",
+        "cpu_gemv.cpp", "cpu_gemv_avx512.cpp", "cpu_gemm_amx.cpp", "cpu_attention.cpp",
+        "cpu_attention_avx512.cpp", "cpu_norm.cpp", "cpu_pointwise.cpp", "cpu_layers.cpp",
+        "cpu_argmax.cpp", "cpu_sample.cpp",
     )
 ]  # fmt: skip
 _HEADERS = [
@@ -194,9 +196,10 @@ def q8_matmul(
 
 
 def gemv_isa(isa: str = "") -> str:
-    """The instructions `q4_matmul`/`q8_matmul` run: "avx2" or "avx512_vnni" (the best the CPU
-    has, chosen at load; both give the same bits). Pass one of those, or "auto", to switch for
-    every later call (tests and A/B benchmarks)."""
+    """The instructions `q4_matmul`/`q8_matmul` run: "avx2", "avx512_vnni", or "amx" (AVX-512
+    VNNI, and AMX-INT8 tile multiplies for each 16 rows of a call); the best the CPU has,
+    chosen at load; all give the same bits. Pass one of those, or "auto", to switch for every
+    later call (tests and A/B benchmarks)."""
     return str(torch.ops.eagleserve_cpu.gemv_isa(isa))
 
 

@@ -1,7 +1,7 @@
 // y = x @ W.T for GGUF-blocked weights on x86 CPUs (AVX2 + FMA; AVX-512 VNNI in
-// cpu_gemv_avx512.cpp), as llama.cpp computes these types: each 32-block of a row of x is
-// quantized to int8 (scale max|x| / 127), block dot products run in integers, and each block's
-// sum is scaled by d_w * d_x in fp32.
+// cpu_gemv_avx512.cpp; AMX-INT8 for each 16 rows in cpu_gemm_amx.cpp), as llama.cpp computes
+// these types: each 32-block of a row of x is quantized to int8 (scale max|x| / 127), block dot
+// products run in integers, and each block's sum is scaled by d_w * d_x in fp32.
 //
 // Weights come in column tiles (cpu_ext.pack_q4 / pack_q8 build them once at load): 16 output
 // columns per tile, N padded with zero columns to a multiple of 16, and per (tile, block) the
@@ -21,8 +21,9 @@
 // exact, d_w * d_x is one rounded product, the block terms are summed by an fma chain in block
 // order, the m terms by another, and the two are added. So a row's result does not depend on
 // the batch it is computed in: a k-token verify reproduces k decodes bit for bit. The ISA is
-// chosen once per process (the two sum their integer dots in different groupings but both
-// exactly, so they agree bit for bit too). (Build without -ffast-math.)
+// chosen once per process (the three sum their integer dots in different groupings but all
+// exactly, so they agree bit for bit too; AMX's 16-row passes and VNNI's 4-row ones may split
+// one call's rows). (Build without -ffast-math.)
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -44,6 +45,14 @@ void tile_dots_avx512(bool q4, int rows, const int8_t* qx, int64_t K, const floa
                       float* out);
 }  // namespace eagleserve_cpu
 
+namespace eagleserve_cpu {  // cpu_gemm_amx.cpp
+bool amx_int8_supported();
+void amx_begin();
+void amx_end();
+void tile_dots_amx16(bool q4, const int8_t* qx, int64_t K, const float* dx, const float* xsum,
+                     const uint8_t* w, const uint16_t* d, const void* extra, float* out);
+}  // namespace eagleserve_cpu
+
 namespace {
 
 constexpr int64_t kBlock = 32;
@@ -54,8 +63,11 @@ constexpr int kRowsPerPass = 4;  // rows sharing one unpack of each weight block
 // the weights this many bytes further on (the next tile's, past a tile's end: a thread's tiles
 // are contiguous) and its scale tiles as many blocks ahead.
 constexpr int64_t kPrefetchBytes = 1536;
-// The AVX-512 VNNI kernels where the CPU has them; switched only through gemv_isa.
+constexpr int kAmxRows = 16;  // rows of one AMX pass (cpu_gemm_amx.cpp)
+// The AVX-512 VNNI kernels where the CPU has them, and AMX's for 16 rows at a time where it
+// has that too; switched only through gemv_isa.
 bool use_avx512 = eagleserve_cpu::avx512_vnni_supported();
+bool use_amx = use_avx512 && eagleserve_cpu::amx_int8_supported();
 
 // x bytes [4q, 4q + 4) of a block, in every 32-bit lane.
 inline __m256i bcast4(const int8_t* p) {
@@ -166,22 +178,80 @@ void tile_dots(bool wide, int rows, const int8_t* qx, int64_t K, const float* dx
 
 // Per 32-block of each row: q = round(x / dx) in -127..127 with dx = max|x| / 127, and the
 // block's fp32 sum (summed in order) for the q4 offsets.
-void quantize_rows(const float* x, int64_t blocks, int8_t* qx, float* dx, float* xsum) {
-  for (int64_t b = 0; b < blocks; ++b) {
-    const float* xb = x + b * kBlock;
-    float amax = 0.f, s = 0.f;
-    for (int64_t j = 0; j < kBlock; ++j) {
-      amax = std::max(amax, std::fabs(xb[j]));
-      s += xb[j];
-    }
-    const float scale = amax / 127.f;
-    const float inv = scale > 0.f ? 1.f / scale : 0.f;
-    for (int64_t j = 0; j < kBlock; ++j) {
-      qx[b * kBlock + j] = static_cast<int8_t>(std::nearbyint(xb[j] * inv));
-    }
-    dx[b] = scale;
-    xsum[b] = s;
+void quantize_block(const float* xb, int8_t* qx, float* dx, float* xsum) {
+  float amax = 0.f, s = 0.f;
+  for (int64_t j = 0; j < kBlock; ++j) {
+    amax = std::max(amax, std::fabs(xb[j]));
+    s += xb[j];
   }
+  const float scale = amax / 127.f;
+  const float inv = scale > 0.f ? 1.f / scale : 0.f;
+  for (int64_t j = 0; j < kBlock; ++j) qx[j] = static_cast<int8_t>(std::nearbyint(xb[j] * inv));
+  *dx = scale;
+  *xsum = s;
+}
+
+// r[j] lane i <- r[i] lane j.
+inline void transpose8(__m256 r[8]) {
+  __m256 t[8], u[8];
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4) {
+    u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+    u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+    u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+    u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
+    r[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
+  }
+}
+
+// quantize_block for 8 consecutive blocks, the same bits: lane b of each vector is block b,
+// so its sum runs over the block's elements in order (read through 8 x 8 transposes) while
+// eight blocks' sums advance at once.
+void quantize_blocks8(const float* x, int8_t* qx, float* dx, float* xsum) {
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  __m256 amax = _mm256_setzero_ps(), s = _mm256_setzero_ps();
+  for (int c = 0; c < 4; ++c) {
+    __m256 r[8];
+    for (int b = 0; b < 8; ++b) r[b] = _mm256_loadu_ps(x + b * kBlock + c * 8);
+    transpose8(r);
+    for (int j = 0; j < 8; ++j) {
+      amax = _mm256_max_ps(amax, _mm256_and_ps(r[j], abs_mask));
+      s = _mm256_add_ps(s, r[j]);
+    }
+  }
+  const __m256 scale = _mm256_div_ps(amax, _mm256_set1_ps(127.f));
+  const __m256 inv = _mm256_and_ps(_mm256_div_ps(_mm256_set1_ps(1.f), scale),
+                                   _mm256_cmp_ps(scale, _mm256_setzero_ps(), _CMP_GT_OQ));
+  _mm256_storeu_ps(dx, scale);
+  _mm256_storeu_ps(xsum, s);
+  alignas(32) float invs[8];
+  _mm256_store_ps(invs, inv);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (int b = 0; b < 8; ++b) {
+    const __m256 v = _mm256_set1_ps(invs[b]);
+    __m256i q[4];
+    for (int c = 0; c < 4; ++c) {
+      const __m256 y = _mm256_mul_ps(_mm256_loadu_ps(x + b * kBlock + c * 8), v);
+      q[c] = _mm256_cvtps_epi32(_mm256_round_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    }
+    // packs work within 128-bit lanes: the permute puts the 32 bytes back in order.
+    const __m256i q16a = _mm256_packs_epi32(q[0], q[1]), q16b = _mm256_packs_epi32(q[2], q[3]);
+    const __m256i q8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(q16a, q16b), order);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(qx + b * kBlock), q8);
+  }
+}
+
+void quantize_rows(const float* x, int64_t blocks, int8_t* qx, float* dx, float* xsum) {
+  int64_t b = 0;
+  for (; b + 8 <= blocks; b += 8)
+    quantize_blocks8(x + b * kBlock, qx + b * kBlock, dx + b, xsum + b);
+  for (; b < blocks; ++b) quantize_block(x + b * kBlock, qx + b * kBlock, dx + b, xsum + b);
 }
 
 template <bool Q4>
@@ -209,7 +279,7 @@ at::Tensor tiled_matmul(const at::Tensor& x_in, const at::Tensor& w, const at::T
     quantize_rows(xp + r0 * K, (r1 - r0) * groups, qx.data() + r0 * K, dx.data() + r0 * groups,
                   xsum.data() + r0 * groups);
   });
-  const bool wide = use_avx512;  // one ISA for the whole call
+  const bool wide = use_avx512, amx = use_amx && M >= kAmxRows;  // one ISA for the whole call
   if (!Q4 && wide) {
     for (int8_t& v : qx) v = static_cast<int8_t>(v ^ 0x80);  // AVX-512 q8 reads x + 128 as u8
   }
@@ -221,19 +291,28 @@ at::Tensor tiled_matmul(const at::Tensor& x_in, const at::Tensor& w, const at::T
   const int64_t extra_bytes = Q4 ? 2 : 4;  // m: fp16; the weight sums: int32
   const int64_t tile_bytes = groups * (Q4 ? 256 : 512), tile_scales = groups * kTile;
   at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
-    float dots[kRowsPerPass * kTile];
+    float dots[kAmxRows * kTile];
+    if (amx) eagleserve_cpu::amx_begin();
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t n0 = t * kTile, cols = std::min(N, n0 + kTile) - n0;
-      for (int64_t r0 = 0; r0 < M; r0 += kRowsPerPass) {
-        const int rows = static_cast<int>(std::min<int64_t>(kRowsPerPass, M - r0));
-        const void* et = ep + t * tile_scales * extra_bytes;
-        tile_dots<Q4>(wide, rows, qx.data() + r0 * K, K, dx.data() + r0 * groups,
-                      xsum.data() + r0 * groups, wp + t * tile_bytes, dp + t * tile_scales, et,
-                      dots);
+      const void* et = ep + t * tile_scales * extra_bytes;
+      for (int64_t r0 = 0; r0 < M;) {
+        const int rows = static_cast<int>(
+            std::min<int64_t>(amx && M - r0 >= kAmxRows ? kAmxRows : kRowsPerPass, M - r0));
+        if (rows == kAmxRows)
+          eagleserve_cpu::tile_dots_amx16(Q4, qx.data() + r0 * K, K, dx.data() + r0 * groups,
+                                          xsum.data() + r0 * groups, wp + t * tile_bytes,
+                                          dp + t * tile_scales, et, dots);
+        else
+          tile_dots<Q4>(wide, rows, qx.data() + r0 * K, K, dx.data() + r0 * groups,
+                        xsum.data() + r0 * groups, wp + t * tile_bytes, dp + t * tile_scales, et,
+                        dots);
         for (int r = 0; r < rows; ++r)
           std::copy(dots + r * kTile, dots + r * kTile + cols, yp + (r0 + r) * N + n0);
+        r0 += rows;
       }
     }
+    if (amx) eagleserve_cpu::amx_end();
   });
   return y;
 }
@@ -262,20 +341,25 @@ at::Tensor q8_matmul(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
 
 namespace {
 
-// "avx2" or "avx512_vnni" (where the CPU has it) for every later call, "auto" the best here,
-// "" to ask; returns the ISA now in use.
+// "avx2", "avx512_vnni" or "amx" (AVX-512 VNNI with AMX-INT8 for passes of 16 rows; each
+// where the CPU has it) for every later call, "auto" the best here, "" to ask; returns the ISA
+// now in use.
 std::string gemv_isa(const std::string& isa) {
   if (isa == "auto") {
     use_avx512 = eagleserve_cpu::avx512_vnni_supported();
+    use_amx = use_avx512 && eagleserve_cpu::amx_int8_supported();
   } else if (isa == "avx2") {
-    use_avx512 = false;
-  } else if (isa == "avx512_vnni") {
+    use_avx512 = use_amx = false;
+  } else if (isa == "avx512_vnni" || isa == "amx") {
     TORCH_CHECK(eagleserve_cpu::avx512_vnni_supported(), "this CPU has no AVX-512 VNNI");
+    TORCH_CHECK(isa != "amx" || eagleserve_cpu::amx_int8_supported(),
+                "this CPU (or its kernel) offers no AMX-INT8");
     use_avx512 = true;
+    use_amx = isa == "amx";
   } else {
-    TORCH_CHECK(isa.empty(), "isa: auto, avx2 or avx512_vnni (or '' to ask), not ", isa);
+    TORCH_CHECK(isa.empty(), "isa: auto, avx2, avx512_vnni or amx (or '' to ask), not ", isa);
   }
-  return use_avx512 ? "avx512_vnni" : "avx2";
+  return use_amx ? "amx" : use_avx512 ? "avx512_vnni" : "avx2";
 }
 
 }  // namespace

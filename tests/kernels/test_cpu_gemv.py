@@ -1,5 +1,5 @@
-"""The blocked kernels (kernels/cpu_gemv.cpp; AVX2, and AVX-512 VNNI where the CPU has it)
-against llama.cpp's de-quantized weights.
+"""The blocked kernels (kernels/cpu_gemv.cpp; AVX2, AVX-512 VNNI and AMX-INT8 where the CPU
+has them) against llama.cpp's de-quantized weights.
 
 What serving relies on: the exact block weights against x quantized to int8 per 32-block (within
 the bound that rounding implies of x @ W.T in fp64), and a row's result that does not depend on
@@ -26,14 +26,18 @@ pytestmark = pytest.mark.skipif(
 )
 
 SHAPES = [(16, 32), (37, 96), (576, 1536), (1000, 576)]
-ISAS = ["avx2", "avx512_vnni"]
+ISAS = ["avx2", "avx512_vnni", "amx"]  # each includes the one before
+
+
+def available_isas() -> list[str]:
+    return ISAS[: ISAS.index(cpu_ext.gemv_isa("auto")) + 1]
 
 
 @pytest.fixture(params=ISAS)
 def isa(request: pytest.FixtureRequest) -> Iterator[str]:
     """Each ISA's micro-kernels this CPU can run; the default restored after."""
-    if request.param == "avx512_vnni" and cpu_ext.gemv_isa("auto") != "avx512_vnni":
-        pytest.skip("this CPU has no AVX-512 VNNI")
+    if request.param not in available_isas():
+        pytest.skip(f"this CPU has no {request.param}")
     cpu_ext.gemv_isa(request.param)
     try:
         yield request.param
@@ -90,19 +94,22 @@ def test_close_to_the_exact_product(qtype: str, shape: tuple[int, int], isa: str
 
 
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
-def test_both_isas_give_the_same_bits(qtype: str) -> None:
-    """AVX2 and AVX-512 VNNI group the exact integer dots differently and run the same fp32
-    operations, so a host's results do not depend on which of the two it has."""
-    if cpu_ext.gemv_isa("auto") != "avx512_vnni":
-        pytest.skip("this CPU has no AVX-512 VNNI")
+def test_every_isa_gives_the_same_bits(qtype: str) -> None:
+    """AVX2, AVX-512 VNNI and AMX's tile multiplies group the exact integer dots differently
+    and run the same fp32 operations, so a host's results do not depend on which it has."""
+    isas = available_isas()
+    if len(isas) == 1:
+        pytest.skip("this CPU has AVX2 only")
     n, k = 333, 1536
     raw = random_blocks(qtype, n, k, int(torch.randint(0, 2**31, ())))
     lin = pack_quant(unpack_blocks(raw, qtype, n, k))
-    x = torch.randn(9, k) * torch.rand(9, 1) * 4
+    x = torch.randn(41, k) * torch.rand(41, 1) * 4  # two AMX passes of 16 rows, 9 rows after
     try:
-        wide = _matmul(lin, x)
-        cpu_ext.gemv_isa("avx2")
-        assert torch.equal(_matmul(lin, x), wide)
+        out = {}
+        for isa in isas:
+            cpu_ext.gemv_isa(isa)
+            out[isa] = _matmul(lin, x)
+        assert all(torch.equal(out[isa], out["avx2"]) for isa in isas), isas
     finally:
         cpu_ext.gemv_isa("auto")
 
@@ -115,7 +122,8 @@ def test_a_row_does_not_depend_on_its_batch(qtype: str, isa: str) -> None:
     lin = pack_quant(unpack_blocks(raw, qtype, n, k))
     x = torch.randn(64, k) * torch.rand(64, 1) * 4
     alone = torch.cat([_matmul(lin, x[i : i + 1].clone()) for i in range(64)])
-    for m in (1, 2, 3, 4, 5, 17, 64):  # every pass size (4 rows share a pass) and remainders
+    # Every pass size (4 rows share a pass; AMX's 16) and remainders.
+    for m in (1, 2, 3, 4, 5, 16, 17, 35, 64):
         start = int(torch.randint(0, 64 - m + 1, ()))
         part = _matmul(lin, x[start : start + m].clone())
         assert torch.equal(part, alone[start : start + m]), m
