@@ -18,6 +18,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 // A compiler without AMX intrinsics (GCC before 11) builds the rest of the kernels and this
 // file's answer that AMX is not there.
@@ -68,6 +69,28 @@ TileConfig make_config() {
 // q8: x + 128 (u8, the caller's) against the weights (s8), less 128 * the weight sums.
 // A chunk's blocks are multiplied four at a time on four C tiles (a multiply need not wait
 // for the last one's result to be stored), then its fp32 chains run from the stored dots.
+// The fp32 steps of `n` stored blocks (g0 on) for each of the 16 rows, carried on from acc and
+// off (from zero for the first chunk). `n` is a constant for a whole chunk, so that loop unrolls.
+template <bool Q4, typename Count>
+inline void fp32_chains(Count n, int64_t g0, int64_t groups, const int32_t (*dots)[kTile][kTile],
+                        const __m512* dw, const __m512* m, const __m512i* bias, const float* dx,
+                        const float* xsum, float (*acc)[kTile], float (*off)[kTile]) {
+  for (int r = 0; r < kTile; ++r) {
+    __m512 a = _mm512_setzero_ps(), o = _mm512_setzero_ps();
+    if (g0 > 0) a = _mm512_load_ps(acc[r]), o = _mm512_load_ps(off[r]);
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t g = g0 + j;
+      __m512i s = _mm512_load_si512(dots[j][r]);
+      if constexpr (!Q4) s = _mm512_sub_epi32(s, bias[j]);
+      const __m512 scale = _mm512_mul_ps(dw[j], _mm512_set1_ps(dx[r * groups + g]));
+      a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), scale, a);
+      if constexpr (Q4) o = _mm512_fmadd_ps(m[j], _mm512_set1_ps(xsum[r * groups + g]), o);
+    }
+    _mm512_store_ps(acc[r], a);
+    _mm512_store_ps(off[r], o);
+  }
+}
+
 template <bool Q4>
 void dots16(const int8_t* qx, int64_t K, const float* dx, const float* xsum, const uint8_t* w,
             const uint16_t* d, const void* extra, float* out) {
@@ -77,7 +100,7 @@ void dots16(const int8_t* qx, int64_t K, const float* dx, const float* xsum, con
   const __m512i lo4 = _mm512_set1_epi8(0x0F);
   alignas(64) int32_t dots[kChunk][kTile][kTile];
   alignas(64) uint8_t unpacked[kChunk][8][64];  // q4: the chunk's B tiles
-  alignas(64) float acc[kTile][kTile] = {}, off[kTile][kTile] = {};
+  alignas(64) float acc[kTile][kTile], off[kTile][kTile];
   for (int64_t g0 = 0; g0 < groups; g0 += kChunk) {
     const int64_t n = std::min(kChunk, groups - g0);
     __m512 dw[kChunk], m[kChunk];
@@ -115,19 +138,11 @@ void dots16(const int8_t* qx, int64_t K, const float* dx, const float* xsum, con
       AMX_BLOCK(0, 4, 5, j);
       _tile_stored(0, dots[j], 64);
     }
-    for (int r = 0; r < kTile; ++r) {
-      __m512 a = _mm512_load_ps(acc[r]), o = _mm512_load_ps(off[r]);
-      for (int64_t j = 0; j < n; ++j) {
-        const int64_t g = g0 + j;
-        __m512i s = _mm512_load_si512(dots[j][r]);
-        if constexpr (!Q4) s = _mm512_sub_epi32(s, bias[j]);
-        const __m512 scale = _mm512_mul_ps(dw[j], _mm512_set1_ps(dx[r * groups + g]));
-        a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), scale, a);
-        if constexpr (Q4) o = _mm512_fmadd_ps(m[j], _mm512_set1_ps(xsum[r * groups + g]), o);
-      }
-      _mm512_store_ps(acc[r], a);
-      _mm512_store_ps(off[r], o);
-    }
+    if (n == kChunk)
+      fp32_chains<Q4>(std::integral_constant<int64_t, kChunk>(), g0, groups, dots, dw, m, bias,
+                      dx, xsum, acc, off);
+    else
+      fp32_chains<Q4>(n, g0, groups, dots, dw, m, bias, dx, xsum, acc, off);
   }
   for (int r = 0; r < kTile; ++r) {
     const __m512 a = _mm512_load_ps(acc[r]);
