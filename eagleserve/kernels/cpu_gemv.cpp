@@ -221,7 +221,8 @@ void quantize_blocks8(const float* x, int8_t* qx, float* dx, float* xsum) {
     for (int b = 0; b < 8; ++b) r[b] = _mm256_loadu_ps(x + b * kBlock + c * 8);
     transpose8(r);
     for (int j = 0; j < 8; ++j) {
-      amax = _mm256_max_ps(amax, _mm256_and_ps(r[j], abs_mask));
+      // max_ps returns its second operand where one is NaN, as std::max(amax, |x|) keeps amax
+      amax = _mm256_max_ps(_mm256_and_ps(r[j], abs_mask), amax);
       s = _mm256_add_ps(s, r[j]);
     }
   }
