@@ -232,10 +232,12 @@ def sampling_fields(job: Job, choice: int = 0) -> dict[str, Any]:
     return {**job.sampler, "seed": seed}
 
 
-def engine_view(job: Job, tokenizer: Any, prompt: int = 0) -> tuple[str, GrammarSpec | None]:
+def engine_view(
+    job: Job, tokenizer: Any, prompt: int = 0
+) -> tuple[str, list[int], GrammarSpec | None]:
     """The text of the job's `prompt`-th prompt (a chat's rendered by the template, tools
-    described in its system message) and the output constraint the server makes of the job's
-    request body, by the server's own translation."""
+    described in its system message), its ids as the server encodes it, and the output
+    constraint the server makes of the job's request body, by the server's own translation."""
     from eagleserve.server.handlers import chat_constraint, chat_messages
     from eagleserve.server.protocol import ChatCompletionRequest, CompletionRequest
     from eagleserve.server.serving import ApiError
@@ -244,16 +246,20 @@ def engine_view(job: Job, tokenizer: Any, prompt: int = 0) -> tuple[str, Grammar
 
     _, body = request_body(job, "model")
     if job.kind != "chat":
-        grammar = output_constraint(CompletionRequest(**body))
+        completion = CompletionRequest(**body)
+        grammar = output_constraint(completion)
         assert not isinstance(grammar, ApiError), grammar.message
-        return job.prompts[prompt], grammar
+        text = job.prompts[prompt]
+        ids = tokenizer.encode(text, add_special_tokens=completion.add_special_tokens)
+        return text, ids, grammar
     req = ChatCompletionRequest(**body)
     tools = tool_setup(req)
     assert not isinstance(tools, ApiError), tools.message
     grammar = chat_constraint(req, tools)
     assert not isinstance(grammar, ApiError), grammar.message
     msgs = chat_messages(req, tools)
-    return tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False), grammar
+    text = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+    return text, tokenizer.encode(text, add_special_tokens=req.add_special_tokens), grammar
 
 
 def request_params(job: Job, choice: int = 0, grammar: GrammarSpec | None = None) -> SamplingParams:

@@ -51,9 +51,9 @@ def shown_answer(job: Job, content: str | None, calls: list[dict[str, Any]]) -> 
 
 # ---- offline check -------------------------------------------------------------------------
 
-# What fixes an answer: kind, prompt text, max_tokens, ignore_eos, the fields (the choice's
+# What fixes an answer: kind, prompt ids, max_tokens, ignore_eos, the fields (the choice's
 # seed among them), echo, the output constraint, the logprobs asked for.
-AnswerKey = tuple[str, str, int, bool, str, bool, str, int | None]
+AnswerKey = tuple[str, tuple[int, ...], int, bool, str, bool, str, int | None]
 
 
 def offline_answer(job: Job, text: str, finish: str | None) -> tuple[str, str | None]:
@@ -99,21 +99,21 @@ def verify_exact(args: argparse.Namespace, outcomes: list[Outcome]) -> list[dict
     tok = engine.tokenizer
     # Every choice's answer, grouped by what fixes it (a choice's seed is the request's + j).
     keys: dict[AnswerKey, list[tuple[Outcome, int]]] = {}
-    grammars = {}
+    grammars, texts = {}, {}
     for o in todo:
         j = o.job
         views = [engine_view(j, tok, p) for p in range(len(j.prompts))]
         for index, *_ in o.answers():
-            text, grammar = views[index // j.n]
+            text, ids, grammar = views[index // j.n]
             fields = json.dumps({**j.fields, **sampling_fields(j, index % j.n)}, sort_keys=True)
             constraint = json.dumps(j.constraint, sort_keys=True)
-            key = (j.kind, text, j.max_tokens, j.ignore_eos, fields, j.echo_logprobs, constraint,
-                   j.logprobs)  # fmt: skip
+            key = (j.kind, tuple(ids), j.max_tokens, j.ignore_eos, fields, j.echo_logprobs,
+                   constraint, j.logprobs)  # fmt: skip
             keys.setdefault(key, []).append((o, index))
-            grammars[key] = grammar
+            grammars[key], texts[key] = grammar, text
     prompts, params = [], []
     for key, outs in keys.items():
-        prompts.append(tok.encode(key[1], add_special_tokens=False))
+        prompts.append(list(key[1]))
         # The key holds all that the job and choice set.
         first, index = outs[0]
         params.append(request_params(first.job, index % first.job.n, grammars[key]))
@@ -125,8 +125,8 @@ def verify_exact(args: argparse.Namespace, outcomes: list[Outcome]) -> list[dict
     engine.close()  # with --tp-size its other ranks leave with it
     bad = []
     for (key, outs), w, ids in zip(keys.items(), want, prompts, strict=True):
-        if key[5]:  # echo: the prompt, then the completion; the prompt's logprobs first
-            w = {**w, "text": tok.decode(ids) + w["text"]}
+        if key[5]:  # echo: the prompt as sent, then the completion; the prompt's logprobs first
+            w = {**w, "text": texts[key] + w["text"]}
         want_text, want_finish = offline_answer(outs[0][0].job, w["text"], w["finish_reason"])
         for o, choice in outs:
             _, text, finish = o.answers()[choice]
@@ -136,7 +136,7 @@ def verify_exact(args: argparse.Namespace, outcomes: list[Outcome]) -> list[dict
                     {
                         "kind": key[0],
                         "stream": o.job.stream,
-                        "prompt": key[1][-80:],
+                        "prompt": texts[key][-80:],
                         "max_tokens": key[2],
                         "choice": f"{choice} of {o.job.num_choices} (n {o.job.n})",
                         "got": text,

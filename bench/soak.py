@@ -91,9 +91,8 @@ def soak(ns: argparse.Namespace, engine: Engine) -> dict[str, Any]:
         ctx = sched.max_context_len
         history = histories[client]
         job = next_turn(rng, ns, ctx, history) if ns.multi_turn else make_job(rng, ns, ctx)
-        text, grammar = engine_view(job, tok)
+        _, ids, grammar = engine_view(job, tok)
         rid = f"s{len(jobs)}"
-        ids = tok.encode(text, add_special_tokens=False)
         jobs[rid] = (job, ids, request_params(job, 0, grammar))
         tokens[rid], outputs[rid] = [], 0
         sched.add_request(GenerateReqInput(rid, jobs[rid][1], jobs[rid][2]))

@@ -115,7 +115,9 @@ class Engine:
     def _encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer: pass token ids")
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        # With the tokenizer's special tokens (a BOS), as the server's completions encode a
+        # text prompt.
+        return self.tokenizer.encode(text, add_special_tokens=True)
 
     def _decode(self, ids: list[int], matched_stop: int | str | None, p: SamplingParams) -> str:
         if self.tokenizer is None:

@@ -9,6 +9,7 @@ through its prefill or in flight.
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -154,6 +155,24 @@ def _save_char_tokenizer(path: str) -> None:
         tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
     )
     fast.save_pretrained(path)
+
+
+def add_bos_to_tokenizer(path: str) -> None:
+    """Makes the tokenizer saved in `path` put its BOS (`<s>`) in front of every text it
+    encodes with special tokens, as Llama's do (the char tokenizer adds nothing)."""
+    file = os.path.join(path, "tokenizer.json")
+    with open(file) as f:
+        spec = json.load(f)
+    bos = {"SpecialToken": {"id": "<s>", "type_id": 0}}
+    first, second = ({"Sequence": {"id": s, "type_id": i}} for i, s in enumerate("AB"))
+    spec["post_processor"] = {
+        "type": "TemplateProcessing",
+        "single": [bos, first],
+        "pair": [bos, first, second],
+        "special_tokens": {"<s>": {"id": "<s>", "ids": [TINY_BOS], "tokens": ["<s>"]}},
+    }
+    with open(file, "w") as f:
+        json.dump(spec, f)
 
 
 SPEC_VOCAB = 96

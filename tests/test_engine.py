@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from conftest import TINY_EOS, random_prompts
+from conftest import TINY_BOS, TINY_EOS, add_bos_to_tokenizer, random_prompts
 from engine_fixtures import greedy, sampled, tiny_engine_fixture, tiny_fixture  # noqa: F401
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -62,7 +62,7 @@ def test_greedy_matches_transformers_generate(
     hf = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
     eos = sorted(engine.scheduler.eos_token_ids)
     for prompt, out in zip(SMOL_PROMPTS, outs, strict=True):
-        ids = tok.encode(prompt, add_special_tokens=False)
+        ids = tok.encode(prompt)  # as the Engine encodes a text (SmolLM2's adds no BOS)
         with torch.no_grad():
             ref = hf.generate(
                 torch.tensor([ids]),
@@ -314,6 +314,23 @@ def test_eos_and_ignore_eos(
     assert out["finish_reason"] == "stop"
     out = engine.generate([prompt], greedy(40, ignore_eos=True))[0]
     assert out["token_ids"] == full and out["finish_reason"] == "length"
+
+
+def test_a_text_prompt_gets_the_tokenizers_bos(
+    tiny_model_dir: str, tmp_path: object, make_engine: Callable[..., Engine]
+) -> None:
+    """As vLLM's and SGLang's offline engines: a text is encoded with the tokenizer's special
+    tokens, so a Llama-style tokenizer's BOS reaches the model."""
+    bos_dir = os.path.join(str(tmp_path), "bos")
+    shutil.copytree(tiny_model_dir, bos_dir)
+    add_bos_to_tokenizer(bos_dir)
+    engine = make_engine(bos_dir, max_running_requests=2, max_total_tokens=256)
+    texts = ["".join(random.choices("abcdefgh xyz", k=random.randint(3, 12))) for _ in range(2)]
+    ids = [[3 + ord(c) - 32 for c in t] for t in texts]  # the char tokenizer's ids
+    assert engine.tokenizer.encode(texts[0], add_special_tokens=False) == ids[0]
+    by_text = engine.generate(texts, greedy(8))
+    with_bos = engine.generate([[TINY_BOS, *p] for p in ids], greedy(8))
+    assert [o["token_ids"] for o in by_text] == [o["token_ids"] for o in with_bos]
 
 
 def test_stop_token_ids(tiny: Engine) -> None:

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import secrets
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from importlib.metadata import version as package_version
 from typing import TypeVar
 
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -24,15 +26,27 @@ from eagleserve.server.middleware import HttpStats, HttpTrackerMiddleware
 from eagleserve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
+    ErrorResponse,
     ModelCard,
     ModelList,
+    TokenizeRequest,
     add_api_bodies,
 )
 from eagleserve.server.serving import ApiError, Serving
+from eagleserve.server.tokenization import detokenize, tokenize
 from eagleserve.server.validation import check_request
+
+HEALTH_TIMEOUT_ENV = "EAGLESERVE_HEALTH_GENERATE_TIMEOUT_S"
 
 M = TypeVar("M", bound=BaseModel)
 R = TypeVar("R", CompletionRequest, ChatCompletionRequest)
+T = TypeVar("T", TokenizeRequest, DetokenizeRequest)
+
+
+def health_timeout_s() -> float:
+    """How long /health_generate waits for its token (as SGLang's health check, 20 s)."""
+    return float(os.environ.get(HEALTH_TIMEOUT_ENV, "20"))
 
 
 def is_union_branch(part: object) -> bool:
@@ -114,8 +128,9 @@ def create_app(args: ServerArgs, client: EngineClient, http: HttpStats | None = 
     async def request_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         return validation_error(list(exc.errors())).response()
 
-    async def read_request(request: Request, model: type[R]) -> R | Response:
-        """The parsed and checked body, or the error response (413, 400, 404) to send."""
+    async def read_json(request: Request, model: type[M]) -> M | Response:
+        """The parsed body for an existing model's route, or the error response (413, 400,
+        404) to send."""
         raw = await read_body(request, args.max_request_body_bytes)
         if isinstance(raw, ApiError):
             resp = raw.response()
@@ -125,8 +140,25 @@ def create_app(args: ServerArgs, client: EngineClient, http: HttpStats | None = 
         body = await asyncio.to_thread(parse_body, model, raw)
         if isinstance(body, ApiError):
             return body.response()
-        err = serving.check_model(body.model) or check_request(body)
+        err = serving.check_model(getattr(body, "model", None))
         return err.response() if err is not None else body
+
+    async def read_request(request: Request, model: type[R]) -> R | Response:
+        """read_json, and the checks of the fields the engine cannot honour (400)."""
+        body = await read_json(request, model)
+        if isinstance(body, Response):
+            return body
+        err = check_request(body)
+        return err.response() if err is not None else body
+
+    async def tokenizer_route(
+        request: Request, model: type[T], run: Callable[[Serving, T], BaseModel | ApiError]
+    ) -> Response:
+        body = await read_json(request, model)
+        if isinstance(body, Response):
+            return body
+        out = await asyncio.to_thread(run, serving, body)  # a long text: off the event loop
+        return out.response() if isinstance(out, ApiError) else JSONResponse(out.model_dump())
 
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_key)])
 
@@ -144,12 +176,33 @@ def create_app(args: ServerArgs, client: EngineClient, http: HttpStats | None = 
             return body
         return unavailable() or await create_chat(serving, body, request)
 
+    def model_card() -> ModelCard:
+        return ModelCard(id=serving.model_name, max_model_len=client.max_context_len or None)
+
     @v1.get("/models", response_model=ModelList)
     async def models() -> JSONResponse:
-        card = ModelCard(id=serving.model_name, max_model_len=client.max_context_len or None)
-        return JSONResponse(ModelList(data=[card]).model_dump())
+        return JSONResponse(ModelList(data=[model_card()]).model_dump())
+
+    @v1.get("/models/{model:path}", response_model=ModelCard,
+            responses={404: {"model": ErrorResponse, "description": "unknown model"}})  # fmt: skip
+    async def model(model: str) -> Response:
+        err = serving.check_model(model)
+        return err.response() if err is not None else JSONResponse(model_card().model_dump())
 
     app.include_router(v1)
+
+    # vLLM's tokenizer routes, at the root as in vLLM, behind the API key as /v1 is.
+    @app.post("/tokenize", dependencies=[Depends(require_key)])
+    async def tokenize_route(request: Request) -> Response:
+        return await tokenizer_route(request, TokenizeRequest, tokenize)
+
+    @app.post("/detokenize", dependencies=[Depends(require_key)])
+    async def detokenize_route(request: Request) -> Response:
+        return await tokenizer_route(request, DetokenizeRequest, detokenize)
+
+    @app.get("/version")
+    async def version() -> JSONResponse:
+        return JSONResponse({"version": package_version("eagleserve")})
 
     def openapi() -> dict:
         if app.openapi_schema is None:
@@ -161,6 +214,17 @@ def create_app(args: ServerArgs, client: EngineClient, http: HttpStats | None = 
     @app.get("/health")
     async def health() -> Response:
         return unavailable() or JSONResponse({"status": "ok"})
+
+    @app.get("/health_generate")
+    async def health_generate() -> Response:
+        """SGLang's deeper probe: 200 only if the engine produces a token in time."""
+        down = unavailable()
+        if down is not None:
+            return down
+        why = await client.check_generates(health_timeout_s())
+        if why is not None:
+            return ApiError(503, why).response()
+        return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
     async def metrics_route() -> Response:

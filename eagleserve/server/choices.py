@@ -28,8 +28,10 @@ class ChoiceState:
         text_offset: int = 0,
         min_tokens: int = 0,
         prompt_ids: list[int] | None = None,
+        prompt_hidden: int = 0,
     ) -> None:
-        """`prompt_ids`: the prompt whose logprobs come with the first output (echo)."""
+        """`prompt_ids`: the prompt whose logprobs come with the first output (echo), of which
+        the first `prompt_hidden` (special tokens the tokenizer added) are not in its text."""
         self.index = index
         self.prompt_index = prompt_index
         self.tokenizer = tokenizer
@@ -45,6 +47,7 @@ class ChoiceState:
         self.lp_sent = 0  # entries of `lp` already streamed
         self.text_offset = text_offset  # completion logprobs: offset of the first token
         self.prompt_ids = prompt_ids
+        self.prompt_hidden = prompt_hidden
         # Prompt logprobs (echo): (token string, logprob or None for the first, alternatives);
         # handed out once, before the generated tokens' entries.
         self.prompt_lp: list[tuple[str, float | None, list[tuple[str, float]]]] = []
@@ -92,12 +95,13 @@ class ChoiceState:
         out = CompletionLogprobs()
         if not (only_new and self.prompt_lp_sent):
             prompt_offset = 0
-            for name, value, alts in self.prompt_lp:
+            for i, (name, value, alts) in enumerate(self.prompt_lp):
                 out.tokens.append(name)
                 out.token_logprobs.append(value)
                 out.top_logprobs.append(None if value is None else dict(alts))
                 out.text_offset.append(prompt_offset)
-                prompt_offset += len(name)
+                if i >= self.prompt_hidden:  # a hidden token takes no room in the echo
+                    prompt_offset += len(name)
             self.prompt_lp_sent = bool(self.prompt_lp)
         start = self.lp_sent if only_new else 0
         offset = self.text_offset + sum(len(name) for name, _, _ in self.lp[:start])

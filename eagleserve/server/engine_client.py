@@ -16,6 +16,7 @@ import shutil
 import signal
 import tempfile
 import time
+import uuid
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
@@ -37,12 +38,16 @@ from eagleserve.messages import (
     TokenOutput,
 )
 from eagleserve.models.loader import load_tokenizer, load_tokenizer_in_background, model_folder
+from eagleserve.sampling_params import SamplingParams
 from eagleserve.scheduler.engine_loop import run_engine
 from eagleserve.scheduler.omp_spin import overlap_spin_env, process_env
 from eagleserve.scheduler.tp_engine import rendezvous_port, spawn_followers
 
 logger = logging.getLogger("eagleserve.server")
 POLL_MS = 250
+# /health_generate: tokens sent this recently while requests run prove the engine works
+# without queuing a probe behind them.
+RECENT_TOKENS_S = 5.0
 FOLLOWER_REPORT_S = 10.0  # how long rank 0 may take to report a follower's start-up failure
 
 
@@ -121,6 +126,7 @@ class EngineClient:
         self.closing: str | None = None  # set by cut_all: why every request now ends at once
         self.queues: dict[str, asyncio.Queue[TokenOutput]] = {}
         self.last_stats = EngineStats()
+        self.last_tokens_at: float | None = None  # time.monotonic() of the last token outputs
         self.on_stats: Callable[[EngineStats], None] | None = None
         self._stats_waiters: list[asyncio.Future[EngineStats]] = []
         self._proc: Any = None
@@ -227,6 +233,7 @@ class EngineClient:
 
     def _dispatch(self, msg: object) -> None:
         if isinstance(msg, BatchTokenOutput):
+            self.last_tokens_at = time.monotonic()
             for out in msg.outputs:
                 queue = self.queues.get(out.rid)
                 if queue is not None:
@@ -276,6 +283,25 @@ class EngineClient:
     def abort(self, rid: str) -> None:
         if self.healthy:
             self._send.send_pyobj(AbortReq(rid))
+
+    async def check_generates(self, timeout: float) -> str | None:
+        """None when the engine produces tokens: it sent some in the last RECENT_TOKENS_S while
+        requests run, or a one-token request of its own finishes within `timeout` seconds;
+        else why not (a hung forward leaves the process alive, so /health cannot tell)."""
+        recent = self.last_tokens_at is not None and (
+            time.monotonic() - self.last_tokens_at < RECENT_TOKENS_S
+        )
+        if recent and self.queues:
+            return None
+        params = SamplingParams(max_new_tokens=1, temperature=0.0)
+        stream = self.generate([GenerateReqInput(f"health-{uuid.uuid4().hex}", [0], params)])
+        try:
+            out = await asyncio.wait_for(anext(stream), timeout)
+        except asyncio.TimeoutError:  # the builtin TimeoutError only from Python 3.11
+            return f"the engine produced no token in {timeout:g} s"
+        finally:
+            stream.close()
+        return out.error
 
     async def get_stats(self, timeout: float = 2.0) -> EngineStats:
         """Fresh engine stats (the last known ones if the engine does not answer in time)."""

@@ -62,16 +62,24 @@ def sse(obj: Any) -> str:
     return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
 
 
-def completion_prompts(serving: Serving, prompt: Any) -> list[list[int]] | ApiError:
-    if isinstance(prompt, str):
-        prompt = [prompt]
-    elif prompt and isinstance(prompt[0], int):
-        prompt = [prompt]
+def prompt_list(prompt: Any) -> list[Any]:
+    """A completion's `prompt` field as a list of prompts, each a text or a list of ids."""
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+        return [prompt]
+    return list(prompt)
+
+
+def completion_prompts(
+    serving: Serving, prompt: Any, add_special_tokens: bool = True
+) -> list[list[int]] | ApiError:
+    """Each prompt's ids: text encoded with the tokenizer's special tokens unless told not to,
+    token ids as sent."""
+    prompt = prompt_list(prompt)
     if not prompt:
         return ApiError(400, "the prompt is empty", "prompt")
     out: list[list[int]] = []
     for p in prompt:
-        ids = serving.encode(p) if isinstance(p, str) else list(p)
+        ids = serving.encode(p, add_special_tokens) if isinstance(p, str) else list(p)
         if isinstance(ids, ApiError):
             return ids
         err = serving.check_prompt(ids, "prompt")
@@ -81,12 +89,26 @@ def completion_prompts(serving: Serving, prompt: Any) -> list[list[int]] | ApiEr
     return out
 
 
+def echo_texts(tok: Any, sent: list[Any], prompts: list[list[int]]) -> list[str]:
+    """What echo shows of each prompt: a text as sent (as vLLM and SGLang echo it, a BOS the
+    tokenizer added not in it), token ids decoded."""
+    return [p if isinstance(p, str) else tok.decode(ids) for p, ids in zip(sent, prompts)]
+
+
+def added_in_front(tok: Any, sent: list[Any], prompts: list[list[int]]) -> list[int]:
+    """How many of each prompt's ids the tokenizer added in front of a text (not in its echo)."""
+    return [len(ids) - len(tok.encode(p, add_special_tokens=False)) if isinstance(p, str) else 0
+            for p, ids in zip(sent, prompts)]  # fmt: skip
+
+
 async def create_completion(
     serving: Serving, body: CompletionRequest, request: Request
 ) -> Response:
     # Tokenizing (and echo's decoding) run in a thread: a multi-MB prompt takes seconds, and on
     # the event loop it would stall /health and every stream (the tokenizer releases the GIL).
-    prompts = await asyncio.to_thread(completion_prompts, serving, body.prompt)
+    prompts = await asyncio.to_thread(
+        completion_prompts, serving, body.prompt, body.add_special_tokens
+    )
     if isinstance(prompts, ApiError):
         return prompts.response()
     grammar = await asyncio.to_thread(output_constraint, body)  # xgrammar parses: off the loop
@@ -104,14 +126,19 @@ async def create_completion(
         params.append(p)
     tok = serving.tokenizer
     echoes = ["" for _ in prompts]
+    hidden = [0 for _ in prompts]
     if body.echo and tok is not None:
-        echoes = await asyncio.to_thread(lambda: [tok.decode(ids) for ids in prompts])
+        sent = prompt_list(body.prompt)
+        echoes = await asyncio.to_thread(echo_texts, tok, sent, prompts)
+        if scored and body.add_special_tokens:
+            hidden = await asyncio.to_thread(added_in_front, tok, sent, prompts)
     reqs = serving.make_reqs(prompts, params, body.n, body.stream)
 
     def make_choice(i: int, pi: int) -> ChoiceState:
         return ChoiceState(i, pi, tok, params[pi].stop, text_offset=len(echoes[pi]),
                            min_tokens=params[pi].min_tokens,
-                           prompt_ids=prompts[pi] if scored else None)  # fmt: skip
+                           prompt_ids=prompts[pi] if scored else None,
+                           prompt_hidden=hidden[pi])  # fmt: skip
 
     tracker = Tracker(serving, "completions", reqs, make_choice, body.n)
     rid, model, created = new_id("cmpl"), serving.model_name, now()  # one `created` per call
@@ -173,9 +200,11 @@ def chat_messages(body: ChatCompletionRequest, tools: ToolSetup | None) -> list[
     return msgs
 
 
-def chat_prompt(
-    serving: Serving, body: ChatCompletionRequest, tools: ToolSetup | None = None
-) -> list[int] | ApiError:
+def chat_text(
+    serving: Serving, body: ChatCompletionRequest, tools: ToolSetup | None,
+    add_generation_prompt: bool = True,
+) -> str | ApiError:  # fmt: skip
+    """The conversation rendered by the model's chat template."""
     if not body.messages:
         return ApiError(400, "messages must not be empty", "messages")
     tok = serving.tokenizer
@@ -183,10 +212,19 @@ def chat_prompt(
         return ApiError(400, "this model has no chat template: use /v1/completions", "messages")
     msgs = chat_messages(body, tools)
     try:
-        text = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+        return str(tok.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt,
+                                           tokenize=False))  # fmt: skip
     except Exception as exc:  # a template may reject a conversation (e.g. role order)
         return ApiError(400, f"the chat template rejected the messages: {exc}", "messages")
-    ids = serving.encode(text)
+
+
+def chat_prompt(
+    serving: Serving, body: ChatCompletionRequest, tools: ToolSetup | None = None
+) -> list[int] | ApiError:
+    text = chat_text(serving, body, tools)
+    if isinstance(text, ApiError):
+        return text
+    ids = serving.encode(text, body.add_special_tokens)
     if isinstance(ids, ApiError):
         return ids
     err = serving.check_prompt(ids, "messages")

@@ -93,6 +93,9 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False
     best_of: int | None = Field(None, ge=1)
     suffix: str | None = None
+    # vLLM's extension: a text prompt gets the tokenizer's special tokens (a BOS), as vLLM and
+    # SGLang encode it.
+    add_special_tokens: bool = True
 
 
 class ChatContentPart(BaseModel):
@@ -128,6 +131,53 @@ class ChatCompletionRequest(_SamplingFields):
     parallel_tool_calls: bool | None = None
     functions: list[dict[str, Any]] | None = None  # the deprecated form of tools
     function_call: str | dict[str, Any] | None = None
+    # vLLM's extension: the template's text holds the special tokens it wants; adding the
+    # tokenizer's (a second BOS) only when asked.
+    add_special_tokens: bool = False
+
+
+# ---- /tokenize and /detokenize (vLLM's bodies) ------------------------------------------------
+
+
+TOKENIZE_EXAMPLES = [
+    {"prompt": "The capital of France is", "return_token_strs": True},
+    {"messages": [{"role": "user", "content": "Count to five."}], "add_generation_prompt": True},
+]  # fmt: skip
+
+
+class TokenizeRequest(BaseModel):
+    """Either `prompt` (a completion's text) or `messages` (a chat, rendered by the template
+    with `tools` described in its system message, as /v1/chat/completions does)."""
+
+    model_config = ConfigDict(extra="ignore", json_schema_extra={"examples": TOKENIZE_EXAMPLES})
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    tools: list[dict[str, Any]] | None = None
+    add_generation_prompt: bool = True
+    # Default: as the endpoint the text is for encodes it (a prompt with the tokenizer's
+    # special tokens, a chat's template text without them).
+    add_special_tokens: bool | None = None
+    return_token_strs: bool = False
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
 
 
 # ---- responses -------------------------------------------------------------------------------
@@ -295,6 +345,8 @@ def error_body(
 API_BODIES: dict[str, tuple[type[BaseModel], type[BaseModel]]] = {
     "/v1/completions": (CompletionRequest, CompletionResponse),
     "/v1/chat/completions": (ChatCompletionRequest, ChatCompletionResponse),
+    "/tokenize": (TokenizeRequest, TokenizeResponse),
+    "/detokenize": (DetokenizeRequest, DetokenizeResponse),
 }
 
 
@@ -314,10 +366,11 @@ def add_api_bodies(schema: dict[str, Any]) -> dict[str, Any]:
         op = schema["paths"][path]["post"]
         op["requestBody"] = {"required": True, "content": body(req, "validation")}
         ok = body(resp, "serialization")
-        ok["text/event-stream"] = {}  # chunks of the 200 body's type; no schema for SSE events
+        if "stream" in req.model_fields:
+            ok["text/event-stream"] = {}  # chunks of the 200 body's type; no SSE event schema
         err = {"content": body(ErrorResponse, "serialization")}
         op["responses"] = {
-            "200": {"description": "the completion (or an event stream)", "content": ok},
+            "200": {"description": "the result (a completion: or an event stream)", "content": ok},
             **{code: {"description": text, **err} for code, text in (
                 ("400", "invalid request"), ("401", "bad API key"), ("404", "unknown model"),
                 ("413", "request body over --max-request-body-bytes"),

@@ -72,10 +72,10 @@ class Serving:
         msg = f"The model `{name}` does not exist; this server serves `{self.model_name}`."
         return ApiError(404, msg, "model", "model_not_found")
 
-    def encode(self, text: str) -> list[int] | ApiError:
+    def encode(self, text: str, add_special_tokens: bool) -> list[int] | ApiError:
         if self.tokenizer is None:
             return ApiError(400, "this model has no tokenizer: send token ids", "prompt")
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def check_prompt(self, ids: list[int], param: str) -> ApiError | None:
         vocab = self.client.ready.vocab_size if self.client.ready else 0

@@ -1,11 +1,15 @@
-"""The shipped deployment files: deploy/k8s.yaml is a Deployment whose probes hit /health and a
-Service selecting its pods; deploy/nginx.conf has the settings streaming and balancing need."""
+"""The shipped deployment files: deploy/k8s.yaml is a Deployment whose start-up and readiness
+probes hit /health, its liveness probe /health_generate (waiting longer than the server's own
+timeout), and a Service selecting its pods; deploy/nginx.conf has the settings streaming and
+balancing need."""
 
 from __future__ import annotations
 
 import os
 
 import yaml
+
+from eagleserve.server.api import health_timeout_s
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -17,8 +21,11 @@ def test_k8s_deployment_and_service() -> None:
     labels = deploy["spec"]["template"]["metadata"]["labels"]
     assert deploy["spec"]["selector"]["matchLabels"] == labels == service["spec"]["selector"]
     (container,) = deploy["spec"]["template"]["spec"]["containers"]
-    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+    for probe in ("startupProbe", "readinessProbe"):
         assert container[probe]["httpGet"]["path"] == "/health", probe
+    liveness = container["livenessProbe"]
+    assert liveness["httpGet"]["path"] == "/health_generate"
+    assert liveness["timeoutSeconds"] > health_timeout_s()
     port = container["ports"][0]["name"]
     assert service["spec"]["ports"][0]["targetPort"] == port
     env = {e["name"] for e in container["env"]}

@@ -15,14 +15,16 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from rel_fixtures import Server, spec_server_fixture, tiny_dirs_fixture  # noqa: F401 (fixtures)
 
-from eagleserve.server.protocol import CHAT_EXAMPLES, COMPLETION_EXAMPLES
+from eagleserve.server.protocol import CHAT_EXAMPLES, COMPLETION_EXAMPLES, TOKENIZE_EXAMPLES
 
 schemathesis = pytest.importorskip("schemathesis")
 
 OPERATIONS = [("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
-              ("GET", "/v1/models"), ("GET", "/health")]  # fmt: skip
+              ("POST", "/tokenize"), ("POST", "/detokenize"), ("GET", "/v1/models"),
+              ("GET", "/health"), ("GET", "/health_generate"), ("GET", "/version")]  # fmt: skip
 MAX_EXAMPLES = 60
-EXAMPLES = {"/v1/completions": COMPLETION_EXAMPLES, "/v1/chat/completions": CHAT_EXAMPLES}
+EXAMPLES = {"/v1/completions": COMPLETION_EXAMPLES, "/v1/chat/completions": CHAT_EXAMPLES,
+            "/tokenize": TOKENIZE_EXAMPLES}  # fmt: skip
 CAP = 4
 
 

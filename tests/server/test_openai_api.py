@@ -40,6 +40,9 @@ def test_health_and_models(http: httpx.Client, client: openai.OpenAI) -> None:
     assert http.get("/health").status_code == 200
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve(MODEL + "-other")
 
 
 def test_completion_greedy_equals_engine(client: openai.OpenAI, engine: Any) -> None:

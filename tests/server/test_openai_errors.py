@@ -116,6 +116,14 @@ def test_api_key(key_server: ServerProcess) -> None:
     bad = httpx.post(url + "/v1/completions", json=body, headers={"Authorization": "Bearer no"})
     assert bad.status_code == 401 and bad.json()["error"]["code"] == "invalid_api_key"
     assert httpx.get(url + "/v1/models").status_code == 401
+    assert httpx.get(url + "/v1/models/default").status_code == 401
+    for route, tok_body in (("/tokenize", {"prompt": "Hi"}), ("/detokenize", {"tokens": [5]})):
+        assert httpx.post(url + route, json=tok_body).status_code == 401
+        keyed = httpx.post(
+            url + route, json=tok_body, headers={"Authorization": f"Bearer {API_KEY}"}
+        )
+        assert keyed.status_code == 200
+    assert httpx.get(url + "/version").status_code == 200  # open, as /health
     good = openai.OpenAI(base_url=url + "/v1", api_key=API_KEY, max_retries=0)
     assert good.completions.create(model="default", prompt="Hi", max_tokens=2).choices
     with pytest.raises(openai.AuthenticationError):
