@@ -238,7 +238,7 @@ def engine_view(
     """The text of the job's `prompt`-th prompt (a chat's rendered by the template, tools
     described in its system message), its ids as the server encodes it, and the output
     constraint the server makes of the job's request body, by the server's own translation."""
-    from eagleserve.server.handlers import chat_constraint, chat_messages
+    from eagleserve.server.handlers import chat_constraint, chat_text
     from eagleserve.server.protocol import ChatCompletionRequest, CompletionRequest
     from eagleserve.server.serving import ApiError
     from eagleserve.server.structured import output_constraint
@@ -257,8 +257,8 @@ def engine_view(
     assert not isinstance(tools, ApiError), tools.message
     grammar = chat_constraint(req, tools)
     assert not isinstance(grammar, ApiError), grammar.message
-    msgs = chat_messages(req, tools)
-    text = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+    text = chat_text(tokenizer, req, tools)
+    assert not isinstance(text, ApiError), text.message
     return text, tokenizer.encode(text, add_special_tokens=req.add_special_tokens), grammar
 
 

@@ -200,20 +200,35 @@ def chat_messages(body: ChatCompletionRequest, tools: ToolSetup | None) -> list[
     return msgs
 
 
-def chat_text(
-    serving: Serving, body: ChatCompletionRequest, tools: ToolSetup | None,
-    add_generation_prompt: bool = True,
-) -> str | ApiError:  # fmt: skip
-    """The conversation rendered by the model's chat template."""
+# Arguments of apply_chat_template that chat_template_kwargs must not set (the request's own
+# fields, or ones that would change what the call returns).
+RESERVED_TEMPLATE_ARGS = frozenset({"conversation", "messages", "tools", "tokenize",
+                                    "add_generation_prompt", "continue_final_message",
+                                    "return_dict", "return_tensors", "chat_template"})  # fmt: skip
+
+
+def chat_text(tok: Any, body: ChatCompletionRequest, tools: ToolSetup | None) -> str | ApiError:
+    """The conversation rendered by the model's chat template, as the request asks (the
+    assistant turn's header, or its last message left open; the template's own variables)."""
     if not body.messages:
         return ApiError(400, "messages must not be empty", "messages")
-    tok = serving.tokenizer
     if tok is None or not getattr(tok, "chat_template", None):
         return ApiError(400, "this model has no chat template: use /v1/completions", "messages")
+    if body.continue_final_message and body.add_generation_prompt:
+        msg = "continue_final_message needs add_generation_prompt false"
+        return ApiError(400, msg, "continue_final_message")
+    if body.continue_final_message and body.messages[-1].role != "assistant":
+        msg = "continue_final_message continues the last message, which must be the assistant's"
+        return ApiError(400, msg, "continue_final_message")
+    extra = body.chat_template_kwargs or {}
+    reserved = sorted(RESERVED_TEMPLATE_ARGS.intersection(extra))
+    if reserved:
+        return ApiError(400, f"chat_template_kwargs may not set {reserved}", "chat_template_kwargs")
     msgs = chat_messages(body, tools)
     try:
-        return str(tok.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt,
-                                           tokenize=False))  # fmt: skip
+        return str(tok.apply_chat_template(msgs, add_generation_prompt=body.add_generation_prompt,
+                                           continue_final_message=body.continue_final_message,
+                                           tokenize=False, **extra))  # fmt: skip
     except Exception as exc:  # a template may reject a conversation (e.g. role order)
         return ApiError(400, f"the chat template rejected the messages: {exc}", "messages")
 
@@ -221,7 +236,7 @@ def chat_text(
 def chat_prompt(
     serving: Serving, body: ChatCompletionRequest, tools: ToolSetup | None = None
 ) -> list[int] | ApiError:
-    text = chat_text(serving, body, tools)
+    text = chat_text(serving.tokenizer, body, tools)
     if isinstance(text, ApiError):
         return text
     ids = serving.encode(text, body.add_special_tokens)

@@ -134,6 +134,12 @@ class ChatCompletionRequest(_SamplingFields):
     # vLLM's extension: the template's text holds the special tokens it wants; adding the
     # tokenizer's (a second BOS) only when asked.
     add_special_tokens: bool = False
+    # vLLM's and SGLang's template controls: the assistant turn's header after the messages,
+    # or the last (assistant) message left open to be continued; and the template's own
+    # variables (e.g. a model's `enable_thinking`).
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 # ---- /tokenize and /detokenize (vLLM's bodies) ------------------------------------------------
@@ -156,6 +162,8 @@ class TokenizeRequest(BaseModel):
     messages: list[ChatMessage] | None = Field(None, min_length=1)
     tools: list[dict[str, Any]] | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
     # Default: as the endpoint the text is for encodes it (a prompt with the tokenizer's
     # special tokens, a chat's template text without them).
     add_special_tokens: bool | None = None

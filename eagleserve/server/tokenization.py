@@ -20,11 +20,16 @@ def tokenize(serving: Serving, body: TokenizeRequest) -> TokenizeResponse | ApiE
     if (body.prompt is None) == (body.messages is None):
         return ApiError(400, "send either prompt or messages", "prompt")
     if body.messages is not None:
-        chat = ChatCompletionRequest(messages=body.messages, tools=body.tools)
+        chat = ChatCompletionRequest(
+            messages=body.messages, tools=body.tools,
+            add_generation_prompt=body.add_generation_prompt,
+            continue_final_message=body.continue_final_message,
+            chat_template_kwargs=body.chat_template_kwargs,
+        )  # fmt: skip
         tools = tool_setup(chat)
         if isinstance(tools, ApiError):
             return tools
-        text = chat_text(serving, chat, tools, body.add_generation_prompt)
+        text = chat_text(serving.tokenizer, chat, tools)
         if isinstance(text, ApiError):
             return text
         special = bool(body.add_special_tokens)

@@ -1,6 +1,7 @@
 """What the server feeds the model for a text prompt, and the routes that show it: a tokenizer
 that adds a BOS gets it on completions (as vLLM and SGLang encode a prompt) and not twice on
-chats; `/tokenize` counts what `usage.prompt_tokens` will; `/detokenize`; `GET
+chats; a chat's template fields (continue the last message, template variables); `/tokenize`
+counts what `usage.prompt_tokens` will; `/detokenize`; `GET
 /v1/models/{model}`; `/version`. A real `eagleserve serve` on a tiny target whose char-level
 tokenizer adds `<s>` in front."""
 
@@ -20,6 +21,7 @@ from conftest import TINY_BOS, add_bos_to_tokenizer, save_tiny_model
 from bench.server_proc import Server
 
 TEMPLATE = (
+    "{% if note is defined %}note: {{ note }}\n{% endif %}"
     "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}assistant:{% endif %}"
 )
@@ -112,6 +114,33 @@ def test_a_chat_is_not_given_a_second_bos(http: httpx.Client) -> None:
     assert asked["tokens"] == [TINY_BOS, *tokenized["tokens"]]
     no_prompt = http.post("/tokenize", json={"messages": msgs, "add_generation_prompt": False})
     assert no_prompt.json()["tokens"] == char_ids(http, text[: -len("assistant:")])
+
+
+def test_a_chat_continues_its_last_message_and_fills_template_variables(
+    http: httpx.Client,
+) -> None:
+    rng = random.Random()
+    user, start = words(rng), words(rng)
+    msgs = [{"role": "user", "content": user}, {"role": "assistant", "content": start}]
+    body = {"messages": msgs, "add_generation_prompt": False, "continue_final_message": True}
+    tokenized = http.post("/tokenize", json=body).json()
+    text = f"user: {user}\nassistant: {start}"  # left open: no newline after the last message
+    assert tokenized["tokens"] == char_ids(http, text)
+    asked = {**body, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    chat = http.post("/v1/chat/completions", json=asked).json()
+    assert chat["usage"]["prompt_tokens"] == tokenized["count"]
+    completion = greedy(http, char_ids(http, text))["choices"][0]["text"]
+    assert chat["choices"][0]["message"]["content"] == completion
+    for bad in ({**body, "add_generation_prompt": True}, {**body, "messages": msgs[:1]}):
+        resp = http.post("/v1/chat/completions", json=bad)
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == "continue_final_message"
+    note = words(rng)
+    filled = {"messages": msgs[:1], "chat_template_kwargs": {"note": note}}
+    with_note = http.post("/tokenize", json=filled).json()
+    assert with_note["tokens"] == char_ids(http, f"note: {note}\nuser: {user}\nassistant:")
+    reserved = {"messages": msgs[:1], "chat_template_kwargs": {"tokenize": True}}
+    resp = http.post("/v1/chat/completions", json=reserved)
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "chat_template_kwargs"
 
 
 def test_detokenize_reads_ids_back(http: httpx.Client) -> None:
