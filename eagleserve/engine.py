@@ -112,6 +112,11 @@ class Engine:
     def stats(self) -> EngineStats:
         return self.scheduler.stats()
 
+    def flush_cache(self) -> int | None:
+        """Empties the prefix cache (between benchmark runs, say): the KV slots freed, or None
+        while requests added through `scheduler` are still in it (`generate` leaves none)."""
+        return self.scheduler.flush_cache()
+
     def _encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer: pass token ids")

@@ -37,6 +37,19 @@ class StatsReq:
 
 
 @dataclass
+class FlushCacheReq:
+    """Server -> engine: empty the prefix cache if nothing is queued or running; the engine
+    answers with a `FlushCacheResult`."""
+
+
+@dataclass
+class FlushCacheResult:
+    """Engine -> server: KV slots the flush freed, or None when requests were in the way."""
+
+    freed_tokens: int | None
+
+
+@dataclass
 class TokenOutput:
     """Engine -> server: new tokens of one request since its last TokenOutput."""
 

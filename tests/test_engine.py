@@ -333,6 +333,19 @@ def test_a_text_prompt_gets_the_tokenizers_bos(
     assert [o["token_ids"] for o in by_text] == [o["token_ids"] for o in with_bos]
 
 
+def test_flush_cache_empties_the_prefix_cache(tiny: Engine) -> None:
+    prompt = [random.randrange(3, 250) for _ in range(random.randint(30, 60))]
+    first = tiny.generate([prompt], greedy(4))
+    hits = tiny.stats().prefix_cache_hit_tokens_total
+    tiny.generate([prompt], greedy(4))
+    assert tiny.stats().prefix_cache_hit_tokens_total > hits  # cached
+    assert tiny.flush_cache() >= len(prompt) // 2
+    assert tiny.stats().kv_cached_tokens == 0 and tiny.flush_cache() == 0
+    hits = tiny.stats().prefix_cache_hit_tokens_total
+    assert tiny.generate([prompt], greedy(4)) == first
+    assert tiny.stats().prefix_cache_hit_tokens_total == hits  # computed again
+
+
 def test_stop_token_ids(tiny: Engine) -> None:
     prompt = random_prompts(1, [9], seed=8)[0]
     full = tiny.generate([prompt], greedy(40, ignore_eos=True))[0]["token_ids"]

@@ -82,6 +82,11 @@ class PrefixCache:
             self.evicted_tokens += self.tree.evict(max(short, step))
         return self.kv_pool.available_size() >= num_slots
 
+    def flush(self) -> int:
+        """Frees every cached prefix no request holds (with none running: all of them); not
+        counted as evictions, which are for new requests. Returns the slots freed."""
+        return self.tree.evict(self.tree.evictable_size) if self.tree is not None else 0
+
     # ---- a request's slots -----------------------------------------------------------------
     def admit(self, req: Req) -> int | None:
         """Gives `req` a request slot whose first positions are the longest cached prefix of its

@@ -1,8 +1,9 @@
 """The engine process: builds the Scheduler and serves it over two ZeroMQ sockets.
 
-The server PUSHes `GenerateReqInput` / `AbortReq` / `StatsReq` / `ShutdownReq` to `in_addr`;
-the engine PUSHes `EngineReady` (or `EngineStartupError`), `BatchTokenOutput` and `EngineStats`
-to `out_addr`. The engine exits when told to, or when its parent process is gone.
+The server PUSHes `GenerateReqInput` / `AbortReq` / `StatsReq` / `FlushCacheReq` /
+`ShutdownReq` to `in_addr`; the engine PUSHes `EngineReady` (or `EngineStartupError`),
+`BatchTokenOutput`, `EngineStats` and `FlushCacheResult` to `out_addr`. The engine exits when
+told to, or when its parent process is gone.
 
 Every rank installs fault injection (scheduler/faults.py; tests only) on its scheduler.
 """
@@ -24,6 +25,8 @@ from eagleserve.messages import (
     BatchTokenOutput,
     EngineReady,
     EngineStartupError,
+    FlushCacheReq,
+    FlushCacheResult,
     GenerateReqInput,
     ShutdownReq,
     StatsReq,
@@ -55,6 +58,11 @@ class EngineLoop:
             self.scheduler.abort_request(msg.rid)
         elif isinstance(msg, StatsReq):
             self.send.send_pyobj(self.scheduler.stats())
+        elif isinstance(msg, FlushCacheReq):
+            freed = self.scheduler.flush_cache()
+            self.send.send_pyobj(FlushCacheResult(freed))
+            if freed:
+                logger.info("prefix cache flushed: %d KV slots freed", freed)
         elif isinstance(msg, ShutdownReq):
             self.shutdown_deadline = time.monotonic() + msg.timeout_s
         else:

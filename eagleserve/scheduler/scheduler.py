@@ -63,10 +63,9 @@ class Scheduler:
             args, cfg, self.model_path, self.device, self.max_context_len + 2 * self.alloc_len
         )
         self.worker: TargetWorker | EagleWorker = (
-            TargetWorker(runner, args)
-            if self.spec_config is None
+            TargetWorker(runner, args) if self.spec_config is None
             else EagleWorker(runner, self.spec_config, args)
-        )
+        )  # fmt: skip
         self.req_to_token_pool = self.worker.req_to_token_pool
         self.kv_pool = self.worker.token_to_kv_pool
         self.prefix_cache = PrefixCache(
@@ -97,10 +96,9 @@ class Scheduler:
             self.forwarder = OverlapForwarder(
                 self.worker, self.future_map, self.device, self.spec_config is not None
             )
-            if isinstance(self.worker, EagleWorker):
-                w = self.worker
-                hidden = w.drafter.head.hidden_size
-                self.future_map.warm_up(w.spec.eagle_topk, hidden, w.runner.dtype)
+            if isinstance(w := self.worker, EagleWorker):
+                head = w.drafter.head
+                self.future_map.warm_up(w.spec.eagle_topk, head.hidden_size, w.runner.dtype)
         # The launched batch's requests, its result, and its request whose prefill goes on
         # (no token of that one is kept).
         self.inflight: tuple[list[Req], Future[GenerationBatchResult], Req | None] | None = None
@@ -322,8 +320,7 @@ class Scheduler:
             self.running_batch.merge_batch(batch)
 
     def _drop_finished_from_running(self) -> None:
-        batch = self.running_batch
-        if batch is None:
+        if (batch := self.running_batch) is None:
             return
         keep = [i for i, r in enumerate(batch.reqs) if not r.finished]
         if len(keep) < batch.batch_size:
@@ -397,3 +394,7 @@ class Scheduler:
 
     def stats(self) -> EngineStats:
         return engine_stats(self)
+
+    def flush_cache(self, _: object = None) -> int | None:  # _: a TP follower's replay argument
+        """Empties the prefix cache: the slots freed; None while requests queue or run."""
+        return None if self.has_work() else self.prefix_cache.flush()

@@ -246,6 +246,12 @@ class ReplicatedScheduler:
         self._publish("step")
         return self.scheduler.step()
 
+    def flush_cache(self) -> int | None:
+        if self.scheduler.has_work():  # as every rank's, whose states are the same
+            return None
+        self.calls.append(("flush_cache", None))
+        return self.scheduler.flush_cache()
+
     def _publish(self, last: str) -> None:
         calls, self.calls = [*self.calls, (last, None)], []
         broadcast_object(calls)

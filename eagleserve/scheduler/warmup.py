@@ -70,7 +70,7 @@ def warm_up(sched: Scheduler) -> float:
                     rids.discard(out.rid)
         while sched.has_work():  # a forward still in flight: its slots come back after it
             sched.step()
-    cache.make_room(sched.kv_pool.size)  # the warm-up's prompts leave the prefix cache
+    cache.flush()  # the warm-up's prompts leave the prefix cache
     cache.hit_tokens, cache.queried_tokens, cache.evicted_tokens = counters
     sched.spec_stats = spec_stats
     if controller is not None:

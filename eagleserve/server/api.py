@@ -200,6 +200,18 @@ def create_app(args: ServerArgs, client: EngineClient, http: HttpStats | None = 
     async def detokenize_route(request: Request) -> Response:
         return await tokenizer_route(request, DetokenizeRequest, detokenize)
 
+    # SGLang's: empties the prefix cache (between benchmark runs, say) if nothing runs.
+    @app.post("/flush_cache", dependencies=[Depends(require_key)])
+    async def flush_cache() -> Response:
+        result = await client.flush_cache()
+        down = unavailable()
+        if down is not None:
+            return down
+        if result.freed_tokens is None:
+            msg = "requests are queued or running: the prefix cache was not flushed"
+            return ApiError(400, msg).response()
+        return JSONResponse({"flushed": True, "freed_tokens": result.freed_tokens})
+
     @app.get("/version")
     async def version() -> JSONResponse:
         return JSONResponse({"version": package_version("eagleserve")})

@@ -32,6 +32,8 @@ from eagleserve.messages import (
     EngineReady,
     EngineStartupError,
     EngineStats,
+    FlushCacheReq,
+    FlushCacheResult,
     GenerateReqInput,
     ShutdownReq,
     StatsReq,
@@ -129,6 +131,7 @@ class EngineClient:
         self.last_tokens_at: float | None = None  # time.monotonic() of the last token outputs
         self.on_stats: Callable[[EngineStats], None] | None = None
         self._stats_waiters: list[asyncio.Future[EngineStats]] = []
+        self._flush_waiters: list[asyncio.Future[FlushCacheResult]] = []
         self._proc: Any = None
         self._followers: list[Any] = []  # tensor-parallel ranks 1.. (tp_engine.py)
         self._tmpdir: str | None = None
@@ -246,6 +249,11 @@ class EngineClient:
             for fut in waiters:
                 if not fut.done():
                     fut.set_result(msg)
+        elif isinstance(msg, FlushCacheResult):
+            flushes, self._flush_waiters = self._flush_waiters, []
+            for done in flushes:  # one answer serves every flush asked for meanwhile
+                if not done.done():
+                    done.set_result(msg)
 
     def _engine_died(self) -> None:
         self.healthy = False
@@ -256,6 +264,10 @@ class EngineClient:
             if not fut.done():
                 fut.set_result(self.last_stats)
         self._stats_waiters = []
+        for done in self._flush_waiters:  # nothing was flushed (callers see `healthy` false)
+            if not done.done():
+                done.set_result(FlushCacheResult(None))
+        self._flush_waiters = []
 
     def generate(self, reqs: list[GenerateReqInput]) -> RequestStream:
         """Sends the requests; their outputs arrive on the returned stream."""
@@ -302,6 +314,16 @@ class EngineClient:
         finally:
             stream.close()
         return out.error
+
+    async def flush_cache(self) -> FlushCacheResult:
+        """Asks the engine to empty its prefix cache; its answer (None freed: requests ran,
+        or the engine died meanwhile)."""
+        if not self.healthy:
+            return FlushCacheResult(None)
+        fut: asyncio.Future[FlushCacheResult] = asyncio.get_running_loop().create_future()
+        self._flush_waiters.append(fut)
+        self._send.send_pyobj(FlushCacheReq())
+        return await fut
 
     async def get_stats(self, timeout: float = 2.0) -> EngineStats:
         """Fresh engine stats (the last known ones if the engine does not answer in time)."""

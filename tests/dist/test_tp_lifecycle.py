@@ -2,7 +2,8 @@
 engine within seconds (with the likely cause), a rank that never joins fails it after
 --dist-timeout, a script that never closes its engine still exits, and after close() another
 TP engine starts as fast as the first; while one is open, building another is a clear error; a
-retraction, made by every rank, is logged by rank 0 alone."""
+flushed prefix cache is flushed on every rank; a retraction, made by every rank, is logged by
+rank 0 alone."""
 
 from __future__ import annotations
 
@@ -126,6 +127,23 @@ def test_second_tp_engine_starts_as_fast_as_the_first(target_dir: str) -> None:
     # Both builds start a Python process for rank 1 on a machine whose cores may be shared:
     # a few seconds of slack on top of the 2x.
     assert second_s <= 2 * first_s + 5, f"first {first_s:.1f} s, second {second_s:.1f} s"
+
+
+def test_flush_cache_empties_every_ranks_cache(target_dir: str) -> None:
+    """Every rank flushes (their caches plan each step alike): the same prompt is then
+    computed again from scratch, to the same tokens, where a rank that kept its cache would
+    plan a shorter prefill than rank 0's and the ranks' collectives would part."""
+    prompt = [random.randrange(1, SPEC_VOCAB - 1) for _ in range(40)]
+    params = SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True)
+    with Engine(target_dir, device="cpu", dtype="float32", max_total_tokens=512,
+                tp_size=2) as engine:  # fmt: skip
+        want = engine.generate([prompt], params)[0]["token_ids"]
+        assert engine.generate([prompt], params)[0]["token_ids"] == want
+        hits = engine.stats().prefix_cache_hit_tokens_total
+        assert hits > 0
+        assert (engine.flush_cache() or 0) > 0
+        assert engine.generate([prompt], params)[0]["token_ids"] == want
+        assert engine.stats().prefix_cache_hit_tokens_total == hits
 
 
 def test_a_retraction_is_logged_once_not_once_per_rank(

@@ -123,6 +123,7 @@ def test_api_key(key_server: ServerProcess) -> None:
             url + route, json=tok_body, headers={"Authorization": f"Bearer {API_KEY}"}
         )
         assert keyed.status_code == 200
+    assert httpx.post(url + "/flush_cache").status_code == 401
     assert httpx.get(url + "/version").status_code == 200  # open, as /health
     good = openai.OpenAI(base_url=url + "/v1", api_key=API_KEY, max_retries=0)
     assert good.completions.create(model="default", prompt="Hi", max_tokens=2).choices
