@@ -9,6 +9,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_serializer
 from pydantic.json_schema import models_json_schema
 
+from eagleserve.server.vllm_fields import VllmFields
+
 MAX_N = 16
 
 
@@ -24,10 +26,11 @@ class ResponseFormat(BaseModel):
 Bias = Annotated[float, Field(ge=-100, le=100)]
 
 
-class _SamplingFields(BaseModel):
-    """Fields shared by both endpoints. Unknown fields (e.g. `user`) are accepted and ignored;
-    the fields below that change the output are either honoured or rejected with a 400 by
-    `validation.check_request` (ranges here, as OpenAI's; supported values there)."""
+class _SamplingFields(VllmFields):
+    """Fields shared by both endpoints, vLLM's extensions among them (server/vllm_fields.py).
+    Unknown fields (e.g. `user`) are accepted and ignored; the fields declared that change the
+    output are either honoured or rejected with a 400 by `validation.check_request` (ranges
+    here, as OpenAI's; supported values there)."""
 
     # No NaN / Infinity (Python's json writes them; 1e400 parses as inf): none may reach the
     # engine's sampling tensors.

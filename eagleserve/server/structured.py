@@ -1,7 +1,8 @@
 """A request's output constraint -> the engine's `GrammarSpec`, or a 400 naming the field.
 
-Fields: OpenAI's `response_format` (`json_object`, `json_schema` with `json_schema.schema`) and
-SGLang's `regex` and `ebnf` (extra_body), at most one of them; chat `tools` go through
+Fields: OpenAI's `response_format` (`json_object`, `json_schema` with `json_schema.schema`),
+SGLang's `regex` and `ebnf` (extra_body) and vLLM's `guided_*` / `structured_outputs`
+(server/vllm_fields.py), at most one of them; chat `tools` go through
 server/tool_calls.py. Each spec is parsed here with xgrammar (no tokenizer needed), so an invalid
 schema or an unsupported feature is a 400 before the request reaches the engine.
 """
@@ -9,11 +10,13 @@ schema or an unsupported feature is a 400 before the request reaches the engine.
 from __future__ import annotations
 
 import json
+from typing import Any
 
 from eagleserve.constrained.grammar import check_grammar
 from eagleserve.sampling_params import GrammarSpec
 from eagleserve.server.protocol import _SamplingFields
 from eagleserve.server.serving import ApiError
+from eagleserve.server.vllm_fields import GUIDED, STRUCTURED_KEYS, guided_spec, structured_fields
 
 
 def _response_format_spec(body: _SamplingFields) -> GrammarSpec | ApiError | None:
@@ -33,19 +36,31 @@ def _response_format_spec(body: _SamplingFields) -> GrammarSpec | ApiError | Non
 def output_constraint(body: _SamplingFields) -> GrammarSpec | ApiError | None:
     """The constraint `body` asks for (None: free text). Runs xgrammar's parser: call it off the
     event loop."""
-    given = [name for name in ("response_format", "regex", "ebnf") if _is_set(body, name)]
-    if len(given) > 1:
-        msg = f"{given[0]} and {given[1]} cannot be combined: give one output constraint"
-        return ApiError(400, msg, given[1])
-    if not given:
+    given = [name for name in ("response_format", "regex", "ebnf", *GUIDED) if _is_set(body, name)]
+    pairs: list[tuple[str, Any]] = [(name, getattr(body, name)) for name in given]
+    if "structured_outputs" in given:
+        fields = structured_fields(body.structured_outputs or {})
+        if isinstance(fields, str):
+            return ApiError(400, f"structured_outputs: {fields}", "structured_outputs")
+        pairs.remove(("structured_outputs", body.structured_outputs))
+        pairs += [(f"structured_outputs.{k}", v) for k, v in fields]
+    if len(pairs) > 1:
+        msg = f"{pairs[0][0]} and {pairs[1][0]} cannot be combined: give one output constraint"
+        return ApiError(400, msg, pairs[1][0])
+    if not pairs:
         return None
-    name = given[0]
+    name, value = pairs[0]
     if name == "response_format":
         spec = _response_format_spec(body)
         if spec is None or isinstance(spec, ApiError):
             return spec
+    elif name in ("regex", "ebnf"):
+        spec = GrammarSpec(name, value)
     else:
-        spec = GrammarSpec(name, getattr(body, name))  # type: ignore[arg-type]
+        guided = guided_spec(STRUCTURED_KEYS.get(name.rpartition(".")[2], name), value)
+        if isinstance(guided, str):
+            return ApiError(400, f"{name}: {guided}", name)
+        spec = guided
     return checked(spec, name)
 
 

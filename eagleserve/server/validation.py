@@ -4,8 +4,9 @@ Invariant (issue #20): every field that would change the output is either used o
 a 400 whose `param` names it; none is dropped silently. Ranges are checked by pydantic in
 protocol.py (so they show in the OpenAPI schema, as OpenAI's are) and by
 `SamplingParams.validate`; this module rejects in-range values the engine does not implement:
-the deprecated `functions`, `best_of` > n, `suffix`, non-text content. Each is accepted at its
-neutral value, so clients that always send the defaults (e.g. `tools: []`) keep working.
+the deprecated `functions`, `best_of` > n, `suffix`, non-text content, and vLLM's extensions
+it does not implement (server/vllm_fields.py `REFUSED`). Each is accepted at its neutral
+value, so clients that always send the defaults (e.g. `tools: []`) keep working.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 
 from eagleserve.server.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
 from eagleserve.server.serving import ApiError
+from eagleserve.server.vllm_fields import REFUSED
 
 UNSUPPORTED = "unsupported_parameter"
 
@@ -30,7 +32,7 @@ def not_supported(param: str, accepted: str) -> ApiError:
 
 
 def check_shared(body: _SamplingFields) -> ApiError | None:
-    for name, neutral, accepted in NEUTRAL:
+    for name, neutral, accepted in (*NEUTRAL, *REFUSED):
         if not neutral(getattr(body, name)):
             return not_supported(name, accepted)
     return None

@@ -43,6 +43,22 @@ REJECTED: list[tuple[str, dict[str, Any], str, bool]] = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [IMAGE]}]},
      "messages.0.content.0.type", True),
     ("/v1/chat/completions", {"top_logprobs": 3}, "top_logprobs", False),
+    # vLLM's extensions that change the output and are not implemented (server/vllm_fields.py)
+    ("/v1/completions", {"use_beam_search": True}, "use_beam_search", True),
+    ("/v1/completions", {"include_stop_str_in_output": True}, "include_stop_str_in_output", True),
+    ("/v1/chat/completions", {"skip_special_tokens": False}, "skip_special_tokens", True),
+    ("/v1/completions", {"truncate_prompt_tokens": 3}, "truncate_prompt_tokens", True),
+    ("/v1/chat/completions", {"allowed_token_ids": [5, 6]}, "allowed_token_ids", True),
+    ("/v1/completions", {"bad_words": ["x"]}, "bad_words", True),
+    ("/v1/completions", {"prompt_logprobs": 1}, "prompt_logprobs", True),
+    ("/v1/completions", {"length_penalty": 0.5}, "length_penalty", True),
+    ("/v1/chat/completions", {"guided_json": "{not json"}, "guided_json", False),
+    ("/v1/chat/completions", {"guided_choice": []}, "guided_choice", False),
+    ("/v1/completions", {"guided_regex": "a", "regex": "b"}, "guided_regex", False),
+    ("/v1/completions", {"structured_outputs": {"regex": "a", "choice": ["b"]}},
+     "structured_outputs.choice", False),
+    ("/v1/completions", {"structured_outputs": {"disable_any_whitespace": True}},
+     "structured_outputs", False),
 ]  # fmt: skip
 
 
@@ -73,6 +89,11 @@ NEUTRAL: list[tuple[str, dict[str, Any]]] = [
                               "tools": [], "top_logprobs": 0}),
     ("/v1/chat/completions", {"messages": [{"role": "user",
                                             "content": [{"type": "text", "text": "Hi"}]}]}),
+    ("/v1/completions", {"use_beam_search": False, "include_stop_str_in_output": False,
+                         "skip_special_tokens": True, "spaces_between_special_tokens": True,
+                         "length_penalty": 1.0, "truncate_prompt_tokens": None,
+                         "allowed_token_ids": [], "bad_words": [], "guided_json": None,
+                         "structured_outputs": {"regex": None, "disable_fallback": False}}),
 ]  # fmt: skip
 
 

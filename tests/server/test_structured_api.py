@@ -131,6 +131,38 @@ def test_regex_and_ebnf_through_extra_body(client: openai.OpenAI) -> None:
     assert out.choices[0].finish_reason == "stop"
 
 
+def test_vllms_guided_fields_hold(client: openai.OpenAI) -> None:
+    """vLLM's older (guided_*) and newer (structured_outputs) forms, each onto the same
+    grammars as response_format and regex."""
+    schema = SCHEMAS["enum_and_bool"]
+    msgs = [{"role": "user", "content": "Which planet do we live on? Answer in JSON."}]
+    for extra in ({"guided_json": schema}, {"guided_json": json.dumps(schema)},
+                  {"structured_outputs": {"json": schema}}):  # fmt: skip
+        out = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=60,
+                                             temperature=0, extra_body=extra)  # fmt: skip
+        jsonschema.validate(json.loads(out.choices[0].message.content or ""), schema)
+    choices = ["red", "green", 'blue, or "teal"']
+    for extra in ({"guided_choice": choices}, {"structured_outputs": {"choice": choices}}):
+        out = client.completions.create(model=MODEL, prompt="My favourite colour is", max_tokens=12,
+                                        temperature=0.8, seed=3, extra_body=extra)  # fmt: skip
+        assert out.choices[0].text in choices, out.choices[0].text
+    for extra in ({"guided_regex": r"[0-9]{2}"}, {"structured_outputs": {"regex": r"[0-9]{2}"}}):
+        out = client.completions.create(model=MODEL, prompt="A number:", max_tokens=8,
+                                        temperature=0, extra_body=extra)  # fmt: skip
+        assert re.fullmatch(r"[0-9]{2}", out.choices[0].text), out.choices[0].text
+    ebnf = 'root ::= "Answer: " [0-9] "!"'
+    out = client.completions.create(model=MODEL, prompt="2 + 2 =", max_tokens=10, temperature=0,
+                                    extra_body={"guided_grammar": ebnf})  # fmt: skip
+    assert re.fullmatch(r"Answer: [0-9]!", out.choices[0].text), out.choices[0].text
+    yes_no = [{"role": "user", "content": 'Is 2 > 1? Reply in JSON with one key, "answer", '
+                                          'whose value is "yes" or "no".'}]  # fmt: skip
+    out = client.chat.completions.create(
+        model=MODEL, messages=yes_no, max_tokens=80, temperature=0,
+        extra_body={"structured_outputs": {"json_object": True}},
+    )  # fmt: skip
+    assert isinstance(json.loads(out.choices[0].message.content or ""), dict)
+
+
 def test_unsatisfiable_within_max_tokens_finishes_with_length(client: openai.OpenAI) -> None:
     out = client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": ASK}], max_tokens=4, temperature=0,
