@@ -128,5 +128,7 @@ class Engine:
         if self.tokenizer is None:
             return ""
         if isinstance(matched_stop, str):  # a stop string ended it
-            return text_before_stop(self.tokenizer, ids, p.stop, p.min_tokens)
+            return text_before_stop(
+                self.tokenizer, ids, p.stop, p.min_tokens, p.include_stop_str_in_output
+            )
         return response_text(self.tokenizer, ids)

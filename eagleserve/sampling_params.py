@@ -41,6 +41,7 @@ class SamplingParams:
     min_p: float = 0.0
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
+    include_stop_str_in_output: bool = False  # the text keeps the stop string that ended it
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # None: no logprobs; k >= 0: chosen token plus top-k

@@ -25,13 +25,19 @@ def response_text(tokenizer: object, ids: list[int]) -> str:
     return tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
 
-def text_before_stop(tokenizer: object, ids: list[int], stop: list[str], min_tokens: int) -> str:
-    """The response text of a request that a stop string ended: cut before the first stop
-    string that ends after the text of its first min_tokens tokens, as the server cuts it."""
+def text_before_stop(
+    tokenizer: object, ids: list[int], stop: list[str], min_tokens: int, include: bool = False
+) -> str:
+    """The response text of a request that a stop string ended: cut before (with `include`,
+    after) the first stop string that ends after the text of its first min_tokens tokens, as
+    the server cuts it."""
     text = response_text(tokenizer, ids)
     head = len(response_text(tokenizer, ids[:min_tokens]).rstrip("\ufffd")) if min_tokens else 0
-    found = (text.find(s, max(0, head - len(s) + 1)) for s in stop if s)
-    return text[: min((i for i in found if i >= 0), default=len(text))]
+    found = [(i, s) for s in stop if s and (i := text.find(s, max(0, head - len(s) + 1))) >= 0]
+    if not found:
+        return text
+    i, s = min(found, key=lambda f: f[0])
+    return text[: i + len(s) if include else i]
 
 
 class StopChecker:

@@ -29,13 +29,16 @@ class ChoiceState:
         min_tokens: int = 0,
         prompt_ids: list[int] | None = None,
         prompt_hidden: int = 0,
+        include_stop_str: bool = False,
     ) -> None:
         """`prompt_ids`: the prompt whose logprobs come with the first output (echo), of which
         the first `prompt_hidden` (special tokens the tokenizer added) are not in its text."""
         self.index = index
         self.prompt_index = prompt_index
         self.tokenizer = tokenizer
-        self.detok = IncrementalDetokenizer(tokenizer, stop, min_tokens=min_tokens)
+        self.detok = IncrementalDetokenizer(
+            tokenizer, stop, min_tokens=min_tokens, include_stop_str=include_stop_str
+        )
         self.text = ""
         self.finish_reason: str | None = None
         self.prompt_tokens = 0

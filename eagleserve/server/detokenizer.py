@@ -3,7 +3,8 @@
 `IncrementalDetokenizer.add(ids)` returns only text that is final: it never ends inside a
 multi-byte UTF-8 character (a byte-level token may carry half an emoji), never repeats or drops
 text, and holds back a tail that could be the start of a stop string. `finish()` flushes the
-rest. Text is cut before the first stop string, as OpenAI does; with `min_tokens`, only a stop
+rest. Text is cut before the first stop string, as OpenAI does (after it with
+`include_stop_str`, vLLM's include_stop_str_in_output); with `min_tokens`, only a stop
 string that ends after the text of the first min_tokens tokens counts (the engine ignores
 earlier ones too: scheduler/output_processor.py).
 """
@@ -22,9 +23,11 @@ class IncrementalDetokenizer:
         stop: list[str] | None = None,
         skip_special_tokens: bool = True,
         min_tokens: int = 0,
+        include_stop_str: bool = False,
     ) -> None:
         self.tokenizer = tokenizer
         self.stop = [s for s in (stop or []) if s]
+        self.include_stop_str = include_stop_str
         self.min_tokens = min_tokens
         # Characters of `text` a stop string must end beyond (None: min_tokens not reached).
         self.stop_from: int | None = 0 if min_tokens <= 0 else None
@@ -69,11 +72,11 @@ class IncrementalDetokenizer:
     def _release(self, final: bool) -> str:
         if self.stopped:
             return ""
-        end = len(self.text)
+        end = first = len(self.text)
         for s in self.stop if self.stop_from is not None else ():
             i = self.text.find(s, max(self.sent, self.stop_from - len(s) + 1))
-            if i >= 0 and i < end:
-                end = i
+            if i >= 0 and i < first:  # the first stop string to start ends the text
+                first, end = i, i + len(s) if self.include_stop_str else i
                 self.stopped = True
         if not self.stopped and not final:
             end -= self._holdback()

@@ -69,19 +69,18 @@ def prompt_list(prompt: Any) -> list[Any]:
     return list(prompt)
 
 
-def completion_prompts(
-    serving: Serving, prompt: Any, add_special_tokens: bool = True
-) -> list[list[int]] | ApiError:
+def completion_prompts(serving: Serving, body: CompletionRequest) -> list[list[int]] | ApiError:
     """Each prompt's ids: text encoded with the tokenizer's special tokens unless told not to,
-    token ids as sent."""
-    prompt = prompt_list(prompt)
+    token ids as sent; cut to the last `truncate_prompt_tokens`."""
+    prompt = prompt_list(body.prompt)
     if not prompt:
         return ApiError(400, "the prompt is empty", "prompt")
     out: list[list[int]] = []
     for p in prompt:
-        ids = serving.encode(p, add_special_tokens) if isinstance(p, str) else list(p)
+        ids = serving.encode(p, body.add_special_tokens) if isinstance(p, str) else list(p)
         if isinstance(ids, ApiError):
             return ids
+        ids = serving.truncated(ids, body)
         err = serving.check_prompt(ids, "prompt")
         if err is not None:
             return err
@@ -106,9 +105,7 @@ async def create_completion(
 ) -> Response:
     # Tokenizing (and echo's decoding) run in a thread: a multi-MB prompt takes seconds, and on
     # the event loop it would stall /health and every stream (the tokenizer releases the GIL).
-    prompts = await asyncio.to_thread(
-        completion_prompts, serving, body.prompt, body.add_special_tokens
-    )
+    prompts = await asyncio.to_thread(completion_prompts, serving, body)
     if isinstance(prompts, ApiError):
         return prompts.response()
     grammar = await asyncio.to_thread(output_constraint, body)  # xgrammar parses: off the loop
@@ -128,7 +125,9 @@ async def create_completion(
     echoes = ["" for _ in prompts]
     hidden = [0 for _ in prompts]
     if body.echo and tok is not None:
-        sent = prompt_list(body.prompt)
+        # A prompt cut short echoes as the model read it.
+        cut = body.truncate_prompt_tokens is not None
+        sent = prompts if cut else prompt_list(body.prompt)
         echoes = await asyncio.to_thread(echo_texts, tok, sent, prompts)
         if scored and body.add_special_tokens:
             hidden = await asyncio.to_thread(added_in_front, tok, sent, prompts)
@@ -138,7 +137,8 @@ async def create_completion(
         return ChoiceState(i, pi, tok, params[pi].stop, text_offset=len(echoes[pi]),
                            min_tokens=params[pi].min_tokens,
                            prompt_ids=prompts[pi] if scored else None,
-                           prompt_hidden=hidden[pi])  # fmt: skip
+                           prompt_hidden=hidden[pi],
+                           include_stop_str=params[pi].include_stop_str_in_output)  # fmt: skip
 
     tracker = Tracker(serving, "completions", reqs, make_choice, body.n)
     rid, model, created = new_id("cmpl"), serving.model_name, now()  # one `created` per call
@@ -242,6 +242,7 @@ def chat_prompt(
     ids = serving.encode(text, body.add_special_tokens)
     if isinstance(ids, ApiError):
         return ids
+    ids = serving.truncated(ids, body)
     err = serving.check_prompt(ids, "messages")
     return err if err is not None else ids
 
@@ -279,7 +280,8 @@ async def create_chat(serving: Serving, body: ChatCompletionRequest, request: Re
     tok = serving.tokenizer
 
     def make_choice(i: int, pi: int) -> ChoiceState:
-        return ChoiceState(i, pi, tok, params.stop, min_tokens=params.min_tokens)
+        return ChoiceState(i, pi, tok, params.stop, min_tokens=params.min_tokens,
+                           include_stop_str=params.include_stop_str_in_output)  # fmt: skip
 
     tracker = Tracker(serving, "chat", reqs, make_choice, body.n)
     rid, model = new_id("chatcmpl"), serving.model_name

@@ -77,6 +77,11 @@ class Serving:
             return ApiError(400, "this model has no tokenizer: send token ids", "prompt")
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
+    def truncated(self, ids: list[int], body: _SamplingFields) -> list[int]:
+        """vLLM's truncate_prompt_tokens: only the prompt's last k ids (left truncation)."""
+        k = body.truncate_prompt_tokens
+        return ids if k is None else ids[-k:]
+
     def check_prompt(self, ids: list[int], param: str) -> ApiError | None:
         vocab = self.client.ready.vocab_size if self.client.ready else 0
         return api_error(check_prompt(ids, self.client.max_context_len, vocab, param))
@@ -105,6 +110,7 @@ class Serving:
             min_p=0.0 if body.min_p is None else body.min_p,
             seed=body.seed,
             stop=body.stop_list,
+            include_stop_str_in_output=body.include_stop_str_in_output,
             stop_token_ids=list(body.stop_token_ids or []),
             ignore_eos=body.ignore_eos,
             logprobs=logprobs,

@@ -2,11 +2,12 @@
 naming the field, never a silently different answer (issue #20's rule, for fields outside
 OpenAI's API too).
 
-Honoured: the output constraints, in vLLM's older form (`guided_json`, `guided_regex`,
-`guided_choice`, `guided_grammar`) and its newer one (`structured_outputs` with `json`, `regex`,
-`choice`, `grammar`, `json_object`), mapped onto the same grammars as `response_format` and
-SGLang's `regex` / `ebnf` (server/structured.py). Refused unless neutral: the fields vLLM
-honours that change the output and eagleserve does not implement (`REFUSED`).
+Honoured: `include_stop_str_in_output`, `truncate_prompt_tokens` (a prompt's last k tokens, its
+special tokens included), and the output constraints, in vLLM's older form (`guided_json`,
+`guided_regex`, `guided_choice`, `guided_grammar`) and its newer one (`structured_outputs` with
+`json`, `regex`, `choice`, `grammar`, `json_object`), mapped onto the same grammars as
+`response_format` and SGLang's `regex` / `ebnf` (server/structured.py). Refused unless neutral:
+the fields vLLM honours that change the output and eagleserve does not implement (`REFUSED`).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from eagleserve.sampling_params import GrammarSpec
 
@@ -39,7 +40,7 @@ class VllmFields(BaseModel):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
-    truncate_prompt_tokens: int | None = None
+    truncate_prompt_tokens: int | None = Field(None, ge=1)  # the prompt's last k tokens only
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     prompt_logprobs: int | None = None
@@ -50,10 +51,8 @@ class VllmFields(BaseModel):
 REFUSED: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("use_beam_search", lambda v: not v, "false"),
     ("length_penalty", lambda v: v == 1.0, "1.0"),
-    ("include_stop_str_in_output", lambda v: not v, "false"),
     ("skip_special_tokens", bool, "true"),
     ("spaces_between_special_tokens", bool, "true"),
-    ("truncate_prompt_tokens", lambda v: v is None, "null"),
     ("allowed_token_ids", lambda v: not v, "null or an empty list"),
     ("bad_words", lambda v: not v, "null or an empty list"),
     ("prompt_logprobs", lambda v: v is None, "null (echo with logprobs scores a prompt)"),

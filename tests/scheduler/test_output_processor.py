@@ -87,9 +87,11 @@ def finish_at(checker: StopChecker, ids: list[int], params: SamplingParams) -> i
     return len(req.output_ids)
 
 
-def server_text(tok: Any, ids: list[int], stop: list[str], min_tokens: int) -> str:
+def server_text(
+    tok: Any, ids: list[int], stop: list[str], min_tokens: int, include: bool = False
+) -> str:
     """The text the server streams for `ids`, one token at a time."""
-    detok = IncrementalDetokenizer(tok, stop, min_tokens=min_tokens)
+    detok = IncrementalDetokenizer(tok, stop, min_tokens=min_tokens, include_stop_str=include)
     return "".join([detok.add([i]) for i in ids] + [detok.finish()])
 
 
@@ -105,9 +107,10 @@ def check_stop(tok: Any, ids: list[int], stop: list[str], min_tokens: int) -> No
 
     want = next(k for k in range(min_tokens + 1, len(ids) + 1) if stops_at(k))
     assert finish_at(StopChecker(tok), ids, params) == want
-    assert text_before_stop(tok, ids[:want], stop, min_tokens) == server_text(
-        tok, ids[:want], stop, min_tokens
-    )
+    for include in (False, True):  # vLLM's include_stop_str_in_output: cut after it
+        offline = text_before_stop(tok, ids[:want], stop, min_tokens, include)
+        assert offline == server_text(tok, ids[:want], stop, min_tokens, include)
+        assert any(offline.endswith(s) for s in stop) == include
 
 
 @pytest.mark.parametrize("draw", range(4))

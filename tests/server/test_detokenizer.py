@@ -80,6 +80,21 @@ def test_stop_string_cut_and_held_back(tokenizer: Any, seed: int) -> None:
     assert detok.stopped
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_include_stop_str_keeps_the_stop_string_and_nothing_after(
+    tokenizer: Any, seed: int
+) -> None:
+    rng = random.Random(2000 + seed)
+    stop = rng.choice(["世界", "STOP", "😀x", " world"])
+    before = random_text(rng, rng.randint(0, 10))
+    while stop in before:
+        before = random_text(rng, rng.randint(0, 10))
+    ids = tokenizer.encode(before + stop + random_text(rng, 5), add_special_tokens=False)
+    detok = IncrementalDetokenizer(tokenizer, stop=[stop], include_stop_str=True)
+    text = "".join(detok.add([i]) for i in ids) + detok.finish()
+    assert text == before + stop and detok.stopped
+
+
 def test_holdback_released_when_not_a_stop(tokenizer: Any) -> None:
     detok = IncrementalDetokenizer(tokenizer, stop=["END"])
     out = detok.add(tokenizer.encode("the E", add_special_tokens=False))

@@ -1,10 +1,13 @@
 """Request fields the engine cannot honour yet are a 400 naming them, never silently ignored
-(issue #20 item 2); their neutral values (what many clients always send) still work. Fields it
+(issue #20 item 2), vLLM's extensions too; their neutral values (what many clients always send)
+still work; vLLM's include_stop_str_in_output and truncate_prompt_tokens are honoured. Fields it
 honours (penalties, logit_bias, min_tokens, echo + logprobs: test_penalties_api.py; structured
 output and tools: test_structured_api.py, test_tool_calls_api.py) are 400s only when invalid."""
 
 from __future__ import annotations
 
+import json
+import random
 from typing import Any
 
 import httpx
@@ -45,9 +48,7 @@ REJECTED: list[tuple[str, dict[str, Any], str, bool]] = [
     ("/v1/chat/completions", {"top_logprobs": 3}, "top_logprobs", False),
     # vLLM's extensions that change the output and are not implemented (server/vllm_fields.py)
     ("/v1/completions", {"use_beam_search": True}, "use_beam_search", True),
-    ("/v1/completions", {"include_stop_str_in_output": True}, "include_stop_str_in_output", True),
     ("/v1/chat/completions", {"skip_special_tokens": False}, "skip_special_tokens", True),
-    ("/v1/completions", {"truncate_prompt_tokens": 3}, "truncate_prompt_tokens", True),
     ("/v1/chat/completions", {"allowed_token_ids": [5, 6]}, "allowed_token_ids", True),
     ("/v1/completions", {"bad_words": ["x"]}, "bad_words", True),
     ("/v1/completions", {"prompt_logprobs": 1}, "prompt_logprobs", True),
@@ -116,3 +117,50 @@ def test_openai_client_gets_bad_request(base_url: str) -> None:
             functions=[TOOL["function"]],
         )  # fmt: skip
     assert "functions" in str(exc.value)
+
+
+def test_include_stop_str_in_output_keeps_the_stop_string(http: httpx.Client) -> None:
+    """vLLM's include_stop_str_in_output: the text ends with the stop string, streamed or not."""
+    body = {"prompt": "List the days of the week:", "max_tokens": 24, "temperature": 0,
+            "ignore_eos": True}  # fmt: skip
+    free = http.post("/v1/completions", json=body).json()["choices"][0]["text"]
+    words = [w for w in free.split() if len(w) > 3]
+    assert words, free
+    stop = words[len(words) // 2]
+    head = free[: free.index(stop)]
+    for stream in (False, True):
+        for include in (False, True):
+            asked = {
+                **body,
+                "stop": [stop],
+                "include_stop_str_in_output": include,
+                "stream": stream,
+            }
+            resp = http.post("/v1/completions", json=asked)
+            text = (
+                "".join(
+                    json.loads(line[6:])["choices"][0]["text"]
+                    for line in resp.text.splitlines()
+                    if line.startswith("data: {") and json.loads(line[6:])["choices"]
+                )
+                if stream
+                else resp.json()["choices"][0]["text"]
+            )
+            assert text == head + stop * include, (stream, include, text)
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_tail(http: httpx.Client) -> None:
+    rng = random.Random()
+    ids = [rng.randrange(100, 20000) for _ in range(rng.randint(30, 60))]
+    k = rng.randint(5, 20)
+    body = {"max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    cut = http.post("/v1/completions", json={**body, "prompt": ids, "truncate_prompt_tokens": k})
+    tail = http.post("/v1/completions", json={**body, "prompt": ids[-k:]})
+    assert cut.json()["usage"]["prompt_tokens"] == k
+    assert cut.json()["choices"][0]["text"] == tail.json()["choices"][0]["text"]
+    msgs = [{"role": "user", "content": "Tell me about the sea."}]
+    chat = http.post("/v1/chat/completions", json={**body, "messages": msgs,
+                                                   "truncate_prompt_tokens": k})  # fmt: skip
+    assert chat.status_code == 200 and chat.json()["usage"]["prompt_tokens"] == k
+    bad = http.post("/v1/completions", json={**body, "prompt": ids, "truncate_prompt_tokens": 0})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "truncate_prompt_tokens"
