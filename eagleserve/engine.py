@@ -9,7 +9,7 @@ from typing import Any
 from eagleserve.config import ServerArgs, renamed_hint
 from eagleserve.messages import EngineStats, GenerateReqInput, TokenOutput
 from eagleserve.sampling_params import SamplingParams
-from eagleserve.scheduler.output_processor import response_text, text_before_stop
+from eagleserve.scheduler.output_processor import response_text, text_before_stop, text_ids
 from eagleserve.scheduler.scheduler import Scheduler
 from eagleserve.scheduler.tp_engine import ReplicatedScheduler, build_scheduler
 
@@ -128,7 +128,5 @@ class Engine:
         if self.tokenizer is None:
             return ""
         if isinstance(matched_stop, str):  # a stop string ended it
-            return text_before_stop(
-                self.tokenizer, ids, p.stop, p.min_tokens, p.include_stop_str_in_output
-            )
-        return response_text(self.tokenizer, ids)
+            return text_before_stop(self.tokenizer, ids, p)
+        return response_text(self.tokenizer, text_ids(ids, matched_stop, p), p.skip_special_tokens)

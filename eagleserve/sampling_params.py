@@ -42,6 +42,7 @@ class SamplingParams:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     include_stop_str_in_output: bool = False  # the text keeps the stop string that ended it
+    skip_special_tokens: bool = True  # the text leaves special tokens out (stop strings too)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # None: no logprobs; k >= 0: chosen token plus top-k

@@ -357,6 +357,12 @@ def test_stop_token_ids(tiny: Engine) -> None:
         )[0]
         assert out["token_ids"] == full[: k + 1]
         assert out["finish_reason"] == "stop"
+    # The stop token's text is in the response only when asked (vLLM's rule).
+    decode = tiny.tokenizer.decode
+    for include in (False, True):
+        asked = greedy(40, stop_token_ids=[full[k]], include_stop_str_in_output=include)
+        out = tiny.generate([prompt], asked)[0]
+        assert out["text"] == decode(full[: k + include], skip_special_tokens=True)
 
 
 def test_stop_strings(tiny: Engine) -> None:

@@ -9,6 +9,7 @@ import numpy as np
 from eagleserve.core import FinishReason, GenerationBatchResult, Req
 from eagleserve.mem_cache.kv_cache import ReqToTokenPool
 from eagleserve.messages import TokenOutput
+from eagleserve.sampling_params import SamplingParams
 
 TopLogprobs = list[list[tuple[int, float]]]
 
@@ -19,25 +20,40 @@ def eos_token_ids(config_eos: tuple[int, ...], tokenizer: object | None) -> froz
     return frozenset(config_eos) | ({tokenizer_eos} if tokenizer_eos is not None else set())
 
 
-def response_text(tokenizer: object, ids: list[int]) -> str:
+def response_text(tokenizer: object, ids: list[int], skip_special_tokens: bool = True) -> str:
     """The text of `ids` as a response shows it (and the server's detokenizer builds it): no
-    special tokens, no clean-up of spaces (a later token must not change earlier text)."""
-    return tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+    special tokens unless asked, no clean-up of spaces (a later token must not change earlier
+    text)."""
+    return tokenizer.decode(
+        ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False
+    )
 
 
-def text_before_stop(
-    tokenizer: object, ids: list[int], stop: list[str], min_tokens: int, include: bool = False
-) -> str:
-    """The response text of a request that a stop string ended: cut before (with `include`,
-    after) the first stop string that ends after the text of its first min_tokens tokens, as
-    the server cuts it."""
-    text = response_text(tokenizer, ids)
-    head = len(response_text(tokenizer, ids[:min_tokens]).rstrip("\ufffd")) if min_tokens else 0
-    found = [(i, s) for s in stop if s and (i := text.find(s, max(0, head - len(s) + 1))) >= 0]
+def text_ids(
+    new_ids: list[int], finished_by: int | str | None, params: SamplingParams
+) -> list[int]:
+    """Of a request's newest ids, those whose text the response shows: the stop token (EOS or
+    a stop id) that ended it only with include_stop_str_in_output, as vLLM shows it."""
+    if isinstance(finished_by, int) and not params.include_stop_str_in_output:
+        return new_ids[:-1]
+    return new_ids
+
+
+def text_before_stop(tokenizer: object, ids: list[int], params: SamplingParams) -> str:
+    """The response text of a request that a stop string ended: cut before (with
+    include_stop_str_in_output, after) the first stop string that ends after the text of its
+    first min_tokens tokens, as the server cuts it."""
+    skip, min_tokens = params.skip_special_tokens, params.min_tokens
+    text = response_text(tokenizer, ids, skip)
+    head = (
+        len(response_text(tokenizer, ids[:min_tokens], skip).rstrip("\ufffd")) if min_tokens else 0
+    )
+    found = [(i, s) for s in params.stop
+             if s and (i := text.find(s, max(0, head - len(s) + 1))) >= 0]  # fmt: skip
     if not found:
         return text
     i, s = min(found, key=lambda f: f[0])
-    return text[: i + len(s) if include else i]
+    return text[: i + len(s) if params.include_stop_str_in_output else i]
 
 
 class StopChecker:
@@ -71,11 +87,12 @@ class StopChecker:
         # Every token decodes to at least one character or is part of one, so this tail covers
         # any stop string ending in the newest token.
         tail_ids = req.output_ids[-(longest + 4) :]
-        tail = response_text(self.tokenizer, tail_ids)
+        skip = req.sampling_params.skip_special_tokens  # as the response text shows them
+        tail = response_text(self.tokenizer, tail_ids, skip)
         # Only a match that ends in the newest token's text counts: earlier ones were checked
         # before, or fell in the first min_tokens tokens (an occurrence there must not hide a
         # new one). Half a character decodes to U+FFFD until its last byte arrives.
-        before = len(response_text(self.tokenizer, tail_ids[:-1]).rstrip("\ufffd"))
+        before = len(response_text(self.tokenizer, tail_ids[:-1], skip).rstrip("\ufffd"))
         for s in req.sampling_params.stop:
             if tail.find(s, max(0, before - len(s) + 1)) >= 0:
                 req.matched_stop = s

@@ -5,6 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from eagleserve.messages import TokenOutput
+from eagleserve.sampling_params import SamplingParams
+from eagleserve.scheduler.output_processor import text_ids
 from eagleserve.server.detokenizer import IncrementalDetokenizer, token_strings
 from eagleserve.server.protocol import (
     ChatLogprobs,
@@ -24,21 +26,22 @@ class ChoiceState:
         index: int,
         prompt_index: int,
         tokenizer: Any,
-        stop: list[str],
+        params: SamplingParams,
         text_offset: int = 0,
-        min_tokens: int = 0,
         prompt_ids: list[int] | None = None,
         prompt_hidden: int = 0,
-        include_stop_str: bool = False,
     ) -> None:
-        """`prompt_ids`: the prompt whose logprobs come with the first output (echo), of which
+        """`params`: the request's (its stop strings and how its text shows them);
+        `prompt_ids`: the prompt whose logprobs come with the first output (echo), of which
         the first `prompt_hidden` (special tokens the tokenizer added) are not in its text."""
         self.index = index
         self.prompt_index = prompt_index
         self.tokenizer = tokenizer
+        self.params = params
         self.detok = IncrementalDetokenizer(
-            tokenizer, stop, min_tokens=min_tokens, include_stop_str=include_stop_str
-        )
+            tokenizer, params.stop, params.skip_special_tokens, params.min_tokens,
+            params.include_stop_str_in_output,
+        )  # fmt: skip
         self.text = ""
         self.finish_reason: str | None = None
         self.prompt_tokens = 0
@@ -62,7 +65,8 @@ class ChoiceState:
             tops = out.prompt_top_logprobs or [[] for _ in names]
             for name, value, top in zip(names, out.prompt_logprobs, tops, strict=True):
                 self.prompt_lp.append((name, value, self._alternatives(top)))
-        delta = self.detok.add(out.new_token_ids)
+        finished_by = out.matched_stop if out.finished else None
+        delta = self.detok.add(text_ids(out.new_token_ids, finished_by, self.params))
         if out.logprobs is not None:
             names = token_strings(self.tokenizer, out.new_token_ids)
             tops = out.top_logprobs or [[] for _ in names]

@@ -134,11 +134,9 @@ async def create_completion(
     reqs = serving.make_reqs(prompts, params, body.n, body.stream)
 
     def make_choice(i: int, pi: int) -> ChoiceState:
-        return ChoiceState(i, pi, tok, params[pi].stop, text_offset=len(echoes[pi]),
-                           min_tokens=params[pi].min_tokens,
+        return ChoiceState(i, pi, tok, params[pi], text_offset=len(echoes[pi]),
                            prompt_ids=prompts[pi] if scored else None,
-                           prompt_hidden=hidden[pi],
-                           include_stop_str=params[pi].include_stop_str_in_output)  # fmt: skip
+                           prompt_hidden=hidden[pi])  # fmt: skip
 
     tracker = Tracker(serving, "completions", reqs, make_choice, body.n)
     rid, model, created = new_id("cmpl"), serving.model_name, now()  # one `created` per call
@@ -280,8 +278,7 @@ async def create_chat(serving: Serving, body: ChatCompletionRequest, request: Re
     tok = serving.tokenizer
 
     def make_choice(i: int, pi: int) -> ChoiceState:
-        return ChoiceState(i, pi, tok, params.stop, min_tokens=params.min_tokens,
-                           include_stop_str=params.include_stop_str_in_output)  # fmt: skip
+        return ChoiceState(i, pi, tok, params)
 
     tracker = Tracker(serving, "chat", reqs, make_choice, body.n)
     rid, model = new_id("chatcmpl"), serving.model_name

@@ -111,6 +111,7 @@ class Serving:
             seed=body.seed,
             stop=body.stop_list,
             include_stop_str_in_output=body.include_stop_str_in_output,
+            skip_special_tokens=body.skip_special_tokens,
             stop_token_ids=list(body.stop_token_ids or []),
             ignore_eos=body.ignore_eos,
             logprobs=logprobs,

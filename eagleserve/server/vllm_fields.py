@@ -2,12 +2,15 @@
 naming the field, never a silently different answer (issue #20's rule, for fields outside
 OpenAI's API too).
 
-Honoured: `include_stop_str_in_output`, `truncate_prompt_tokens` (a prompt's last k tokens, its
-special tokens included), and the output constraints, in vLLM's older form (`guided_json`,
-`guided_regex`, `guided_choice`, `guided_grammar`) and its newer one (`structured_outputs` with
-`json`, `regex`, `choice`, `grammar`, `json_object`), mapped onto the same grammars as
-`response_format` and SGLang's `regex` / `ebnf` (server/structured.py). Refused unless neutral:
-the fields vLLM honours that change the output and eagleserve does not implement (`REFUSED`).
+Honoured: `include_stop_str_in_output` (the stop string, or the text of the stop token, EOS
+included, that ended a request stays in its text), `skip_special_tokens` (false: the text shows
+them, and stop strings are found in that text), `truncate_prompt_tokens` (a prompt's last k
+tokens, its special tokens included), and the output constraints, in vLLM's older form
+(`guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`) and its newer one
+(`structured_outputs` with `json`, `regex`, `choice`, `grammar`, `json_object`), mapped onto the
+same grammars as `response_format` and SGLang's `regex` / `ebnf` (server/structured.py). Refused
+unless neutral: the fields vLLM honours that change the output and eagleserve does not implement
+(`REFUSED`).
 """
 
 from __future__ import annotations
@@ -51,7 +54,6 @@ class VllmFields(BaseModel):
 REFUSED: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("use_beam_search", lambda v: not v, "false"),
     ("length_penalty", lambda v: v == 1.0, "1.0"),
-    ("skip_special_tokens", bool, "true"),
     ("spaces_between_special_tokens", bool, "true"),
     ("allowed_token_ids", lambda v: not v, "null or an empty list"),
     ("bad_words", lambda v: not v, "null or an empty list"),

@@ -19,6 +19,7 @@ from eagleserve.scheduler.output_processor import (
     commit_tree_paths_host,
     response_text,
     text_before_stop,
+    text_ids,
 )
 from eagleserve.server.detokenizer import IncrementalDetokenizer
 from eagleserve.spec.accept import commit_tree_path
@@ -108,7 +109,8 @@ def check_stop(tok: Any, ids: list[int], stop: list[str], min_tokens: int) -> No
     want = next(k for k in range(min_tokens + 1, len(ids) + 1) if stops_at(k))
     assert finish_at(StopChecker(tok), ids, params) == want
     for include in (False, True):  # vLLM's include_stop_str_in_output: cut after it
-        offline = text_before_stop(tok, ids[:want], stop, min_tokens, include)
+        cut = SamplingParams(stop=stop, min_tokens=min_tokens, include_stop_str_in_output=include)
+        offline = text_before_stop(tok, ids[:want], cut)
         assert offline == server_text(tok, ids[:want], stop, min_tokens, include)
         assert any(offline.endswith(s) for s in stop) == include
 
@@ -142,3 +144,23 @@ def test_a_stop_string_across_a_special_token_counts_as_the_response_shows_it(
     ids = enc(words + "\n") + [tok.convert_tokens_to_ids("<|im_end|>")] + enc("\nok, more")
     check_stop(tok, ids, ["\n\n"], 0)
     assert response_text(tok, ids).startswith(words + "\n\nok")
+    # With skip_special_tokens false (vLLM's field) the text shows the token, and a stop string
+    # is found in that text: "\n\n" no longer matches there, "<|im_end|>\n" does.
+    shown = SamplingParams(max_new_tokens=len(ids), stop=["\n\n"], skip_special_tokens=False)
+    assert finish_at(StopChecker(tok), ids, shown) == len(ids)
+    shown.stop = ["<|im_end|>\n"]
+    want = len(enc(words + "\n")) + 2  # the special token, then the "\n" that completes it
+    assert finish_at(StopChecker(tok), ids, shown) == want
+    assert text_before_stop(tok, ids[:want], shown) == words + "\n"
+
+
+def test_the_stop_token_that_ends_a_response_is_in_its_text_only_when_asked() -> None:
+    """As vLLM: the EOS or stop id that ended a request is not in its text unless
+    include_stop_str_in_output; tokens before it always are."""
+    rng = random.Random()
+    ids = [rng.randrange(100) for _ in range(rng.randint(1, 6))]
+    for include in (False, True):
+        params = SamplingParams(include_stop_str_in_output=include)
+        assert text_ids(ids, ids[-1], params) == (ids if include else ids[:-1])
+        assert text_ids(ids, "stop string", params) == ids  # cut by text, not by token
+        assert text_ids(ids, None, params) == ids

@@ -10,6 +10,7 @@ from pydantic import ValidationError
 from server_fixtures import tokenizer_fixture  # noqa: F401 (fixture)
 
 from eagleserve.messages import TokenOutput
+from eagleserve.sampling_params import SamplingParams
 from eagleserve.server.choices import ChoiceState, usage_of
 from eagleserve.server.protocol import (
     ChatCompletionRequest,
@@ -27,7 +28,7 @@ def test_usage_spec_accept_length_only_when_reported() -> None:
 
 
 def test_spec_accept_length_reaches_usage_and_openai_parses_it(tokenizer: Any) -> None:
-    choices = [ChoiceState(i, 0, tokenizer, []) for i in range(2)]
+    choices = [ChoiceState(i, 0, tokenizer, SamplingParams()) for i in range(2)]
     ids = tokenizer.encode("Hello there", add_special_tokens=False)
     for c, spec in zip(choices, (2.0, 3.0), strict=True):
         c.feed(TokenOutput("r", ids, True, "length", prompt_tokens=4,

@@ -1,8 +1,9 @@
 """Request fields the engine cannot honour yet are a 400 naming them, never silently ignored
 (issue #20 item 2), vLLM's extensions too; their neutral values (what many clients always send)
-still work; vLLM's include_stop_str_in_output and truncate_prompt_tokens are honoured. Fields it
-honours (penalties, logit_bias, min_tokens, echo + logprobs: test_penalties_api.py; structured
-output and tools: test_structured_api.py, test_tool_calls_api.py) are 400s only when invalid."""
+still work; vLLM's include_stop_str_in_output, skip_special_tokens and truncate_prompt_tokens
+are honoured. Fields it honours (penalties, logit_bias, min_tokens, echo + logprobs:
+test_penalties_api.py; structured output and tools: test_structured_api.py,
+test_tool_calls_api.py) are 400s only when invalid."""
 
 from __future__ import annotations
 
@@ -48,7 +49,6 @@ REJECTED: list[tuple[str, dict[str, Any], str, bool]] = [
     ("/v1/chat/completions", {"top_logprobs": 3}, "top_logprobs", False),
     # vLLM's extensions that change the output and are not implemented (server/vllm_fields.py)
     ("/v1/completions", {"use_beam_search": True}, "use_beam_search", True),
-    ("/v1/chat/completions", {"skip_special_tokens": False}, "skip_special_tokens", True),
     ("/v1/chat/completions", {"allowed_token_ids": [5, 6]}, "allowed_token_ids", True),
     ("/v1/completions", {"bad_words": ["x"]}, "bad_words", True),
     ("/v1/completions", {"prompt_logprobs": 1}, "prompt_logprobs", True),
@@ -164,3 +164,23 @@ def test_truncate_prompt_tokens_keeps_the_prompts_tail(http: httpx.Client) -> No
     assert chat.status_code == 200 and chat.json()["usage"]["prompt_tokens"] == k
     bad = http.post("/v1/completions", json={**body, "prompt": ids, "truncate_prompt_tokens": 0})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "truncate_prompt_tokens"
+
+
+def test_skip_special_tokens_false_shows_them(http: httpx.Client) -> None:
+    """vLLM's skip_special_tokens false: the special tokens of the answer show; the EOS that
+    ended it only with include_stop_str_in_output (as vLLM)."""
+    body = {"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 60,
+            "temperature": 0}  # fmt: skip
+    plain = http.post("/v1/chat/completions", json=body).json()["choices"][0]
+    assert plain["finish_reason"] == "stop"  # by its EOS, <|im_end|>
+    text = plain["message"]["content"]
+    shown = http.post("/v1/chat/completions", json={**body, "skip_special_tokens": False}).json()
+    assert shown["choices"][0]["message"]["content"] == text
+    both = {**body, "skip_special_tokens": False, "include_stop_str_in_output": True}
+    kept = http.post("/v1/chat/completions", json=both).json()["choices"][0]["message"]["content"]
+    assert kept == text + "<|im_end|>"
+    hidden = {**body, "include_stop_str_in_output": True}  # the EOS, a special token: not shown
+    assert (
+        http.post("/v1/chat/completions", json=hidden).json()["choices"][0]["message"]["content"]
+        == text
+    )
