@@ -143,6 +143,7 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    echo: bool = False  # vLLM's: the last message in front of the answer (a 400: not served)
 
 
 # ---- /tokenize and /detokenize (vLLM's bodies) ------------------------------------------------

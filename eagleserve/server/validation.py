@@ -67,6 +67,8 @@ def check_chat(body: ChatCompletionRequest) -> ApiError | None:
         return ApiError(400, msg, "top_logprobs")
     if body.functions:
         return not_supported("functions", "an empty list (send tools instead)")
+    if body.echo:
+        return not_supported("echo", "false on chat completions")
     if body.function_call not in (None, "none", "auto"):
         return not_supported("function_call", '"none" (send tools and tool_choice instead)')
     for i, msg in enumerate(body.messages):

@@ -49,6 +49,7 @@ REJECTED: list[tuple[str, dict[str, Any], str, bool]] = [
     ("/v1/chat/completions", {"top_logprobs": 3}, "top_logprobs", False),
     # vLLM's extensions that change the output and are not implemented (server/vllm_fields.py)
     ("/v1/completions", {"use_beam_search": True}, "use_beam_search", True),
+    ("/v1/chat/completions", {"echo": True}, "echo", True),
     ("/v1/chat/completions", {"allowed_token_ids": [5, 6]}, "allowed_token_ids", True),
     ("/v1/completions", {"bad_words": ["x"]}, "bad_words", True),
     ("/v1/completions", {"prompt_logprobs": 1}, "prompt_logprobs", True),
