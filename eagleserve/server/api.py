@@ -203,8 +203,11 @@ def create_app(args: ServerArgs, client: EngineClient, http: HttpStats | None = 
     # SGLang's: empties the prefix cache (between benchmark runs, say) if nothing runs.
     @app.post("/flush_cache", dependencies=[Depends(require_key)])
     async def flush_cache() -> Response:
-        result = await client.flush_cache()
         down = unavailable()
+        if down is not None:
+            return down
+        result = await client.flush_cache()
+        down = unavailable()  # the engine died meanwhile: nothing was flushed
         if down is not None:
             return down
         if result.freed_tokens is None:

@@ -11,18 +11,12 @@ value, so clients that always send the defaults (e.g. `tools: []`) keep working.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
-
 from eagleserve.server.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
 from eagleserve.server.serving import ApiError
 from eagleserve.server.vllm_fields import REFUSED
 
 UNSUPPORTED = "unsupported_parameter"
 
-# (field, is-neutral test, what is accepted) for fields both endpoints share (none left:
-# response_format is served, server/structured.py).
-NEUTRAL: tuple[tuple[str, Callable[[Any], bool], str], ...] = ()
 MAX_TOKEN_ID_DIGITS = 12  # longer keys are no token id (and int() of 4300+ digits raises)
 
 
@@ -32,7 +26,8 @@ def not_supported(param: str, accepted: str) -> ApiError:
 
 
 def check_shared(body: _SamplingFields) -> ApiError | None:
-    for name, neutral, accepted in (*NEUTRAL, *REFUSED):
+    """The fields both endpoints share that are refused unless neutral (vLLM's, today)."""
+    for name, neutral, accepted in REFUSED:
         if not neutral(getattr(body, name)):
             return not_supported(name, accepted)
     return None
