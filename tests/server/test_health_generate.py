@@ -5,12 +5,12 @@ target."""
 
 from __future__ import annotations
 
+import os
 import signal
 import time
 from collections.abc import Iterator
 
 import httpx
-import psutil
 import pytest
 from conftest import save_tiny_model
 from server_fixtures import wait_kv_free
@@ -30,9 +30,22 @@ def server_fixture(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]
     server.stop()
 
 
-def engine_processes(server: Server) -> list[psutil.Process]:
-    children = psutil.Process(server.proc.pid).children(recursive=True)
-    engines = [p for p in children if "resource_tracker" not in " ".join(p.cmdline())]
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (Linux /proc: each thread's children)."""
+    out = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            for child in map(int, f.read().split()):
+                out += [child, *descendants(child)]
+    return out
+
+
+def engine_processes(server: Server) -> list[int]:
+    def cmdline(pid: int) -> str:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().decode(errors="replace")
+
+    engines = [p for p in descendants(server.proc.pid) if "resource_tracker" not in cmdline(p)]
     assert engines, "the server has no engine process"
     return engines
 
@@ -42,7 +55,7 @@ def test_a_stopped_engine_fails_the_probe_and_a_running_one_passes(server: Serve
         assert http.get("/health_generate").json() == {"status": "ok"}
         engines = engine_processes(server)
         for p in engines:
-            p.send_signal(signal.SIGSTOP)
+            os.kill(p, signal.SIGSTOP)
         try:
             assert http.get("/health").status_code == 200  # the process is alive
             t0 = time.monotonic()
@@ -53,7 +66,7 @@ def test_a_stopped_engine_fails_the_probe_and_a_running_one_passes(server: Serve
             assert TIMEOUT_S <= waited < TIMEOUT_S + 10
         finally:
             for p in engines:
-                p.send_signal(signal.SIGCONT)
+                os.kill(p, signal.SIGCONT)
         assert http.get("/health_generate").status_code == 200
         body = {"prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0, "ignore_eos": True}
         out = http.post("/v1/completions", json=body)
