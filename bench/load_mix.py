@@ -238,7 +238,7 @@ def engine_view(
     """The text of the job's `prompt`-th prompt (a chat's rendered by the template, tools
     described in its system message), its ids as the server encodes it, and the output
     constraint the server makes of the job's request body, by the server's own translation."""
-    from eagleserve.server.handlers import chat_constraint, chat_text
+    from eagleserve.server.chat import chat_constraint, chat_text
     from eagleserve.server.protocol import ChatCompletionRequest, CompletionRequest
     from eagleserve.server.serving import ApiError
     from eagleserve.server.structured import output_constraint

@@ -66,8 +66,9 @@ class Req:
     # A sampled request's noise seed (sampling/seeded_noise.py): its own, or drawn from the
     # OS's entropy at arrival. None for a greedy request.
     sampling_seed: int | None = None
-    # Structured output: the constrained/grammar.py RequestGrammar (None: free text).
-    grammar: Any = None
+    # The output constraint (grammar, allowed_token_ids, bad_words): constrained/
+    # output_constraint.py OutputConstraint (None: any token).
+    constraint: Any = None
     # Tokens already handed to the output stream (streaming sends the rest).
     num_sent_tokens: int = 0
     retract_count: int = 0
@@ -131,9 +132,9 @@ class ScheduleBatch:
     # (the `reqs` it was built for, SamplingInfo) built by the scheduler before launch, reused
     # while the batch holds those same Req objects (sampling/sampler.py SamplingInfo.of_batch).
     sampling_info: tuple[tuple[Req, ...], Any] | None = None
-    # The constrained/grammar_batch.py BatchGrammar of this launch (None: no grammar row), built by
-    # the scheduler before each launch.
-    grammar: Any = None
+    # The constrained/constraint_batch.py BatchConstraint of this launch (None: no constrained
+    # row), built by the scheduler before each launch.
+    constraint: Any = None
 
     @property
     def batch_size(self) -> int:

@@ -56,6 +56,10 @@ class SamplingParams:
     min_tokens: int = 0  # EOS and stop ids are masked, stop strings ignored, below this
     logit_bias: dict[int, float] = field(default_factory=dict)
     grammar: GrammarSpec | None = None  # structured output (None: free text)
+    # vLLM's: the only tokens the output may hold (None: any), and words it must not hold
+    # (constrained/output_constraint.py).
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] = field(default_factory=list)
 
     @property
     def is_greedy(self) -> bool:
@@ -103,6 +107,14 @@ class SamplingParams:
         for ok, message, param in checks:
             if not ok:
                 return RequestError(message, param)
+        if self.allowed_token_ids is not None:
+            if not self.allowed_token_ids:
+                return RequestError("allowed_token_ids must not be empty", "allowed_token_ids")
+            if any(t < 0 or (vocab_size and t >= vocab_size) for t in self.allowed_token_ids):
+                msg = f"allowed_token_ids must be token ids in [0, {vocab_size})"
+                return RequestError(msg, "allowed_token_ids")
+        if any(not w.strip() for w in self.bad_words):
+            return RequestError("bad_words must not be empty or only blanks", "bad_words")
         for token, bias in self.logit_bias.items():
             if token < 0 or (vocab_size and token >= vocab_size):
                 msg = f"logit_bias keys must be token ids in [0, {vocab_size}), got {token}"

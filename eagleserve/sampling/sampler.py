@@ -1,8 +1,9 @@
-"""Sampling: logits -> penalties and bias -> grammar mask -> target distribution (temperature,
-top-k, top-p, min-p) -> tokens.
+"""Sampling: logits -> penalties and bias -> output-constraint mask -> target distribution
+(temperature, top-k, top-p, min-p) -> tokens.
 
-The grammar mask (constrained/grammar_batch.py) comes after penalties and bias, so nothing can
-re-enable a token the grammar forbids; greedy argmax sees it too.
+The output-constraint mask (a grammar, allowed_token_ids, bad_words: constrained/
+constraint_batch.py) comes after penalties and bias, so nothing can re-enable a token it
+forbids; greedy argmax sees it too.
 
 A sampled request draws the token at position t by an exponential race on the noise of (its
 seed, t) (sampling/seeded_noise.py), so a seed gives the same tokens whatever else is in the
@@ -19,7 +20,7 @@ from typing import Literal
 
 import torch
 
-from eagleserve.constrained.grammar_batch import BatchGrammar
+from eagleserve.constrained.constraint_batch import BatchConstraint
 from eagleserve.constrained.grammar_mask import mask_logits
 from eagleserve.core import GenerationBatchResult, Req, ScheduleBatch
 from eagleserve.device import tensor_to
@@ -378,22 +379,22 @@ def sample_next(
     state: PenaltyState,
     slots: torch.Tensor,
     prefill: bool,
-    grammar: BatchGrammar | None = None,
+    constraint: BatchConstraint | None = None,
 ) -> GenerationBatchResult:
     """A prefill's or decode's next tokens (positions [bs]: where each will sit) with
-    penalties and grammar masks: a prefill first resets its requests' penalty rows; the sampled
-    tokens are committed to them and to the grammar rows' matchers."""
+    penalties and output-constraint masks: a prefill first resets its requests' penalty rows;
+    the sampled tokens are committed to them and to the constrained rows' matchers."""
     pen = info.penalties
-    if pen is None and grammar is None:
+    if pen is None and constraint is None:
         return sample_with_logprobs(logits, reqs, info, positions)
     if pen is not None and prefill:
         pen.reset(state)
     scored = logits if pen is None else pen.next_logits(logits, state, slots)
-    if grammar is not None:
-        scored = mask_logits(scored, grammar.next_allowed(logits.device))
+    if constraint is not None:
+        scored = mask_logits(scored, constraint.next_allowed(logits.device))
     result = sample_with_logprobs(logits, reqs, info, positions, scored)
     if pen is not None:
         pen.commit(state, slots, result.next_token_ids[:, None])
-    if grammar is not None:
-        grammar.advance(result.next_token_ids)
+    if constraint is not None:
+        constraint.advance(result.next_token_ids)
     return result

@@ -11,7 +11,8 @@ if TYPE_CHECKING:
 
 
 def engine_stats(sched: Scheduler) -> EngineStats:
-    grammar = sched.grammars.stats if sched.grammars is not None else None
+    grammars = sched.constraints.grammars
+    grammar = grammars.stats if grammars is not None else None
     engine = EngineStats(
         num_running=sched.running_batch.batch_size if sched.running_batch else 0,
         num_waiting=len(sched.waiting),

@@ -70,7 +70,7 @@ class StopChecker:
             # The sampler masks EOS and stop ids below min_tokens; stop strings wait too.
             if len(req.output_ids) >= params.max_new_tokens:
                 req.finish_reason = FinishReason.LENGTH
-        elif (not params.ignore_eos or req.grammar is not None) and last in req.eos_token_ids:
+        elif (not params.ignore_eos or params.grammar is not None) and last in req.eos_token_ids:
             # Under a grammar EOS is allowed only once the output is complete: it ends the
             # request even with ignore_eos (past it nothing is grammatical).
             req.finish_reason, req.matched_stop = FinishReason.STOP, last

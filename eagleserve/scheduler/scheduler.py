@@ -8,8 +8,8 @@ from collections import deque
 from concurrent.futures import Future
 
 from eagleserve.config import ModelConfig, ServerArgs
-from eagleserve.constrained.grammar import GrammarBackend, request_grammar
-from eagleserve.constrained.grammar_batch import BatchGrammar
+from eagleserve.constrained.constraint_batch import BatchConstraint
+from eagleserve.constrained.output_constraint import ConstraintBuilder
 from eagleserve.core import FinishReason, GenerationBatchResult, Req, ScheduleBatch
 from eagleserve.device import pick_device
 from eagleserve.distributed.parallel import broadcast_object
@@ -81,9 +81,7 @@ class Scheduler:
         self.tokenizer = tokenizer.result()
         self.stop_checker = StopChecker(self.tokenizer)
         self.eos_token_ids = eos_token_ids(cfg.eos_token_ids, self.tokenizer)
-        self.grammars = None if self.tokenizer is None else GrammarBackend(
-            self.tokenizer, cfg.vocab_size, sorted(self.eos_token_ids)
-        )  # fmt: skip
+        self.constraints = ConstraintBuilder(self.tokenizer, cfg.vocab_size, self.eos_token_ids)
         self.waiting: deque[Req] = deque()
         self.running_batch: ScheduleBatch | None = None
         self.pending_outputs: list[TokenOutput] = []
@@ -118,9 +116,9 @@ class Scheduler:
         err = None if bad is None else bad.message
         if err is None and params.stop and self.tokenizer is None:
             err = "stop strings need a model with a tokenizer"
-        grammar = None  # compiled here, on the scheduler thread (cached per spec)
-        if err is None and params.grammar is not None:
-            grammar, err = request_grammar(self.grammars, params.grammar)
+        constraint = None  # built here, on the scheduler thread (grammars cached per spec)
+        if err is None:
+            constraint, err = self.constraints.build(params)
         if err is not None:
             self.pending_outputs.append(
                 TokenOutput(msg.rid, [], True, "error", error=err, error_code=400)
@@ -128,7 +126,7 @@ class Scheduler:
             return
         seed = None if params.is_greedy else self.request_seeds.seed_for(params.seed)
         req = Req(msg.rid, list(msg.input_ids), params, self.eos_token_ids, sampling_seed=seed)
-        req.grammar = grammar
+        req.constraint = constraint
         self.waiting.append(req)
 
     def abort_request(self, rid: str) -> None:
@@ -298,7 +296,8 @@ class Scheduler:
         if partial is not None:
             info.is_greedy[batch.reqs.index(partial)] = True
         # Per launch: a request whose prefill goes on commits no token (its matcher waits).
-        batch.grammar = BatchGrammar.of_reqs(batch.reqs, self.model_config.vocab_size, partial)
+        vocab = self.model_config.vocab_size
+        batch.constraint = BatchConstraint.of_reqs(batch.reqs, vocab, partial)
         if self.forwarder is not None:
             return self.forwarder.launch(batch)
         return self.worker.forward_batch_generation(batch)

@@ -35,7 +35,7 @@ class TargetWorker:
             self.runner.penalty_state,
             batch.req_pool_indices,
             prefill=batch.mode == "extend",
-            grammar=batch.grammar,
+            constraint=batch.constraint,
         )
         scored = wants_prompt_logprobs(batch) if batch.mode == "extend" else []
         if scored:

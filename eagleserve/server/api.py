@@ -18,8 +18,9 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from eagleserve.config import ServerArgs
+from eagleserve.server.chat import create_chat
+from eagleserve.server.completions import create_completion
 from eagleserve.server.engine_client import EngineClient
-from eagleserve.server.handlers import create_chat, create_completion
 from eagleserve.server.limits import gc_paused, read_body
 from eagleserve.server.metrics import Metrics
 from eagleserve.server.middleware import HttpStats, HttpTrackerMiddleware

@@ -123,6 +123,8 @@ class Serving:
             # Keys are token ids (validation.py checked their form).
             logit_bias={int(k): v for k, v in (body.logit_bias or {}).items()},
             grammar=grammar,
+            allowed_token_ids=body.allowed_token_ids,
+            bad_words=list(body.bad_words or []),
         )
         vocab = self.client.ready.vocab_size if self.client.ready else 0
         return api_error(params.validate(vocab)) or params

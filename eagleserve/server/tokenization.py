@@ -4,7 +4,7 @@ will say), and token ids back to text."""
 
 from __future__ import annotations
 
-from eagleserve.server.handlers import chat_text
+from eagleserve.server.chat import chat_text
 from eagleserve.server.protocol import (
     ChatCompletionRequest,
     DetokenizeRequest,

@@ -8,7 +8,9 @@ them, and stop strings are found in that text), `truncate_prompt_tokens` (a prom
 tokens, its special tokens included), and the output constraints, in vLLM's older form
 (`guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`) and its newer one
 (`structured_outputs` with `json`, `regex`, `choice`, `grammar`, `json_object`), mapped onto the
-same grammars as `response_format` and SGLang's `regex` / `ebnf` (server/structured.py). Refused
+same grammars as `response_format` and SGLang's `regex` / `ebnf` (server/structured.py), and
+`allowed_token_ids` and `bad_words` (masks next to a grammar's: constrained/
+output_constraint.py). Refused
 unless neutral: the fields vLLM honours that change the output and eagleserve does not implement
 (`REFUSED`).
 """
@@ -55,8 +57,6 @@ REFUSED: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("use_beam_search", lambda v: not v, "false"),
     ("length_penalty", lambda v: v == 1.0, "1.0"),
     ("spaces_between_special_tokens", bool, "true"),
-    ("allowed_token_ids", lambda v: not v, "null or an empty list"),
-    ("bad_words", lambda v: not v, "null or an empty list"),
     ("prompt_logprobs", lambda v: v is None, "null (echo with logprobs scores a prompt)"),
     ("return_tokens_as_token_ids", lambda v: not v, "false"),
     ("guided_whitespace_pattern", lambda v: v is None, "null"),

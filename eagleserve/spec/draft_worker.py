@@ -20,7 +20,7 @@ import time
 import torch
 
 from eagleserve.config import ServerArgs, SpecConfig
-from eagleserve.constrained.grammar_batch import BatchGrammar
+from eagleserve.constrained.constraint_batch import BatchConstraint
 from eagleserve.constrained.grammar_mask import mask_logits, to_draft_vocab
 from eagleserve.core import EagleDraftInput, ScheduleBatch
 from eagleserve.device import tensor_to
@@ -73,7 +73,7 @@ class EagleDraftWorker:
             from eagleserve.models.batch_invariant import make_batch_invariant
 
             make_batch_invariant(self.head)
-        # The target id of every draft id: drafts map their ids by it, and grammar masks
+        # The target id of every draft id: drafts map their ids by it, and output-constraint masks
         # (target vocabulary) map onto head logits.
         self.head.freeze_vocab_map()
         vd = self.head.draft_vocab_size
@@ -170,8 +170,8 @@ class EagleDraftWorker:
         return mode if mode in self.draw_modes else "argmax"
 
     def _masked(self, logits: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
-        """Head logits [rows, Vd] with a grammar mask [rows, V] (target ids) applied, so the
-        top-k drafts only tokens the grammar allows."""
+        """Head logits [rows, Vd] with an output-constraint mask [rows, V] (target ids)
+        applied, so the top-k drafts only tokens the constraint allows."""
         if allowed is None:
             return logits
         draft = to_draft_vocab(allowed, self.draft_to_target)
@@ -189,8 +189,9 @@ class EagleDraftWorker:
     ) -> EagleDraftInput:
         """Head forward over `fb`'s tokens (its layout, the head's KV): token j is paired with
         the target feature of the token before it. Returns the seed of the next draft; its top-k
-        only among `allowed` [bs, V] (the grammar after the committed tokens) when given, and
-        sampled rows' drafts drawn (`DraftDraw`) given their `sampling` (one row per request).
+        only among `allowed` [bs, V] (the output constraint after the committed tokens) when
+        given, and sampled rows' drafts drawn (`DraftDraw`) given their `sampling` (one row per
+        request).
         `last_rows` None: a fixed-shape path extend as the verify left it (mask_path_rows)."""
         if allowed is None and self.extend_graphs is not None:
             seed = self.extend_graphs.replay(fb, features, self._graph_mode(sampling), sampling)
@@ -270,7 +271,8 @@ class EagleDraftWorker:
     ) -> EagleDraftInput:
         """Runs the head over every input held for the batch's requests (batch.draft_lags);
         returns `info` with those requests' seeds replaced by the fresh ones (`allowed`
-        [bs, V]: grammar masks of the batch's rows; `sampling`: the batch's, for `extend`)."""
+        [bs, V]: output-constraint masks of the batch's rows; `sampling`: the batch's, for
+        `extend`)."""
         assert self.lag is not None and batch.draft_lags is not None
         fb, features, last_rows, rows = catch_up_batch(
             self.lag, batch, batch.draft_lags, self.req_to_token, self.kv_pool, self.attn_backend
@@ -301,12 +303,12 @@ class EagleDraftWorker:
         batch: ScheduleBatch,
         info: EagleDraftInput,
         num_steps: int,
-        grammar: BatchGrammar | None = None,
+        constraint: BatchConstraint | None = None,
         sampling: SamplingInfo | None = None,
     ) -> TreeInfo:
         """`num_steps` head steps from `info`, and the verify tree they draft, rooted at the
         bonus tokens batch.input_ids; batch.seq_lens are the committed lengths L. With
-        `grammar`, each branch's top-k is masked by the grammar after its own path (host reads
+        `constraint`, each branch's top-k is masked by the constraint after its own path (host reads
         of the paths: one sync per step). A chain run step by step draws its sampled rows'
         drafts (`DraftDraw`, given the batch's `sampling`), as does a chain's loop graph of its
         draw mode."""
@@ -329,7 +331,7 @@ class EagleDraftWorker:
             attn_backend=self.attn_backend,
         )
 
-        track = grammar is not None
+        track = constraint is not None
         mode = self._graph_mode(sampling)
         loop = None if track else self.loop_graphs.get((num_steps, mode))
         if loop is not None and batch.batch_size <= loop.max_bs:
@@ -352,8 +354,8 @@ class EagleDraftWorker:
             paths: torch.Tensor | None,
         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
             allowed = None
-            if grammar is not None and paths is not None:
-                allowed = grammar.branch_allowed(paths, self.device)
+            if constraint is not None and paths is not None:
+                allowed = constraint.branch_allowed(paths, self.device)
             return self._step(base, rows, ids, feats, depth, mask, allowed, sampling)
 
         if spec.is_chain:

@@ -174,12 +174,12 @@ class EagleWorker:
     ) -> GenerationBatchResult:
         """The next token of each request, to sit at positions [bs]."""
         info, state = self.runner.sampling_info(batch), self.runner.penalty_state
-        slots, grammar = batch.req_pool_indices, batch.grammar
-        return sample_next(logits, batch.reqs, info, positions, state, slots, prefill, grammar)
+        slots, constraint = batch.req_pool_indices, batch.constraint
+        return sample_next(logits, batch.reqs, info, positions, state, slots, prefill, constraint)
 
     def _next_allowed(self, batch: ScheduleBatch) -> torch.Tensor | None:
         """Grammar masks [bs, V] after every committed token (seeds the next draft's top-k)."""
-        return None if batch.grammar is None else batch.grammar.next_allowed(self.device)
+        return None if batch.constraint is None else batch.constraint.next_allowed(self.device)
 
     def _features(self, out: ModelOutput) -> torch.Tensor:
         return out.aux_hidden_states if self.spec.algorithm == "EAGLE3" else out.hidden_states
@@ -292,9 +292,9 @@ class EagleWorker:
         self, batch: ScheduleBatch, on_verified: OnVerified | None, k: int
     ) -> GenerationBatchResult:
         spec = self.spec
-        grammar = batch.grammar
+        constraint = batch.constraint
         info = self.runner.sampling_info(batch)
-        t = self.drafter.draft(batch, batch.spec_info, k, grammar, info)
+        t = self.drafter.draft(batch, batch.spec_info, k, constraint, info)
         # A CPU's chain may stop short of k where its path is unlikely (draft_chain).
         n = t.draft_tokens.shape[1] if spec.is_chain else spec.num_draft_tokens
         k = n - 1 if spec.is_chain else k
@@ -310,7 +310,7 @@ class EagleWorker:
         pen, state = info.penalties, self.runner.penalty_state
         # A verify graph walks the acceptance of the raw logits: greedy, or drawn where every
         # row's draw is the graph's (no top-k / top-p; its parameters staged as its extras).
-        raw = pen is None and grammar is None
+        raw = pen is None and constraint is None
         drawn = raw and not info.all_greedy and not info.sorts and bool(self.runner.draw_kernel)
         staged = {}
         if drawn:
@@ -338,8 +338,8 @@ class EagleWorker:
         scored = logits if pen is None else pen.verify_logits(
             logits, state, batch.req_pool_indices, t.draft_tokens, t.tree_mask, t.depths
         )  # fmt: skip
-        if grammar is not None:  # node i: the grammar after its own path (a host sync)
-            scored = mask_logits(scored, grammar.tree_allowed(t.draft_tokens, t.parents,
+        if constraint is not None:  # node i: the constraint after its own path (a host sync)
+            scored = mask_logits(scored, constraint.tree_allowed(t.draft_tokens, t.parents,
                                                               self.device))  # fmt: skip
         done = None  # copied out: the next replay overwrites the graph's walks
         if out.epilogue and raw and (drawn or info.all_greedy):
@@ -356,8 +356,8 @@ class EagleWorker:
         )
         if pen is not None:
             pen.commit(state, batch.req_pool_indices, acc.output_tokens, acc.output_tokens >= 0)
-        if grammar is not None:
-            grammar.advance(acc.output_tokens, acc.accept_lens)
+        if constraint is not None:
+            constraint.advance(acc.output_tokens, acc.accept_lens)
         if not spec.is_chain:  # the host's copy follows when the scheduler reads the result
             commit_tree_path(r2t, batch.req_pool_indices, L, acc.accept_index, n)
         a = acc.accept_lens

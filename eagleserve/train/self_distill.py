@@ -73,7 +73,7 @@ def self_distill_config(ns: argparse.Namespace) -> SelfDistillConfig:
 
 
 def chat_prompt_ids(tok: object, user: str) -> list[int]:
-    """A one-turn chat request's prompt ids, rendered as server/handlers.py renders it."""
+    """A one-turn chat request's prompt ids, rendered as server/chat.py renders it."""
     text = tok.apply_chat_template(
         [{"role": "user", "content": user}], add_generation_prompt=True, tokenize=False
     )

@@ -1,5 +1,5 @@
-"""The xgrammar backend (constrained/grammar.py, constrained/grammar_batch.py) on the tiny model's
-one-character-per-token tokenizer: the LRU cache and its counters, error messages, and masks
+"""The xgrammar backend (constrained/grammar.py, constrained/constraint_batch.py) on the tiny
+model's one-character-per-token tokenizer: the LRU cache and its counters, error messages, and masks
 along draft paths equal to a fresh matcher advanced along the same tokens, state restored."""
 
 from __future__ import annotations
@@ -11,13 +11,13 @@ import pytest
 import torch
 from conftest import TINY_EOS, TINY_VOCAB
 
+from eagleserve.constrained.constraint_batch import BatchConstraint
 from eagleserve.constrained.grammar import (
     GrammarBackend,
     GrammarError,
     RequestGrammar,
     check_grammar,
 )
-from eagleserve.constrained.grammar_batch import BatchGrammar
 from eagleserve.constrained.grammar_mask import unpack_bitmask
 from eagleserve.core import Req
 from eagleserve.sampling_params import GrammarSpec, SamplingParams
@@ -90,9 +90,9 @@ def test_batch_tree_masks_follow_each_nodes_path(backend: GrammarBackend) -> Non
     """Rows without a grammar allow everything; node i of a grammar row has the mask after
     the tokens of nodes on its path (the root's token is already committed)."""
     reqs = [Req("a", [5], SamplingParams()), Req("b", [5], SamplingParams())]
-    reqs[1].grammar = backend.new_matcher(SPEC)
-    reqs[1].grammar.accept(ids('{"a": ', backend))
-    bg = BatchGrammar.of_reqs(reqs, TINY_VOCAB)
+    reqs[1].constraint = backend.new_matcher(SPEC)
+    reqs[1].constraint.accept(ids('{"a": ', backend))
+    bg = BatchConstraint.of_reqs(reqs, TINY_VOCAB)
     assert bg is not None and bg.rows == [1]
     quote, x, y, q = ids('"xyq', backend)
     tokens = torch.tensor([[7, 8, 9, 10], [0, quote, x, q]])
@@ -106,7 +106,7 @@ def test_batch_tree_masks_follow_each_nodes_path(backend: GrammarBackend) -> Non
     bg.advance(torch.tensor([[1, 2, 3], [quote, x, y]]), torch.tensor([0, 3]))
     after = backend.new_matcher(SPEC)
     after.accept(ids('{"a": "xy', backend))
-    assert torch.equal(mask_of(reqs[1].grammar), mask_of(after))
+    assert torch.equal(mask_of(reqs[1].constraint), mask_of(after))
 
 
 def test_without_xgrammar_a_spec_gets_the_install_line(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -50,8 +50,9 @@ REJECTED: list[tuple[str, dict[str, Any], str, bool]] = [
     # vLLM's extensions that change the output and are not implemented (server/vllm_fields.py)
     ("/v1/completions", {"use_beam_search": True}, "use_beam_search", True),
     ("/v1/chat/completions", {"echo": True}, "echo", True),
-    ("/v1/chat/completions", {"allowed_token_ids": [5, 6]}, "allowed_token_ids", True),
-    ("/v1/completions", {"bad_words": ["x"]}, "bad_words", True),
+    ("/v1/chat/completions", {"allowed_token_ids": []}, "allowed_token_ids", False),
+    ("/v1/completions", {"allowed_token_ids": [5, 99999999]}, "allowed_token_ids", False),
+    ("/v1/completions", {"bad_words": ["x", " "]}, "bad_words", False),
     ("/v1/completions", {"prompt_logprobs": 1}, "prompt_logprobs", True),
     ("/v1/completions", {"length_penalty": 0.5}, "length_penalty", True),
     ("/v1/chat/completions", {"guided_json": "{not json"}, "guided_json", False),
@@ -94,7 +95,7 @@ NEUTRAL: list[tuple[str, dict[str, Any]]] = [
     ("/v1/completions", {"use_beam_search": False, "include_stop_str_in_output": False,
                          "skip_special_tokens": True, "spaces_between_special_tokens": True,
                          "length_penalty": 1.0, "truncate_prompt_tokens": None,
-                         "allowed_token_ids": [], "bad_words": [], "guided_json": None,
+                         "allowed_token_ids": None, "bad_words": [], "guided_json": None,
                          "structured_outputs": {"regex": None, "disable_fallback": False}}),
 ]  # fmt: skip
 

@@ -1,9 +1,10 @@
-"""The grammar rows of one forward and the masks they need (grammar.py has the invariant).
+"""The constrained rows of one forward and the masks they need (grammar.py has the invariant,
+output_constraint.py the constraints).
 
 Built on the host at launch (the scheduler knows which request's prefill goes on in a later
-chunk: its sampled token is thrown away, so its matcher must not advance). Rows without a grammar
-get all-allowed masks. Every method that reads device tokens is a host sync; the workers call
-them only when a batch holds a grammar row.
+chunk: its sampled token is thrown away, so its matcher must not advance). Rows without a
+constraint get all-allowed masks. Every method that reads device tokens is a host sync; the
+workers call them only when a batch holds a constrained row.
 """
 
 from __future__ import annotations
@@ -12,32 +13,32 @@ from dataclasses import dataclass
 
 import torch
 
-from eagleserve.constrained.grammar import RequestGrammar
 from eagleserve.constrained.grammar_mask import (
     BITS,
     allow_all_where_empty,
     node_paths,
     unpack_bitmask,
 )
+from eagleserve.constrained.output_constraint import OutputConstraint
 from eagleserve.core import Req
 from eagleserve.device import host_to, tensor_to
 
 
 @dataclass
-class BatchGrammar:
-    rows: list[int]  # batch rows with a grammar
-    grammars: list[RequestGrammar]
+class BatchConstraint:
+    rows: list[int]  # batch rows with a constraint
+    constraints: list[OutputConstraint]
     batch_size: int
     vocab_size: int
 
     @classmethod
     def of_reqs(
         cls, reqs: list[Req], vocab_size: int, skip: Req | None = None
-    ) -> BatchGrammar | None:
-        rows = [i for i, r in enumerate(reqs) if r.grammar is not None and r is not skip]
+    ) -> BatchConstraint | None:
+        rows = [i for i, r in enumerate(reqs) if r.constraint is not None and r is not skip]
         if not rows:
             return None
-        return cls(rows, [reqs[i].grammar for i in rows], len(reqs), vocab_size)
+        return cls(rows, [reqs[i].constraint for i in rows], len(reqs), vocab_size)
 
     def _bitmask(self, n: int) -> torch.Tensor:
         return torch.full((n, (self.vocab_size + BITS - 1) // BITS), -1, dtype=torch.int32)
@@ -48,7 +49,7 @@ class BatchGrammar:
     def next_allowed(self, device: torch.device) -> torch.Tensor:
         """[bs, V] bool: each row's next-token mask at its committed state."""
         bm = self._bitmask(self.batch_size)
-        for row, g in zip(self.rows, self.grammars):
+        for row, g in zip(self.rows, self.constraints):
             g.fill(bm, row)
         return self._unpack(bm, device)
 
@@ -56,7 +57,7 @@ class BatchGrammar:
         """Commits tokens [bs] (one per row) or [bs, w] with lens [bs] valid per row."""
         host = tokens.tolist()
         counts = [1] * len(host) if lens is None else lens.tolist()
-        for row, g in zip(self.rows, self.grammars):
+        for row, g in zip(self.rows, self.constraints):
             toks = host[row] if isinstance(host[row], list) else [host[row]]
             g.accept(toks[: counts[row]])
 
@@ -69,7 +70,7 @@ class BatchGrammar:
         bm = self._bitmask(bs * n)
         idx = tensor_to(self.rows, torch.long, tokens.device)
         toks, pars = tokens[idx].tolist(), parents[idx].tolist()
-        for k, (row, g) in enumerate(zip(self.rows, self.grammars)):
+        for k, (row, g) in enumerate(zip(self.rows, self.constraints)):
             paths = [[toks[k][j] for j in p] for p in node_paths(pars[k])]
             g.fill_paths(paths, bm, row * n)
         return self._unpack(bm, device).view(bs, n, -1)
@@ -80,6 +81,6 @@ class BatchGrammar:
         bm = self._bitmask(bs * b)
         idx = tensor_to(self.rows, torch.long, paths.device)
         host = paths[idx].tolist()
-        for k, (row, g) in enumerate(zip(self.rows, self.grammars)):
+        for k, (row, g) in enumerate(zip(self.rows, self.constraints)):
             g.fill_paths(host[k], bm, row * b)
         return self._unpack(bm, device)

@@ -1,0 +1,187 @@
+"""The /v1/chat/completions handler (plain JSON and server-sent events): the conversation
+through the model's chat template, tools and their calls."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from eagleserve.messages import TokenOutput
+from eagleserve.sampling_params import GrammarSpec
+from eagleserve.server.choices import ChoiceState, usage_of
+from eagleserve.server.protocol import (
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatDelta,
+    ChatResponseMessage,
+    ChatStreamChoice,
+    new_id,
+    now,
+)
+from eagleserve.server.respond import Endpoint, respond, sse
+from eagleserve.server.serving import ApiError, Serving, Tracker
+from eagleserve.server.structured import checked, output_constraint
+from eagleserve.server.tool_calls import (
+    ToolSetup,
+    render_calls,
+    tool_answer,
+    tool_grammar,
+    tool_prompt,
+    tool_setup,
+)
+
+
+def chat_messages(body: ChatCompletionRequest, tools: ToolSetup | None) -> list[dict[str, str]]:
+    """The conversation as the template takes it: earlier tool calls written out in the
+    tool-call format, and the tools described in the system message."""
+    msgs = []
+    for m in body.messages:
+        text = m.text()
+        if m.tool_calls:
+            text = (text + "\n" if text else "") + render_calls(m.tool_calls)
+        msgs.append({"role": m.role, "content": text})
+    if tools is not None:
+        if msgs[0]["role"] in ("system", "developer"):
+            msgs[0]["content"] += "\n\n" + tool_prompt(tools)
+        else:
+            msgs.insert(0, {"role": "system", "content": tool_prompt(tools)})
+    return msgs
+
+
+# Arguments of apply_chat_template that chat_template_kwargs must not set (the request's own
+# fields, or ones that would change what the call returns).
+RESERVED_TEMPLATE_ARGS = frozenset({"conversation", "messages", "tools", "tokenize",
+                                    "add_generation_prompt", "continue_final_message",
+                                    "return_dict", "return_tensors", "chat_template"})  # fmt: skip
+
+
+def chat_text(tok: Any, body: ChatCompletionRequest, tools: ToolSetup | None) -> str | ApiError:
+    """The conversation rendered by the model's chat template, as the request asks (the
+    assistant turn's header, or its last message left open; the template's own variables)."""
+    if not body.messages:
+        return ApiError(400, "messages must not be empty", "messages")
+    if tok is None or not getattr(tok, "chat_template", None):
+        return ApiError(400, "this model has no chat template: use /v1/completions", "messages")
+    if body.continue_final_message and body.add_generation_prompt:
+        msg = "continue_final_message needs add_generation_prompt false"
+        return ApiError(400, msg, "continue_final_message")
+    if body.continue_final_message and body.messages[-1].role != "assistant":
+        msg = "continue_final_message continues the last message, which must be the assistant's"
+        return ApiError(400, msg, "continue_final_message")
+    extra = body.chat_template_kwargs or {}
+    reserved = sorted(RESERVED_TEMPLATE_ARGS.intersection(extra))
+    if reserved:
+        return ApiError(400, f"chat_template_kwargs may not set {reserved}", "chat_template_kwargs")
+    msgs = chat_messages(body, tools)
+    try:
+        return str(tok.apply_chat_template(msgs, add_generation_prompt=body.add_generation_prompt,
+                                           continue_final_message=body.continue_final_message,
+                                           tokenize=False, **extra))  # fmt: skip
+    except Exception as exc:  # a template may reject a conversation (e.g. role order)
+        return ApiError(400, f"the chat template rejected the messages: {exc}", "messages")
+
+
+def chat_prompt(
+    serving: Serving, body: ChatCompletionRequest, tools: ToolSetup | None = None
+) -> list[int] | ApiError:
+    text = chat_text(serving.tokenizer, body, tools)
+    if isinstance(text, ApiError):
+        return text
+    ids = serving.encode(text, body.add_special_tokens)
+    if isinstance(ids, ApiError):
+        return ids
+    ids = serving.truncated(ids, body)
+    err = serving.check_prompt(ids, "messages")
+    return err if err is not None else ids
+
+
+def chat_constraint(
+    body: ChatCompletionRequest, tools: ToolSetup | None
+) -> GrammarSpec | ApiError | None:
+    grammar = output_constraint(body)
+    if tools is None or isinstance(grammar, ApiError):
+        return grammar
+    if grammar is not None:
+        return ApiError(400, "tools cannot be combined with another output constraint", "tools")
+    return checked(tool_grammar(tools), "tools")
+
+
+async def create_chat(serving: Serving, body: ChatCompletionRequest, request: Request) -> Response:
+    tools = tool_setup(body)
+    if isinstance(tools, ApiError):
+        return tools.response()
+    ids = await asyncio.to_thread(chat_prompt, serving, body, tools)  # off the loop: as above
+    if isinstance(ids, ApiError):
+        return ids.response()
+    grammar = await asyncio.to_thread(chat_constraint, body, tools)
+    if isinstance(grammar, ApiError):
+        return grammar.response()
+    max_tokens = body.max_completion_tokens
+    if max_tokens is None:
+        max_tokens = body.max_tokens
+    top = body.top_logprobs or 0
+    params = serving.sampling_params(body, max_tokens, len(ids), top if body.logprobs else None,
+                                     grammar=grammar)  # fmt: skip
+    if isinstance(params, ApiError):
+        return params.response()
+    reqs = serving.make_reqs([ids], [params], body.n, body.stream)
+    tok = serving.tokenizer
+
+    def make_choice(i: int, pi: int) -> ChoiceState:
+        return ChoiceState(i, pi, tok, params)
+
+    tracker = Tracker(serving, "chat", reqs, make_choice, body.n)
+    rid, model = new_id("chatcmpl"), serving.model_name
+    created = now()
+
+    def chunk(choices: list[ChatStreamChoice], usage: Any = None) -> str:
+        return sse(
+            ChatCompletionChunk(id=rid, created=created, model=model, choices=choices, usage=usage)
+        )
+
+    def prelude() -> list[str]:
+        role = ChatDelta(role="assistant", content="")
+        return [chunk([ChatStreamChoice(index=c.index, delta=role)]) for c in tracker.ordered]
+
+    def answer(c: ChoiceState) -> tuple[str | None, list[dict[str, Any]], str | None]:
+        """(content, tool calls, finish reason) of a finished choice."""
+        if tools is None:
+            return c.text, [], c.finish_reason
+        return tool_answer(c.text, c.finish_reason)
+
+    def delta(c: ChoiceState, text: str, out: TokenOutput) -> str | None:
+        calls: list[dict[str, Any]] = []
+        reason = c.finish_reason
+        if tools is not None:  # with tools the text is parsed whole: one delta at the end
+            if not c.finished:
+                return None
+            text, calls, reason = answer(c)  # type: ignore[assignment]
+        lp = c.chat_logprobs(only_new=True) if body.logprobs else None
+        if not (text or c.finished or (lp is not None and lp.content)):
+            return None
+        d = ChatDelta(
+            content=text or None,
+            tool_calls=[{"index": k, **call} for k, call in enumerate(calls)] or None,
+        )
+        return chunk([ChatStreamChoice(index=c.index, delta=d, logprobs=lp,
+                                       finish_reason=reason)])  # fmt: skip
+
+    def whole() -> ChatCompletionResponse:
+        choices = []
+        for c in tracker.ordered:
+            content, calls, reason = answer(c)
+            message = ChatResponseMessage(content=content, tool_calls=calls or None)
+            lp = c.chat_logprobs() if body.logprobs else None
+            choices.append(ChatChoice(index=c.index, message=message, logprobs=lp,
+                                      finish_reason=reason))  # fmt: skip
+        return ChatCompletionResponse(
+            id=rid, created=created, model=model, choices=choices, usage=usage_of(tracker.ordered)
+        )
+
+    endpoint = Endpoint(prelude, delta, lambda usage: chunk([], usage), whole)
+    return await respond(serving, request, reqs, tracker, body, endpoint)

@@ -1,0 +1,141 @@
+"""The /v1/completions handler (plain JSON and server-sent events)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from eagleserve.messages import TokenOutput
+from eagleserve.server.choices import ChoiceState, usage_of
+from eagleserve.server.protocol import (
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    new_id,
+    now,
+)
+from eagleserve.server.respond import Endpoint, respond, sse
+from eagleserve.server.serving import ApiError, Serving, Tracker
+from eagleserve.server.structured import output_constraint
+
+
+def prompt_list(prompt: Any) -> list[Any]:
+    """A completion's `prompt` field as a list of prompts, each a text or a list of ids."""
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+        return [prompt]
+    return list(prompt)
+
+
+def completion_prompts(serving: Serving, body: CompletionRequest) -> list[list[int]] | ApiError:
+    """Each prompt's ids: text encoded with the tokenizer's special tokens unless told not to,
+    token ids as sent; cut to the last `truncate_prompt_tokens`."""
+    prompt = prompt_list(body.prompt)
+    if not prompt:
+        return ApiError(400, "the prompt is empty", "prompt")
+    out: list[list[int]] = []
+    for p in prompt:
+        ids = serving.encode(p, body.add_special_tokens) if isinstance(p, str) else list(p)
+        if isinstance(ids, ApiError):
+            return ids
+        ids = serving.truncated(ids, body)
+        err = serving.check_prompt(ids, "prompt")
+        if err is not None:
+            return err
+        out.append(ids)
+    return out
+
+
+def echo_texts(tok: Any, sent: list[Any], prompts: list[list[int]]) -> list[str]:
+    """What echo shows of each prompt: a text as sent (as vLLM and SGLang echo it, a BOS the
+    tokenizer added not in it), token ids decoded."""
+    return [p if isinstance(p, str) else tok.decode(ids) for p, ids in zip(sent, prompts)]
+
+
+def added_in_front(tok: Any, sent: list[Any], prompts: list[list[int]]) -> list[int]:
+    """How many of each prompt's ids the tokenizer added in front of a text (not in its echo)."""
+    return [len(ids) - len(tok.encode(p, add_special_tokens=False)) if isinstance(p, str) else 0
+            for p, ids in zip(sent, prompts)]  # fmt: skip
+
+
+async def create_completion(
+    serving: Serving, body: CompletionRequest, request: Request
+) -> Response:
+    # Tokenizing (and echo's decoding) run in a thread: a multi-MB prompt takes seconds, and on
+    # the event loop it would stall /health and every stream (the tokenizer releases the GIL).
+    prompts = await asyncio.to_thread(completion_prompts, serving, body)
+    if isinstance(prompts, ApiError):
+        return prompts.response()
+    grammar = await asyncio.to_thread(output_constraint, body)  # xgrammar parses: off the loop
+    if isinstance(grammar, ApiError):
+        return grammar.response()
+    want_lp = body.logprobs is not None
+    # echo + logprobs: the prompt tokens' logprobs too (OpenAI's legacy scoring API).
+    scored = body.echo and want_lp
+    params = []
+    for ids in prompts:
+        p = serving.sampling_params(body, body.max_tokens, len(ids), body.logprobs,
+                                    body.logprobs if scored else None, grammar)  # fmt: skip
+        if isinstance(p, ApiError):
+            return p.response()
+        params.append(p)
+    tok = serving.tokenizer
+    echoes = ["" for _ in prompts]
+    hidden = [0 for _ in prompts]
+    if body.echo and tok is not None:
+        # A prompt cut short echoes as the model read it.
+        cut = body.truncate_prompt_tokens is not None
+        sent = prompts if cut else prompt_list(body.prompt)
+        echoes = await asyncio.to_thread(echo_texts, tok, sent, prompts)
+        if scored and body.add_special_tokens:
+            hidden = await asyncio.to_thread(added_in_front, tok, sent, prompts)
+    reqs = serving.make_reqs(prompts, params, body.n, body.stream)
+
+    def make_choice(i: int, pi: int) -> ChoiceState:
+        return ChoiceState(i, pi, tok, params[pi], text_offset=len(echoes[pi]),
+                           prompt_ids=prompts[pi] if scored else None,
+                           prompt_hidden=hidden[pi])  # fmt: skip
+
+    tracker = Tracker(serving, "completions", reqs, make_choice, body.n)
+    rid, model, created = new_id("cmpl"), serving.model_name, now()  # one `created` per call
+    echo_pending = {c.index for c in tracker.ordered if scored}
+
+    def response(choices: list[CompletionChoice], usage: Any = None) -> CompletionResponse:
+        return CompletionResponse(id=rid, created=created, model=model, choices=choices,
+                                  usage=usage)  # fmt: skip
+
+    def prelude() -> list[str]:
+        # With prompt logprobs the echo waits for them: it goes with the choice's first event.
+        return [
+            sse(response([CompletionChoice(index=c.index, text=echoes[c.prompt_index])]))
+            for c in tracker.ordered
+            if echoes[c.prompt_index] and not scored
+        ]
+
+    def delta(c: ChoiceState, text: str, out: TokenOutput) -> str | None:
+        if c.index in echo_pending and (out.prompt_logprobs is not None or c.finished):
+            echo_pending.discard(c.index)
+            text = echoes[c.prompt_index] + text
+        elif not (text or c.finished or (want_lp and out.new_token_ids)):
+            return None
+        lp = c.completion_logprobs(only_new=True) if want_lp else None
+        fr = c.finish_reason if c.finished else None
+        return sse(response([CompletionChoice(index=c.index, text=text, logprobs=lp,
+                                              finish_reason=fr)]))  # fmt: skip
+
+    def whole() -> CompletionResponse:
+        choices = [
+            CompletionChoice(
+                index=c.index,
+                text=echoes[c.prompt_index] + c.text,
+                logprobs=c.completion_logprobs() if want_lp else None,
+                finish_reason=c.finish_reason,
+            )
+            for c in tracker.ordered
+        ]
+        return response(choices, usage_of(tracker.ordered))
+
+    endpoint = Endpoint(prelude, delta, lambda usage: sse(response([], usage)), whole)
+    return await respond(serving, request, reqs, tracker, body, endpoint)

@@ -1,0 +1,87 @@
+"""What the OpenAI handlers share: one JSON body or a stream of server-sent events, the
+engine's requests aborted however the response ends."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from eagleserve.messages import GenerateReqInput, TokenOutput
+from eagleserve.server.choices import ChoiceState, usage_of
+from eagleserve.server.protocol import ChatCompletionRequest, CompletionRequest
+from eagleserve.server.serving import Serving, Tracker, run_to_end
+
+CLIENT_CLOSED = 499
+
+
+class AbortingStreamingResponse(StreamingResponse):
+    """Runs `on_close` however the response ends (finished, client gone, cancelled)."""
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+        super().__init__(content, media_type="text/event-stream")
+        self.on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
+
+
+def sse(obj: Any) -> str:
+    data = obj.model_dump() if hasattr(obj, "model_dump") else obj
+    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+@dataclass
+class Endpoint:
+    """What differs between the two OpenAI handlers; `respond` is the path they share."""
+
+    prelude: Callable[[], list[str]]  # SSE events before any token (echo, the role)
+    delta: Callable[[ChoiceState, str, TokenOutput], str | None]  # new text -> an SSE event
+    usage_event: Callable[[Any], str]  # the usage chunk of `stream_options.include_usage`
+    whole: Callable[[], Any]  # the non-streamed response body (a pydantic model)
+
+
+async def respond(
+    serving: Serving,
+    request: Request,
+    reqs: list[GenerateReqInput],
+    tracker: Tracker,
+    body: CompletionRequest | ChatCompletionRequest,
+    endpoint: Endpoint,
+) -> Response:
+    """Runs the requests; answers one JSON body, or a stream of chunks ending in [DONE] (an
+    engine fault or a cut at shutdown ends it with an error event first)."""
+    stream = serving.client.generate(reqs)
+    if not body.stream:
+        if not await run_to_end(request, stream, tracker):
+            return Response(status_code=CLIENT_CLOSED)
+        if tracker.error is not None:
+            return tracker.error.response()
+        return JSONResponse(endpoint.whole().model_dump())
+
+    async def events() -> AsyncIterator[str]:
+        for event in endpoint.prelude():
+            yield event
+        async for out in stream:
+            c, text = tracker.feed(out)
+            if tracker.error is not None:  # engine fault, engine gone, or cut at the drain
+                yield sse(tracker.error.response_body())
+                yield "data: [DONE]\n\n"
+                return
+            event = endpoint.delta(c, text, out)
+            if event is not None:
+                yield event
+        tracker.done()
+        if body.include_usage:
+            yield endpoint.usage_event(usage_of(tracker.ordered))
+        yield "data: [DONE]\n\n"
+
+    return AbortingStreamingResponse(events(), lambda: tracker.close(stream))

@@ -1,0 +1,139 @@
+"""vLLM's allowed_token_ids and bad_words with EAGLE (chain and tree, EAGLE-3 with a reduced
+draft vocabulary; overlap on and off): greedy output equals target-only output under the same
+constraints, token for token, and that output keeps them (no banned sequence, no token outside
+the allowed set) where the unconstrained output broke them. The target and tokenizer are
+test_grammar_lossless.py's (one character per token)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from conftest import _save_char_tokenizer, save_spec_target
+from lossless_fixtures import run_staggered, save_random_head
+
+from eagleserve import Engine, SamplingParams
+from eagleserve.sampling_params import GrammarSpec
+
+pytestmark = pytest.mark.usefixtures("torch_threads")
+
+VOCAB, EOS = 256, 2
+SEED = random.randrange(1 << 30)  # fresh per run; printed on a failure by the asserts
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    path = save_spec_target(str(tmp_path_factory.mktemp("constraint_target")), 4321, EOS, 1, VOCAB)
+    _save_char_tokenizer(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def heads(target_dir: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    tmp = str(tmp_path_factory.mktemp("constraint_heads"))
+    return {
+        "EAGLE": save_random_head(target_dir, "EAGLE", tmp, 1.0, 0),
+        "EAGLE3": save_random_head(target_dir, "EAGLE3", tmp, 0.0, 2),
+    }
+
+
+def engine(target: str, head: str | None, overlap: bool, **spec: int) -> Engine:
+    kw = {} if head is None else dict(
+        speculative_algorithm="EAGLE3" if "EAGLE3" in head else "EAGLE",
+        speculative_draft_model_path=head, **spec,
+    )  # fmt: skip
+    return Engine(model=target, device="cpu", max_total_tokens=2048, max_running_requests=8,
+                  disable_overlap_schedule=not overlap, **kw)  # fmt: skip
+
+
+def prompts() -> list[list[int]]:
+    rng = random.Random(SEED)
+    return [[rng.randrange(3, VOCAB) for _ in range(n)] for n in (4, 9, 2, 13, 6, 7, 3, 5, 8, 11)]
+
+
+@pytest.fixture(scope="module")
+def free(target_dir: str) -> list[list[int]]:
+    """Unconstrained greedy outputs: the constraints below are made from them, so they bite."""
+    params = [SamplingParams(max_new_tokens=40, temperature=0, ignore_eos=True)] * 10
+    return run_staggered(engine(target_dir, None, False), prompts(), params)
+
+
+def constrained(free: list[list[int]], tok) -> list[SamplingParams]:  # noqa: ANN001
+    """Rows 0, 3, 6-9: bad words (bigrams and a trigram of the free output, a single token);
+    rows 1, 4: allowed_token_ids (half the free output's tokens and a few others); row 2: both
+    with a regex; row 5: free text beside them."""
+    rng = random.Random(SEED + 1)
+    out = []
+    for i, ids in enumerate(free):
+        p = SamplingParams(max_new_tokens=40, temperature=0, ignore_eos=True)
+        if i in (0, 2, 3, 6, 7, 8, 9):
+            starts = rng.sample(range(len(ids) - 3), 3)
+            grams = [ids[s : s + 2] for s in starts[:2]] + [ids[starts[2] : starts[2] + 3]]
+            p.bad_words = [tok.decode(g) for g in grams] + [tok.decode(ids[5:6])]
+        if i in (1, 2, 4):
+            seen = sorted(set(ids))
+            others = [t for t in rng.sample(range(3, VOCAB), 4) if t not in seen]
+            p.allowed_token_ids = rng.sample(seen, len(seen) // 2) + others
+        if i == 2:
+            p.ignore_eos = False
+            p.grammar = GrammarSpec("regex", "[ -~]{3,30}")
+            p.allowed_token_ids += [EOS] + tok.encode("abcdefgh", add_special_tokens=False)
+        out.append(p)
+    return out
+
+
+def holds(ids: list[int], p: SamplingParams, tok) -> bool:  # noqa: ANN001
+    words = [tok.encode(w, add_special_tokens=False) for w in p.bad_words]
+    for w in words:
+        if any(ids[j : j + len(w)] == w for j in range(len(ids))):
+            return False
+    return p.allowed_token_ids is None or set(ids) <= set(p.allowed_token_ids)
+
+
+@pytest.fixture(scope="module")
+def reference(target_dir: str, free: list[list[int]]) -> tuple[list[SamplingParams], list]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(target_dir)
+    params = constrained(free, tok)
+    got = run_staggered(engine(target_dir, None, False), prompts(), params)
+    return params, got
+
+
+def test_target_only_keeps_the_constraints(
+    target_dir: str, free: list[list[int]], reference: tuple[list[SamplingParams], list]
+) -> None:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(target_dir)
+    params, got = reference
+    for i, (p, ids, before) in enumerate(zip(params, got, free, strict=True)):
+        assert holds(ids, p, tok), (SEED, i, ids)
+        if i != 5:
+            assert not holds(before, p, tok), (SEED, i)  # the constraint changed the output
+    assert got[5] == free[5]
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
+@pytest.mark.parametrize(
+    ("head", "steps", "topk", "ndt"),
+    [("EAGLE", 3, 1, 4), ("EAGLE", 3, 2, 6), ("EAGLE3", 2, 2, 5)],
+)
+def test_constrained_greedy_is_lossless(
+    target_dir: str,
+    heads: dict[str, str],
+    reference: tuple[list[SamplingParams], list],
+    head: str,
+    steps: int,
+    topk: int,
+    ndt: int,
+    overlap: bool,
+) -> None:
+    params, want = reference
+    eng = engine(target_dir, heads[head], overlap, speculative_num_steps=steps,
+                 speculative_eagle_topk=topk, speculative_num_draft_tokens=ndt)  # fmt: skip
+    got = run_staggered(eng, prompts(), params)
+    for i, (g, r) in enumerate(zip(got, want, strict=True)):
+        first = next((j for j, (a, b) in enumerate(zip(g, r)) if a != b), min(len(g), len(r)))
+        assert g == r, f"seed {SEED}, request {i}: first mismatch at token {first}"
+    assert eng.stats().spec_verify_calls_total > 0
