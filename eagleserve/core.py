@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 from eagleserve.device import host_to, tensor_to
+from eagleserve.messages import PromptScores
 from eagleserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -46,8 +47,8 @@ class Req:
     # Logprob of each output token and its top alternatives, when asked for.
     output_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
-    # Prompt logprobs and their top alternatives, from the prefill until the next output.
-    prompt_logprobs: tuple[list[float | None], list[list[tuple[int, float]]]] | None = None
+    # The prompt's scores (messages.py PromptScores), from the prefill until the next output.
+    prompt_logprobs: PromptScores | None = None
     finish_reason: FinishReason | None = None
     matched_stop: int | str | None = None
     # KV bookkeeping (scheduler-owned). req_pool_idx is None while the request holds no slot.

@@ -70,7 +70,7 @@ class Engine:
                 lps[out.rid].extend(out.logprobs or [])
                 tops[out.rid].extend(out.top_logprobs or [])
                 if out.prompt_logprobs is not None:
-                    scores[out.rid] = out.prompt_logprobs
+                    scores[out.rid] = out.prompt_logprobs.logprobs
                 if out.finished:
                     done[out.rid] = out
         # Let a forward still in flight land so every slot is back in the pool.

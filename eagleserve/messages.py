@@ -50,6 +50,17 @@ class FlushCacheResult:
 
 
 @dataclass
+class PromptScores:
+    """A prompt's scores: each token's logprob given the tokens before it, its rank in that
+    distribution (1: the most likely) and the top alternatives as (id, logprob); the first
+    token has None, None and no alternatives."""
+
+    logprobs: list[float | None]
+    ranks: list[int | None]
+    top: list[list[tuple[int, float]]]
+
+
+@dataclass
 class TokenOutput:
     """Engine -> server: new tokens of one request since its last TokenOutput."""
 
@@ -64,10 +75,8 @@ class TokenOutput:
     # Per new token, when logprobs were asked for: its logprob and the top alternatives.
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
-    # Once, with the first output after the prefill, when asked for: the prompt tokens'
-    # logprobs (None for the first token) and their top alternatives.
-    prompt_logprobs: list[float | None] | None = None
-    prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
+    # Once, with the first output after the prefill, when asked for: the prompt's scores.
+    prompt_logprobs: PromptScores | None = None
     # Mean accepted tokens per verify step so far (speculative decoding), else None.
     spec_accept_length: float | None = None
     error: str | None = None

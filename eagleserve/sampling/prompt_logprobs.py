@@ -17,6 +17,7 @@ import torch
 
 from eagleserve.core import ScheduleBatch
 from eagleserve.device import tensor_to
+from eagleserve.messages import PromptScores
 
 ROWS_PER_CHUNK = 512  # logits rows materialized at once (fp32 [rows, V])
 
@@ -30,26 +31,29 @@ class PromptLogprobs:
     first: list[bool]  # whether the row's scores start at the prompt's first token (None)
     ks: list[int]  # top alternatives each row asked for (the tensors hold the largest k)
     chosen: torch.Tensor  # [T] logprob of each scored prompt token
+    ranks: torch.Tensor  # [T] its rank in its distribution (1: the most likely)
     top_vals: torch.Tensor  # [T, k]
     top_ids: torch.Tensor  # [T, k]
 
     def to_host(self) -> PromptLogprobs:
         cpu = lambda t: t.to("cpu")
         return PromptLogprobs(self.rows, self.counts, self.first, self.ks, cpu(self.chosen),
-                              cpu(self.top_vals), cpu(self.top_ids))  # fmt: skip
+                              cpu(self.ranks), cpu(self.top_vals), cpu(self.top_ids))  # fmt: skip
 
-    def per_row(self) -> list[tuple[int, list[float | None], list[list[tuple[int, float]]]]]:
-        """Host only: (batch row, logprobs, top alternatives) per asking row; a row starting at
-        the prompt's first token begins with None and no alternatives."""
+    def per_row(self) -> list[tuple[int, PromptScores]]:
+        """Host only: (batch row, its scores) per asking row; a row starting at the prompt's
+        first token begins with None (no rank, no alternatives)."""
         chosen, vals, ids = self.chosen.tolist(), self.top_vals.tolist(), self.top_ids.tolist()
+        ranks = self.ranks.tolist()
         out = []
         start = 0
         for row, n, first, k in zip(self.rows, self.counts, self.first, self.ks):
-            lps: list[float | None] = [None] if first else []
-            tops: list[list[tuple[int, float]]] = [[]] if first else []
-            lps += chosen[start : start + n]
-            tops += [list(zip(ids[j][:k], vals[j][:k])) for j in range(start, start + n)]
-            out.append((row, lps, tops))
+            lead = 1 if first else 0
+            scores = PromptScores([None] * lead, [None] * lead, [[]] * lead)
+            scores.logprobs += chosen[start : start + n]
+            scores.ranks += ranks[start : start + n]
+            scores.top += [list(zip(ids[j][:k], vals[j][:k])) for j in range(start, start + n)]
+            out.append((row, scores))
             start += n
         return out
 
@@ -92,14 +96,17 @@ def score_prompts(
     tgt = tensor_to(targets, torch.long, dev)
     first = [batch.prefix_lens[i] == 0 for i in rows]
     chosen = [torch.zeros(0, device=dev)]  # one-token prompts score nothing but the None
+    ranks = [torch.zeros(0, dtype=torch.long, device=dev)]
     vals = [torch.zeros(0, k, device=dev)]
     ids = [torch.zeros(0, k, dtype=torch.long, device=dev)]
     for lo in range(0, len(flat), ROWS_PER_CHUNK):
         rows_logits = compute_logits(hidden[idx[lo : lo + ROWS_PER_CHUNK]]).float()
         logp = torch.log_softmax(rows_logits, dim=-1)
-        chosen.append(logp.gather(-1, tgt[lo : lo + ROWS_PER_CHUNK, None]).squeeze(-1))
+        picked = logp.gather(-1, tgt[lo : lo + ROWS_PER_CHUNK, None])
+        chosen.append(picked.squeeze(-1))
+        ranks.append((logp > picked).sum(dim=-1) + 1)
         top = logp.topk(k, dim=-1)
         vals.append(top.values)
         ids.append(top.indices)
-    return PromptLogprobs(rows, counts, first, ks, torch.cat(chosen).float(),
+    return PromptLogprobs(rows, counts, first, ks, torch.cat(chosen).float(), torch.cat(ranks),
                           torch.cat(vals).float(), torch.cat(ids))  # fmt: skip

@@ -168,7 +168,7 @@ def make_output(req: Req) -> TokenOutput:
         ),
     )
     if req.prompt_logprobs is not None:
-        out.prompt_logprobs, out.prompt_top_logprobs = req.prompt_logprobs
+        out.prompt_logprobs = req.prompt_logprobs
         req.prompt_logprobs = None
     start = req.prefill_start_time
     if req.num_sent_tokens == 0 and start is not None and (new or req.finished):

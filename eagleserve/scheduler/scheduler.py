@@ -335,9 +335,7 @@ class Scheduler:
         rows = committed_rows(result)
         if result.tree_path is not None:
             commit_tree_paths_host(self.req_to_token_pool, reqs, result, partial)
-        scored = {} if result.prompt_logprobs is None else {
-            row: (lps, tops) for row, lps, tops in result.prompt_logprobs.per_row()
-        }  # fmt: skip
+        scored = {} if result.prompt_logprobs is None else dict(result.prompt_logprobs.per_row())
         for i, req in enumerate(reqs):
             # Finished or aborted while this batch ran, or part-way through its prefill.
             if req.finished or req is partial:

@@ -24,6 +24,7 @@ from eagleserve.server.engine_client import EngineClient
 from eagleserve.server.limits import gc_paused, read_body
 from eagleserve.server.metrics import Metrics
 from eagleserve.server.middleware import HttpStats, HttpTrackerMiddleware
+from eagleserve.server.openapi import add_api_bodies
 from eagleserve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -32,7 +33,6 @@ from eagleserve.server.protocol import (
     ModelCard,
     ModelList,
     TokenizeRequest,
-    add_api_bodies,
 )
 from eagleserve.server.serving import ApiError, Serving
 from eagleserve.server.tokenization import detokenize, tokenize

@@ -11,7 +11,7 @@ from fastapi.responses import Response
 
 from eagleserve.messages import TokenOutput
 from eagleserve.sampling_params import GrammarSpec
-from eagleserve.server.choices import ChoiceState, usage_of
+from eagleserve.server.choices import ChoiceState, PromptScoring, usage_of
 from eagleserve.server.protocol import (
     ChatChoice,
     ChatCompletionChunk,
@@ -126,14 +126,17 @@ async def create_chat(serving: Serving, body: ChatCompletionRequest, request: Re
         max_tokens = body.max_tokens
     top = body.top_logprobs or 0
     params = serving.sampling_params(body, max_tokens, len(ids), top if body.logprobs else None,
-                                     grammar=grammar)  # fmt: skip
+                                     body.prompt_logprobs, grammar)  # fmt: skip
     if isinstance(params, ApiError):
         return params.response()
     reqs = serving.make_reqs([ids], [params], body.n, body.stream)
     tok = serving.tokenizer
 
+    scoring = None if body.prompt_logprobs is None else PromptScoring(ids)
+
     def make_choice(i: int, pi: int) -> ChoiceState:
-        return ChoiceState(i, pi, tok, params)
+        return ChoiceState(i, pi, tok, params, prompt=scoring,
+                           ids_as_tokens=bool(body.return_tokens_as_token_ids))  # fmt: skip
 
     tracker = Tracker(serving, "chat", reqs, make_choice, body.n)
     rid, model = new_id("chatcmpl"), serving.model_name
@@ -179,9 +182,12 @@ async def create_chat(serving: Serving, body: ChatCompletionRequest, request: Re
             lp = c.chat_logprobs() if body.logprobs else None
             choices.append(ChatChoice(index=c.index, message=message, logprobs=lp,
                                       finish_reason=reason))  # fmt: skip
-        return ChatCompletionResponse(
-            id=rid, created=created, model=model, choices=choices, usage=usage_of(tracker.ordered)
-        )
+        scores = None  # vLLM's: the conversation's, once for the n choices
+        if body.prompt_logprobs is not None:
+            scores = tracker.ordered[0].vllm_prompt_logprobs(body.prompt_logprobs)
+        usage = usage_of(tracker.ordered)
+        return ChatCompletionResponse(id=rid, created=created, model=model, choices=choices,
+                                      usage=usage, prompt_logprobs=scores)  # fmt: skip
 
     endpoint = Endpoint(prelude, delta, lambda usage: chunk([], usage), whole)
     return await respond(serving, request, reqs, tracker, body, endpoint)

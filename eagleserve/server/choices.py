@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
-from eagleserve.messages import TokenOutput
+from eagleserve.messages import PromptScores, TokenOutput
 from eagleserve.sampling_params import SamplingParams
 from eagleserve.scheduler.output_processor import text_ids
 from eagleserve.server.detokenizer import IncrementalDetokenizer, token_strings
@@ -12,10 +13,28 @@ from eagleserve.server.protocol import (
     ChatLogprobs,
     ChatTokenLogprob,
     CompletionLogprobs,
+    PromptLogprob,
+    PromptLogprobs,
     PromptTokensDetails,
     TopLogprob,
     UsageInfo,
 )
+
+# vLLM's floor for a logprob in an answer (JSON has no -inf).
+MIN_LOGPROB = -9999.0
+
+
+@dataclass(frozen=True)
+class PromptScoring:
+    """A choice's prompt, whose scores come with its first output: shown as vLLM's
+    prompt_logprobs and, with `echo`, as the first entries of the echo's logprobs (`top`
+    alternatives each; the first `hidden` tokens, special tokens the tokenizer added, take no
+    room in the echoed text)."""
+
+    ids: list[int]
+    echo: bool = False
+    top: int = 0
+    hidden: int = 0
 
 
 class ChoiceState:
@@ -28,12 +47,12 @@ class ChoiceState:
         tokenizer: Any,
         params: SamplingParams,
         text_offset: int = 0,
-        prompt_ids: list[int] | None = None,
-        prompt_hidden: int = 0,
+        prompt: PromptScoring | None = None,
+        ids_as_tokens: bool = False,
     ) -> None:
-        """`params`: the request's (its stop strings and how its text shows them);
-        `prompt_ids`: the prompt whose logprobs come with the first output (echo), of which
-        the first `prompt_hidden` (special tokens the tokenizer added) are not in its text."""
+        """`params`: the request's (its stop strings and how its text shows them); `prompt`:
+        its prompt, when the first output brings the prompt's scores; `ids_as_tokens`:
+        logprobs name tokens `token_id:N` (vLLM's return_tokens_as_token_ids), not by text."""
         self.index = index
         self.prompt_index = prompt_index
         self.tokenizer = tokenizer
@@ -48,30 +67,47 @@ class ChoiceState:
         self.cached_tokens = 0
         self.completion_tokens = 0
         self.spec_accept_length: float | None = None
-        # Logprobs: (token string, logprob, top alternatives as (string, logprob)).
+        self.ids_as_tokens = ids_as_tokens
+        # Logprobs: (token name, logprob, top alternatives as (name, logprob)), and the length
+        # of each token's text (completion logprobs' text_offset).
         self.lp: list[tuple[str, float, list[tuple[str, float]]]] = []
+        self.lp_widths: list[int] = []
         self.lp_sent = 0  # entries of `lp` already streamed
         self.text_offset = text_offset  # completion logprobs: offset of the first token
-        self.prompt_ids = prompt_ids
-        self.prompt_hidden = prompt_hidden
-        # Prompt logprobs (echo): (token string, logprob or None for the first, alternatives);
-        # handed out once, before the generated tokens' entries.
+        self.prompt = prompt
+        # Prompt logprobs (echo): (token name, logprob or None for the first, alternatives)
+        # and text lengths; handed out once, before the generated tokens' entries.
         self.prompt_lp: list[tuple[str, float | None, list[tuple[str, float]]]] = []
+        self.prompt_widths: list[int] = []
         self.prompt_lp_sent = False
+        self.prompt_scores: PromptScores | None = None
+
+    def _names(self, ids: list[int], texts: list[str] | None = None) -> list[str]:
+        """How logprobs name tokens (`texts`: their texts, when known)."""
+        if self.ids_as_tokens:
+            return [f"token_id:{t}" for t in ids]
+        return texts if texts is not None else token_strings(self.tokenizer, ids)
 
     def feed(self, out: TokenOutput) -> str:
-        if out.prompt_logprobs is not None and self.prompt_ids is not None:
-            names = token_strings(self.tokenizer, self.prompt_ids)
-            tops = out.prompt_top_logprobs or [[] for _ in names]
-            for name, value, top in zip(names, out.prompt_logprobs, tops, strict=True):
-                self.prompt_lp.append((name, value, self._alternatives(top)))
+        scores = out.prompt_logprobs
+        if scores is not None and self.prompt is not None:
+            self.prompt_scores = scores
+        if scores is not None and self.prompt is not None and self.prompt.echo:
+            ids = self.prompt.ids
+            texts = token_strings(self.tokenizer, ids)
+            for name, value, top in zip(self._names(ids, texts), scores.logprobs, scores.top,
+                                        strict=True):  # fmt: skip
+                self.prompt_lp.append((name, value, self._alternatives(top[: self.prompt.top])))
+            self.prompt_widths = [len(t) for t in texts]
         finished_by = out.matched_stop if out.finished else None
         delta = self.detok.add(text_ids(out.new_token_ids, finished_by, self.params))
         if out.logprobs is not None:
-            names = token_strings(self.tokenizer, out.new_token_ids)
+            texts = token_strings(self.tokenizer, out.new_token_ids)
+            names = self._names(out.new_token_ids, texts)
             tops = out.top_logprobs or [[] for _ in names]
-            for name, value, top in zip(names, out.logprobs, tops, strict=False):
+            for name, text, value, top in zip(names, texts, out.logprobs, tops, strict=False):
                 self.lp.append((name, value, self._alternatives(top)))
+                self.lp_widths.append(len(text))
         self.prompt_tokens = out.prompt_tokens or self.prompt_tokens
         self.cached_tokens = out.cached_tokens or self.cached_tokens
         self.completion_tokens = out.completion_tokens or self.completion_tokens
@@ -84,8 +120,33 @@ class ChoiceState:
         return delta
 
     def _alternatives(self, top: list[tuple[int, float]]) -> list[tuple[str, float]]:
-        alt_names = token_strings(self.tokenizer, [t for t, _ in top])
+        alt_names = self._names([t for t, _ in top])
         return [(s, v) for s, (_, v) in zip(alt_names, top, strict=True)]
+
+    def vllm_prompt_logprobs(self, k: int) -> PromptLogprobs | None:
+        """vLLM's prompt_logprobs: per prompt token, None for the first, else the token's own
+        entry then its top `k` alternatives' (ranks 1..k), keyed by token id."""
+        if self.prompt_scores is None or self.prompt is None:
+            return None
+        s, prompt = self.prompt_scores, self.prompt.ids
+        ids = sorted({t for top in s.top for t, _ in top[:k]} | set(prompt))
+        text_of = dict(zip(ids, token_strings(self.tokenizer, ids), strict=True))
+        out: PromptLogprobs = []
+        for token, value, rank, top in zip(prompt, s.logprobs, s.ranks, s.top, strict=True):
+            if value is None:
+                out.append(None)
+                continue
+            entry = {str(token): PromptLogprob(logprob=max(value, MIN_LOGPROB), rank=rank,
+                                               decoded_token=text_of[token])}  # fmt: skip
+            for j, (alt, alt_value) in enumerate(top[:k], start=1):
+                entry.setdefault(
+                    str(alt),
+                    PromptLogprob(
+                        logprob=max(alt_value, MIN_LOGPROB), rank=j, decoded_token=text_of[alt]
+                    ),
+                )
+            out.append(entry)
+        return out
 
     @property
     def finished(self) -> bool:
@@ -107,17 +168,17 @@ class ChoiceState:
                 out.token_logprobs.append(value)
                 out.top_logprobs.append(None if value is None else dict(alts))
                 out.text_offset.append(prompt_offset)
-                if i >= self.prompt_hidden:  # a hidden token takes no room in the echo
-                    prompt_offset += len(name)
+                if self.prompt and i >= self.prompt.hidden:  # no room in the echo's text
+                    prompt_offset += self.prompt_widths[i]
             self.prompt_lp_sent = bool(self.prompt_lp)
         start = self.lp_sent if only_new else 0
-        offset = self.text_offset + sum(len(name) for name, _, _ in self.lp[:start])
-        for name, value, alts in self._take_lp(only_new):
+        offset = self.text_offset + sum(self.lp_widths[:start])
+        for (name, value, alts), width in zip(self._take_lp(only_new), self.lp_widths[start:]):
             out.tokens.append(name)
             out.token_logprobs.append(value)
             out.top_logprobs.append(dict(alts))
             out.text_offset.append(offset)
-            offset += len(name)
+            offset += width
         return out
 
     def chat_logprobs(self, only_new: bool = False) -> ChatLogprobs:

@@ -9,7 +9,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from eagleserve.messages import TokenOutput
-from eagleserve.server.choices import ChoiceState, usage_of
+from eagleserve.server.choices import ChoiceState, PromptScoring, usage_of
 from eagleserve.server.protocol import (
     CompletionChoice,
     CompletionRequest,
@@ -72,12 +72,15 @@ async def create_completion(
     if isinstance(grammar, ApiError):
         return grammar.response()
     want_lp = body.logprobs is not None
-    # echo + logprobs: the prompt tokens' logprobs too (OpenAI's legacy scoring API).
+    # echo + logprobs: the prompt tokens' logprobs too (OpenAI's legacy scoring API); vLLM's
+    # prompt_logprobs: the same scores in vLLM's form.
     scored = body.echo and want_lp
+    echo_top = body.logprobs or 0
+    asked = [k for k in (echo_top if scored else None, body.prompt_logprobs) if k is not None]
     params = []
     for ids in prompts:
         p = serving.sampling_params(body, body.max_tokens, len(ids), body.logprobs,
-                                    body.logprobs if scored else None, grammar)  # fmt: skip
+                                    max(asked) if asked else None, grammar)  # fmt: skip
         if isinstance(p, ApiError):
             return p.response()
         params.append(p)
@@ -94,9 +97,9 @@ async def create_completion(
     reqs = serving.make_reqs(prompts, params, body.n, body.stream)
 
     def make_choice(i: int, pi: int) -> ChoiceState:
-        return ChoiceState(i, pi, tok, params[pi], text_offset=len(echoes[pi]),
-                           prompt_ids=prompts[pi] if scored else None,
-                           prompt_hidden=hidden[pi])  # fmt: skip
+        prompt = PromptScoring(prompts[pi], scored, echo_top, hidden[pi]) if asked else None
+        return ChoiceState(i, pi, tok, params[pi], text_offset=len(echoes[pi]), prompt=prompt,
+                           ids_as_tokens=bool(body.return_tokens_as_token_ids))  # fmt: skip
 
     tracker = Tracker(serving, "completions", reqs, make_choice, body.n)
     rid, model, created = new_id("cmpl"), serving.model_name, now()  # one `created` per call
@@ -132,6 +135,9 @@ async def create_completion(
                 text=echoes[c.prompt_index] + c.text,
                 logprobs=c.completion_logprobs() if want_lp else None,
                 finish_reason=c.finish_reason,
+                prompt_logprobs=c.vllm_prompt_logprobs(body.prompt_logprobs or 0)
+                if body.prompt_logprobs is not None
+                else None,
             )
             for c in tracker.ordered
         ]

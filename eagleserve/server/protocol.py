@@ -7,7 +7,6 @@ import uuid
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer
-from pydantic.json_schema import models_json_schema
 
 from eagleserve.server.vllm_fields import VllmFields
 
@@ -203,6 +202,13 @@ def now() -> int:
     return int(time.time())
 
 
+def drop_if_none(data: dict[str, Any], key: str) -> dict[str, Any]:
+    """An optional extension key is sent only when set (OpenAI's own clients never see it)."""
+    if data.get(key) is None:
+        data.pop(key, None)
+    return data
+
+
 class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
@@ -216,10 +222,7 @@ class UsageInfo(BaseModel):
 
     @model_serializer(mode="wrap")
     def _drop_empty_spec(self, handler: Any) -> dict[str, Any]:
-        data = handler(self)
-        if data.get("spec_accept_length") is None:
-            data.pop("spec_accept_length", None)
-        return data
+        return drop_if_none(handler(self), "spec_accept_length")
 
 
 class CompletionLogprobs(BaseModel):
@@ -229,11 +232,29 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's entry of a prompt token's scores: the logprob, the rank (1: the most likely)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# vLLM's `prompt_logprobs` answer: per prompt token, None for the first, else {token id: entry}
+# for the token itself and the top alternatives asked for.
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's, when asked for
+
+    @model_serializer(mode="wrap")
+    def _drop_no_prompt_logprobs(self, handler: Any) -> dict[str, Any]:
+        return drop_if_none(handler(self), "prompt_logprobs")
 
 
 class CompletionResponse(BaseModel):
@@ -266,10 +287,7 @@ class ChatResponseMessage(BaseModel):
 
     @model_serializer(mode="wrap")
     def _drop_no_calls(self, handler: Any) -> dict[str, Any]:
-        data = handler(self)
-        if data.get("tool_calls") is None:  # as OpenAI: the key only when there are calls
-            data.pop("tool_calls", None)
-        return data
+        return drop_if_none(handler(self), "tool_calls")  # as OpenAI: only when there are calls
 
 
 class ChatChoice(BaseModel):
@@ -286,6 +304,11 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's, when asked for
+
+    @model_serializer(mode="wrap")
+    def _drop_no_prompt_logprobs(self, handler: Any) -> dict[str, Any]:
+        return drop_if_none(handler(self), "prompt_logprobs")
 
 
 class ChatDelta(BaseModel):
@@ -350,42 +373,3 @@ def error_body(
     err_type = ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
     info = ErrorInfo(message=message, type=err_type, param=param, code=code)
     return ErrorResponse(error=info).model_dump()
-
-
-# The handlers parse their bodies themselves (to answer in OpenAI's error format), so FastAPI
-# cannot see them: the OpenAPI document gets the request and response bodies from here.
-API_BODIES: dict[str, tuple[type[BaseModel], type[BaseModel]]] = {
-    "/v1/completions": (CompletionRequest, CompletionResponse),
-    "/v1/chat/completions": (ChatCompletionRequest, ChatCompletionResponse),
-    "/tokenize": (TokenizeRequest, TokenizeResponse),
-    "/detokenize": (DetokenizeRequest, DetokenizeResponse),
-}
-
-
-def add_api_bodies(schema: dict[str, Any]) -> dict[str, Any]:
-    """Adds the request body, the 200 body (JSON; `stream: true` answers text/event-stream)
-    and the error body of each POST route in API_BODIES to a FastAPI OpenAPI document."""
-    models = [(m, mode) for req, resp in API_BODIES.values() for m, mode in
-              ((req, "validation"), (resp, "serialization"))]  # fmt: skip
-    models.append((ErrorResponse, "serialization"))
-    refs, defs = models_json_schema(models, ref_template="#/components/schemas/{model}")
-    schema.setdefault("components", {}).setdefault("schemas", {}).update(defs.get("$defs", {}))
-
-    def body(model: type[BaseModel], mode: str) -> dict[str, Any]:
-        return {"application/json": {"schema": refs[(model, mode)]}}
-
-    for path, (req, resp) in API_BODIES.items():
-        op = schema["paths"][path]["post"]
-        op["requestBody"] = {"required": True, "content": body(req, "validation")}
-        ok = body(resp, "serialization")
-        if "stream" in req.model_fields:
-            ok["text/event-stream"] = {}  # chunks of the 200 body's type; no SSE event schema
-        err = {"content": body(ErrorResponse, "serialization")}
-        op["responses"] = {
-            "200": {"description": "the result (a completion: or an event stream)", "content": ok},
-            **{code: {"description": text, **err} for code, text in (
-                ("400", "invalid request"), ("401", "bad API key"), ("404", "unknown model"),
-                ("413", "request body over --max-request-body-bytes"),
-                ("500", "engine error"), ("503", "engine down or shutting down"))},
-        }  # fmt: skip
-    return schema

@@ -33,6 +33,22 @@ def check_shared(body: _SamplingFields) -> ApiError | None:
     return None
 
 
+def check_prompt_logprobs(body: _SamplingFields) -> ApiError | None:
+    """vLLM's prompt_logprobs: 0..20 alternatives (vLLM's default max_logprobs), not streamed
+    (vLLM refuses it with stream too)."""
+    k = body.prompt_logprobs
+    if k is None:
+        return None
+    if k == -1:
+        return not_supported("prompt_logprobs", "0 to 20 (-1, the whole vocabulary, is not)")
+    if not 0 <= k <= 20:
+        return ApiError(400, "prompt_logprobs must be between 0 and 20", "prompt_logprobs")
+    if body.stream:
+        msg = "prompt_logprobs are not available when stream is true"
+        return ApiError(400, msg, "prompt_logprobs")
+    return None
+
+
 def check_logit_bias_keys(body: _SamplingFields) -> ApiError | None:
     """OpenAI's keys are token ids as strings (decimal digits); the vocabulary bound is checked
     with the other sampling parameters."""
@@ -77,7 +93,7 @@ def check_chat(body: ChatCompletionRequest) -> ApiError | None:
 
 def check_request(body: CompletionRequest | ChatCompletionRequest) -> ApiError | None:
     """The first field of `body` the server cannot honour, as a 400; None when all are fine."""
-    err = check_logit_bias_keys(body) or check_shared(body)
+    err = check_logit_bias_keys(body) or check_shared(body) or check_prompt_logprobs(body)
     if err is not None:
         return err
     if isinstance(body, CompletionRequest):

@@ -10,7 +10,8 @@ tokens, its special tokens included), and the output constraints, in vLLM's olde
 (`structured_outputs` with `json`, `regex`, `choice`, `grammar`, `json_object`), mapped onto the
 same grammars as `response_format` and SGLang's `regex` / `ebnf` (server/structured.py), and
 `allowed_token_ids` and `bad_words` (masks next to a grammar's: constrained/
-output_constraint.py). Refused
+output_constraint.py), `prompt_logprobs` (not streamed, as in vLLM) and
+`return_tokens_as_token_ids`. Refused
 unless neutral: the fields vLLM honours that change the output and eagleserve does not implement
 (`REFUSED`).
 """
@@ -48,7 +49,7 @@ class VllmFields(BaseModel):
     truncate_prompt_tokens: int | None = Field(None, ge=1)  # the prompt's last k tokens only
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
-    prompt_logprobs: int | None = None
+    prompt_logprobs: int | None = None  # -1 (the whole vocabulary) is refused, as vLLM's default
     return_tokens_as_token_ids: bool | None = None
 
 
@@ -57,8 +58,6 @@ REFUSED: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("use_beam_search", lambda v: not v, "false"),
     ("length_penalty", lambda v: v == 1.0, "1.0"),
     ("spaces_between_special_tokens", bool, "true"),
-    ("prompt_logprobs", lambda v: v is None, "null (echo with logprobs scores a prompt)"),
-    ("return_tokens_as_token_ids", lambda v: not v, "false"),
     ("guided_whitespace_pattern", lambda v: v is None, "null"),
 )  # fmt: skip
 

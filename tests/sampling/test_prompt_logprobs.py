@@ -51,9 +51,9 @@ def run(sched: Scheduler, prompts: list[list[int]], params: list[SamplingParams]
         got = outs[f"r{i}"]
         scored = [o for o in got if o.prompt_logprobs is not None]
         assert len(scored) <= 1, "prompt logprobs come once"
-        lp = scored[0] if scored else None
+        lp = scored[0].prompt_logprobs if scored else None
         tokens = [t for o in got for t in o.new_token_ids]
-        result.append((lp and lp.prompt_logprobs, lp and lp.prompt_top_logprobs, tokens,
+        result.append((lp and lp.logprobs, lp and lp.top, lp and lp.ranks, tokens,
                        got[-1].finish_reason))  # fmt: skip
     return result
 
@@ -83,7 +83,7 @@ def test_prompt_logprobs_equal_a_plain_forward(
     ]  # fmt: skip
     got = run(sched, prompts, params)
     model = LlamaForCausalLM.from_pretrained(tiny_model_dir).float().eval()
-    for (lps, tops, tokens, finish), prompt, p in zip(got, prompts, params):
+    for (lps, tops, ranks, tokens, finish), prompt, p in zip(got, prompts, params):
         if p.prompt_logprobs is None:
             assert lps is None and len(tokens) == p.max_new_tokens
             continue
@@ -93,6 +93,10 @@ def test_prompt_logprobs_equal_a_plain_forward(
         want = [ref[j, prompt[j + 1]].item() for j in range(len(prompt) - 1)]
         assert lps[0] is None and tops[0] == [] and len(lps) == len(prompt)
         assert lps[1:] == pytest.approx(want, abs=2e-4)
+        assert ranks[0] is None and len(ranks) == len(prompt)
+        for j, rank in enumerate(ranks[1:]):  # 1 + the tokens more likely (up to rounding)
+            above = lambda margin: int((ref[j] > ref[j, prompt[j + 1]] + margin).sum())  # noqa: E731
+            assert above(1e-3) + 1 <= rank <= above(-1e-3) + 1
         for j, top in enumerate(tops[1:]):
             vals, ids = ref[j].topk(p.prompt_logprobs)
             assert [t for t, _ in top] == ids.tolist()
@@ -109,7 +113,7 @@ def test_long_prompts_are_scored_in_chunks(
     params = [SamplingParams(max_new_tokens=0, prompt_logprobs=1)] * 2
     got = run(sched, prompts, params)
     model = LlamaForCausalLM.from_pretrained(tiny_model_dir).float().eval()
-    for (lps, _, tokens, _), prompt in zip(got, prompts):
+    for (lps, _, _, tokens, _), prompt in zip(got, prompts):
         with torch.no_grad():
             ref = torch.log_softmax(model(torch.tensor([prompt])).logits[0].double(), dim=-1)
         want = [ref[j, prompt[j + 1]].item() for j in range(len(prompt) - 1)]
@@ -125,7 +129,7 @@ def test_scored_prompts_bypass_the_prefix_cache_and_chunking(
     seed = int(torch.randint(0, 2**31, (1,)))
     (prompt,) = random_prompts(1, [70], seed=seed, low=3)
     run(sched, [prompt], [SamplingParams(max_new_tokens=2, temperature=0.0)])  # now cached
-    (lps, _, _, _), (again, _, _, _) = run(
+    (lps, _, _, _, _), (again, _, _, _, _) = run(
         sched, [prompt, prompt], [SamplingParams(max_new_tokens=0, prompt_logprobs=1)] * 2
     )
     model = LlamaForCausalLM.from_pretrained(tiny_model_dir).float().eval()

@@ -58,7 +58,7 @@ def run_staggered(
             assert out.error is None, out.error
             tokens[out.rid].extend(out.new_token_ids)
             if out.prompt_logprobs is not None:
-                scored[out.rid] = out.prompt_logprobs
+                scored[out.rid] = out.prompt_logprobs.logprobs
         steps += 1
         assert steps < 5000
     assert_kv_accounted(sched)
