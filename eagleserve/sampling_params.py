@@ -17,6 +17,9 @@ SEED_BOUND = 2**63
 # (a subnormal penalty rounds to 0 there); past them the effect is the same anyway.
 MAX_REPETITION_PENALTY = 1e6
 MIN_REPETITION_PENALTY = 1e-6
+# vLLM's caps on bad_words: words, and their tokens in all (constrained/output_constraint.py).
+MAX_BAD_WORDS = 128
+MAX_BAD_WORD_TOKENS = 1024
 
 GrammarKind = Literal["json_object", "json_schema", "regex", "ebnf", "structural_tag"]
 
@@ -115,6 +118,8 @@ class SamplingParams:
                 return RequestError(msg, "allowed_token_ids")
         if any(not w.strip() for w in self.bad_words):
             return RequestError("bad_words must not be empty or only blanks", "bad_words")
+        if len(self.bad_words) > MAX_BAD_WORDS:
+            return RequestError(f"at most {MAX_BAD_WORDS} bad_words", "bad_words")
         for token, bias in self.logit_bias.items():
             if token < 0 or (vocab_size and token >= vocab_size):
                 msg = f"logit_bias keys must be token ids in [0, {vocab_size}), got {token}"

@@ -16,7 +16,7 @@ import torch
 
 from eagleserve.constrained.grammar import GrammarBackend, request_grammar
 from eagleserve.constrained.grammar_mask import BITS
-from eagleserve.sampling_params import SamplingParams
+from eagleserve.sampling_params import MAX_BAD_WORD_TOKENS, SamplingParams
 
 
 class TokenMatcher(Protocol):
@@ -160,6 +160,8 @@ class ConstraintBuilder:
             if self.tokenizer is None:
                 return None, "bad_words need a model with a tokenizer"
             words = bad_words_token_ids(self.tokenizer, params.bad_words)
+            if sum(map(len, words)) > MAX_BAD_WORD_TOKENS:
+                return None, f"bad_words encode to over {MAX_BAD_WORD_TOKENS} tokens in all"
             outside = sorted({t for w in words for t in w if t >= self.vocab_size})
             if outside:
                 return None, f"bad_words encode to token ids outside the vocabulary: {outside}"

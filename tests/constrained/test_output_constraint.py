@@ -128,6 +128,8 @@ def test_builder_refuses_what_cannot_run(char_tokenizer) -> None:  # noqa: ANN00
     assert err is not None and "min_tokens" in err
     _, err = ConstraintBuilder(None, TINY_VOCAB, [TINY_EOS]).build(SamplingParams(bad_words=["x"]))
     assert err is not None and "tokenizer" in err
+    _, err = builder.build(SamplingParams(bad_words=["abcdefgh" * 20] * 100))
+    assert err is not None and "1024 tokens" in err
     assert builder.build(SamplingParams()) == (None, None)
 
 

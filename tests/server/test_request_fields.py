@@ -53,6 +53,7 @@ REJECTED: list[tuple[str, dict[str, Any], str, bool]] = [
     ("/v1/chat/completions", {"allowed_token_ids": []}, "allowed_token_ids", False),
     ("/v1/completions", {"allowed_token_ids": [5, 99999999]}, "allowed_token_ids", False),
     ("/v1/completions", {"bad_words": ["x", " "]}, "bad_words", False),
+    ("/v1/completions", {"bad_words": [f"w{i}" for i in range(129)]}, "bad_words", False),
     ("/v1/completions", {"prompt_logprobs": -1}, "prompt_logprobs", True),
     ("/v1/completions", {"prompt_logprobs": 21}, "prompt_logprobs", False),
     ("/v1/chat/completions", {"prompt_logprobs": 0, "stream": True}, "prompt_logprobs", False),
