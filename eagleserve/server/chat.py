@@ -143,6 +143,9 @@ async def create_chat(serving: Serving, body: ChatCompletionRequest, request: Re
     created = now()
 
     def chunk(choices: list[ChatStreamChoice], usage: Any = None) -> str:
+        """A stream chunk (with vLLM's continuous_usage_stats, the usage so far)."""
+        if usage is None and choices and body.continuous_usage:
+            usage = usage_of(tracker.ordered)
         return sse(
             ChatCompletionChunk(id=rid, created=created, model=model, choices=choices, usage=usage)
         )

@@ -109,10 +109,14 @@ async def create_completion(
         return CompletionResponse(id=rid, created=created, model=model, choices=choices,
                                   usage=usage)  # fmt: skip
 
+    def event(choices: list[CompletionChoice]) -> str:
+        """A stream chunk (with vLLM's continuous_usage_stats, the usage so far)."""
+        return sse(response(choices, usage_of(tracker.ordered) if body.continuous_usage else None))
+
     def prelude() -> list[str]:
         # With prompt logprobs the echo waits for them: it goes with the choice's first event.
         return [
-            sse(response([CompletionChoice(index=c.index, text=echoes[c.prompt_index])]))
+            event([CompletionChoice(index=c.index, text=echoes[c.prompt_index])])
             for c in tracker.ordered
             if echoes[c.prompt_index] and not scored
         ]
@@ -125,8 +129,7 @@ async def create_completion(
             return None
         lp = c.completion_logprobs(only_new=True) if want_lp else None
         fr = c.finish_reason if c.finished else None
-        return sse(response([CompletionChoice(index=c.index, text=text, logprobs=lp,
-                                              finish_reason=fr)]))  # fmt: skip
+        return event([CompletionChoice(index=c.index, text=text, logprobs=lp, finish_reason=fr)])
 
     def whole() -> CompletionResponse:
         choices = [

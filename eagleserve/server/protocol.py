@@ -15,6 +15,7 @@ MAX_N = 16
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: with include_usage, usage in every chunk
 
 
 class ResponseFormat(BaseModel):
@@ -54,9 +55,13 @@ class _SamplingFields(VllmFields):
     min_tokens: int | None = Field(None, ge=0)  # vLLM's extension
     logit_bias: dict[str, Bias] | None = None
     response_format: ResponseFormat | None = None
-    # SGLang's structured-output extensions (extra_body): a regex, or an EBNF with rule `root`.
+    # SGLang's extensions (extra_body): output constraints (a regex, an EBNF with rule `root`,
+    # a JSON schema as text), and the stop string kept in the text (vLLM's
+    # include_stop_str_in_output).
     regex: str | None = None
     ebnf: str | None = None
+    json_schema: str | None = None
+    no_stop_trim: bool = False
 
     @property
     def stop_list(self) -> list[str]:
@@ -67,6 +72,11 @@ class _SamplingFields(VllmFields):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        opts = self.stream_options
+        return bool(opts and opts.include_usage and opts.continuous_usage_stats)
 
 
 # Request examples in the OpenAPI document: clients see the fields used together, and the

@@ -110,7 +110,7 @@ class Serving:
             min_p=0.0 if body.min_p is None else body.min_p,
             seed=body.seed,
             stop=body.stop_list,
-            include_stop_str_in_output=body.include_stop_str_in_output,
+            include_stop_str_in_output=body.include_stop_str_in_output or body.no_stop_trim,
             skip_special_tokens=body.skip_special_tokens,
             stop_token_ids=list(body.stop_token_ids or []),
             ignore_eos=body.ignore_eos,

@@ -1,7 +1,7 @@
 """A request's output constraint -> the engine's `GrammarSpec`, or a 400 naming the field.
 
 Fields: OpenAI's `response_format` (`json_object`, `json_schema` with `json_schema.schema`),
-SGLang's `regex` and `ebnf` (extra_body) and vLLM's `guided_*` / `structured_outputs`
+SGLang's `regex`, `ebnf` and `json_schema` (extra_body) and vLLM's `guided_*` / `structured_outputs`
 (server/vllm_fields.py), at most one of them; chat `tools` go through
 server/tool_calls.py. Each spec is parsed here with xgrammar (no tokenizer needed), so an invalid
 schema or an unsupported feature is a 400 before the request reaches the engine.
@@ -36,7 +36,8 @@ def _response_format_spec(body: _SamplingFields) -> GrammarSpec | ApiError | Non
 def output_constraint(body: _SamplingFields) -> GrammarSpec | ApiError | None:
     """The constraint `body` asks for (None: free text). Runs xgrammar's parser: call it off the
     event loop."""
-    given = [name for name in ("response_format", "regex", "ebnf", *GUIDED) if _is_set(body, name)]
+    names = ("response_format", "regex", "ebnf", "json_schema", *GUIDED)
+    given = [name for name in names if _is_set(body, name)]
     pairs: list[tuple[str, Any]] = [(name, getattr(body, name)) for name in given]
     if "structured_outputs" in given:
         fields = structured_fields(body.structured_outputs or {})
@@ -56,8 +57,9 @@ def output_constraint(body: _SamplingFields) -> GrammarSpec | ApiError | None:
             return spec
     elif name in ("regex", "ebnf"):
         spec = GrammarSpec(name, value)
-    else:
-        guided = guided_spec(STRUCTURED_KEYS.get(name.rpartition(".")[2], name), value)
+    else:  # vLLM's guided_* and structured_outputs, SGLang's json_schema (guided_json's text)
+        guided_name = "guided_json" if name == "json_schema" else name.rpartition(".")[2]
+        guided = guided_spec(STRUCTURED_KEYS.get(guided_name, guided_name), value)
         if isinstance(guided, str):
             return ApiError(400, f"{name}: {guided}", name)
         spec = guided

@@ -4,6 +4,7 @@ completions stream, the Bearer scheme in any case, and `param` naming fields onl
 from __future__ import annotations
 
 import json
+import random
 import time
 
 import httpx
@@ -68,3 +69,32 @@ def test_param_names_fields_not_union_branches(http: httpx.Client, body: dict, p
     resp = http.post("/v1/chat/completions", json=body)
     assert resp.status_code == 400, resp.text
     assert resp.json()["error"]["param"] == param
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(
+    http: httpx.Client, path: str
+) -> None:
+    """vLLM's stream_options.continuous_usage_stats: each chunk with choices carries the usage so
+    far (completion tokens never fewer, none past the final usage chunk's); without it only the
+    last chunk has usage."""
+    n_tokens = random.randint(8, 20)
+    base = {"max_tokens": n_tokens, "ignore_eos": True, "stream": True, "n": 2,
+            "temperature": 0.7, "seed": random.randrange(1000)}  # fmt: skip
+    base |= {"prompt": "Count:"} if "chat" not in path else {
+        "messages": [{"role": "user", "content": "Count:"}]}  # fmt: skip
+    for continuous in (True, False):
+        opts = {"include_usage": True, "continuous_usage_stats": continuous}
+        resp = http.post(path, json={**base, "stream_options": opts})
+        chunks = [json.loads(line[6:]) for line in resp.text.splitlines()
+                  if line.startswith("data: {")]  # fmt: skip
+        final = chunks[-1]
+        assert final["choices"] == [] and final["usage"]["completion_tokens"] == 2 * n_tokens
+        with_choices = [c for c in chunks if c["choices"]]
+        if not continuous:
+            assert all(c["usage"] is None for c in with_choices)
+            continue
+        counts = [c["usage"]["completion_tokens"] for c in with_choices]
+        assert counts == sorted(counts) and counts[-1] == 2 * n_tokens
+        assert all(c["usage"]["prompt_tokens"] == final["usage"]["prompt_tokens"]
+                   for c in with_choices[-2:])  # fmt: skip

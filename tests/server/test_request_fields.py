@@ -125,7 +125,8 @@ def test_openai_client_gets_bad_request(base_url: str) -> None:
 
 
 def test_include_stop_str_in_output_keeps_the_stop_string(http: httpx.Client) -> None:
-    """vLLM's include_stop_str_in_output: the text ends with the stop string, streamed or not."""
+    """vLLM's include_stop_str_in_output (and SGLang's no_stop_trim, the same): the text ends
+    with the stop string, streamed or not."""
     body = {"prompt": "List the days of the week:", "max_tokens": 24, "temperature": 0,
             "ignore_eos": True}  # fmt: skip
     free = http.post("/v1/completions", json=body).json()["choices"][0]["text"]
@@ -134,13 +135,9 @@ def test_include_stop_str_in_output_keeps_the_stop_string(http: httpx.Client) ->
     stop = words[len(words) // 2]
     head = free[: free.index(stop)]
     for stream in (False, True):
-        for include in (False, True):
-            asked = {
-                **body,
-                "stop": [stop],
-                "include_stop_str_in_output": include,
-                "stream": stream,
-            }
+        for include, field in ((False, "no_stop_trim"), (True, "include_stop_str_in_output"),
+                               (True, "no_stop_trim")):  # fmt: skip
+            asked = {**body, "stop": [stop], field: include, "stream": stream}
             resp = http.post("/v1/completions", json=asked)
             text = (
                 "".join(

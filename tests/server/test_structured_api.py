@@ -136,8 +136,12 @@ def test_vllms_guided_fields_hold(client: openai.OpenAI) -> None:
     grammars as response_format and regex."""
     schema = SCHEMAS["enum_and_bool"]
     msgs = [{"role": "user", "content": "Which planet do we live on? Answer in JSON."}]
-    for extra in ({"guided_json": schema}, {"guided_json": json.dumps(schema)},
-                  {"structured_outputs": {"json": schema}}):  # fmt: skip
+    for extra in (
+        {"guided_json": schema},
+        {"guided_json": json.dumps(schema)},
+        {"structured_outputs": {"json": schema}},
+        {"json_schema": json.dumps(schema)},
+    ):  # SGLang's, as text; fmt: skip
         out = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=60,
                                              temperature=0, extra_body=extra)  # fmt: skip
         jsonschema.validate(json.loads(out.choices[0].message.content or ""), schema)
@@ -195,6 +199,8 @@ def test_unsatisfiable_within_max_tokens_finishes_with_length(client: openai.Ope
         ({"regex": "(?<=a)b"}, "regex", "Lookbehind"),
         ({"ebnf": "root ::= foo"}, "ebnf", "foo"),
         ({"regex": "a+", "ebnf": 'root ::= "a"'}, "ebnf", "cannot be combined"),
+        ({"json_schema": "{not json"}, "json_schema", "not a JSON schema"),
+        ({"json_schema": '{"type": 3}'}, "json_schema", "invalid json_schema"),
     ],
 )
 def test_invalid_specs_are_400s_naming_the_problem(
