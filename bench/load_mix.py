@@ -42,6 +42,7 @@ STARTS = [
 ]
 # Stop strings: common in English (SmolLM2's answers), single characters (a tiny test model's).
 STOPS = ["\n\n", ".", " the", ",", "e", " "]
+BAD_WORDS = ["the", "and", "is", "a", "The", "to", "of", "in"]  # vLLM's bad_words
 # Output constraints: OpenAI's response_format, SGLang's regex, chat tools (the server's formats).
 SCHEMAS = [
     {"type": "object", "required": ["name", "age"],
@@ -186,8 +187,8 @@ def sampler_fields(rng: random.Random) -> dict[str, Any]:
 
 
 def penalty_fields(rng: random.Random, max_tokens: int) -> dict[str, Any]:
-    """A random subset of the penalty fields (OpenAI's ranges); bias keys are low token ids,
-    inside any vocabulary."""
+    """A random subset of the penalty fields (OpenAI's ranges), sometimes with vLLM's
+    bad_words and allowed_token_ids; bias keys are low token ids, inside any vocabulary."""
     every = {
         "presence_penalty": round(rng.uniform(-2, 2), 3),
         "frequency_penalty": round(rng.uniform(-2, 2), 3),
@@ -196,7 +197,12 @@ def penalty_fields(rng: random.Random, max_tokens: int) -> dict[str, Any]:
         "logit_bias": {str(rng.randrange(200)): round(rng.uniform(-100, 100), 1)
                        for _ in range(rng.randint(1, 4))},
     }  # fmt: skip
-    return {k: v for k, v in every.items() if rng.random() < 0.6}
+    out = {k: v for k, v in every.items() if rng.random() < 0.6}
+    if rng.random() < 0.3:  # vLLM's output constraints beside the penalties
+        out["bad_words"] = rng.sample(BAD_WORDS, rng.randint(1, 3))
+    if rng.random() < 0.15:  # low ids past the usual EOS ids: inside any vocabulary
+        out["allowed_token_ids"] = rng.sample(range(3, 200), rng.randint(20, 120))
+    return out
 
 
 def request_body(job: Job, model: str) -> tuple[str, dict[str, Any]]:

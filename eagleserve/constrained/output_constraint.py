@@ -90,30 +90,34 @@ class BadWords:
 
 
 class OutputConstraint:
-    """The intersection of a request's matchers (at least one)."""
+    """The intersection of a request's matchers (at least one). Where the first allows some
+    token and the others together forbid them all (a grammar that can only go on with a bad
+    word), only `end` (EOS) is allowed: the output stops there, never holding a token a
+    constraint forbids (under a grammar EOS ends the request even with ignore_eos)."""
 
-    def __init__(self, parts: list[TokenMatcher], words: int) -> None:
+    def __init__(self, parts: list[TokenMatcher], vocab_size: int, end: int) -> None:
         self.parts = parts
-        self.words = words  # int32 words per bitmask row
+        self.words = (vocab_size + BITS - 1) // BITS  # int32 words per bitmask row
+        self.end_row = token_bitmask([end], vocab_size)
 
     def accept(self, tokens: list[int]) -> None:
         for part in self.parts:
             part.accept(tokens)
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
-        self.parts[0].fill(bitmask, row)
-        for part in self.parts[1:]:
-            scratch = torch.full((1, self.words), -1, dtype=torch.int32)
-            part.fill(scratch, 0)
-            bitmask[row] &= scratch[0]
+        self.fill_paths([[]], bitmask, row)
 
     def fill_paths(self, paths: list[list[int]], bitmask: torch.Tensor, first_row: int) -> None:
         self.parts[0].fill_paths(paths, bitmask, first_row)
-        rows = slice(first_row, first_row + len(paths))
+        if len(self.parts) == 1:
+            return
+        rows = bitmask[first_row : first_row + len(paths)]
+        open_before = rows.ne(0).any(dim=-1)
         for part in self.parts[1:]:
             scratch = torch.full((len(paths), self.words), -1, dtype=torch.int32)
             part.fill_paths(paths, scratch, 0)
-            bitmask[rows] &= scratch
+            rows &= scratch
+        rows[open_before & ~rows.ne(0).any(dim=-1)] = self.end_row
 
 
 def bad_words_token_ids(tokenizer: Any, words: Sequence[str]) -> list[list[int]]:
@@ -168,4 +172,5 @@ class ConstraintBuilder:
             parts.append(BadWords(words))
         if not parts:
             return None, None
-        return OutputConstraint(parts, (self.vocab_size + BITS - 1) // BITS), None
+        end = self.eos_token_ids[0] if self.eos_token_ids else 0
+        return OutputConstraint(parts, self.vocab_size, end), None

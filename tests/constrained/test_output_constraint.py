@@ -122,6 +122,25 @@ def token_mask(tokens: list[int]) -> torch.Tensor:
     return m
 
 
+def test_constraints_that_leave_no_token_allow_only_eos(char_tokenizer) -> None:  # noqa: ANN001
+    """A grammar that can only go on with a banned word: EOS is the only token left, at the
+    committed state and after a draft path; a path the grammar rejects stays all-forbidden."""
+    builder = ConstraintBuilder(char_tokenizer, TINY_VOCAB, [TINY_EOS])
+    enc = lambda s: char_tokenizer.encode(s, add_special_tokens=False)  # noqa: E731
+    word = "".join(random.sample("abcdefgh", 4))
+    params = SamplingParams(grammar=GrammarSpec("regex", word + "[0-9]"), bad_words=[word[:3]])
+    constraint, err = builder.build(params)
+    assert err is None and constraint is not None
+    constraint.accept(enc(word[:1]))
+    bm = torch.zeros(3, (TINY_VOCAB + 31) // 32, dtype=torch.int32)
+    constraint.fill(bm, 0)
+    assert unpack_bitmask(bm, TINY_VOCAB)[0].nonzero().flatten().tolist() == [enc(word[1])[0]]
+    constraint.fill_paths([enc(word[1]), enc("9")], bm, 1)
+    rows = unpack_bitmask(bm, TINY_VOCAB)
+    assert rows[1].nonzero().flatten().tolist() == [TINY_EOS]
+    assert not rows[2].any()
+
+
 def test_builder_refuses_what_cannot_run(char_tokenizer) -> None:  # noqa: ANN001
     builder = ConstraintBuilder(char_tokenizer, TINY_VOCAB, [TINY_EOS])
     _, err = builder.build(SamplingParams(allowed_token_ids=[TINY_EOS], min_tokens=2))
