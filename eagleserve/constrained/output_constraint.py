@@ -1,7 +1,7 @@
 """A request's output constraint: what its next token may be, given the tokens it committed.
 
-Three kinds, each a matcher with one interface (`accept`, `fill`, `fill_paths`; grammar.py has
-the invariant the workers keep): a grammar (xgrammar, structured output), vLLM's
+Three kinds, each a matcher with one interface (`accept`, `fill_paths`; grammar.py has the
+invariant the workers keep): a grammar (xgrammar, structured output), vLLM's
 `allowed_token_ids` (a fixed set) and vLLM's `bad_words` (a word's last token is banned where
 the output so far ends with the rest of it). A request with several gets their intersection.
 A bitmask row is int32 words, bit b of word w allowing token 32 * w + b (grammar_mask.py).
@@ -21,7 +21,6 @@ from eagleserve.sampling_params import MAX_BAD_WORD_TOKENS, SamplingParams
 
 class TokenMatcher(Protocol):
     def accept(self, tokens: list[int]) -> None: ...
-    def fill(self, bitmask: torch.Tensor, row: int) -> None: ...
     def fill_paths(self, paths: list[list[int]], bitmask: torch.Tensor, first_row: int) -> None: ...
 
 
@@ -44,9 +43,6 @@ class AllowedTokens:
 
     def accept(self, tokens: list[int]) -> None:
         pass
-
-    def fill(self, bitmask: torch.Tensor, row: int) -> None:
-        bitmask[row] = self.row
 
     def fill_paths(self, paths: list[list[int]], bitmask: torch.Tensor, first_row: int) -> None:
         bitmask[first_row : first_row + len(paths)] = self.row
@@ -75,18 +71,13 @@ class BadWords:
                 out.append(w[-1])
         return out
 
-    def _fill_after(self, path: list[int], bitmask: torch.Tensor, row: int) -> None:
-        bitmask[row] = -1
-        for t in self.banned(self.tail + path):
-            bit = t % BITS
-            bitmask[row, t // BITS] &= ~(1 << bit) if bit < BITS - 1 else 2**31 - 1
-
-    def fill(self, bitmask: torch.Tensor, row: int) -> None:
-        self._fill_after([], bitmask, row)
-
     def fill_paths(self, paths: list[list[int]], bitmask: torch.Tensor, first_row: int) -> None:
         for i, path in enumerate(paths):
-            self._fill_after(path, bitmask, first_row + i)
+            row = first_row + i
+            bitmask[row] = -1
+            for t in self.banned(self.tail + path):
+                bit = t % BITS
+                bitmask[row, t // BITS] &= ~(1 << bit) if bit < BITS - 1 else 2**31 - 1
 
 
 class OutputConstraint:
@@ -105,6 +96,7 @@ class OutputConstraint:
             part.accept(tokens)
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        """The next token's mask at the committed state."""
         self.fill_paths([[]], bitmask, row)
 
     def fill_paths(self, paths: list[list[int]], bitmask: torch.Tensor, first_row: int) -> None:

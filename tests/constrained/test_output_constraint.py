@@ -57,7 +57,7 @@ def test_bad_words_masks_follow_vllms_rule_along_outputs_and_paths() -> None:
         bad.accept(chunk)
         output += chunk
         bm = torch.zeros(1, WORDS, dtype=torch.int32)
-        bad.fill(bm, 0)
+        bad.fill_paths([[]], bm, 0)
         assert set((~allowed_of(bm)[0]).nonzero().flatten().tolist()) == vllm_banned(words, output)
         paths = [[rng.choice(alphabet) for _ in range(rng.randint(0, 3))] for _ in range(5)]
         bm = torch.zeros(2 + len(paths), WORDS, dtype=torch.int32)
