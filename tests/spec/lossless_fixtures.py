@@ -2,7 +2,9 @@
 (`heads`, made by `save_random_head`), the prompts and params they run, `run_staggered`, the
 target-only `reference` tokens, and `script_choices` (an adaptive controller's scripted chain
 lengths); shared with the spec tests that check other paths against the same tokens (adaptive,
-draft loop, GPU paths, prefix cache, chunked prefill, penalties, grammar, ...)."""
+draft loop, GPU paths, prefix cache, chunked prefill, penalties, grammar, ...); and the
+output-constraint tests' target with a one-character-per-token tokenizer (`char_target_dir`)
+and its heads (`char_heads`)."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import os
 
 import pytest
 import torch
-from conftest import SPEC_VOCAB, assert_kv_accounted, save_spec_target
+from conftest import SPEC_VOCAB, _save_char_tokenizer, assert_kv_accounted, save_spec_target
 
 from eagleserve import Engine, SamplingParams
 from eagleserve.config import ModelConfig
@@ -55,6 +57,28 @@ def heads(target_dir: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str
         "EAGLE3": save_random_head(target_dir, "EAGLE3", tmp, 0.0, 2),
         # vLLM's multi-layer EAGLE3 layout: the midlayer, then a plain decoder layer.
         "EAGLE3-2layers": save_random_head(target_dir, "EAGLE3", tmp, 0.0, 3, layers=2),
+    }
+
+
+CHAR_VOCAB, CHAR_EOS = 256, 2
+
+
+@pytest.fixture(scope="module")
+def char_target_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The spec target with a 256-token vocabulary, one character per token (output
+    constraints read text), EOS 2."""
+    path = save_spec_target(str(tmp_path_factory.mktemp("char_target")), 4321, CHAR_EOS, 1,
+                            CHAR_VOCAB)  # fmt: skip
+    _save_char_tokenizer(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def char_heads(char_target_dir: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    tmp = str(tmp_path_factory.mktemp("char_heads"))
+    return {
+        "EAGLE": save_random_head(char_target_dir, "EAGLE", tmp, 1.0, 0),
+        "EAGLE3": save_random_head(char_target_dir, "EAGLE3", tmp, 0.0, 2),
     }
 
 

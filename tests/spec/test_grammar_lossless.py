@@ -12,15 +12,21 @@ import os
 
 import pytest
 import torch
-from conftest import _save_char_tokenizer, save_spec_target
-from lossless_fixtures import run_staggered, save_random_head
+from lossless_fixtures import (
+    CHAR_VOCAB,
+    char_heads,
+    char_target_dir,
+    run_staggered,
+)
 
 from eagleserve import Engine, SamplingParams
 from eagleserve.sampling_params import GrammarSpec
 
+__all__ = ["char_heads", "char_target_dir"]  # module-scoped fixtures of lossless_fixtures
+
 pytestmark = pytest.mark.usefixtures("torch_threads")
 
-VOCAB = 256
+VOCAB = CHAR_VOCAB
 SCHEMA = {
     "type": "object",
     "properties": {
@@ -38,22 +44,6 @@ GRAMMARS = [
     GrammarSpec("json_object"),
     GrammarSpec("ebnf", EBNF),
 ]
-
-
-@pytest.fixture(scope="module")
-def target_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    path = save_spec_target(str(tmp_path_factory.mktemp("grammar_target")), 4321, 2, 1, VOCAB)
-    _save_char_tokenizer(path)
-    return path
-
-
-@pytest.fixture(scope="module")
-def heads(target_dir: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    tmp = str(tmp_path_factory.mktemp("grammar_heads"))
-    return {
-        "EAGLE": save_random_head(target_dir, "EAGLE", tmp, 1.0, 0),
-        "EAGLE3": save_random_head(target_dir, "EAGLE3", tmp, 0.0, 2),
-    }
 
 
 def cases(temperature: float = 0.0) -> tuple[list[list[int]], list[SamplingParams]]:
@@ -82,11 +72,11 @@ def engine(target: str, head: str | None, overlap: bool, **spec: int | bool) -> 
 
 
 @pytest.fixture(scope="module")
-def reference(target_dir: str) -> list[list[int]]:
-    return run_staggered(engine(target_dir, None, False), *cases())
+def reference(char_target_dir: str) -> list[list[int]]:
+    return run_staggered(engine(char_target_dir, None, False), *cases())
 
 
-def test_target_only_follows_the_grammars(target_dir: str, reference: list[list[int]]) -> None:
+def test_target_only_follows_the_grammars(char_target_dir: str, reference: list[list[int]]) -> None:
     """The reference itself is constrained: the JSON parses and validates, the regex and the
     EBNF match; a completed grammar ends with EOS."""
     import re
@@ -94,7 +84,7 @@ def test_target_only_follows_the_grammars(target_dir: str, reference: list[list[
     import jsonschema
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(target_dir)
+    tok = AutoTokenizer.from_pretrained(char_target_dir)
     texts = [tok.decode(ids, skip_special_tokens=True) for ids in reference]
     jsonschema.validate(json.loads(texts[0]), SCHEMA)
     assert re.fullmatch(r"(ab|c[d-f]{2,4}){1,9}x", texts[1]), texts[1]
@@ -116,8 +106,8 @@ CASES = [
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
 @pytest.mark.parametrize(("head", "steps", "topk", "ndt", "adaptive"), CASES)
 def test_constrained_greedy_is_lossless(
-    target_dir: str,
-    heads: dict[str, str],
+    char_target_dir: str,
+    char_heads: dict[str, str],
     reference: list[list[int]],
     head: str,
     steps: int,
@@ -126,7 +116,7 @@ def test_constrained_greedy_is_lossless(
     adaptive: bool,
     overlap: bool,
 ) -> None:
-    eng = engine(target_dir, heads[head], overlap, speculative_num_steps=steps,
+    eng = engine(char_target_dir, char_heads[head], overlap, speculative_num_steps=steps,
                  speculative_eagle_topk=topk, speculative_num_draft_tokens=ndt,
                  speculative_adaptive=adaptive)  # fmt: skip
     if adaptive:  # plain decodes (k = 0) between drafts of every depth
@@ -142,14 +132,16 @@ def test_constrained_greedy_is_lossless(
         assert stats.spec_accepted_tokens_total > 1.5 * stats.spec_verify_calls_total
 
 
-def test_seeded_constrained_sampling_repeats(target_dir: str, heads: dict[str, str]) -> None:
+def test_seeded_constrained_sampling_repeats(
+    char_target_dir: str, char_heads: dict[str, str]
+) -> None:
     """A seeded constrained request gives the same tokens alone or in a batch, with and without
     speculation (each mode its own stream: verify draws differ from decode draws)."""
     prompts, params = cases(temperature=0.9)
-    for head in (None, heads["EAGLE"]):
+    for head in (None, char_heads["EAGLE"]):
         spec = {} if head is None else dict(speculative_num_steps=3, speculative_eagle_topk=1,
                                             speculative_num_draft_tokens=4)  # fmt: skip
-        eng = engine(target_dir, head, True, **spec)
+        eng = engine(char_target_dir, head, True, **spec)
         together = run_staggered(eng, prompts, params)
         alone = [eng.generate([p], [sp])[0]["token_ids"] for p, sp in zip(prompts[:2], params)]
         assert together[:2] == alone
@@ -157,16 +149,16 @@ def test_seeded_constrained_sampling_repeats(target_dir: str, heads: dict[str, s
 
 @pytest.mark.parametrize("head", [None, "EAGLE"], ids=["target-only", "eagle-chain"])
 def test_constrained_greedy_survives_retraction_and_chunks(
-    target_dir: str, heads: dict[str, str], reference: list[list[int]], head: str | None
+    char_target_dir: str, char_heads: dict[str, str], reference: list[list[int]], head: str | None
 ) -> None:
     """A KV pool too small for the batch retracts requests (re-prefilled with their outputs:
     their matchers keep the committed state), and 8-token prefill chunks leave requests
     part-way through their prompt (no token committed, matchers untouched): same tokens."""
     spec = {} if head is None else dict(speculative_num_steps=3, speculative_eagle_topk=1,
                                         speculative_num_draft_tokens=4)  # fmt: skip
-    eng = Engine(model=target_dir, device="cpu", max_total_tokens=120, max_running_requests=8,
+    eng = Engine(model=char_target_dir, device="cpu", max_total_tokens=120, max_running_requests=8,
                  chunked_prefill_size=8, disable_overlap_schedule=False,
                  **({} if head is None else dict(speculative_algorithm="EAGLE",
-                    speculative_draft_model_path=heads[head], **spec)))  # fmt: skip
+                    speculative_draft_model_path=char_heads[head], **spec)))  # fmt: skip
     assert run_staggered(eng, *cases()) == reference
     assert eng.stats().num_retracted_total > 0

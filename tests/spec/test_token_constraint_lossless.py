@@ -2,39 +2,30 @@
 draft vocabulary; overlap on and off): greedy output equals target-only output under the same
 constraints, token for token, and that output keeps them (no banned sequence, no token outside
 the allowed set) where the unconstrained output broke them. The target and tokenizer are
-test_grammar_lossless.py's (one character per token)."""
+lossless_fixtures.py's `char_target_dir` (one character per token)."""
 
 from __future__ import annotations
 
 import random
 
 import pytest
-from conftest import _save_char_tokenizer, save_spec_target
-from lossless_fixtures import run_staggered, save_random_head
+from lossless_fixtures import (
+    CHAR_EOS,
+    CHAR_VOCAB,
+    char_heads,
+    char_target_dir,
+    run_staggered,
+)
 
 from eagleserve import Engine, SamplingParams
 from eagleserve.sampling_params import GrammarSpec
 
+__all__ = ["char_heads", "char_target_dir"]  # module-scoped fixtures of lossless_fixtures
+
 pytestmark = pytest.mark.usefixtures("torch_threads")
 
-VOCAB, EOS = 256, 2
+VOCAB, EOS = CHAR_VOCAB, CHAR_EOS
 SEED = random.randrange(1 << 30)  # fresh per run; printed on a failure by the asserts
-
-
-@pytest.fixture(scope="module")
-def target_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    path = save_spec_target(str(tmp_path_factory.mktemp("constraint_target")), 4321, EOS, 1, VOCAB)
-    _save_char_tokenizer(path)
-    return path
-
-
-@pytest.fixture(scope="module")
-def heads(target_dir: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    tmp = str(tmp_path_factory.mktemp("constraint_heads"))
-    return {
-        "EAGLE": save_random_head(target_dir, "EAGLE", tmp, 1.0, 0),
-        "EAGLE3": save_random_head(target_dir, "EAGLE3", tmp, 0.0, 2),
-    }
 
 
 def engine(target: str, head: str | None, overlap: bool, **spec: int) -> Engine:
@@ -52,10 +43,10 @@ def prompts() -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def free(target_dir: str) -> list[list[int]]:
+def free(char_target_dir: str) -> list[list[int]]:
     """Unconstrained greedy outputs: the constraints below are made from them, so they bite."""
     params = [SamplingParams(max_new_tokens=40, temperature=0, ignore_eos=True)] * 10
-    return run_staggered(engine(target_dir, None, False), prompts(), params)
+    return run_staggered(engine(char_target_dir, None, False), prompts(), params)
 
 
 def constrained(free: list[list[int]], tok) -> list[SamplingParams]:  # noqa: ANN001
@@ -91,21 +82,21 @@ def holds(ids: list[int], p: SamplingParams, tok) -> bool:  # noqa: ANN001
 
 
 @pytest.fixture(scope="module")
-def reference(target_dir: str, free: list[list[int]]) -> tuple[list[SamplingParams], list]:
+def reference(char_target_dir: str, free: list[list[int]]) -> tuple[list[SamplingParams], list]:
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(target_dir)
+    tok = AutoTokenizer.from_pretrained(char_target_dir)
     params = constrained(free, tok)
-    got = run_staggered(engine(target_dir, None, False), prompts(), params)
+    got = run_staggered(engine(char_target_dir, None, False), prompts(), params)
     return params, got
 
 
 def test_target_only_keeps_the_constraints(
-    target_dir: str, free: list[list[int]], reference: tuple[list[SamplingParams], list]
+    char_target_dir: str, free: list[list[int]], reference: tuple[list[SamplingParams], list]
 ) -> None:
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(target_dir)
+    tok = AutoTokenizer.from_pretrained(char_target_dir)
     params, got = reference
     for i, (p, ids, before) in enumerate(zip(params, got, free, strict=True)):
         assert holds(ids, p, tok), (SEED, i, ids)
@@ -120,8 +111,8 @@ def test_target_only_keeps_the_constraints(
     [("EAGLE", 3, 1, 4), ("EAGLE", 3, 2, 6), ("EAGLE3", 2, 2, 5)],
 )
 def test_constrained_greedy_is_lossless(
-    target_dir: str,
-    heads: dict[str, str],
+    char_target_dir: str,
+    char_heads: dict[str, str],
     reference: tuple[list[SamplingParams], list],
     head: str,
     steps: int,
@@ -130,7 +121,7 @@ def test_constrained_greedy_is_lossless(
     overlap: bool,
 ) -> None:
     params, want = reference
-    eng = engine(target_dir, heads[head], overlap, speculative_num_steps=steps,
+    eng = engine(char_target_dir, char_heads[head], overlap, speculative_num_steps=steps,
                  speculative_eagle_topk=topk, speculative_num_draft_tokens=ndt)  # fmt: skip
     got = run_staggered(eng, prompts(), params)
     for i, (g, r) in enumerate(zip(got, want, strict=True)):
