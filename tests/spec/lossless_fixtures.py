@@ -48,16 +48,28 @@ def save_random_head(
     return out
 
 
+# name: (algorithm, quality, seed, layers) of the random heads the tests draft with.
+HEADS = {
+    "EAGLE": ("EAGLE", 1.0, 0, 1),
+    "EAGLE-random": ("EAGLE", 0.0, 1, 1),
+    "EAGLE3": ("EAGLE3", 0.0, 2, 1),
+    # vLLM's multi-layer EAGLE3 layout: the midlayer, then a plain decoder layer.
+    "EAGLE3-2layers": ("EAGLE3", 0.0, 3, 2),
+}
+
+
+def save_heads(target: str, tmp: str, names: list[str]) -> dict[str, str]:
+    """The HEADS named, for `target`, saved under `tmp`: name -> folder."""
+    out = {}
+    for name in names:
+        algorithm, quality, seed, layers = HEADS[name]
+        out[name] = save_random_head(target, algorithm, tmp, quality, seed, layers)
+    return out
+
+
 @pytest.fixture(scope="module")
 def heads(target_dir: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    tmp = str(tmp_path_factory.mktemp("heads"))
-    return {
-        "EAGLE": save_random_head(target_dir, "EAGLE", tmp, 1.0, 0),
-        "EAGLE-random": save_random_head(target_dir, "EAGLE", tmp, 0.0, 1),
-        "EAGLE3": save_random_head(target_dir, "EAGLE3", tmp, 0.0, 2),
-        # vLLM's multi-layer EAGLE3 layout: the midlayer, then a plain decoder layer.
-        "EAGLE3-2layers": save_random_head(target_dir, "EAGLE3", tmp, 0.0, 3, layers=2),
-    }
+    return save_heads(target_dir, str(tmp_path_factory.mktemp("heads")), list(HEADS))
 
 
 CHAR_VOCAB, CHAR_EOS = 256, 2
@@ -75,11 +87,9 @@ def char_target_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 @pytest.fixture(scope="module")
 def char_heads(char_target_dir: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    tmp = str(tmp_path_factory.mktemp("char_heads"))
-    return {
-        "EAGLE": save_random_head(char_target_dir, "EAGLE", tmp, 1.0, 0),
-        "EAGLE3": save_random_head(char_target_dir, "EAGLE3", tmp, 0.0, 2),
-    }
+    return save_heads(
+        char_target_dir, str(tmp_path_factory.mktemp("char_heads")), ["EAGLE", "EAGLE3"]
+    )
 
 
 def prompts(seed: int) -> list[list[int]]:
