@@ -21,6 +21,7 @@ from eagleserve.config import ServerArgs
 from eagleserve.server.chat import create_chat
 from eagleserve.server.completions import create_completion
 from eagleserve.server.engine_client import EngineClient
+from eagleserve.server.generate import GenerateRequest, create_generate
 from eagleserve.server.limits import gc_paused, read_body
 from eagleserve.server.metrics import Metrics
 from eagleserve.server.middleware import HttpStats, HttpTrackerMiddleware
@@ -215,6 +216,14 @@ def create_app(args: ServerArgs, client: EngineClient, http: HttpStats | None = 
             msg = "requests are queued or running: the prefix cache was not flushed"
             return ApiError(400, msg).response()
         return JSONResponse({"flushed": True, "freed_tokens": result.freed_tokens})
+
+    # SGLang's native generation route (sglang.bench_serving's `sglang` backend uses it).
+    @app.post("/generate", dependencies=[Depends(require_key)])
+    async def generate(request: Request) -> Response:
+        body = await read_json(request, GenerateRequest)
+        if isinstance(body, Response):
+            return body
+        return unavailable() or await create_generate(serving, body, request)
 
     @app.get("/version")
     async def version() -> JSONResponse:

@@ -62,7 +62,9 @@ class ChoiceState:
             params.include_stop_str_in_output,
         )  # fmt: skip
         self.text = ""
+        self.token_ids: list[int] = []
         self.finish_reason: str | None = None
+        self.matched_stop: int | str | None = None  # the stop string or id that ended it
         self.prompt_tokens = 0
         self.cached_tokens = 0
         self.completion_tokens = 0
@@ -100,6 +102,7 @@ class ChoiceState:
                 self.prompt_lp.append((name, value, self._alternatives(top[: self.prompt.top])))
             self.prompt_widths = [len(t) for t in texts]
         finished_by = out.matched_stop if out.finished else None
+        self.token_ids += out.new_token_ids
         delta = self.detok.add(text_ids(out.new_token_ids, finished_by, self.params))
         if out.logprobs is not None:
             texts = token_strings(self.tokenizer, out.new_token_ids)
@@ -114,6 +117,7 @@ class ChoiceState:
         if out.spec_accept_length is not None:
             self.spec_accept_length = out.spec_accept_length
         if out.finished:
+            self.matched_stop = out.matched_stop
             delta += self.detok.finish()
             self.finish_reason = "stop" if self.detok.stopped else (out.finish_reason or "stop")
         self.text += delta

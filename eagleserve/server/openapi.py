@@ -8,6 +8,7 @@ from typing import Any
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
+from eagleserve.server.generate import GenerateAnswer, GenerateRequest
 from eagleserve.server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -25,6 +26,7 @@ API_BODIES: dict[str, tuple[type[BaseModel], type[BaseModel]]] = {
     "/v1/chat/completions": (ChatCompletionRequest, ChatCompletionResponse),
     "/tokenize": (TokenizeRequest, TokenizeResponse),
     "/detokenize": (DetokenizeRequest, DetokenizeResponse),
+    "/generate": (GenerateRequest, GenerateAnswer),
 }
 
 

@@ -6,18 +6,28 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
 
 from eagleserve.messages import GenerateReqInput, TokenOutput
 from eagleserve.server.choices import ChoiceState, usage_of
-from eagleserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from eagleserve.server.serving import Serving, Tracker, run_to_end
 
 CLIENT_CLOSED = 499
+
+
+class StreamOptions(Protocol):
+    """What `respond` reads of a request body."""
+
+    @property
+    def stream(self) -> bool: ...
+
+    @property
+    def include_usage(self) -> bool: ...
 
 
 class AbortingStreamingResponse(StreamingResponse):
@@ -46,7 +56,7 @@ class Endpoint:
     prelude: Callable[[], list[str]]  # SSE events before any token (echo, the role)
     delta: Callable[[ChoiceState, str, TokenOutput], str | None]  # new text -> an SSE event
     usage_event: Callable[[Any], str]  # the usage chunk of `stream_options.include_usage`
-    whole: Callable[[], Any]  # the non-streamed response body (a pydantic model)
+    whole: Callable[[], Any]  # the non-streamed response body (a pydantic model, or JSON data)
 
 
 async def respond(
@@ -54,7 +64,7 @@ async def respond(
     request: Request,
     reqs: list[GenerateReqInput],
     tracker: Tracker,
-    body: CompletionRequest | ChatCompletionRequest,
+    body: StreamOptions,
     endpoint: Endpoint,
 ) -> Response:
     """Runs the requests; answers one JSON body, or a stream of chunks ending in [DONE] (an
@@ -65,7 +75,8 @@ async def respond(
             return Response(status_code=CLIENT_CLOSED)
         if tracker.error is not None:
             return tracker.error.response()
-        return JSONResponse(endpoint.whole().model_dump())
+        whole = endpoint.whole()
+        return JSONResponse(whole.model_dump() if isinstance(whole, BaseModel) else whole)
 
     async def events() -> AsyncIterator[str]:
         for event in endpoint.prelude():

@@ -2,7 +2,8 @@
 
 Bounded: a fixed number of examples per operation, only the public routes. Generation stays
 fast because every positive `max_tokens` / `max_completion_tokens` is capped (a missing one is
-set: chat's default is "the rest of the context"), and `n` too; invalid values stay invalid.
+set: chat's default is "the rest of the context"; /generate's sampling_params' max_new_tokens
+likewise), and `n` too; invalid values stay invalid.
 `model` is dropped (a random name would make nearly every case a 404).
 """
 
@@ -15,16 +16,18 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from rel_fixtures import Server, spec_server_fixture, tiny_dirs_fixture  # noqa: F401 (fixtures)
 
+from eagleserve.server.generate import GENERATE_EXAMPLES
 from eagleserve.server.protocol import CHAT_EXAMPLES, COMPLETION_EXAMPLES, TOKENIZE_EXAMPLES
 
 schemathesis = pytest.importorskip("schemathesis")
 
 OPERATIONS = [("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
               ("POST", "/tokenize"), ("POST", "/detokenize"), ("GET", "/v1/models"),
-              ("GET", "/health"), ("GET", "/health_generate"), ("GET", "/version")]  # fmt: skip
+              ("GET", "/health"), ("GET", "/health_generate"), ("GET", "/version"),
+              ("POST", "/generate")]  # fmt: skip
 MAX_EXAMPLES = 60
 EXAMPLES = {"/v1/completions": COMPLETION_EXAMPLES, "/v1/chat/completions": CHAT_EXAMPLES,
-            "/tokenize": TOKENIZE_EXAMPLES}  # fmt: skip
+            "/tokenize": TOKENIZE_EXAMPLES, "/generate": GENERATE_EXAMPLES}  # fmt: skip
 CAP = 4
 
 
@@ -41,6 +44,15 @@ def cap_body(case: Any) -> Any:
         n = body.get("n")
         if isinstance(n, int) and not isinstance(n, bool) and n > 2:
             body["n"] = 2
+        sampling = body.get("sampling_params")  # /generate's (SGLang's default: 128 tokens)
+        for sp in sampling if isinstance(sampling, list) else [sampling]:
+            if isinstance(sp, dict):
+                v = sp.get("max_new_tokens", CAP + 1)
+                if isinstance(v, int) and not isinstance(v, bool) and v > CAP:
+                    sp["max_new_tokens"] = CAP
+                k = sp.get("n")
+                if isinstance(k, int) and not isinstance(k, bool) and k > 2:
+                    sp["n"] = 2
     return case
 
 

@@ -1,0 +1,283 @@
+"""SGLang's native `POST /generate`: a prompt as text or token ids (or a batch of either) with
+SGLang's `sampling_params`, answered in SGLang's form (`text`, `output_ids`, `meta_info`);
+streamed, each event holds the text and ids so far, as SGLang's do. `python -m
+sglang.bench_serving --backend sglang` and SGLang's own clients run against it.
+
+Its sampling_params are checked strictly (an unknown key is a 400 naming it, as SGLang's
+`SamplingParams(**params)` refuses it); what changes the output and is not implemented
+(images, LoRA, custom logit processors, logprobs in SGLang's form, ...) is a 400 naming it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import Response
+from pydantic import BaseModel, ConfigDict, Field, RootModel
+
+from eagleserve.messages import TokenOutput
+from eagleserve.sampling_params import GrammarSpec, SamplingParams, check_budget
+from eagleserve.server.choices import ChoiceState
+from eagleserve.server.protocol import MAX_N, new_id
+from eagleserve.server.respond import Endpoint, respond, sse
+from eagleserve.server.serving import ApiError, Serving, Tracker
+from eagleserve.server.structured import checked
+from eagleserve.server.vllm_fields import guided_spec
+
+
+class NativeSamplingParams(BaseModel):
+    """SGLang's sampling_params (its defaults: 128 new tokens, temperature 1)."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    max_new_tokens: int = Field(128, ge=0)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(-1, ge=-1)  # -1 and 0: off
+    min_p: float = Field(0.0, ge=0, le=1)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    repetition_penalty: float = Field(1.0, gt=0)
+    min_new_tokens: int = Field(0, ge=0)
+    n: int = Field(1, ge=1, le=MAX_N)
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    no_stop_trim: bool = False  # the stop string or token stays in the text
+    logit_bias: dict[str, float] | None = None
+    sampling_seed: int | None = None
+    # SGLang's, refused unless neutral (NATIVE_REFUSED).
+    structural_tag: str | None = None
+    spaces_between_special_tokens: bool = True
+    custom_params: Any = None
+
+
+GENERATE_EXAMPLES = [
+    {"text": "The capital of France is", "sampling_params": {"temperature": 0,
+                                                            "max_new_tokens": 8}},
+    {"input_ids": [[5, 6, 7], [8, 9]], "sampling_params": {"max_new_tokens": 4, "n": 2,
+     "sampling_seed": 3, "regex": "[0-9]+", "frequency_penalty": 0.5}},
+]  # fmt: skip
+
+
+class GenerateRequest(BaseModel):
+    model_config = ConfigDict(
+        extra="ignore", allow_inf_nan=False, json_schema_extra={"examples": GENERATE_EXAMPLES}
+    )
+
+    text: str | list[str] | None = None
+    input_ids: list[int] | list[list[int]] | None = None
+    sampling_params: NativeSamplingParams | list[NativeSamplingParams] | None = None
+    rid: str | list[str] | None = None
+    stream: bool = False
+    # SGLang's, refused unless neutral (NATIVE_REFUSED).
+    return_logprob: bool | list[bool] | None = None
+    input_embeds: Any = None
+    image_data: Any = None
+    audio_data: Any = None
+    lora_path: Any = None
+    custom_logit_processor: Any = None
+    return_hidden_states: bool | list[bool] = False
+    token_ids_logprob: Any = None
+
+    @property
+    def include_usage(self) -> bool:  # respond()'s: SGLang's answers carry their own counts
+        return False
+
+
+class GenerateResponse(BaseModel):
+    """One answer (a batch, or n > 1, answers a list of them; a streamed batch's events carry
+    their `index`). meta_info: id, finish_reason ({"type": "stop", "matched": ...} or
+    {"type": "length", "length": ...}), prompt_tokens, completion_tokens, cached_tokens,
+    e2e_latency (seconds), spec_accept_length under speculation."""
+
+    text: str
+    output_ids: list[int]
+    meta_info: dict[str, Any]
+    index: int | None = None
+
+
+class GenerateAnswer(RootModel[GenerateResponse | list[GenerateResponse]]):
+    """The 200 body of /generate (the OpenAPI document's)."""
+
+
+# Fields that change the output and eagleserve does not implement here: a 400 unless unset.
+NATIVE_REFUSED = (
+    "return_logprob", "input_embeds", "image_data", "audio_data", "lora_path",
+    "custom_logit_processor", "return_hidden_states", "token_ids_logprob",
+)  # fmt: skip
+# sampling_params' refused fields and their neutral values.
+SAMPLING_REFUSED = (("structural_tag", None), ("custom_params", None),
+                    ("spaces_between_special_tokens", True))  # fmt: skip
+
+
+def is_set(value: Any) -> bool:
+    """Whether a refused field asks for something (a list: for some prompt)."""
+    return any(value) if isinstance(value, list) else value not in (None, False)
+
+
+def refused(body: GenerateRequest) -> ApiError | None:
+    for name in NATIVE_REFUSED:
+        if is_set(getattr(body, name)):
+            return ApiError(400, f"{name} is not supported by this server's /generate", name,
+                            "unsupported_parameter")  # fmt: skip
+    for sp in sampling_list(body, 1):
+        for name, neutral in SAMPLING_REFUSED:
+            if getattr(sp, name) != neutral:
+                param = f"sampling_params.{name}"
+                msg = f"{param} is not supported by this server; only {json.dumps(neutral)} is"
+                return ApiError(400, msg, param, "unsupported_parameter")
+    return None
+
+
+def sampling_list(body: GenerateRequest, n_prompts: int) -> list[NativeSamplingParams]:
+    sp = body.sampling_params
+    if isinstance(sp, list):
+        return sp
+    return [sp or NativeSamplingParams()] * n_prompts
+
+
+def native_prompts(serving: Serving, body: GenerateRequest) -> list[list[int]] | ApiError:
+    """Each prompt's ids: text encoded with the tokenizer's special tokens (as SGLang does),
+    token ids as sent."""
+    if (body.text is None) == (body.input_ids is None):
+        return ApiError(400, "give exactly one of text and input_ids", "text")
+    if body.text is not None:
+        texts = [body.text] if isinstance(body.text, str) else body.text
+        prompts: list[list[int]] = []
+        for t in texts:
+            ids = serving.encode(t, True)
+            if isinstance(ids, ApiError):
+                return ids
+            prompts.append(ids)
+        param = "text"
+    else:
+        ids_in: list[Any] = list(body.input_ids or [])
+        prompts = [list(p) for p in ids_in] if ids_in and isinstance(ids_in[0], list) else [ids_in]
+        param = "input_ids"
+    if not prompts:
+        return ApiError(400, f"{param} is an empty batch", param)
+    for ids in prompts:
+        err = serving.check_prompt(ids, param)
+        if err is not None:
+            return err
+    return prompts
+
+
+# SamplingParams' error params -> SGLang's names.
+PARAM_NAMES = {"max_tokens": "max_new_tokens", "min_tokens": "min_new_tokens",
+               "seed": "sampling_seed"}  # fmt: skip
+
+
+def native_params(
+    serving: Serving, sp: NativeSamplingParams, prompt_len: int
+) -> SamplingParams | ApiError:
+    given = [(name, v) for name, v in (("json_schema", sp.json_schema), ("regex", sp.regex),
+                                       ("ebnf", sp.ebnf)) if v is not None]  # fmt: skip
+    if len(given) > 1:
+        param = f"sampling_params.{given[1][0]}"
+        return ApiError(400, f"{given[0][0]} and {given[1][0]} cannot be combined", param)
+    grammar: GrammarSpec | None = None
+    if given:
+        name, value = given[0]
+        if name == "json_schema":
+            spec = guided_spec("guided_json", value)
+        else:
+            spec = GrammarSpec("regex" if name == "regex" else "ebnf", value)
+        if isinstance(spec, str):
+            return ApiError(400, f"{name}: {spec}", f"sampling_params.{name}")
+        spec_or_err = checked(spec, f"sampling_params.{name}")
+        if isinstance(spec_or_err, ApiError):
+            return spec_or_err
+        grammar = spec_or_err
+    for key in sp.logit_bias or {}:
+        if not (key.isascii() and key.isdigit()):
+            return ApiError(400, "logit_bias keys must be token ids", "sampling_params.logit_bias")
+    params = SamplingParams(
+        max_new_tokens=sp.max_new_tokens, temperature=sp.temperature, top_p=sp.top_p,
+        top_k=-1 if sp.top_k == 0 else sp.top_k, min_p=sp.min_p, seed=sp.sampling_seed,
+        stop=[sp.stop] if isinstance(sp.stop, str) else list(sp.stop or []),
+        include_stop_str_in_output=sp.no_stop_trim, skip_special_tokens=sp.skip_special_tokens,
+        stop_token_ids=list(sp.stop_token_ids or []), ignore_eos=sp.ignore_eos,
+        presence_penalty=sp.presence_penalty, frequency_penalty=sp.frequency_penalty,
+        repetition_penalty=sp.repetition_penalty, min_tokens=sp.min_new_tokens,
+        logit_bias={int(k): v for k, v in (sp.logit_bias or {}).items()}, grammar=grammar,
+    )  # fmt: skip
+    vocab = serving.client.ready.vocab_size if serving.client.ready else 0
+    bad = params.validate(vocab) or check_budget(
+        prompt_len, params.max_new_tokens, serving.client.max_context_len
+    )
+    if bad is None:
+        return params
+    param = f"sampling_params.{PARAM_NAMES.get(bad.param or '', bad.param)}"
+    return ApiError(400, bad.message, param, bad.code)
+
+
+def finish_reason(c: ChoiceState) -> dict[str, Any] | None:
+    """SGLang's finish_reason: {"type": "stop", "matched": the stop string or id} or
+    {"type": "length", "length": max_new_tokens}."""
+    if not c.finished:
+        return None
+    if c.finish_reason == "length":
+        return {"type": "length", "length": c.params.max_new_tokens}
+    return {"type": "stop", "matched": c.matched_stop}
+
+
+async def create_generate(serving: Serving, body: GenerateRequest, request: Request) -> Response:
+    err = refused(body)
+    if err is not None:
+        return err.response()
+    prompts = await asyncio.to_thread(native_prompts, serving, body)  # off the event loop
+    if isinstance(prompts, ApiError):
+        return prompts.response()
+    samplings = sampling_list(body, len(prompts))
+    if len(samplings) != len(prompts):
+        msg = f"sampling_params has {len(samplings)} entries for {len(prompts)} prompts"
+        return ApiError(400, msg, "sampling_params").response()
+    if len({sp.n for sp in samplings}) > 1:
+        return ApiError(400, "n must be the same for every prompt", "sampling_params.n").response()
+    n = samplings[0].n
+    params = []
+    for ids, sp in zip(prompts, samplings, strict=True):
+        p = await asyncio.to_thread(native_params, serving, sp, len(ids))  # xgrammar parses
+        if isinstance(p, ApiError):
+            return p.response()
+        params.append(p)
+    reqs = serving.make_reqs(prompts, params, n, body.stream)
+    rids = [body.rid] if isinstance(body.rid, str) else list(body.rid or [])
+    ids_out = [rids[i] if i < len(rids) else new_id("gen") for i in range(len(reqs))]
+    tok = serving.tokenizer
+    tracker = Tracker(serving, "generate", reqs,
+                      lambda i, pi: ChoiceState(i, pi, tok, params[pi]), n)  # fmt: skip
+    start = time.monotonic()
+    batch = not (len(prompts) == 1 and n == 1)
+
+    def answer(c: ChoiceState) -> dict[str, Any]:
+        meta: dict[str, Any] = {
+            "id": ids_out[c.index], "finish_reason": finish_reason(c),
+            "prompt_tokens": c.prompt_tokens, "completion_tokens": c.completion_tokens,
+            "cached_tokens": c.cached_tokens, "e2e_latency": time.monotonic() - start,
+        }  # fmt: skip
+        if c.spec_accept_length is not None:
+            meta["spec_accept_length"] = c.spec_accept_length
+        index = c.index if batch and body.stream else None
+        out = GenerateResponse(text=c.text, output_ids=c.token_ids, meta_info=meta, index=index)
+        return out.model_dump(exclude_none=True)
+
+    def delta(c: ChoiceState, text: str, out: TokenOutput) -> str | None:
+        return sse(answer(c)) if text or c.finished or out.new_token_ids else None
+
+    def whole() -> Any:
+        answers = [answer(c) for c in tracker.ordered]
+        return answers if batch else answers[0]
+
+    endpoint = Endpoint(lambda: [], delta, lambda usage: "", whole)
+    return await respond(serving, request, reqs, tracker, body, endpoint)

@@ -1,0 +1,126 @@
+"""SGLang's native /generate (server/generate.py) on the default model: the same tokens as
+/v1/completions for the same prompt and settings, SGLang's answer form (text, output_ids,
+meta_info with its finish_reason), streams whose events hold the answer so far, batches, and a
+400 naming what it cannot honour."""
+
+from __future__ import annotations
+
+import json
+import random
+from typing import Any
+
+import httpx
+import jsonschema
+import pytest
+from server_fixtures import (  # noqa: F401 (fixtures)
+    http_fixture,
+    server_fixture,
+    tokenizer_fixture,
+)
+
+PROMPTS = ["The capital of France is", "List three colours:", "def add(a, b):"]
+
+
+def generate(http: httpx.Client, **body: Any) -> Any:
+    resp = http.post("/generate", json=body)
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+def test_generate_equals_completions(http: httpx.Client, tokenizer: Any) -> None:
+    prompt = random.choice(PROMPTS)
+    n_tokens = random.randint(4, 16)
+    got = generate(http, text=prompt, sampling_params={
+        "temperature": 0, "max_new_tokens": n_tokens, "ignore_eos": True})  # fmt: skip
+    cmpl = {"prompt": prompt, "max_tokens": n_tokens, "temperature": 0, "ignore_eos": True}
+    want = http.post("/v1/completions", json=cmpl).json()
+    assert got["text"] == want["choices"][0]["text"]
+    assert tokenizer.decode(got["output_ids"]) == got["text"]
+    meta = got["meta_info"]
+    assert meta["finish_reason"] == {"type": "length", "length": n_tokens}
+    assert meta["completion_tokens"] == len(got["output_ids"]) == n_tokens
+    assert meta["prompt_tokens"] == want["usage"]["prompt_tokens"] and meta["e2e_latency"] > 0
+    ids = tokenizer.encode(prompt)
+    by_ids = generate(http, input_ids=ids, sampling_params={
+        "temperature": 0, "max_new_tokens": n_tokens, "ignore_eos": True})  # fmt: skip
+    assert by_ids["output_ids"] == got["output_ids"]
+
+
+def test_stream_events_hold_the_answer_so_far(http: httpx.Client) -> None:
+    body = {"text": random.choice(PROMPTS), "sampling_params": {
+        "temperature": 0.8, "sampling_seed": random.randrange(1000), "max_new_tokens": 12,
+        "ignore_eos": True}}  # fmt: skip
+    whole = generate(http, **body)
+    resp = http.post("/generate", json={**body, "stream": True})
+    lines = [line for line in resp.text.splitlines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    events = [json.loads(line[6:]) for line in lines[:-1]]
+    for before, after in zip(events, events[1:]):
+        assert after["text"].startswith(before["text"])
+        assert after["output_ids"][: len(before["output_ids"])] == before["output_ids"]
+        assert before["meta_info"]["finish_reason"] is None
+    assert events[-1]["text"] == whole["text"] and events[-1]["output_ids"] == whole["output_ids"]
+    assert events[-1]["meta_info"]["completion_tokens"] == 12
+
+
+def test_a_batch_answers_each_prompt_and_choice(http: httpx.Client, tokenizer: Any) -> None:
+    """Token-id prompts with one sampling_params each; n = 2: the answers prompt by prompt,
+    choice j seeded seed + j (the greedy ones equal)."""
+    prompts = [tokenizer.encode(p) for p in random.sample(PROMPTS, 2)]
+    params = [{"temperature": 0, "max_new_tokens": 5, "ignore_eos": True, "n": 2},
+              {"temperature": 0, "max_new_tokens": 3, "ignore_eos": True, "n": 2}]  # fmt: skip
+    got = generate(http, input_ids=prompts, sampling_params=params)
+    assert [a["meta_info"]["completion_tokens"] for a in got] == [5, 5, 3, 3]
+    assert got[0]["output_ids"] == got[1]["output_ids"] and got[2]["text"] == got[3]["text"]
+    single = generate(http, input_ids=prompts[1], sampling_params={**params[1], "n": 1})
+    assert single["output_ids"] == got[2]["output_ids"]
+    resp = http.post("/generate", json={"input_ids": prompts, "sampling_params": params[1],
+                                        "stream": True})  # fmt: skip
+    events = [json.loads(line[6:]) for line in resp.text.splitlines()
+              if line.startswith("data: {")]  # fmt: skip
+    last = {e["index"]: e for e in events}
+    assert sorted(last) == [0, 1, 2, 3] and last[3]["output_ids"] == got[3]["output_ids"]
+
+
+def test_stop_and_constraints_in_sglangs_fields(http: httpx.Client) -> None:
+    prompt = "Count: 1, 2, 3, 4, 5,"
+    free = generate(http, text=prompt, sampling_params={"temperature": 0, "max_new_tokens": 12})
+    stop = free["text"].strip().split()[2]
+    for keep in (False, True):
+        sampling = {"temperature": 0, "max_new_tokens": 12, "stop": [stop], "no_stop_trim": keep}
+        got = generate(http, text=prompt, sampling_params=sampling)
+        head = free["text"][: free["text"].index(stop)]
+        assert got["text"] == head + stop * keep
+        assert got["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    got = generate(http, text="A JSON object:", sampling_params={
+        "temperature": 0, "max_new_tokens": 24, "json_schema": json.dumps(schema)})  # fmt: skip
+    jsonschema.validate(json.loads(got["text"]), schema)
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "unsupported"),
+    [
+        ({"text": "x", "sampling_params": {"max_new_token": 4}},
+         "sampling_params.max_new_token", False),
+        ({"text": "x", "return_logprob": True}, "return_logprob", True),
+        ({"text": "x", "image_data": "a.png"}, "image_data", True),
+        ({"text": "x", "sampling_params": {"structural_tag": "{}"}},
+         "sampling_params.structural_tag", True),
+        ({"text": "x", "input_ids": [1]}, "text", False),
+        ({"text": ["x", "y"], "sampling_params": [{}]}, "sampling_params", False),
+        ({"text": "x", "sampling_params": {"max_new_tokens": 10**7}},
+         "sampling_params.max_new_tokens", False),
+        ({"text": "x", "sampling_params": {"regex": "a", "ebnf": 'root ::= "a"'}},
+         "sampling_params.ebnf", False),
+        ({"input_ids": [10**9]}, "input_ids", False),
+    ],
+)  # fmt: skip
+def test_what_it_cannot_honour_is_a_400_naming_it(
+    http: httpx.Client, body: dict[str, Any], param: str, unsupported: bool
+) -> None:
+    resp = http.post("/generate", json=body)
+    assert resp.status_code == 400, resp.text
+    err = resp.json()["error"]
+    assert err["param"] == param, err
+    assert (err["code"] == "unsupported_parameter") == unsupported, err
