@@ -70,19 +70,15 @@ class ChoiceState:
         self.completion_tokens = 0
         self.spec_accept_length: float | None = None
         self.ids_as_tokens = ids_as_tokens
-        # Logprobs: (token name, logprob, top alternatives as (name, logprob)), and the length
-        # of each token's text (completion logprobs' text_offset).
-        self.lp: list[tuple[str, float, list[tuple[str, float]]]] = []
-        self.lp_widths: list[int] = []
-        self.lp_sent = 0  # entries of `lp` already streamed
+        # Logprobs of the generated tokens, when asked for: (token id, its text, logprob, top
+        # alternatives as (id, logprob)); each answer format names them its own way.
+        self.logprobs: list[tuple[int, str, float, list[tuple[int, float]]]] = []
+        self.lp_sent = 0  # entries of `logprobs` already streamed
         self.text_offset = text_offset  # completion logprobs: offset of the first token
         self.prompt = prompt
-        # Prompt logprobs (echo): (token name, logprob or None for the first, alternatives)
-        # and text lengths; handed out once, before the generated tokens' entries.
-        self.prompt_lp: list[tuple[str, float | None, list[tuple[str, float]]]] = []
-        self.prompt_widths: list[int] = []
-        self.prompt_lp_sent = False
+        # The prompt's scores (with its first output); echo's entries go out once, first.
         self.prompt_scores: PromptScores | None = None
+        self.prompt_lp_sent = False
 
     def _names(self, ids: list[int], texts: list[str] | None = None) -> list[str]:
         """How logprobs name tokens (`texts`: their texts, when known)."""
@@ -91,26 +87,15 @@ class ChoiceState:
         return texts if texts is not None else token_strings(self.tokenizer, ids)
 
     def feed(self, out: TokenOutput) -> str:
-        scores = out.prompt_logprobs
-        if scores is not None and self.prompt is not None:
-            self.prompt_scores = scores
-        if scores is not None and self.prompt is not None and self.prompt.echo:
-            ids = self.prompt.ids
-            texts = token_strings(self.tokenizer, ids)
-            for name, value, top in zip(self._names(ids, texts), scores.logprobs, scores.top,
-                                        strict=True):  # fmt: skip
-                self.prompt_lp.append((name, value, self._alternatives(top[: self.prompt.top])))
-            self.prompt_widths = [len(t) for t in texts]
+        if out.prompt_logprobs is not None and self.prompt is not None:
+            self.prompt_scores = out.prompt_logprobs
         finished_by = out.matched_stop if out.finished else None
         self.token_ids += out.new_token_ids
         delta = self.detok.add(text_ids(out.new_token_ids, finished_by, self.params))
         if out.logprobs is not None:
             texts = token_strings(self.tokenizer, out.new_token_ids)
-            names = self._names(out.new_token_ids, texts)
-            tops = out.top_logprobs or [[] for _ in names]
-            for name, text, value, top in zip(names, texts, out.logprobs, tops, strict=False):
-                self.lp.append((name, value, self._alternatives(top)))
-                self.lp_widths.append(len(text))
+            tops = out.top_logprobs or [[] for _ in texts]
+            self.logprobs += zip(out.new_token_ids, texts, out.logprobs, tops, strict=False)
         self.prompt_tokens = out.prompt_tokens or self.prompt_tokens
         self.cached_tokens = out.cached_tokens or self.cached_tokens
         self.completion_tokens = out.completion_tokens or self.completion_tokens
@@ -157,32 +142,48 @@ class ChoiceState:
         return self.finish_reason is not None
 
     def _take_lp(self, only_new: bool) -> list[tuple[str, float, list[tuple[str, float]]]]:
+        """The generated tokens' entries (only those not streamed yet), named: (name,
+        logprob, named alternatives)."""
         start = self.lp_sent if only_new else 0
-        self.lp_sent = len(self.lp)
-        return self.lp[start:]
+        self.lp_sent = len(self.logprobs)
+        entries = self.logprobs[start:]
+        names = self._names([t for t, _, _, _ in entries], [text for _, text, _, _ in entries])
+        return [(name, value, self._alternatives(top))
+                for name, (_, _, value, top) in zip(names, entries, strict=True)]  # fmt: skip
 
     def completion_logprobs(self, only_new: bool = False) -> CompletionLogprobs:
         """The prompt's entries first (echo; the first token has no logprob and no
         alternatives, as in OpenAI's answers), then the generated tokens'."""
         out = CompletionLogprobs()
-        if not (only_new and self.prompt_lp_sent):
+        echo = self.prompt if self.prompt is not None and self.prompt.echo else None
+        if (
+            echo is not None
+            and self.prompt_scores is not None
+            and not (only_new and self.prompt_lp_sent)
+        ):
+            s, texts = self.prompt_scores, token_strings(self.tokenizer, echo.ids)
             prompt_offset = 0
-            for i, (name, value, alts) in enumerate(self.prompt_lp):
+            for i, (name, text, value, top) in enumerate(zip(
+                self._names(echo.ids, texts), texts, s.logprobs, s.top, strict=True
+            )):  # fmt: skip
                 out.tokens.append(name)
                 out.token_logprobs.append(value)
+                alts = self._alternatives(top[: echo.top])
                 out.top_logprobs.append(None if value is None else dict(alts))
                 out.text_offset.append(prompt_offset)
-                if self.prompt and i >= self.prompt.hidden:  # no room in the echo's text
-                    prompt_offset += self.prompt_widths[i]
-            self.prompt_lp_sent = bool(self.prompt_lp)
+                if i >= echo.hidden:  # an added special token takes no room in the echo
+                    prompt_offset += len(text)
+            self.prompt_lp_sent = True
         start = self.lp_sent if only_new else 0
-        offset = self.text_offset + sum(self.lp_widths[:start])
-        for (name, value, alts), width in zip(self._take_lp(only_new), self.lp_widths[start:]):
+        offset = self.text_offset + sum(len(text) for _, text, _, _ in self.logprobs[:start])
+        for (name, value, alts), (_, text, _, _) in zip(
+            self._take_lp(only_new), self.logprobs[start:], strict=True
+        ):  # fmt: skip
             out.tokens.append(name)
             out.token_logprobs.append(value)
             out.top_logprobs.append(dict(alts))
             out.text_offset.append(offset)
-            offset += width
+            offset += len(text)
         return out
 
     def chat_logprobs(self, only_new: bool = False) -> ChatLogprobs:

@@ -1,11 +1,12 @@
 """SGLang's native `POST /generate`: a prompt as text or token ids (or a batch of either) with
-SGLang's `sampling_params`, answered in SGLang's form (`text`, `output_ids`, `meta_info`);
-streamed, each event holds the text and ids so far, as SGLang's do. `python -m
-sglang.bench_serving --backend sglang` and SGLang's own clients run against it.
+SGLang's `sampling_params`, answered in SGLang's form (`text`, `output_ids`, `meta_info`, with
+`return_logprob` SGLang's logprob fields); streamed, each event holds the answer so far, as
+SGLang's do. `python -m sglang.bench_serving --backend sglang` and SGLang's own clients (RL
+rollouts reading `output_token_logprobs`) run against it.
 
 Its sampling_params are checked strictly (an unknown key is a 400 naming it, as SGLang's
 `SamplingParams(**params)` refuses it); what changes the output and is not implemented
-(images, LoRA, custom logit processors, logprobs in SGLang's form, ...) is a 400 naming it.
+(images, LoRA, custom logit processors, hidden states, ...) is a 400 naming it.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from pydantic import BaseModel, ConfigDict, Field, RootModel
 
 from eagleserve.messages import TokenOutput
 from eagleserve.sampling_params import GrammarSpec, SamplingParams, check_budget
-from eagleserve.server.choices import ChoiceState
+from eagleserve.server.choices import MIN_LOGPROB, ChoiceState, PromptScoring
+from eagleserve.server.detokenizer import token_strings
 from eagleserve.server.protocol import MAX_N, new_id
 from eagleserve.server.respond import Endpoint, respond, sse
 from eagleserve.server.serving import ApiError, Serving, Tracker
@@ -78,8 +80,13 @@ class GenerateRequest(BaseModel):
     sampling_params: NativeSamplingParams | list[NativeSamplingParams] | None = None
     rid: str | list[str] | None = None
     stream: bool = False
+    # Logprobs in SGLang's form: the generated tokens', and the prompt's from logprob_start_len
+    # (-1: none of the prompt's), with top_logprobs_num alternatives each.
+    return_logprob: bool = False
+    logprob_start_len: int = Field(-1, ge=-1)
+    top_logprobs_num: int = Field(0, ge=0, le=20)
+    return_text_in_logprobs: bool = False
     # SGLang's, refused unless neutral (NATIVE_REFUSED).
-    return_logprob: bool | list[bool] | None = None
     input_embeds: Any = None
     image_data: Any = None
     audio_data: Any = None
@@ -111,7 +118,7 @@ class GenerateAnswer(RootModel[GenerateResponse | list[GenerateResponse]]):
 
 # Fields that change the output and eagleserve does not implement here: a 400 unless unset.
 NATIVE_REFUSED = (
-    "return_logprob", "input_embeds", "image_data", "audio_data", "lora_path",
+    "input_embeds", "image_data", "audio_data", "lora_path",
     "custom_logit_processor", "return_hidden_states", "token_ids_logprob",
 )  # fmt: skip
 # sampling_params' refused fields and their neutral values.
@@ -178,7 +185,7 @@ PARAM_NAMES = {"max_tokens": "max_new_tokens", "min_tokens": "min_new_tokens",
 
 
 def native_params(
-    serving: Serving, sp: NativeSamplingParams, prompt_len: int
+    serving: Serving, body: GenerateRequest, sp: NativeSamplingParams, prompt_len: int
 ) -> SamplingParams | ApiError:
     given = [(name, v) for name, v in (("json_schema", sp.json_schema), ("regex", sp.regex),
                                        ("ebnf", sp.ebnf)) if v is not None]  # fmt: skip
@@ -210,6 +217,8 @@ def native_params(
         presence_penalty=sp.presence_penalty, frequency_penalty=sp.frequency_penalty,
         repetition_penalty=sp.repetition_penalty, min_tokens=sp.min_new_tokens,
         logit_bias={int(k): v for k, v in (sp.logit_bias or {}).items()}, grammar=grammar,
+        logprobs=body.top_logprobs_num if body.return_logprob else None,
+        prompt_logprobs=body.top_logprobs_num if scores_prompt(body) else None,
     )  # fmt: skip
     vocab = serving.client.ready.vocab_size if serving.client.ready else 0
     bad = params.validate(vocab) or check_budget(
@@ -219,6 +228,44 @@ def native_params(
         return params
     param = f"sampling_params.{PARAM_NAMES.get(bad.param or '', bad.param)}"
     return ApiError(400, bad.message, param, bad.code)
+
+
+def scores_prompt(body: GenerateRequest) -> bool:
+    return body.return_logprob and body.logprob_start_len >= 0
+
+
+def triples(
+    tokenizer: Any, entries: list[tuple[float | None, int]], with_text: bool
+) -> list[list[Any]]:
+    """SGLang's logprob entries: [logprob, token id, its text or None]."""
+    texts: list[str | None] = [None] * len(entries)
+    if with_text:
+        texts = list(token_strings(tokenizer, [t for _, t in entries]))
+    return [[None if v is None else max(v, MIN_LOGPROB), t, text]
+            for (v, t), text in zip(entries, texts, strict=True)]  # fmt: skip
+
+
+def sglang_logprobs(c: ChoiceState, body: GenerateRequest) -> dict[str, Any]:
+    """meta_info's logprob fields: input_token_logprobs (the prompt's from logprob_start_len,
+    the first token's None), output_token_logprobs, and with top_logprobs_num their
+    alternatives per position (input_top_logprobs, output_top_logprobs)."""
+    tok, text, k = c.tokenizer, body.return_text_in_logprobs, body.top_logprobs_num
+    out = [(v, t) for t, _, v, _ in c.logprobs]
+    meta: dict[str, Any] = {"output_token_logprobs": triples(tok, out, text)}
+    prompt_in: list[tuple[float | None, int]] = []
+    prompt_top: list[list[Any] | None] = []
+    if c.prompt is not None and c.prompt_scores is not None:
+        s, start = c.prompt_scores, body.logprob_start_len
+        prompt_in = list(zip(s.logprobs[start:], c.prompt.ids[start:], strict=True))
+        scored = zip(s.logprobs[start:], s.top[start:], strict=True)
+        prompt_top = [None if v is None else triples(tok, [(a, t) for t, a in top[:k]], text)
+                      for v, top in scored]  # fmt: skip
+    meta["input_token_logprobs"] = triples(tok, prompt_in, text)
+    if k:
+        meta["input_top_logprobs"] = prompt_top
+        meta["output_top_logprobs"] = [triples(tok, [(a, t) for t, a in top], text)
+                                       for _, _, _, top in c.logprobs]  # fmt: skip
+    return meta
 
 
 def finish_reason(c: ChoiceState) -> dict[str, Any] | None:
@@ -247,7 +294,7 @@ async def create_generate(serving: Serving, body: GenerateRequest, request: Requ
     n = samplings[0].n
     params = []
     for ids, sp in zip(prompts, samplings, strict=True):
-        p = await asyncio.to_thread(native_params, serving, sp, len(ids))  # xgrammar parses
+        p = await asyncio.to_thread(native_params, serving, body, sp, len(ids))  # xgrammar parses
         if isinstance(p, ApiError):
             return p.response()
         params.append(p)
@@ -255,8 +302,12 @@ async def create_generate(serving: Serving, body: GenerateRequest, request: Requ
     rids = [body.rid] if isinstance(body.rid, str) else list(body.rid or [])
     ids_out = [rids[i] if i < len(rids) else new_id("gen") for i in range(len(reqs))]
     tok = serving.tokenizer
-    tracker = Tracker(serving, "generate", reqs,
-                      lambda i, pi: ChoiceState(i, pi, tok, params[pi]), n)  # fmt: skip
+
+    def make_choice(i: int, pi: int) -> ChoiceState:
+        prompt = PromptScoring(prompts[pi]) if scores_prompt(body) else None
+        return ChoiceState(i, pi, tok, params[pi], prompt=prompt)
+
+    tracker = Tracker(serving, "generate", reqs, make_choice, n)
     start = time.monotonic()
     batch = not (len(prompts) == 1 and n == 1)
 
@@ -268,6 +319,8 @@ async def create_generate(serving: Serving, body: GenerateRequest, request: Requ
         }  # fmt: skip
         if c.spec_accept_length is not None:
             meta["spec_accept_length"] = c.spec_accept_length
+        if body.return_logprob:
+            meta |= sglang_logprobs(c, body)
         index = c.index if batch and body.stream else None
         out = GenerateResponse(text=c.text, output_ids=c.token_ids, meta_info=meta, index=index)
         return out.model_dump(exclude_none=True)

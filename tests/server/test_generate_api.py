@@ -35,7 +35,7 @@ def test_generate_equals_completions(http: httpx.Client, tokenizer: Any) -> None
     cmpl = {"prompt": prompt, "max_tokens": n_tokens, "temperature": 0, "ignore_eos": True}
     want = http.post("/v1/completions", json=cmpl).json()
     assert got["text"] == want["choices"][0]["text"]
-    assert tokenizer.decode(got["output_ids"]) == got["text"]
+    assert tokenizer.decode(got["output_ids"], skip_special_tokens=True) == got["text"]
     meta = got["meta_info"]
     assert meta["finish_reason"] == {"type": "length", "length": n_tokens}
     assert meta["completion_tokens"] == len(got["output_ids"]) == n_tokens
@@ -98,12 +98,50 @@ def test_stop_and_constraints_in_sglangs_fields(http: httpx.Client) -> None:
     jsonschema.validate(json.loads(got["text"]), schema)
 
 
+@pytest.mark.parametrize("k", [0, 2])
+def test_logprobs_in_sglangs_form_equal_openais(http: httpx.Client, tokenizer: Any, k: int) -> None:
+    """return_logprob: output_token_logprobs are [logprob, id, text] of the generated tokens,
+    input_token_logprobs the prompt's from logprob_start_len, with k alternatives each; the
+    numbers are /v1/completions' (echo and logprobs, tokens named by id)."""
+    prompt = random.choice(PROMPTS)
+    ids = tokenizer.encode(prompt)
+    start = random.randrange(len(ids))
+    sampling = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
+    got = generate(http, text=prompt, sampling_params=sampling, return_logprob=True,
+                   logprob_start_len=start, top_logprobs_num=k,
+                   return_text_in_logprobs=True)["meta_info"]  # fmt: skip
+    cmpl = http.post("/v1/completions", json={
+        "prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True, "echo": True,
+        "logprobs": max(k, 1), "return_tokens_as_token_ids": True}).json()  # fmt: skip
+    lp = cmpl["choices"][0]["logprobs"]
+    want_ids = [int(t.removeprefix("token_id:")) for t in lp["tokens"]]
+    entries = got["input_token_logprobs"] + got["output_token_logprobs"]
+    assert [t for _, t, _ in entries] == want_ids[start:]
+    assert [v for v, _, _ in entries][start == 0 :] == pytest.approx(
+        lp["token_logprobs"][max(start, 1) :], abs=1e-5)  # fmt: skip
+    assert all(text == tokenizer.decode([t]) for _, t, text in entries)
+    if k == 0:
+        assert "output_top_logprobs" not in got
+        return
+    tops = got["input_top_logprobs"] + got["output_top_logprobs"]
+    for top, want in zip(tops, lp["top_logprobs"][start:], strict=True):
+        if want is None:
+            assert top is None
+            continue
+        assert {f"token_id:{t}": v for v, t, _ in top} == pytest.approx(
+            dict(list(want.items())[:k]), abs=1e-5)  # fmt: skip
+    plain = generate(http, text=prompt, sampling_params=sampling, return_logprob=True)
+    assert plain["meta_info"]["input_token_logprobs"] == []
+    assert all(text is None for _, _, text in plain["meta_info"]["output_token_logprobs"])
+
+
 @pytest.mark.parametrize(
     ("body", "param", "unsupported"),
     [
         ({"text": "x", "sampling_params": {"max_new_token": 4}},
          "sampling_params.max_new_token", False),
-        ({"text": "x", "return_logprob": True}, "return_logprob", True),
+        ({"text": "x", "token_ids_logprob": [5]}, "token_ids_logprob", True),
+        ({"text": "x", "return_logprob": True, "top_logprobs_num": 21}, "top_logprobs_num", False),
         ({"text": "x", "image_data": "a.png"}, "image_data", True),
         ({"text": "x", "sampling_params": {"structural_tag": "{}"}},
          "sampling_params.structural_tag", True),
