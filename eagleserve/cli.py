@@ -144,7 +144,7 @@ def _field_type(f: dataclasses.Field) -> tuple[str, bool]:
 
 
 def serve_fields() -> list[dataclasses.Field]:
-    return [f for f in dataclasses.fields(ServerArgs) if f.name != "extra"]
+    return list(dataclasses.fields(ServerArgs))
 
 
 # --help shows the flags in these groups, in this order (every ServerArgs field in one).

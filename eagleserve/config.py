@@ -244,7 +244,6 @@ class ServerArgs:
     # Seconds rank 0 waits at start-up for the other tensor-parallel ranks to join before it
     # fails (a rank that exits before it joins fails it at once); SGLang's flag name.
     dist_timeout: int = 120
-    extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def spec_config(self) -> SpecConfig | None:

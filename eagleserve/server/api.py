@@ -36,6 +36,7 @@ from eagleserve.server.protocol import (
     TokenizeRequest,
 )
 from eagleserve.server.serving import ApiError, Serving
+from eagleserve.server.sglang_info import model_info, server_info
 from eagleserve.server.tokenization import detokenize, tokenize
 from eagleserve.server.validation import check_request
 
@@ -224,6 +225,17 @@ def create_app(args: ServerArgs, client: EngineClient, http: HttpStats | None = 
         if isinstance(body, Response):
             return body
         return unavailable() or await create_generate(serving, body, request)
+
+    # SGLang's informational routes (server/sglang_info.py), under both of its names.
+    @app.get("/get_model_info", dependencies=[Depends(require_key)])
+    @app.get("/model_info", dependencies=[Depends(require_key)])
+    async def get_model_info() -> JSONResponse:
+        return JSONResponse(model_info(args, client.ready))
+
+    @app.get("/get_server_info", dependencies=[Depends(require_key)])
+    @app.get("/server_info", dependencies=[Depends(require_key)])
+    async def get_server_info() -> JSONResponse:
+        return JSONResponse(server_info(args, client.ready, await client.get_stats()))
 
     @app.get("/version")
     async def version() -> JSONResponse:

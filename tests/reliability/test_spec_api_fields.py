@@ -84,3 +84,24 @@ def test_prompt_logprobs_over_http_equal_a_plain_forward(
         want = [ref[j, ids[j + 1]].item() for j in range(len(ids) - 1)]
         assert lp["token_logprobs"][0] is None and len(lp["tokens"]) == len(ids) + max_tokens
         assert lp["token_logprobs"][1 : len(ids)] == pytest.approx(want, abs=2e-4)
+
+
+def test_sglang_server_info_reports_the_accept_length(spec_server: Server) -> None:
+    """SGLang's /get_server_info on an EAGLE server: avg_spec_accept_length (tokens per verify
+    step, the bonus included: at least 1) is the /metrics gauge; the native /generate's greedy
+    text equals /v1/completions'."""
+    rng = random.Random()
+    ids = [rng.randrange(3, 256) for _ in range(rng.randint(2, 12))]
+    body = {"input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": 24,
+                                                  "ignore_eos": True}}  # fmt: skip
+    native = httpx.post(spec_server.url + "/generate", json=body, timeout=120).json()
+    plain = {"prompt": ids, "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+    cmpl = httpx.post(spec_server.url + "/v1/completions", json=plain, timeout=120).json()
+    assert native["text"] == cmpl["choices"][0]["text"]
+    info = httpx.get(spec_server.url + "/get_server_info").json()
+    assert info["speculative_algorithm"] == "EAGLE"
+    gauge = [float(line.rsplit(" ", 1)[1])
+             for line in httpx.get(spec_server.url + "/metrics").text.splitlines()
+             if line.startswith("eagleserve_spec_accept_length")]  # fmt: skip
+    accept = info["internal_states"][0]["avg_spec_accept_length"]
+    assert accept >= 1 and accept == pytest.approx(gauge[0])

@@ -162,3 +162,25 @@ def test_what_it_cannot_honour_is_a_400_naming_it(
     err = resp.json()["error"]
     assert err["param"] == param, err
     assert (err["code"] == "unsupported_parameter") == unsupported, err
+
+
+def test_sglangs_info_routes(http: httpx.Client) -> None:
+    """/get_server_info: the flags by SGLang's names (no API key) and, under speculation, the
+    mean tokens per verify step as SGLang's benchmarks read it; /get_model_info: the model."""
+    generate(http, text=random.choice(PROMPTS), sampling_params={"max_new_tokens": 8})
+    for path in ("/get_server_info", "/server_info"):
+        info = http.get(path).json()
+        assert "api_key" not in info and info["max_total_num_tokens"] > 0
+        assert info["context_length"] > 0 and "speculative_eagle_topk" in info
+        state = info["internal_states"][0]
+        if info["speculative_algorithm"]:
+            metrics = {line.split("{")[0]: float(line.rsplit(" ", 1)[1])
+                       for line in http.get("/metrics").text.splitlines()
+                       if line.startswith("eagleserve_spec_accept_length")}  # fmt: skip
+            got = state["avg_spec_accept_length"]
+            assert got >= 1 and got == pytest.approx(metrics["eagleserve_spec_accept_length"])
+        else:
+            assert "avg_spec_accept_length" not in state
+    for path in ("/get_model_info", "/model_info"):
+        model = http.get(path).json()
+        assert model["is_generation"] and model["model_path"]
