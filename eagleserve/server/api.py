@@ -21,7 +21,12 @@ from eagleserve.config import ServerArgs
 from eagleserve.server.chat import create_chat
 from eagleserve.server.completions import create_completion
 from eagleserve.server.engine_client import EngineClient
-from eagleserve.server.generate import GenerateRequest, create_generate
+from eagleserve.server.generate import (
+    AbortRequest,
+    AbortResult,
+    GenerateRequest,
+    create_generate,
+)
 from eagleserve.server.limits import gc_paused, read_body
 from eagleserve.server.metrics import Metrics
 from eagleserve.server.middleware import HttpStats, HttpTrackerMiddleware
@@ -225,6 +230,18 @@ def create_app(args: ServerArgs, client: EngineClient, http: HttpStats | None = 
         if isinstance(body, Response):
             return body
         return unavailable() or await create_generate(serving, body, request)
+
+    @app.post("/abort_request", dependencies=[Depends(require_key)])
+    async def abort_request(request: Request) -> Response:
+        """SGLang's: ends a request (its id, or the rid it was sent with) or all of them; each
+        answers with what it made so far and finish reason abort."""
+        body = await read_json(request, AbortRequest)
+        if isinstance(body, Response):
+            return body
+        if not (body.rid or body.abort_all):
+            return ApiError(400, "give the rid to abort, or abort_all", "rid").response()
+        aborted = client.abort_matching(None if body.abort_all else body.rid)
+        return JSONResponse(AbortResult(aborted=aborted).model_dump())
 
     # SGLang's informational routes (server/sglang_info.py), under both of its names.
     @app.get("/get_model_info", dependencies=[Depends(require_key)])

@@ -65,6 +65,12 @@ class EngineStartupFailed(RuntimeError):
 DEAD = "the engine process is not running"
 
 
+# The health probe's request ids (never aborted by /abort_request), and what separates a
+# request id from its choice number (`rid#j`).
+HEALTH_PREFIX = "health-"
+CHOICE_SEP = "#"
+
+
 def _error_output(rid: str, message: str, reason: str = "error") -> TokenOutput:
     return TokenOutput(rid, [], True, reason, error=message, error_code=503)
 
@@ -296,6 +302,18 @@ class EngineClient:
         if self.healthy:
             self._send.send_pyobj(AbortReq(rid))
 
+    def abort_matching(self, rid: str | None) -> int:
+        """SGLang's /abort_request: ends the requests in flight whose id is `rid` or, for the
+        choices of one, `rid#j` (every request but health probes when `rid` is None). Each gets
+        a final output with finish reason "abort" and is dropped by the engine. Returns how
+        many."""
+        hits = [r for r in self.queues if not r.startswith(HEALTH_PREFIX)
+                and (rid is None or r == rid or r.startswith(rid + CHOICE_SEP))]  # fmt: skip
+        for r in hits:
+            self.queues.pop(r).put_nowait(TokenOutput(r, [], True, "abort"))  # later ones drop
+            self.abort(r)
+        return len(hits)
+
     async def check_generates(self, timeout: float) -> str | None:
         """None when the engine produces tokens: it sent some in the last RECENT_TOKENS_S while
         requests run, or a one-token request of its own finishes within `timeout` seconds;
@@ -306,7 +324,7 @@ class EngineClient:
         if recent and self.queues:
             return None
         params = SamplingParams(max_new_tokens=1, temperature=0.0)
-        stream = self.generate([GenerateReqInput(f"health-{uuid.uuid4().hex}", [0], params)])
+        stream = self.generate([GenerateReqInput(HEALTH_PREFIX + uuid.uuid4().hex, [0], params)])
         try:
             out = await asyncio.wait_for(anext(stream), timeout)
         except asyncio.TimeoutError:  # the builtin TimeoutError only from Python 3.11

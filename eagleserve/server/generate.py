@@ -24,7 +24,8 @@ from eagleserve.messages import TokenOutput
 from eagleserve.sampling_params import GrammarSpec, SamplingParams, check_budget
 from eagleserve.server.choices import MIN_LOGPROB, ChoiceState, PromptScoring
 from eagleserve.server.detokenizer import token_strings
-from eagleserve.server.protocol import MAX_N, new_id
+from eagleserve.server.engine_client import CHOICE_SEP
+from eagleserve.server.protocol import MAX_N
 from eagleserve.server.respond import Endpoint, respond, sse
 from eagleserve.server.serving import ApiError, Serving, Tracker
 from eagleserve.server.structured import checked
@@ -110,6 +111,20 @@ class GenerateResponse(BaseModel):
     output_ids: list[int]
     meta_info: dict[str, Any]
     index: int | None = None
+
+
+class AbortRequest(BaseModel):
+    """SGLang's /abort_request body: a request's id (its meta_info id, or the rid it was
+    sent with), or every request in flight."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    rid: str = ""
+    abort_all: bool = False
+
+
+class AbortResult(BaseModel):
+    aborted: int  # requests ended
 
 
 class GenerateAnswer(RootModel[GenerateResponse | list[GenerateResponse]]):
@@ -268,13 +283,34 @@ def sglang_logprobs(c: ChoiceState, body: GenerateRequest) -> dict[str, Any]:
     return meta
 
 
+def request_ids(
+    serving: Serving, body: GenerateRequest, n_prompts: int, n: int
+) -> list[str] | None | ApiError:
+    """The client's request ids, one per prompt (SGLang's `rid`; /abort_request takes them),
+    or None (fresh ones). An id already in flight is a 400."""
+    if body.rid is None:
+        return None
+    rids = [body.rid] if isinstance(body.rid, str) else body.rid
+    if len(rids) != n_prompts:
+        return ApiError(400, f"rid has {len(rids)} ids for {n_prompts} prompts", "rid")
+    if len(set(rids)) < len(rids) or any(not r or CHOICE_SEP in r for r in rids):
+        return ApiError(400, f"rid must be distinct non-empty ids without {CHOICE_SEP!r}", "rid")
+    live = [r for r in rids if r in serving.client.queues
+            or any(q.startswith(r + CHOICE_SEP) for q in serving.client.queues)]  # fmt: skip
+    if live:
+        return ApiError(400, f"rid {live[0]!r} is in flight", "rid")
+    return rids
+
+
 def finish_reason(c: ChoiceState) -> dict[str, Any] | None:
-    """SGLang's finish_reason: {"type": "stop", "matched": the stop string or id} or
-    {"type": "length", "length": max_new_tokens}."""
+    """SGLang's finish_reason: {"type": "stop", "matched": the stop string or id},
+    {"type": "length", "length": max_new_tokens} or {"type": "abort"} (/abort_request)."""
     if not c.finished:
         return None
     if c.finish_reason == "length":
         return {"type": "length", "length": c.params.max_new_tokens}
+    if c.finish_reason == "abort":
+        return {"type": "abort", "message": "aborted by /abort_request"}
     return {"type": "stop", "matched": c.matched_stop}
 
 
@@ -298,9 +334,10 @@ async def create_generate(serving: Serving, body: GenerateRequest, request: Requ
         if isinstance(p, ApiError):
             return p.response()
         params.append(p)
-    reqs = serving.make_reqs(prompts, params, n, body.stream)
-    rids = [body.rid] if isinstance(body.rid, str) else list(body.rid or [])
-    ids_out = [rids[i] if i < len(rids) else new_id("gen") for i in range(len(reqs))]
+    rids = request_ids(serving, body, len(prompts), n)
+    if isinstance(rids, ApiError):
+        return rids.response()
+    reqs = serving.make_reqs(prompts, params, n, body.stream, rids)
     tok = serving.tokenizer
 
     def make_choice(i: int, pi: int) -> ChoiceState:
@@ -313,7 +350,7 @@ async def create_generate(serving: Serving, body: GenerateRequest, request: Requ
 
     def answer(c: ChoiceState) -> dict[str, Any]:
         meta: dict[str, Any] = {
-            "id": ids_out[c.index], "finish_reason": finish_reason(c),
+            "id": reqs[c.index].rid, "finish_reason": finish_reason(c),
             "prompt_tokens": c.prompt_tokens, "completion_tokens": c.completion_tokens,
             "cached_tokens": c.cached_tokens, "e2e_latency": time.monotonic() - start,
         }  # fmt: skip

@@ -163,7 +163,8 @@ class Metrics:
 
     def request_aborted(self, endpoint: str, reason: str) -> None:
         """`reason`: client_disconnected (the client hung up), shutdown (cut at the drain
-        timeout) or error (another choice of the same call failed)."""
+        timeout), abort_request (SGLang's route) or error (another choice of the same call
+        failed)."""
         self._requests.labels(self.model_name, endpoint, "abort").inc()
         self._aborted.labels(self.model_name, endpoint, reason).inc()
 

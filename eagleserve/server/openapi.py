@@ -8,7 +8,12 @@ from typing import Any
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
-from eagleserve.server.generate import GenerateAnswer, GenerateRequest
+from eagleserve.server.generate import (
+    AbortRequest,
+    AbortResult,
+    GenerateAnswer,
+    GenerateRequest,
+)
 from eagleserve.server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -27,6 +32,7 @@ API_BODIES: dict[str, tuple[type[BaseModel], type[BaseModel]]] = {
     "/tokenize": (TokenizeRequest, TokenizeResponse),
     "/detokenize": (DetokenizeRequest, DetokenizeResponse),
     "/generate": (GenerateRequest, GenerateAnswer),
+    "/abort_request": (AbortRequest, AbortResult),
 }
 
 

@@ -23,7 +23,7 @@ from eagleserve.sampling_params import (
     check_prompt,
 )
 from eagleserve.server.choices import ChoiceState
-from eagleserve.server.engine_client import EngineClient, RequestStream
+from eagleserve.server.engine_client import CHOICE_SEP, EngineClient, RequestStream
 from eagleserve.server.metrics import Metrics
 from eagleserve.server.protocol import MAX_N, _SamplingFields, error_body
 
@@ -130,15 +130,23 @@ class Serving:
         return api_error(params.validate(vocab)) or params
 
     def make_reqs(
-        self, prompts: list[list[int]], params: list[SamplingParams], n: int, stream: bool
+        self,
+        prompts: list[list[int]],
+        params: list[SamplingParams],
+        n: int,
+        stream: bool,
+        rids: list[str] | None = None,
     ) -> list[GenerateReqInput]:
-        """n requests per prompt (choice index = prompt * n + j); seeds j apart, mod 2^63."""
+        """n requests per prompt (choice index = prompt * n + j); seeds j apart, mod 2^63.
+        Request ids: `rids`' (one per prompt; choice j of n > 1 is `rid#j`), else fresh ones."""
         reqs = []
-        for ids, p in zip(prompts, params, strict=True):
+        for i, (ids, p) in enumerate(zip(prompts, params, strict=True)):
             for j in range(n):
                 seed = None if p.seed is None else (p.seed + j) % SEED_BOUND
                 sp = SamplingParams(**{**p.__dict__, "seed": seed, "stop": list(p.stop)})
-                reqs.append(GenerateReqInput(f"req-{uuid.uuid4().hex}", list(ids), sp, stream))
+                rid = f"req-{uuid.uuid4().hex}" if rids is None else rids[i]
+                rid = rid if rids is None or n == 1 else f"{rid}{CHOICE_SEP}{j}"
+                reqs.append(GenerateReqInput(rid, list(ids), sp, stream))
         return reqs
 
 
@@ -182,8 +190,8 @@ class Tracker:
             m.queue_time.observe(out.queue_time_s)
             m.prefill_time.observe(out.prefill_time_s)
         delta = choice.feed(out)
-        if out.finished and out.finish_reason == "abort":  # cut by the server's shutdown
-            m.request_aborted(self.endpoint, "shutdown")
+        if out.finished and out.finish_reason == "abort":  # the shutdown's cut, or /abort_request
+            m.request_aborted(self.endpoint, "shutdown" if out.error else "abort_request")
         elif out.finished:
             reason = choice.finish_reason or "unknown"
             m.request_finished(

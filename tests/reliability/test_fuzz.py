@@ -24,7 +24,7 @@ schemathesis = pytest.importorskip("schemathesis")
 OPERATIONS = [("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
               ("POST", "/tokenize"), ("POST", "/detokenize"), ("GET", "/v1/models"),
               ("GET", "/health"), ("GET", "/health_generate"), ("GET", "/version"),
-              ("POST", "/generate")]  # fmt: skip
+              ("POST", "/generate"), ("POST", "/abort_request")]  # fmt: skip
 MAX_EXAMPLES = 60
 EXAMPLES = {"/v1/completions": COMPLETION_EXAMPLES, "/v1/chat/completions": CHAT_EXAMPLES,
             "/tokenize": TOKENIZE_EXAMPLES, "/generate": GENERATE_EXAMPLES}  # fmt: skip

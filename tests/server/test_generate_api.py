@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import json
 import random
+import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
 import jsonschema
 import pytest
 from server_fixtures import (  # noqa: F401 (fixtures)
+    base_url_fixture,
     http_fixture,
     server_fixture,
     tokenizer_fixture,
@@ -184,3 +187,49 @@ def test_sglangs_info_routes(http: httpx.Client) -> None:
     for path in ("/get_model_info", "/model_info"):
         model = http.get(path).json()
         assert model["is_generation"] and model["model_path"]
+
+
+LONG = {"temperature": 0, "max_new_tokens": 1500, "ignore_eos": True}
+
+
+def test_abort_request_ends_a_generation_by_its_rid(http: httpx.Client) -> None:
+    """A streamed /generate sent with a rid, aborted after its first events: it ends at once
+    with finish_reason abort and what it made so far; the rid is free again after, and a rid in
+    flight is a 400."""
+    rid = f"abort-me-{random.randrange(10**9)}"
+    body = {"text": random.choice(PROMPTS), "rid": rid, "stream": True, "sampling_params": LONG}
+    events: list[dict[str, Any]] = []
+    with http.stream("POST", "/generate", json=body) as resp:
+        for line in resp.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            events.append(json.loads(line[6:]))
+            if len(events) == 2:
+                again = http.post("/generate", json={**body, "stream": False})
+                assert again.status_code == 400 and again.json()["error"]["param"] == "rid"
+                assert http.post("/abort_request", json={"rid": rid}).json() == {"aborted": 1}
+    last = events[-1]
+    assert last["meta_info"]["finish_reason"]["type"] == "abort"
+    assert last["meta_info"]["id"] == rid
+    assert 0 < last["meta_info"]["completion_tokens"] < 1500
+    assert len(last["output_ids"]) == last["meta_info"]["completion_tokens"]
+    assert http.post("/abort_request", json={"rid": rid}).json() == {"aborted": 0}
+    short = generate(http, text="Hi", rid=rid, sampling_params={"max_new_tokens": 2})
+    assert short["meta_info"]["id"] == rid
+
+
+def test_abort_all_ends_every_request(http: httpx.Client, base_url: str) -> None:
+    """abort_all: two long requests (one with n = 2) end with what they made, as abort."""
+    bodies = [{"text": p, "sampling_params": {**LONG, "n": n}} for p, n in zip(PROMPTS, (1, 2))]
+    with ThreadPoolExecutor(2) as pool:
+        futures = [pool.submit(httpx.post, base_url.removesuffix("/v1") + "/generate", json=b,
+                               timeout=120) for b in bodies]  # fmt: skip
+        deadline = time.monotonic() + 60
+        while http.get("/get_server_info").json()["internal_states"][0]["num_running_reqs"] < 3:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert http.post("/abort_request", json={"abort_all": True}).json() == {"aborted": 3}
+        answers = [f.result().json() for f in futures]
+    flat = [answers[0], *answers[1]]
+    assert all(a["meta_info"]["finish_reason"]["type"] == "abort" for a in flat)
+    assert all(a["meta_info"]["completion_tokens"] < 1500 for a in flat)
