@@ -63,6 +63,8 @@ class SamplingParams:
     # (constrained/output_constraint.py).
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] = field(default_factory=list)
+    # vLLM's: set, the request shares no prefix-cache KV with others (mem_cache/prefix_cache.py).
+    cache_salt: str | None = None
 
     @property
     def is_greedy(self) -> bool:
@@ -116,6 +118,8 @@ class SamplingParams:
             if any(t < 0 or (vocab_size and t >= vocab_size) for t in self.allowed_token_ids):
                 msg = f"allowed_token_ids must be token ids in [0, {vocab_size})"
                 return RequestError(msg, "allowed_token_ids")
+        if self.cache_salt is not None and not self.cache_salt:
+            return RequestError("cache_salt must be a non-empty string", "cache_salt")
         if any(not w.strip() for w in self.bad_words):
             return RequestError("bad_words must not be empty or only blanks", "bad_words")
         if len(self.bad_words) > MAX_BAD_WORDS:

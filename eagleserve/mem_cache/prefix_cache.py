@@ -13,7 +13,9 @@ needs anyway.
 
 Which positions are inserted (`cacheable_len`): committed ones only (never verify slots that
 were not accepted), less the newest `draft_lag` ones, whose head KV adaptive speculation has
-not written yet (spec/draft_lag.py).
+not written yet (spec/draft_lag.py). A request with vLLM's `cache_salt` neither reads nor
+writes the tree: no other request can learn from its timing what it held (vLLM shares KV among
+requests of one salt; isolating each is the same outputs, slower for repeated prefixes).
 """
 
 from __future__ import annotations
@@ -98,10 +100,12 @@ class PrefixCache:
         fill = req.fill_ids
         node, prefix_len = None, 0
         if self.tree is not None:
-            # Prompt logprobs need every prompt position computed: such a request matches
-            # nothing (it still caches its positions when it finishes).
-            scored = req.sampling_params.prompt_logprobs is not None
-            slots, node = self.tree.match_prefix([] if scored else pair_keys(fill, self.vocab_size))
+            # Prompt logprobs need every prompt position computed, and a salted request shares
+            # no KV: such a request matches nothing (the scored one still caches its positions
+            # when it finishes).
+            p = req.sampling_params
+            alone = p.prompt_logprobs is not None or p.cache_salt is not None
+            slots, node = self.tree.match_prefix([] if alone else pair_keys(fill, self.vocab_size))
             prefix_len = slots.numel()
             self.tree.lock(node)
             if prefix_len:
@@ -123,6 +127,7 @@ class PrefixCache:
         assert idx is not None
         node, prefix_len = self._held.pop(idx)
         slots = self.req_to_token_pool.row_slots(idx, req.kv_allocated_len)
+        cache = cache and req.sampling_params.cache_salt is None
         valid = cacheable_len(req) if cache and self.tree is not None else 0
         if self.tree is not None and valid > prefix_len:
             keys = pair_keys(req.fill_ids[: valid + 1], self.vocab_size)

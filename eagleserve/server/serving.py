@@ -125,6 +125,7 @@ class Serving:
             grammar=grammar,
             allowed_token_ids=body.allowed_token_ids,
             bad_words=list(body.bad_words or []),
+            cache_salt=body.cache_salt,
         )
         vocab = self.client.ready.vocab_size if self.client.ready else 0
         return api_error(params.validate(vocab)) or params

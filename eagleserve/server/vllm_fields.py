@@ -10,8 +10,9 @@ tokens, its special tokens included), and the output constraints, in vLLM's olde
 (`structured_outputs` with `json`, `regex`, `choice`, `grammar`, `json_object`), mapped onto the
 same grammars as `response_format` and SGLang's `regex` / `ebnf` (server/structured.py), and
 `allowed_token_ids` and `bad_words` (masks next to a grammar's: constrained/
-output_constraint.py), `prompt_logprobs` (not streamed, as in vLLM) and
-`return_tokens_as_token_ids`. Refused
+output_constraint.py), `prompt_logprobs` (not streamed, as in vLLM),
+`return_tokens_as_token_ids` and `cache_salt` (the request shares no prefix-cache KV).
+Refused
 unless neutral: the fields vLLM honours that change the output and eagleserve does not implement
 (`REFUSED`).
 """
@@ -51,6 +52,9 @@ class VllmFields(BaseModel):
     bad_words: list[str] | None = None
     prompt_logprobs: int | None = None  # -1 (the whole vocabulary) is refused, as vLLM's default
     return_tokens_as_token_ids: bool | None = None
+    cache_salt: str | None = None
+    priority: int = 0
+    logits_processors: list[Any] | None = None
 
 
 # (field, is-neutral test, what is accepted) for the vLLM fields eagleserve does not implement.
@@ -59,6 +63,8 @@ REFUSED: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("length_penalty", lambda v: v == 1.0, "1.0"),
     ("spaces_between_special_tokens", bool, "true"),
     ("guided_whitespace_pattern", lambda v: v is None, "null"),
+    ("priority", lambda v: v == 0, "0 (requests are served first come, first served)"),
+    ("logits_processors", lambda v: not v, "null"),
 )  # fmt: skip
 
 

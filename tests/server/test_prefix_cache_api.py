@@ -33,3 +33,23 @@ def test_second_turn_reports_cached_tokens_and_metrics_count_them(http: httpx.Cl
     assert queried == one["usage"]["prompt_tokens"] + two["usage"]["prompt_tokens"]
     assert 0 < metric(http, "eagleserve_prefix_cache_hit_rate") <= 1
     assert metric(http, "eagleserve_kv_cached_tokens") >= cached
+
+
+def test_a_salted_request_shares_no_cached_prefix(http: httpx.Client) -> None:
+    """vLLM's cache_salt: a salted request finds none of a cached prompt, leaves nothing of its
+    own prompt for others, and answers as an unsalted one does."""
+    words = " ".join(random.sample(["river", "stone", "lamp", "cloud", "maple", "harbor"], 5))
+    body = {"max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    cached = lambda r: r["usage"]["prompt_tokens_details"]["cached_tokens"]  # noqa: E731
+    plain = http.post("/v1/completions", json={**body, "prompt": f"Words: {words}."}).json()
+    salted = http.post("/v1/completions", json={**body, "prompt": f"Words: {words}.",
+                                                "cache_salt": "tenant-a"}).json()  # fmt: skip
+    assert cached(salted) == 0 and salted["choices"][0]["text"] == plain["choices"][0]["text"]
+    again = http.post("/v1/completions", json={**body, "prompt": f"Words: {words}."}).json()
+    assert cached(again) >= plain["usage"]["prompt_tokens"] - 1  # the unsalted one's KV
+    secret = f"Secret {random.randrange(10**9)}: {words}"
+    http.post("/v1/completions", json={**body, "prompt": secret, "cache_salt": "tenant-b"})
+    probe = http.post("/v1/completions", json={**body, "prompt": secret}).json()
+    assert cached(probe) < 3  # nothing of the salted prompt was cached
+    bad = http.post("/v1/completions", json={**body, "prompt": "x", "cache_salt": ""})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "cache_salt"

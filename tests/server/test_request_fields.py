@@ -58,6 +58,8 @@ REJECTED: list[tuple[str, dict[str, Any], str, bool]] = [
     ("/v1/completions", {"prompt_logprobs": 21}, "prompt_logprobs", False),
     ("/v1/chat/completions", {"prompt_logprobs": 0, "stream": True}, "prompt_logprobs", False),
     ("/v1/completions", {"length_penalty": 0.5}, "length_penalty", True),
+    ("/v1/completions", {"priority": 3}, "priority", True),
+    ("/v1/chat/completions", {"logits_processors": ["m.P"]}, "logits_processors", True),
     ("/v1/chat/completions", {"guided_json": "{not json"}, "guided_json", False),
     ("/v1/chat/completions", {"guided_choice": []}, "guided_choice", False),
     ("/v1/completions", {"guided_regex": "a", "regex": "b"}, "guided_regex", False),
@@ -99,6 +101,7 @@ NEUTRAL: list[tuple[str, dict[str, Any]]] = [
                          "skip_special_tokens": True, "spaces_between_special_tokens": True,
                          "length_penalty": 1.0, "truncate_prompt_tokens": None,
                          "allowed_token_ids": None, "bad_words": [], "guided_json": None,
+                         "priority": 0, "logits_processors": None, "cache_salt": None,
                          "structured_outputs": {"regex": None, "disable_fallback": False}}),
 ]  # fmt: skip
 
