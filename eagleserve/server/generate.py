@@ -28,7 +28,7 @@ from eagleserve.server.engine_client import CHOICE_SEP
 from eagleserve.server.protocol import MAX_N
 from eagleserve.server.respond import Endpoint, respond, sse
 from eagleserve.server.serving import ApiError, Serving, Tracker
-from eagleserve.server.structured import checked
+from eagleserve.server.structured import checked, structural_tag_spec
 from eagleserve.server.vllm_fields import guided_spec
 
 
@@ -52,13 +52,13 @@ class NativeSamplingParams(BaseModel):
     json_schema: str | None = None
     regex: str | None = None
     ebnf: str | None = None
+    structural_tag: str | None = None  # xgrammar's form, or SGLang's structures and triggers
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     no_stop_trim: bool = False  # the stop string or token stays in the text
     logit_bias: dict[str, float] | None = None
     sampling_seed: int | None = None
-    # SGLang's, refused unless neutral (NATIVE_REFUSED).
-    structural_tag: str | None = None
+    # SGLang's, refused unless neutral (SAMPLING_REFUSED).
     spaces_between_special_tokens: bool = True
     custom_params: Any = None
 
@@ -137,8 +137,7 @@ NATIVE_REFUSED = (
     "custom_logit_processor", "return_hidden_states", "token_ids_logprob",
 )  # fmt: skip
 # sampling_params' refused fields and their neutral values.
-SAMPLING_REFUSED = (("structural_tag", None), ("custom_params", None),
-                    ("spaces_between_special_tokens", True))  # fmt: skip
+SAMPLING_REFUSED = (("custom_params", None), ("spaces_between_special_tokens", True))
 
 
 def is_set(value: Any) -> bool:
@@ -203,7 +202,8 @@ def native_params(
     serving: Serving, body: GenerateRequest, sp: NativeSamplingParams, prompt_len: int
 ) -> SamplingParams | ApiError:
     given = [(name, v) for name, v in (("json_schema", sp.json_schema), ("regex", sp.regex),
-                                       ("ebnf", sp.ebnf)) if v is not None]  # fmt: skip
+                                       ("ebnf", sp.ebnf), ("structural_tag", sp.structural_tag))
+             if v is not None]  # fmt: skip
     if len(given) > 1:
         param = f"sampling_params.{given[1][0]}"
         return ApiError(400, f"{given[0][0]} and {given[1][0]} cannot be combined", param)
@@ -212,6 +212,8 @@ def native_params(
         name, value = given[0]
         if name == "json_schema":
             spec = guided_spec("guided_json", value)
+        elif name == "structural_tag":
+            spec = structural_tag_spec(value)
         else:
             spec = GrammarSpec("regex" if name == "regex" else "ebnf", value)
         if isinstance(spec, str):

@@ -20,7 +20,7 @@ class StreamOptions(BaseModel):
 
 class ResponseFormat(BaseModel):
     model_config = ConfigDict(extra="allow")  # json_schema's payload (server/structured.py)
-    type: Literal["text", "json_object", "json_schema"]
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
 
 
 Bias = Annotated[float, Field(ge=-100, le=100)]

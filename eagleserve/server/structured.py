@@ -1,6 +1,7 @@
 """A request's output constraint -> the engine's `GrammarSpec`, or a 400 naming the field.
 
-Fields: OpenAI's `response_format` (`json_object`, `json_schema` with `json_schema.schema`),
+Fields: OpenAI's `response_format` (`json_object`, `json_schema` with `json_schema.schema`;
+SGLang's and vLLM's `structural_tag`),
 SGLang's `regex`, `ebnf` and `json_schema` (extra_body) and vLLM's `guided_*` / `structured_outputs`
 (server/vllm_fields.py), at most one of them; chat `tools` go through
 server/tool_calls.py. Each spec is parsed here with xgrammar (no tokenizer needed), so an invalid
@@ -19,12 +20,40 @@ from eagleserve.server.serving import ApiError
 from eagleserve.server.vllm_fields import GUIDED, STRUCTURED_KEYS, guided_spec, structured_fields
 
 
+def structural_tag_spec(value: Any) -> GrammarSpec | str:
+    """SGLang's and vLLM's structural tag (an object, or its JSON text) as xgrammar takes it:
+    its own form (`format`) as is, the older one (`structures` of begin, schema and end, with
+    `triggers`) as the triggered tags it stands for; or what is wrong with it."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            return f"not JSON: {exc}"
+    if not isinstance(value, dict):
+        return "must be a JSON object"
+    if "format" not in value and "structures" in value:
+        structures, triggers = value["structures"], value.get("triggers")
+        if not (isinstance(structures, list) and all(isinstance(s, dict) for s in structures)
+                and isinstance(triggers, list)):  # fmt: skip
+            return "structures must be a list of objects and triggers a list of strings"
+        tags = [{"type": "tag", "begin": s.get("begin"), "end": s.get("end"),
+                 "content": {"type": "json_schema", "json_schema": s.get("schema")}}
+                for s in structures]  # fmt: skip
+        value = {"format": {"type": "triggered_tags", "triggers": triggers, "tags": tags}}
+    return GrammarSpec("structural_tag", json.dumps({**value, "type": "structural_tag"}))
+
+
 def _response_format_spec(body: _SamplingFields) -> GrammarSpec | ApiError | None:
     rf = body.response_format
     if rf is None or rf.type == "text":
         return None
     if rf.type == "json_object":
         return GrammarSpec("json_object")
+    if rf.type == "structural_tag":
+        spec = structural_tag_spec(rf.model_extra or {})
+        if isinstance(spec, str):
+            return ApiError(400, f"response_format: {spec}", "response_format")
+        return spec
     payload = (rf.model_extra or {}).get("json_schema")
     schema = payload.get("schema") if isinstance(payload, dict) else None
     if not isinstance(schema, dict | bool):

@@ -6,6 +6,7 @@ compiles and cache hits show in /metrics. Tool calls: tests/server/test_tool_cal
 from __future__ import annotations
 
 import json
+import random
 import re
 from typing import Any
 
@@ -232,3 +233,39 @@ def test_min_tokens_with_a_grammar_is_a_400(http: httpx.Client) -> None:
     body = {"model": MODEL, "prompt": "x", "max_tokens": 8, "min_tokens": 2, "regex": "a+"}
     r = http.post("/v1/completions", json=body)
     assert r.status_code == 400 and r.json()["error"]["param"] == "min_tokens", r.text
+
+
+def test_structural_tags_in_both_forms(client: openai.OpenAI, http: httpx.Client) -> None:
+    """response_format structural_tag (SGLang's and vLLM's): xgrammar's own form holds the
+    output to the tag; the older form (structures and triggers) compiles to the triggered tags
+    xgrammar's own converter makes of it; /generate takes both as text."""
+    import xgrammar as xgr
+
+    from eagleserve.server.structured import structural_tag_spec
+
+    number = {"type": "integer", "minimum": 0, "maximum": 99}
+    schema = {"type": "object", "properties": {"n": number}, "required": ["n"]}
+    tag = {"type": "structural_tag", "format": {
+        "type": "tag", "begin": "<answer>", "end": "</answer>",
+        "content": {"type": "json_schema", "json_schema": schema}}}  # fmt: skip
+    out = client.completions.create(model=MODEL, prompt="Give a number:", max_tokens=60,
+                                    temperature=0, extra_body={"response_format": tag})  # fmt: skip
+    text = out.choices[0].text
+    assert text.startswith("<answer>") and text.endswith("</answer>"), text
+    jsonschema.validate(json.loads(text[len("<answer>") : -len("</answer>")]), schema)
+    sampling = {"temperature": 0, "max_new_tokens": 60, "structural_tag": json.dumps(tag)}
+    native = http.post("/generate", json={"text": "Give a number:", "sampling_params": sampling})
+    assert native.json()["text"] == text
+    begin = f"<f={random.randrange(100)}>"
+    legacy = {"type": "structural_tag", "triggers": ["<f="],
+              "structures": [{"begin": begin, "schema": schema, "end": "</f>"}]}  # fmt: skip
+    ours = structural_tag_spec(legacy)
+    assert not isinstance(ours, str)
+    theirs = xgr.StructuralTag.from_legacy_structural_tag(
+        [xgr.StructuralTagItem(begin=begin, schema=schema, end="</f>")], ["<f="]
+    )
+    assert xgr.StructuralTag.from_json(ours.value) == theirs
+    resp = http.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8,
+        "response_format": legacy})  # fmt: skip
+    assert resp.status_code == 200, resp.text
