@@ -193,4 +193,5 @@ async def create_chat(serving: Serving, body: ChatCompletionRequest, request: Re
                                       usage=usage, prompt_logprobs=scores)  # fmt: skip
 
     endpoint = Endpoint(prelude, delta, lambda usage: chunk([], usage), whole)
-    return await respond(serving, request, reqs, tracker, body, endpoint)
+    beams = serving.beam_search(reqs, body, top if body.logprobs else None)
+    return await respond(serving, request, reqs, tracker, body, endpoint, beams)

@@ -147,4 +147,5 @@ async def create_completion(
         return response(choices, usage_of(tracker.ordered))
 
     endpoint = Endpoint(prelude, delta, lambda usage: sse(response([], usage)), whole)
-    return await respond(serving, request, reqs, tracker, body, endpoint)
+    beams = serving.beam_search(reqs, body, body.logprobs)
+    return await respond(serving, request, reqs, tracker, body, endpoint, beams)

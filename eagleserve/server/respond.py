@@ -15,7 +15,7 @@ from starlette.types import Receive, Scope, Send
 
 from eagleserve.messages import GenerateReqInput, TokenOutput
 from eagleserve.server.choices import ChoiceState, usage_of
-from eagleserve.server.serving import Serving, Tracker, run_to_end
+from eagleserve.server.serving import OutputStream, Serving, Tracker, run_to_end
 
 CLIENT_CLOSED = 499
 
@@ -66,10 +66,12 @@ async def respond(
     tracker: Tracker,
     body: StreamOptions,
     endpoint: Endpoint,
+    stream: OutputStream | None = None,
 ) -> Response:
     """Runs the requests; answers one JSON body, or a stream of chunks ending in [DONE] (an
     engine fault or a cut at shutdown ends it with an error event first)."""
-    stream = serving.client.generate(reqs)
+    if stream is None:  # else the requests run in it (beam search)
+        stream = serving.client.generate(reqs)
     if not body.stream:
         if not await run_to_end(request, stream, tracker):
             return Response(status_code=CLIENT_CLOSED)

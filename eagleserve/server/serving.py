@@ -22,6 +22,7 @@ from eagleserve.sampling_params import (
     check_budget,
     check_prompt,
 )
+from eagleserve.server.beam_search import BeamSearchStream, BeamSettings
 from eagleserve.server.choices import ChoiceState
 from eagleserve.server.engine_client import CHOICE_SEP, EngineClient, RequestStream
 from eagleserve.server.metrics import Metrics
@@ -76,6 +77,17 @@ class Serving:
         if self.tokenizer is None:
             return ApiError(400, "this model has no tokenizer: send token ids", "prompt")
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def beam_search(
+        self, reqs: list[GenerateReqInput], body: _SamplingFields, logprobs: int | None
+    ) -> BeamSearchStream | None:
+        """vLLM's beam search over `reqs` (n choices a prompt: its beams) when `body` asks for
+        it, with `logprobs` alternatives a token in the answer; else None."""
+        if not body.use_beam_search:
+            return None
+        eos = None if body.ignore_eos else getattr(self.tokenizer, "eos_token_id", None)
+        settings = BeamSettings(body.n, eos, body.length_penalty, logprobs)
+        return BeamSearchStream(self.client, reqs, settings)
 
     def truncated(self, ids: list[int], body: _SamplingFields) -> list[int]:
         """vLLM's truncate_prompt_tokens: only the prompt's last k ids (left truncation)."""
@@ -151,6 +163,10 @@ class Serving:
         return reqs
 
 
+# What a call's outputs come from: the engine's requests, or vLLM's beam search over them.
+OutputStream = RequestStream | BeamSearchStream
+
+
 class Tracker:
     """Feeds outputs to their choices and records latency / token metrics of one API call."""
 
@@ -200,7 +216,7 @@ class Tracker:
             )
         return choice, delta
 
-    def close(self, stream: RequestStream) -> None:
+    def close(self, stream: OutputStream) -> None:
         """Ends the API call however it ended (idempotent): choices that had not finished were
         aborted, because the client went away or a sibling choice failed; the engine is told
         to drop them."""
@@ -220,14 +236,14 @@ class Tracker:
         return sorted(self.choices.values(), key=lambda c: c.index)
 
 
-async def collect(stream: RequestStream, tracker: Tracker) -> None:
+async def collect(stream: OutputStream, tracker: Tracker) -> None:
     async for out in stream:
         tracker.feed(out)
         if tracker.error is not None:
             return
 
 
-async def run_to_end(request: Request, stream: RequestStream, tracker: Tracker) -> bool:
+async def run_to_end(request: Request, stream: OutputStream, tracker: Tracker) -> bool:
     """Runs every request to the end; aborts them if the client leaves first. True if done."""
     work = asyncio.create_task(collect(stream, tracker))
     gone = asyncio.create_task(wait_disconnect(request))

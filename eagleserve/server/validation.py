@@ -11,6 +11,7 @@ value, so clients that always send the defaults (e.g. `tools: []`) keep working.
 
 from __future__ import annotations
 
+from eagleserve.server.beam_search import MAX_BEAM_WIDTH
 from eagleserve.server.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
 from eagleserve.server.serving import ApiError
 from eagleserve.server.vllm_fields import REFUSED
@@ -49,6 +50,37 @@ def check_prompt_logprobs(body: _SamplingFields) -> ApiError | None:
     return None
 
 
+# Fields beam search does not take (server/beam_search.py), and their neutral values (None
+# and empty ones are neutral too).
+NOT_WITH_BEAMS = {
+    "stop": None, "stop_token_ids": None, "presence_penalty": 0, "frequency_penalty": 0,
+    "repetition_penalty": 1, "min_tokens": 0, "logit_bias": None, "response_format": None,
+    "regex": None, "ebnf": None, "json_schema": None, "guided_json": None, "guided_regex": None,
+    "guided_choice": None, "guided_grammar": None, "structured_outputs": None,
+    "allowed_token_ids": None, "bad_words": None, "prompt_logprobs": None,
+}  # fmt: skip
+
+
+def check_beam_search(body: _SamplingFields) -> ApiError | None:
+    """vLLM's use_beam_search: n beams (at most MAX_BEAM_WIDTH), length_penalty; the fields
+    that would change a sampled answer's tokens are refused with it."""
+    if not body.use_beam_search:
+        if body.length_penalty != 1.0:
+            return ApiError(400, "length_penalty needs use_beam_search", "length_penalty")
+        return None
+    if body.n > MAX_BEAM_WIDTH:
+        msg = f"use_beam_search takes n (the beam width) up to {MAX_BEAM_WIDTH}"
+        return ApiError(400, msg, "n")
+    for name, neutral in NOT_WITH_BEAMS.items():
+        value = getattr(body, name)
+        if value is None or value == neutral or value in ([], {}, ""):
+            continue
+        if name == "response_format" and value.type == "text":
+            continue
+        return ApiError(400, f"{name} cannot be combined with use_beam_search", name)
+    return None
+
+
 def check_logit_bias_keys(body: _SamplingFields) -> ApiError | None:
     """OpenAI's keys are token ids as strings (decimal digits); the vocabulary bound is checked
     with the other sampling parameters."""
@@ -60,6 +92,8 @@ def check_logit_bias_keys(body: _SamplingFields) -> ApiError | None:
 
 
 def check_completion(body: CompletionRequest) -> ApiError | None:
+    if body.use_beam_search and body.echo:
+        return ApiError(400, "echo cannot be combined with use_beam_search", "echo")
     if body.max_tokens == 0 and not body.echo:
         msg = "max_tokens 0 needs echo: it returns the prompt (with logprobs, its scores) only"
         return ApiError(400, msg, "max_tokens")
@@ -73,6 +107,8 @@ def check_completion(body: CompletionRequest) -> ApiError | None:
 
 
 def check_chat(body: ChatCompletionRequest) -> ApiError | None:
+    if body.use_beam_search and body.tools:
+        return ApiError(400, "tools cannot be combined with use_beam_search", "tools")
     if body.top_logprobs and not body.logprobs:
         msg = "top_logprobs needs logprobs set to true"  # as vLLM and OpenAI answer
         return ApiError(400, msg, "top_logprobs")
@@ -93,7 +129,8 @@ def check_chat(body: ChatCompletionRequest) -> ApiError | None:
 
 def check_request(body: CompletionRequest | ChatCompletionRequest) -> ApiError | None:
     """The first field of `body` the server cannot honour, as a 400; None when all are fine."""
-    err = check_logit_bias_keys(body) or check_shared(body) or check_prompt_logprobs(body)
+    err = (check_logit_bias_keys(body) or check_shared(body) or check_prompt_logprobs(body)
+           or check_beam_search(body))  # fmt: skip
     if err is not None:
         return err
     if isinstance(body, CompletionRequest):

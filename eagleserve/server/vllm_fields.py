@@ -59,8 +59,6 @@ class VllmFields(BaseModel):
 
 # (field, is-neutral test, what is accepted) for the vLLM fields eagleserve does not implement.
 REFUSED: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
-    ("use_beam_search", lambda v: not v, "false"),
-    ("length_penalty", lambda v: v == 1.0, "1.0"),
     ("spaces_between_special_tokens", bool, "true"),
     ("guided_whitespace_pattern", lambda v: v is None, "null"),
     ("priority", lambda v: v == 0, "0 (requests are served first come, first served)"),
