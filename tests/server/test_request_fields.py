@@ -48,7 +48,9 @@ REJECTED: list[tuple[str, dict[str, Any], str, bool]] = [
      "messages.0.content.0.type", True),
     ("/v1/chat/completions", {"top_logprobs": 3}, "top_logprobs", False),
     # vLLM's extensions that change the output and are not implemented (server/vllm_fields.py)
-    ("/v1/completions", {"use_beam_search": True}, "use_beam_search", True),
+    ("/v1/completions", {"use_beam_search": True, "n": 12}, "n", False),
+    ("/v1/completions", {"spaces_between_special_tokens": False},
+     "spaces_between_special_tokens", True),
     ("/v1/chat/completions", {"echo": True}, "echo", True),
     ("/v1/chat/completions", {"allowed_token_ids": []}, "allowed_token_ids", False),
     ("/v1/completions", {"allowed_token_ids": [5, 99999999]}, "allowed_token_ids", False),
@@ -57,7 +59,7 @@ REJECTED: list[tuple[str, dict[str, Any], str, bool]] = [
     ("/v1/completions", {"prompt_logprobs": -1}, "prompt_logprobs", True),
     ("/v1/completions", {"prompt_logprobs": 21}, "prompt_logprobs", False),
     ("/v1/chat/completions", {"prompt_logprobs": 0, "stream": True}, "prompt_logprobs", False),
-    ("/v1/completions", {"length_penalty": 0.5}, "length_penalty", True),
+    ("/v1/completions", {"length_penalty": 0.5}, "length_penalty", False),  # beams only
     ("/v1/completions", {"priority": 3}, "priority", True),
     ("/v1/chat/completions", {"logits_processors": ["m.P"]}, "logits_processors", True),
     ("/v1/chat/completions", {"guided_json": "{not json"}, "guided_json", False),
