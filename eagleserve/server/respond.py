@@ -1,5 +1,5 @@
-"""What the OpenAI handlers share: one JSON body or a stream of server-sent events, the
-engine's requests aborted however the response ends."""
+"""What the generation handlers (OpenAI's two, SGLang's /generate) share: one JSON body or a
+stream of server-sent events, the engine's requests aborted however the response ends."""
 
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ def sse(obj: Any) -> str:
 
 @dataclass
 class Endpoint:
-    """What differs between the two OpenAI handlers; `respond` is the path they share."""
+    """What differs between the handlers; `respond` is the path they share."""
 
     prelude: Callable[[], list[str]]  # SSE events before any token (echo, the role)
     delta: Callable[[ChoiceState, str, TokenOutput], str | None]  # new text -> an SSE event
