@@ -63,7 +63,7 @@ class SamplingParams:
     # (constrained/output_constraint.py).
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] = field(default_factory=list)
-    # vLLM's: set, the request shares no prefix-cache KV with others (mem_cache/prefix_cache.py).
+    # vLLM's: set, the request shares prefix-cache KV only with requests of the same salt.
     cache_salt: str | None = None
 
     @property

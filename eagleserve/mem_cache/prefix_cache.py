@@ -13,12 +13,14 @@ needs anyway.
 
 Which positions are inserted (`cacheable_len`): committed ones only (never verify slots that
 were not accepted), less the newest `draft_lag` ones, whose head KV adaptive speculation has
-not written yet (spec/draft_lag.py). A request with vLLM's `cache_salt` neither reads nor
-writes the tree: no other request can learn from its timing what it held (vLLM shares KV among
-requests of one salt; isolating each is the same outputs, slower for repeated prefixes).
+not written yet (spec/draft_lag.py). A request with vLLM's `cache_salt` keys its positions in
+its salt's own range (`salt_offset`): it shares KV only with requests of the same salt, as in
+vLLM, so no other tenant can learn from timing what its prompts held.
 """
 
 from __future__ import annotations
+
+import hashlib
 
 from eagleserve.core import FinishReason, Req
 from eagleserve.mem_cache.kv_cache import ReqToTokenPool, TokenToKVPool
@@ -27,9 +29,20 @@ from eagleserve.mem_cache.radix_cache import RadixCache, TreeNode
 EVICT_STEPS = 64
 
 
-def pair_keys(token_ids: list[int], vocab_size: int) -> list[int]:
-    """Key of position p: t[p] * vocab + t[p+1]; one key fewer than tokens."""
-    return [a * vocab_size + b for a, b in zip(token_ids, token_ids[1:])]
+def pair_keys(token_ids: list[int], vocab_size: int, salt: str | None = None) -> list[int]:
+    """Key of position p: t[p] * vocab + t[p+1], moved into the salt's own range of keys
+    (`salt_offset`); one key fewer than tokens."""
+    offset = salt_offset(salt, vocab_size)
+    return [offset + a * vocab_size + b for a, b in zip(token_ids, token_ids[1:])]
+
+
+def salt_offset(salt: str | None, vocab_size: int) -> int:
+    """0 without a salt; else (1 + a 64-bit hash of it) * vocab^2: the keys of each salt fill
+    a range of their own, so requests share cached KV only with requests of the same salt."""
+    if salt is None:
+        return 0
+    digest = hashlib.blake2b(salt.encode(), digest_size=8).digest()
+    return (1 + int.from_bytes(digest, "big")) * vocab_size * vocab_size
 
 
 def cacheable_len(req: Req) -> int:
@@ -100,12 +113,11 @@ class PrefixCache:
         fill = req.fill_ids
         node, prefix_len = None, 0
         if self.tree is not None:
-            # Prompt logprobs need every prompt position computed, and a salted request shares
-            # no KV: such a request matches nothing (the scored one still caches its positions
-            # when it finishes).
+            # Prompt logprobs need every prompt position computed: such a request matches
+            # nothing (it still caches its positions when it finishes).
             p = req.sampling_params
-            alone = p.prompt_logprobs is not None or p.cache_salt is not None
-            slots, node = self.tree.match_prefix([] if alone else pair_keys(fill, self.vocab_size))
+            keys = pair_keys(fill, self.vocab_size, p.cache_salt)
+            slots, node = self.tree.match_prefix([] if p.prompt_logprobs is not None else keys)
             prefix_len = slots.numel()
             self.tree.lock(node)
             if prefix_len:
@@ -127,10 +139,11 @@ class PrefixCache:
         assert idx is not None
         node, prefix_len = self._held.pop(idx)
         slots = self.req_to_token_pool.row_slots(idx, req.kv_allocated_len)
-        cache = cache and req.sampling_params.cache_salt is None
         valid = cacheable_len(req) if cache and self.tree is not None else 0
         if self.tree is not None and valid > prefix_len:
-            keys = pair_keys(req.fill_ids[: valid + 1], self.vocab_size)
+            keys = pair_keys(
+                req.fill_ids[: valid + 1], self.vocab_size, req.sampling_params.cache_salt
+            )
             present = self.tree.insert(keys, slots[:valid])
             # The locked path is in the tree, so at least the prefix was already there.
             assert present >= prefix_len, (present, prefix_len)

@@ -11,7 +11,7 @@ tokens, its special tokens included), and the output constraints, in vLLM's olde
 same grammars as `response_format` and SGLang's `regex` / `ebnf` (server/structured.py), and
 `allowed_token_ids` and `bad_words` (masks next to a grammar's: constrained/
 output_constraint.py), `prompt_logprobs` (not streamed, as in vLLM),
-`return_tokens_as_token_ids` and `cache_salt` (the request shares no prefix-cache KV).
+`return_tokens_as_token_ids` and `cache_salt` (prefix-cache KV shared within a salt only).
 Refused
 unless neutral: the fields vLLM honours that change the output and eagleserve does not implement
 (`REFUSED`).
