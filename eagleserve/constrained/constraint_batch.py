@@ -40,6 +40,12 @@ class BatchConstraint:
             return None
         return cls(rows, [reqs[i].constraint for i in rows], len(reqs), vocab_size)
 
+    @property
+    def reads_tokens(self) -> bool:
+        """Whether a row's masks depend on its tokens (a grammar, bad words); only such a batch
+        reads them to the host (allowed_token_ids alone is the same mask everywhere)."""
+        return any(c.stateful for c in self.constraints)
+
     def _bitmask(self, n: int) -> torch.Tensor:
         return torch.full((n, (self.vocab_size + BITS - 1) // BITS), -1, dtype=torch.int32)
 
@@ -55,6 +61,8 @@ class BatchConstraint:
 
     def advance(self, tokens: torch.Tensor, lens: torch.Tensor | None = None) -> None:
         """Commits tokens [bs] (one per row) or [bs, w] with lens [bs] valid per row."""
+        if not self.reads_tokens:
+            return
         host = tokens.tolist()
         counts = [1] * len(host) if lens is None else lens.tolist()
         for row, g in zip(self.rows, self.constraints):
@@ -68,6 +76,8 @@ class BatchConstraint:
         node 0 is the committed root)."""
         bs, n = tokens.shape
         bm = self._bitmask(bs * n)
+        if not self.reads_tokens:
+            return self._fill_fixed(bm, n, device).view(bs, n, -1)
         idx = tensor_to(self.rows, torch.long, tokens.device)
         toks, pars = tokens[idx].tolist(), parents[idx].tolist()
         for k, (row, g) in enumerate(zip(self.rows, self.constraints)):
@@ -79,8 +89,18 @@ class BatchConstraint:
         """paths [bs, b, d]: draft tokens of each branch -> [bs * b, V] masks after them."""
         bs, b, _ = paths.shape
         bm = self._bitmask(bs * b)
+        if not self.reads_tokens:
+            return self._fill_fixed(bm, b, device)
         idx = tensor_to(self.rows, torch.long, paths.device)
         host = paths[idx].tolist()
         for k, (row, g) in enumerate(zip(self.rows, self.constraints)):
             g.fill_paths(host[k], bm, row * b)
         return self._unpack(bm, device)
+
+    def _fill_fixed(
+        self, bitmask: torch.Tensor, per_row: int, device: torch.device
+    ) -> torch.Tensor:
+        """Masks that depend on no token: each row's `per_row` entries all get its mask."""
+        for row, g in zip(self.rows, self.constraints):
+            g.fill_paths([[]] * per_row, bitmask, row * per_row)
+        return self._unpack(bitmask, device)

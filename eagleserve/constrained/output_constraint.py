@@ -91,6 +91,11 @@ class OutputConstraint:
         self.words = (vocab_size + BITS - 1) // BITS  # int32 words per bitmask row
         self.end_row = token_bitmask([end], vocab_size)
 
+    @property
+    def stateful(self) -> bool:
+        """Whether its masks depend on the tokens (all but allowed_token_ids alone)."""
+        return not all(isinstance(p, AllowedTokens) for p in self.parts)
+
     def accept(self, tokens: list[int]) -> None:
         for part in self.parts:
             part.accept(tokens)

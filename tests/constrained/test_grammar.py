@@ -19,6 +19,7 @@ from eagleserve.constrained.grammar import (
     check_grammar,
 )
 from eagleserve.constrained.grammar_mask import unpack_bitmask
+from eagleserve.constrained.output_constraint import OutputConstraint
 from eagleserve.core import Req
 from eagleserve.sampling_params import GrammarSpec, SamplingParams
 
@@ -39,7 +40,7 @@ def ids(text: str, backend: GrammarBackend) -> list[int]:
     return backend.tokenizer.encode(text, add_special_tokens=False)
 
 
-def mask_of(g: RequestGrammar) -> torch.Tensor:
+def mask_of(g: RequestGrammar | OutputConstraint) -> torch.Tensor:
     bm = torch.zeros(1, (TINY_VOCAB + 31) // 32, dtype=torch.int32)
     g.fill(bm, 0)
     return unpack_bitmask(bm, TINY_VOCAB)[0]
@@ -90,7 +91,7 @@ def test_batch_tree_masks_follow_each_nodes_path(backend: GrammarBackend) -> Non
     """Rows without a grammar allow everything; node i of a grammar row has the mask after
     the tokens of nodes on its path (the root's token is already committed)."""
     reqs = [Req("a", [5], SamplingParams()), Req("b", [5], SamplingParams())]
-    reqs[1].constraint = backend.new_matcher(SPEC)
+    reqs[1].constraint = OutputConstraint([backend.new_matcher(SPEC)], TINY_VOCAB, TINY_EOS)
     reqs[1].constraint.accept(ids('{"a": ', backend))
     bg = BatchConstraint.of_reqs(reqs, TINY_VOCAB)
     assert bg is not None and bg.rows == [1]

@@ -161,3 +161,30 @@ def test_bad_words_encode_as_vllm_with_and_without_a_leading_space(smollm2_dir: 
     assert enc("Paris") != enc(" Paris") and len(enc(" Paris")) == len(enc("Paris"))
     assert got[:2] == [enc("Paris"), enc(" Paris")]
     assert enc("hello world") in got and enc(" hello world") in got[2:]
+
+
+def test_allowed_token_ids_alone_read_no_tokens(char_tokenizer) -> None:  # noqa: ANN001
+    """A batch whose constraints are allowed_token_ids alone never reads its tokens to the host
+    (tokens on the meta device, which cannot be read, go through every method); one with bad
+    words does."""
+    builder = ConstraintBuilder(char_tokenizer, TINY_VOCAB, [TINY_EOS])
+    allowed = random.sample(range(3, TINY_VOCAB), 9)
+    reqs = [Req("a", [5], SamplingParams()), Req("b", [5], SamplingParams())]
+    reqs[1].constraint, _ = builder.build(SamplingParams(allowed_token_ids=allowed))
+    batch = BatchConstraint.of_reqs(reqs, TINY_VOCAB)
+    assert batch is not None and not batch.reads_tokens
+    meta = torch.device("meta")
+    batch.advance(torch.zeros(2, 3, dtype=torch.long, device=meta), torch.ones(2, device=meta))
+    tree = batch.tree_allowed(torch.zeros(2, 4, dtype=torch.long, device=meta),
+                              torch.zeros(2, 4, dtype=torch.long, device=meta),
+                              torch.device("cpu"))  # fmt: skip
+    branches = batch.branch_allowed(torch.zeros(2, 3, 2, dtype=torch.long, device=meta),
+                                    torch.device("cpu"))  # fmt: skip
+    assert tree[0].all() and branches[:3].all()
+    for row in [*tree[1], *branches[3:]]:
+        assert row.nonzero().flatten().tolist() == sorted(allowed)
+    reqs[0].constraint, _ = builder.build(SamplingParams(bad_words=["ab"]))
+    both = BatchConstraint.of_reqs(reqs, TINY_VOCAB)
+    assert both is not None and both.reads_tokens
+    with pytest.raises((NotImplementedError, RuntimeError)):
+        both.advance(torch.zeros(2, dtype=torch.long, device=meta))
