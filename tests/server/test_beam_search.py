@@ -21,8 +21,9 @@ from eagleserve.server.beam_search import Beam, advance_beams, beam_score, best_
 
 
 def random_beams(rng: random.Random, n: int) -> list[Beam]:
-    return [Beam([rng.randrange(50) for _ in range(rng.randint(1, 6))], -rng.random() * 5)
-            for _ in range(n)]  # fmt: skip
+    """n beams, each with tokens of its own (its index last)."""
+    return [Beam([rng.randrange(50) for _ in range(rng.randint(1, 5))] + [100 + i],
+                 -rng.random() * 5) for i in range(n)]  # fmt: skip
 
 
 def test_a_step_keeps_the_best_extensions_and_completes_eos_ones() -> None:
