@@ -1,8 +1,8 @@
 """SGLang's native `POST /generate`: a prompt as text or token ids (or a batch of either) with
 SGLang's `sampling_params`, answered in SGLang's form (`text`, `output_ids`, `meta_info`, with
 `return_logprob` SGLang's logprob fields); streamed, each event holds the answer so far, as
-SGLang's do. `python -m sglang.bench_serving --backend sglang` and SGLang's own clients (RL
-rollouts reading `output_token_logprobs`) run against it.
+SGLang's do: the form `sglang.bench_serving --backend sglang` and RL rollouts (reading
+`output_token_logprobs`) read.
 
 Its sampling_params are checked strictly (an unknown key is a 400 naming it, as SGLang's
 `SamplingParams(**params)` refuses it); what changes the output and is not implemented
