@@ -37,6 +37,8 @@ FIELD_HELP: dict[str, str] = {
     "served_model_name": "model name the API reports and accepts (default: --model)",
     "api_key": "require 'Authorization: Bearer KEY' on /v1/* (default: $EAGLESERVE_API_KEY)",
     "max_request_body_bytes": "larger request bodies get a 413 before they are read",
+    "responses_store_size": "most /v1/responses answers kept in memory for previous_response_id "
+    "and GET /v1/responses/ID, the least recently used dropped first (0: none kept)",
     "random_seed": "seeds the sampling of requests that name no seed: the same requests in the "
     "same order then draw the same tokens on every run (default: OS entropy per request)",
     "speculative_algorithm": "EAGLE or EAGLE3 to turn on speculative decoding",
@@ -151,7 +153,8 @@ def serve_fields() -> list[dataclasses.Field]:
 FIELD_GROUPS: dict[str, tuple[str, ...]] = {
     "model": ("model", "dtype", "kv_cache_dtype", "load_format", "quantization", "context_length",
               "served_model_name"),
-    "server": ("host", "port", "api_key", "max_request_body_bytes", "log_level"),
+    "server": ("host", "port", "api_key", "max_request_body_bytes", "responses_store_size",
+               "log_level"),
     "scheduler": ("max_running_requests", "max_total_tokens", "random_seed",
                   "disable_overlap_schedule", "disable_radix_cache", "chunked_prefill_size",
                   "enable_dynamic_chunking", "enable_mixed_chunk"),

@@ -190,6 +190,9 @@ class ServerArgs:
     # 16 MiB: over 10x the JSON of a 128k-token prompt (~0.5 MB of text, up to 6x for \u
     # escapes), so only abuse or mistakes hit it; tokenizing 16 MB takes ~15 s of a core.
     max_request_body_bytes: int = 16 * 2**20
+    # Responses kept in memory for /v1/responses' previous_response_id and GET, the least
+    # recently used evicted first (server/response_store.py); 0: `store` is answered false.
+    responses_store_size: int = 1000
     # Seeds the sampling of requests that name no `seed` of their own (SGLang's flag name):
     # with it, the same requests in the same order draw the same tokens from one run to the
     # next; without, each such request draws its seed from the OS's entropy.

@@ -40,6 +40,9 @@ from eagleserve.server.protocol import (
     ModelList,
     TokenizeRequest,
 )
+from eagleserve.server.response_store import ResponseStore
+from eagleserve.server.responses import create_response
+from eagleserve.server.responses_protocol import DeletedResponse, ResponseObject, ResponsesRequest
 from eagleserve.server.serving import ApiError, Serving
 from eagleserve.server.sglang_info import model_info, server_info
 from eagleserve.server.tokenization import detokenize, tokenize
@@ -99,6 +102,7 @@ def create_app(args: ServerArgs, client: EngineClient, http: HttpStats | None = 
     http.on_status = metrics.http_response
     client.on_stats = metrics.update_engine_stats
     serving = Serving(args, client, metrics)
+    stored = ResponseStore(args.responses_store_size)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -183,6 +187,34 @@ def create_app(args: ServerArgs, client: EngineClient, http: HttpStats | None = 
         if isinstance(body, Response):
             return body
         return unavailable() or await create_chat(serving, body, request)
+
+    @v1.post("/responses")
+    async def responses(request: Request) -> Response:
+        body = await read_json(request, ResponsesRequest)
+        if isinstance(body, Response):
+            return body
+        return unavailable() or await create_response(serving, stored, body, request)
+
+    def stored_response(response_id: str) -> dict | ApiError:
+        entry = stored.get(response_id)
+        if entry is None:
+            return ApiError(404, f"Response with id '{response_id}' not found.", "response_id")
+        return entry.response
+
+    @v1.get("/responses/{response_id}", response_model=ResponseObject,
+            responses={404: {"model": ErrorResponse, "description": "not stored"}})  # fmt: skip
+    async def get_response(response_id: str) -> Response:
+        found = stored_response(response_id)
+        return found.response() if isinstance(found, ApiError) else JSONResponse(found)
+
+    @v1.delete("/responses/{response_id}", response_model=DeletedResponse,
+               responses={404: {"model": ErrorResponse, "description": "not stored"}})  # fmt: skip
+    async def delete_response(response_id: str) -> Response:
+        found = stored_response(response_id)
+        if isinstance(found, ApiError):
+            return found.response()
+        stored.delete(response_id)
+        return JSONResponse(DeletedResponse(id=response_id).model_dump())
 
     def model_card() -> ModelCard:
         return ModelCard(id=serving.model_name, max_model_len=client.max_context_len or None)

@@ -4,12 +4,13 @@ through the model's chat template, tools and their calls."""
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
 from fastapi.responses import Response
 
-from eagleserve.messages import TokenOutput
+from eagleserve.messages import GenerateReqInput, TokenOutput
 from eagleserve.sampling_params import GrammarSpec
 from eagleserve.server.choices import ChoiceState, PromptScoring, usage_of
 from eagleserve.server.protocol import (
@@ -111,16 +112,37 @@ def chat_constraint(
     return checked(tool_grammar(tools), "tools")
 
 
-async def create_chat(serving: Serving, body: ChatCompletionRequest, request: Request) -> Response:
+@dataclass
+class ChatCall:
+    """A chat request ready to run: its engine requests (n per conversation), the tracker of
+    their choices, and its tool calling (None: free text)."""
+
+    body: ChatCompletionRequest
+    tools: ToolSetup | None
+    reqs: list[GenerateReqInput]
+    tracker: Tracker
+
+    def answer(self, c: ChoiceState) -> tuple[str | None, list[dict[str, Any]], str | None]:
+        """(content, tool calls, finish reason) of a finished choice."""
+        if self.tools is None:
+            return c.text, [], c.finish_reason
+        return tool_answer(c.text, c.finish_reason)
+
+
+async def start_chat(
+    serving: Serving, body: ChatCompletionRequest, endpoint: str
+) -> ChatCall | ApiError:
+    """The conversation's prompt, constraint and sampling parameters, as engine requests whose
+    outputs `endpoint`'s tracker records (the Responses API runs its requests through here)."""
     tools = tool_setup(body)
     if isinstance(tools, ApiError):
-        return tools.response()
+        return tools
     ids = await asyncio.to_thread(chat_prompt, serving, body, tools)  # off the loop: as above
     if isinstance(ids, ApiError):
-        return ids.response()
+        return ids
     grammar = await asyncio.to_thread(chat_constraint, body, tools)
     if isinstance(grammar, ApiError):
-        return grammar.response()
+        return grammar
     max_tokens = body.max_completion_tokens
     if max_tokens is None:
         max_tokens = body.max_tokens
@@ -128,17 +150,23 @@ async def create_chat(serving: Serving, body: ChatCompletionRequest, request: Re
     params = serving.sampling_params(body, max_tokens, len(ids), top if body.logprobs else None,
                                      body.prompt_logprobs, grammar)  # fmt: skip
     if isinstance(params, ApiError):
-        return params.response()
+        return params
     reqs = serving.make_reqs([ids], [params], body.n, body.stream)
     tok = serving.tokenizer
-
     scoring = None if body.prompt_logprobs is None else PromptScoring(ids)
 
     def make_choice(i: int, pi: int) -> ChoiceState:
         return ChoiceState(i, pi, tok, params, prompt=scoring,
                            ids_as_tokens=bool(body.return_tokens_as_token_ids))  # fmt: skip
 
-    tracker = Tracker(serving, "chat", reqs, make_choice, body.n)
+    return ChatCall(body, tools, reqs, Tracker(serving, endpoint, reqs, make_choice, body.n))
+
+
+async def create_chat(serving: Serving, body: ChatCompletionRequest, request: Request) -> Response:
+    call = await start_chat(serving, body, "chat")
+    if isinstance(call, ApiError):
+        return call.response()
+    tools, reqs, tracker, answer = call.tools, call.reqs, call.tracker, call.answer
     rid, model = new_id("chatcmpl"), serving.model_name
     created = now()
 
@@ -153,12 +181,6 @@ async def create_chat(serving: Serving, body: ChatCompletionRequest, request: Re
     def prelude() -> list[str]:
         role = ChatDelta(role="assistant", content="")
         return [chunk([ChatStreamChoice(index=c.index, delta=role)]) for c in tracker.ordered]
-
-    def answer(c: ChoiceState) -> tuple[str | None, list[dict[str, Any]], str | None]:
-        """(content, tool calls, finish reason) of a finished choice."""
-        if tools is None:
-            return c.text, [], c.finish_reason
-        return tool_answer(c.text, c.finish_reason)
 
     def delta(c: ChoiceState, text: str, out: TokenOutput) -> str | None:
         calls: list[dict[str, Any]] = []
@@ -193,5 +215,5 @@ async def create_chat(serving: Serving, body: ChatCompletionRequest, request: Re
                                       usage=usage, prompt_logprobs=scores)  # fmt: skip
 
     endpoint = Endpoint(prelude, delta, lambda usage: chunk([], usage), whole)
-    beams = serving.beam_search(reqs, body, top if body.logprobs else None)
+    beams = serving.beam_search(reqs, body, (body.top_logprobs or 0) if body.logprobs else None)
     return await respond(serving, request, reqs, tracker, body, endpoint, beams)

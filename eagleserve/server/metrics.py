@@ -28,7 +28,8 @@ LENGTH_BUCKETS = tuple(float(m * 10**e) for e in range(6) for m in (1, 2, 5))  #
 P = "eagleserve_"
 # Routes whose responses are counted by path; anything else (404s of random paths) is "other",
 # so a scanner cannot grow the label set without bound.
-ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/models", "/health",
+          "/metrics")  # fmt: skip
 
 
 class Metrics:

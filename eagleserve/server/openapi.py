@@ -25,10 +25,12 @@ from eagleserve.server.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
+from eagleserve.server.responses_protocol import ResponseObject, ResponsesRequest
 
 API_BODIES: dict[str, tuple[type[BaseModel], type[BaseModel]]] = {
     "/v1/completions": (CompletionRequest, CompletionResponse),
     "/v1/chat/completions": (ChatCompletionRequest, ChatCompletionResponse),
+    "/v1/responses": (ResponsesRequest, ResponseObject),
     "/tokenize": (TokenizeRequest, TokenizeResponse),
     "/detokenize": (DetokenizeRequest, DetokenizeResponse),
     "/generate": (GenerateRequest, GenerateAnswer),

@@ -15,7 +15,7 @@ from starlette.types import Receive, Scope, Send
 
 from eagleserve.messages import GenerateReqInput, TokenOutput
 from eagleserve.server.choices import ChoiceState, usage_of
-from eagleserve.server.serving import OutputStream, Serving, Tracker, run_to_end
+from eagleserve.server.serving import ApiError, OutputStream, Serving, Tracker, run_to_end
 
 CLIENT_CLOSED = 499
 
@@ -57,6 +57,11 @@ class Endpoint:
     delta: Callable[[ChoiceState, str, TokenOutput], str | None]  # new text -> an SSE event
     usage_event: Callable[[Any], str]  # the usage chunk of `stream_options.include_usage`
     whole: Callable[[], Any]  # the non-streamed response body (a pydantic model, or JSON data)
+    # A stream's last events once every choice finished, and its events for a failure; None:
+    # the chat completions form (the usage chunk asked for, then `[DONE]`; an error event,
+    # then `[DONE]`). The Responses API ends its streams with events of its own.
+    epilogue: Callable[[], list[str]] | None = None
+    failure: Callable[[ApiError], list[str]] | None = None
 
 
 async def respond(
@@ -86,6 +91,10 @@ async def respond(
         async for out in stream:
             c, text = tracker.feed(out)
             if tracker.error is not None:  # engine fault, engine gone, or cut at the drain
+                if endpoint.failure is not None:
+                    for event in endpoint.failure(tracker.error):
+                        yield event
+                    return
                 yield sse(tracker.error.response_body())
                 yield "data: [DONE]\n\n"
                 return
@@ -93,6 +102,10 @@ async def respond(
             if event is not None:
                 yield event
         tracker.done()
+        if endpoint.epilogue is not None:
+            for event in endpoint.epilogue():
+                yield event
+            return
         if body.include_usage:
             yield endpoint.usage_event(usage_of(tracker.ordered))
         yield "data: [DONE]\n\n"

@@ -1,9 +1,9 @@
 """Schemathesis against the server's own /openapi.json: no 5xx, no response off its schema.
 
 Bounded: a fixed number of examples per operation, only the public routes. Generation stays
-fast because every positive `max_tokens` / `max_completion_tokens` is capped (a missing one is
-set: chat's default is "the rest of the context"; /generate's sampling_params' max_new_tokens
-likewise), and `n` too; invalid values stay invalid.
+fast because every positive `max_tokens` / `max_completion_tokens` / `max_output_tokens` is
+capped (a missing one is set: chat's default is "the rest of the context"; /generate's
+sampling_params' max_new_tokens likewise), and `n` too; invalid values stay invalid.
 `model` is dropped (a random name would make nearly every case a 404).
 """
 
@@ -18,16 +18,19 @@ from rel_fixtures import Server, spec_server_fixture, tiny_dirs_fixture  # noqa:
 
 from eagleserve.server.generate import GENERATE_EXAMPLES
 from eagleserve.server.protocol import CHAT_EXAMPLES, COMPLETION_EXAMPLES, TOKENIZE_EXAMPLES
+from eagleserve.server.responses_protocol import RESPONSES_EXAMPLES
 
 schemathesis = pytest.importorskip("schemathesis")
 
 OPERATIONS = [("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
+              ("POST", "/v1/responses"),
               ("POST", "/tokenize"), ("POST", "/detokenize"), ("GET", "/v1/models"),
               ("GET", "/health"), ("GET", "/health_generate"), ("GET", "/version"),
               ("POST", "/generate"), ("POST", "/abort_request")]  # fmt: skip
 MAX_EXAMPLES = 60
 EXAMPLES = {"/v1/completions": COMPLETION_EXAMPLES, "/v1/chat/completions": CHAT_EXAMPLES,
-            "/tokenize": TOKENIZE_EXAMPLES, "/generate": GENERATE_EXAMPLES}  # fmt: skip
+            "/tokenize": TOKENIZE_EXAMPLES, "/generate": GENERATE_EXAMPLES,
+            "/v1/responses": RESPONSES_EXAMPLES}  # fmt: skip
 CAP = 4
 
 
@@ -35,12 +38,14 @@ def cap_body(case: Any) -> Any:
     body = case.body
     if isinstance(body, dict):
         body.pop("model", None)  # a random name is a 404 before anything else is looked at
-        for key in ("max_tokens", "max_completion_tokens"):
+        for key in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
             v = body.get(key)
             if isinstance(v, int) and not isinstance(v, bool) and v > CAP:
                 body[key] = CAP
-        if body.get("max_tokens") is None:
-            body["max_tokens"] = CAP
+        # Unset, a chat's or a response's is the rest of the context (each ignores the other's).
+        for key in ("max_tokens", "max_output_tokens"):
+            if body.get(key) is None:
+                body[key] = CAP
         n = body.get("n")
         if isinstance(n, int) and not isinstance(n, bool) and n > 2:
             body["n"] = 2

@@ -1,0 +1,311 @@
+"""OpenAI's Responses API (`POST /v1/responses`) on the chat route's engine path: the input
+items (after a stored earlier turn's conversation, with `previous_response_id`) become chat
+messages, the answer becomes output items (an assistant message, function calls), and a
+stream is the Responses API's typed events (`response.created` ... `response.completed`).
+The request's conversion and checks are in server/responses_input.py.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from eagleserve.messages import TokenOutput
+from eagleserve.server.chat import ChatCall, start_chat
+from eagleserve.server.choices import ChoiceState, usage_of
+from eagleserve.server.protocol import ChatMessage, now
+from eagleserve.server.respond import Endpoint, respond
+from eagleserve.server.response_store import ResponseStore, StoredResponse
+from eagleserve.server.responses_input import chat_request, check_responses, input_messages
+from eagleserve.server.responses_protocol import (
+    FunctionCall,
+    IncompleteDetails,
+    InputTokensDetails,
+    OutputMessage,
+    OutputText,
+    ResponseError,
+    ResponseObject,
+    ResponsesRequest,
+    ResponseUsage,
+    Status,
+    item_id,
+)
+from eagleserve.server.serving import ApiError, Serving
+
+
+def status_of(reason: str | None) -> Status:
+    if reason == "length":
+        return "incomplete"
+    return "cancelled" if reason == "abort" else "completed"
+
+
+class ResponseRun:
+    """One response's output items, object and stream events, from its chat call's choice."""
+
+    def __init__(
+        self,
+        serving: Serving,
+        body: ResponsesRequest,
+        call: ChatCall,
+        conversation: list[ChatMessage],
+        stored: bool,
+    ) -> None:
+        self.body, self.call, self.conversation, self.stored = body, call, conversation, stored
+        self.id, self.message_id, self.created = item_id("resp"), item_id("msg"), now()
+        self.model = serving.model_name
+        self.sequence = 0
+        self._finished: ResponseObject | None = None
+
+    @property
+    def choice(self) -> ChoiceState:
+        return self.call.tracker.ordered[0]
+
+    def event(self, kind: str, **fields: Any) -> str:
+        """One server-sent event, numbered in the stream's order."""
+        data = {"type": kind, "sequence_number": self.sequence, **fields}
+        self.sequence += 1
+        return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+    def logprobs(self, only_new: bool = False) -> list[Any] | None:
+        if not self.call.body.logprobs:
+            return None
+        return self.choice.chat_logprobs(only_new=only_new).content or []
+
+    def response(
+        self,
+        status: Status,
+        output: list[OutputMessage | FunctionCall] | None = None,
+        error: ApiError | None = None,
+    ) -> ResponseObject:
+        body, usage = self.body, None
+        if status != "in_progress":
+            u = usage_of(self.call.tracker.ordered)
+            details = InputTokensDetails(cached_tokens=u.prompt_tokens_details.cached_tokens)
+            usage = ResponseUsage(
+                input_tokens=u.prompt_tokens,
+                input_tokens_details=details,
+                output_tokens=u.completion_tokens,
+                total_tokens=u.total_tokens,
+            )
+        text = body.text.model_dump(by_alias=True) if body.text else {"format": {"type": "text"}}
+        failed = (
+            None if error is None else ResponseError(code="server_error", message=error.message)
+        )
+        cut = IncompleteDetails(reason="max_output_tokens") if status == "incomplete" else None
+        return ResponseObject(
+            id=self.id,
+            created_at=self.created,
+            status=status,
+            model=self.model,
+            output=output or [],
+            usage=usage,
+            instructions=body.instructions,
+            error=failed,
+            incomplete_details=cut,
+            max_output_tokens=body.max_output_tokens,
+            parallel_tool_calls=body.parallel_tool_calls is not False,
+            previous_response_id=body.previous_response_id,
+            store=self.stored,
+            temperature=body.temperature,
+            top_p=body.top_p,
+            text=text,
+            tool_choice=body.tool_choice if body.tool_choice is not None else "auto",
+            tools=body.tools or [],
+            top_logprobs=body.top_logprobs,
+            user=body.user,
+            metadata=body.metadata or {},
+        )
+
+    def finished(self) -> ResponseObject:
+        """The finished response (made once: its function calls get their ids once)."""
+        if self._finished is not None:
+            return self._finished
+        content, calls, _ = self.call.answer(self.choice)
+        status = status_of(self.choice.finish_reason)
+        item_status: Status = "incomplete" if status == "incomplete" else "completed"
+        output: list[OutputMessage | FunctionCall] = []
+        if content or not calls:
+            text = OutputText(text=content or "", logprobs=self.logprobs())
+            output.append(OutputMessage(id=self.message_id, status=item_status, content=[text]))
+        output += [
+            FunctionCall(
+                id=item_id("fc"),
+                call_id=c["id"],
+                name=c["function"]["name"],
+                arguments=c["function"]["arguments"],
+                status=item_status,
+            )
+            for c in calls
+        ]
+        self._finished = self.response(status, output)
+        return self._finished
+
+    def store_into(self, store: ResponseStore) -> None:
+        """Keeps the finished response and its conversation for a later turn."""
+        if not self.stored:
+            return
+        resp = self.finished()
+        text = "".join(
+            p.text for m in resp.output if isinstance(m, OutputMessage) for p in m.content
+        )
+        tool_calls = [
+            {
+                "id": f.call_id,
+                "type": "function",
+                "function": {"name": f.name, "arguments": f.arguments},
+            }
+            for f in resp.output
+            if isinstance(f, FunctionCall)
+        ]
+        answer = ChatMessage(role="assistant", content=text or None, tool_calls=tool_calls or None)
+        store.put(StoredResponse(resp.model_dump(), (*self.conversation, answer)))
+
+    # ---- the stream ----
+
+    def prelude(self) -> list[str]:
+        created = self.response("in_progress").model_dump()
+        events = [
+            self.event("response.created", response=created),
+            self.event("response.in_progress", response=created),
+        ]
+        if self.call.tools is None:  # free text streams token by token into one message
+            events += self.message_start()
+        return events
+
+    def message_start(self) -> list[str]:
+        item = OutputMessage(id=self.message_id, status="in_progress", content=[])
+        part = OutputText(text="")
+        return [
+            self.event("response.output_item.added", output_index=0, item=item.model_dump()),
+            self.event(
+                "response.content_part.added",
+                item_id=self.message_id,
+                output_index=0,
+                content_index=0,
+                part=part.model_dump(exclude_none=True),
+            ),
+        ]
+
+    def delta(self, c: ChoiceState, text: str, out: TokenOutput) -> str | None:
+        if self.call.tools is not None:  # with tools the text is parsed whole, at the end
+            return None
+        lp = self.logprobs(only_new=True)
+        if not (text or lp):
+            return None
+        return self.event(
+            "response.output_text.delta",
+            item_id=self.message_id,
+            output_index=0,
+            content_index=0,
+            delta=text,
+            logprobs=[e.model_dump() for e in lp or []],
+        )
+
+    def item_events(self, index: int, item: OutputMessage | FunctionCall) -> list[str]:
+        """An output item's events after the added one (its text or arguments whole, except a
+        streamed message's, whose deltas went before)."""
+        if isinstance(item, FunctionCall):
+            at = {"item_id": item.id, "output_index": index}
+            return [
+                self.event("response.function_call_arguments.delta", delta=item.arguments, **at),
+                self.event("response.function_call_arguments.done", arguments=item.arguments, **at),
+            ]
+        part = item.content[0]
+        at = {"item_id": item.id, "output_index": index, "content_index": 0}
+        lps = [e.model_dump() for e in part.logprobs or []]
+        events = []
+        if self.call.tools is not None and part.text:
+            events.append(
+                self.event("response.output_text.delta", delta=part.text, logprobs=lps, **at)
+            )
+        return [
+            *events,
+            self.event("response.output_text.done", text=part.text, logprobs=lps, **at),
+            self.event("response.content_part.done", part=part.model_dump(exclude_none=True), **at),
+        ]
+
+    def epilogue(self, store: ResponseStore) -> list[str]:
+        resp = self.finished()
+        events = []
+        for index, item in enumerate(resp.output):
+            if self.call.tools is not None:
+                started = item.model_copy(update={"status": "in_progress"})
+                if isinstance(started, FunctionCall):
+                    started.arguments = ""
+                else:
+                    started.content = []
+                events.append(
+                    self.event(
+                        "response.output_item.added", output_index=index, item=started.model_dump()
+                    )
+                )
+                if isinstance(item, OutputMessage):
+                    part = OutputText(text="").model_dump(exclude_none=True)
+                    events.append(
+                        self.event(
+                            "response.content_part.added",
+                            item_id=item.id,
+                            output_index=index,
+                            content_index=0,
+                            part=part,
+                        )
+                    )
+            events += self.item_events(index, item)
+            events.append(
+                self.event("response.output_item.done", output_index=index, item=item.model_dump())
+            )
+        self.store_into(store)
+        # A cancelled response (/abort_request) ends as an incomplete one does: no answer whole.
+        kind = "response.completed" if resp.status == "completed" else "response.incomplete"
+        return [*events, self.event(kind, response=resp.model_dump())]
+
+    def failure(self, err: ApiError) -> list[str]:
+        return [
+            self.event("response.failed", response=self.response("failed", error=err).model_dump())
+        ]
+
+
+async def create_response(
+    serving: Serving, store: ResponseStore, body: ResponsesRequest, request: Request
+) -> Response:
+    err = check_responses(body)
+    if err is not None:
+        return err.response()
+    history: tuple[ChatMessage, ...] = ()
+    if body.previous_response_id is not None:
+        prev = store.get(body.previous_response_id)
+        if prev is None:
+            msg = f"Previous response with id '{body.previous_response_id}' not found."
+            return ApiError(
+                400, msg, "previous_response_id", "previous_response_not_found"
+            ).response()
+        history = prev.conversation
+    given = input_messages(body)
+    if isinstance(given, ApiError):
+        return given.response()
+    conversation = [*history, *given]
+    chat = chat_request(body, conversation)
+    if isinstance(chat, ApiError):
+        return chat.response()
+    call = await start_chat(serving, chat, "responses")
+    if isinstance(call, ApiError):
+        return call.response()
+    run = ResponseRun(serving, body, call, conversation, body.store and store.capacity > 0)
+
+    def whole() -> ResponseObject:
+        run.store_into(store)
+        return run.finished()
+
+    # No usage chunk: the final event's response holds the usage.
+    endpoint = Endpoint(
+        run.prelude,
+        run.delta,
+        lambda usage: "",
+        whole,
+        epilogue=lambda: run.epilogue(store),
+        failure=run.failure,
+    )
+    return await respond(serving, request, call.reqs, call.tracker, body, endpoint)

@@ -1,0 +1,97 @@
+"""A Responses API request as the chat completion it runs as (server/responses_input.py), and
+the store of answered responses (server/response_store.py): no server, random inputs."""
+
+from __future__ import annotations
+
+import random
+import string
+import uuid
+
+from eagleserve.server.protocol import ChatMessage
+from eagleserve.server.response_store import ResponseStore, StoredResponse
+from eagleserve.server.responses_input import chat_request, input_messages
+from eagleserve.server.responses_protocol import ResponsesRequest
+from eagleserve.server.serving import ApiError
+
+
+def words() -> str:
+    return " ".join("".join(random.choices(string.ascii_lowercase, k=5)) for _ in range(3))
+
+
+def test_items_become_chat_turns_with_parallel_calls_in_one() -> None:
+    """A run of function_call items is one assistant turn (its calls in order); each output
+    a tool message; text parts joined; instructions the system message in front."""
+    n_calls = random.randint(1, 4)
+    calls = [{"type": "function_call", "call_id": f"call_{uuid.uuid4().hex[:8]}",
+              "name": random.choice(["f", "g"]), "arguments": f'{{"x": {random.randrange(9)}}}'}
+             for _ in range(n_calls)]  # fmt: skip
+    parts = [words() for _ in range(random.randint(1, 3))]
+    outputs = [{"type": "function_call_output", "call_id": c["call_id"], "output": words()}
+               for c in calls]  # fmt: skip
+    items = [{"role": "user", "content": [{"type": "input_text", "text": p} for p in parts]},
+             *calls, *outputs]  # fmt: skip
+    system = words()
+    body = ResponsesRequest.model_validate({"input": items, "instructions": system})
+    msgs = input_messages(body)
+    assert not isinstance(msgs, ApiError)
+    assert [m.role for m in msgs] == ["user", "assistant"] + ["tool"] * n_calls
+    assert msgs[0].content == "".join(parts)
+    assert [c["id"] for c in msgs[1].tool_calls or []] == [c["call_id"] for c in calls]
+    assert [c["function"]["arguments"] for c in msgs[1].tool_calls or []] == [
+        c["arguments"] for c in calls
+    ]
+    assert [m.content for m in msgs[2:]] == [o["output"] for o in outputs]
+    chat = chat_request(body, msgs)
+    assert not isinstance(chat, ApiError)
+    assert chat.messages[0] == ChatMessage(role="system", content=system)
+    assert chat.messages[1:] == msgs and chat.n == 1
+
+
+def test_settings_carry_over_to_the_chat_request() -> None:
+    top = random.randint(0, 20)
+    n = random.randint(1, 500)
+    seed = random.randrange(10**9)
+    body = ResponsesRequest.model_validate({
+        "input": words(), "max_output_tokens": n, "temperature": 0.5, "top_p": 0.9,
+        "seed": seed, "top_logprobs": top, "include": ["message.output_text.logprobs"],
+        "tools": [{"type": "function", "name": "f", "parameters": {"type": "object"}}],
+        "tool_choice": {"type": "function", "name": "f"}, "parallel_tool_calls": False,
+    })  # fmt: skip
+    msgs = input_messages(body)
+    assert not isinstance(msgs, ApiError)
+    chat = chat_request(body, msgs)
+    assert not isinstance(chat, ApiError)
+    assert (chat.max_tokens, chat.temperature, chat.top_p, chat.seed) == (n, 0.5, 0.9, seed)
+    assert chat.logprobs and chat.top_logprobs == top
+    fn = {"name": "f", "parameters": {"type": "object"}}
+    assert chat.tools == [{"type": "function", "function": fn}]
+    assert chat.tool_choice == {"type": "function", "function": {"name": "f"}}
+    assert chat.parallel_tool_calls is False
+    plain = chat_request(ResponsesRequest.model_validate({"input": words(), "top_logprobs": 3}),
+                         msgs)  # fmt: skip
+    assert not isinstance(plain, ApiError) and not plain.logprobs and plain.top_logprobs is None
+
+
+def stored(key: str) -> StoredResponse:
+    return StoredResponse({"id": key}, (ChatMessage(role="user", content=words()),))
+
+
+def test_the_store_keeps_the_most_recently_used() -> None:
+    capacity = random.randint(2, 6)
+    store = ResponseStore(capacity)
+    keys = [f"resp_{uuid.uuid4().hex}" for _ in range(capacity + 3)]
+    for key in keys[:capacity]:
+        store.put(stored(key))
+    kept = random.choice(keys[:capacity])
+    assert store.get(kept) is not None  # read: now the most recent
+    for key in keys[capacity:]:
+        store.put(stored(key))
+    order = [k for k in keys[:capacity] if k != kept] + [kept] + keys[capacity:]
+    alive = order[-capacity:]
+    assert len(store) == capacity
+    assert all(store.get(k) is not None for k in alive)
+    assert all(store.get(k) is None for k in keys if k not in alive)
+    assert store.delete(alive[0]) and not store.delete(alive[0]) and len(store) == capacity - 1
+    off = ResponseStore(0)
+    off.put(stored(keys[0]))
+    assert off.get(keys[0]) is None and len(off) == 0
