@@ -31,7 +31,8 @@ from bench import data  # noqa: E402
 from bench.common import machine, machine_info, print_table, write_json  # noqa: E402
 from bench.gpu_table import chain  # noqa: E402
 from eagleserve import Engine, SamplingParams  # noqa: E402
-from eagleserve.sampling.sampler import SamplingInfo, logits_to_probs  # noqa: E402
+from eagleserve.sampling.sampler import logits_to_probs  # noqa: E402
+from eagleserve.sampling.sampling_info import SamplingInfo  # noqa: E402
 from eagleserve.spec import accept, draft_extend  # noqa: E402
 
 SETTINGS = {  # name -> (temperature, top_p, top_k or None)

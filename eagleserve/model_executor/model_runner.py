@@ -25,7 +25,7 @@ from eagleserve.models.llama import LlamaForCausalLM, ModelOutput
 from eagleserve.models.loader import load_weights
 from eagleserve.models.tp_shard import TpShard
 from eagleserve.sampling.penalty_state import PenaltyState
-from eagleserve.sampling.sampler import DrawKernel, SamplingInfo
+from eagleserve.sampling.sampling_info import DrawKernel, SamplingInfo
 
 logger = logging.getLogger(__name__)
 

@@ -22,14 +22,8 @@ import torch
 
 from eagleserve.distributed.parallel import broadcast_from_first
 from eagleserve.kernels import cpu_ext
-from eagleserve.sampling.sampler import (
-    DrawKernel,
-    PackedSampling,
-    SamplingInfo,
-    greedy_ids,
-    sample,
-    sample_packed,
-)
+from eagleserve.sampling.sampler import greedy_ids, sample, sample_packed
+from eagleserve.sampling.sampling_info import DrawKernel, PackedSampling, SamplingInfo
 from eagleserve.spec.tree import parents_from_mask
 
 __all__ = [

@@ -26,13 +26,8 @@ from eagleserve.layers.attention import AttentionBackend
 from eagleserve.layers.forward_batch import ForwardBatch, HostLens, forward_context
 from eagleserve.mem_cache.kv_cache import TokenToKVPool
 from eagleserve.model_executor.cuda_graph_runner import GraphedForward
-from eagleserve.sampling.sampler import (
-    DrawKernel,
-    PackedSampling,
-    SamplingInfo,
-    sample,
-    sample_packed,
-)
+from eagleserve.sampling.sampler import sample, sample_packed
+from eagleserve.sampling.sampling_info import DrawKernel, PackedSampling, SamplingInfo
 from eagleserve.spec.eagle_head import EagleHead
 
 logger = logging.getLogger(__name__)

@@ -24,7 +24,7 @@ from eagleserve.layers.attention import AttentionBackend
 from eagleserve.layers.forward_batch import ForwardBatch, HostLens, forward_context
 from eagleserve.mem_cache.kv_cache import TokenToKVPool
 from eagleserve.model_executor.cuda_graph_runner import GraphedForward
-from eagleserve.sampling.sampler import DrawKernel
+from eagleserve.sampling.sampling_info import DrawKernel
 from eagleserve.spec.draft_extend import (
     DrawMode,
     GraphDraftDraw,

@@ -30,7 +30,7 @@ from eagleserve.mem_cache.kv_cache import TokenToKVPool
 from eagleserve.model_executor.cuda_graph_runner import GraphedForward
 from eagleserve.model_executor.model_runner import ModelRunner
 from eagleserve.models.loader import resolve_draft_path
-from eagleserve.sampling.sampler import SamplingInfo
+from eagleserve.sampling.sampling_info import SamplingInfo
 from eagleserve.spec.adaptive import acceptance_prior
 from eagleserve.spec.draft_extend import (
     DraftDraw,

@@ -25,7 +25,8 @@ from eagleserve.model_executor.cuda_graph_runner import BUCKETS
 from eagleserve.model_executor.model_runner import ModelRunner
 from eagleserve.models.llama import ModelOutput
 from eagleserve.sampling.prompt_logprobs import score_prompts, wants_prompt_logprobs
-from eagleserve.sampling.sampler import PackedSampling, sample_next, top_logprobs
+from eagleserve.sampling.sampler import sample_next, top_logprobs
+from eagleserve.sampling.sampling_info import PackedSampling
 from eagleserve.spec.accept import accept, commit_tree_path, unpack_walk, verify_walks
 from eagleserve.spec.accepted_path import AcceptedPaths
 from eagleserve.spec.adaptive import AdaptiveController, depth_choices, request_acceptance

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from eagleserve.kernels import cpu_ext
-from eagleserve.sampling.sampler import SamplingInfo, greedy_ids
+from eagleserve.sampling.sampler import greedy_ids
+from eagleserve.sampling.sampling_info import SamplingInfo
 from eagleserve.spec.accept import accept, unpack_walk, verify_greedy_chain
 from eagleserve.spec.draft_extend import top_candidates
 

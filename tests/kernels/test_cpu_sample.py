@@ -12,7 +12,8 @@ import torch
 
 from eagleserve.kernels import cpu_ext
 from eagleserve.sampling import sampler
-from eagleserve.sampling.sampler import SamplingInfo, draw, logits_to_probs
+from eagleserve.sampling.sampler import draw, logits_to_probs
+from eagleserve.sampling.sampling_info import SamplingInfo
 from eagleserve.sampling.seeded_noise import exponentials, position_hashes, token_uniforms
 
 pytestmark = pytest.mark.skipif(

@@ -11,12 +11,8 @@ from triton_mode import DEVICE  # before triton is imported: picks the interpret
 pytest.importorskip("triton")
 
 from eagleserve.kernels.triton_top1 import drawn_top1, top1  # noqa: E402
-from eagleserve.sampling.sampler import (  # noqa: E402
-    PackedSampling,
-    SamplingInfo,
-    logits_to_probs,
-    sample_packed,
-)
+from eagleserve.sampling.sampler import logits_to_probs, sample_packed  # noqa: E402
+from eagleserve.sampling.sampling_info import PackedSampling, SamplingInfo  # noqa: E402
 from eagleserve.sampling.seeded_noise import (  # noqa: E402
     exponentials,
     position_hashes,

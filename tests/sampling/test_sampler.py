@@ -10,7 +10,8 @@ import torch
 
 from eagleserve.core import Req, SamplingParams, ScheduleBatch
 from eagleserve.sampling import sampler
-from eagleserve.sampling.sampler import SamplingInfo, draw, logits_to_probs, sample
+from eagleserve.sampling.sampler import draw, logits_to_probs, sample
+from eagleserve.sampling.sampling_info import SamplingInfo
 from eagleserve.sampling.seeded_noise import exponentials, position_hashes, token_uniforms
 
 

@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from eagleserve.sampling.sampler import SamplingInfo
+from eagleserve.sampling.sampling_info import SamplingInfo
 from eagleserve.spec.accept import AcceptResult, accept, verify_greedy
 from eagleserve.spec.tree import (
     Topk1ChainBuffers,

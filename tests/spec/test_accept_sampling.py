@@ -11,7 +11,7 @@ import pytest
 import torch
 from test_accept import _check_result, _random_parents
 
-from eagleserve.sampling.sampler import SamplingInfo
+from eagleserve.sampling.sampling_info import SamplingInfo
 from eagleserve.sampling.seeded_noise import exponentials, position_hashes, token_uniforms
 from eagleserve.spec.accept import AcceptResult, accept, verify_greedy
 

@@ -14,7 +14,8 @@ from sampling_fixtures import PROMPT, head_dir, small_target
 from eagleserve import Engine, SamplingParams
 from eagleserve.kernels import cpu_ext
 from eagleserve.models.llama import LlamaForCausalLM
-from eagleserve.sampling.sampler import DrawKernel, SamplingInfo, sample
+from eagleserve.sampling.sampler import sample
+from eagleserve.sampling.sampling_info import DrawKernel, SamplingInfo
 from eagleserve.spec import accept, draft_extend
 from eagleserve.spec.draft_extend import DraftDraw, drawn_candidate, seed_from_logits
 from eagleserve.spec.eagle_head import EagleHead

@@ -69,7 +69,8 @@ def test_penalties_read_no_device_values() -> None:
     accepted tokens) and a decode's sampling with penalties stay on the device."""
     from eagleserve.core import Req
     from eagleserve.sampling.penalty_state import BatchPenalties, PenaltyState
-    from eagleserve.sampling.sampler import SamplingInfo, sample_next
+    from eagleserve.sampling.sampler import sample_next
+    from eagleserve.sampling.sampling_info import SamplingInfo
 
     vocab, bs, n = 32, 3, 5
     params = [SamplingParams(presence_penalty=0.5, frequency_penalty=1.0, repetition_penalty=1.3,
