@@ -15,21 +15,60 @@ import dataclasses
 import glob
 import json
 import os
+from typing import Any
 
 import torch
 from safetensors.torch import save_file
 
+from eagleserve.config import ModelConfig
 from eagleserve.models.llama import LlamaForCausalLM
 from eagleserve.models.loader import iter_checkpoint, load_config_dict
-from eagleserve.spec.eagle_head import (
-    ALGORITHMS,
-    EagleHead,
-    build_head,
-    eagle3_aux_layer_ids,
-    head_model_config,
-)
+from eagleserve.spec.eagle_head import ALGORITHMS, EagleHead, build_head
 
 ARCHITECTURES = {"EAGLE": "LlamaForCausalLMEagle", "EAGLE3": "LlamaForCausalLMEagle3"}
+
+
+def head_model_config(raw: dict[str, Any], target_cfg: ModelConfig) -> ModelConfig:
+    """The head's ModelConfig from its config.json; checks it fits the target."""
+    d = dict(raw)
+    d.setdefault("num_hidden_layers", 1)
+    d.setdefault("vocab_size", target_cfg.vocab_size)
+    try:
+        cfg = ModelConfig.from_hf(d)
+    except KeyError as e:
+        raise KeyError(f"draft head config.json lacks {e.args[0]!r}") from None
+    if cfg.num_hidden_layers < 1:
+        raise ValueError(f"draft head num_hidden_layers {cfg.num_hidden_layers}: at least 1")
+    if cfg.hidden_size != target_cfg.hidden_size:
+        raise ValueError(
+            f"draft head hidden_size {cfg.hidden_size} != target hidden_size "
+            f"{target_cfg.hidden_size}: the head was trained for another target"
+        )
+    if cfg.vocab_size != target_cfg.vocab_size:
+        raise ValueError(
+            f"draft head vocab_size {cfg.vocab_size} != target vocab_size {target_cfg.vocab_size}"
+        )
+    # Heads have no q/k/v bias unless the config says so (from_hf guesses it from model_type).
+    return dataclasses.replace(
+        cfg, attention_bias=bool(raw.get("attention_bias", False)), tie_word_embeddings=False
+    )
+
+
+def eagle3_aux_layer_ids(raw: dict[str, Any], num_target_layers: int) -> tuple[int, ...]:
+    """Target layers whose *entering* hidden state EAGLE3 fuses, in the target's layer order.
+
+    `eagle_aux_hidden_state_layer_ids` name layers whose *output* is taken, hence the +1; the
+    default {2, N//2, N-3} is the reference's choice of entering states.
+    """
+    n = num_target_layers
+    given = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    ids = [i + 1 for i in given] if given is not None else [2, n // 2, n - 3]
+    if len(set(ids)) != len(ids) or not all(0 <= i < n for i in ids):
+        raise ValueError(
+            f"EAGLE3 aux layers {ids} (entering-layer ids) must be distinct and in [0, {n}) for a "
+            f"{n}-layer target; set eagle_config.eagle_aux_hidden_state_layer_ids"
+        )
+    return tuple(sorted(ids))
 
 
 def _check_algorithm(algorithm: str) -> str:

@@ -9,7 +9,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from eagleserve.spec.eagle_head import EagleHead, eagle3_aux_layer_ids
+from eagleserve.spec.eagle_head import EagleHead
+from eagleserve.spec.head_loader import eagle3_aux_layer_ids
 from eagleserve.train.features import feature_layers
 
 if TYPE_CHECKING:
