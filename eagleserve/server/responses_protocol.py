@@ -176,12 +176,6 @@ class ResponseObject(BaseModel):
     user: str | None = None
     metadata: dict[str, str] = Field(default_factory=dict)
 
-    @property
-    def output_text(self) -> str:
-        """The assistant message's text (the openai client's `output_text`)."""
-        return "".join(p.text for m in self.output if isinstance(m, OutputMessage)
-                       for p in m.content)  # fmt: skip
-
 
 class DeletedResponse(BaseModel):
     id: str
