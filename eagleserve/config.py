@@ -186,6 +186,9 @@ class ServerArgs:
     # model's max_position_embeddings, capped by max_total_tokens.
     context_length: int | None = None
     served_model_name: str | None = None
+    # A Jinja chat template in place of the tokenizer's: a file, or the template's text (SGLang's
+    # and vLLM's flag; server/chat_template.py).
+    chat_template: str | None = None
     api_key: str | None = None
     # 16 MiB: over 10x the JSON of a 128k-token prompt (~0.5 MB of text, up to 6x for \u
     # escapes), so only abuse or mistakes hit it; tokenizing 16 MB takes ~15 s of a core.

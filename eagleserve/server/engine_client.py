@@ -44,6 +44,7 @@ from eagleserve.sampling_params import SamplingParams
 from eagleserve.scheduler.engine_loop import run_engine
 from eagleserve.scheduler.omp_spin import overlap_spin_env, process_env
 from eagleserve.scheduler.tp_engine import rendezvous_port, spawn_followers
+from eagleserve.server.chat_template import read_chat_template, with_chat_template
 
 logger = logging.getLogger("eagleserve.server")
 POLL_MS = 250
@@ -220,6 +221,12 @@ class EngineClient:
             self.tokenizer = await asyncio.wrap_future(early[1])
         else:
             self.tokenizer = await asyncio.to_thread(load_tokenizer, self.ready.model_path)
+        if self.args.chat_template is not None:
+            try:
+                template = read_chat_template(self.args.chat_template)
+                self.tokenizer = with_chat_template(self.tokenizer, template)
+            except (ValueError, OSError) as exc:
+                raise EngineStartupFailed(str(exc)) from None
         self.last_stats = EngineStats(kv_total_tokens=self.ready.kv_total_tokens)
         self.healthy = True
         self._recv_task = asyncio.create_task(self._recv_loop())

@@ -18,6 +18,7 @@ import sys
 import time
 
 from eagleserve.config import ServerArgs
+from eagleserve.server.chat_template import read_chat_template
 from eagleserve.server.engine_client import EngineClient, EngineStartupFailed
 
 EXIT_CONFIG = 2
@@ -58,9 +59,15 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 def check_paths(args: ServerArgs) -> None:
     """The model and draft paths exist and look like what the loader reads (no side effects:
-    'default' and .gguf models are converted by the engine, not here)."""
+    'default' and .gguf models are converted by the engine, not here); so does --chat-template
+    (it renders a chat once the tokenizer is loaded: engine_client.py)."""
     from eagleserve.models.loader import resolve_draft_path, resolve_model_path
 
+    if args.chat_template is not None:
+        try:
+            read_chat_template(args.chat_template)
+        except (ValueError, OSError) as exc:
+            raise StartupError(str(exc)) from None
     try:
         if args.model.endswith(".gguf"):
             if not os.path.isfile(args.model):
