@@ -35,6 +35,9 @@ FIELD_HELP: dict[str, str] = {
     "context_length": "most tokens per request, prompt + output (default: the model's limit; "
     "at most the KV pool, less a speculative iteration's slots with EAGLE)",
     "served_model_name": "model name the API reports and accepts (default: --model)",
+    "sampling_defaults": "model | openai: what a request's unset temperature, top_p, top_k, "
+    "min_p, repetition_penalty and (chat) max_tokens mean: the model's generation_config.json "
+    "where it sets them, or OpenAI's defaults",
     "chat_template": "Jinja chat template for the chat routes in place of the tokenizer's: a "
     "file, or the template itself on one line (\\n escapes read as newlines)",
     "api_key": "require 'Authorization: Bearer KEY' on /v1/* (default: $EAGLESERVE_API_KEY)",
@@ -154,7 +157,7 @@ def serve_fields() -> list[dataclasses.Field]:
 # --help shows the flags in these groups, in this order (every ServerArgs field in one).
 FIELD_GROUPS: dict[str, tuple[str, ...]] = {
     "model": ("model", "dtype", "kv_cache_dtype", "load_format", "quantization", "context_length",
-              "served_model_name", "chat_template"),
+              "served_model_name", "chat_template", "sampling_defaults"),
     "server": ("host", "port", "api_key", "max_request_body_bytes", "responses_store_size",
                "log_level"),
     "scheduler": ("max_running_requests", "max_total_tokens", "random_seed",

@@ -44,7 +44,8 @@ from eagleserve.sampling_params import SamplingParams
 from eagleserve.scheduler.engine_loop import run_engine
 from eagleserve.scheduler.omp_spin import overlap_spin_env, process_env
 from eagleserve.scheduler.tp_engine import rendezvous_port, spawn_followers
-from eagleserve.server.chat_template import read_chat_template, with_chat_template
+from eagleserve.server.model_files import serving_files
+from eagleserve.server.sampling_defaults import SamplingDefaults
 
 logger = logging.getLogger("eagleserve.server")
 POLL_MS = 250
@@ -129,6 +130,7 @@ class EngineClient:
         self.args = args
         self.ready: EngineReady | None = None
         self.tokenizer: Any = None
+        self.sampling_defaults = SamplingDefaults()  # what unset sampling fields mean
         self.healthy = False
         self.draining = False  # shutting down: no new requests (503), in-flight ones finish
         self.died_at: float | None = None  # time.monotonic() when the engine process was lost
@@ -218,15 +220,15 @@ class EngineClient:
                 if not self._proc.is_alive() or time.monotonic() - dead_since > FOLLOWER_REPORT_S:
                     raise EngineStartupFailed(f"{dead} exited before it was ready")
         if early is not None and early[0] == self.ready.model_path:
-            self.tokenizer = await asyncio.wrap_future(early[1])
+            tokenizer = await asyncio.wrap_future(early[1])
         else:
-            self.tokenizer = await asyncio.to_thread(load_tokenizer, self.ready.model_path)
-        if self.args.chat_template is not None:
-            try:
-                template = read_chat_template(self.args.chat_template)
-                self.tokenizer = with_chat_template(self.tokenizer, template)
-            except (ValueError, OSError) as exc:
-                raise EngineStartupFailed(str(exc)) from None
+            tokenizer = await asyncio.to_thread(load_tokenizer, self.ready.model_path)
+        try:
+            self.tokenizer, self.sampling_defaults = serving_files(
+                self.args, self.ready.model_path, tokenizer
+            )
+        except (ValueError, OSError) as exc:
+            raise EngineStartupFailed(str(exc)) from None
         self.last_stats = EngineStats(kv_total_tokens=self.ready.kv_total_tokens)
         self.healthy = True
         self._recv_task = asyncio.create_task(self._recv_loop())

@@ -109,17 +109,19 @@ class Serving:
     ) -> SamplingParams | ApiError:
         if not 1 <= body.n <= MAX_N:
             return ApiError(400, f"n must be between 1 and {MAX_N}", "n")
-        ctx = self.client.max_context_len
-        new = max_tokens if max_tokens is not None else ctx - prompt_len
+        ctx, unset = self.client.max_context_len, self.client.sampling_defaults
+        new = max_tokens
+        if new is None:  # the rest of the context, or less where the model's defaults say so
+            new = min(ctx - prompt_len, unset.max_new_tokens or ctx)
         over = api_error(check_budget(prompt_len, new, ctx))
         if over is not None:
             return over
         params = SamplingParams(
             max_new_tokens=new,
-            temperature=1.0 if body.temperature is None else body.temperature,
-            top_p=1.0 if body.top_p is None else body.top_p,
-            top_k=-1 if body.top_k in (None, 0) else body.top_k,  # 0: off, as in vLLM
-            min_p=0.0 if body.min_p is None else body.min_p,
+            temperature=unset.temperature if body.temperature is None else body.temperature,
+            top_p=unset.top_p if body.top_p is None else body.top_p,
+            top_k=unset.top_k if body.top_k is None else (-1 if body.top_k == 0 else body.top_k),
+            min_p=unset.min_p if body.min_p is None else body.min_p,
             seed=body.seed,
             stop=body.stop_list,
             include_stop_str_in_output=body.include_stop_str_in_output or body.no_stop_trim,
@@ -130,7 +132,11 @@ class Serving:
             prompt_logprobs=prompt_logprobs,
             presence_penalty=body.presence_penalty or 0.0,
             frequency_penalty=body.frequency_penalty or 0.0,
-            repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+            repetition_penalty=(
+                unset.repetition_penalty
+                if body.repetition_penalty is None
+                else body.repetition_penalty
+            ),
             min_tokens=body.min_tokens or 0,
             # Keys are token ids (validation.py checked their form).
             logit_bias={int(k): v for k, v in (body.logit_bias or {}).items()},
