@@ -42,6 +42,8 @@ FIELD_HELP: dict[str, str] = {
     "file, or the template itself on one line (\\n escapes read as newlines)",
     "api_key": "require 'Authorization: Bearer KEY' on /v1/* (default: $EAGLESERVE_API_KEY)",
     "max_request_body_bytes": "larger request bodies get a 413 before they are read",
+    "allowed_origins": "origins a browser page may call the API from, comma-separated (CORS; "
+    "'*': any, as vLLM and SGLang allow; '': none)",
     "responses_store_size": "most /v1/responses answers kept in memory for previous_response_id "
     "and GET /v1/responses/ID, the least recently used dropped first (0: none kept)",
     "random_seed": "seeds the sampling of requests that name no seed: the same requests in the "
@@ -109,6 +111,7 @@ FIELD_CHOICES: dict[str, tuple[str, ...]] = {
     "quantization": ("auto", "none", "gguf"),
     "attention_backend": ("auto", "torch", "triton"),
     "log_level": ("debug", "info", "warning", "error", "critical"),
+    "sampling_defaults": ("model", "openai"),
 }
 DEVICE_RE = re.compile(r"auto|cpu|cuda(:\d+)?")  # HIP builds of torch call their GPUs cuda too
 POSITIVE = ("max_running_requests", "max_total_tokens", "context_length",
@@ -158,8 +161,8 @@ def serve_fields() -> list[dataclasses.Field]:
 FIELD_GROUPS: dict[str, tuple[str, ...]] = {
     "model": ("model", "dtype", "kv_cache_dtype", "load_format", "quantization", "context_length",
               "served_model_name", "chat_template", "sampling_defaults"),
-    "server": ("host", "port", "api_key", "max_request_body_bytes", "responses_store_size",
-               "log_level"),
+    "server": ("host", "port", "api_key", "allowed_origins", "max_request_body_bytes",
+               "responses_store_size", "log_level"),
     "scheduler": ("max_running_requests", "max_total_tokens", "random_seed",
                   "disable_overlap_schedule", "disable_radix_cache", "chunked_prefill_size",
                   "enable_dynamic_chunking", "enable_mixed_chunk"),

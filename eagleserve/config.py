@@ -199,6 +199,9 @@ class ServerArgs:
     # Responses kept in memory for /v1/responses' previous_response_id and GET, the least
     # recently used evicted first (server/response_store.py); 0: `store` is answered false.
     responses_store_size: int = 1000
+    # Origins a browser may call the API from (comma-separated; "*": any, as vLLM's and
+    # SGLang's servers allow by default; "": none, no CORS headers at all). vLLM's flag name.
+    allowed_origins: str = "*"
     # Seeds the sampling of requests that name no `seed` of their own (SGLang's flag name):
     # with it, the same requests in the same order draw the same tokens from one run to the
     # next; without, each such request draws its seed from the OS's entropy.

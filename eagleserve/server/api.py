@@ -12,6 +12,7 @@ from typing import TypeVar
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ValidationError
@@ -114,6 +115,10 @@ def create_app(args: ServerArgs, client: EngineClient, http: HttpStats | None = 
 
     app = FastAPI(title="eagleserve", lifespan=lifespan)
     app.add_middleware(HttpTrackerMiddleware, stats=http)
+    origins = [o.strip() for o in args.allowed_origins.split(",") if o.strip()]
+    if origins:  # outermost: its headers go on every answer, errors (401, 413) included
+        app.add_middleware(CORSMiddleware, allow_origins=origins, allow_methods=["*"],
+                           allow_headers=["*"])  # fmt: skip
     app.state.serving = serving
 
     async def require_key(request: Request) -> None:
