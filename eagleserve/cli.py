@@ -311,19 +311,39 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_serve_flags(serve)
     serve.set_defaults(func=cmd_serve)
+    batch = sub.add_parser(
+        "run-batch",
+        help="run a file of OpenAI batch requests offline (vLLM's run-batch)",
+        description="Run the requests of an OpenAI batch file (JSONL: custom_id, method, url "
+        "of /v1/completions, /v1/chat/completions or /v1/responses, body) through the "
+        "server's routes in this process, and write their answers in OpenAI's batch output "
+        "format, in the input's order. The serve flags choose the model and engine.",
+    )
+    batch.add_argument("-i", "--input-file", required=True, help="the batch file (JSONL)")
+    batch.add_argument("-o", "--output-file", required=True, help="where the answers go (JSONL)")
+    add_serve_flags(batch)
+    batch.set_defaults(func=cmd_run_batch)
     from eagleserve.train.cli import add_parser as add_train_draft
 
     add_train_draft(sub)
     return parser
 
 
-def cmd_serve(ns: argparse.Namespace) -> int:
+def checked_server_args(ns: argparse.Namespace) -> ServerArgs | int:
+    """The flags' ServerArgs, or exit code 2 once the first bad value is reported."""
     args = build_server_args(ns)
     if isinstance(args, ServerArgs):
         args = check_values(args) or args
     if isinstance(args, str):
         print(f"eagleserve: error: {args}", file=sys.stderr)
         return 2
+    return args
+
+
+def cmd_serve(ns: argparse.Namespace) -> int:
+    args = checked_server_args(ns)
+    if isinstance(args, int):
+        return args
     if args.dp_size > 1:
         from eagleserve.server.dp import run_replicas
 
@@ -331,6 +351,19 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     from eagleserve.server.launch import serve
 
     return asyncio.run(serve(args))
+
+
+def cmd_run_batch(ns: argparse.Namespace) -> int:
+    args = checked_server_args(ns)
+    if isinstance(args, int):
+        return args
+    import logging
+
+    from eagleserve.server.run_batch import run_batch
+
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")  # fmt: skip
+    return asyncio.run(run_batch(args, ns.input_file, ns.output_file))
 
 
 def main(argv: list[str] | None = None) -> int:
