@@ -1,10 +1,13 @@
-"""Offline API: `Engine(model=...).generate(prompts, sampling_params)` in this process."""
+"""Offline API: `Engine(model=...).generate(prompts, sampling_params)` and
+`.chat(conversations, sampling_params)` in this process (vLLM's `LLM.generate` and `LLM.chat`)."""
 
 from __future__ import annotations
 
 import itertools
 from dataclasses import fields, replace
 from typing import Any
+
+from tqdm import tqdm
 
 from eagleserve.config import ServerArgs, renamed_hint
 from eagleserve.messages import EngineStats, GenerateReqInput, TokenOutput
@@ -35,11 +38,13 @@ class Engine:
         self,
         prompts: list[str] | list[list[int]] | str,
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
     ) -> list[dict[str, Any]]:
         """Returns, per prompt, {"text", "token_ids", "finish_reason", "spec_accept_length"};
         where `logprobs` was asked for, "logprobs" (one per token) and "top_logprobs" (per token,
         its `logprobs` most likely alternatives as (token id, logprob)); where
-        `prompt_logprobs` was, "prompt_logprobs" (None first)."""
+        `prompt_logprobs` was, "prompt_logprobs" (None first). `use_tqdm`: a bar counts the
+        finished prompts (on a terminal, for more than one)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         params = sampling_params or SamplingParams()
@@ -56,6 +61,8 @@ class Engine:
         lps: dict[str, list[float]] = {rid: [] for rid in rids}
         tops: dict[str, list[list[tuple[int, float]]]] = {rid: [] for rid in rids}
         error: str | None = None
+        bar = tqdm(total=len(rids), desc="Processed prompts", unit="prompt",
+                   disable=None if use_tqdm and len(rids) > 1 else True)  # fmt: skip
         while len(done) < len(rids):
             for out in self.scheduler.step():
                 if out.rid not in tokens:
@@ -73,6 +80,8 @@ class Engine:
                     scores[out.rid] = out.prompt_logprobs.logprobs
                 if out.finished:
                     done[out.rid] = out
+                    bar.update()
+        bar.close()
         # Let a forward still in flight land so every slot is back in the pool.
         while self.scheduler.has_work() and not self.scheduler.waiting:
             self.scheduler.step()
@@ -93,6 +102,42 @@ class Engine:
                 result["prompt_logprobs"] = scores.get(rid)
             results.append(result)
         return results
+
+    def chat(
+        self,
+        conversations: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        *,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[dict[str, Any]]:
+        """`generate` on conversations (one: a list of messages; several: a list of those)
+        rendered by the model's chat template (or `chat_template`), as vLLM's `LLM.chat`: the
+        template's text is the prompt, with no special tokens added (it holds those it wants),
+        as the server's chat route encodes it; `tools` go to the template."""
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer: pass token ids to generate")
+        template = chat_template or getattr(self.tokenizer, "chat_template", None)
+        if not template:
+            raise ValueError("this model has no chat template: pass chat_template, or generate")
+        convs = (
+            [conversations]
+            if conversations and isinstance(conversations[0], dict)
+            else conversations
+        )
+        prompts = []
+        for conv in convs:
+            text = self.tokenizer.apply_chat_template(
+                conv, chat_template=template, tools=tools, tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message, **(chat_template_kwargs or {}),
+            )  # fmt: skip
+            prompts.append(self.tokenizer.encode(text, add_special_tokens=False))
+        return self.generate(prompts, sampling_params, use_tqdm)
 
     def close(self) -> None:
         """Stops the tensor-parallel ranks this engine started and leaves their group, so that
