@@ -42,6 +42,8 @@ FIELD_HELP: dict[str, str] = {
     "file, or the template itself on one line (\\n escapes read as newlines)",
     "api_key": "require 'Authorization: Bearer KEY' on /v1/* (default: $EAGLESERVE_API_KEY)",
     "max_request_body_bytes": "larger request bodies get a 413 before they are read",
+    "ssl_certfile": "serve HTTPS with this certificate (PEM; with --ssl-keyfile)",
+    "ssl_keyfile": "the certificate's private key (PEM)",
     "allowed_origins": "origins a browser page may call the API from, comma-separated (CORS; "
     "'*': any, as vLLM and SGLang allow; '': none)",
     "responses_store_size": "most /v1/responses answers kept in memory for previous_response_id "
@@ -161,8 +163,8 @@ def serve_fields() -> list[dataclasses.Field]:
 FIELD_GROUPS: dict[str, tuple[str, ...]] = {
     "model": ("model", "dtype", "kv_cache_dtype", "load_format", "quantization", "context_length",
               "served_model_name", "chat_template", "sampling_defaults"),
-    "server": ("host", "port", "api_key", "allowed_origins", "max_request_body_bytes",
-               "responses_store_size", "log_level"),
+    "server": ("host", "port", "api_key", "allowed_origins", "ssl_certfile", "ssl_keyfile",
+               "max_request_body_bytes", "responses_store_size", "log_level"),
     "scheduler": ("max_running_requests", "max_total_tokens", "random_seed",
                   "disable_overlap_schedule", "disable_radix_cache", "chunked_prefill_size",
                   "enable_dynamic_chunking", "enable_mixed_chunk"),

@@ -202,6 +202,9 @@ class ServerArgs:
     # Origins a browser may call the API from (comma-separated; "*": any, as vLLM's and
     # SGLang's servers allow by default; "": none, no CORS headers at all). vLLM's flag name.
     allowed_origins: str = "*"
+    # HTTPS: the server's certificate (PEM) and its private key (vLLM's and SGLang's flags).
+    ssl_certfile: str | None = None
+    ssl_keyfile: str | None = None
     # Seeds the sampling of requests that name no `seed` of their own (SGLang's flag name):
     # with it, the same requests in the same order draw the same tokens from one run to the
     # next; without, each such request draws its seed from the OS's entropy.

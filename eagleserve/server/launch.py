@@ -98,8 +98,9 @@ class _Server(uvicorn.Server):
         host, port = self.servers[0].sockets[0].getsockname()[:2]
         ctx = self.client.max_context_len
         name = self.args.served_model_name or self.args.model
+        scheme = "https" if self.args.ssl_certfile else "http"
         print(
-            f"eagleserve ready: http://{host}:{port} (model={name}, context_length={ctx})",
+            f"eagleserve ready: {scheme}://{host}:{port} (model={name}, context_length={ctx})",
             flush=True,
         )
 
@@ -131,6 +132,8 @@ async def serve(args: ServerArgs) -> int:
             log_level=args.log_level.lower(),
             access_log=debug,
             timeout_graceful_shutdown=5,
+            ssl_certfile=args.ssl_certfile,
+            ssl_keyfile=args.ssl_keyfile,
         )
         server = _Server(config, args, client, http)
         await server.serve(sockets=[sock])

@@ -14,6 +14,7 @@ import logging
 import os
 import signal
 import socket
+import ssl
 import sys
 import time
 
@@ -60,7 +61,7 @@ def bind_socket(host: str, port: int) -> socket.socket:
 def check_paths(args: ServerArgs) -> None:
     """The model and draft paths exist and look like what the loader reads (no side effects:
     'default' and .gguf models are converted by the engine, not here); so does --chat-template
-    (it renders a chat once the tokenizer is loaded: engine_client.py)."""
+    (it renders a chat once the tokenizer is loaded: engine_client.py); the TLS files load."""
     from eagleserve.models.loader import resolve_draft_path, resolve_model_path
 
     if args.chat_template is not None:
@@ -68,6 +69,7 @@ def check_paths(args: ServerArgs) -> None:
             read_chat_template(args.chat_template)
         except (ValueError, OSError) as exc:
             raise StartupError(str(exc)) from None
+    check_tls(args)
     try:
         if args.model.endswith(".gguf"):
             if not os.path.isfile(args.model):
@@ -78,6 +80,21 @@ def check_paths(args: ServerArgs) -> None:
             resolve_draft_path(args.speculative_draft_model_path)
     except FileNotFoundError as exc:
         raise StartupError(str(exc)) from None
+
+
+def check_tls(args: ServerArgs) -> None:
+    """--ssl-certfile and --ssl-keyfile come together and load as a certificate and its key."""
+    if args.ssl_certfile is None and args.ssl_keyfile is None:
+        return
+    if args.ssl_certfile is None or args.ssl_keyfile is None:
+        raise StartupError("HTTPS needs both --ssl-certfile and --ssl-keyfile")
+    try:
+        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(
+            args.ssl_certfile, args.ssl_keyfile
+        )
+    except (OSError, ssl.SSLError) as exc:
+        msg = f"--ssl-certfile {args.ssl_certfile} / --ssl-keyfile {args.ssl_keyfile}: {exc}"
+        raise StartupError(msg) from None
 
 
 async def start_engine(client: EngineClient) -> bool:
