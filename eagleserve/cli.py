@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from eagleserve.config import RENAMED_FIELDS, ServerArgs, renamed_hint
+from eagleserve.server.reasoning import reasoning_format
 
 FIELD_HELP: dict[str, str] = {
     "model": "target model: 'default' (SmolLM2-135M-Instruct), a Hugging Face folder, or a .gguf",
@@ -38,6 +39,8 @@ FIELD_HELP: dict[str, str] = {
     "sampling_defaults": "model | openai: what a request's unset temperature, top_p, top_k, "
     "min_p, repetition_penalty and (chat) max_tokens mean: the model's generation_config.json "
     "where it sets them, or OpenAI's defaults",
+    "reasoning_parser": "deepseek-r1 | qwen3: chat answers carry the thinking (<think>...</think>) "
+    "as reasoning_content, apart from content",
     "chat_template": "Jinja chat template for the chat routes in place of the tokenizer's: a "
     "file, or the template itself on one line (\\n escapes read as newlines)",
     "api_key": "require 'Authorization: Bearer KEY' on /v1/* (default: $EAGLESERVE_API_KEY)",
@@ -134,6 +137,11 @@ def check_values(args: ServerArgs) -> str | None:
         value = getattr(args, name)
         if str(value).lower() not in choices:
             return f"--{name.replace('_', '-')} {value!r}: choose from {', '.join(choices)}"
+    if args.reasoning_parser is not None:
+        try:
+            reasoning_format(args.reasoning_parser)
+        except ValueError as exc:
+            return str(exc)
     if DEVICE_RE.fullmatch(args.device) is None:
         return f"--device {args.device!r}: choose auto, cpu, cuda or cuda:N"
     if not 0 <= args.port <= 65535:
@@ -162,7 +170,7 @@ def serve_fields() -> list[dataclasses.Field]:
 # --help shows the flags in these groups, in this order (every ServerArgs field in one).
 FIELD_GROUPS: dict[str, tuple[str, ...]] = {
     "model": ("model", "dtype", "kv_cache_dtype", "load_format", "quantization", "context_length",
-              "served_model_name", "chat_template", "sampling_defaults"),
+              "served_model_name", "chat_template", "sampling_defaults", "reasoning_parser"),
     "server": ("host", "port", "api_key", "allowed_origins", "ssl_certfile", "ssl_keyfile",
                "max_request_body_bytes", "responses_store_size", "log_level"),
     "scheduler": ("max_running_requests", "max_total_tokens", "random_seed",

@@ -192,6 +192,9 @@ class ServerArgs:
     # model | openai: an OpenAI request's unset sampling fields from the model's
     # generation_config.json, or OpenAI's defaults (SGLang's flag; server/sampling_defaults.py).
     sampling_defaults: str = "model"
+    # A reasoning model's thinking apart from its answer: deepseek-r1 | qwen3 (SGLang's and
+    # vLLM's flag; server/reasoning.py).
+    reasoning_parser: str | None = None
     api_key: str | None = None
     # 16 MiB: over 10x the JSON of a 128k-token prompt (~0.5 MB of text, up to 6x for \u
     # escapes), so only abuse or mistakes hit it; tokenizing 16 MB takes ~15 s of a core.

@@ -24,9 +24,15 @@ from eagleserve.server.protocol import (
     new_id,
     now,
 )
+from eagleserve.server.reasoning import (
+    ReasoningFormat,
+    ReasoningStream,
+    reasoning_format,
+    split_reasoning,
+)
 from eagleserve.server.respond import Endpoint, respond, sse
 from eagleserve.server.serving import ApiError, Serving, Tracker
-from eagleserve.server.structured import checked, output_constraint
+from eagleserve.server.structured import checked, constraint_fields, output_constraint
 from eagleserve.server.tool_calls import (
     ToolSetup,
     render_calls,
@@ -112,21 +118,63 @@ def chat_constraint(
     return checked(tool_grammar(tools), "tools")
 
 
+@dataclass(frozen=True)
+class ChatAnswer:
+    """A finished choice as the chat formats give it."""
+
+    content: str | None
+    tool_calls: list[dict[str, Any]]
+    finish_reason: str | None
+    reasoning: str | None = None  # the thinking, with --reasoning-parser
+
+
 @dataclass
 class ChatCall:
     """A chat request ready to run: its engine requests (n per conversation), the tracker of
-    their choices, and its tool calling (None: free text)."""
+    their choices, its tool calling (None: free text) and the reasoning format its answers are
+    split by (None: not split)."""
 
     body: ChatCompletionRequest
     tools: ToolSetup | None
     reqs: list[GenerateReqInput]
     tracker: Tracker
+    reasoning: ReasoningFormat | None = None
 
-    def answer(self, c: ChoiceState) -> tuple[str | None, list[dict[str, Any]], str | None]:
-        """(content, tool calls, finish reason) of a finished choice."""
+    @property
+    def streams_text(self) -> bool:
+        """Whether the answer's text can go out as it comes (else it is parsed whole)."""
+        return self.tools is None
+
+    def answer(self, c: ChoiceState) -> ChatAnswer:
+        """A finished choice's thinking (sent only where asked), content and tool calls."""
+        thinking, text = None, c.text
+        if self.reasoning is not None:
+            thinking, text = split_reasoning(self.reasoning, c.text)
+            thinking = thinking if self.body.include_reasoning else None
         if self.tools is None:
-            return c.text, [], c.finish_reason
-        return tool_answer(c.text, c.finish_reason)
+            return ChatAnswer(text, [], c.finish_reason, thinking)
+        content, calls, reason = tool_answer(text or "", c.finish_reason)
+        return ChatAnswer(content, calls, reason, thinking)
+
+
+def reasoning_split(serving: Serving, body: ChatCompletionRequest) -> ReasoningFormat | None:
+    """The format the answers are split by: the server's parser, unless the request turns
+    the split off (SGLang's separate_reasoning)."""
+    parser = serving.args.reasoning_parser
+    return reasoning_format(parser) if parser and body.separate_reasoning else None
+
+
+def check_reasoning(body: ChatCompletionRequest, tools: ToolSetup | None) -> ApiError | None:
+    """A constraint over the whole output leaves a reasoning model no room to think (and its
+    thinking would hold the answer): refused while the thinking is split off."""
+    fields = constraint_fields(body)
+    if tools is not None and tools.choice != "auto":
+        fields.append("tool_choice")
+    if not fields:
+        return None
+    msg = (f"{fields[0]} constrains the whole output, thinking included: not served with "
+           "--reasoning-parser (send separate_reasoning false to constrain it whole)")  # fmt: skip
+    return ApiError(400, msg, fields[0])
 
 
 async def start_chat(
@@ -137,6 +185,10 @@ async def start_chat(
     tools = tool_setup(body)
     if isinstance(tools, ApiError):
         return tools
+    reasoning = reasoning_split(serving, body)
+    err = check_reasoning(body, tools) if reasoning is not None else None
+    if err is not None:
+        return err
     ids = await asyncio.to_thread(chat_prompt, serving, body, tools)  # off the loop: as above
     if isinstance(ids, ApiError):
         return ids
@@ -159,14 +211,15 @@ async def start_chat(
         return ChoiceState(i, pi, tok, params, prompt=scoring,
                            ids_as_tokens=bool(body.return_tokens_as_token_ids))  # fmt: skip
 
-    return ChatCall(body, tools, reqs, Tracker(serving, endpoint, reqs, make_choice, body.n))
+    tracker = Tracker(serving, endpoint, reqs, make_choice, body.n)
+    return ChatCall(body, tools, reqs, tracker, reasoning)
 
 
 async def create_chat(serving: Serving, body: ChatCompletionRequest, request: Request) -> Response:
     call = await start_chat(serving, body, "chat")
     if isinstance(call, ApiError):
         return call.response()
-    tools, reqs, tracker, answer = call.tools, call.reqs, call.tracker, call.answer
+    reqs, tracker, answer = call.reqs, call.tracker, call.answer
     rid, model = new_id("chatcmpl"), serving.model_name
     created = now()
 
@@ -182,18 +235,35 @@ async def create_chat(serving: Serving, body: ChatCompletionRequest, request: Re
         role = ChatDelta(role="assistant", content="")
         return [chunk([ChatStreamChoice(index=c.index, delta=role)]) for c in tracker.ordered]
 
+    # Each choice's thinking apart from its answer, as it streams (--reasoning-parser).
+    splits = {c.index: ReasoningStream(call.reasoning) for c in tracker.ordered
+              if call.reasoning is not None}  # fmt: skip
+
     def delta(c: ChoiceState, text: str, out: TokenOutput) -> str | None:
         calls: list[dict[str, Any]] = []
-        reason = c.finish_reason
-        if tools is not None:  # with tools the text is parsed whole: one delta at the end
+        reason, thinking = c.finish_reason, ""
+        if not call.streams_text:  # with tools the text is parsed whole: one delta at the end
             if not c.finished:
                 return None
-            text, calls, reason = answer(c)  # type: ignore[assignment]
+            a = answer(c)
+            text, calls, reason, thinking = (
+                a.content or "",
+                a.tool_calls,
+                a.finish_reason,
+                a.reasoning or "",
+            )
+        elif c.index in splits:
+            thinking, text = splits[c.index].feed(text)
+            if c.finished:
+                rest = splits[c.index].flush()
+                thinking, text = thinking + rest[0], text + rest[1]
+            thinking = thinking if body.include_reasoning else ""
         lp = c.chat_logprobs(only_new=True) if body.logprobs else None
-        if not (text or c.finished or (lp is not None and lp.content)):
+        if not (text or thinking or c.finished or (lp is not None and lp.content)):
             return None
         d = ChatDelta(
             content=text or None,
+            reasoning_content=thinking or None,
             tool_calls=[{"index": k, **call} for k, call in enumerate(calls)] or None,
         )
         return chunk([ChatStreamChoice(index=c.index, delta=d, logprobs=lp,
@@ -202,11 +272,12 @@ async def create_chat(serving: Serving, body: ChatCompletionRequest, request: Re
     def whole() -> ChatCompletionResponse:
         choices = []
         for c in tracker.ordered:
-            content, calls, reason = answer(c)
-            message = ChatResponseMessage(content=content, tool_calls=calls or None)
+            a = answer(c)
+            message = ChatResponseMessage(content=a.content, tool_calls=a.tool_calls or None,
+                                          reasoning_content=a.reasoning)  # fmt: skip
             lp = c.chat_logprobs() if body.logprobs else None
             choices.append(ChatChoice(index=c.index, message=message, logprobs=lp,
-                                      finish_reason=reason))  # fmt: skip
+                                      finish_reason=a.finish_reason))  # fmt: skip
         scores = None  # vLLM's: the conversation's, once for the n choices
         if body.prompt_logprobs is not None:
             scores = tracker.ordered[0].vllm_prompt_logprobs(body.prompt_logprobs)

@@ -153,6 +153,10 @@ class ChatCompletionRequest(_SamplingFields):
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     echo: bool = False  # vLLM's: the last message in front of the answer (a 400: not served)
+    # With --reasoning-parser: SGLang's switch for the thinking apart (false: all in content),
+    # vLLM's for whether the thinking is sent at all (server/reasoning.py).
+    separate_reasoning: bool = True
+    include_reasoning: bool = True
 
 
 # ---- /tokenize and /detokenize (vLLM's bodies) ------------------------------------------------
@@ -294,10 +298,12 @@ class ChatResponseMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
     tool_calls: list[dict[str, Any]] | None = None  # OpenAI's: id, type, function
+    reasoning_content: str | None = None  # SGLang's and vLLM's, with --reasoning-parser
 
     @model_serializer(mode="wrap")
     def _drop_no_calls(self, handler: Any) -> dict[str, Any]:
-        return drop_if_none(handler(self), "tool_calls")  # as OpenAI: only when there are calls
+        # As OpenAI: calls only when there are some; the thinking only where there is one.
+        return drop_if_none(drop_if_none(handler(self), "tool_calls"), "reasoning_content")
 
 
 class ChatChoice(BaseModel):
@@ -324,6 +330,7 @@ class ChatCompletionResponse(BaseModel):
 class ChatDelta(BaseModel):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[dict[str, Any]] | None = None  # each with its `index` among the calls
 
     @model_serializer(mode="wrap")

@@ -24,8 +24,11 @@ from eagleserve.server.responses_protocol import (
     FunctionCall,
     IncompleteDetails,
     InputTokensDetails,
+    Item,
     OutputMessage,
     OutputText,
+    ReasoningItem,
+    ReasoningText,
     ResponseError,
     ResponseObject,
     ResponsesRequest,
@@ -58,6 +61,9 @@ class ResponseRun:
         self.model = serving.model_name
         self.sequence = 0
         self._finished: ResponseObject | None = None
+        # Free text streams token by token into one message; tool calls and a reasoning
+        # model's thinking are parsed whole, their items sent at the end.
+        self.live = call.streams_text and call.reasoning is None
 
     @property
     def choice(self) -> ChoiceState:
@@ -77,7 +83,7 @@ class ResponseRun:
     def response(
         self,
         status: Status,
-        output: list[OutputMessage | FunctionCall] | None = None,
+        output: list[Item] | None = None,
         error: ApiError | None = None,
     ) -> ResponseObject:
         body, usage = self.body, None
@@ -123,10 +129,14 @@ class ResponseRun:
         """The finished response (made once: its function calls get their ids once)."""
         if self._finished is not None:
             return self._finished
-        content, calls, _ = self.call.answer(self.choice)
+        answer = self.call.answer(self.choice)
+        content, calls = answer.content, answer.tool_calls
         status = status_of(self.choice.finish_reason)
         item_status: Status = "incomplete" if status == "incomplete" else "completed"
-        output: list[OutputMessage | FunctionCall] = []
+        output: list[Item] = []
+        if answer.reasoning:
+            thought = [ReasoningText(text=answer.reasoning)]
+            output.append(ReasoningItem(id=item_id("rs"), content=thought, status=item_status))
         if content or not calls:
             text = OutputText(text=content or "", logprobs=self.logprobs())
             output.append(OutputMessage(id=self.message_id, status=item_status, content=[text]))
@@ -171,7 +181,7 @@ class ResponseRun:
             self.event("response.created", response=created),
             self.event("response.in_progress", response=created),
         ]
-        if self.call.tools is None:  # free text streams token by token into one message
+        if self.live:
             events += self.message_start()
         return events
 
@@ -190,7 +200,7 @@ class ResponseRun:
         ]
 
     def delta(self, c: ChoiceState, text: str, out: TokenOutput) -> str | None:
-        if self.call.tools is not None:  # with tools the text is parsed whole, at the end
+        if not self.live:
             return None
         lp = self.logprobs(only_new=True)
         if not (text or lp):
@@ -204,7 +214,7 @@ class ResponseRun:
             logprobs=[e.model_dump() for e in lp or []],
         )
 
-    def item_events(self, index: int, item: OutputMessage | FunctionCall) -> list[str]:
+    def item_events(self, index: int, item: Item) -> list[str]:
         """An output item's events after the added one (its text or arguments whole, except a
         streamed message's, whose deltas went before)."""
         if isinstance(item, FunctionCall):
@@ -213,11 +223,18 @@ class ResponseRun:
                 self.event("response.function_call_arguments.delta", delta=item.arguments, **at),
                 self.event("response.function_call_arguments.done", arguments=item.arguments, **at),
             ]
+        if isinstance(item, ReasoningItem):
+            thought = item.content[0].text
+            at = {"item_id": item.id, "output_index": index, "content_index": 0}
+            return [
+                self.event("response.reasoning_text.delta", delta=thought, **at),
+                self.event("response.reasoning_text.done", text=thought, **at),
+            ]
         part = item.content[0]
         at = {"item_id": item.id, "output_index": index, "content_index": 0}
         lps = [e.model_dump() for e in part.logprobs or []]
         events = []
-        if self.call.tools is not None and part.text:
+        if not self.live and part.text:
             events.append(
                 self.event("response.output_text.delta", delta=part.text, logprobs=lps, **at)
             )
@@ -231,7 +248,7 @@ class ResponseRun:
         resp = self.finished()
         events = []
         for index, item in enumerate(resp.output):
-            if self.call.tools is not None:
+            if not self.live:
                 started = item.model_copy(update={"status": "in_progress"})
                 if isinstance(started, FunctionCall):
                     started.arguments = ""

@@ -70,8 +70,8 @@ def part_text(parts: str | list[ContentPart] | None, param: str) -> str | ApiErr
 def item_message(
     item: InputItem, i: int, before: list[ChatMessage]
 ) -> ChatMessage | ApiError | None:
-    """Input item i as a chat message (None: a function call merged into the assistant message
-    before it, so parallel calls stay one turn)."""
+    """Input item i as a chat message; None for a function call merged into the assistant
+    message before it (parallel calls stay one turn) and for an earlier reasoning item."""
     param = f"input.{i}"
     if item.type == "message":
         if item.role is None:
@@ -91,15 +91,16 @@ def item_message(
             last.tool_calls.append(call)
             return None
         return ChatMessage(role="assistant", tool_calls=[call])
+    if item.type == "reasoning":  # an earlier turn's thinking: templates leave it out
+        return None
     if item.type == "function_call_output":
         if not item.call_id:
             return ApiError(400, f"{param}: a function_call_output needs call_id", param)
         text = part_text(item.output, f"{param}.output")
         return text if isinstance(text, ApiError) else ChatMessage(role="tool", content=text)
-    msg = f"{param}.type: input items of type {item.type!r} are not supported; send messages, "
-    return ApiError(
-        400, msg + "function_call and function_call_output items", f"{param}.type", UNSUPPORTED
-    )
+    msg = f"{param}.type: input items of type {item.type!r} are not supported; send messages "
+    msg += "and function_call, function_call_output and reasoning items"
+    return ApiError(400, msg, f"{param}.type", UNSUPPORTED)
 
 
 def input_messages(body: ResponsesRequest) -> list[ChatMessage] | ApiError:

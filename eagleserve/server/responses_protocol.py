@@ -114,6 +114,21 @@ class OutputMessage(BaseModel):
     content: list[OutputText]
 
 
+class ReasoningText(BaseModel):
+    type: Literal["reasoning_text"] = "reasoning_text"
+    text: str
+
+
+class ReasoningItem(BaseModel):
+    """The thinking of a reasoning model (--reasoning-parser), before its message."""
+
+    type: Literal["reasoning"] = "reasoning"
+    id: str
+    summary: list[Any] = Field(default_factory=list)
+    content: list[ReasoningText]
+    status: Status
+
+
 class FunctionCall(BaseModel):
     type: Literal["function_call"] = "function_call"
     id: str
@@ -121,6 +136,9 @@ class FunctionCall(BaseModel):
     name: str
     arguments: str
     status: Status
+
+
+Item = ReasoningItem | OutputMessage | FunctionCall  # an output item
 
 
 class InputTokensDetails(BaseModel):
@@ -161,7 +179,7 @@ class ResponseObject(BaseModel):
     instructions: str | None = None
     max_output_tokens: int | None = None
     model: str
-    output: list[OutputMessage | FunctionCall] = Field(default_factory=list)
+    output: list[Item] = Field(default_factory=list)
     parallel_tool_calls: bool = True
     previous_response_id: str | None = None
     store: bool

@@ -62,11 +62,16 @@ def _response_format_spec(body: _SamplingFields) -> GrammarSpec | ApiError | Non
     return GrammarSpec("json_schema", json.dumps(schema))
 
 
+def constraint_fields(body: _SamplingFields) -> list[str]:
+    """The output-constraint fields `body` sets (a text response_format is none)."""
+    names = ("response_format", "regex", "ebnf", "json_schema", *GUIDED)
+    return [name for name in names if _is_set(body, name)]
+
+
 def output_constraint(body: _SamplingFields) -> GrammarSpec | ApiError | None:
     """The constraint `body` asks for (None: free text). Runs xgrammar's parser: call it off the
     event loop."""
-    names = ("response_format", "regex", "ebnf", "json_schema", *GUIDED)
-    given = [name for name in names if _is_set(body, name)]
+    given = constraint_fields(body)
     pairs: list[tuple[str, Any]] = [(name, getattr(body, name)) for name in given]
     if "structured_outputs" in given:
         fields = structured_fields(body.structured_outputs or {})

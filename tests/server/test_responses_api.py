@@ -204,7 +204,7 @@ def test_logprobs_when_included(client: openai.OpenAI, top: int) -> None:
         ({"previous_response_id": "resp_unknown"}, "previous_response_id"),
         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
          "input.0.content.0.type"),
-        ({"input": [{"type": "reasoning", "summary": []}]}, "input.0.type"),
+        ({"input": [{"type": "web_search_call", "id": "ws_1"}]}, "input.0.type"),
         ({"input": []}, "input"),
         ({"tool_choice": "required"}, "tool_choice"),
     ],
