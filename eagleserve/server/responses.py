@@ -7,6 +7,7 @@ The request's conversion and checks are in server/responses_input.py.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any
 
@@ -37,6 +38,21 @@ from eagleserve.server.responses_protocol import (
     item_id,
 )
 from eagleserve.server.serving import ApiError, Serving
+
+# The chat request's fields that the Responses API names otherwise.
+RESPONSES_NAMES = {"response_format": "text.format", "max_tokens": "max_output_tokens",
+                   "messages": "input"}  # fmt: skip
+
+
+def as_responses_error(err: ApiError) -> ApiError:
+    """A 400 of the chat request the response runs as, naming the Responses API's field."""
+    head, dot, rest = (err.param or "").partition(".")
+    name = RESPONSES_NAMES.get(head)
+    if name is None:
+        return err
+    # A message's index counts the instructions and earlier turns: only `input` is named.
+    param = name if head == "messages" else name + dot + rest
+    return dataclasses.replace(err, param=param, message=err.message.replace(head, name, 1))
 
 
 def status_of(reason: str | None) -> Status:
@@ -306,10 +322,10 @@ async def create_response(
     conversation = [*history, *given]
     chat = chat_request(body, conversation)
     if isinstance(chat, ApiError):
-        return chat.response()
+        return as_responses_error(chat).response()
     call = await start_chat(serving, chat, "responses")
     if isinstance(call, ApiError):
-        return call.response()
+        return as_responses_error(call).response()
     run = ResponseRun(serving, body, call, conversation, body.store and store.capacity > 0)
 
     def whole() -> ResponseObject:

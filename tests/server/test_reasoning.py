@@ -134,3 +134,7 @@ def test_whole_output_constraints_are_refused(
     ok = httpx.post(server.url + "/v1/chat/completions", json={**body, "separate_reasoning": False},
                     timeout=120)  # fmt: skip
     assert ok.status_code == 200, ok.text
+    if param == "response_format":  # a response's constraint is its text.format
+        resp = httpx.post(server.url + "/v1/responses", timeout=60, json={
+            "input": "Hi", "text": {"format": {"type": "json_object"}}})  # fmt: skip
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == "text.format"
