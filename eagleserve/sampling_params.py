@@ -35,6 +35,16 @@ class GrammarSpec:
     value: str = ""
 
 
+@dataclass(frozen=True)
+class ThinkingGate:
+    """A reasoning model's output: `grammar` constrains only what follows its thinking, which
+    ends at token `end_id` (`</think>`); `start_id` (`<think>`) where the output may open with
+    it and thinks only then (Qwen3), None where it thinks from its first token (DeepSeek-R1)."""
+
+    end_id: int
+    start_id: int | None = None
+
+
 @dataclass
 class SamplingParams:
     max_new_tokens: int = 128
@@ -59,6 +69,7 @@ class SamplingParams:
     min_tokens: int = 0  # EOS and stop ids are masked, stop strings ignored, below this
     logit_bias: dict[int, float] = field(default_factory=dict)
     grammar: GrammarSpec | None = None  # structured output (None: free text)
+    thinking: ThinkingGate | None = None  # the grammar starts after the thinking (None: at once)
     # vLLM's: the only tokens the output may hold (None: any), and words it must not hold
     # (constrained/output_constraint.py).
     allowed_token_ids: list[int] | None = None
@@ -112,6 +123,10 @@ class SamplingParams:
         for ok, message, param in checks:
             if not ok:
                 return RequestError(message, param)
+        if self.thinking is not None:
+            gate = [self.thinking.end_id, self.thinking.start_id]
+            if any(t is not None and (t < 0 or (vocab_size and t >= vocab_size)) for t in gate):
+                return RequestError("the thinking's tags are no tokens of this model", "thinking")
         if self.allowed_token_ids is not None:
             if not self.allowed_token_ids:
                 return RequestError("allowed_token_ids must not be empty", "allowed_token_ids")

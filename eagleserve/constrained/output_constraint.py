@@ -4,6 +4,7 @@ Three kinds, each a matcher with one interface (`accept`, `fill_paths`; grammar.
 invariant the workers keep): a grammar (xgrammar, structured output), vLLM's
 `allowed_token_ids` (a fixed set) and vLLM's `bad_words` (a word's last token is banned where
 the output so far ends with the rest of it). A request with several gets their intersection.
+A reasoning model's grammar may wait for its thinking to end (`AfterThinking`).
 A bitmask row is int32 words, bit b of word w allowing token 32 * w + b (grammar_mask.py).
 """
 
@@ -16,7 +17,7 @@ import torch
 
 from eagleserve.constrained.grammar import GrammarBackend, request_grammar
 from eagleserve.constrained.grammar_mask import BITS
-from eagleserve.sampling_params import MAX_BAD_WORD_TOKENS, SamplingParams
+from eagleserve.sampling_params import MAX_BAD_WORD_TOKENS, SamplingParams, ThinkingGate
 
 
 class TokenMatcher(Protocol):
@@ -78,6 +79,53 @@ class BadWords:
             for t in self.banned(self.tail + path):
                 bit = t % BITS
                 bitmask[row, t // BITS] &= ~(1 << bit) if bit < BITS - 1 else 2**31 - 1
+
+
+def set_bit(row: torch.Tensor, token: int) -> None:
+    """Allows `token` in a bitmask row (int32 words: bit 31 is the sign bit)."""
+    bit = token % BITS
+    row[token // BITS] |= (1 << bit) if bit < BITS - 1 else -(2 ** (BITS - 1))
+
+
+class AfterThinking:
+    """A grammar that starts once a reasoning model's thinking ended (vLLM's structured output
+    with a reasoning parser): while the output thinks every token is allowed; after its end
+    token the grammar constrains the rest. With a start token (Qwen3) the output thinks only
+    if it opens with it: the first token is the grammar's or that one."""
+
+    def __init__(self, inner: TokenMatcher, gate: ThinkingGate) -> None:
+        self.inner, self.gate = inner, gate
+        self.state = "thinking" if gate.start_id is None else "start"  # | "answer"
+
+    def _after(self, tokens: list[int]) -> tuple[str, list[int]]:
+        """The state after `tokens`, and those of them the grammar reads (after the thinking)."""
+        state = self.state
+        for k, t in enumerate(tokens):
+            if state == "answer":
+                return state, tokens[k:]
+            if state == "start":
+                state = "thinking" if t == self.gate.start_id else "answer"
+                if state == "answer":
+                    return state, tokens[k:]
+            elif t == self.gate.end_id:
+                state = "answer"
+        return state, []
+
+    def accept(self, tokens: list[int]) -> None:
+        self.state, read = self._after(tokens)
+        if read:
+            self.inner.accept(read)
+
+    def fill_paths(self, paths: list[list[int]], bitmask: torch.Tensor, first_row: int) -> None:
+        for i, path in enumerate(paths):
+            state, read = self._after(path)
+            if state == "thinking":
+                bitmask[first_row + i] = -1
+                continue
+            self.inner.fill_paths([read], bitmask, first_row + i)
+            if state == "start":  # the first token: the grammar's, or the thinking's opening
+                assert self.gate.start_id is not None
+                set_bit(bitmask[first_row + i], self.gate.start_id)
 
 
 class OutputConstraint:
@@ -151,7 +199,8 @@ class ConstraintBuilder:
             grammar, err = request_grammar(self.grammars, params.grammar)
             if grammar is None:
                 return None, err
-            parts.append(grammar)
+            gated = grammar if params.thinking is None else AfterThinking(grammar, params.thinking)
+            parts.append(gated)
         if params.allowed_token_ids is not None:
             stop_ids = {*self.eos_token_ids, *params.stop_token_ids}
             if params.min_tokens > 0 and set(params.allowed_token_ids) <= stop_ids:

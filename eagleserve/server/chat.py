@@ -11,7 +11,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from eagleserve.messages import GenerateReqInput, TokenOutput
-from eagleserve.sampling_params import GrammarSpec
+from eagleserve.sampling_params import GrammarSpec, ThinkingGate
 from eagleserve.server.choices import ChoiceState, PromptScoring, usage_of
 from eagleserve.server.protocol import (
     ChatChoice,
@@ -28,6 +28,7 @@ from eagleserve.server.reasoning import (
     ReasoningFormat,
     ReasoningStream,
     reasoning_format,
+    single_token,
     split_reasoning,
 )
 from eagleserve.server.respond import Endpoint, respond, sse
@@ -164,16 +165,24 @@ def reasoning_split(serving: Serving, body: ChatCompletionRequest) -> ReasoningF
     return reasoning_format(parser) if parser and body.separate_reasoning else None
 
 
-def check_reasoning(body: ChatCompletionRequest, tools: ToolSetup | None) -> ApiError | None:
-    """A constraint over the whole output leaves a reasoning model no room to think (and its
-    thinking would hold the answer): refused while the thinking is split off."""
+def thinking_gate(
+    tokenizer: Any, fmt: ReasoningFormat, body: ChatCompletionRequest, tools: ToolSetup | None
+) -> ThinkingGate | ApiError | None:
+    """Where a split request's grammar starts: after the thinking, where the format's tags are
+    tokens of the model (vLLM's rule: the thinking stays free); else a constraint over the
+    whole output is a 400 (it would leave no room to think, and the answer would land in the
+    thinking), and tool_choice auto runs ungated (its calls are free text until their tag)."""
+    end = single_token(tokenizer, fmt.end)
+    start = None if fmt.thinks_first else single_token(tokenizer, fmt.start)
+    if end is not None and (fmt.thinks_first or start is not None):
+        return ThinkingGate(end, start)
     fields = constraint_fields(body)
     if tools is not None and tools.choice != "auto":
         fields.append("tool_choice")
     if not fields:
         return None
-    msg = (f"{fields[0]} constrains the whole output, thinking included: not served with "
-           "--reasoning-parser (send separate_reasoning false to constrain it whole)")  # fmt: skip
+    msg = (f"{fields[0]} cannot wait for the thinking to end: this model's {fmt.end} is no "
+           "single token (send separate_reasoning false to constrain the whole output)")  # fmt: skip
     return ApiError(400, msg, fields[0])
 
 
@@ -185,16 +194,18 @@ async def start_chat(
     tools = tool_setup(body)
     if isinstance(tools, ApiError):
         return tools
-    reasoning = reasoning_split(serving, body)
-    err = check_reasoning(body, tools) if reasoning is not None else None
-    if err is not None:
-        return err
     ids = await asyncio.to_thread(chat_prompt, serving, body, tools)  # off the loop: as above
     if isinstance(ids, ApiError):
         return ids
     grammar = await asyncio.to_thread(chat_constraint, body, tools)
     if isinstance(grammar, ApiError):
         return grammar
+    reasoning = reasoning_split(serving, body)
+    gate = None
+    if reasoning is not None and grammar is not None:
+        gate = thinking_gate(serving.tokenizer, reasoning, body, tools)
+        if isinstance(gate, ApiError):
+            return gate
     max_tokens = body.max_completion_tokens
     if max_tokens is None:
         max_tokens = body.max_tokens
@@ -203,6 +214,7 @@ async def start_chat(
                                      body.prompt_logprobs, grammar)  # fmt: skip
     if isinstance(params, ApiError):
         return params
+    params.thinking = gate
     reqs = serving.make_reqs([ids], [params], body.n, body.stream)
     tok = serving.tokenizer
     scoring = None if body.prompt_logprobs is None else PromptScoring(ids)

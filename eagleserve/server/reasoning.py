@@ -13,6 +13,7 @@ The split is of the text as generated: the stream's pieces join to the whole ans
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,12 @@ def reasoning_format(name: str) -> ReasoningFormat:
     if fmt is None:
         raise ValueError(f"--reasoning-parser {name!r}: one of {', '.join(PARSERS)}")
     return fmt
+
+
+def single_token(tokenizer: Any, text: str) -> int | None:
+    """The id of the one token `text` encodes to (a reasoning model's tag), else None."""
+    ids = tokenizer.encode(text, add_special_tokens=False) if tokenizer is not None else []
+    return ids[0] if len(ids) == 1 else None
 
 
 def split_reasoning(fmt: ReasoningFormat, text: str) -> tuple[str | None, str | None]:

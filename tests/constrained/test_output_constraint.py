@@ -14,6 +14,7 @@ from conftest import TINY_EOS, TINY_VOCAB
 from eagleserve.constrained.constraint_batch import BatchConstraint
 from eagleserve.constrained.grammar_mask import unpack_bitmask
 from eagleserve.constrained.output_constraint import (
+    AfterThinking,
     AllowedTokens,
     BadWords,
     ConstraintBuilder,
@@ -21,7 +22,7 @@ from eagleserve.constrained.output_constraint import (
     token_bitmask,
 )
 from eagleserve.core import Req
-from eagleserve.sampling_params import GrammarSpec, SamplingParams
+from eagleserve.sampling_params import GrammarSpec, SamplingParams, ThinkingGate
 
 V = 200  # not a multiple of 32: the last word is partly past the vocabulary
 WORDS = (V + 31) // 32
@@ -188,3 +189,51 @@ def test_allowed_token_ids_alone_read_no_tokens(char_tokenizer) -> None:  # noqa
     assert both is not None and both.reads_tokens
     with pytest.raises((NotImplementedError, RuntimeError)):
         both.advance(torch.zeros(2, dtype=torch.long, device=meta))
+
+
+def gate_rows(gate: AfterThinking, paths: list[list[int]]) -> torch.Tensor:
+    rows = torch.zeros((len(paths), WORDS), dtype=torch.int32)
+    gate.fill_paths(paths, rows, 0)
+    return allowed_of(rows)
+
+
+@pytest.mark.parametrize("opens", [False, True])
+def test_a_grammar_after_thinking_starts_at_the_end_token(opens: bool) -> None:
+    """While the output thinks every token is allowed; after the end token the inner matcher
+    (here bad words, banning `word`'s last token after its first) constrains; with a start
+    token (Qwen3) an output thinks only if it opens with it, which its first mask allows. A
+    path's mask is the one its committed state reaches by accepting the path (sign bits of
+    words among the tokens)."""
+    rng = random.Random()
+    start, end, lone = rng.sample([31, 63, 95, 127, 5, 9], 3)
+    word = [rng.choice([x for x in range(V) if x not in (start, end)]), 159]
+    ghost = BadWords([word, [lone], [start]])  # `start` banned by the grammar too
+    gate = AfterThinking(ghost, ThinkingGate(end, start if opens else None))
+    first = gate_rows(gate, [[]])[0]
+    if opens:  # before any token: the grammar's mask and the start token
+        assert first[start] and not first[lone]
+    else:  # thinking from the first token: anything
+        assert first.all()
+    filler = [x for x in range(V) if x not in (start, end, lone, *word)]
+    thinking = ([start] if opens else []) + rng.sample(filler, 5) + word
+    assert gate_rows(gate, [thinking])[0].all()  # the word inside the thinking: no ban
+    after = [*thinking, end, word[0]]
+    row = gate_rows(gate, [after])[0]
+    assert not row[word[1]] and not row[lone] and not row[start] and row.sum() == V - 3
+    if opens:  # no opening tag: the grammar from the first token
+        assert not gate_rows(gate, [[word[0]]])[0][word[1]]
+    for _ in range(30):  # fill_paths == accepting the path on a copy, then the committed mask
+        committed = [
+            rng.choice([start, end, lone, *word, *filler[:4]]) for _ in range(rng.randint(0, 4))
+        ]
+        paths = [[rng.choice([start, end, *word, *filler[:4]]) for _ in range(rng.randint(0, 5))]
+                 for _ in range(4)]  # fmt: skip
+        g = AfterThinking(
+            BadWords([word, [lone], [start]]), ThinkingGate(end, start if opens else None)
+        )
+        g.accept(committed)
+        got = gate_rows(g, paths)
+        for path, row in zip(paths, got):
+            copy = AfterThinking(BadWords([word, [lone], [start]]), g.gate)
+            copy.accept(committed + path)
+            assert torch.equal(row, gate_rows(copy, [[]])[0]), (committed, path)

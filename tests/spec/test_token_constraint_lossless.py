@@ -18,7 +18,7 @@ from lossless_fixtures import (
 )
 
 from eagleserve import Engine, SamplingParams
-from eagleserve.sampling_params import GrammarSpec
+from eagleserve.sampling_params import GrammarSpec, ThinkingGate
 
 __all__ = ["char_heads", "char_target_dir"]  # module-scoped fixtures of lossless_fixtures
 
@@ -127,4 +127,34 @@ def test_constrained_greedy_is_lossless(
     for i, (g, r) in enumerate(zip(got, want, strict=True)):
         first = next((j for j, (a, b) in enumerate(zip(g, r)) if a != b), min(len(g), len(r)))
         assert g == r, f"seed {SEED}, request {i}: first mismatch at token {first}"
+    assert eng.stats().spec_verify_calls_total > 0
+
+
+@pytest.mark.parametrize(("head", "steps", "topk", "ndt"), [("EAGLE", 3, 1, 4), ("EAGLE", 3, 2, 6)])
+def test_a_grammar_after_thinking_is_lossless(
+    char_target_dir: str, char_heads: dict[str, str], free: list[list[int]],
+    head: str, steps: int, topk: int, ndt: int,
+) -> None:  # fmt: skip
+    """A reasoning model's grammar (--reasoning-parser) starts after its end token: here each
+    request's 5th free token. The output is the free one up to that token, then the regex's;
+    greedy EAGLE (drafts masked along their paths across the gate) equals target-only."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(char_target_dir)
+    letters = tok.encode("abcdefgh", add_special_tokens=False)
+    params = []
+    for ids in free:
+        p = SamplingParams(max_new_tokens=40, temperature=0)
+        p.grammar = GrammarSpec("regex", "[a-h]{2,12}")
+        p.thinking = ThinkingGate(end_id=ids[4])
+        params.append(p)
+    want = run_staggered(engine(char_target_dir, None, False), prompts(), params)
+    for ids, out in zip(free, want, strict=True):
+        cut = ids.index(ids[4]) + 1  # the thinking: the free output up to its end token
+        assert out[:cut] == ids[:cut], SEED
+        tail = [t for t in out[cut:] if t != EOS]
+        assert 2 <= len(tail) <= 12 and set(tail) <= set(letters), (SEED, out)
+    eng = engine(char_target_dir, char_heads[head], True, speculative_num_steps=steps,
+                 speculative_eagle_topk=topk, speculative_num_draft_tokens=ndt)  # fmt: skip
+    assert run_staggered(eng, prompts(), params) == want, SEED
     assert eng.stats().spec_verify_calls_total > 0
