@@ -182,7 +182,8 @@ def thinking_gate(
     if not fields:
         return None
     msg = (f"{fields[0]} cannot wait for the thinking to end: this model's {fmt.end} is no "
-           "single token (send separate_reasoning false to constrain the whole output)")  # fmt: skip
+           "single token (send separate_reasoning false to constrain the whole "
+           "output)")  # fmt: skip
     return ApiError(400, msg, fields[0])
 
 
