@@ -3,8 +3,9 @@ after a stored turn's conversation become chat messages, function tools and `tex
 chat's tools and response_format; and the checks of the fields it cannot honour (400s).
 
 Each request field that would change the answer is honoured or a 400 naming it: one answer
-(`n` 1), text content only, function tools only, no background mode, no reasoning, no
-truncation of a long conversation (it is a 400, as a long chat prompt is).
+(`n` 1), text content only, function tools only, no background mode, no reasoning settings
+(a reasoning model's thinking is split by --reasoning-parser), no truncation of a long
+conversation (it is a 400, as a long chat prompt is).
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ def check_responses(body: ResponsesRequest) -> ApiError | None:
     if body.truncation == "auto":
         return not_supported("truncation", '"disabled" (a conversation over the context is a 400)')
     if body.reasoning and any(v is not None for v in body.reasoning.values()):
-        return not_supported("reasoning", "null (this model does not reason)")
+        return not_supported("reasoning", "null (no effort or summary settings)")
     if body.prompt is not None:
         return not_supported("prompt", "null (no stored prompt templates)")
     if body.conversation is not None:
@@ -71,7 +72,8 @@ def item_message(
     item: InputItem, i: int, before: list[ChatMessage]
 ) -> ChatMessage | ApiError | None:
     """Input item i as a chat message; None for a function call merged into the assistant
-    message before it (parallel calls stay one turn) and for an earlier reasoning item."""
+    message before it (a turn's text and its parallel calls stay one turn, as the stored
+    conversation holds them) and for an earlier reasoning item."""
     param = f"input.{i}"
     if item.type == "message":
         if item.role is None:
@@ -87,8 +89,8 @@ def item_message(
             "function": {"name": item.name, "arguments": item.arguments or "{}"},
         }
         last = before[-1] if before else None
-        if last is not None and last.role == "assistant" and last.tool_calls is not None:
-            last.tool_calls.append(call)
+        if last is not None and last.role == "assistant":  # the same turn: its text, its calls
+            last.tool_calls = [*(last.tool_calls or []), call]
             return None
         return ChatMessage(role="assistant", tool_calls=[call])
     if item.type == "reasoning":  # an earlier turn's thinking: templates leave it out

@@ -19,8 +19,9 @@ def words() -> str:
 
 
 def test_items_become_chat_turns_with_parallel_calls_in_one() -> None:
-    """A run of function_call items is one assistant turn (its calls in order); each output
-    a tool message; text parts joined; instructions the system message in front."""
+    """A run of function_call items is one assistant turn (its calls in order), with the
+    assistant's text before them where there is one, and a replayed reasoning item left out;
+    each output a tool message; text parts joined; instructions the system message in front."""
     n_calls = random.randint(1, 4)
     calls = [{"type": "function_call", "call_id": f"call_{uuid.uuid4().hex[:8]}",
               "name": random.choice(["f", "g"]), "arguments": f'{{"x": {random.randrange(9)}}}'}
@@ -28,14 +29,19 @@ def test_items_become_chat_turns_with_parallel_calls_in_one() -> None:
     parts = [words() for _ in range(random.randint(1, 3))]
     outputs = [{"type": "function_call_output", "call_id": c["call_id"], "output": words()}
                for c in calls]  # fmt: skip
+    said = random.choice([None, words()])
+    turn = [] if said is None else [{"type": "message", "role": "assistant", "content": [
+        {"type": "output_text", "text": said, "annotations": []}]}]  # fmt: skip
+    thought = {"type": "reasoning", "id": "rs_1", "summary": [],
+               "content": [{"type": "reasoning_text", "text": words()}]}  # fmt: skip
     items = [{"role": "user", "content": [{"type": "input_text", "text": p} for p in parts]},
-             *calls, *outputs]  # fmt: skip
+             thought, *turn, *calls, *outputs]  # fmt: skip
     system = words()
     body = ResponsesRequest.model_validate({"input": items, "instructions": system})
     msgs = input_messages(body)
     assert not isinstance(msgs, ApiError)
     assert [m.role for m in msgs] == ["user", "assistant"] + ["tool"] * n_calls
-    assert msgs[0].content == "".join(parts)
+    assert msgs[0].content == "".join(parts) and msgs[1].content == said
     assert [c["id"] for c in msgs[1].tool_calls or []] == [c["call_id"] for c in calls]
     assert [c["function"]["arguments"] for c in msgs[1].tool_calls or []] == [
         c["arguments"] for c in calls
