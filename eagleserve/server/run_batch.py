@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sys
 import uuid
 from collections.abc import Awaitable, Callable
@@ -145,20 +146,24 @@ async def run_batch(args: ServerArgs, input_file: str, output_file: str) -> int:
     try:
         with open(input_file, encoding="utf-8") as f:
             lines = [parse_line(t) for t in f if t.strip()]
-        out = open(output_file, "w", encoding="utf-8")  # noqa: SIM115 (closed below)
     except OSError as exc:
         return fail(f"run-batch: {exc.filename}: {exc.strerror}")
+    # Checked now, opened (emptied) only once the engine runs: a start that fails keeps an
+    # earlier run's answers.
+    folder = os.path.dirname(os.path.abspath(output_file))
+    if os.path.isdir(output_file) or not os.access(folder, os.W_OK):
+        return fail(f"run-batch: {output_file}: cannot be written")
     client = EngineClient(args)
     try:
         check_paths(args)
         if not await start_engine(client):
             return fail("stopped while starting")
-        ok, failed = await run_lines(create_app(args, client), lines, out, args.api_key,
-                                     args.max_running_requests)  # fmt: skip
+        with open(output_file, "w", encoding="utf-8") as out:
+            ok, failed = await run_lines(create_app(args, client), lines, out, args.api_key,
+                                         args.max_running_requests)  # fmt: skip
     except StartupError as exc:
         return fail(str(exc), getattr(exc.__cause__, "traceback", ""), debug)
     finally:
-        out.close()
         await client.shutdown()
     print(f"run-batch: {len(lines)} lines, {ok} answered 200, {failed} not (see their status "
           f"or error) -> {output_file}", file=sys.stderr)  # fmt: skip

@@ -98,8 +98,20 @@ def test_lines_that_are_no_request() -> None:
         assert word in (parse_line(line).error or ""), line
 
 
-def test_a_missing_input_file_is_one_line_exit_2(tmp_path: Path) -> None:
-    cmd = [sys.executable, "-m", "eagleserve", "run-batch", "-i", str(tmp_path / "none.jsonl"),
-           "-o", str(tmp_path / "out.jsonl"), "--device", "cpu"]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-    assert_one_line_exit_2(proc, "none.jsonl")
+def test_what_cannot_run_is_one_line_exit_2_and_keeps_the_output(tmp_path: Path) -> None:
+    """A missing input, an output that cannot be written, a start that fails: one line, exit
+    code 2, and an earlier run's answers still there."""
+
+    def batch(src: Path, out: Path, *flags: str) -> subprocess.CompletedProcess[str]:
+        cmd = [sys.executable, "-m", "eagleserve", "run-batch", "-i", str(src), "-o", str(out),
+               "--device", "cpu", *flags]  # fmt: skip
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text(json.dumps(request("/v1/completions")) + "\n")
+    earlier = json.dumps({"custom_id": uuid.uuid4().hex}) + "\n"
+    out.write_text(earlier)
+    assert_one_line_exit_2(batch(tmp_path / "none.jsonl", out), "none.jsonl")
+    assert_one_line_exit_2(batch(src, tmp_path), str(tmp_path))  # a folder
+    assert_one_line_exit_2(batch(src, out, "--model", "/nonexistent/model"), "/nonexistent")
+    assert out.read_text() == earlier
