@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import sys
 import uuid
@@ -31,6 +32,7 @@ from eagleserve.server.engine_client import EngineClient
 from eagleserve.server.startup import StartupError, check_paths, fail, start_engine
 
 BATCH_URLS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
+logger = logging.getLogger("eagleserve.server")
 App = Callable[[dict[str, Any], Any, Any], Awaitable[None]]
 
 
@@ -105,9 +107,16 @@ async def call_app(app: App, path: str, body: bytes, api_key: str | None) -> tup
             if not message.get("more_body", False):
                 answered.set()
 
-    await app(scope, receive, send)
+    try:
+        await app(scope, receive, send)
+    except Exception:  # Starlette re-raises after its 500 went out (for a server's log)
+        logger.exception("run-batch: %s failed", path)
     answered.set()
-    return status, json.loads(b"".join(chunks) or b"null")
+    raw = b"".join(chunks)
+    try:
+        return status, json.loads(raw or b"null")
+    except ValueError:  # a plain-text answer (the 500 above): kept as an error body
+        return status, {"error": {"message": raw.decode(errors="replace"), "code": status}}
 
 
 async def run_lines(app: App, lines: list[BatchLine], out: IO[str], api_key: str | None,

@@ -50,6 +50,7 @@ def _checked(key: str, value: Any) -> float | int:
 def read_sampling_defaults(model_path: str, mode: str) -> SamplingDefaults:
     """The defaults `mode` gives for the model in `model_path` (ValueError naming the file and
     key if its generation_config.json is not JSON or holds a value out of range)."""
+    mode = mode.lower()
     if mode not in MODES:
         raise ValueError(f"--sampling-defaults {mode!r}: one of {', '.join(MODES)}")
     path = os.path.join(model_path, "generation_config.json")

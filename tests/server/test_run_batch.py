@@ -6,6 +6,8 @@ input file stops it with one line and exit code 2."""
 
 from __future__ import annotations
 
+import asyncio
+import io
 import json
 import random
 import subprocess
@@ -18,7 +20,7 @@ import httpx
 from server_fixtures import KV_TOKENS, http_fixture, server_fixture  # noqa: F401 (fixtures)
 from test_startup import assert_one_line_exit_2
 
-from eagleserve.server.run_batch import BATCH_URLS, parse_line
+from eagleserve.server.run_batch import BATCH_URLS, parse_line, run_lines
 
 PROMPTS = ["Name a colour.", "Count to four.", "What is two plus two?", "Say hi."]
 
@@ -115,3 +117,30 @@ def test_what_cannot_run_is_one_line_exit_2_and_keeps_the_output(tmp_path: Path)
     assert_one_line_exit_2(batch(src, tmp_path), str(tmp_path))  # a folder
     assert_one_line_exit_2(batch(src, out, "--model", "/nonexistent/model"), "/nonexistent")
     assert out.read_text() == earlier
+
+
+def test_a_route_that_fails_answers_500_and_the_batch_goes_on() -> None:
+    """An exception in a route (Starlette answers a plain-text 500, then re-raises it) is that
+    line's 500 with the text as its error; the other lines still run."""
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    async def route(request: Request) -> JSONResponse:
+        body = await request.json()
+        if body.get("fail"):
+            raise RuntimeError("a broken route")
+        return JSONResponse({"echo": body})
+
+    app = Starlette(routes=[Route("/v1/completions", route, methods=["POST"])])
+    raw = [{"custom_id": str(i), "url": "/v1/completions", "body": {"fail": i == 1, "n": i}}
+           for i in range(3)]  # fmt: skip
+    lines = [parse_line(json.dumps(r)) for r in raw]
+    out = io.StringIO()
+    ok, failed = asyncio.run(run_lines(app, lines, out, None, 2))
+    answers = [json.loads(x) for x in out.getvalue().splitlines()]
+    assert (ok, failed) == (2, 1) and [a["custom_id"] for a in answers] == ["0", "1", "2"]
+    assert answers[1]["response"]["status_code"] == 500
+    assert "Internal Server Error" in answers[1]["response"]["body"]["error"]["message"]
+    assert answers[2]["response"]["body"] == {"echo": {"fail": False, "n": 2}}
