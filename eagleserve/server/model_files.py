@@ -20,9 +20,9 @@ def serving_files(
     """(the routes' tokenizer, the sampling defaults); ValueError or OSError saying what is
     wrong with the template or the model's generation_config.json."""
     defaults = read_sampling_defaults(model_path, args.sampling_defaults)
-    if defaults.changed():
-        logger.info("sampling defaults from the model's generation_config.json: %s",
-                    defaults.changed())  # fmt: skip
+    changed = defaults.changed()
+    if changed:
+        logger.info("sampling defaults from the model's generation_config.json: %s", changed)
     if args.chat_template is not None:
         tokenizer = with_chat_template(tokenizer, read_chat_template(args.chat_template))
     return tokenizer, defaults
