@@ -79,6 +79,15 @@ FIELD_HELP: dict[str, str] = {
     "in chunks between decode steps (default: 64 on a CPU, 8192 on a GPU; 0 or -1: off)",
     "enable_dynamic_chunking": "on a CPU, while requests decode, cut prefill chunks to half a "
     "decode iteration's measured cost (smoother streams next to a long prompt, slower prefills)",
+    "enable_priority_scheduling": "serve waiting requests by their `priority` field (higher "
+    "values first), then by arrival; a request that cannot start preempts a running one it "
+    "outranks by more than --priority-scheduling-preemption-threshold (without this flag a "
+    "request with a priority other than 0 is a 400)",
+    "schedule_low_priority_values_first": "with --enable-priority-scheduling: lower `priority` "
+    "values first (vLLM's order)",
+    "priority_scheduling_preemption_threshold": "with --enable-priority-scheduling: a waiting "
+    "request preempts a running one only where its priority is ahead by more than this (the "
+    "preempted request waits, then resumes from its cached positions with the same tokens)",
     "enable_mixed_chunk": "run each prefill chunk in the same forward as the running requests' "
     "decode step (not with speculative decoding)",
     "attention_backend": "auto | torch | triton",
@@ -150,6 +159,8 @@ def check_values(args: ServerArgs) -> str | None:
         value = getattr(args, name)
         if value is not None and value < 1:
             return f"--{name.replace('_', '-')} {value}: must be at least 1"
+    if args.priority_scheduling_preemption_threshold < 0:  # equals would preempt each other
+        return "--priority-scheduling-preemption-threshold: must be at least 0"
     if args.enable_mixed_chunk and args.speculative_algorithm:
         return "--enable-mixed-chunk does not run with speculative decoding (requests verify)"
     return None
@@ -175,7 +186,9 @@ FIELD_GROUPS: dict[str, tuple[str, ...]] = {
                "max_request_body_bytes", "responses_store_size", "log_level"),
     "scheduler": ("max_running_requests", "max_total_tokens", "random_seed",
                   "disable_overlap_schedule", "disable_radix_cache", "chunked_prefill_size",
-                  "enable_dynamic_chunking", "enable_mixed_chunk"),
+                  "enable_dynamic_chunking", "enable_mixed_chunk",
+                  "enable_priority_scheduling", "schedule_low_priority_values_first",
+                  "priority_scheduling_preemption_threshold"),
     "speculative decoding": ("speculative_algorithm", "speculative_draft_model_path",
                              "speculative_num_steps", "speculative_eagle_topk",
                              "speculative_num_draft_tokens", "speculative_adaptive",

@@ -234,6 +234,12 @@ class ServerArgs:
     # A prefill chunk joins the running requests' decode in one forward (SGLang's name); not
     # with speculation, whose running requests verify instead of decoding.
     enable_mixed_chunk: bool = False
+    # Priority scheduling (SGLang's flags and defaults; scheduler/waiting_queue.py): requests
+    # wait in order of their `priority` (higher first, or lower first: vLLM's order), and one that
+    # cannot start preempts a running request it outranks by more than the threshold.
+    enable_priority_scheduling: bool = False
+    schedule_low_priority_values_first: bool = False
+    priority_scheduling_preemption_threshold: int = 10
     attention_backend: str = "auto"  # auto | torch | triton
     # Batch-invariant kernels (SGLang's name): every verify / extend row is computed bit for bit
     # as the decode of that row, so greedy EAGLE equals target-only on a GPU in bf16 too.

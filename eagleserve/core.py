@@ -73,6 +73,10 @@ class Req:
     # Tokens already handed to the output stream (streaming sends the rest).
     num_sent_tokens: int = 0
     retract_count: int = 0
+    # Priority scheduling's value (scheduler/waiting_queue.py), and the request's place in
+    # arrival order (-1 until the waiting queue numbers it; a retraction keeps it).
+    priority: int = 0
+    arrival_index: int = -1
     # Prompt tokens whose KV came from the prefix cache at admission (usage.cached_tokens).
     cached_tokens: int = 0
     # Monotonic times (engine process): arrival, first scheduled for a prefill (metrics).

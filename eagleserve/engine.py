@@ -39,22 +39,27 @@ class Engine:
         prompts: list[str] | list[list[int]] | str,
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        priority: list[int] | None = None,
     ) -> list[dict[str, Any]]:
         """Returns, per prompt, {"text", "token_ids", "finish_reason", "spec_accept_length"};
         where `logprobs` was asked for, "logprobs" (one per token) and "top_logprobs" (per token,
         its `logprobs` most likely alternatives as (token id, logprob)); where
         `prompt_logprobs` was, "prompt_logprobs" (None first). `use_tqdm`: a bar counts the
-        finished prompts (on a terminal, for more than one)."""
+        finished prompts (on a terminal, for more than one). `priority`: each prompt's, with
+        `enable_priority_scheduling` (vLLM's argument)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         params = sampling_params or SamplingParams()
         plist = params if isinstance(params, list) else [params] * len(prompts)
+        priorities = [0] * len(prompts) if priority is None else priority
+        if len(priorities) != len(prompts):
+            raise ValueError(f"priority has {len(priorities)} values for {len(prompts)} prompts")
         rids = []
-        for prompt, p in zip(prompts, plist):
+        for prompt, p, pri in zip(prompts, plist, priorities):
             ids = self._encode(prompt) if isinstance(prompt, str) else list(prompt)
             rid = f"offline-{next(self._ids)}"
             rids.append(rid)
-            self.scheduler.add_request(GenerateReqInput(rid, ids, replace(p)))
+            self.scheduler.add_request(GenerateReqInput(rid, ids, replace(p), priority=pri))
         done: dict[str, TokenOutput] = {}
         tokens: dict[str, list[int]] = {rid: [] for rid in rids}
         scores: dict[str, list[float | None]] = {}

@@ -15,6 +15,7 @@ class GenerateReqInput:
     input_ids: list[int]
     sampling_params: SamplingParams
     stream: bool = False
+    priority: int = 0  # with priority scheduling (scheduler/waiting_queue.py)
 
 
 @dataclass

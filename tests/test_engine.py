@@ -410,3 +410,23 @@ def test_close_ends_the_overlap_forward_thread(
     eng.close()
     assert not forward_threads() - before
     eng.close()  # again: nothing to do
+
+
+def test_generate_takes_each_prompts_priority(
+    tiny_model_dir: str, tiny: Engine, make_engine: Callable[..., Engine]
+) -> None:
+    """vLLM's `priority=` argument: with priority scheduling the answers are those of an engine
+    without it (one slot: the prompts run one at a time, in priority order); without it a
+    priority is refused naming the flag, as a mismatched list is."""
+    rng = random.Random()
+    prompts = random_prompts(5, seed=rng.randrange(1 << 20))
+    params = greedy(12, ignore_eos=True)
+    want = [r["token_ids"] for r in tiny.generate(prompts, params)]
+    eng = make_engine(tiny_model_dir, max_running_requests=1, enable_priority_scheduling=True,
+                      priority_scheduling_preemption_threshold=0)  # fmt: skip
+    got = eng.generate(prompts, params, priority=[rng.randint(-3, 3) for _ in prompts])
+    assert [r["token_ids"] for r in got] == want
+    with pytest.raises(ValueError, match="enable-priority-scheduling"):
+        tiny.generate(prompts[:1], params, priority=[1])
+    with pytest.raises(ValueError, match="priority has 1 values for 2 prompts"):
+        eng.generate(prompts[:2], params, priority=[1])

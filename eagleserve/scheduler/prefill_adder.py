@@ -14,11 +14,11 @@ waiting for memory.
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass
 
 from eagleserve.core import Req
 from eagleserve.mem_cache.prefix_cache import PrefixCache
+from eagleserve.scheduler.waiting_queue import WaitingQueue
 
 
 @dataclass
@@ -29,7 +29,7 @@ class PrefillPlan:
 
 
 def plan_prefill(
-    waiting: deque[Req],
+    waiting: WaitingQueue,
     chunked_req: Req | None,
     num_running: int,
     max_running: int,

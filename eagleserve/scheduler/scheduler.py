@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
 from concurrent.futures import Future
 
 from eagleserve.config import ModelConfig, ServerArgs
@@ -31,9 +30,11 @@ from eagleserve.scheduler.output_processor import (
     make_output,
 )
 from eagleserve.scheduler.overlap import OverlapForwarder
-from eagleserve.scheduler.prefill_adder import plan_prefill
+from eagleserve.scheduler.prefill_adder import PrefillPlan, plan_prefill
+from eagleserve.scheduler.retraction import preempt_for_waiting, retract_for_decode
 from eagleserve.scheduler.spec_stats import SpecStats
 from eagleserve.scheduler.target_worker import TargetWorker
+from eagleserve.scheduler.waiting_queue import PriorityPolicy, WaitingQueue
 from eagleserve.scheduler.warmup import warm_up, warm_up_needed
 from eagleserve.spec.eagle_worker import EagleWorker
 
@@ -82,7 +83,10 @@ class Scheduler:
         self.stop_checker = StopChecker(self.tokenizer)
         self.eos_token_ids = eos_token_ids(cfg.eos_token_ids, self.tokenizer)
         self.constraints = ConstraintBuilder(self.tokenizer, cfg.vocab_size, self.eos_token_ids)
-        self.waiting: deque[Req] = deque()
+        self.waiting = WaitingQueue(PriorityPolicy(
+            args.enable_priority_scheduling, args.schedule_low_priority_values_first,
+            args.priority_scheduling_preemption_threshold,
+        ))  # fmt: skip
         self.running_batch: ScheduleBatch | None = None
         self.pending_outputs: list[TokenOutput] = []
         # Overlap: the batch whose forward is in flight, and requests whose slots must outlive it.
@@ -116,6 +120,8 @@ class Scheduler:
         err = None if bad is None else bad.message
         if err is None and params.stop and self.tokenizer is None:
             err = "stop strings need a model with a tokenizer"
+        if err is None and msg.priority and not self.waiting.policy.enabled:
+            err = "a priority other than 0 needs priority scheduling (--enable-priority-scheduling)"
         constraint = None  # built here, on the scheduler thread (grammars cached per spec)
         if err is None:
             constraint, err = self.constraints.build(params)
@@ -126,8 +132,8 @@ class Scheduler:
             return
         seed = None if params.is_greedy else self.request_seeds.seed_for(params.seed)
         req = Req(msg.rid, list(msg.input_ids), params, self.eos_token_ids, sampling_seed=seed)
-        req.constraint = constraint
-        self.waiting.append(req)
+        req.constraint, req.priority = constraint, msg.priority
+        self.waiting.push(req)
 
     def abort_request(self, rid: str) -> None:
         running = self.running_batch.reqs if self.running_batch is not None else []
@@ -141,8 +147,8 @@ class Scheduler:
             if req is None:
                 return
         req.finish_reason = FinishReason.ABORT
-        self._release(req)  # a waiting request holds no slots
-        self._drop_finished_from_running()
+        self.release(req)  # a waiting request holds no slots
+        self.drop_finished_from_running()
         self.pending_outputs.append(make_output(req))
 
     # ---- the loop --------------------------------------------------------------------------
@@ -190,7 +196,7 @@ class Scheduler:
         if result is not None:
             self.process_batch_result(reqs, result, partial)
 
-    def _finish_inflight(self) -> None:
+    def finish_inflight(self) -> None:
         launched, self.inflight = self.inflight, None
         self._process_finished_forward(launched)
 
@@ -228,16 +234,9 @@ class Scheduler:
         budget = self.chunk_budget.tokens(self.running_batch is not None, MAX_PREFILL_TOKENS)
         if self.chunk_budget.dynamic:  # timed per rank under TP: rank 0's is every rank's
             budget = broadcast_object(budget)
-        plan = plan_prefill(
-            self.waiting,
-            self.chunked_req,
-            self.running_batch.batch_size if self.running_batch else 0,
-            self.args.max_running_requests,
-            budget,
-            self.chunk_budget.max_tokens is not None,
-            self.worker.decode_slots_per_req,
-            self.prefix_cache,
-        )
+        plan = self._plan_prefill(budget)
+        while plan is None and preempt_for_waiting(self):
+            plan = self._plan_prefill(budget)
         if plan is None:
             return None
         self.chunked_req = plan.chunked_req
@@ -248,35 +247,22 @@ class Scheduler:
         batch.prepare_for_extend(self.req_to_token_pool, self.kv_pool, plan.extend_lens)
         return batch
 
+    def _plan_prefill(self, budget: int) -> PrefillPlan | None:
+        return plan_prefill(
+            self.waiting,
+            self.chunked_req,
+            self.running_batch.batch_size if self.running_batch else 0,
+            self.args.max_running_requests,
+            budget,
+            self.chunk_budget.max_tokens is not None,
+            self.worker.decode_slots_per_req,
+            self.prefix_cache,
+        )
+
     def update_running_batch(self) -> None:
-        batch = self.running_batch
-        assert batch is not None
-        per_req = self.worker.decode_slots_per_req
-        # Cached prefixes go first (make_room evicts them), then requests are retracted.
-        if not self.prefix_cache.make_room(batch.batch_size * per_req) and self.inflight:
-            # Retraction needs exact host state: let the in-flight batch land first.
-            self._finish_inflight()
-            batch = self.running_batch
-            if batch is None:
-                return
-        while not self.prefix_cache.make_room(batch.batch_size * per_req):
-            # A prefill part-way holds slots for its whole prompt and has produced nothing: it
-            # goes back first, else the newest running request. Its computed positions go into
-            # the prefix cache, whose eviction takes only the tail the shortage needs: back in the
-            # queue, it recomputes what was evicted. One request alone fits (max_context_len).
-            if self.chunked_req is not None:
-                req, self.chunked_req = self.chunked_req, None
-            elif batch.batch_size > 1:
-                req = batch.reqs[-1]
-                batch.filter_batch(list(range(batch.batch_size - 1)))
-            else:
-                break
-            logger.info("KV pool full: retracting request %s", req.rid)
-            self._release(req)
-            req.retract_count += 1
-            self.num_retracted += 1
-            self.waiting.appendleft(req)
-        self.worker.prepare_for_decode(batch)
+        batch = retract_for_decode(self)
+        if batch is not None:
+            self.worker.prepare_for_decode(batch)
 
     def run_batch(
         self, batch: ScheduleBatch, partial: Req | None = None
@@ -318,7 +304,7 @@ class Scheduler:
         else:
             self.running_batch.merge_batch(batch)
 
-    def _drop_finished_from_running(self) -> None:
+    def drop_finished_from_running(self) -> None:
         if (batch := self.running_batch) is None:
             return
         keep = [i for i, r in enumerate(batch.reqs) if not r.finished]
@@ -344,7 +330,7 @@ class Scheduler:
             if req.sampling_params.max_new_tokens == 0:  # scored its prompt: nothing to add
                 req.finish_reason = FinishReason.LENGTH
                 outputs.append(make_output(req))
-                self._release(req)
+                self.release(req)
                 continue
             toks, lp, top = rows[i]
             if result.num_drafts is not None:  # a speculative decode, k = 0 included
@@ -355,8 +341,8 @@ class Scheduler:
             req.kv_committed_len = req.seq_len - 1
             outputs.append(make_output(req))
             if req.finished:
-                self._release(req)
-        self._drop_finished_from_running()
+                self.release(req)
+        self.drop_finished_from_running()
 
     def _fail_requests(self, reqs: list[Req], exc: BaseException) -> None:
         logger.error("forward failed for requests %s: %r", [r.rid for r in reqs], exc, exc_info=exc)
@@ -370,10 +356,10 @@ class Scheduler:
             out = make_output(req)
             out.error, out.error_code = f"internal error in the engine: {exc!r}", 500
             self.pending_outputs.append(out)
-            self._release(req)
-        self._drop_finished_from_running()
+            self.release(req)
+        self.drop_finished_from_running()
 
-    def _release(self, req: Req) -> None:
+    def release(self, req: Req) -> None:
         """Frees `req`'s KV and request slots, its cacheable prefix into the radix cache first;
         after the in-flight forward, which may still read or write them."""
         if req.req_pool_idx is None:

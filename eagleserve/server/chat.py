@@ -216,7 +216,7 @@ async def start_chat(
     if isinstance(params, ApiError):
         return params
     params.thinking = gate
-    reqs = serving.make_reqs([ids], [params], body.n, body.stream)
+    reqs = serving.make_reqs([ids], [params], body.n, body.stream, priority=body.priority)
     tok = serving.tokenizer
     scoring = None if body.prompt_logprobs is None else PromptScoring(ids)
 

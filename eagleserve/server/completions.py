@@ -94,7 +94,7 @@ async def create_completion(
         echoes = await asyncio.to_thread(echo_texts, tok, sent, prompts)
         if scored and body.add_special_tokens:
             hidden = await asyncio.to_thread(added_in_front, tok, sent, prompts)
-    reqs = serving.make_reqs(prompts, params, body.n, body.stream)
+    reqs = serving.make_reqs(prompts, params, body.n, body.stream, priority=body.priority)
 
     def make_choice(i: int, pi: int) -> ChoiceState:
         prompt = PromptScoring(prompts[pi], scored, echo_top, hidden[pi]) if asked else None

@@ -87,6 +87,7 @@ class GenerateRequest(BaseModel):
     logprob_start_len: int = Field(-1, ge=-1)
     top_logprobs_num: int = Field(0, ge=0, le=20)
     return_text_in_logprobs: bool = False
+    priority: int | None = None  # with --enable-priority-scheduling (every prompt's)
     # SGLang's, refused unless neutral (NATIVE_REFUSED).
     input_embeds: Any = None
     image_data: Any = None
@@ -317,7 +318,7 @@ def finish_reason(c: ChoiceState) -> dict[str, Any] | None:
 
 
 async def create_generate(serving: Serving, body: GenerateRequest, request: Request) -> Response:
-    err = refused(body)
+    err = refused(body) or serving.check_priority(body.priority)
     if err is not None:
         return err.response()
     prompts = await asyncio.to_thread(native_prompts, serving, body)  # off the event loop
@@ -339,7 +340,7 @@ async def create_generate(serving: Serving, body: GenerateRequest, request: Requ
     rids = request_ids(serving, body, len(prompts), n)
     if isinstance(rids, ApiError):
         return rids.response()
-    reqs = serving.make_reqs(prompts, params, n, body.stream, rids)
+    reqs = serving.make_reqs(prompts, params, n, body.stream, rids, body.priority or 0)
     tok = serving.tokenizer
 
     def make_choice(i: int, pi: int) -> ChoiceState:

@@ -73,6 +73,13 @@ class Serving:
         msg = f"The model `{name}` does not exist; this server serves `{self.model_name}`."
         return ApiError(404, msg, "model", "model_not_found")
 
+    def check_priority(self, priority: int | None) -> ApiError | None:
+        if priority and not self.args.enable_priority_scheduling:
+            msg = ("priority must be 0: this server serves requests first come, first served "
+                   "(start it with --enable-priority-scheduling)")  # fmt: skip
+            return ApiError(400, msg, "priority")
+        return None
+
     def encode(self, text: str, add_special_tokens: bool) -> list[int] | ApiError:
         if self.tokenizer is None:
             return ApiError(400, "this model has no tokenizer: send token ids", "prompt")
@@ -109,6 +116,8 @@ class Serving:
     ) -> SamplingParams | ApiError:
         if not 1 <= body.n <= MAX_N:
             return ApiError(400, f"n must be between 1 and {MAX_N}", "n")
+        if (bad := self.check_priority(body.priority)) is not None:
+            return bad
         ctx, unset = self.client.max_context_len, self.client.sampling_defaults
         new = max_tokens
         if new is None:  # the rest of the context, or less where the model's defaults say so
@@ -155,9 +164,11 @@ class Serving:
         n: int,
         stream: bool,
         rids: list[str] | None = None,
+        priority: int = 0,
     ) -> list[GenerateReqInput]:
         """n requests per prompt (choice index = prompt * n + j); seeds j apart, mod 2^63.
-        Request ids: `rids`' (one per prompt; choice j of n > 1 is `rid#j`), else fresh ones."""
+        Request ids: `rids`' (one per prompt; choice j of n > 1 is `rid#j`), else fresh ones.
+        `priority`: every request's (priority scheduling)."""
         reqs = []
         for i, (ids, p) in enumerate(zip(prompts, params, strict=True)):
             for j in range(n):
@@ -165,7 +176,7 @@ class Serving:
                 sp = SamplingParams(**{**p.__dict__, "seed": seed, "stop": list(p.stop)})
                 rid = f"req-{uuid.uuid4().hex}" if rids is None else rids[i]
                 rid = rid if rids is None or n == 1 else f"{rid}{CHOICE_SEP}{j}"
-                reqs.append(GenerateReqInput(rid, list(ids), sp, stream))
+                reqs.append(GenerateReqInput(rid, list(ids), sp, stream, priority))
         return reqs
 
 

@@ -61,7 +61,6 @@ class VllmFields(BaseModel):
 REFUSED: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("spaces_between_special_tokens", bool, "true"),
     ("guided_whitespace_pattern", lambda v: v is None, "null"),
-    ("priority", lambda v: v == 0, "0 (requests are served first come, first served)"),
     ("logits_processors", lambda v: not v, "null"),
 )  # fmt: skip
 

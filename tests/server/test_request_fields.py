@@ -60,7 +60,7 @@ REJECTED: list[tuple[str, dict[str, Any], str, bool]] = [
     ("/v1/completions", {"prompt_logprobs": 21}, "prompt_logprobs", False),
     ("/v1/chat/completions", {"prompt_logprobs": 0, "stream": True}, "prompt_logprobs", False),
     ("/v1/completions", {"length_penalty": 0.5}, "length_penalty", False),  # beams only
-    ("/v1/completions", {"priority": 3}, "priority", True),
+    ("/v1/completions", {"priority": 3}, "priority", False),  # priority scheduling is off
     ("/v1/chat/completions", {"logits_processors": ["m.P"]}, "logits_processors", True),
     ("/v1/chat/completions", {"guided_json": "{not json"}, "guided_json", False),
     ("/v1/chat/completions", {"guided_choice": []}, "guided_choice", False),

@@ -57,6 +57,8 @@ def busy_port_fixture() -> Iterator[int]:
         (["--port", "99999"], ["--port", "99999"]),
         (["--port", "abc"], ["--port"]),
         (["--max-total-tokens", "0"], ["--max-total-tokens"]),
+        (["--priority-scheduling-preemption-threshold", "-1"],
+         ["--priority-scheduling-preemption-threshold", "at least 0"]),
         (["--model", "/nonexistent/model"], ["/nonexistent/model"]),
         (["--model", "/nonexistent/model.gguf"], ["GGUF file not found"]),
         (["--speculative-algorithm", "EAGLE", "--speculative-draft-model-path", "/no/head"],
