@@ -161,6 +161,10 @@ def check_values(args: ServerArgs) -> str | None:
             return f"--{name.replace('_', '-')} {value}: must be at least 1"
     if args.priority_scheduling_preemption_threshold < 0:  # equals would preempt each other
         return "--priority-scheduling-preemption-threshold: must be at least 0"
+    if args.enable_mixed_chunk and args.enable_priority_scheduling:
+        # A mixed step allocates the decode slots before it plans the prefill, whose preemption
+        # would then have to undo a prepared decode row.
+        return "--enable-mixed-chunk does not run with --enable-priority-scheduling"
     if args.enable_mixed_chunk and args.speculative_algorithm:
         return "--enable-mixed-chunk does not run with speculative decoding (requests verify)"
     return None

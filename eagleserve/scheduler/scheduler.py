@@ -56,6 +56,8 @@ class Scheduler:
         self.mixed_chunk = args.enable_mixed_chunk
         if self.mixed_chunk and self.spec_config is not None:  # its running requests verify
             raise ValueError("--enable-mixed-chunk does not run with speculative decoding")
+        if self.mixed_chunk and args.enable_priority_scheduling:  # cli.check_values says why
+            raise ValueError("--enable-mixed-chunk does not run with --enable-priority-scheduling")
         cfg = self.model_config
         # Speculation writes up to alloc_len positions past the committed length per step.
         self.alloc_len = self.spec_config.alloc_len_per_decode if self.spec_config else 1

@@ -125,6 +125,13 @@ def test_a_kv_shortage_retracts_the_lowest_priority_first(
     assert [tokens["r0"], tokens["r1"]] == want, f"seed {seed}"
 
 
+def test_mixed_chunks_are_refused_with_priority_scheduling(
+    tiny_model_dir: str, make_scheduler: Callable[..., Scheduler]
+) -> None:
+    with pytest.raises(ValueError, match="--enable-mixed-chunk"):
+        make_scheduler(tiny_model_dir, enable_mixed_chunk=True, enable_priority_scheduling=True)
+
+
 def test_a_priority_without_priority_scheduling_is_refused(
     tiny_model_dir: str, make_scheduler: Callable[..., Scheduler]
 ) -> None:

@@ -59,6 +59,8 @@ def busy_port_fixture() -> Iterator[int]:
         (["--max-total-tokens", "0"], ["--max-total-tokens"]),
         (["--priority-scheduling-preemption-threshold", "-1"],
          ["--priority-scheduling-preemption-threshold", "at least 0"]),
+        (["--enable-mixed-chunk", "--enable-priority-scheduling"],
+         ["--enable-mixed-chunk", "--enable-priority-scheduling"]),
         (["--model", "/nonexistent/model"], ["/nonexistent/model"]),
         (["--model", "/nonexistent/model.gguf"], ["GGUF file not found"]),
         (["--speculative-algorithm", "EAGLE", "--speculative-draft-model-path", "/no/head"],
