@@ -31,7 +31,7 @@ def engine(target: str, head: str, spec: str, cache: bool, overlap: bool, **kw: 
         model=target,
         device="cpu",
         max_total_tokens=kw.pop("max_total_tokens", 2048),
-        max_running_requests=8,
+        max_running_requests=kw.pop("max_running_requests", 8),
         disable_overlap_schedule=not overlap,
         disable_radix_cache=not cache,
         **extra,
