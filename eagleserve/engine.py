@@ -10,9 +10,16 @@ from typing import Any
 from tqdm import tqdm
 
 from eagleserve.config import ServerArgs, renamed_hint
-from eagleserve.messages import EngineStats, GenerateReqInput, TokenOutput
+from eagleserve.messages import (
+    EngineStats,
+    GenerateReqInput,
+    ProfileReq,
+    ProfileResult,
+    TokenOutput,
+)
 from eagleserve.sampling_params import SamplingParams
 from eagleserve.scheduler.output_processor import response_text, text_before_stop, text_ids
+from eagleserve.scheduler.profiler import EngineProfiler
 from eagleserve.scheduler.scheduler import Scheduler
 from eagleserve.scheduler.tp_engine import ReplicatedScheduler, build_scheduler
 
@@ -33,6 +40,7 @@ class Engine:
         self.scheduler: Scheduler | ReplicatedScheduler = build_scheduler(self.args)
         self.tokenizer = self.scheduler.tokenizer
         self._ids = itertools.count()
+        self.profiler = EngineProfiler()
 
     def generate(
         self,
@@ -69,7 +77,9 @@ class Engine:
         bar = tqdm(total=len(rids), desc="Processed prompts", unit="prompt",
                    disable=None if use_tqdm and len(rids) > 1 else True)  # fmt: skip
         while len(done) < len(rids):
-            for out in self.scheduler.step():
+            with self.profiler.step():
+                outs = self.scheduler.step()
+            for out in outs:
                 if out.rid not in tokens:
                     continue
                 if out.error is not None and error is None:
@@ -143,6 +153,24 @@ class Engine:
             )  # fmt: skip
             prompts.append(self.tokenizer.encode(text, add_special_tokens=False))
         return self.generate(prompts, sampling_params, use_tqdm)
+
+    def start_profile(
+        self, output_dir: str | None = None, record_shapes: bool = False, with_stack: bool = False
+    ) -> str:
+        """Starts the torch profiler over this engine's steps (vLLM's `LLM.start_profile`); the
+        trace file it will write (scheduler/profiler.py says where)."""
+        req = ProfileReq(True, output_dir, record_shapes=record_shapes, with_stack=with_stack)
+        return self._profiled(self.profiler.start(req))
+
+    def stop_profile(self) -> str:
+        """Stops the profiler and writes its trace (a gzipped Chrome trace): its path."""
+        return self._profiled(self.profiler.stop())
+
+    @staticmethod
+    def _profiled(result: ProfileResult) -> str:
+        if not result.ok or result.trace_path is None:
+            raise RuntimeError(result.message)
+        return result.trace_path
 
     def close(self) -> None:
         """Stops the tensor-parallel ranks this engine started and leaves their group, so that

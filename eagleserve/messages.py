@@ -51,6 +51,30 @@ class FlushCacheResult:
 
 
 @dataclass
+class ProfileReq:
+    """Server -> engine: start (`start`) or stop the torch profiler (SGLang's and vLLM's
+    /start_profile and /stop_profile); the engine answers with a `ProfileResult`.
+    `num_steps`: stop by itself after that many scheduler steps."""
+
+    start: bool
+    output_dir: str | None = None
+    num_steps: int | None = None
+    activities: tuple[str, ...] = ("CPU", "GPU")
+    record_shapes: bool = False
+    with_stack: bool = False
+
+
+@dataclass
+class ProfileResult:
+    """Engine -> server: whether the profiler did as asked, and why not; the trace file it
+    writes (start) or wrote (stop)."""
+
+    ok: bool
+    message: str
+    trace_path: str | None = None
+
+
+@dataclass
 class PromptScores:
     """A prompt's scores: each token's logprob given the tokens before it, its rank in that
     distribution (1: the most likely) and the top alternatives as (id, logprob); the first

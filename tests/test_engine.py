@@ -4,6 +4,7 @@ leaked KV / request slots (conftest `check_pools_free`)."""
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import random
@@ -430,3 +431,16 @@ def test_generate_takes_each_prompts_priority(
         tiny.generate(prompts[:1], params, priority=[1])
     with pytest.raises(ValueError, match="priority has 1 values for 2 prompts"):
         eng.generate(prompts[:2], params, priority=[1])
+
+
+def test_start_and_stop_profile_trace_the_generate_steps(tiny: Engine, tmp_path: str) -> None:
+    """vLLM's `LLM.start_profile` / `stop_profile`: the trace written holds a span per step of
+    the generate call between them."""
+    path = tiny.start_profile(str(tmp_path))
+    tiny.generate(random_prompts(2, seed=random.randrange(99)), greedy(5, ignore_eos=True))
+    assert tiny.stop_profile() == path
+    with gzip.open(path, "rt") as f:
+        names = [e.get("name") for e in json.load(f)["traceEvents"]]
+    assert names.count("eagleserve.step") >= 5  # a prefill and the decodes, at the least
+    with pytest.raises(RuntimeError, match="not running"):
+        tiny.stop_profile()

@@ -1,9 +1,9 @@
 """The engine process: builds the Scheduler and serves it over two ZeroMQ sockets.
 
-The server PUSHes `GenerateReqInput` / `AbortReq` / `StatsReq` / `FlushCacheReq` /
-`ShutdownReq` to `in_addr`; the engine PUSHes `EngineReady` (or `EngineStartupError`),
-`BatchTokenOutput`, `EngineStats` and `FlushCacheResult` to `out_addr`. The engine exits when
-told to, or when its parent process is gone.
+The server PUSHes `GenerateReqInput` / `AbortReq` / `StatsReq` / `FlushCacheReq` / `ProfileReq`
+/ `ShutdownReq` to `in_addr`; the engine PUSHes `EngineReady` (or `EngineStartupError`),
+`BatchTokenOutput`, `EngineStats`, `FlushCacheResult` and `ProfileResult` to `out_addr`. The
+engine exits when told to, or when its parent process is gone.
 
 Every rank installs fault injection (scheduler/faults.py; tests only) on its scheduler.
 """
@@ -28,10 +28,12 @@ from eagleserve.messages import (
     FlushCacheReq,
     FlushCacheResult,
     GenerateReqInput,
+    ProfileReq,
     ShutdownReq,
     StatsReq,
 )
 from eagleserve.scheduler.faults import install_fault_injection
+from eagleserve.scheduler.profiler import EngineProfiler
 
 logger = logging.getLogger("eagleserve.engine")
 IDLE_POLL_MS = 500
@@ -45,6 +47,7 @@ class EngineLoop:
         self.live: set[str] = set()  # rids added and not finished yet
         self.shutdown_deadline: float | None = None
         self.parent_pid = os.getppid()
+        self.profiler = EngineProfiler()
 
     def handle(self, msg: object) -> None:
         if isinstance(msg, GenerateReqInput):
@@ -63,6 +66,9 @@ class EngineLoop:
             self.send.send_pyobj(FlushCacheResult(freed))
             if freed:
                 logger.info("prefix cache flushed: %d KV slots freed", freed)
+        elif isinstance(msg, ProfileReq):
+            profiler = self.profiler
+            self.send.send_pyobj(profiler.start(msg) if msg.start else profiler.stop())
         elif isinstance(msg, ShutdownReq):
             self.shutdown_deadline = time.monotonic() + msg.timeout_s
         else:
@@ -91,7 +97,8 @@ class EngineLoop:
                     self.shutdown_deadline = time.monotonic() + 5.0
             if not sched.has_work():
                 continue
-            outputs = sched.step()
+            with self.profiler.step():
+                outputs = sched.step()
             for out in outputs:
                 if out.finished:
                     self.live.discard(out.rid)
@@ -99,6 +106,8 @@ class EngineLoop:
                 self.send.send_pyobj(BatchTokenOutput(outputs))
                 if not sched.has_work():  # just went idle: publish final gauges (KV back)
                     self.send.send_pyobj(sched.stats())
+        if self.profiler.active:  # a trace still recording is written, not lost
+            self.profiler.stop()
 
 
 def run_engine(args: ServerArgs, in_addr: str, out_addr: str, tp_port: int | None = None) -> None:

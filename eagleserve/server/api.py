@@ -19,6 +19,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from eagleserve.config import ServerArgs
+from eagleserve.messages import ProfileReq, ProfileResult
 from eagleserve.server.chat import create_chat
 from eagleserve.server.completions import create_completion
 from eagleserve.server.engine_client import EngineClient
@@ -32,6 +33,12 @@ from eagleserve.server.limits import gc_paused, read_body
 from eagleserve.server.metrics import Metrics
 from eagleserve.server.middleware import HttpStats, HttpTrackerMiddleware
 from eagleserve.server.openapi import add_api_bodies
+from eagleserve.server.profiling import (
+    ProfileAnswer,
+    StartProfileRequest,
+    profile_answer,
+    profile_request,
+)
 from eagleserve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -259,6 +266,31 @@ def create_app(args: ServerArgs, client: EngineClient, http: HttpStats | None = 
             msg = "requests are queued or running: the prefix cache was not flushed"
             return ApiError(400, msg).response()
         return JSONResponse({"flushed": True, "freed_tokens": result.freed_tokens})
+
+    # SGLang's and vLLM's: the engine's torch profiler (server/profiling.py). An empty body
+    # (vLLM's) starts it with the defaults.
+    @app.post("/start_profile", response_model=ProfileAnswer,
+              dependencies=[Depends(require_key)])  # fmt: skip
+    async def start_profile(request: Request) -> Response:
+        body = StartProfileRequest()
+        if await request.body():
+            body = await read_json(request, StartProfileRequest)
+            if isinstance(body, Response):
+                return body
+        req = profile_request(body)
+        if isinstance(req, ApiError):
+            return req.response()
+        return unavailable() or profiled(await client.profile(req))
+
+    @app.post("/stop_profile", response_model=ProfileAnswer, dependencies=[Depends(require_key)])
+    async def stop_profile() -> Response:
+        return unavailable() or profiled(await client.profile(ProfileReq(start=False)))
+
+    def profiled(result: ProfileResult) -> Response:
+        answer = profile_answer(result)
+        if isinstance(answer, ApiError):
+            return unavailable() or answer.response()  # the engine died meanwhile: a 503
+        return JSONResponse(answer.model_dump())
 
     # SGLang's native generation route (sglang.bench_serving's `sglang` backend uses it).
     @app.post("/generate", dependencies=[Depends(require_key)])

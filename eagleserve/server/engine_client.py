@@ -10,22 +10,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import multiprocessing as mp
 import os
 import shutil
-import signal
-import tempfile
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any
-
-import zmq
-import zmq.asyncio
+from typing import Any, TypeVar
 
 from eagleserve.config import ServerArgs
-from eagleserve.device import pick_device
 from eagleserve.messages import (
     AbortReq,
     BatchTokenOutput,
@@ -35,17 +29,19 @@ from eagleserve.messages import (
     FlushCacheReq,
     FlushCacheResult,
     GenerateReqInput,
+    ProfileReq,
+    ProfileResult,
     ShutdownReq,
     StatsReq,
     TokenOutput,
 )
 from eagleserve.models.loader import load_tokenizer, load_tokenizer_in_background, model_folder
 from eagleserve.sampling_params import SamplingParams
-from eagleserve.scheduler.engine_loop import run_engine
-from eagleserve.scheduler.omp_spin import overlap_spin_env, process_env
-from eagleserve.scheduler.tp_engine import rendezvous_port, spawn_followers
+from eagleserve.server.engine_process import spawn_engine
 from eagleserve.server.model_files import serving_files
 from eagleserve.server.sampling_defaults import SamplingDefaults
+
+A = TypeVar("A")  # an answer of the engine to one request
 
 logger = logging.getLogger("eagleserve.server")
 POLL_MS = 250
@@ -75,19 +71,6 @@ CHOICE_SEP = "#"
 
 def _error_output(rid: str, message: str, reason: str = "error") -> TokenOutput:
     return TokenOutput(rid, [], True, reason, error=message, error_code=503)
-
-
-STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
-
-
-def engine_main(args: ServerArgs, in_addr: str, out_addr: str, tp_port: int | None) -> None:
-    """The engine process. It ignores SIGTERM and SIGINT: a signal to the whole process group
-    (systemd's default KillMode, Ctrl-C in a terminal) must not kill it while the server drains;
-    the server stops it after the drain (ShutdownReq, then SIGKILL if it does not exit), and it
-    exits by itself when the server process is gone."""
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    run_engine(args, in_addr, out_addr, tp_port)
 
 
 class RequestStream:
@@ -140,7 +123,10 @@ class EngineClient:
         self.last_tokens_at: float | None = None  # time.monotonic() of the last token outputs
         self.on_stats: Callable[[EngineStats], None] | None = None
         self._stats_waiters: list[asyncio.Future[EngineStats]] = []
-        self._flush_waiters: list[asyncio.Future[FlushCacheResult]] = []
+        # Callers waiting for the engine's answer to a request, by the answer's type, in the
+        # order asked (the engine answers in that order), each with what it gets if the engine
+        # dies first.
+        self._replies: dict[type, deque[tuple[asyncio.Future[Any], Any]]] = {}
         self._proc: Any = None
         self._followers: list[Any] = []  # tensor-parallel ranks 1.. (tp_engine.py)
         self._tmpdir: str | None = None
@@ -163,48 +149,12 @@ class EngineClient:
             folder = model_folder(self.args.model)
             if os.path.isfile(os.path.join(folder, "config.json")):
                 early = (folder, load_tokenizer_in_background(folder))
-        self._tmpdir = tempfile.mkdtemp(prefix="eagleserve-")
-        in_addr = f"ipc://{os.path.join(self._tmpdir, 'to_engine')}"
-        out_addr = f"ipc://{os.path.join(self._tmpdir, 'from_engine')}"
-        self._ctx = zmq.asyncio.Context()
-        self._send = self._ctx.socket(zmq.PUSH)
-        self._send.bind(in_addr)
-        self._recv = self._ctx.socket(zmq.PULL)
-        self._recv.bind(out_addr)
-        spawn = mp.get_context("spawn")
-        # --tp-size > 1: the engine process is rank 0, the followers are started here too, so
-        # that this process sees any rank die (tp_engine.py).
         try:
-            tp_port = rendezvous_port() if self.args.tp_size > 1 else None
-        except RuntimeError as exc:
+            spawned = spawn_engine(self.args)
+        except RuntimeError as exc:  # no free rendezvous port
             raise EngineStartupFailed(str(exc)) from None
-        # With overlap on a CPU the engine is born with libgomp's spin settings (omp_spin.py).
-        try:
-            device_type = pick_device(self.args.device).type
-        except RuntimeError:  # no such device: the engine process reports it
-            device_type = "none"
-        spin = overlap_spin_env(device_type, self.args.overlap_schedule(device_type))
-        self._proc = spawn.Process(
-            target=engine_main,
-            args=(self.args, in_addr, out_addr, tp_port),
-            name="eagleserve-engine",
-            daemon=True,
-        )
-        # The engine and its tensor-parallel followers are born ignoring the group's stop
-        # signals (an ignored disposition survives the spawn's exec; a mask does not): one
-        # arriving while they still import would kill them with a traceback. Here they are
-        # blocked meanwhile, so none meant for the server is lost (Linux keeps a blocked
-        # signal pending even while it is ignored).
-        old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
-        old_handlers = {sig: signal.signal(sig, signal.SIG_IGN) for sig in STOP_SIGNALS}
-        try:
-            with process_env(spin):
-                self._proc.start()
-                self._followers = [] if tp_port is None else spawn_followers(self.args, tp_port)
-        finally:
-            for sig, handler in old_handlers.items():
-                signal.signal(sig, handler)
-            signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+        self._ctx, self._send, self._recv = spawned.ctx, spawned.send, spawned.recv
+        self._proc, self._followers, self._tmpdir = spawned.proc, spawned.followers, spawned.tmpdir
         dead_since: float | None = None
         while self.ready is None:
             if await self._recv.poll(POLL_MS):
@@ -264,11 +214,12 @@ class EngineClient:
             for fut in waiters:
                 if not fut.done():
                     fut.set_result(msg)
-        elif isinstance(msg, FlushCacheResult):
-            flushes, self._flush_waiters = self._flush_waiters, []
-            for done in flushes:  # one answer serves every flush asked for meanwhile
-                if not done.done():
-                    done.set_result(msg)
+        elif isinstance(msg, FlushCacheResult | ProfileResult):
+            waiting = self._replies.get(type(msg))
+            if waiting:
+                fut, _ = waiting.popleft()
+                if not fut.done():  # its caller may have gone
+                    fut.set_result(msg)
 
     def _engine_died(self) -> None:
         self.healthy = False
@@ -279,10 +230,11 @@ class EngineClient:
             if not fut.done():
                 fut.set_result(self.last_stats)
         self._stats_waiters = []
-        for done in self._flush_waiters:  # nothing was flushed (callers see `healthy` false)
-            if not done.done():
-                done.set_result(FlushCacheResult(None))
-        self._flush_waiters = []
+        for waiting in self._replies.values():  # callers see `healthy` false too
+            for fut, dead in waiting:
+                if not fut.done():
+                    fut.set_result(dead)
+        self._replies = {}
 
     def generate(self, reqs: list[GenerateReqInput]) -> RequestStream:
         """Sends the requests; their outputs arrive on the returned stream."""
@@ -342,15 +294,24 @@ class EngineClient:
             stream.close()
         return out.error
 
+    async def ask(self, msg: object, dead: A) -> A:
+        """Sends `msg` to the engine and returns its answer, of `dead`'s type; `dead` where
+        the engine is not running or dies first."""
+        if not self.healthy:
+            return dead
+        fut: asyncio.Future[A] = asyncio.get_running_loop().create_future()
+        self._replies.setdefault(type(dead), deque()).append((fut, dead))
+        self._send.send_pyobj(msg)
+        return await fut
+
     async def flush_cache(self) -> FlushCacheResult:
         """Asks the engine to empty its prefix cache; its answer (None freed: requests ran,
         or the engine died meanwhile)."""
-        if not self.healthy:
-            return FlushCacheResult(None)
-        fut: asyncio.Future[FlushCacheResult] = asyncio.get_running_loop().create_future()
-        self._flush_waiters.append(fut)
-        self._send.send_pyobj(FlushCacheReq())
-        return await fut
+        return await self.ask(FlushCacheReq(), FlushCacheResult(None))
+
+    async def profile(self, req: ProfileReq) -> ProfileResult:
+        """Starts or stops the engine's torch profiler (scheduler/profiler.py)."""
+        return await self.ask(req, ProfileResult(False, "the engine is not running"))
 
     async def get_stats(self, timeout: float = 2.0) -> EngineStats:
         """Fresh engine stats (the last known ones if the engine does not answer in time)."""

@@ -14,6 +14,7 @@ from eagleserve.server.generate import (
     GenerateAnswer,
     GenerateRequest,
 )
+from eagleserve.server.profiling import ProfileAnswer, StartProfileRequest
 from eagleserve.server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -35,7 +36,9 @@ API_BODIES: dict[str, tuple[type[BaseModel], type[BaseModel]]] = {
     "/detokenize": (DetokenizeRequest, DetokenizeResponse),
     "/generate": (GenerateRequest, GenerateAnswer),
     "/abort_request": (AbortRequest, AbortResult),
+    "/start_profile": (StartProfileRequest, ProfileAnswer),
 }
+OPTIONAL_BODIES = ("/start_profile",)  # vLLM's clients send none
 
 
 def add_api_bodies(schema: dict[str, Any]) -> dict[str, Any]:
@@ -52,7 +55,8 @@ def add_api_bodies(schema: dict[str, Any]) -> dict[str, Any]:
 
     for path, (req, resp) in API_BODIES.items():
         op = schema["paths"][path]["post"]
-        op["requestBody"] = {"required": True, "content": body(req, "validation")}
+        op["requestBody"] = {"required": path not in OPTIONAL_BODIES,
+                             "content": body(req, "validation")}  # fmt: skip
         ok = body(resp, "serialization")
         if "stream" in req.model_fields:
             ok["text/event-stream"] = {}  # chunks of the 200 body's type; no SSE event schema

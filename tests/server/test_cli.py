@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 
 from eagleserve import Engine
-from eagleserve.cli import FIELD_HELP, build_parser, build_server_args, serve_fields
+from eagleserve.cli import build_parser, build_server_args, serve_fields
 from eagleserve.config import RENAMED_FIELDS, ServerArgs
+from eagleserve.flag_help import FIELD_HELP
 
 
 def parse(argv: list[str]) -> ServerArgs | str:
@@ -172,7 +173,7 @@ def test_overlap_schedule_defaults_to_off_on_cpu_only() -> None:
 
 
 def test_help_is_grouped_with_each_default_once() -> None:
-    from eagleserve.cli import FIELD_GROUPS
+    from eagleserve.flag_help import FIELD_GROUPS
 
     grouped = [name for names in FIELD_GROUPS.values() for name in names]
     assert sorted(grouped) == sorted(f.name for f in serve_fields()), "a field has no group"
