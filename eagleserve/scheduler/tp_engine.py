@@ -313,8 +313,8 @@ def follower_main(args: ServerArgs, rank: int, port: int) -> None:
         format=f"%(asctime)s %(levelname)s tp{rank} %(name)s: %(message)s",
     )
     # A follower replays rank 0's scheduler: rank 0's log already says what it does (a
-    # retraction, say); a follower's scheduler speaks only of what goes wrong.
-    sched_logger = logging.getLogger(Scheduler.__module__)
+    # retraction, say); a follower's scheduler package speaks only of what goes wrong.
+    sched_logger = logging.getLogger(Scheduler.__module__.rpartition(".")[0])
     sched_logger.setLevel(max(sched_logger.getEffectiveLevel(), logging.WARNING))
     try:
         scheduler = join(args, rank, port)

@@ -154,7 +154,7 @@ def test_a_retraction_is_logged_once_not_once_per_rank(
     rng = random.Random()
     prompts = [[rng.randrange(1, SPEC_VOCAB - 1) for _ in range(24)] for _ in range(6)]
     params = SamplingParams(max_new_tokens=40, temperature=0, ignore_eos=True)
-    caplog.set_level(logging.INFO, logger="eagleserve.scheduler.scheduler")
+    caplog.set_level(logging.INFO, logger="eagleserve.scheduler")
     with Engine(target_dir, device="cpu", dtype="float32", max_total_tokens=160, tp_size=2,
                 log_level="info") as engine:  # fmt: skip
         outs = engine.generate(prompts, params)
