@@ -8,9 +8,9 @@ import secrets
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from importlib.metadata import version as package_version
-from typing import TypeVar
+from typing import Literal, TypeVar
 
-from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
@@ -48,7 +48,7 @@ from eagleserve.server.protocol import (
     ModelList,
     TokenizeRequest,
 )
-from eagleserve.server.response_store import ResponseStore
+from eagleserve.server.response_store import ResponseStore, StoredResponse, page_of_items
 from eagleserve.server.responses import create_response
 from eagleserve.server.responses_protocol import DeletedResponse, ResponseObject, ResponsesRequest
 from eagleserve.server.serving import ApiError, Serving
@@ -207,17 +207,34 @@ def create_app(args: ServerArgs, client: EngineClient, http: HttpStats | None = 
             return body
         return unavailable() or await create_response(serving, stored, body, request)
 
-    def stored_response(response_id: str) -> dict | ApiError:
+    def stored_response(response_id: str) -> StoredResponse | ApiError:
         entry = stored.get(response_id)
         if entry is None:
             return ApiError(404, f"Response with id '{response_id}' not found.", "response_id")
-        return entry.response
+        return entry
 
     @v1.get("/responses/{response_id}", response_model=ResponseObject,
             responses={404: {"model": ErrorResponse, "description": "not stored"}})  # fmt: skip
     async def get_response(response_id: str) -> Response:
         found = stored_response(response_id)
-        return found.response() if isinstance(found, ApiError) else JSONResponse(found)
+        return found.response() if isinstance(found, ApiError) else JSONResponse(found.response)
+
+    @v1.get("/responses/{response_id}/input_items",
+            responses={404: {"model": ErrorResponse, "description": "not stored"}})  # fmt: skip
+    async def response_input_items(
+        response_id: str, limit: int = Query(20, ge=1, le=100),
+        order: Literal["asc", "desc"] = "desc", after: str | None = None,
+        before: str | None = None,
+    ) -> Response:  # fmt: skip
+        """OpenAI's list of a stored response's input items (newest first by default)."""
+        entry = stored_response(response_id)
+        if isinstance(entry, ApiError):
+            return entry.response()
+        page = page_of_items(entry.input_items, limit, order, after, before)
+        if isinstance(page, str):  # the cursor that names no item of this response
+            cursor = after if page == "after" else before
+            return ApiError(400, f"no input item {cursor!r} in this response", page).response()
+        return JSONResponse(page)
 
     @v1.delete("/responses/{response_id}", response_model=DeletedResponse,
                responses={404: {"model": ErrorResponse, "description": "not stored"}})  # fmt: skip

@@ -21,6 +21,30 @@ from eagleserve.server.protocol import ChatMessage
 class StoredResponse:
     response: dict[str, Any]  # the response object as it was answered
     conversation: tuple[ChatMessage, ...]  # every turn up to and including its output
+    # Its request's `input` as items with ids, in order (GET /v1/responses/{id}/input_items).
+    input_items: tuple[dict[str, Any], ...] = ()
+
+
+def page_of_items(
+    items: tuple[dict[str, Any], ...], limit: int, order: str, after: str | None,
+    before: str | None,
+) -> dict[str, Any] | str:  # fmt: skip
+    """OpenAI's list page of `items` (in `order`, asc or desc: oldest or newest first), the
+    `limit` after the item `after` and before the item `before`; or which id is not there."""
+    ordered = list(items if order == "asc" else reversed(items))
+    ids = [item["id"] for item in ordered]
+    lo, hi = 0, len(ordered)
+    for name, cursor in (("after", after), ("before", before)):
+        if cursor is not None and cursor not in ids:
+            return name
+    if after is not None:
+        lo = ids.index(after) + 1
+    if before is not None:
+        hi = ids.index(before)
+    data = ordered[lo:hi][:limit]
+    return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None,
+            "has_more": hi - lo > limit}  # fmt: skip
 
 
 class ResponseStore:

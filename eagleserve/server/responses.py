@@ -20,7 +20,12 @@ from eagleserve.server.choices import ChoiceState, usage_of
 from eagleserve.server.protocol import ChatMessage, now
 from eagleserve.server.respond import Endpoint, respond
 from eagleserve.server.response_store import ResponseStore, StoredResponse
-from eagleserve.server.responses_input import chat_request, check_responses, input_messages
+from eagleserve.server.responses_input import (
+    chat_request,
+    check_responses,
+    input_messages,
+    listed_input_items,
+)
 from eagleserve.server.responses_protocol import (
     FunctionCall,
     IncompleteDetails,
@@ -187,7 +192,8 @@ class ResponseRun:
             if isinstance(f, FunctionCall)
         ]
         answer = ChatMessage(role="assistant", content=text or None, tool_calls=tool_calls or None)
-        store.put(StoredResponse(resp.model_dump(), (*self.conversation, answer)))
+        listed = listed_input_items(self.body)
+        store.put(StoredResponse(resp.model_dump(), (*self.conversation, answer), listed))
 
     # ---- the stream ----
 

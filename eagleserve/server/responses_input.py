@@ -20,11 +20,15 @@ from eagleserve.server.responses_protocol import (
     ContentPart,
     InputItem,
     ResponsesRequest,
+    item_id,
 )
 from eagleserve.server.serving import ApiError
 from eagleserve.server.validation import UNSUPPORTED, check_request, not_supported
 
 TEXT_PARTS = ("input_text", "output_text")
+# The id prefix of each item type's (OpenAI's), for items sent without an id.
+ITEM_ID_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco",
+                  "reasoning": "rs"}  # fmt: skip
 
 # The chat request's fields taken as they are; the rest are the Responses API's own.
 SHARED = frozenset(_SamplingFields.model_fields) - {"response_format"}
@@ -117,6 +121,23 @@ def input_messages(body: ResponsesRequest) -> list[ChatMessage] | ApiError:
         if msg is not None:
             msgs.append(msg)
     return msgs
+
+
+def listed_input_items(body: ResponsesRequest) -> tuple[dict[str, Any], ...]:
+    """The request's `input` as OpenAI lists it back: items with ids (their own, or new ones), a
+    string input one user message, a message's string content one text part."""
+    items = body.input
+    if isinstance(items, str):
+        items = [InputItem(role="user", content=items)]
+    listed = []
+    for item in items:
+        out = item.model_dump(exclude_none=True)
+        out["id"] = item.id or item_id(ITEM_ID_PREFIX.get(item.type, "item"))
+        if item.type == "message" and isinstance(item.content, str):
+            part = "output_text" if item.role == "assistant" else "input_text"
+            out["content"] = [{"type": part, "text": item.content}]
+        listed.append(out)
+    return tuple(listed)
 
 
 def chat_tools(body: ResponsesRequest) -> list[dict[str, Any]] | ApiError:

@@ -34,6 +34,7 @@ class InputItem(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
     type: str = "message"
+    id: str | None = None  # a replayed output item's
     role: Literal["user", "assistant", "system", "developer"] | None = None
     content: str | list[ContentPart] | None = None
     call_id: str | None = None

@@ -139,6 +139,40 @@ def test_stored_responses_are_read_and_deleted(client: openai.OpenAI, http: http
         client.responses.retrieve(unstored.id)
 
 
+def test_input_items_list_the_request_input(client: openai.OpenAI, http: httpx.Client) -> None:
+    """`client.responses.input_items.list`: a stored response's input items with ids, newest
+    first unless asked, paged by `after` (the client's auto-paging walks them all)."""
+    texts = random.sample(QUESTIONS, 3)
+    sent = [
+        {"role": "user", "content": texts[0]},
+        {"type": "message", "role": "assistant",
+         "content": [{"type": "output_text", "text": texts[1]}]},
+        {"role": "user", "content": [{"type": "input_text", "text": texts[2]}]},
+    ]  # fmt: skip
+    resp = client.responses.create(model=MODEL, input=sent, max_output_tokens=2)  # type: ignore[arg-type]
+    listed = client.responses.input_items.list(resp.id, order="asc")
+    assert [(i.role, i.content[0].text) for i in listed.data] == [
+        ("user", texts[0]), ("assistant", texts[1]), ("user", texts[2])]  # fmt: skip
+    assert listed.data[0].content[0].type == "input_text"
+    ids = [i.id for i in listed.data]
+    assert len(set(ids)) == 3 and all(i.startswith("msg_") for i in ids)
+    newest_first = client.responses.input_items.list(resp.id)
+    assert [i.id for i in newest_first.data] == ids[::-1]
+    assert [i.id for i in client.responses.input_items.list(resp.id, limit=1)] == ids[::-1]
+    page = http.get(f"/v1/responses/{resp.id}/input_items",
+                    params={"order": "asc", "after": ids[0], "limit": 1}).json()  # fmt: skip
+    assert [i["id"] for i in page["data"]] == ids[1:2] and page["has_more"] is True
+    assert (page["first_id"], page["last_id"]) == (ids[1], ids[1])
+    bad = http.get(f"/v1/responses/{resp.id}/input_items", params={"after": "msg_nope"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "after"
+    single = client.responses.create(model=MODEL, input=texts[0], max_output_tokens=2)
+    (item,) = client.responses.input_items.list(single.id).data
+    assert (item.role, item.content[0].type, item.content[0].text) == (
+        "user", "input_text", texts[0])  # fmt: skip
+    with pytest.raises(openai.NotFoundError):
+        client.responses.input_items.list("resp_nope")
+
+
 def test_function_calls_follow_the_schema(client: openai.OpenAI) -> None:
     city = random.choice(["Paris", "Lima", "Oslo", "Cairo"])
     body: dict[str, Any] = {

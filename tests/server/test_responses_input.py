@@ -8,7 +8,7 @@ import string
 import uuid
 
 from eagleserve.server.protocol import ChatMessage
-from eagleserve.server.response_store import ResponseStore, StoredResponse
+from eagleserve.server.response_store import ResponseStore, StoredResponse, page_of_items
 from eagleserve.server.responses_input import chat_request, input_messages
 from eagleserve.server.responses_protocol import ResponsesRequest
 from eagleserve.server.serving import ApiError
@@ -101,3 +101,29 @@ def test_the_store_keeps_the_most_recently_used() -> None:
     off = ResponseStore(0)
     off.put(stored(keys[0]))
     assert off.get(keys[0]) is None and len(off) == 0
+
+
+def test_input_item_pages_walk_every_item_once_in_order() -> None:
+    """Following `after` from page to page lists every item once, in the order asked, for
+    any page size; `before` stops short of its item; an unknown cursor is named."""
+    rng = random.Random()
+    items = tuple({"id": f"msg_{uuid.uuid4().hex}"} for _ in range(rng.randint(0, 9)))
+    ids = [i["id"] for i in items]
+    for order, want in (("asc", ids), ("desc", ids[::-1])):
+        limit = rng.randint(1, 4)
+        seen: list[str] = []
+        after = None
+        while True:
+            page = page_of_items(items, limit, order, after, None)
+            assert isinstance(page, dict) and len(page["data"]) <= limit
+            seen += [i["id"] for i in page["data"]]
+            if not page["has_more"]:
+                break
+            after = page["last_id"]
+        assert seen == want
+        if want:
+            cut = rng.randrange(len(want))
+            page = page_of_items(items, 100, order, None, want[cut])
+            assert isinstance(page, dict) and [i["id"] for i in page["data"]] == want[:cut]
+    assert page_of_items(items, 5, "asc", "msg_nope", None) == "after"
+    assert page_of_items(items, 5, "asc", None, "msg_nope") == "before"
