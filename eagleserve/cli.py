@@ -34,7 +34,7 @@ FIELD_CHOICES: dict[str, tuple[str, ...]] = {
     "sampling_defaults": ("model", "openai"),
 }
 DEVICE_RE = re.compile(r"auto|cpu|cuda(:\d+)?")  # HIP builds of torch call their GPUs cuda too
-POSITIVE = ("max_running_requests", "max_total_tokens", "context_length",
+POSITIVE = ("max_running_requests", "max_queued_requests", "max_total_tokens", "context_length",
             "max_request_body_bytes", "cuda_graph_max_bs", "tp_size", "dp_size",
             "dist_timeout")  # fmt: skip
 

@@ -181,6 +181,9 @@ class ServerArgs:
     load_format: str = "auto"  # auto | dummy (random weights, for benchmarks)
     quantization: str = "auto"  # auto | none | gguf (the GGUF's own 4/8-bit weights, CPU)
     max_running_requests: int = 32
+    # Most requests waiting to start (SGLang's flag; scheduler/waiting_queue.py): one more is
+    # a 503, or with priority scheduling turns away a lower-priority waiting one. None: no bound.
+    max_queued_requests: int | None = None
     max_total_tokens: int = 16384  # the K/V pool's size in tokens (SGLang's flag name)
     # Most tokens a request may span, prompt + output (SGLang's flag name); default: the
     # model's max_position_embeddings, capped by max_total_tokens.

@@ -15,6 +15,9 @@ FIELD_HELP: dict[str, str] = {
     "quantization": "auto | none | gguf: run a GGUF's Q4_0/Q4_1/Q8_0 weights packed on CPU "
     "(auto: gguf for a GGUF model, e.g. 'default', on CPU when --dtype is auto)",
     "max_running_requests": "most requests decoding at once",
+    "max_queued_requests": "most requests waiting to start: one more is answered 503 (with "
+    "--enable-priority-scheduling, one that outranks a waiting request that has not started "
+    "takes its place, and that one gets the 503; default: no limit)",
     "max_total_tokens": "KV cache size in tokens (all requests together)",
     "context_length": "most tokens per request, prompt + output (default: the model's limit; "
     "at most the KV pool, less a speculative iteration's slots with EAGLE)",
@@ -106,7 +109,7 @@ FIELD_GROUPS: dict[str, tuple[str, ...]] = {
               "served_model_name", "chat_template", "sampling_defaults", "reasoning_parser"),
     "server": ("host", "port", "api_key", "allowed_origins", "ssl_certfile", "ssl_keyfile",
                "max_request_body_bytes", "responses_store_size", "log_level"),
-    "scheduler": ("max_running_requests", "max_total_tokens", "random_seed",
+    "scheduler": ("max_running_requests", "max_queued_requests", "max_total_tokens", "random_seed",
                   "disable_overlap_schedule", "disable_radix_cache", "chunked_prefill_size",
                   "enable_dynamic_chunking", "enable_mixed_chunk",
                   "enable_priority_scheduling", "schedule_low_priority_values_first",

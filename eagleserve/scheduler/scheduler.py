@@ -135,6 +135,16 @@ class Scheduler:
         seed = None if params.is_greedy else self.request_seeds.seed_for(params.seed)
         req = Req(msg.rid, list(msg.input_ids), params, self.eos_token_ids, sampling_seed=seed)
         req.constraint, req.priority = constraint, msg.priority
+        bound = self.args.max_queued_requests
+        away = self.waiting.turned_away(req, bound)
+        if away is not None:
+            msg_full = f"the request queue is full (--max-queued-requests {bound})"
+            self.pending_outputs.append(
+                TokenOutput(away.rid, [], True, "error", error=msg_full, error_code=503)
+            )
+            if away is req:
+                return
+            self.waiting.remove(away)
         self.waiting.push(req)
 
     def abort_request(self, rid: str) -> None:

@@ -10,6 +10,11 @@ Preemption: a waiting request that cannot start (no request slot, no KV memory) 
 running request ranked last, where it outranks that one by more than
 `--priority-scheduling-preemption-threshold` (SGLang's rule and default). A retraction is lossless:
 the request re-prefills from its cached positions and goes on with the same tokens.
+
+A bounded queue (SGLang's `--max-queued-requests`): a request that arrives at a full queue is
+turned away (503), unless priority scheduling is on and it outranks a waiting request that has
+not started, which is turned away in its place. A retracted request is never turned away: part
+of its answer is out already.
 """
 
 from __future__ import annotations
@@ -73,6 +78,18 @@ class WaitingQueue:
             req.arrival_index = self._next_arrival
             self._next_arrival += 1
         bisect.insort(self._reqs, req, key=self.policy.queue_key)
+
+    def turned_away(self, incoming: Req, capacity: int | None) -> Req | None:
+        """The request a queue of at most `capacity` turns away when `incoming` arrives (it,
+        or the waiting request it replaces); None while there is room."""
+        if capacity is None or len(self._reqs) < capacity:
+            return None
+        fresh = [r for r in self._reqs if not r.retract_count]
+        if self.policy.enabled and fresh:
+            last = max(fresh, key=self.policy.queue_key)
+            if self.policy.rank(incoming.priority) < self.policy.rank(last.priority):
+                return last
+        return incoming
 
     def popleft(self) -> Req:
         return self._reqs.pop(0)

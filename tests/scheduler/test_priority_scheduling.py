@@ -140,3 +140,37 @@ def test_a_priority_without_priority_scheduling_is_refused(
     (out,) = sched.step()
     assert out.error_code == 400 and "--enable-priority-scheduling" in (out.error or "")
     assert not sched.waiting and not sched.has_work()
+
+
+@pytest.mark.parametrize("priorities", [False, True], ids=["fcfs", "priority"])
+def test_a_full_queue_answers_503_and_a_priority_takes_a_place(
+    tiny_model_dir: str, make_scheduler: Callable[..., Scheduler], priorities: bool
+) -> None:
+    """--max-queued-requests 2 behind one running request: a third waiting request is a 503;
+    with priority scheduling one that outranks a waiting request takes its place, and that one
+    gets the 503; the rest finish with their tokens."""
+    prompts = random_prompts(5, seed=random.randrange(1 << 20))
+    params = greedy(4)
+    sched = make_scheduler(tiny_model_dir, max_running_requests=1, max_queued_requests=2,
+                           max_total_tokens=1024,
+                           enable_priority_scheduling=priorities)  # fmt: skip
+    finished: dict[str, tuple[int | None, int]] = {}
+    order: list[str] = []
+
+    def step() -> None:
+        for out in sched.step():
+            if out.finished:
+                finished[out.rid] = (out.error_code, out.completion_tokens)
+                order.append(out.rid)
+
+    sched.add_request(GenerateReqInput("r0", prompts[0], params))
+    while not sched.running_batch:
+        step()
+    for i, pri in ((1, 0), (2, 1 if priorities else 0), (3, 0), (4, 5 if priorities else 0)):
+        sched.add_request(GenerateReqInput(f"r{i}", prompts[i], params, priority=pri))
+    while sched.has_work():
+        step()
+    refused = {"r3", "r1"} if priorities else {"r3", "r4"}
+    assert {rid for rid, (code, _) in finished.items() if code == 503} == refused
+    assert all(n == 4 for rid, (_, n) in finished.items() if rid not in refused)
+    assert order[-3:] == (["r0", "r4", "r2"] if priorities else ["r0", "r1", "r2"])

@@ -133,3 +133,29 @@ def test_preemption_only_past_the_threshold(threshold: int, low_first: bool) -> 
         assert got is (last if gap > threshold else None), (gap, threshold)
         off = PriorityPolicy(False, low_first, threshold)
         assert preemption_victim(running, incoming, off) is None
+
+
+@pytest.mark.parametrize("name", POLICIES)
+def test_a_full_queue_turns_away_the_newcomer_or_one_it_outranks(name: str) -> None:
+    """Below capacity nothing is turned away; at it, the newcomer, unless priority scheduling
+    ranks it ahead of a waiting request that has not started: then the last-ranked of those."""
+    policy = POLICIES[name]
+    rng = random.Random()
+    for trial in range(100):
+        queue = WaitingQueue(policy)
+        waiting = [req(i, rng.randint(-3, 3)) for i in range(rng.randint(0, 6))]
+        for r in waiting:
+            r.retract_count = int(rng.random() < 0.3)
+            queue.push(r)
+        incoming = req(99, rng.randint(-3, 3))
+        assert queue.turned_away(incoming, None) is None
+        assert queue.turned_away(incoming, len(waiting) + 1) is None
+        got = queue.turned_away(incoming, len(waiting))
+        fresh = [r for r in waiting if not r.retract_count]
+        want = incoming
+        if policy.enabled and fresh:
+            last = max(fresh, key=lambda r: expected_rank(policy, r))
+            if expected_rank(policy, incoming)[0] < expected_rank(policy, last)[0]:
+                want = last
+        assert got is want, trial
+        assert got is incoming or not got.retract_count

@@ -1,11 +1,13 @@
 """Priority scheduling over HTTP: the `priority` field of /v1/completions, /v1/chat/completions
 and /generate reaches the engine where the server runs with --enable-priority-scheduling, and is
-a 400 naming it where the server serves first come, first served."""
+a 400 naming it where the server serves first come, first served; --max-queued-requests answers
+503 to a request that finds the queue full."""
 
 from __future__ import annotations
 
 import json
 import threading
+import time
 from collections.abc import Iterator
 
 import httpx
@@ -13,6 +15,7 @@ import pytest
 from server_fixtures import (  # noqa: F401 (fixtures)
     ServerProcess,
     http_fixture,
+    metric,
     server_fixture,
 )
 
@@ -23,7 +26,8 @@ LONG = {"prompt": "Write a long story about a lighthouse keeper.", "max_tokens":
 @pytest.fixture(scope="module", name="priority_server")
 def priority_server_fixture() -> Iterator[ServerProcess]:
     srv = ServerProcess(["--enable-priority-scheduling", "--max-running-requests", "1",
-                         "--priority-scheduling-preemption-threshold", "0"])  # fmt: skip
+                         "--priority-scheduling-preemption-threshold", "0",
+                         "--max-queued-requests", "1"])  # fmt: skip
     yield srv
     srv.stop()
 
@@ -84,3 +88,34 @@ def test_a_higher_priority_request_overtakes_a_running_one(
         worker.join(120)
         alone = http.post("/v1/completions", json=LONG).json()["choices"][0]["text"]
     assert "".join(chunks) == alone
+
+
+def test_a_request_that_finds_the_queue_full_is_a_503(priority_server: ServerProcess) -> None:
+    """One slot, a queue of one: behind a running request, the first request waits and the
+    second, of the same priority, is answered 503 at once; the waiting one is then served."""
+    results: dict[str, httpx.Response] = {}
+
+    def post(name: str, body: dict) -> None:
+        with httpx.Client(base_url=priority_server.url, timeout=120) as client:
+            results[name] = client.post("/v1/completions", json=body)
+
+    short = {"prompt": "Hi", "max_tokens": 3, "temperature": 0}
+    with httpx.Client(base_url=priority_server.url, timeout=120) as http:
+        long = threading.Thread(target=post, args=("long", LONG))
+        long.start()
+        waiting = threading.Thread(target=post, args=("waiting", short))
+        deadline = time.monotonic() + 60
+        while metric(http, "eagleserve_num_requests_running") < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        waiting.start()
+        while metric(http, "eagleserve_num_requests_waiting") < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        full = http.post("/v1/completions", json=short)
+        assert full.status_code == 503, full.text
+        assert "--max-queued-requests 1" in full.json()["error"]["message"]
+        assert long.is_alive(), "the running request ended before the queue was tested"
+        for t in (long, waiting):
+            t.join(120)
+    assert results["long"].status_code == 200 and results["waiting"].status_code == 200
