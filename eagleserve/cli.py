@@ -32,6 +32,7 @@ FIELD_CHOICES: dict[str, tuple[str, ...]] = {
     "attention_backend": ("auto", "torch", "triton"),
     "log_level": ("debug", "info", "warning", "error", "critical"),
     "sampling_defaults": ("model", "openai"),
+    "tool_call_parser": ("hermes", "qwen25", "llama3", "llama3_json", "mistral"),
 }
 DEVICE_RE = re.compile(r"auto|cpu|cuda(:\d+)?")  # HIP builds of torch call their GPUs cuda too
 POSITIVE = ("max_running_requests", "max_queued_requests", "max_total_tokens", "context_length",

@@ -198,6 +198,9 @@ class ServerArgs:
     # A reasoning model's thinking apart from its answer: deepseek-r1 | qwen3 (SGLang's and
     # vLLM's flag; server/reasoning.py).
     reasoning_parser: str | None = None
+    # The tool-call format the model writes: hermes (qwen25) | llama3 (llama3_json) | mistral
+    # (SGLang's and vLLM's flag and names; server/tool_formats.py).
+    tool_call_parser: str = "hermes"
     api_key: str | None = None
     # 16 MiB: over 10x the JSON of a 128k-token prompt (~0.5 MB of text, up to 6x for \u
     # escapes), so only abuse or mistakes hit it; tokenizing 16 MB takes ~15 s of a core.

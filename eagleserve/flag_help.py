@@ -27,6 +27,8 @@ FIELD_HELP: dict[str, str] = {
     "where it sets them, or OpenAI's defaults",
     "reasoning_parser": "deepseek-r1 | qwen3: chat answers carry the thinking (<think>...</think>) "
     "as reasoning_content, apart from content",
+    "tool_call_parser": "hermes | qwen25 | llama3 | llama3_json | mistral: the tool-call format "
+    "the model was trained to write, which chat tool calls are constrained to and read from",
     "chat_template": "Jinja chat template for the chat routes in place of the tokenizer's: a "
     "file, or the template itself on one line (\\n escapes read as newlines)",
     "api_key": "require 'Authorization: Bearer KEY' on /v1/* (default: $EAGLESERVE_API_KEY)",
@@ -106,7 +108,8 @@ FIELD_HELP: dict[str, str] = {
 # --help shows the flags in these groups, in this order (every ServerArgs field in one).
 FIELD_GROUPS: dict[str, tuple[str, ...]] = {
     "model": ("model", "dtype", "kv_cache_dtype", "load_format", "quantization", "context_length",
-              "served_model_name", "chat_template", "sampling_defaults", "reasoning_parser"),
+              "served_model_name", "chat_template", "sampling_defaults", "reasoning_parser",
+              "tool_call_parser"),
     "server": ("host", "port", "api_key", "allowed_origins", "ssl_certfile", "ssl_keyfile",
                "max_request_body_bytes", "responses_store_size", "log_level"),
     "scheduler": ("max_running_requests", "max_queued_requests", "max_total_tokens", "random_seed",

@@ -36,30 +36,15 @@ from eagleserve.server.serving import ApiError, Serving, Tracker
 from eagleserve.server.structured import checked, constraint_fields, output_constraint
 from eagleserve.server.tool_calls import (
     ToolSetup,
-    render_calls,
+    opener_is_special,
+    template_messages,
+    template_takes_tools,
+    template_tools,
     tool_answer,
     tool_grammar,
-    tool_prompt,
     tool_setup,
 )
-
-
-def chat_messages(body: ChatCompletionRequest, tools: ToolSetup | None) -> list[dict[str, str]]:
-    """The conversation as the template takes it: earlier tool calls written out in the
-    tool-call format, and the tools described in the system message."""
-    msgs = []
-    for m in body.messages:
-        text = m.text()
-        if m.tool_calls:
-            text = (text + "\n" if text else "") + render_calls(m.tool_calls)
-        msgs.append({"role": m.role, "content": text})
-    if tools is not None:
-        if msgs[0]["role"] in ("system", "developer"):
-            msgs[0]["content"] += "\n\n" + tool_prompt(tools)
-        else:
-            msgs.insert(0, {"role": "system", "content": tool_prompt(tools)})
-    return msgs
-
+from eagleserve.server.tool_formats import HERMES, ToolFormat
 
 # Arguments of apply_chat_template that chat_template_kwargs must not set (the request's own
 # fields, or ones that would change what the call returns).
@@ -68,9 +53,12 @@ RESERVED_TEMPLATE_ARGS = frozenset({"conversation", "messages", "tools", "tokeni
                                     "return_dict", "return_tensors", "chat_template"})  # fmt: skip
 
 
-def chat_text(tok: Any, body: ChatCompletionRequest, tools: ToolSetup | None) -> str | ApiError:
+def chat_text(
+    tok: Any, body: ChatCompletionRequest, tools: ToolSetup | None, fmt: ToolFormat = HERMES
+) -> str | ApiError:
     """The conversation rendered by the model's chat template, as the request asks (the
-    assistant turn's header, or its last message left open; the template's own variables)."""
+    assistant turn's header, or its last message left open; the template's own variables),
+    with its tools and earlier calls (server/tool_calls.py; `fmt` the calls' format)."""
     if not body.messages:
         return ApiError(400, "messages must not be empty", "messages")
     if tok is None or not getattr(tok, "chat_template", None):
@@ -85,7 +73,10 @@ def chat_text(tok: Any, body: ChatCompletionRequest, tools: ToolSetup | None) ->
     reserved = sorted(RESERVED_TEMPLATE_ARGS.intersection(extra))
     if reserved:
         return ApiError(400, f"chat_template_kwargs may not set {reserved}", "chat_template_kwargs")
-    msgs = chat_messages(body, tools)
+    templated = template_takes_tools(tok)
+    msgs = template_messages(body, tools, fmt, templated)
+    if templated and tools is not None:
+        extra = {**extra, "tools": template_tools(tools)}
     try:
         return str(tok.apply_chat_template(msgs, add_generation_prompt=body.add_generation_prompt,
                                            continue_final_message=body.continue_final_message,
@@ -97,7 +88,7 @@ def chat_text(tok: Any, body: ChatCompletionRequest, tools: ToolSetup | None) ->
 def chat_prompt(
     serving: Serving, body: ChatCompletionRequest, tools: ToolSetup | None = None
 ) -> list[int] | ApiError:
-    text = chat_text(serving.tokenizer, body, tools)
+    text = chat_text(serving.tokenizer, body, tools, serving.tool_format)
     if isinstance(text, ApiError):
         return text
     ids = serving.encode(text, body.add_special_tokens)
@@ -154,7 +145,7 @@ class ChatCall:
             thinking = thinking if self.body.include_reasoning else None
         if self.tools is None:
             return ChatAnswer(text, [], c.finish_reason, thinking)
-        content, calls, reason = tool_answer(text or "", c.finish_reason)
+        content, calls, reason = tool_answer(text or "", c.finish_reason, self.tools.fmt)
         return ChatAnswer(content, calls, reason, thinking)
 
 
@@ -192,7 +183,7 @@ async def start_chat(
 ) -> ChatCall | ApiError:
     """The conversation's prompt, constraint and sampling parameters, as engine requests whose
     outputs `endpoint`'s tracker records (the Responses API runs its requests through here)."""
-    tools = tool_setup(body)
+    tools = tool_setup(body, serving.tool_format)
     if isinstance(tools, ApiError):
         return tools
     ids = await asyncio.to_thread(chat_prompt, serving, body, tools)  # off the loop: as above
@@ -216,6 +207,8 @@ async def start_chat(
     if isinstance(params, ApiError):
         return params
     params.thinking = gate
+    if tools is not None and opener_is_special(serving.tokenizer, tools.fmt):
+        params.skip_special_tokens = False  # else the detokenizer drops what opens each call
     reqs = serving.make_reqs([ids], [params], body.n, body.stream, priority=body.priority)
     tok = serving.tokenizer
     scoring = None if body.prompt_logprobs is None else PromptScoring(ids)

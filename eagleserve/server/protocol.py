@@ -121,6 +121,8 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ChatContentPart] | None = None
     tool_calls: list[dict[str, Any]] | None = None  # earlier calls (server/tool_calls.py)
+    tool_call_id: str | None = None  # a tool message's: the call it answers
+    name: str | None = None
 
     def text(self) -> str:
         if self.content is None:

@@ -27,6 +27,7 @@ from eagleserve.server.choices import ChoiceState
 from eagleserve.server.engine_client import CHOICE_SEP, EngineClient, RequestStream
 from eagleserve.server.metrics import Metrics
 from eagleserve.server.protocol import MAX_N, _SamplingFields, error_body
+from eagleserve.server.tool_formats import TOOL_FORMATS, ToolFormat
 
 
 @dataclass
@@ -66,6 +67,10 @@ class Serving:
     @property
     def tokenizer(self) -> Any:
         return self.client.tokenizer
+
+    @property
+    def tool_format(self) -> ToolFormat:
+        return TOOL_FORMATS[self.args.tool_call_parser.lower()]
 
     def check_model(self, name: str | None) -> ApiError | None:
         if name is None or name in (self.model_name, self.args.model):

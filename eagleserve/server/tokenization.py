@@ -26,10 +26,10 @@ def tokenize(serving: Serving, body: TokenizeRequest) -> TokenizeResponse | ApiE
             continue_final_message=body.continue_final_message,
             chat_template_kwargs=body.chat_template_kwargs,
         )  # fmt: skip
-        tools = tool_setup(chat)
+        tools = tool_setup(chat, serving.tool_format)
         if isinstance(tools, ApiError):
             return tools
-        text = chat_text(serving.tokenizer, chat, tools)
+        text = chat_text(serving.tokenizer, chat, tools, serving.tool_format)
         if isinstance(text, ApiError):
             return text
         special = bool(body.add_special_tokens)

@@ -6,6 +6,7 @@ call in the conversation is accepted. The parsing itself: tests/server/test_tool
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -14,10 +15,13 @@ import openai
 import pytest
 from server_fixtures import (  # noqa: F401 (fixtures)
     MODEL,
+    ServerProcess,
     base_url_fixture,
     http_fixture,
     server_fixture,
 )
+
+from eagleserve.server.tool_formats import LLAMA3
 
 WEATHER = {
     "type": "object",
@@ -143,3 +147,32 @@ def test_bad_tool_fields_are_400s(http: httpx.Client, extra: dict[str, Any], par
     r = http.post("/v1/chat/completions", json=body)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param, r.json()
+
+
+@pytest.fixture(scope="module", name="llama3_server")
+def llama3_server_fixture() -> Iterator[ServerProcess]:
+    srv = ServerProcess(["--tool-call-parser", "llama3_json", "--served-model-name", MODEL])
+    yield srv
+    srv.stop()
+
+
+def test_llama3_calls_are_written_and_read_in_llama3s_format(
+    llama3_server: ServerProcess,
+) -> None:
+    """--tool-call-parser llama3_json: the output is Llama 3's JSON calls (the answer's raw
+    text, its logprobs' tokens, reads as them) and comes back as calls that validate, with
+    parallel calls on or off."""
+    client = openai.OpenAI(base_url=llama3_server.url + "/v1", api_key="x", max_retries=0)
+    for parallel in (False, True):
+        out = client.chat.completions.create(
+            model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required",
+            parallel_tool_calls=parallel, max_tokens=120, temperature=0, logprobs=True,
+        )  # fmt: skip
+        c = out.choices[0]
+        assert c.finish_reason == "tool_calls", c.message
+        check_calls(c.message.tool_calls or [], set(SCHEMAS))
+        raw = "".join(t.token for t in (c.logprobs.content or []))
+        assert raw.startswith('{"name": "'), raw
+        assert LLAMA3.parse(raw)[1] == [
+            (t.function.name, json.loads(t.function.arguments)) for t in c.message.tool_calls or []
+        ]
