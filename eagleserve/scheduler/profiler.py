@@ -17,9 +17,9 @@ import os
 import time
 from collections.abc import Iterator
 
-import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
+from eagleserve.device import pick_device
 from eagleserve.messages import ProfileReq, ProfileResult
 
 logger = logging.getLogger(__name__)
@@ -41,7 +41,7 @@ def profiler_activities(names: tuple[str, ...]) -> list[ProfilerActivity] | str:
     if bad or not names:
         return f"activities must be some of {', '.join(ACTIVITIES)} (got {list(names)})"
     out = [ProfilerActivity.CPU] if "CPU" in names else []
-    if "GPU" in names and torch.cuda.is_available():  # a HIP build of torch calls it cuda too
+    if "GPU" in names and pick_device("auto").type != "cpu":  # CUDA's activity is HIP's too
         out.append(ProfilerActivity.CUDA)
     return out or "activities: GPU only, and this engine runs on no GPU"
 

@@ -72,9 +72,11 @@ GENERATE_EXAMPLES = [
 
 
 class GenerateRequest(BaseModel):
-    model_config = ConfigDict(
-        extra="ignore", allow_inf_nan=False, json_schema_extra={"examples": GENERATE_EXAMPLES}
-    )
+    # The schema says what the route checks: exactly one of text and input_ids.
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, json_schema_extra={
+        "examples": GENERATE_EXAMPLES,
+        "oneOf": [{"required": ["text"]}, {"required": ["input_ids"]}],
+    })  # fmt: skip
 
     text: str | list[str] | None = None
     input_ids: list[int] | list[list[int]] | None = None

@@ -99,11 +99,12 @@ def start_server(target: str, extra: list[str], env: dict[str, str] | None = Non
 
 @pytest.fixture(scope="session", name="spec_server")
 def spec_server_fixture(tiny_dirs: tuple[str, str]) -> Iterator[Server]:
-    """Tiny target + EAGLE, overlap on (the GPU default, forced here), a small KV pool."""
+    """Tiny target + EAGLE, overlap on (the GPU default, forced here), a small KV pool,
+    priority scheduling on (the schema fuzzer's random priorities then preempt)."""
     if "spec" not in _CACHE:
         target, head = tiny_dirs
         flags = ["--max-total-tokens", str(SMALL_KV), "--max-running-requests", "16",
-                 "--no-disable-overlap-schedule",
+                 "--no-disable-overlap-schedule", "--enable-priority-scheduling",
                  *spec_flags(head)]  # fmt: skip
         _CACHE["spec"] = start_server(target, flags)
     yield _CACHE["spec"]
