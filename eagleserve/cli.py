@@ -66,6 +66,8 @@ def check_values(args: ServerArgs) -> str | None:
         value = getattr(args, name)
         if value is not None and value < 1:
             return f"--{name.replace('_', '-')} {value}: must be at least 1"
+    if not 0 <= args.log_requests_level <= 3:
+        return f"--log-requests-level {args.log_requests_level}: choose 0, 1, 2 or 3"
     if args.priority_scheduling_preemption_threshold < 0:  # equals would preempt each other
         return "--priority-scheduling-preemption-threshold: must be at least 0"
     if args.enable_mixed_chunk and args.enable_priority_scheduling:

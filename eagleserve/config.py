@@ -202,6 +202,10 @@ class ServerArgs:
     # (SGLang's and vLLM's flag and names; server/tool_formats.py).
     tool_call_parser: str = "hermes"
     api_key: str | None = None
+    # A log line per request arriving and finishing, with level 0..3 of detail (SGLang's flags;
+    # server/request_log.py).
+    log_requests: bool = False
+    log_requests_level: int = 2
     # 16 MiB: over 10x the JSON of a 128k-token prompt (~0.5 MB of text, up to 6x for \u
     # escapes), so only abuse or mistakes hit it; tokenizing 16 MB takes ~15 s of a core.
     max_request_body_bytes: int = 16 * 2**20

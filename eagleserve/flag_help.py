@@ -31,6 +31,11 @@ FIELD_HELP: dict[str, str] = {
     "the model was trained to write, which chat tool calls are constrained to and read from",
     "chat_template": "Jinja chat template for the chat routes in place of the tokenizer's: a "
     "file, or the template itself on one line (\\n escapes read as newlines)",
+    "log_requests": "log each request as it arrives and as it finishes (logger "
+    "eagleserve.requests)",
+    "log_requests_level": "with --log-requests: 0 ids, counts, finish reason and latency; 1 and "
+    "the sampling parameters set; 2 and the input and output text, 2048 characters of each; 3 "
+    "and all of them",
     "api_key": "require 'Authorization: Bearer KEY' on /v1/* (default: $EAGLESERVE_API_KEY)",
     "max_request_body_bytes": "larger request bodies get a 413 before they are read",
     "ssl_certfile": "serve HTTPS with this certificate (PEM; with --ssl-keyfile)",
@@ -111,7 +116,8 @@ FIELD_GROUPS: dict[str, tuple[str, ...]] = {
               "served_model_name", "chat_template", "sampling_defaults", "reasoning_parser",
               "tool_call_parser"),
     "server": ("host", "port", "api_key", "allowed_origins", "ssl_certfile", "ssl_keyfile",
-               "max_request_body_bytes", "responses_store_size", "log_level"),
+               "max_request_body_bytes", "responses_store_size", "log_level", "log_requests",
+               "log_requests_level"),
     "scheduler": ("max_running_requests", "max_queued_requests", "max_total_tokens", "random_seed",
                   "disable_overlap_schedule", "disable_radix_cache", "chunked_prefill_size",
                   "enable_dynamic_chunking", "enable_mixed_chunk",

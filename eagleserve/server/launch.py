@@ -28,6 +28,7 @@ from eagleserve.config import ServerArgs
 from eagleserve.server.api import create_app
 from eagleserve.server.engine_client import EngineClient
 from eagleserve.server.middleware import HttpStats
+from eagleserve.server.request_log import REQUEST_LOGGER
 from eagleserve.server.startup import StartupError, bind_socket, check_paths, fail, start_engine
 
 DRAIN_TIMEOUT_ENV = "EAGLESERVE_DRAIN_TIMEOUT_S"
@@ -111,6 +112,8 @@ async def serve(args: ServerArgs) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    if args.log_requests:  # asked for by name: shown whatever --log-level says
+        logging.getLogger(REQUEST_LOGGER).setLevel(logging.INFO)
     debug = args.log_level.lower() == "debug"
     client = EngineClient(args)
     try:

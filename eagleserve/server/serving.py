@@ -27,6 +27,8 @@ from eagleserve.server.choices import ChoiceState
 from eagleserve.server.engine_client import CHOICE_SEP, EngineClient, RequestStream
 from eagleserve.server.metrics import Metrics
 from eagleserve.server.protocol import MAX_N, _SamplingFields, error_body
+from eagleserve.server.request_log import finished_line, received_line
+from eagleserve.server.request_log import logger as request_log
 from eagleserve.server.tool_formats import TOOL_FORMATS, ToolFormat
 
 
@@ -206,6 +208,10 @@ class Tracker:
         self.start = self.last = time.monotonic()
         self.first_token = False
         self.error: ApiError | None = None
+        self.log_level = serving.args.log_requests_level if serving.args.log_requests else None
+        if self.log_level is not None:
+            for r in reqs:
+                request_log.info(received_line(self.log_level, endpoint, r, serving.tokenizer))
 
     def feed(self, out: TokenOutput) -> tuple[ChoiceState, str]:
         m = self.serving.metrics
@@ -236,6 +242,10 @@ class Tracker:
             m.request_finished(
                 self.endpoint, reason, choice.prompt_tokens, choice.completion_tokens
             )
+        if out.finished and self.log_level is not None:
+            counts = (choice.prompt_tokens, choice.completion_tokens, choice.cached_tokens)
+            request_log.info(finished_line(self.log_level, out.rid, choice.finish_reason, counts,
+                                           now - self.start, choice.text))  # fmt: skip
         return choice, delta
 
     def close(self, stream: OutputStream) -> None:
