@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from eagleserve.config import RENAMED_FIELDS, ServerArgs, renamed_hint
-from eagleserve.flag_help import FIELD_GROUPS, FIELD_HELP
+from eagleserve.flag_help import FIELD_GROUPS, FIELD_HELP, VLLM_FLAGS
 from eagleserve.server.reasoning import reasoning_format
 
 _TYPES: dict[str, Callable[[str], Any]] = {"int": int, "float": float, "str": str}
@@ -103,16 +103,17 @@ def _flag(field_name: str) -> str:
     return "--" + field_name.replace("_", "-")
 
 
-class RenamedFlag(argparse.Action):
-    """A flag renamed to SGLang's name: using it is an error that names the new flag."""
+class ForeignFlag(argparse.Action):
+    """A flag eagleserve does not take under that name (renamed to SGLang's, or vLLM's): using
+    it is an error that says what to use."""
 
-    def __init__(self, *args: Any, new_flag: str, **kwargs: Any) -> None:
-        self.new_flag = new_flag
+    def __init__(self, *args: Any, hint: str, **kwargs: Any) -> None:
+        self.hint = hint
         super().__init__(*args, **kwargs)
 
     def __call__(self, parser: argparse.ArgumentParser, ns: argparse.Namespace, values: Any,
                  option_string: str | None = None) -> None:  # fmt: skip
-        parser.error(f"{option_string} is now {self.new_flag} (SGLang's flag name)")
+        parser.error(f"{option_string} {self.hint}")
 
 
 def add_serve_flags(parser: argparse.ArgumentParser) -> None:
@@ -123,9 +124,11 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     grouped = {n for names in FIELD_GROUPS.values() for n in names}
     # A field left out of FIELD_GROUPS still gets its flag (one flag per field, always).
     other = tuple(n for n in by_name if n not in grouped)
-    for old, new in RENAMED_FIELDS.items():
-        parser.add_argument(_flag(old), action=RenamedFlag, nargs="?", new_flag=_flag(new),
-                            help=argparse.SUPPRESS)  # fmt: skip
+    hints = {_flag(old): f"is now {_flag(new)} (SGLang's flag name)"
+             for old, new in RENAMED_FIELDS.items()}  # fmt: skip
+    hints |= {flag: f"is vLLM's flag: {hint}" for flag, hint in VLLM_FLAGS.items()}
+    for flag, hint in hints.items():
+        parser.add_argument(flag, action=ForeignFlag, nargs="?", hint=hint, help=argparse.SUPPRESS)
     for title, names in {**FIELD_GROUPS, "other": other}.items():
         group = parser.add_argument_group(title)
         for name in names:

@@ -133,3 +133,25 @@ FIELD_GROUPS: dict[str, tuple[str, ...]] = {
             "skip_server_warmup"),
     "scaling out": ("tp_size", "dp_size", "dist_timeout"),
 }  # fmt: skip
+
+
+# vLLM's flags that users bring from vLLM deployments, and what eagleserve takes instead (given
+# one, `serve` stops with that, in one line).
+VLLM_FLAGS: dict[str, str] = {
+    "--max-model-len": "eagleserve's is --context-length",
+    "--max-num-seqs": "eagleserve's is --max-running-requests",
+    "--tensor-parallel-size": "eagleserve's is --tp-size",
+    "-tp": "eagleserve's is --tp-size",
+    "--data-parallel-size": "eagleserve's is --dp-size",
+    "-dp": "eagleserve's is --dp-size",
+    "--enforce-eager": "eagleserve's is --disable-cuda-graph",
+    "--gpu-memory-utilization": "eagleserve sizes the KV pool in tokens: --max-total-tokens",
+    "--speculative-config": "eagleserve's are --speculative-algorithm, "
+    "--speculative-draft-model-path and --speculative-num-steps",
+    "--no-enable-prefix-caching": "eagleserve's is --disable-radix-cache",
+    "--enable-prefix-caching": "prefix caching is on by default (--disable-radix-cache turns it "
+    "off): drop it",
+    "--enable-auto-tool-choice": "tool_choice auto is always served (--tool-call-parser sets "
+    "the format): drop it",
+    "--trust-remote-code": "eagleserve runs no code from a model's folder: drop it",
+}

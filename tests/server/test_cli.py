@@ -13,7 +13,7 @@ import pytest
 from eagleserve import Engine
 from eagleserve.cli import build_parser, build_server_args, serve_fields
 from eagleserve.config import RENAMED_FIELDS, ServerArgs
-from eagleserve.flag_help import FIELD_HELP
+from eagleserve.flag_help import FIELD_HELP, VLLM_FLAGS
 
 
 def parse(argv: list[str]) -> ServerArgs | str:
@@ -131,6 +131,23 @@ def test_renamed_fields_name_their_new_names(
         with pytest.raises(TypeError, match=f"{old} -> {new}"):
             Engine(**{old: 7})
         assert getattr(parse(["--" + new.replace("_", "-"), "7"]), new) == 7
+
+
+@pytest.mark.parametrize("flag", sorted(VLLM_FLAGS))
+def test_a_vllm_flag_names_what_eagleserve_takes(
+    flag: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """vLLM's flags (with a value or without) stop `serve` in one line that says what to use,
+    and every flag that line names is one of eagleserve's."""
+    ours = {"--" + f.name.replace("_", "-") for f in serve_fields()}
+    for argv in ([flag], [flag, "2"]):
+        with pytest.raises(SystemExit) as exit_info:
+            parse(argv)
+        assert exit_info.value.code == 2
+        err = capsys.readouterr().err.strip()
+        assert err.count("\n") == 0 and f"{flag} is vLLM's flag: {VLLM_FLAGS[flag]}" in err
+    named = re.findall(r"--[a-z-]+[a-z]", VLLM_FLAGS[flag])
+    assert all(n in ours for n in named), (named, flag)
 
 
 def test_bad_speculative_flags_are_reported() -> None:
