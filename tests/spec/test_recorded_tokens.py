@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 from conftest import SERVED_MIN_PATH_PROB
+from lossless_fixtures import script_choices
 
 from eagleserve import Engine, SamplingParams
 
@@ -100,6 +101,8 @@ def test_chains_cut_short_by_their_path_probability_commit_the_recorded_ids(
         recorded = json.load(f)
     adaptive = name.startswith("adaptive")
     eng = cut_engine(smollm2_dir, name)
+    if adaptive:  # plans of every depth (the timed controller may plan 3 throughout)
+        script_choices(eng, [3, 2, 3, 1, 2])
     worker = eng.scheduler.worker
     drafted: list[int] = []  # per drafting iteration: its drafts, and its requests
     rows: list[int] = []
