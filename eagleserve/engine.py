@@ -77,9 +77,7 @@ class Engine:
         bar = tqdm(total=len(rids), desc="Processed prompts", unit="prompt",
                    disable=None if use_tqdm and len(rids) > 1 else True)  # fmt: skip
         while len(done) < len(rids):
-            with self.profiler.step():
-                outs = self.scheduler.step()
-            for out in outs:
+            for out in self.profiler.step(self.scheduler.step):
                 if out.rid not in tokens:
                     continue
                 if out.error is not None and error is None:

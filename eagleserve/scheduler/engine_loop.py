@@ -97,8 +97,7 @@ class EngineLoop:
                     self.shutdown_deadline = time.monotonic() + 5.0
             if not sched.has_work():
                 continue
-            with self.profiler.step():
-                outputs = sched.step()
+            outputs = self.profiler.step(sched.step)
             for out in outputs:
                 if out.finished:
                     self.live.discard(out.rid)

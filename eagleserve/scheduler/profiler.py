@@ -11,11 +11,11 @@ parallelism it profiles rank 0.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable
+from typing import TypeVar
 
 from torch.profiler import ProfilerActivity, profile, record_function
 
@@ -23,6 +23,7 @@ from eagleserve.device import pick_device
 from eagleserve.messages import ProfileReq, ProfileResult
 
 logger = logging.getLogger(__name__)
+R = TypeVar("R")
 
 DIR_ENVS = ("EAGLESERVE_TORCH_PROFILER_DIR", "SGLANG_TORCH_PROFILER_DIR", "VLLM_TORCH_PROFILER_DIR")
 ACTIVITIES = ("CPU", "GPU")
@@ -94,15 +95,15 @@ class EngineProfiler:
         logger.info("torch profiler trace written to %s in %.1f s", path, time.perf_counter() - t0)
         return ProfileResult(True, "trace written", path)
 
-    @contextlib.contextmanager
-    def step(self) -> Iterator[None]:
-        """One scheduler step: a span in the trace; the profiler stops after its last one."""
+    def step(self, run: Callable[[], R]) -> R:
+        """`run()`, one scheduler step: while profiling, a span in the trace (the profiler
+        stops after its last one); else just the call (the engine loop's hot path)."""
         if self._prof is None:
-            yield
-            return
+            return run()
         with record_function("eagleserve.step"):
-            yield
+            result = run()
         if self._steps_left is not None:
             self._steps_left -= 1
             if self._steps_left == 0:
                 self.stop()
+        return result

@@ -60,6 +60,8 @@ def retraction_victim(running: Sequence[Req], policy: PriorityPolicy) -> Req | N
 def preemption_victim(running: Sequence[Req], incoming: Req, policy: PriorityPolicy) -> Req | None:
     """The running request that `incoming`, which cannot start, retracts: the one ranked last,
     if `incoming` outranks it by more than the threshold; else None."""
+    if not policy.enabled:  # checked each step a full batch leaves requests waiting
+        return None
     victim = retraction_victim(running, policy)
     return victim if victim is not None and policy.outranks(incoming, victim) else None
 

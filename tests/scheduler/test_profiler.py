@@ -26,22 +26,20 @@ def spans(path: str, name: str) -> int:
     return sum(1 for e in events(path) if e.get("name") == name and e.get("ph") == "X")
 
 
-def work() -> None:
+def work() -> float:
     a = torch.randn(32, 32)
-    (a @ a).sum()
+    return float((a @ a).sum())
 
 
 def test_a_trace_holds_each_step_between_start_and_stop(tmp_path: Path) -> None:
     prof = EngineProfiler()
     steps = random.randint(2, 5)
-    with prof.step():  # before start: not in the trace
-        work()
+    prof.step(work)  # before start: not in the trace
     started = prof.start(ProfileReq(True, str(tmp_path / "traces")))
     assert started.ok and started.trace_path is not None and prof.active
     assert started.trace_path.startswith(str(tmp_path / "traces") + os.sep)
     for _ in range(steps):
-        with prof.step():
-            work()
+        prof.step(work)
     stopped = prof.stop()
     assert stopped.ok and stopped.trace_path == started.trace_path and not prof.active
     assert spans(stopped.trace_path, "eagleserve.step") == steps
@@ -55,8 +53,7 @@ def test_num_steps_stops_by_itself(tmp_path: Path) -> None:
     assert path is not None
     for i in range(n + 2):
         assert prof.active == (i < n)
-        with prof.step():
-            work()
+        prof.step(work)
     assert not prof.active and os.path.isfile(path)
     assert spans(path, "eagleserve.step") == n
     assert not prof.stop().ok  # already stopped: nothing to stop
