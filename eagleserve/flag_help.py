@@ -43,7 +43,8 @@ FIELD_HELP: dict[str, str] = {
     "allowed_origins": "origins a browser page may call the API from, comma-separated (CORS; "
     "'*': any, as vLLM and SGLang allow; '': none)",
     "responses_store_size": "most /v1/responses answers kept in memory for previous_response_id "
-    "and GET /v1/responses/ID, the least recently used dropped first (0: none kept)",
+    "and GET /v1/responses/ID, the least recently used dropped first (0: none kept, and no "
+    "background responses)",
     "random_seed": "seeds the sampling of requests that name no seed: the same requests in the "
     "same order then draw the same tokens on every run (default: OS entropy per request)",
     "speculative_algorithm": "EAGLE or EAGLE3 to turn on speculative decoding",

@@ -8,9 +8,9 @@ import secrets
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from importlib.metadata import version as package_version
-from typing import Literal, TypeVar
+from typing import TypeVar
 
-from fastapi import APIRouter, Depends, FastAPI, Query, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
@@ -20,6 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from eagleserve.config import ServerArgs
 from eagleserve.messages import ProfileReq, ProfileResult
+from eagleserve.server.background import BackgroundResponses
 from eagleserve.server.chat import create_chat
 from eagleserve.server.completions import create_completion
 from eagleserve.server.engine_client import EngineClient
@@ -48,9 +49,8 @@ from eagleserve.server.protocol import (
     ModelList,
     TokenizeRequest,
 )
-from eagleserve.server.response_store import ResponseStore, StoredResponse, page_of_items
-from eagleserve.server.responses import create_response
-from eagleserve.server.responses_protocol import DeletedResponse, ResponseObject, ResponsesRequest
+from eagleserve.server.response_store import ResponseStore
+from eagleserve.server.responses_routes import add_responses_routes
 from eagleserve.server.serving import ApiError, Serving
 from eagleserve.server.sglang_info import model_info, server_info
 from eagleserve.server.tokenization import detokenize, tokenize
@@ -111,6 +111,7 @@ def create_app(args: ServerArgs, client: EngineClient, http: HttpStats | None = 
     client.on_stats = metrics.update_engine_stats
     serving = Serving(args, client, metrics)
     stored = ResponseStore(args.responses_store_size)
+    background = BackgroundResponses(stored, client)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -118,6 +119,7 @@ def create_app(args: ServerArgs, client: EngineClient, http: HttpStats | None = 
             await client.start()
         metrics.update_engine_stats(client.last_stats)
         yield
+        await background.close()
         await client.shutdown()
 
     app = FastAPI(title="eagleserve", lifespan=lifespan)
@@ -200,50 +202,7 @@ def create_app(args: ServerArgs, client: EngineClient, http: HttpStats | None = 
             return body
         return unavailable() or await create_chat(serving, body, request)
 
-    @v1.post("/responses")
-    async def responses(request: Request) -> Response:
-        body = await read_json(request, ResponsesRequest)
-        if isinstance(body, Response):
-            return body
-        return unavailable() or await create_response(serving, stored, body, request)
-
-    def stored_response(response_id: str) -> StoredResponse | ApiError:
-        entry = stored.get(response_id)
-        if entry is None:
-            return ApiError(404, f"Response with id '{response_id}' not found.", "response_id")
-        return entry
-
-    @v1.get("/responses/{response_id}", response_model=ResponseObject,
-            responses={404: {"model": ErrorResponse, "description": "not stored"}})  # fmt: skip
-    async def get_response(response_id: str) -> Response:
-        found = stored_response(response_id)
-        return found.response() if isinstance(found, ApiError) else JSONResponse(found.response)
-
-    @v1.get("/responses/{response_id}/input_items",
-            responses={404: {"model": ErrorResponse, "description": "not stored"}})  # fmt: skip
-    async def response_input_items(
-        response_id: str, limit: int = Query(20, ge=1, le=100),
-        order: Literal["asc", "desc"] = "desc", after: str | None = None,
-        before: str | None = None,
-    ) -> Response:  # fmt: skip
-        """OpenAI's list of a stored response's input items (newest first by default)."""
-        entry = stored_response(response_id)
-        if isinstance(entry, ApiError):
-            return entry.response()
-        page = page_of_items(entry.input_items, limit, order, after, before)
-        if isinstance(page, str):  # the cursor that names no item of this response
-            cursor = after if page == "after" else before
-            return ApiError(400, f"no input item {cursor!r} in this response", page).response()
-        return JSONResponse(page)
-
-    @v1.delete("/responses/{response_id}", response_model=DeletedResponse,
-               responses={404: {"model": ErrorResponse, "description": "not stored"}})  # fmt: skip
-    async def delete_response(response_id: str) -> Response:
-        found = stored_response(response_id)
-        if isinstance(found, ApiError):
-            return found.response()
-        stored.delete(response_id)
-        return JSONResponse(DeletedResponse(id=response_id).model_dump())
+    add_responses_routes(v1, serving, stored, background, read_json, unavailable)
 
     def model_card() -> ModelCard:
         return ModelCard(id=serving.model_name, max_model_len=client.max_context_len or None)

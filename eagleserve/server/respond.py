@@ -64,6 +64,36 @@ class Endpoint:
     failure: Callable[[ApiError], list[str]] | None = None
 
 
+async def stream_events(
+    stream: OutputStream, tracker: Tracker, endpoint: Endpoint, include_usage: bool
+) -> AsyncIterator[str]:
+    """A stream's server-sent events, from the prelude to [DONE] or the endpoint's epilogue
+    (an engine fault or a cut at shutdown ends it with an error event first)."""
+    for event in endpoint.prelude():
+        yield event
+    async for out in stream:
+        c, text = tracker.feed(out)
+        if tracker.error is not None:  # engine fault, engine gone, or cut at the drain
+            if endpoint.failure is not None:
+                for event in endpoint.failure(tracker.error):
+                    yield event
+                return
+            yield sse(tracker.error.response_body())
+            yield "data: [DONE]\n\n"
+            return
+        event = endpoint.delta(c, text, out)
+        if event is not None:
+            yield event
+    tracker.done()
+    if endpoint.epilogue is not None:
+        for event in endpoint.epilogue():
+            yield event
+        return
+    if include_usage:
+        yield endpoint.usage_event(usage_of(tracker.ordered))
+    yield "data: [DONE]\n\n"
+
+
 async def respond(
     serving: Serving,
     request: Request,
@@ -73,8 +103,7 @@ async def respond(
     endpoint: Endpoint,
     stream: OutputStream | None = None,
 ) -> Response:
-    """Runs the requests; answers one JSON body, or a stream of chunks ending in [DONE] (an
-    engine fault or a cut at shutdown ends it with an error event first)."""
+    """Runs the requests; answers one JSON body, or a stream of events (`stream_events`)."""
     if stream is None:  # else the requests run in it (beam search)
         stream = serving.client.generate(reqs)
     if not body.stream:
@@ -85,29 +114,5 @@ async def respond(
         whole = endpoint.whole()
         return JSONResponse(whole.model_dump() if isinstance(whole, BaseModel) else whole)
 
-    async def events() -> AsyncIterator[str]:
-        for event in endpoint.prelude():
-            yield event
-        async for out in stream:
-            c, text = tracker.feed(out)
-            if tracker.error is not None:  # engine fault, engine gone, or cut at the drain
-                if endpoint.failure is not None:
-                    for event in endpoint.failure(tracker.error):
-                        yield event
-                    return
-                yield sse(tracker.error.response_body())
-                yield "data: [DONE]\n\n"
-                return
-            event = endpoint.delta(c, text, out)
-            if event is not None:
-                yield event
-        tracker.done()
-        if endpoint.epilogue is not None:
-            for event in endpoint.epilogue():
-                yield event
-            return
-        if body.include_usage:
-            yield endpoint.usage_event(usage_of(tracker.ordered))
-        yield "data: [DONE]\n\n"
-
-    return AbortingStreamingResponse(events(), lambda: tracker.close(stream))
+    events = stream_events(stream, tracker, endpoint, body.include_usage)
+    return AbortingStreamingResponse(events, lambda: tracker.close(stream))

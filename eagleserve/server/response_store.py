@@ -4,8 +4,11 @@
 Each entry holds its whole conversation (the earlier turns, its input and its output, as chat
 messages; not its `instructions`, which OpenAI does not carry over), so a later turn needs
 only this one entry, however many older ones were evicted. A conversation is at most the
-context length in tokens, which bounds an entry. Replicas (`--dp-size`) each keep their own:
-a `previous_response_id` must reach the replica that answered it (sticky sessions).
+context length in tokens, which bounds an entry (and a streamed background response's events,
+kept with it, are a few hundred bytes per token). A background response
+(server/background.py) is stored at once and again as its status changes. Replicas
+(`--dp-size`) each keep their own: a `previous_response_id` must reach the replica that
+answered it (sticky sessions).
 """
 
 from __future__ import annotations
@@ -23,6 +26,9 @@ class StoredResponse:
     conversation: tuple[ChatMessage, ...]  # every turn up to and including its output
     # Its request's `input` as items with ids, in order (GET /v1/responses/{id}/input_items).
     input_items: tuple[dict[str, Any], ...] = ()
+    # A streamed background response's events, in order (GET /v1/responses/{id}?stream=true
+    # reads them again); None for any other response.
+    events: tuple[str, ...] | None = None
 
 
 def page_of_items(

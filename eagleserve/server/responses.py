@@ -12,13 +12,14 @@ import json
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from eagleserve.messages import TokenOutput
+from eagleserve.server.background import BackgroundResponses
 from eagleserve.server.chat import ChatCall, start_chat
 from eagleserve.server.choices import ChoiceState, usage_of
 from eagleserve.server.protocol import ChatMessage, now
-from eagleserve.server.respond import Endpoint, respond
+from eagleserve.server.respond import Endpoint, respond, stream_events
 from eagleserve.server.response_store import ResponseStore, StoredResponse
 from eagleserve.server.responses_input import (
     chat_request,
@@ -82,6 +83,12 @@ class ResponseRun:
         self.model = serving.model_name
         self.sequence = 0
         self._finished: ResponseObject | None = None
+        self.error: ApiError | None = None
+        # A background response is queued until its first output, and keeps its stream's
+        # events (a client may read them again, from any point: server/background.py).
+        self.background = bool(body.background)
+        self.status: Status = "queued" if self.background else "in_progress"
+        self.log: list[str] | None = [] if self.background and body.stream else None
         # Free text streams token by token into one message; tool calls and a reasoning
         # model's thinking are parsed whole, their items sent at the end.
         self.live = call.streams_text and call.reasoning is None
@@ -94,7 +101,10 @@ class ResponseRun:
         """One server-sent event, numbered in the stream's order."""
         data = {"type": kind, "sequence_number": self.sequence, **fields}
         self.sequence += 1
-        return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
+        event = f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
+        if self.log is not None:
+            self.log.append(event)
+        return event
 
     def logprobs(self, only_new: bool = False) -> list[Any] | None:
         if not self.call.body.logprobs:
@@ -108,7 +118,7 @@ class ResponseRun:
         error: ApiError | None = None,
     ) -> ResponseObject:
         body, usage = self.body, None
-        if status != "in_progress":
+        if status not in ("queued", "in_progress"):
             u = usage_of(self.call.tracker.ordered)
             details = InputTokensDetails(cached_tokens=u.prompt_tokens_details.cached_tokens)
             usage = ResponseUsage(
@@ -126,6 +136,7 @@ class ResponseRun:
             id=self.id,
             created_at=self.created,
             status=status,
+            background=self.background,
             model=self.model,
             output=output or [],
             usage=usage,
@@ -172,12 +183,16 @@ class ResponseRun:
             for c in calls
         ]
         self._finished = self.response(status, output)
+        self.status = status
         return self._finished
 
-    def store_into(self, store: ResponseStore) -> None:
-        """Keeps the finished response and its conversation for a later turn."""
-        if not self.stored:
-            return
+    def stored_entry(self) -> StoredResponse:
+        """The response as kept now: failed, still queued or in progress (a background one;
+        no answer to continue from yet), or finished, its answer after its conversation."""
+        listed = listed_input_items(self.body)
+        if self.error is not None or not self.choice.finished:
+            now_ = self.response(self.status, error=self.error).model_dump()
+            return StoredResponse(now_, tuple(self.conversation), listed)
         resp = self.finished()
         text = "".join(
             p.text for m in resp.output if isinstance(m, OutputMessage) for p in m.content
@@ -192,20 +207,29 @@ class ResponseRun:
             if isinstance(f, FunctionCall)
         ]
         answer = ChatMessage(role="assistant", content=text or None, tool_calls=tool_calls or None)
-        listed = listed_input_items(self.body)
-        store.put(StoredResponse(resp.model_dump(), (*self.conversation, answer), listed))
+        events = None if self.log is None else tuple(self.log)
+        return StoredResponse(resp.model_dump(), (*self.conversation, answer), listed, events)
+
+    def store_into(self, store: ResponseStore) -> None:
+        """Keeps the response and its conversation for a later turn."""
+        if self.stored:
+            store.put(self.stored_entry())
 
     # ---- the stream ----
 
     def prelude(self) -> list[str]:
-        created = self.response("in_progress").model_dump()
+        created = self.response(self.status).model_dump()
+        events = [self.event("response.created", response=created)]
+        if self.background:  # in progress at its first output (`delta`)
+            return [*events, self.event("response.queued", response=created)]
+        return [*events, *self.started()]
+
+    def started(self) -> list[str]:
+        self.status = "in_progress"
         events = [
-            self.event("response.created", response=created),
-            self.event("response.in_progress", response=created),
+            self.event("response.in_progress", response=self.response("in_progress").model_dump())
         ]
-        if self.live:
-            events += self.message_start()
-        return events
+        return [*events, *self.message_start()] if self.live else events
 
     def message_start(self) -> list[str]:
         item = OutputMessage(id=self.message_id, status="in_progress", content=[])
@@ -222,12 +246,11 @@ class ResponseRun:
         ]
 
     def delta(self, c: ChoiceState, text: str, out: TokenOutput) -> str | None:
-        if not self.live:
-            return None
-        lp = self.logprobs(only_new=True)
-        if not (text or lp):
-            return None
-        return self.event(
+        started = self.started() if self.status == "queued" else []
+        lp = self.logprobs(only_new=True) if self.live else None
+        if not (self.live and (text or lp)):
+            return "".join(started) or None
+        return "".join(started) + self.event(
             "response.output_text.delta",
             item_id=self.message_id,
             output_index=0,
@@ -296,23 +319,32 @@ class ResponseRun:
             events.append(
                 self.event("response.output_item.done", output_index=index, item=item.model_dump())
             )
-        self.store_into(store)
+        if not self.background:  # one is stored as it changes (server/background.py)
+            self.store_into(store)
         # A cancelled response (/abort_request) ends as an incomplete one does: no answer whole.
         kind = "response.completed" if resp.status == "completed" else "response.incomplete"
         return [*events, self.event(kind, response=resp.model_dump())]
 
     def failure(self, err: ApiError) -> list[str]:
+        self.error, self.status = err, "failed"
         return [
             self.event("response.failed", response=self.response("failed", error=err).model_dump())
         ]
 
 
 async def create_response(
-    serving: Serving, store: ResponseStore, body: ResponsesRequest, request: Request
+    serving: Serving,
+    store: ResponseStore,
+    background: BackgroundResponses,
+    body: ResponsesRequest,
+    request: Request,
 ) -> Response:
     err = check_responses(body)
     if err is not None:
         return err.response()
+    if body.background and store.capacity <= 0:
+        msg = "background responses are stored, and --responses-store-size is 0"
+        return ApiError(400, msg, "background").response()
     history: tuple[ChatMessage, ...] = ()
     if body.previous_response_id is not None:
         prev = store.get(body.previous_response_id)
@@ -321,6 +353,10 @@ async def create_response(
             return ApiError(
                 400, msg, "previous_response_id", "previous_response_not_found"
             ).response()
+        status = prev.response["status"]
+        if status in ("queued", "in_progress", "failed"):
+            msg = f"Previous response '{body.previous_response_id}' is {status}: no answer yet"
+            return ApiError(400, msg, "previous_response_id").response()
         history = prev.conversation
     given = input_messages(body)
     if isinstance(given, ApiError):
@@ -347,4 +383,12 @@ async def create_response(
         epilogue=lambda: run.epilogue(store),
         failure=run.failure,
     )
-    return await respond(serving, request, call.reqs, call.tracker, body, endpoint)
+    if not run.background:
+        return await respond(serving, request, call.reqs, call.tracker, body, endpoint)
+    stream = serving.client.generate(call.reqs)
+    events = stream_events(stream, call.tracker, endpoint, include_usage=False)
+    rids = [r.rid for r in call.reqs]
+    background.start(run, rids, events, lambda: call.tracker.close(stream))
+    if body.stream:  # the client follows the kept events: its leaving ends nothing
+        return StreamingResponse(background.follow(run.id, 0), media_type="text/event-stream")
+    return JSONResponse(run.response("queued").model_dump())

@@ -3,7 +3,7 @@ after a stored turn's conversation become chat messages, function tools and `tex
 chat's tools and response_format; and the checks of the fields it cannot honour (400s).
 
 Each request field that would change the answer is honoured or a 400 naming it: one answer
-(`n` 1), text content only, function tools only, no background mode, no reasoning settings
+(`n` 1), text content only, function tools only, no reasoning settings
 (a reasoning model's thinking is split by --reasoning-parser), no truncation of a long
 conversation (it is a 400, as a long chat prompt is).
 """
@@ -45,8 +45,8 @@ def check_responses(body: ResponsesRequest) -> ApiError | None:
         return ApiError(400, msg, "response_format")
     if body.prompt_logprobs is not None:
         return not_supported("prompt_logprobs", "null on /v1/responses")
-    if body.background:
-        return not_supported("background", "false (responses run in the foreground)")
+    if body.background and not body.store:
+        return ApiError(400, "background responses are stored: send store true", "background")
     if body.truncation == "auto":
         return not_supported("truncation", '"disabled" (a conversation over the context is a 400)')
     if body.reasoning and any(v is not None for v in body.reasoning.values()):

@@ -88,9 +88,9 @@ class ResponsesRequest(_SamplingFields):
     previous_response_id: str | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None
-    # Refused unless neutral: no background mode, no truncation of long input, no reasoning,
-    # no stored prompts or conversations here.
-    background: bool | None = None
+    background: bool | None = None  # answered at once, run on (server/background.py)
+    # Refused unless neutral: no truncation of long input, no reasoning, no stored prompts or
+    # conversations here.
     truncation: Literal["auto", "disabled"] | None = None
     reasoning: dict[str, Any] | None = None
     prompt: dict[str, Any] | None = None
@@ -104,7 +104,7 @@ class OutputText(BaseModel):
     logprobs: list[ChatTokenLogprob] | None = None
 
 
-Status = Literal["in_progress", "completed", "incomplete", "cancelled", "failed"]
+Status = Literal["queued", "in_progress", "completed", "incomplete", "cancelled", "failed"]
 
 
 class OutputMessage(BaseModel):
@@ -175,6 +175,7 @@ class ResponseObject(BaseModel):
     object: Literal["response"] = "response"
     created_at: int
     status: Status
+    background: bool = False
     error: ResponseError | None = None
     incomplete_details: IncompleteDetails | None = None
     instructions: str | None = None

@@ -62,6 +62,8 @@ def parse_line(text: str) -> BatchLine:
         return BatchLine(custom_id, error="body must be a JSON object (the request's body)")
     if body.get("stream"):
         return BatchLine(custom_id, error="stream: a batch's answers are whole (stream false)")
+    if body.get("background"):
+        return BatchLine(custom_id, error="background: a batch's answers are whole (false)")
     return BatchLine(custom_id, url, json.dumps(body).encode())
 
 

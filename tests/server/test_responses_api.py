@@ -232,7 +232,7 @@ def test_logprobs_when_included(client: openai.OpenAI, top: int) -> None:
 @pytest.mark.parametrize(
     ("extra", "param"),
     [
-        ({"background": True}, "background"),
+        ({"background": True, "store": False}, "background"),
         ({"n": 2}, "n"),
         ({"reasoning": {"effort": "high"}}, "reasoning"),
         ({"truncation": "auto"}, "truncation"),

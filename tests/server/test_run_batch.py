@@ -96,6 +96,7 @@ def test_lines_that_are_no_request() -> None:
         (json.dumps({"url": "/v1/embeddings", "body": {}}), "url"),
         (json.dumps({"url": "/v1/completions", "body": "prompt"}), "body"),
         (json.dumps({"url": "/v1/completions", "body": {"stream": True}}), "stream"),
+        (json.dumps({"url": "/v1/responses", "body": {"background": True}}), "background"),
     ]:
         assert word in (parse_line(line).error or ""), line
 
