@@ -71,7 +71,7 @@ def test_polled_answer_equals_the_foreground_one(client: openai.OpenAI) -> None:
 
 
 def events_of(lines: list[str]) -> list[dict[str, Any]]:
-    return [json.loads(line[len("data: "):]) for line in lines if line.startswith("data: ")]
+    return [json.loads(line[len("data: ") :]) for line in lines if line.startswith("data: ")]
 
 
 def test_stream_outlives_the_client_and_is_read_again(
@@ -103,9 +103,9 @@ def test_stream_outlives_the_client_and_is_read_again(
     # Once finished, the whole stream again, from any point; the client reads it too.
     assert read_stream(http, rid, None) == events
     start = random.randrange(len(events))
-    assert read_stream(http, rid, start) == events[start + 1:]
+    assert read_stream(http, rid, start) == events[start + 1 :]
     typed = list(client.responses.retrieve(rid, stream=True, starting_after=start))
-    assert [e.type for e in typed] == [e["type"] for e in events[start + 1:]]
+    assert [e.type for e in typed] == [e["type"] for e in events[start + 1 :]]
 
 
 def read_stream(http: httpx.Client, rid: str, after: int | None) -> list[dict[str, Any]]:
