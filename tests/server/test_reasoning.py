@@ -83,7 +83,7 @@ def test_answers_are_the_raw_outputs_split(server: ServerProcess, tokenizer: Any
     allowed = tokenizer.encode("</think> ok", add_special_tokens=False)
     ask = [{"role": "user", "content": "Repeat exactly: </think> ok </think> ok </think> ok"}]
     r1 = PARSERS["deepseek-r1"]
-    answered = 0
+    answered = split_deltas = 0
     with httpx.Client(base_url=server.url, timeout=120) as http:
         for seed in random.sample(range(10**6), 6):
             body = {"messages": ask, "max_tokens": 24, "temperature": 1.0, "seed": seed,
@@ -108,7 +108,9 @@ def test_answers_are_the_raw_outputs_split(server: ServerProcess, tokenizer: Any
             if thinking is not None:
                 assert resp["output"][0]["content"][0]["text"] == thinking
             assert resp["output"][-1]["content"][0]["text"] == (answer or "")
+            split_deltas += streamed_response(http, body, seed, resp, thinking, answer)
     assert answered, "no sampled answer reached the end tag: the split went untested"
+    assert split_deltas, "no streamed response sent its thinking in more than one delta"
     # An answer that ends inside a tag: the stream's last piece is what it held back.
     body = {"messages": ask, "max_tokens": random.randint(1, 4), "ignore_eos": True,
             "allowed_token_ids": allowed[:1], "stream": True}  # fmt: skip
@@ -116,6 +118,38 @@ def test_answers_are_the_raw_outputs_split(server: ServerProcess, tokenizer: Any
     deltas = [json.loads(x[6:])["choices"][0]["delta"] for x in lines.splitlines()
               if x.startswith("data: {")]  # fmt: skip
     assert "".join(d.get("reasoning_content") or "" for d in deltas) == "</" * body["max_tokens"]
+
+
+def streamed_response(
+    http: httpx.Client, body: dict[str, Any], seed: int, whole: dict[str, Any],
+    thinking: str | None, answer: str | None,
+) -> bool:  # fmt: skip
+    """A streamed response's thinking and answer arrive as they are made, as the reasoning
+    item's deltas (closed when the answer begins) and then the message's; they join to the
+    whole response's items. True if the thinking came in more than one delta."""
+    lines = http.post("/v1/responses", json={
+        "input": body["messages"], "max_output_tokens": 24, "temperature": 1.0, "seed": seed,
+        "ignore_eos": True, "allowed_token_ids": body["allowed_token_ids"],
+        "stream": True}).text  # fmt: skip
+    events = [json.loads(x[6:]) for x in lines.splitlines() if x.startswith("data: ")]
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    kinds = [e["type"] for e in events]
+    thoughts = [e["delta"] for e in events if e["type"] == "response.reasoning_text.delta"]
+    texts = [e["delta"] for e in events if e["type"] == "response.output_text.delta"]
+    assert "".join(thoughts) == (thinking or "") and "".join(texts) == (answer or "")
+    final = events[-1]["response"]
+    assert [i["content"][0]["text"] for i in final["output"]] == [
+        i["content"][0]["text"] for i in whole["output"]]  # fmt: skip
+    done = [e["item"] for e in events if e["type"] == "response.output_item.done"]
+    assert [i["type"] for i in done] == [i["type"] for i in final["output"]]
+    if thoughts and texts:  # the thinking is whole before the answer's first delta
+        assert kinds.index("response.output_item.done") < kinds.index("response.output_text.delta")
+        assert done[0]["status"] == final["output"][0]["status"] == "completed"
+    message_at = {
+        e["output_index"] for e in events if e.get("item_id") == final["output"][-1]["id"]
+    }
+    assert message_at == {len(final["output"]) - 1}
+    return len(thoughts) > 1
 
 
 @pytest.mark.parametrize(
