@@ -271,6 +271,9 @@ class ServerArgs:
     # Default: graphs cover every running batch (max_running_requests), up to GRAPH_MAX_BS.
     cuda_graph_max_bs: int | None = None
     log_level: str = "info"
+    # The engine's throughput and state in a log line every so often (vLLM's flag turns it off;
+    # scheduler/stats_log.py).
+    disable_log_stats: bool = False
     # Tensor-parallel ranks of one engine (processes; one GPU each on GPUs), and data-parallel
     # replicas, each a whole server on its own port (server/dp.py).
     tp_size: int = 1

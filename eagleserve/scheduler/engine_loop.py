@@ -34,13 +34,16 @@ from eagleserve.messages import (
 )
 from eagleserve.scheduler.faults import install_fault_injection
 from eagleserve.scheduler.profiler import EngineProfiler
+from eagleserve.scheduler.stats_log import StatsLog, log_interval_s
 
 logger = logging.getLogger("eagleserve.engine")
 IDLE_POLL_MS = 500
 
 
 class EngineLoop:
-    def __init__(self, scheduler: Any, recv: zmq.Socket, send: zmq.Socket) -> None:
+    def __init__(
+        self, scheduler: Any, recv: zmq.Socket, send: zmq.Socket, log_stats: bool = True
+    ) -> None:
         self.scheduler = scheduler
         self.recv = recv
         self.send = send
@@ -48,6 +51,7 @@ class EngineLoop:
         self.shutdown_deadline: float | None = None
         self.parent_pid = os.getppid()
         self.profiler = EngineProfiler()
+        self.stats_log = StatsLog(scheduler.stats, log_interval_s()) if log_stats else None
 
     def handle(self, msg: object) -> None:
         if isinstance(msg, GenerateReqInput):
@@ -88,6 +92,8 @@ class EngineLoop:
         sched = self.scheduler
         while self.parent_alive():
             self.drain(block=not sched.has_work())
+            if self.stats_log is not None:
+                self.stats_log.tick()
             if self.shutdown_deadline is not None:
                 if not self.live and not sched.has_work():
                     break
@@ -101,6 +107,8 @@ class EngineLoop:
             for out in outputs:
                 if out.finished:
                     self.live.discard(out.rid)
+            if self.stats_log is not None:
+                self.stats_log.count(outputs)
             if outputs:
                 self.send.send_pyobj(BatchTokenOutput(outputs))
                 if not sched.has_work():  # just went idle: publish final gauges (KV back)
@@ -144,7 +152,7 @@ def run_engine(args: ServerArgs, in_addr: str, out_addr: str, tp_port: int | Non
         sys.exit(1)
     logger.info("start-up: engine built in %.2f s", time.perf_counter() - t0)
     send.send_pyobj(ready)
-    EngineLoop(scheduler, recv, send).run()
+    EngineLoop(scheduler, recv, send, log_stats=not args.disable_log_stats).run()
     if tp_port is not None:
         scheduler.close()
     _close(ctx, send, recv)
