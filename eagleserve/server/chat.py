@@ -12,18 +12,16 @@ from fastapi.responses import Response
 
 from eagleserve.messages import GenerateReqInput, TokenOutput
 from eagleserve.sampling_params import GrammarSpec, ThinkingGate
-from eagleserve.server.choices import ChoiceState, PromptScoring, usage_of
-from eagleserve.server.protocol import (
+from eagleserve.server.answers import (
     ChatChoice,
     ChatCompletionChunk,
-    ChatCompletionRequest,
     ChatCompletionResponse,
     ChatDelta,
     ChatResponseMessage,
     ChatStreamChoice,
-    new_id,
-    now,
 )
+from eagleserve.server.choices import ChoiceState, PromptScoring, usage_of
+from eagleserve.server.protocol import ChatCompletionRequest, new_id, now
 from eagleserve.server.reasoning import (
     ReasoningFormat,
     ReasoningStream,
@@ -229,17 +227,22 @@ async def create_chat(serving: Serving, body: ChatCompletionRequest, request: Re
     rid, model = new_id("chatcmpl"), serving.model_name
     created = now()
 
-    def chunk(choices: list[ChatStreamChoice], usage: Any = None) -> str:
-        """A stream chunk (with vLLM's continuous_usage_stats, the usage so far)."""
+    ids_asked = bool(body.return_token_ids)  # vLLM's: the prompt's ids and each choice's
+    prompt_ids = reqs[0].input_ids if ids_asked else None
+
+    def chunk(choices: list[ChatStreamChoice], usage: Any = None, first: bool = False) -> str:
+        """A stream chunk (with vLLM's continuous_usage_stats, the usage so far); the `first`
+        has the prompt's ids when they are asked for."""
         if usage is None and choices and body.continuous_usage:
             usage = usage_of(tracker.ordered)
-        return sse(
-            ChatCompletionChunk(id=rid, created=created, model=model, choices=choices, usage=usage)
-        )
+        return sse(ChatCompletionChunk(id=rid, created=created, model=model, choices=choices,
+                                       usage=usage, prompt_token_ids=prompt_ids if first
+                                       else None))  # fmt: skip
 
     def prelude() -> list[str]:
         role = ChatDelta(role="assistant", content="")
-        return [chunk([ChatStreamChoice(index=c.index, delta=role)]) for c in tracker.ordered]
+        return [chunk([ChatStreamChoice(index=c.index, delta=role)], first=i == 0)
+                for i, c in enumerate(tracker.ordered)]  # fmt: skip
 
     # Each choice's thinking apart from its answer, as it streams (--reasoning-parser).
     splits = {c.index: ReasoningStream(call.reasoning) for c in tracker.ordered
@@ -265,15 +268,17 @@ async def create_chat(serving: Serving, body: ChatCompletionRequest, request: Re
                 thinking, text = thinking + rest[0], text + rest[1]
             thinking = thinking if body.include_reasoning else ""
         lp = c.chat_logprobs(only_new=True) if body.logprobs else None
-        if not (text or thinking or c.finished or (lp is not None and lp.content)):
+        new_ids = ids_asked and len(c.token_ids) > c.ids_sent
+        if not (text or thinking or c.finished or (lp is not None and lp.content) or new_ids):
             return None
         d = ChatDelta(
             content=text or None,
             reasoning_content=thinking or None,
             tool_calls=[{"index": k, **call} for k, call in enumerate(calls)] or None,
         )
+        ids = c.unsent_token_ids() if ids_asked else None
         return chunk([ChatStreamChoice(index=c.index, delta=d, logprobs=lp,
-                                       finish_reason=reason)])  # fmt: skip
+                                       finish_reason=reason, token_ids=ids)])  # fmt: skip
 
     def whole() -> ChatCompletionResponse:
         choices = []
@@ -282,14 +287,16 @@ async def create_chat(serving: Serving, body: ChatCompletionRequest, request: Re
             message = ChatResponseMessage(content=a.content, tool_calls=a.tool_calls or None,
                                           reasoning_content=a.reasoning)  # fmt: skip
             lp = c.chat_logprobs() if body.logprobs else None
+            ids = c.token_ids if ids_asked else None
             choices.append(ChatChoice(index=c.index, message=message, logprobs=lp,
-                                      finish_reason=a.finish_reason))  # fmt: skip
+                                      finish_reason=a.finish_reason, token_ids=ids))  # fmt: skip
         scores = None  # vLLM's: the conversation's, once for the n choices
         if body.prompt_logprobs is not None:
             scores = tracker.ordered[0].vllm_prompt_logprobs(body.prompt_logprobs)
         usage = usage_of(tracker.ordered)
         return ChatCompletionResponse(id=rid, created=created, model=model, choices=choices,
-                                      usage=usage, prompt_logprobs=scores)  # fmt: skip
+                                      usage=usage, prompt_logprobs=scores,
+                                      prompt_token_ids=prompt_ids)  # fmt: skip
 
     endpoint = Endpoint(prelude, delta, lambda usage: chunk([], usage), whole)
     beams = serving.beam_search(reqs, body, (body.top_logprobs or 0) if body.logprobs else None)

@@ -8,8 +8,7 @@ from typing import Any
 from eagleserve.messages import PromptScores, TokenOutput
 from eagleserve.sampling_params import SamplingParams
 from eagleserve.scheduler.output_processor import text_ids
-from eagleserve.server.detokenizer import IncrementalDetokenizer, token_strings
-from eagleserve.server.protocol import (
+from eagleserve.server.answers import (
     ChatLogprobs,
     ChatTokenLogprob,
     CompletionLogprobs,
@@ -19,6 +18,7 @@ from eagleserve.server.protocol import (
     TopLogprob,
     UsageInfo,
 )
+from eagleserve.server.detokenizer import IncrementalDetokenizer, token_strings
 
 # vLLM's floor for a logprob in an answer (JSON has no -inf).
 MIN_LOGPROB = -9999.0
@@ -63,6 +63,7 @@ class ChoiceState:
         )  # fmt: skip
         self.text = ""
         self.token_ids: list[int] = []
+        self.ids_sent = 0  # entries of `token_ids` already streamed (return_token_ids)
         self.finish_reason: str | None = None
         self.matched_stop: int | str | None = None  # the stop string or id that ended it
         self.prompt_tokens = 0
@@ -107,6 +108,11 @@ class ChoiceState:
             self.finish_reason = "stop" if self.detok.stopped else (out.finish_reason or "stop")
         self.text += delta
         return delta
+
+    def unsent_token_ids(self) -> list[int]:
+        """The token ids not streamed yet (a stream's chunk takes them)."""
+        ids, self.ids_sent = self.token_ids[self.ids_sent :], len(self.token_ids)
+        return ids
 
     def _alternatives(self, top: list[tuple[int, float]]) -> list[tuple[str, float]]:
         alt_names = self._names([t for t, _ in top])

@@ -9,14 +9,9 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from eagleserve.messages import TokenOutput
+from eagleserve.server.answers import CompletionChoice, CompletionResponse
 from eagleserve.server.choices import ChoiceState, PromptScoring, usage_of
-from eagleserve.server.protocol import (
-    CompletionChoice,
-    CompletionRequest,
-    CompletionResponse,
-    new_id,
-    now,
-)
+from eagleserve.server.protocol import CompletionRequest, new_id, now
 from eagleserve.server.respond import Endpoint, respond, sse
 from eagleserve.server.serving import ApiError, Serving, Tracker
 from eagleserve.server.structured import output_constraint
@@ -104,6 +99,18 @@ async def create_completion(
     tracker = Tracker(serving, "completions", reqs, make_choice, body.n)
     rid, model, created = new_id("cmpl"), serving.model_name, now()  # one `created` per call
     echo_pending = {c.index for c in tracker.ordered if scored}
+    ids_asked = bool(body.return_token_ids)
+    prompt_ids_pending = {c.index for c in tracker.ordered if ids_asked}
+
+    def token_ids(c: ChoiceState, whole: bool = False) -> dict[str, list[int] | None]:
+        """return_token_ids' fields of a choice: its prompt's ids (in a stream, with its first
+        chunk) and its token ids (in a stream, the chunk's new ones)."""
+        if not ids_asked:
+            return {}
+        first = whole or c.index in prompt_ids_pending
+        prompt_ids_pending.discard(c.index)
+        ids = c.token_ids if whole else c.unsent_token_ids()
+        return {"prompt_token_ids": prompts[c.prompt_index] if first else None, "token_ids": ids}
 
     def response(choices: list[CompletionChoice], usage: Any = None) -> CompletionResponse:
         return CompletionResponse(id=rid, created=created, model=model, choices=choices,
@@ -116,7 +123,7 @@ async def create_completion(
     def prelude() -> list[str]:
         # With prompt logprobs the echo waits for them: it goes with the choice's first event.
         return [
-            event([CompletionChoice(index=c.index, text=echoes[c.prompt_index])])
+            event([CompletionChoice(index=c.index, text=echoes[c.prompt_index], **token_ids(c))])
             for c in tracker.ordered
             if echoes[c.prompt_index] and not scored
         ]
@@ -125,11 +132,12 @@ async def create_completion(
         if c.index in echo_pending and (out.prompt_logprobs is not None or c.finished):
             echo_pending.discard(c.index)
             text = echoes[c.prompt_index] + text
-        elif not (text or c.finished or (want_lp and out.new_token_ids)):
+        elif not (text or c.finished or ((want_lp or ids_asked) and out.new_token_ids)):
             return None
         lp = c.completion_logprobs(only_new=True) if want_lp else None
         fr = c.finish_reason if c.finished else None
-        return event([CompletionChoice(index=c.index, text=text, logprobs=lp, finish_reason=fr)])
+        return event([CompletionChoice(index=c.index, text=text, logprobs=lp, finish_reason=fr,
+                                       **token_ids(c))])  # fmt: skip
 
     def whole() -> CompletionResponse:
         choices = [
@@ -141,6 +149,7 @@ async def create_completion(
                 prompt_logprobs=c.vllm_prompt_logprobs(body.prompt_logprobs or 0)
                 if body.prompt_logprobs is not None
                 else None,
+                **token_ids(c, whole=True),
             )
             for c in tracker.ordered
         ]

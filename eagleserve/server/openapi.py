@@ -8,6 +8,7 @@ from typing import Any
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
+from eagleserve.server.answers import ChatCompletionResponse, CompletionResponse
 from eagleserve.server.generate import (
     AbortRequest,
     AbortResult,
@@ -17,9 +18,7 @@ from eagleserve.server.generate import (
 from eagleserve.server.profiling import ProfileAnswer, StartProfileRequest
 from eagleserve.server.protocol import (
     ChatCompletionRequest,
-    ChatCompletionResponse,
     CompletionRequest,
-    CompletionResponse,
     DetokenizeRequest,
     DetokenizeResponse,
     ErrorResponse,

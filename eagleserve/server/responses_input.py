@@ -45,6 +45,8 @@ def check_responses(body: ResponsesRequest) -> ApiError | None:
         return ApiError(400, msg, "response_format")
     if body.prompt_logprobs is not None:
         return not_supported("prompt_logprobs", "null on /v1/responses")
+    if body.return_token_ids:
+        return not_supported("return_token_ids", "false on /v1/responses")
     if body.background and not body.store:
         return ApiError(400, "background responses are stored: send store true", "background")
     if body.truncation == "auto":

@@ -8,7 +8,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from eagleserve.server.protocol import ChatTokenLogprob, _SamplingFields
+from eagleserve.server.answers import ChatTokenLogprob
+from eagleserve.server.protocol import _SamplingFields
 
 # The `include` value that asks for the output text's logprobs (OpenAI's name).
 INCLUDE_LOGPROBS = "message.output_text.logprobs"

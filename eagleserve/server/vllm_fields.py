@@ -52,6 +52,9 @@ class VllmFields(BaseModel):
     bad_words: list[str] | None = None
     prompt_logprobs: int | None = None  # -1 (the whole vocabulary) is refused, as vLLM's default
     return_tokens_as_token_ids: bool | None = None
+    # The prompt's and the answer's token ids beside the text (a stream: the prompt's with a
+    # choice's first chunk, each chunk's new ids with it), as vLLM returns them.
+    return_token_ids: bool | None = None
     cache_salt: str | None = None
     priority: int = 0
     logits_processors: list[Any] | None = None

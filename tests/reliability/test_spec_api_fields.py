@@ -4,6 +4,7 @@ once; prompt logprobs equal a plain transformers forward of the target."""
 
 from __future__ import annotations
 
+import json
 import random
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -105,3 +106,27 @@ def test_sglang_server_info_reports_the_accept_length(spec_server: Server) -> No
              if line.startswith("eagleserve_spec_accept_length")]  # fmt: skip
     accept = info["internal_states"][0]["avg_spec_accept_length"]
     assert accept >= 1 and accept == pytest.approx(gauge[0])
+
+
+def test_streamed_token_ids_are_target_only_greedy_ids(
+    spec_server: Server, tiny_dirs: tuple[str, str]
+) -> None:
+    """vLLM's return_token_ids on an EAGLE server with overlap: the answer's ids and the
+    stream's chunks' ids joined are target-only's greedy ids (tests/server/
+    test_return_token_ids.py sees a verify's several tokens in one chunk, with a trained head)."""
+    rng = random.Random()
+    prompts = [[rng.randrange(3, 256) for _ in range(rng.randint(2, 20))] for _ in range(4)]
+    engine = Engine(model=tiny_dirs[0], device="cpu", dtype="float32", max_total_tokens=2048)
+    params = SamplingParams(max_new_tokens=32, temperature=0.0, ignore_eos=True)
+    want = engine.generate(prompts, params)
+    for ids, w in zip(prompts, want):
+        body = {"prompt": ids, "max_tokens": 32, "temperature": 0, "ignore_eos": True,
+                "return_token_ids": True}  # fmt: skip
+        whole = httpx.post(spec_server.url + "/v1/completions", json=body, timeout=120).json()
+        assert whole["choices"][0]["token_ids"] == w["token_ids"]
+        assert whole["choices"][0]["prompt_token_ids"] == ids
+        text = httpx.post(spec_server.url + "/v1/completions", json={**body, "stream": True},
+                          timeout=120).text  # fmt: skip
+        chunks = [json.loads(x[6:])["choices"][0] for x in text.splitlines()
+                  if x.startswith("data: {")]  # fmt: skip
+        assert sum((c["token_ids"] for c in chunks), []) == w["token_ids"]

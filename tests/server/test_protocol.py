@@ -11,15 +11,9 @@ from server_fixtures import tokenizer_fixture  # noqa: F401 (fixture)
 
 from eagleserve.messages import TokenOutput
 from eagleserve.sampling_params import SamplingParams
+from eagleserve.server.answers import CompletionChoice, CompletionResponse, UsageInfo
 from eagleserve.server.choices import ChoiceState, usage_of
-from eagleserve.server.protocol import (
-    ChatCompletionRequest,
-    CompletionChoice,
-    CompletionRequest,
-    CompletionResponse,
-    UsageInfo,
-    error_body,
-)
+from eagleserve.server.protocol import ChatCompletionRequest, CompletionRequest, error_body
 
 
 def test_usage_spec_accept_length_only_when_reported() -> None:
