@@ -5,9 +5,15 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, model_serializer
+from pydantic import BaseModel, Field
 
-from eagleserve.server.protocol import drop_if_none, now
+from eagleserve.server.protocol import now
+
+
+def unasked() -> Any:
+    """A field sent only when set: an extension (vLLM's, SGLang's), which OpenAI's own clients
+    then never see, or a delta's part (the OpenAPI schema lists each)."""
+    return Field(None, exclude_if=lambda v: v is None)
 
 
 class PromptTokensDetails(BaseModel):
@@ -19,11 +25,7 @@ class UsageInfo(BaseModel):
     completion_tokens: int = 0
     total_tokens: int = 0
     prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
-    spec_accept_length: float | None = None  # mean accepted tokens per verify step
-
-    @model_serializer(mode="wrap")
-    def _drop_empty_spec(self, handler: Any) -> dict[str, Any]:
-        return drop_if_none(handler(self), "spec_accept_length")
+    spec_accept_length: float | None = unasked()  # mean accepted tokens per verify step
 
 
 class CompletionLogprobs(BaseModel):
@@ -46,25 +48,15 @@ class PromptLogprob(BaseModel):
 PromptLogprobs = list[dict[str, PromptLogprob] | None]
 
 
-def drop_unasked(data: dict[str, Any], *keys: str) -> dict[str, Any]:
-    for key in keys:
-        drop_if_none(data, key)
-    return data
-
-
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
-    prompt_logprobs: PromptLogprobs | None = None  # vLLM's, when asked for
+    prompt_logprobs: PromptLogprobs | None = unasked()  # vLLM's, when asked for
     # vLLM's return_token_ids: the choice's prompt (a stream's first chunk) and its tokens.
-    prompt_token_ids: list[int] | None = None
-    token_ids: list[int] | None = None
-
-    @model_serializer(mode="wrap")
-    def _drop_unasked(self, handler: Any) -> dict[str, Any]:
-        return drop_unasked(handler(self), "prompt_logprobs", "prompt_token_ids", "token_ids")
+    prompt_token_ids: list[int] | None = unasked()
+    token_ids: list[int] | None = unasked()
 
 
 class CompletionResponse(BaseModel):
@@ -91,15 +83,12 @@ class ChatLogprobs(BaseModel):
 
 
 class ChatResponseMessage(BaseModel):
+    """As OpenAI's: calls only when there are some; the thinking only where there is one."""
+
     role: str = "assistant"
     content: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None  # OpenAI's: id, type, function
-    reasoning_content: str | None = None  # SGLang's and vLLM's, with --reasoning-parser
-
-    @model_serializer(mode="wrap")
-    def _drop_no_calls(self, handler: Any) -> dict[str, Any]:
-        # As OpenAI: calls only when there are some; the thinking only where there is one.
-        return drop_if_none(drop_if_none(handler(self), "tool_calls"), "reasoning_content")
+    tool_calls: list[dict[str, Any]] | None = unasked()  # OpenAI's: id, type, function
+    reasoning_content: str | None = unasked()  # SGLang's and vLLM's, with --reasoning-parser
 
 
 class ChatChoice(BaseModel):
@@ -107,11 +96,7 @@ class ChatChoice(BaseModel):
     message: ChatResponseMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
-    token_ids: list[int] | None = None  # vLLM's return_token_ids
-
-    @model_serializer(mode="wrap")
-    def _drop_unasked(self, handler: Any) -> dict[str, Any]:
-        return drop_if_none(handler(self), "token_ids")
+    token_ids: list[int] | None = unasked()  # vLLM's return_token_ids
 
 
 class ChatCompletionResponse(BaseModel):
@@ -121,23 +106,15 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo | None = None
-    prompt_logprobs: PromptLogprobs | None = None  # vLLM's, when asked for
-    prompt_token_ids: list[int] | None = None  # vLLM's return_token_ids
-
-    @model_serializer(mode="wrap")
-    def _drop_unasked(self, handler: Any) -> dict[str, Any]:
-        return drop_unasked(handler(self), "prompt_logprobs", "prompt_token_ids")
+    prompt_logprobs: PromptLogprobs | None = unasked()  # vLLM's, when asked for
+    prompt_token_ids: list[int] | None = unasked()  # vLLM's return_token_ids
 
 
 class ChatDelta(BaseModel):
-    role: str | None = None
-    content: str | None = None
-    reasoning_content: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None  # each with its `index` among the calls
-
-    @model_serializer(mode="wrap")
-    def _drop_none(self, handler: Any) -> dict[str, Any]:
-        return {k: v for k, v in handler(self).items() if v is not None}
+    role: str | None = unasked()
+    content: str | None = unasked()
+    reasoning_content: str | None = unasked()
+    tool_calls: list[dict[str, Any]] | None = unasked()  # each with its `index` among the calls
 
 
 class ChatStreamChoice(BaseModel):
@@ -145,11 +122,7 @@ class ChatStreamChoice(BaseModel):
     delta: ChatDelta
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
-    token_ids: list[int] | None = None  # vLLM's return_token_ids: this chunk's
-
-    @model_serializer(mode="wrap")
-    def _drop_unasked(self, handler: Any) -> dict[str, Any]:
-        return drop_if_none(handler(self), "token_ids")
+    token_ids: list[int] | None = unasked()  # vLLM's return_token_ids: this chunk's
 
 
 class ChatCompletionChunk(BaseModel):
@@ -159,8 +132,4 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatStreamChoice]
     usage: UsageInfo | None = None
-    prompt_token_ids: list[int] | None = None  # vLLM's return_token_ids: the first chunk's
-
-    @model_serializer(mode="wrap")
-    def _drop_unasked(self, handler: Any) -> dict[str, Any]:
-        return drop_if_none(handler(self), "prompt_token_ids")
+    prompt_token_ids: list[int] | None = unasked()  # vLLM's return_token_ids: the first chunk's

@@ -219,13 +219,6 @@ def now() -> int:
     return int(time.time())
 
 
-def drop_if_none(data: dict[str, Any], key: str) -> dict[str, Any]:
-    """An optional extension key is sent only when set (OpenAI's own clients never see it)."""
-    if data.get(key) is None:
-        data.pop(key, None)
-    return data
-
-
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"
