@@ -71,6 +71,8 @@ def chat_text(
     reserved = sorted(RESERVED_TEMPLATE_ARGS.intersection(extra))
     if reserved:
         return ApiError(400, f"chat_template_kwargs may not set {reserved}", "chat_template_kwargs")
+    if body.reasoning_effort is not None:  # as vLLM: the template's own variable
+        extra = {"reasoning_effort": body.reasoning_effort, **extra}
     templated = template_takes_tools(tok)
     msgs = template_messages(body, tools, fmt, templated)
     if templated and tools is not None:

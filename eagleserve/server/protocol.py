@@ -25,6 +25,7 @@ class ResponseFormat(BaseModel):
 
 
 Bias = Annotated[float, Field(ge=-100, le=100)]
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]
 
 
 class _SamplingFields(VllmFields):
@@ -155,6 +156,9 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    # OpenAI's; as vLLM, the chat template's `reasoning_effort` (a template that does not read
+    # it renders as without it).
+    reasoning_effort: ReasoningEffort | None = None
     echo: bool = False  # vLLM's: the last message in front of the answer (a 400: not served)
     # With --reasoning-parser: SGLang's switch for the thinking apart (false: all in content),
     # vLLM's for whether the thinking is sent at all (server/reasoning.py).

@@ -3,9 +3,9 @@ after a stored turn's conversation become chat messages, function tools and `tex
 chat's tools and response_format; and the checks of the fields it cannot honour (400s).
 
 Each request field that would change the answer is honoured or a 400 naming it: one answer
-(`n` 1), text content only, function tools only, no reasoning settings
-(a reasoning model's thinking is split by --reasoning-parser), no truncation of a long
-conversation (it is a 400, as a long chat prompt is).
+(`n` 1), text content only, function tools only, no truncation of a long conversation (it is
+a 400, as a long chat prompt is). `reasoning.effort` is the chat template's reasoning_effort,
+as vLLM passes it; a reasoning model's thinking is split by --reasoning-parser.
 """
 
 from __future__ import annotations
@@ -51,8 +51,6 @@ def check_responses(body: ResponsesRequest) -> ApiError | None:
         return ApiError(400, "background responses are stored: send store true", "background")
     if body.truncation == "auto":
         return not_supported("truncation", '"disabled" (a conversation over the context is a 400)')
-    if body.reasoning and any(v is not None for v in body.reasoning.values()):
-        return not_supported("reasoning", "null (no effort or summary settings)")
     if body.prompt is not None:
         return not_supported("prompt", "null (no stored prompt templates)")
     if body.conversation is not None:
@@ -203,6 +201,7 @@ def chat_request(
         parallel_tool_calls=body.parallel_tool_calls,
         response_format=fmt,
         max_tokens=body.max_output_tokens,
+        reasoning_effort=body.reasoning.effort if body.reasoning else None,
         logprobs=logprobs,
         top_logprobs=(body.top_logprobs or 0) if logprobs else None,
     )

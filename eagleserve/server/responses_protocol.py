@@ -9,7 +9,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from eagleserve.server.answers import ChatTokenLogprob
-from eagleserve.server.protocol import _SamplingFields
+from eagleserve.server.protocol import ReasoningEffort, _SamplingFields
 
 # The `include` value that asks for the output text's logprobs (OpenAI's name).
 INCLUDE_LOGPROBS = "message.output_text.logprobs"
@@ -69,6 +69,13 @@ RESPONSES_EXAMPLES = [
 ]  # fmt: skip
 
 
+class ReasoningConfig(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    effort: ReasoningEffort | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None
+    generate_summary: Literal["auto", "concise", "detailed"] | None = None  # summary's old name
+
+
 class ResponsesRequest(_SamplingFields):
     """OpenAI's fields, and the sampling extensions the chat route takes (top_k, min_p,
     repetition_penalty, seed, stop, ...: server/protocol.py) through `extra_body`. Fields that
@@ -90,10 +97,11 @@ class ResponsesRequest(_SamplingFields):
     metadata: dict[str, str] | None = None
     user: str | None = None
     background: bool | None = None  # answered at once, run on (server/background.py)
-    # Refused unless neutral: no truncation of long input, no reasoning, no stored prompts or
-    # conversations here.
+    # `effort`: the chat template's reasoning_effort, as vLLM passes it; `summary`: taken, but
+    # no summaries are made (a reasoning item's `summary` stays empty).
+    reasoning: ReasoningConfig | None = None
+    # Refused unless neutral: no truncation of long input, no stored prompts or conversations.
     truncation: Literal["auto", "disabled"] | None = None
-    reasoning: dict[str, Any] | None = None
     prompt: dict[str, Any] | None = None
     conversation: str | dict[str, Any] | None = None
 
@@ -181,6 +189,7 @@ class ResponseObject(BaseModel):
     incomplete_details: IncompleteDetails | None = None
     instructions: str | None = None
     max_output_tokens: int | None = None
+    reasoning: ReasoningConfig | None = None
     model: str
     output: list[Item] = Field(default_factory=list)
     parallel_tool_calls: bool = True

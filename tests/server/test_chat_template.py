@@ -13,7 +13,7 @@ from typing import Any
 
 import httpx
 import pytest
-from server_fixtures import ServerProcess, tokenizer_fixture  # noqa: F401 (fixtures)
+from server_fixtures import ServerProcess, server_fixture, tokenizer_fixture  # noqa: F401
 from test_startup import assert_one_line_exit_2, run_serve
 
 from eagleserve.server.chat_template import read_chat_template
@@ -27,13 +27,14 @@ def marker() -> str:
 USER, BOT = marker(), marker()
 TEMPLATE = (
     "{% for m in messages %}[" + USER + "|{{ m.role }}] {{ m.content }}\n{% endfor %}"
+    "{% if reasoning_effort %}(effort {{ reasoning_effort }}){% endif %}"
     "{% if add_generation_prompt %}[" + BOT + "]{% endif %}"
 )
 
 
-def rendered(messages: list[dict[str, str]]) -> str:
+def rendered(messages: list[dict[str, str]], effort: str | None = None) -> str:
     turns = "".join(f"[{USER}|{m['role']}] {m['content']}\n" for m in messages)
-    return turns + f"[{BOT}]"
+    return turns + (f"(effort {effort})" if effort else "") + f"[{BOT}]"
 
 
 @pytest.fixture(scope="module", name="templated")
@@ -60,6 +61,30 @@ def test_chats_are_rendered_with_the_template(templated: ServerProcess, tokenize
             "prompt": ids, "max_tokens": n_tokens, "temperature": 0}).json()  # fmt: skip
     assert chat["choices"][0]["message"]["content"] == plain["choices"][0]["text"]
     assert chat["usage"]["prompt_tokens"] == len(ids)
+
+
+def test_reasoning_effort_reaches_the_template(
+    templated: ServerProcess, server: ServerProcess, tokenizer: Any
+) -> None:
+    """OpenAI's reasoning_effort (chat) and reasoning.effort (responses) are the template's
+    `reasoning_effort`, as vLLM passes them; a template without it renders as before."""
+    messages = [{"role": "user", "content": random.choice(["Name a fruit.", "Count to 3."])}]
+    effort = random.choice(["low", "medium", "high"])
+    want = tokenizer.encode(rendered(messages, effort), add_special_tokens=False)
+    body = {"messages": messages, "max_tokens": 4, "temperature": 0, "return_token_ids": True}
+    with httpx.Client(base_url=templated.url, timeout=120) as http:
+        chat = http.post("/v1/chat/completions", json={**body, "reasoning_effort": effort})
+        assert chat.json()["prompt_token_ids"] == want
+        resp = http.post("/v1/responses", json={
+            "input": messages, "max_output_tokens": 4, "temperature": 0,
+            "reasoning": {"effort": effort, "summary": "auto"}}).json()  # fmt: skip
+        assert resp["usage"]["input_tokens"] == len(want)
+        assert resp["reasoning"]["effort"] == effort
+    # The default model's template reads no reasoning_effort: the same prompt with or without.
+    with httpx.Client(base_url=server.url, timeout=120) as http:
+        plain = http.post("/v1/chat/completions", json=body).json()
+        chat = http.post("/v1/chat/completions", json={**body, "reasoning_effort": effort})
+        assert chat.json()["prompt_token_ids"] == plain["prompt_token_ids"]
 
 
 def test_inline_template_reads_escapes(tmp_path: Path) -> None:
