@@ -8,14 +8,15 @@ in responses_run.py, its stream in responses_stream.py, a background one in back
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from eagleserve.server.background import BackgroundResponses
-from eagleserve.server.chat import start_chat
-from eagleserve.server.protocol import ChatMessage
+from eagleserve.server.chat import chat_text, start_chat
+from eagleserve.server.protocol import ChatCompletionRequest, ChatMessage
 from eagleserve.server.respond import Endpoint, respond, stream_events
 from eagleserve.server.response_store import ResponseStore
 from eagleserve.server.responses_input import chat_request, check_responses, input_messages
@@ -23,6 +24,7 @@ from eagleserve.server.responses_protocol import ResponseObject, ResponsesReques
 from eagleserve.server.responses_run import ResponseRun
 from eagleserve.server.responses_stream import ResponseStream
 from eagleserve.server.serving import ApiError, Serving
+from eagleserve.server.tool_calls import tool_setup
 
 # The chat request's fields that the Responses API names otherwise.
 RESPONSES_NAMES = {"response_format": "text.format", "max_tokens": "max_output_tokens",
@@ -38,6 +40,35 @@ def as_responses_error(err: ApiError) -> ApiError:
     # A message's index counts the instructions and earlier turns: only `input` is named.
     param = name if head == "messages" else name + dot + rest
     return dataclasses.replace(err, param=param, message=err.message.replace(head, name, 1))
+
+
+def auto_truncated(
+    serving: Serving, body: ResponsesRequest, conversation: list[ChatMessage]
+) -> ChatCompletionRequest | ApiError:
+    """`truncation: "auto"`: the chat request of the conversation less as few of its oldest
+    turns as let its prompt and max_output_tokens fit the context. As OpenAI drops input items
+    in the middle: the instructions and leading system messages stay, and what is kept starts
+    at a user message (the stored conversation keeps every turn)."""
+    lead = 0
+    while lead < len(conversation) and conversation[lead].role in ("system", "developer"):
+        lead += 1
+    room = serving.client.max_context_len - (body.max_output_tokens or 1)
+    starts = [lead, *(i for i in range(lead + 1, len(conversation))
+                      if conversation[i].role == "user")]  # fmt: skip
+    for start in starts:
+        chat = chat_request(body, [*conversation[:lead], *conversation[start:]])
+        if isinstance(chat, ApiError):
+            return chat
+        tools = tool_setup(chat, serving.tool_format)
+        if isinstance(tools, ApiError):
+            return tools
+        text = chat_text(serving.tokenizer, chat, tools, serving.tool_format)
+        ids = text if isinstance(text, ApiError) else serving.encode(text, chat.add_special_tokens)
+        if isinstance(ids, ApiError):
+            return ids
+        if len(ids) <= room:
+            return chat
+    return chat  # the last turn alone is over the context: a 400 as without truncation
 
 
 async def create_response(
@@ -70,7 +101,10 @@ async def create_response(
     if isinstance(given, ApiError):
         return given.response()
     conversation = [*history, *given]
-    chat = chat_request(body, conversation)
+    if body.truncation == "auto":  # renders and tokenizes: off the event loop
+        chat = await asyncio.to_thread(auto_truncated, serving, body, conversation)
+    else:
+        chat = chat_request(body, conversation)
     if isinstance(chat, ApiError):
         return as_responses_error(chat).response()
     call = await start_chat(serving, chat, "responses")

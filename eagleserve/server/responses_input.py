@@ -3,9 +3,9 @@ after a stored turn's conversation become chat messages, function tools and `tex
 chat's tools and response_format; and the checks of the fields it cannot honour (400s).
 
 Each request field that would change the answer is honoured or a 400 naming it: one answer
-(`n` 1), text content only, function tools only, no truncation of a long conversation (it is
-a 400, as a long chat prompt is). `reasoning.effort` is the chat template's reasoning_effort,
-as vLLM passes it; a reasoning model's thinking is split by --reasoning-parser.
+(`n` 1), text content only, function tools only. `reasoning.effort` is the chat template's
+reasoning_effort, as vLLM passes it; a reasoning model's thinking is split by
+--reasoning-parser. `truncation: "auto"` drops the oldest turns (server/responses.py).
 """
 
 from __future__ import annotations
@@ -49,8 +49,6 @@ def check_responses(body: ResponsesRequest) -> ApiError | None:
         return not_supported("return_token_ids", "false on /v1/responses")
     if body.background and not body.store:
         return ApiError(400, "background responses are stored: send store true", "background")
-    if body.truncation == "auto":
-        return not_supported("truncation", '"disabled" (a conversation over the context is a 400)')
     if body.prompt is not None:
         return not_supported("prompt", "null (no stored prompt templates)")
     if body.conversation is not None:

@@ -100,8 +100,9 @@ class ResponsesRequest(_SamplingFields):
     # `effort`: the chat template's reasoning_effort, as vLLM passes it; `summary`: taken, but
     # no summaries are made (a reasoning item's `summary` stays empty).
     reasoning: ReasoningConfig | None = None
-    # Refused unless neutral: no truncation of long input, no stored prompts or conversations.
+    # auto: the oldest turns dropped where the conversation is over the context (else a 400).
     truncation: Literal["auto", "disabled"] | None = None
+    # Refused unless neutral: no stored prompts or conversations.
     prompt: dict[str, Any] | None = None
     conversation: str | dict[str, Any] | None = None
 

@@ -103,6 +103,7 @@ class ResponseRun:
             incomplete_details=cut,
             max_output_tokens=body.max_output_tokens,
             reasoning=body.reasoning,
+            truncation=body.truncation or "disabled",
             parallel_tool_calls=body.parallel_tool_calls is not False,
             previous_response_id=body.previous_response_id,
             store=self.stored,

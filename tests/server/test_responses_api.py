@@ -235,7 +235,6 @@ def test_logprobs_when_included(client: openai.OpenAI, top: int) -> None:
         ({"background": True, "store": False}, "background"),
         ({"n": 2}, "n"),
         ({"reasoning": {"effort": "maximal"}}, "reasoning.effort"),
-        ({"truncation": "auto"}, "truncation"),
         ({"tools": [{"type": "web_search"}]}, "tools.0.type"),
         ({"response_format": {"type": "json_object"}}, "response_format"),
         ({"previous_response_id": "resp_unknown"}, "previous_response_id"),
