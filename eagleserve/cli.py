@@ -14,9 +14,11 @@ import os
 import re
 import sys
 from collections.abc import Callable
+from importlib.metadata import version as package_version
 from pathlib import Path
 from typing import Any, NoReturn
 
+from eagleserve.client_cli import add_client_parsers
 from eagleserve.config import RENAMED_FIELDS, ServerArgs, renamed_hint
 from eagleserve.flag_help import FIELD_GROUPS, FIELD_HELP, VLLM_FLAGS
 from eagleserve.server.reasoning import reasoning_format
@@ -218,6 +220,8 @@ def build_server_args(ns: argparse.Namespace) -> ServerArgs | str:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog="eagleserve", description=__doc__.split("\n")[0])
+    parser.add_argument("--version", action="version",
+                        version=f"eagleserve {package_version('eagleserve')}")  # fmt: skip
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     serve = sub.add_parser(
         "serve",
@@ -242,6 +246,7 @@ def build_parser() -> argparse.ArgumentParser:
     from eagleserve.train.cli import add_parser as add_train_draft
 
     add_train_draft(sub)
+    add_client_parsers(sub)
     return parser
 
 
