@@ -220,21 +220,45 @@ def model_folder(model: str) -> str:
         stat = os.stat(model)
         key = hashlib.sha1(f"{os.path.abspath(model)}:{stat.st_size}".encode()).hexdigest()[:12]
         return os.path.join(cache_dir(), f"{os.path.basename(model)[:-5]}-{key}")
+    if not os.path.exists(model):
+        return hub_snapshot(model) or model
     return model
 
 
+def hub_snapshot(repo_id: str) -> str | None:
+    """A Hugging Face repo id's snapshot in the local hub cache ($HF_HUB_CACHE, else under
+    $HF_HOME), as `hf download` leaves it, so `--model org/name` works as in vLLM and SGLang;
+    None where it is not there: eagleserve downloads nothing."""
+    if repo_id.count("/") != 1:
+        return None
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError
+
+    try:
+        return str(snapshot_download(repo_id, local_files_only=True))
+    except (FileNotFoundError, HFValidationError):  # not cached; no repo id
+        return None
+
+
+def not_found(path: str, what: str) -> FileNotFoundError:
+    hint = ""
+    if path.count("/") == 1 and not os.path.exists(path):
+        hint = (f"; as a Hugging Face repo it is not in the local cache (eagleserve downloads "
+                f"nothing: `hf download {path}` first)")  # fmt: skip
+    return FileNotFoundError(f"{path!r} is not {what}{hint}")
+
+
 def resolve_model_path(model: str) -> str:
-    """'default' -> the converted default model; a .gguf -> its converted folder; a folder."""
+    """'default' -> the converted default model; a .gguf -> its converted folder; a folder, or
+    a Hugging Face repo id in the local hub cache -> its folder."""
     out = model_folder(model)
     if model == "default" or model.endswith(".gguf"):
         if not os.path.exists(os.path.join(out, "config.json")):
             convert_gguf(default_gguf_path() if model == "default" else model, out)
         return out
-    if not os.path.isfile(os.path.join(model, "config.json")):
-        raise FileNotFoundError(
-            f"{model!r} is not a model folder (no config.json), a .gguf file, or 'default'"
-        )
-    return model
+    if not os.path.isfile(os.path.join(out, "config.json")):
+        raise not_found(model, "a model folder (no config.json), a .gguf file, or 'default'")
+    return out
 
 
 def resolve_draft_path(path: str) -> str:
@@ -245,9 +269,10 @@ def resolve_draft_path(path: str) -> str:
         if not os.path.isfile(os.path.join(folder, "config.json")):
             raise FileNotFoundError(f"no built-in draft head named {name!r} ({folder})")
         return folder
-    if not os.path.isfile(os.path.join(path, "config.json")):
-        raise FileNotFoundError(f"draft model path {path!r} has no config.json")
-    return path
+    folder = path if os.path.exists(path) else hub_snapshot(path) or path
+    if not os.path.isfile(os.path.join(folder, "config.json")):
+        raise not_found(path, "a draft model folder (no config.json)")
+    return folder
 
 
 def iter_checkpoint(path: str, skip: Collection[str] = ()) -> Iterator[tuple[str, torch.Tensor]]:
