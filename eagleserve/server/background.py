@@ -12,6 +12,7 @@ whenever its status changes, and when it ends; a deleted run writes nothing more
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -20,7 +21,7 @@ from eagleserve.server.engine_client import EngineClient
 from eagleserve.server.response_store import ResponseStore, StoredResponse
 from eagleserve.server.serving import ApiError
 
-RUNNING = ("queued", "in_progress")
+logger = logging.getLogger("eagleserve.server")
 
 
 class BackgroundJob(Protocol):
@@ -31,6 +32,8 @@ class BackgroundJob(Protocol):
     log: list[str] | None  # the stream's events so far; None: not streamed
 
     def stored_entry(self) -> StoredResponse: ...
+
+    def fail(self, err: ApiError) -> None: ...
 
 
 @dataclass
@@ -82,6 +85,9 @@ class BackgroundResponses:
                     status = run.job.status
                     self._record(run)
                 run.wake()
+        except Exception as exc:  # a bug of ours: the response fails, the server goes on
+            logger.exception("background response %s failed", run.job.id)
+            run.job.fail(ApiError(500, f"{type(exc).__name__}: {exc}"))
         finally:
             close()
             del self.runs[run.job.id]

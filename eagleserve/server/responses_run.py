@@ -148,13 +148,17 @@ class ResponseRun:
         self.status = status
         return self._finished
 
+    def fail(self, err: ApiError) -> None:
+        self.error, self.status = err, "failed"
+
     def stored_entry(self) -> StoredResponse:
         """The response as kept now: failed, still queued or in progress (a background one;
         no answer to continue from yet), or finished, its answer after its conversation."""
         listed = listed_input_items(self.body)
+        events = None if self.log is None else tuple(self.log)
         if self.error is not None or not self.choice.finished:
             now_ = self.response(self.status, error=self.error).model_dump()
-            return StoredResponse(now_, tuple(self.conversation), listed)
+            return StoredResponse(now_, tuple(self.conversation), listed, events)
         resp = self.finished()
         text = "".join(
             p.text for m in resp.output if isinstance(m, OutputMessage) for p in m.content
@@ -169,7 +173,6 @@ class ResponseRun:
             if isinstance(f, FunctionCall)
         ]
         answer = ChatMessage(role="assistant", content=text or None, tool_calls=tool_calls or None)
-        events = None if self.log is None else tuple(self.log)
         return StoredResponse(resp.model_dump(), (*self.conversation, answer), listed, events)
 
     def store_into(self, store: ResponseStore) -> None:

@@ -189,6 +189,6 @@ class ResponseStream:
         return [*events, self.event(kind, response=resp.model_dump())]
 
     def failure(self, err: ApiError) -> list[str]:
-        self.run.error, self.run.status = err, "failed"
+        self.run.fail(err)
         failed = self.run.response("failed", error=err).model_dump()
         return [self.event("response.failed", response=failed)]
