@@ -95,6 +95,23 @@ def key_server_fixture() -> Iterator[ServerProcess]:
     srv.stop()
 
 
+# The shipped EAGLE3 head on a 3-step chain, logging at info with a short stats interval
+# (scheduler/stats_log.py): the tests that need speculation on the default model share it.
+SPEC_FLAGS = ["--log-level", "info", "--speculative-algorithm", "EAGLE3",
+              "--speculative-draft-model-path", "builtin:smollm2-135m-eagle",
+              "--speculative-num-steps", "3", "--speculative-eagle-topk", "1",
+              "--speculative-num-draft-tokens", "4"]  # fmt: skip
+STATS_INTERVAL_S = 0.5
+
+
+@pytest.fixture(scope="session", name="spec_server")
+def spec_server_fixture() -> Iterator[ServerProcess]:
+    env = {"EAGLESERVE_LOG_STATS_INTERVAL": str(STATS_INTERVAL_S)}
+    srv = _cached("spec", lambda: ServerProcess(SPEC_FLAGS, env))
+    yield srv
+    srv.stop()
+
+
 @pytest.fixture(scope="session", name="base_url")
 def base_url_fixture(server: ServerProcess) -> str:
     return server.url + "/v1"

@@ -15,6 +15,7 @@ from server_fixtures import (  # noqa: F401 (fixtures)
     ServerProcess,
     http_fixture,
     server_fixture,
+    spec_server_fixture,
     tokenizer_fixture,
 )
 
@@ -83,24 +84,19 @@ def test_not_on_responses(http: httpx.Client) -> None:
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "return_token_ids"
 
 
-def test_a_verify_s_tokens_come_in_one_chunk(http: httpx.Client) -> None:
+def test_a_verify_s_tokens_come_in_one_chunk(
+    http: httpx.Client, spec_server: ServerProcess
+) -> None:
     """With EAGLE (the shipped head, a 3-step chain), a chunk holds the tokens one verify
     accepted; the ids join to target-only's greedy ids (the shared server's)."""
-    spec = ServerProcess(["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path",
-                          "builtin:smollm2-135m-eagle", "--speculative-num-steps", "3",
-                          "--speculative-eagle-topk", "1",
-                          "--speculative-num-draft-tokens", "4"])  # fmt: skip
-    try:
-        several = False
-        for prompt in random.sample(PROMPTS, 2):
-            body = {"prompt": prompt, "max_tokens": 48, "temperature": 0, "ignore_eos": True,
-                    "return_token_ids": True}  # fmt: skip
-            want = http.post("/v1/completions", json=body).json()["choices"][0]["token_ids"]
-            with httpx.Client(base_url=spec.url, timeout=120) as spec_http:
-                got = chunks(spec_http, "/v1/completions", body)
-            ids = [c["choices"][0]["token_ids"] for c in got if c["choices"]]
-            assert sum(ids, []) == want
-            several |= any(len(x) > 1 for x in ids)
-        assert several, "no chunk held several tokens: the stream's ids went untested"
-    finally:
-        spec.stop()
+    several = False
+    for prompt in random.sample(PROMPTS, 2):
+        body = {"prompt": prompt, "max_tokens": 48, "temperature": 0, "ignore_eos": True,
+                "return_token_ids": True}  # fmt: skip
+        want = http.post("/v1/completions", json=body).json()["choices"][0]["token_ids"]
+        with httpx.Client(base_url=spec_server.url, timeout=120) as spec_http:
+            got = chunks(spec_http, "/v1/completions", body)
+        ids = [c["choices"][0]["token_ids"] for c in got if c["choices"]]
+        assert sum(ids, []) == want
+        several |= any(len(x) > 1 for x in ids)
+    assert several, "no chunk held several tokens: the stream's ids went untested"
