@@ -206,6 +206,9 @@ class ServerArgs:
     # server/request_log.py).
     log_requests: bool = False
     log_requests_level: int = 2
+    # Every answer carries the request's X-Request-Id back (a new one where it had none; vLLM's
+    # flag; server/middleware.py).
+    enable_request_id_headers: bool = False
     # 16 MiB: over 10x the JSON of a 128k-token prompt (~0.5 MB of text, up to 6x for \u
     # escapes), so only abuse or mistakes hit it; tokenizing 16 MB takes ~15 s of a core.
     max_request_body_bytes: int = 16 * 2**20

@@ -102,6 +102,9 @@ FIELD_HELP: dict[str, str] = {
     "cuda_graph_max_bs": "largest batch size captured in a CUDA graph (default: "
     "--max-running-requests, at most 256)",
     "log_level": "debug | info | warning | error",
+    "enable_request_id_headers": "every answer carries the request's X-Request-Id header back, a "
+    "new id where it sent none (which then names its completion, as a sent one does; vLLM's "
+    "flag)",
     "disable_log_stats": "no periodic log line of the engine's throughput, requests, KV use, "
     "prefix cache hits and speculative acceptance (every $EAGLESERVE_LOG_STATS_INTERVAL "
     "seconds, 10, while it has work; vLLM's flag)",
@@ -121,7 +124,7 @@ FIELD_GROUPS: dict[str, tuple[str, ...]] = {
               "tool_call_parser"),
     "server": ("host", "port", "api_key", "allowed_origins", "ssl_certfile", "ssl_keyfile",
                "max_request_body_bytes", "responses_store_size", "log_level", "log_requests",
-               "log_requests_level", "disable_log_stats"),
+               "log_requests_level", "disable_log_stats", "enable_request_id_headers"),
     "scheduler": ("max_running_requests", "max_queued_requests", "max_total_tokens", "random_seed",
                   "disable_overlap_schedule", "disable_radix_cache", "chunked_prefill_size",
                   "enable_dynamic_chunking", "enable_mixed_chunk",

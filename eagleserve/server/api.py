@@ -123,7 +123,8 @@ def create_app(args: ServerArgs, client: EngineClient, http: HttpStats | None = 
         await client.shutdown()
 
     app = FastAPI(title="eagleserve", lifespan=lifespan)
-    app.add_middleware(HttpTrackerMiddleware, stats=http)
+    app.add_middleware(HttpTrackerMiddleware, stats=http,
+                       request_id_headers=args.enable_request_id_headers)  # fmt: skip
     origins = [o.strip() for o in args.allowed_origins.split(",") if o.strip()]
     if origins:  # outermost: its headers go on every answer, errors (401, 413) included
         app.add_middleware(CORSMiddleware, allow_origins=origins, allow_methods=["*"],

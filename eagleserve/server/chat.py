@@ -21,7 +21,7 @@ from eagleserve.server.answers import (
     ChatStreamChoice,
 )
 from eagleserve.server.choices import ChoiceState, PromptScoring, usage_of
-from eagleserve.server.protocol import ChatCompletionRequest, new_id, now
+from eagleserve.server.protocol import ChatCompletionRequest, now
 from eagleserve.server.reasoning import (
     ReasoningFormat,
     ReasoningStream,
@@ -30,7 +30,7 @@ from eagleserve.server.reasoning import (
     split_reasoning,
 )
 from eagleserve.server.respond import Endpoint, respond, sse
-from eagleserve.server.serving import ApiError, Serving, Tracker
+from eagleserve.server.serving import ApiError, Serving, Tracker, call_id
 from eagleserve.server.structured import checked, constraint_fields, output_constraint
 from eagleserve.server.tool_calls import (
     ToolSetup,
@@ -226,7 +226,7 @@ async def create_chat(serving: Serving, body: ChatCompletionRequest, request: Re
     if isinstance(call, ApiError):
         return call.response()
     reqs, tracker, answer = call.reqs, call.tracker, call.answer
-    rid, model = new_id("chatcmpl"), serving.model_name
+    rid, model = call_id(request, "chatcmpl"), serving.model_name
     created = now()
 
     ids_asked = bool(body.return_token_ids)  # vLLM's: the prompt's ids and each choice's

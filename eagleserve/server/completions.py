@@ -11,9 +11,9 @@ from fastapi.responses import Response
 from eagleserve.messages import TokenOutput
 from eagleserve.server.answers import CompletionChoice, CompletionResponse
 from eagleserve.server.choices import ChoiceState, PromptScoring, usage_of
-from eagleserve.server.protocol import CompletionRequest, new_id, now
+from eagleserve.server.protocol import CompletionRequest, now
 from eagleserve.server.respond import Endpoint, respond, sse
-from eagleserve.server.serving import ApiError, Serving, Tracker
+from eagleserve.server.serving import ApiError, Serving, Tracker, call_id
 from eagleserve.server.structured import output_constraint
 
 
@@ -97,7 +97,7 @@ async def create_completion(
                            ids_as_tokens=bool(body.return_tokens_as_token_ids))  # fmt: skip
 
     tracker = Tracker(serving, "completions", reqs, make_choice, body.n)
-    rid, model, created = new_id("cmpl"), serving.model_name, now()  # one `created` per call
+    rid, model, created = call_id(request, "cmpl"), serving.model_name, now()  # one per call
     echo_pending = {c.index for c in tracker.ordered if scored}
     ids_asked = bool(body.return_token_ids)
     prompt_ids_pending = {c.index for c in tracker.ordered if ids_asked}

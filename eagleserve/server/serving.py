@@ -26,7 +26,7 @@ from eagleserve.server.beam_search import BeamSearchStream, BeamSettings
 from eagleserve.server.choices import ChoiceState
 from eagleserve.server.engine_client import CHOICE_SEP, EngineClient, RequestStream
 from eagleserve.server.metrics import Metrics
-from eagleserve.server.protocol import MAX_N, _SamplingFields, error_body
+from eagleserve.server.protocol import MAX_N, _SamplingFields, error_body, new_id
 from eagleserve.server.request_log import finished_line, received_line
 from eagleserve.server.request_log import logger as request_log
 from eagleserve.server.tool_formats import TOOL_FORMATS, ToolFormat
@@ -49,6 +49,13 @@ class ApiError:
 def api_error(err: RequestError | None) -> ApiError | None:
     """A failed core check as the 400 the API answers."""
     return None if err is None else ApiError(400, err.message, err.param, err.code)
+
+
+def call_id(request: Request, prefix: str) -> str:
+    """An API call's id: `prefix-` and its X-Request-Id (server/middleware.py), as vLLM names
+    it, else a new one."""
+    request_id = getattr(request.state, "request_id", None)
+    return f"{prefix}-{request_id}" if request_id else new_id(prefix)
 
 
 async def wait_disconnect(request: Request) -> None:

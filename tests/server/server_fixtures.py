@@ -78,7 +78,8 @@ def _cached(key: str, make: Any) -> Any:
 
 @pytest.fixture(scope="session", name="server")
 def server_fixture() -> Iterator[ServerProcess]:
-    srv = _cached("server", lambda: ServerProcess(["--served-model-name", MODEL]))
+    srv = _cached("server", lambda: ServerProcess(["--served-model-name", MODEL,
+                                                   "--enable-request-id-headers"]))  # fmt: skip
     yield srv
     srv.stop()
     # uvicorn re-raises SIGTERM after its graceful shutdown.
