@@ -3,8 +3,9 @@ stream of server-sent events, the engine's requests aborted however the response
 
 from __future__ import annotations
 
+import asyncio
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterable, AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -15,7 +16,14 @@ from starlette.types import Receive, Scope, Send
 
 from eagleserve.messages import GenerateReqInput, TokenOutput
 from eagleserve.server.choices import ChoiceState, usage_of
-from eagleserve.server.serving import ApiError, OutputStream, Serving, Tracker, run_to_end
+from eagleserve.server.serving import (
+    ApiError,
+    OutputStream,
+    Serving,
+    Tracker,
+    run_to_end,
+    wait_disconnect,
+)
 
 CLIENT_CLOSED = 499
 
@@ -65,7 +73,7 @@ class Endpoint:
 
 
 async def stream_events(
-    stream: OutputStream, tracker: Tracker, endpoint: Endpoint, include_usage: bool
+    stream: AsyncIterable[TokenOutput], tracker: Tracker, endpoint: Endpoint, include_usage: bool
 ) -> AsyncIterator[str]:
     """A stream's server-sent events, from the prelude to [DONE] or the endpoint's epilogue
     (an engine fault or a cut at shutdown ends it with an error event first)."""
@@ -114,5 +122,37 @@ async def respond(
         whole = endpoint.whole()
         return JSONResponse(whole.model_dump() if isinstance(whole, BaseModel) else whole)
 
-    events = stream_events(stream, tracker, endpoint, body.include_usage)
+    # The status line waits for the first output: a request the engine turns away before it
+    # starts (a full queue, a drain, an engine fault) is answered with its HTTP status, which
+    # a balancer can retry elsewhere (deploy/nginx.conf retries a 503), not a 200 whose body
+    # is one error event.
+    first = await first_output(request, stream)
+    if first is None:
+        tracker.close(stream)
+        return Response(status_code=CLIENT_CLOSED)
+    if first.error is not None:
+        tracker.feed(first)  # its metrics and log line
+        tracker.close(stream)
+        return ApiError(first.error_code or 500, first.error).response()
+    events = stream_events(chained(first, stream), tracker, endpoint, body.include_usage)
     return AbortingStreamingResponse(events, lambda: tracker.close(stream))
+
+
+async def first_output(request: Request, stream: OutputStream) -> TokenOutput | None:
+    """The stream's first output; None if the client leaves first."""
+    first = asyncio.ensure_future(anext(stream))
+    gone = asyncio.ensure_future(wait_disconnect(request))
+    try:
+        await asyncio.wait({first, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (first, gone):
+            task.cancel()
+        await asyncio.gather(first, gone, return_exceptions=True)
+    return first.result() if first.done() and not first.cancelled() else None
+
+
+async def chained(first: TokenOutput, rest: OutputStream) -> AsyncIterator[TokenOutput]:
+    yield first
+    async for out in rest:
+        yield out
+

@@ -92,7 +92,9 @@ def test_a_higher_priority_request_overtakes_a_running_one(
 
 def test_a_request_that_finds_the_queue_full_is_a_503(priority_server: ServerProcess) -> None:
     """One slot, a queue of one: behind a running request, the first request waits and the
-    second, of the same priority, is answered 503 at once; the waiting one is then served."""
+    second, of the same priority, is answered 503 at once, streamed or not (the status itself,
+    which a balancer retries elsewhere, not a 200 stream with an error event); the waiting one
+    is then served."""
     results: dict[str, httpx.Response] = {}
 
     def post(name: str, body: dict) -> None:
@@ -112,10 +114,48 @@ def test_a_request_that_finds_the_queue_full_is_a_503(priority_server: ServerPro
         while metric(http, "eagleserve_num_requests_waiting") < 1:
             assert time.monotonic() < deadline
             time.sleep(0.05)
-        full = http.post("/v1/completions", json=short)
-        assert full.status_code == 503, full.text
-        assert "--max-queued-requests 1" in full.json()["error"]["message"]
+        chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}
+        for path, body in [("/v1/completions", short), ("/v1/completions", {**short, "stream": True}),
+                           ("/v1/chat/completions", {**chat, "stream": True}),
+                           ("/generate", {"text": "Hi", "stream": True})]:  # fmt: skip
+            full = http.post(path, json=body)
+            assert full.status_code == 503, (path, body, full.text)
+            assert "--max-queued-requests 1" in full.json()["error"]["message"]
         assert long.is_alive(), "the running request ended before the queue was tested"
         for t in (long, waiting):
             t.join(120)
     assert results["long"].status_code == 200 and results["waiting"].status_code == 200
+
+
+def test_a_stream_whose_client_leaves_while_it_waits_gives_up_its_place(
+    priority_server: ServerProcess,
+) -> None:
+    """A streamed request waiting behind a running one has sent no status line yet (that waits
+    for its first output): a client that gives up then frees its place in the queue at once,
+    and the queue takes the next request."""
+    results: dict[str, httpx.Response] = {}
+
+    def post_long() -> None:
+        with httpx.Client(base_url=priority_server.url, timeout=120) as client:
+            results["long"] = client.post("/v1/completions", json=LONG)
+
+    with httpx.Client(base_url=priority_server.url, timeout=120) as http:
+        long = threading.Thread(target=post_long)
+        long.start()
+        deadline = time.monotonic() + 60
+        while metric(http, "eagleserve_num_requests_running") < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        body = {"prompt": "Hi", "max_tokens": 3, "stream": True}
+        with pytest.raises(httpx.ReadTimeout):
+            with httpx.stream("POST", priority_server.url + "/v1/completions", json=body,
+                              timeout=httpx.Timeout(120, read=1.0)) as resp:  # fmt: skip
+                resp.read()
+        while metric(http, "eagleserve_num_requests_waiting") > 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert long.is_alive(), "the running request ended before the queue was checked"
+        queued = http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 3})
+        assert queued.status_code == 200, queued.text  # the queue of one had room again
+        long.join(120)
+    assert results["long"].status_code == 200
