@@ -18,6 +18,7 @@ from importlib.metadata import version as package_version
 from pathlib import Path
 from typing import Any, NoReturn
 
+from eagleserve.benchmark.cli import add_bench_parser
 from eagleserve.client_cli import add_client_parsers
 from eagleserve.config import RENAMED_FIELDS, ServerArgs, renamed_hint
 from eagleserve.flag_help import FIELD_GROUPS, FIELD_HELP, VLLM_FLAGS
@@ -247,6 +248,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_train_draft(sub)
     add_client_parsers(sub)
+    add_bench_parser(sub)
     return parser
 
 

@@ -5,6 +5,8 @@ Everything else asks here, so the same code runs on CUDA and HIP builds of torch
 
 from __future__ import annotations
 
+import contextlib
+import os
 from typing import Any
 
 import torch
@@ -24,6 +26,16 @@ def pick_device(name: str = "auto") -> torch.device:
 def device_module(device: torch.device) -> Any:
     """torch.cuda for CUDA and HIP builds, torch.cpu for CPU."""
     return torch.get_device_module(device)
+
+
+def device_name(device: torch.device) -> str:
+    """The accelerator's product name, or the CPU's model name and logical core count."""
+    if device.type != "cpu":
+        return str(device_module(device).get_device_name(device))
+    model = ""
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        model = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "")
+    return f"{model or 'cpu'} x{os.cpu_count()}"
 
 
 def synchronize(device: torch.device) -> None:

@@ -153,6 +153,7 @@ class EngineReady:
     max_context_len: int
     kv_total_tokens: int = 0
     vocab_size: int = 0
+    device_name: str = ""  # "NVIDIA H200", or the CPU's model and core count
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """The package's layers import one way, and no two files (or folders) import each other.
 
-    server, train -> scheduler -> spec -> model_executor -> models -> layers, sampling
-    -> mem_cache, constrained, distributed -> kernels -> the floor
+    benchmark -> server, train -> scheduler -> spec -> model_executor -> models -> layers,
+    sampling -> mem_cache, constrained, distributed -> kernels -> the floor
 
 A folder may import itself and the folders of lower rank, never one of equal or higher rank.
 The floor (`core`, `config`, `messages`, `device`, `sampling_params`) imports no folder when it
@@ -31,6 +31,7 @@ RANK = {
     "scheduler": 6,
     "train": 7,
     "server": 7,
+    "benchmark": 8,  # a client of a running server (it reads data sets through train)
 }
 FLOOR = {"core", "config", "messages", "device", "sampling_params"}
 NOT_CODE = {"assets", "__pycache__"}

@@ -20,6 +20,7 @@ from typing import Any
 import zmq
 
 from eagleserve.config import ServerArgs
+from eagleserve.device import device_name
 from eagleserve.messages import (
     AbortReq,
     BatchTokenOutput,
@@ -145,6 +146,7 @@ def run_engine(args: ServerArgs, in_addr: str, out_addr: str, tp_port: int | Non
             max_context_len=scheduler.max_context_len,
             kv_total_tokens=stats.kv_total_tokens,
             vocab_size=scheduler.model_config.vocab_size,
+            device_name=device_name(scheduler.device),
         )
     except Exception as exc:  # report any start-up failure to the parent, then exit non-zero
         send.send_pyobj(EngineStartupError(f"{type(exc).__name__}: {exc}", traceback.format_exc()))

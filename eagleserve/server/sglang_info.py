@@ -18,7 +18,8 @@ from eagleserve.messages import EngineReady, EngineStats
 def model_info(args: ServerArgs, ready: EngineReady | None) -> dict[str, Any]:
     path = ready.model_path if ready is not None else args.model
     return {"model_path": path, "tokenizer_path": path, "is_generation": True,
-            "served_model_name": args.served_model_name or args.model}  # fmt: skip
+            "served_model_name": args.served_model_name or args.model,
+            "vocab_size": ready.vocab_size if ready is not None else None}  # fmt: skip
 
 
 def server_info(args: ServerArgs, ready: EngineReady | None, stats: EngineStats) -> dict[str, Any]:
@@ -34,5 +35,6 @@ def server_info(args: ServerArgs, ready: EngineReady | None, stats: EngineStats)
         **flags,
         "context_length": ready.max_context_len if ready is not None else args.context_length,
         "max_total_num_tokens": stats.kv_total_tokens or args.max_total_tokens,
+        "device_name": ready.device_name if ready is not None else None,
         "internal_states": [state],
     }

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from eagleserve.config import ServerArgs
-from eagleserve.device import device_module
+from eagleserve.device import device_name
 from eagleserve.distributed.parallel import all_gather_object, get_tp
 from eagleserve.model_executor.model_runner import ModelRunner
 from eagleserve.models.loader import (
@@ -57,16 +57,6 @@ PACKAGE = PACKAGE_ROOT
 TIMED_CODE = ("kernels", "models", "layers", "model_executor", "mem_cache", "sampling", "spec",
               "core.py", "device.py", "config.py")  # fmt: skip
 SPIN_ENV = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
-
-
-def device_name(device: torch.device) -> str:
-    """The accelerator's product name, or the CPU's model name and logical core count."""
-    if device.type != "cpu":
-        return str(device_module(device).get_device_name(device))
-    model = ""
-    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
-        model = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "")
-    return f"{model or 'cpu'} x{os.cpu_count()}"
 
 
 def code_digest(root: str = PACKAGE) -> str:

@@ -189,6 +189,8 @@ def test_sglangs_info_routes(http: httpx.Client) -> None:
     for path in ("/get_model_info", "/model_info"):
         model = http.get(path).json()
         assert model["is_generation"] and model["model_path"]
+        ids = http.post("/tokenize", json={"prompt": random.choice(PROMPTS)}).json()["tokens"]
+        assert model["vocab_size"] > max(ids)
 
 
 LONG = {"temperature": 0, "max_new_tokens": 1500, "ignore_eos": True}

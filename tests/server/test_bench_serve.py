@@ -1,0 +1,94 @@
+"""`eagleserve bench serve` against real servers: every request answered and counted by the
+server's own usage, the concurrency bound kept, the server's device named, and under speculation
+tau and the acceptance by depth from the server's counters; failures are one line and exit 1."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import httpx
+import pytest
+from server_fixtures import (  # noqa: F401 (fixtures)
+    ServerProcess,
+    server_fixture,
+    spec_server_fixture,
+)
+
+from eagleserve.cli import main
+
+
+def bench(url: str, tmp_path, *flags: str) -> dict:
+    code = main(["bench", "serve", "--base-url", url, "--disable-tqdm", "--save-detailed",
+                 "--result-dir", str(tmp_path), "--result-filename", "r.json", *flags])  # fmt: skip
+    assert code == 0
+    return json.loads((tmp_path / "r.json").read_text())
+
+
+def most_in_flight(requests: list[dict]) -> int:
+    events = sorted([(r["start"], 1) for r in requests]
+                    + [(r["start"] + r["latency"], -1) for r in requests])  # fmt: skip
+    live = peak = 0
+    for _, step in events:
+        live += step
+        peak = max(peak, live)
+    return peak
+
+
+def test_random_prompts_are_answered_and_counted(server: ServerProcess, tmp_path, capsys) -> None:
+    rng = random.Random()
+    n, in_len, out_len, conc = rng.randint(5, 8), rng.randint(16, 48), rng.randint(4, 10), 2
+    r = bench(server.url, tmp_path, "--num-prompts", str(n), "--random-input-len", str(in_len),
+              "--random-output-len", str(out_len), "--ignore-eos", "--max-concurrency",
+              str(conc), "--seed", str(rng.randrange(1000)))  # fmt: skip
+    assert r["completed"] == n and r["failed"] == 0
+    # Token-id prompts are sent as they are; ignore_eos runs every answer to max_tokens.
+    assert r["total_input_tokens"] == n * in_len and r["total_output_tokens"] == n * out_len
+    assert most_in_flight(r["requests"]) <= conc
+    for req in r["requests"]:
+        assert 0 < req["ttft"] <= req["latency"] and len(req["itls"]) <= out_len - 1
+    info = httpx.get(server.url + "/get_server_info").json()
+    assert r["device"] == info["device_name"] and "x" in r["device"]  # a CPU: model x cores
+    assert "spec_accept_length" not in r
+    out = capsys.readouterr().out
+    assert "Serving Benchmark Result" in out and f"{n * out_len}" in out
+    assert "Speculative Decoding" not in out
+
+
+def test_speculation_reports_tau_and_acceptance_by_depth(
+    spec_server: ServerProcess, tmp_path
+) -> None:
+    """Chat prompts from a JSONL file on the EAGLE3 chain-3 server: every committed token after
+    a request's first comes from a verify step, so tau x steps covers the answers' tokens."""
+    rng = random.Random()
+    topics = ["the sea", "a city at night", "bread", "mountains", "a library", "rain"]
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"Write two sentences about {t}."}) + "\n"
+                            for t in rng.sample(topics, 4)))  # fmt: skip
+    r = bench(spec_server.url, tmp_path, "--endpoint", "/v1/chat/completions", "--dataset-name",
+              "custom", "--dataset-path", str(path), "--custom-output-len", "24",
+              "--num-prompts", "4", "--ignore-eos")  # fmt: skip
+    assert r["completed"] == 4 and r["total_output_tokens"] == 4 * 24
+    depths = r["spec_acceptance_by_depth"]
+    assert len(depths) == 3 and all(1 >= a >= b >= 0 for a, b in zip(depths, depths[1:]))
+    tau, steps = r["spec_accept_length"], r["spec_verify_steps"]
+    assert 1 <= tau <= 4 and tau == pytest.approx(1 + sum(depths))
+    # The last step of an answer may accept past its max_tokens: at least, never fewer.
+    assert tau * steps >= r["total_output_tokens"] - 4 - 1e-6
+    assert steps <= r["total_output_tokens"] - 4
+
+
+def test_failures_are_one_line_and_exit_1(server: ServerProcess, tmp_path, capsys) -> None:
+    cases = [
+        (["--base-url", "http://127.0.0.1:9"], "cannot reach"),
+        (["--base-url", server.url, "--model", "no-such-model"], "no model 'no-such-model'"),
+        (["--base-url", server.url, "--percentile-metrics", "ttft,speed"], "speed"),
+        (["--base-url", server.url, "--dataset-name", "custom"], "--dataset-path"),
+        # Over the server's context: the first request is refused, the run does not start.
+        (["--base-url", server.url, "--random-input-len", "9000", "--num-prompts", "1"],
+         "the first request failed: HTTP 400"),
+    ]  # fmt: skip
+    for flags, said in cases:
+        assert main(["bench", "serve", "--disable-tqdm", *flags]) == 1, flags
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and said in err, (flags, err)
