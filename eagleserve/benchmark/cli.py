@@ -25,6 +25,7 @@ from eagleserve.benchmark.datasets import (
 from eagleserve.benchmark.runner import TIMEOUT, RequestSettings, run_requests, send_request
 from eagleserve.benchmark.stats import (
     LATENCY_METRICS,
+    RequestRecord,
     arrival_gaps,
     parse_goodput,
     spec_counters,
@@ -190,10 +191,10 @@ def load_prompts(
     return prompts
 
 
-def spec_snapshot(http: httpx.Client) -> dict[str, float] | None:
+async def spec_snapshot(http: httpx.AsyncClient) -> dict[str, float] | None:
     """The server's speculative counters now; None where /metrics cannot be read."""
     try:
-        resp = http.get("/metrics")
+        resp = await http.get("/metrics")
     except httpx.HTTPError:
         return None
     return spec_counters(resp.text) if resp.status_code == 200 else None
@@ -201,7 +202,9 @@ def spec_snapshot(http: httpx.Client) -> dict[str, float] | None:
 
 async def run_async(
     ns: argparse.Namespace, settings: RequestSettings, prompts: list[BenchPrompt], gaps: list[float]
-) -> tuple[list, float]:
+) -> tuple[list[RequestRecord], float, dict | None]:
+    """The test request and the warm-ups, then the timed run: its records, its wall time, and
+    the speculative figures of its requests alone (None without speculation)."""
     limits = httpx.Limits(max_connections=ns.max_concurrency, max_keepalive_connections=None)
     async with httpx.AsyncClient(
         base_url=ns.base_url, headers=auth(ns), timeout=TIMEOUT, limits=limits
@@ -215,7 +218,12 @@ async def run_async(
             raise BenchError(f"the first request failed: {first.error}")
         for p in prompts[: ns.num_warmups]:
             await send(p, time.perf_counter())
-        return await run_requests(send, prompts, gaps, ns.max_concurrency, not ns.disable_tqdm)
+        before = await spec_snapshot(http)
+        progress = not ns.disable_tqdm
+        records, duration = await run_requests(send, prompts, gaps, ns.max_concurrency, progress)
+        after = await spec_snapshot(http)
+    spec = spec_figures(before, after) if before is not None and after is not None else None
+    return records, duration, spec
 
 
 def auth(ns: argparse.Namespace) -> dict[str, str]:
@@ -286,9 +294,7 @@ def bench_serve(ns: argparse.Namespace) -> dict[str, Any]:
             ns.top_k,
             ns.ignore_eos,
         )
-        before = spec_snapshot(http)
-        records, duration = asyncio.run(run_async(ns, settings, prompts, gaps))
-        after = spec_snapshot(http)
+        records, duration, spec = asyncio.run(run_async(ns, settings, prompts, gaps))
     result: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         "base_url": ns.base_url,
@@ -305,7 +311,6 @@ def bench_serve(ns: argparse.Namespace) -> dict[str, Any]:
         "server_info": {k: v for k, v in server.items() if k != "internal_states"},
         **summarize(records, duration, metrics, percentiles, slos),
     }
-    spec = spec_figures(before, after) if before is not None and after is not None else None
     if spec is not None:
         result.update(spec)
     errors = [r.error for r in records if not r.ok]
@@ -359,6 +364,10 @@ def report_lines(r: dict[str, Any]) -> list[str]:
                 "Acceptance by depth:", ", ".join(f"{a:.2f}" for a in r["spec_acceptance_by_depth"])
             ),
         ]
+        iterations = r.get("spec_iterations_by_num_drafts", {})
+        if len([n for n in iterations.values() if n]) > 1:  # adaptive: the depths it chose
+            counts = ", ".join(f"{k}: {n}" for k, n in iterations.items())
+            lines.append(row("Iterations by drafts:", counts))
     lines += [row("Device (server):", r["device"]), "=" * 50]
     for err in r.get("first_errors", []):
         lines.append(f"failed: {err}")

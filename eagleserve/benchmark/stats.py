@@ -152,8 +152,9 @@ def spec_counters(metrics_text: str) -> dict[str, float]:
 def spec_figures(before: dict[str, float], after: dict[str, float]) -> dict[str, object] | None:
     """Speculation over the run, from the counters before and after it: tau (tokens committed
     per verify step, the bonus token included), the drafts' acceptance rate, and the acceptance
-    by draft depth (the share of verify steps whose drafts were accepted to that depth). None
-    when the server did not speculate in the run."""
+    by draft depth: of the verify steps that drafted to a depth (adaptive speculation drafts
+    fewer at times), the share whose drafts were accepted to it. None when the server did not
+    speculate in the run."""
 
     def grown(key: str) -> float:
         return after.get(key, 0.0) - before.get(key, 0.0)
@@ -166,7 +167,17 @@ def spec_figures(before: dict[str, float], after: dict[str, float]) -> dict[str,
         for k in after
         if k.startswith("spec_accepted_per_position[")
     )
-    by_depth = [grown(f"spec_accepted_per_position[{d}]") / verifies for d in depths]
+    iterations = {
+        int(k[len("spec_iterations[") : -1]): grown(k)
+        for k in after
+        if k.startswith("spec_iterations[")
+    }
+    drafted = [sum(n for k, n in iterations.items() if k > d) if iterations else verifies
+               for d in depths]  # fmt: skip
+    by_depth = [
+        grown(f"spec_accepted_per_position[{d}]") / n if n else 0.0
+        for d, n in zip(depths, drafted, strict=True)
+    ]
     proposed = grown("spec_proposed_tokens")
     accepted_drafts = grown("spec_accepted_tokens") - verifies
     figures: dict[str, object] = {
@@ -174,12 +185,10 @@ def spec_figures(before: dict[str, float], after: dict[str, float]) -> dict[str,
         "spec_accept_length": grown("spec_accepted_tokens") / verifies,
         "spec_draft_acceptance_rate": accepted_drafts / proposed if proposed else 0.0,
         "spec_acceptance_by_depth": by_depth,
+        "spec_drafted_by_depth": [int(n) for n in drafted],
     }
-    iterations = {
-        k[len("spec_iterations[") : -1]: grown(k) for k in after if k.startswith("spec_iterations[")
-    }
-    if iterations:  # adaptive speculation: iterations by draft depth, 0 a plain decode
+    if iterations:  # iterations by draft depth; under adaptive speculation 0 is a plain decode
         figures["spec_iterations_by_num_drafts"] = {
-            k: int(v) for k, v in sorted(iterations.items())
+            str(k): int(v) for k, v in sorted(iterations.items())
         }
     return figures

@@ -114,3 +114,30 @@ def test_spec_figures_from_a_servers_metrics_pages() -> None:
     assert fig["spec_draft_acceptance_rate"] == pytest.approx(sum(added) / (3 * verifies))
     assert fig["spec_iterations_by_num_drafts"] == {"0": 3, "1": 0, "2": 0, "3": verifies}
     assert spec_figures(after, after) is None  # no verify in between: no speculation to report
+
+
+def test_adaptive_acceptance_by_depth_counts_the_steps_that_drafted_it() -> None:
+    """Adaptive speculation drafts 0-3 tokens an iteration: depth d's acceptance is over the
+    verify steps that drafted to depth d, not over every step."""
+    rng = random.Random()
+    metrics = Metrics("m")
+    before = spec_counters(metrics.render().decode())
+    plain, k1, k2, k3 = (rng.randint(1, 50) for _ in range(4))
+    drafted = [k1 + k2 + k3, k2 + k3, k3]
+    accepted = [rng.randint(0, n) for n in drafted]
+    accepted = [min(accepted[: d + 1]) for d in range(3)]  # depth d needs the ones before it
+    stats = EngineStats(spec_verify_calls_total=drafted[0],
+                        spec_accepted_tokens_total=drafted[0] + sum(accepted),
+                        spec_accepted_per_position=accepted,
+                        spec_proposed_tokens_total=k1 + 2 * k2 + 3 * k3,
+                        spec_iterations_per_num_drafts=[plain, k1, k2, k3])  # fmt: skip
+    metrics.update_engine_stats(stats)
+    fig = spec_figures(before, spec_counters(metrics.render().decode()))
+    assert fig is not None and fig["spec_drafted_by_depth"] == drafted
+    assert fig["spec_acceptance_by_depth"] == pytest.approx(
+        [a / n for a, n in zip(accepted, drafted)]
+    )
+    assert fig["spec_draft_acceptance_rate"] == pytest.approx(
+        sum(accepted) / (k1 + 2 * k2 + 3 * k3)
+    )
+    assert fig["spec_iterations_by_num_drafts"] == {"0": plain, "1": k1, "2": k2, "3": k3}
