@@ -155,4 +155,3 @@ async def chained(first: TokenOutput, rest: OutputStream) -> AsyncIterator[Token
     yield first
     async for out in rest:
         yield out
-

@@ -115,9 +115,10 @@ def test_a_request_that_finds_the_queue_full_is_a_503(priority_server: ServerPro
             assert time.monotonic() < deadline
             time.sleep(0.05)
         chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}
-        for path, body in [("/v1/completions", short), ("/v1/completions", {**short, "stream": True}),
-                           ("/v1/chat/completions", {**chat, "stream": True}),
-                           ("/generate", {"text": "Hi", "stream": True})]:  # fmt: skip
+        streamed = {"stream": True}
+        for path, body in [("/v1/completions", short), ("/v1/completions", {**short, **streamed}),
+                           ("/v1/chat/completions", {**chat, **streamed}),
+                           ("/generate", {"text": "Hi", **streamed})]:  # fmt: skip
             full = http.post(path, json=body)
             assert full.status_code == 503, (path, body, full.text)
             assert "--max-queued-requests 1" in full.json()["error"]["message"]
