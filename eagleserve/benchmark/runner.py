@@ -53,12 +53,13 @@ class RequestSettings:
         return body
 
 
-def chunk_has_output(chunk: dict[str, Any]) -> bool:
+def chunk_text(chunk: dict[str, Any]) -> str:
+    """The text a completion or chat chunk adds (a reasoning model's thinking included)."""
+    parts = []
     for choice in chunk.get("choices") or []:
         delta = choice.get("delta") or {}
-        if choice.get("text") or delta.get("content") or delta.get("reasoning_content"):
-            return True
-    return False
+        parts += [choice.get("text"), delta.get("reasoning_content"), delta.get("content")]
+    return "".join(p for p in parts if p)
 
 
 async def send_request(
@@ -84,7 +85,9 @@ async def send_request(
                     rec.error = str(chunk["error"].get("message", chunk["error"]))
                     return rec
                 now = time.perf_counter()
-                if chunk_has_output(chunk):
+                text = chunk_text(chunk)
+                if text:
+                    rec.generated_text += text
                     if last is None:
                         rec.ttft = now - sent
                     else:

@@ -25,6 +25,7 @@ class RequestRecord:
     ttft: float = 0.0
     latency: float = 0.0
     itls: list[float] = field(default_factory=list)  # gaps between streamed chunks after the first
+    generated_text: str = ""
 
     @property
     def tpot(self) -> float | None:

@@ -15,6 +15,7 @@ from server_fixtures import (  # noqa: F401 (fixtures)
     spec_server_fixture,
 )
 
+from eagleserve.benchmark.datasets import random_prompts
 from eagleserve.cli import main
 
 
@@ -38,15 +39,24 @@ def most_in_flight(requests: list[dict]) -> int:
 def test_random_prompts_are_answered_and_counted(server: ServerProcess, tmp_path, capsys) -> None:
     rng = random.Random()
     n, in_len, out_len, conc = rng.randint(5, 8), rng.randint(16, 48), rng.randint(4, 10), 2
+    seed = rng.randrange(1000)
     r = bench(server.url, tmp_path, "--num-prompts", str(n), "--random-input-len", str(in_len),
               "--random-output-len", str(out_len), "--ignore-eos", "--max-concurrency",
-              str(conc), "--seed", str(rng.randrange(1000)))  # fmt: skip
+              str(conc), "--seed", str(seed))  # fmt: skip
     assert r["completed"] == n and r["failed"] == 0
     # Token-id prompts are sent as they are; ignore_eos runs every answer to max_tokens.
     assert r["total_input_tokens"] == n * in_len and r["total_output_tokens"] == n * out_len
     assert most_in_flight(r["requests"]) <= conc
     for req in r["requests"]:
         assert 0 < req["ttft"] <= req["latency"] and len(req["itls"]) <= out_len - 1
+    # The answers recorded are the server's own (greedy: as asked alone, not streamed).
+    vocab = httpx.get(server.url + "/get_model_info").json()["vocab_size"]
+    prompts = random_prompts(n, in_len, out_len, 0.0, 0, vocab, random.Random(seed))
+    for i in rng.sample(range(n), 2):
+        body = {"prompt": prompts[i].prompt, "max_tokens": out_len, "temperature": 0,
+                "ignore_eos": True}  # fmt: skip
+        alone = httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()
+        assert r["requests"][i]["generated_text"] == alone["choices"][0]["text"]
     info = httpx.get(server.url + "/get_server_info").json()
     assert r["device"] == info["device_name"] and "x" in r["device"]  # a CPU: model x cores
     assert "spec_accept_length" not in r
