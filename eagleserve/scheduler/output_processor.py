@@ -149,6 +149,14 @@ def append_tokens(
     return taken
 
 
+def output_due(req: Req, stream_interval: int) -> bool:
+    """Whether `req`'s unsent tokens go to the server now: its first token at once (the time
+    to it is the client's first wait), then whenever `stream_interval` are unsent, and the
+    rest with its end."""
+    unsent = len(req.output_ids) - req.num_sent_tokens
+    return req.finished or req.num_sent_tokens == 0 or unsent >= stream_interval
+
+
 def make_output(req: Req) -> TokenOutput:
     new = req.output_ids[req.num_sent_tokens :]
     want_lp = req.sampling_params.logprobs is not None

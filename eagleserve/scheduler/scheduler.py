@@ -28,6 +28,7 @@ from eagleserve.scheduler.output_processor import (
     committed_rows,
     eos_token_ids,
     make_output,
+    output_due,
 )
 from eagleserve.scheduler.overlap import OverlapForwarder
 from eagleserve.scheduler.prefill_adder import PrefillPlan, plan_prefill
@@ -351,7 +352,8 @@ class Scheduler:
             append_tokens(req, toks, self.stop_checker, lp if want_lp else None, top)
             # The newest token is the next step's input: its KV is not written yet.
             req.kv_committed_len = req.seq_len - 1
-            outputs.append(make_output(req))
+            if output_due(req, self.args.stream_interval):
+                outputs.append(make_output(req))
             if req.finished:
                 self.release(req)
         self.drop_finished_from_running()
