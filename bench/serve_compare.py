@@ -36,6 +36,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 from bench.common import format_table, machine_info, rotated, write_json  # noqa: E402
 from bench.server_proc import Server  # noqa: E402
 from eagleserve.benchmark.cli import bench_serve  # noqa: E402
+from eagleserve.benchmark.stats import depth_shares  # noqa: E402
 from eagleserve.cli import build_parser  # noqa: E402
 
 HEAD = ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path",
@@ -142,7 +143,7 @@ def main() -> None:
             table.append([name, c, row["output_tok_s"], row["vs_first_config"],
                           row["median_ttft_ms"], row["median_tpot_ms"],
                           row["tau"] if row["tau"] else "-",
-                          " ".join(f"{a:.2f}" for a in depth) if depth else "-",
+                          depth_shares(depth) if depth else "-",
                           f"{equal}/{len(texts)}"])  # fmt: skip
     device = runs[(configs[0], levels[0])][0]["device"]
     headers = ["config", "conc", "tok/s", f"x {configs[0]}", "TTFT p50 ms", "TPOT p50 ms",

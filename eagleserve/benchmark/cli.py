@@ -27,6 +27,7 @@ from eagleserve.benchmark.stats import (
     LATENCY_METRICS,
     RequestRecord,
     arrival_gaps,
+    depth_shares,
     parse_goodput,
     spec_counters,
     spec_figures,
@@ -360,9 +361,7 @@ def report_lines(r: dict[str, Any]) -> list[str]:
             head("Speculative Decoding"),
             row("Tokens per verify step (tau):", r["spec_accept_length"]),
             row("Draft acceptance rate:", r["spec_draft_acceptance_rate"]),
-            row(
-                "Acceptance by depth:", ", ".join(f"{a:.2f}" for a in r["spec_acceptance_by_depth"])
-            ),
+            row("Acceptance by depth:", depth_shares(r["spec_acceptance_by_depth"])),
         ]
         iterations = r.get("spec_iterations_by_num_drafts", {})
         if len([n for n in iterations.values() if n]) > 1:  # adaptive: the depths it chose

@@ -150,12 +150,17 @@ def spec_counters(metrics_text: str) -> dict[str, float]:
     return out
 
 
+def depth_shares(shares: list[float | None]) -> str:
+    """Acceptance by depth for a table: "-" for a depth no step drafted."""
+    return " ".join("-" if a is None else f"{a:.2f}" for a in shares)
+
+
 def spec_figures(before: dict[str, float], after: dict[str, float]) -> dict[str, object] | None:
     """Speculation over the run, from the counters before and after it: tau (tokens committed
     per verify step, the bonus token included), the drafts' acceptance rate, and the acceptance
     by draft depth: of the verify steps that drafted to a depth (adaptive speculation drafts
-    fewer at times), the share whose drafts were accepted to it. None when the server did not
-    speculate in the run."""
+    fewer at times), the share whose drafts were accepted to it (None for a depth no step
+    drafted). None when the server did not speculate in the run."""
 
     def grown(key: str) -> float:
         return after.get(key, 0.0) - before.get(key, 0.0)
@@ -176,7 +181,7 @@ def spec_figures(before: dict[str, float], after: dict[str, float]) -> dict[str,
     drafted = [sum(n for k, n in iterations.items() if k > d) if iterations else verifies
                for d in depths]  # fmt: skip
     by_depth = [
-        grown(f"spec_accepted_per_position[{d}]") / n if n else 0.0
+        grown(f"spec_accepted_per_position[{d}]") / n if n else None  # None: never drafted
         for d, n in zip(depths, drafted, strict=True)
     ]
     proposed = grown("spec_proposed_tokens")
