@@ -150,7 +150,9 @@ def main() -> None:
                "tau", "accept by depth", f"= {configs[0]}"]  # fmt: skip
     print(f"\n{device}; {ns.dataset_name}, {ns.num_prompts} prompts, greedy, {ns.rounds} rounds")
     print(format_table(headers, table))
-    kept = {f"{k[0]}@{k[1]}": v for k, v in runs.items()}
+    # Each run's figures; its requests' texts and times stay out (megabytes a run).
+    kept = {f"{k[0]}@{k[1]}": [{f: x for f, x in r.items() if f != "requests"} for r in v]
+            for k, v in runs.items()}  # fmt: skip
     payload = {"machine": machine_info(), "device": device, "args": vars(ns), "rows": rows,
                "runs": kept}  # fmt: skip
     print(f"written to {write_json(ns.out, payload)}")
