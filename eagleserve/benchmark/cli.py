@@ -22,12 +22,12 @@ from eagleserve.benchmark.datasets import (
     sharegpt_pairs,
     sharegpt_prompts,
 )
+from eagleserve.benchmark.report import report_lines
 from eagleserve.benchmark.runner import TIMEOUT, RequestSettings, run_requests, send_request
 from eagleserve.benchmark.stats import (
     LATENCY_METRICS,
     RequestRecord,
     arrival_gaps,
-    depth_shares,
     parse_goodput,
     spec_counters,
     spec_figures,
@@ -35,12 +35,6 @@ from eagleserve.benchmark.stats import (
 )
 
 DEFAULT_URL = "http://127.0.0.1:8000"  # `make serve`'s address
-TITLES = {
-    "ttft": "Time to First Token",
-    "tpot": "Time per Output Token (excl. 1st token)",
-    "itl": "Inter-token Latency",
-    "e2el": "End-to-end Latency",
-}
 
 
 class BenchError(Exception):
@@ -145,6 +139,15 @@ def get_json(http: httpx.Client, path: str, body: dict[str, Any] | None = None) 
     if resp.status_code != 200:
         raise BenchError(f"{path}: HTTP {resp.status_code}: {resp.text[:300]}")
     return resp.json()
+
+
+def optional_json(http: httpx.Client, path: str) -> dict[str, Any]:
+    """A route's JSON object, or {} where the server does not serve it."""
+    try:
+        resp = http.get(path)
+    except httpx.HTTPError as exc:
+        raise BenchError(f"cannot reach {http.base_url}: {exc}") from exc
+    return resp.json() if resp.status_code == 200 else {}
 
 
 def load_prompts(
@@ -283,9 +286,13 @@ def bench_serve(ns: argparse.Namespace) -> dict[str, Any]:
         card = next((c for c in cards if c["id"] == ns.model), None) if ns.model else cards[0]
         if card is None:
             raise BenchError(f"the server serves no model {ns.model!r}")
-        server = get_json(http, "/get_server_info")
-        vocab = get_json(http, "/get_model_info").get("vocab_size", 0)
-        prompts = load_prompts(ns, http, vocab, card.get("max_model_len") or 0, rng)
+        # eagleserve's (and SGLang's) routes; another server without them is benchmarked too.
+        server = optional_json(http, "/get_server_info")
+        vocab = optional_json(http, "/get_model_info").get("vocab_size") or 0
+        try:
+            prompts = load_prompts(ns, http, vocab, card.get("max_model_len") or 0, rng)
+        except ValueError as exc:  # the data set's own checks
+            raise BenchError(str(exc)) from None
         gaps = arrival_gaps(len(prompts), ns.request_rate, ns.burstiness, rng)
         settings = RequestSettings(
             card["id"],
@@ -321,53 +328,3 @@ def bench_serve(ns: argparse.Namespace) -> dict[str, Any]:
         result["requests"] = [asdict(r) for r in records]
     result["percentile_metrics"], result["metric_percentiles"] = list(metrics), list(percentiles)
     return result
-
-
-def report_lines(r: dict[str, Any]) -> list[str]:
-    """vLLM's result table, with the speculative figures under speculation."""
-
-    def row(name: str, value: Any, digits: int = 2) -> str:
-        text = f"{value:.{digits}f}" if isinstance(value, float) else str(value)
-        return f"{name:<40}{text:<10}"
-
-    def head(title: str) -> str:
-        return f"{title:-^50}"
-
-    lines = [
-        f"{' Serving Benchmark Result ':=^50}",
-        row("Successful requests:", r["completed"]),
-        row("Failed requests:", r["failed"]),
-        row("Benchmark duration (s):", r["duration"]),
-        row("Total input tokens:", r["total_input_tokens"]),
-        row("Total generated tokens:", r["total_output_tokens"]),
-        row("Request throughput (req/s):", r["request_throughput"]),
-    ]
-    if "request_goodput" in r:
-        lines.append(row("Request goodput (req/s):", r["request_goodput"]))
-    lines += [
-        row("Output token throughput (tok/s):", r["output_throughput"]),
-        row("Total token throughput (tok/s):", r["total_token_throughput"]),
-    ]
-    for m in r["percentile_metrics"]:
-        name = m.upper()
-        lines += [
-            head(TITLES[m]),
-            row(f"Mean {name} (ms):", r[f"mean_{m}_ms"]),
-            row(f"Median {name} (ms):", r[f"median_{m}_ms"]),
-        ]
-        lines += [row(f"P{p:g} {name} (ms):", r[f"p{p:g}_{m}_ms"]) for p in r["metric_percentiles"]]
-    if "spec_accept_length" in r:
-        lines += [
-            head("Speculative Decoding"),
-            row("Tokens per verify step (tau):", r["spec_accept_length"]),
-            row("Draft acceptance rate:", r["spec_draft_acceptance_rate"]),
-            row("Acceptance by depth:", depth_shares(r["spec_acceptance_by_depth"])),
-        ]
-        iterations = r.get("spec_iterations_by_num_drafts", {})
-        if len([n for n in iterations.values() if n]) > 1:  # adaptive: the depths it chose
-            counts = ", ".join(f"{k}: {n}" for k, n in iterations.items())
-            lines.append(row("Iterations by drafts:", counts))
-    lines += [row("Device (server):", r["device"]), "=" * 50]
-    for err in r.get("first_errors", []):
-        lines.append(f"failed: {err}")
-    return lines

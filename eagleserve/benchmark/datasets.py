@@ -42,7 +42,10 @@ def random_prompts(
     """`n` prompts of random token ids: a shared prefix of `prefix_len` ids, then each its own
     input length (a prefix cache serves the prefix after the first)."""
     if vocab_size < 1:
-        raise ValueError("the server reported no vocabulary size")
+        raise ValueError(
+            "random prompts need the vocabulary size, which the server does not "
+            "report (/get_model_info): use --dataset-name sharegpt or custom"
+        )
     prefix = [rng.randrange(vocab_size) for _ in range(prefix_len)]
     in_lo, in_hi = length_range(input_len, range_ratio)
     out_lo, out_hi = length_range(output_len, range_ratio)

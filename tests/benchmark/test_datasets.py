@@ -46,6 +46,8 @@ def test_random_prompts_have_the_lengths_asked_for() -> None:
     }
     with pytest.raises(ValueError):
         random_prompts(1, 8, 8, 1.0, 0, vocab, rng)
+    with pytest.raises(ValueError, match="--dataset-name sharegpt or custom"):
+        random_prompts(1, 8, 8, 0.0, 0, 0, rng)  # a server that reports no vocabulary
 
 
 def sharegpt_file(path, convs: list[list[tuple[str, str]]]) -> str:
