@@ -23,7 +23,12 @@ a tree is drafted whole (k = num_steps) or not at all (k = 0, a plain decode).
 - Cost: `CostTable` (spec/cost_table.py) holds the seconds of one decode iteration per
   batch-size bucket and k, measured at start-up and scaled per bucket by EMAs of measured
   iterations, one for plain decodes and one for drafting iterations.
-- `choose_num_drafts`: argmax_k sum_r E_r[k] / cost(bs, k); k = 0 is a plain target decode,
+- Every iteration also pays the host's time between two forwards (the scheduler's bookkeeping,
+  the outputs sent, and where the server shares the cores, its work on them), whatever its k:
+  `CostTable.iteration`, from the gaps measured between decode forwards (`note_forward`; a
+  prefill in between is no such gap). Without it, a plain decode looked cheaper next to a
+  drafting iteration than it is, most where that work is largest (served on a small CPU host).
+- `choose_num_drafts`: argmax_k sum_r E_r[k] / iteration(bs, k); k = 0 is a plain target decode,
   and a draft must beat it by DRAFT_MARGIN: acceptance is an estimate (the head's held-out
   accuracy runs above what it achieves on live text, and deep depths are rarely judged), so
   a draft predicted to pay by less is as likely to lose, and losing is what speculation must
@@ -162,9 +167,9 @@ def choose_num_drafts(
     bs = len(alphas_per_req)
     tokens_by_k = batch_tokens(alphas_per_req, choices[-1])
     if cut is None:
-        seconds_by_k = {k: costs.cost(bs, k) for k in choices}
+        seconds_by_k = {k: costs.iteration(bs, k) for k in choices}
     else:  # a chain: every depth 0..choices[-1] is a choice, and has a cost
-        whole = [costs.cost(bs, k) for k in range(choices[-1] + 1)]
+        whole = [costs.iteration(bs, k) for k in range(choices[-1] + 1)]
         tokens_by_k, expected_seconds = planned(tokens_by_k, whole, cut)
         seconds_by_k = dict(enumerate(expected_seconds))
     resume = costs.resume(bs) if catching_up else 0.0
@@ -217,10 +222,21 @@ class AdaptiveController:
     cuts: dict[int, ChainCut] = field(default_factory=dict)
     # The acceptance the last choice was made with (per request, by depth).
     last_alphas: Sequence[Sequence[float]] = ()
+    # When the last decode forward ended (perf_counter seconds); None after a prefill.
+    last_forward_end: float | None = None
 
     def note_prefill(self) -> None:
-        """A prefill ran: the decodes after it are not measured until warm (see module)."""
+        """A prefill ran: the decodes after it are not measured until warm (see module), and
+        the gap before the next decode holds the prefill."""
         self.decodes_since_prefill = 0
+        self.last_forward_end = None
+
+    def note_forward(self, bs: int, start: float, end: float) -> None:
+        """A timed decode forward ran from `start` to `end` (perf_counter seconds): the time
+        since the previous one ended is the host's between them (`CostTable.observe_between`)."""
+        if self.last_forward_end is not None:
+            self.costs.observe_between(bs, start - self.last_forward_end)
+        self.last_forward_end = end
 
     def observe(self, bs: int, k: int, seconds: float, resumed: bool = False) -> None:
         """One timed decode iteration (`CostTable.observe`), unless it is one of the first

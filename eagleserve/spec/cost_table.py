@@ -16,6 +16,9 @@ STALE_WEIGHT = 0.5
 # A bucket's first decode measurements, which correct the start-up table's decode figure: while
 # they do, drafting's price does not follow the decode's (see CostTable).
 SETTLE_DECODES = 20
+# A gap between two decode forwards longer than this many plain decodes is a pause (a garbage
+# collection, a grammar compiled), not the host's work of an iteration: not measured.
+PAUSE_DECODES = 3.0
 
 
 @dataclass
@@ -57,6 +60,11 @@ class CostTable:
     # runs such a twin beside the default).
     drafting_follows_decode: bool = True
     decodes_seen: dict[int, int] = field(default_factory=dict)  # per bucket
+    # Per bucket, an EMA of the host's time between one decode forward's end and the next
+    # one's start: the scheduler's bookkeeping, the outputs sent and, where the server shares
+    # the cores, its work on them. Every iteration pays it, whatever its depth, so it weighs
+    # for the iterations that commit more tokens (`iteration`).
+    between: dict[int, float] = field(default_factory=dict)
 
     def bucket(self, bs: int) -> int:
         i = bisect.bisect_left(self.buckets, bs)
@@ -74,6 +82,17 @@ class CostTable:
         else:
             scale = self.scale.get((b, True), decode)
         return self.seconds[(b, k)] * scale + (self.resume(bs) if catching_up else 0.0)
+
+    def iteration(self, bs: int, k: int) -> float:
+        """One steady iteration of depth k from one forward's start to the next one's: `cost`
+        and the host's time between forwards."""
+        return self.cost(bs, k) + self.between.get(self.bucket(bs), 0.0)
+
+    def observe_between(self, bs: int, seconds: float) -> None:
+        """Folds one measured gap between two decode forwards into its bucket's EMA (a pause
+        longer than PAUSE_DECODES plain decodes aside)."""
+        if 0.0 <= seconds <= PAUSE_DECODES * self.cost(bs, 0):
+            _ema(self.between, self.bucket(bs), seconds)
 
     def resume(self, bs: int) -> float:
         """What the first drafting iteration after a stretch without costs over a steady one."""

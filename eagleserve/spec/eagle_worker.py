@@ -244,8 +244,9 @@ class EagleWorker:
             # On a CPU the forward ran synchronously: wall time is what the iteration cost (a
             # plain decode's flush of full rings aside: the price of holding, not of k = 0), at
             # the depth drafted (k, or less where the chain stopped short: draft_chain).
-            seconds = time.perf_counter() - t0 - flushed
-            self.controller.observe(batch.batch_size, result.num_drafts or 0, seconds, caught_up)
+            end, bs = time.perf_counter(), batch.batch_size
+            self.controller.observe(bs, result.num_drafts or 0, end - t0 - flushed, caught_up)
+            self.controller.note_forward(bs, t0, end)
         return result
 
     def _decode_without_drafts(

@@ -418,3 +418,29 @@ def test_measured_acceptance_reads_the_training_log(tmp_path: Path) -> None:
     log["val_accuracy_by_depth"] |= {f"acc{d}_all": a for d, a in enumerate(every)}
     (tmp_path / "training_log.json").write_text(json.dumps(log))
     assert measured_acceptance(str(tmp_path)) == pytest.approx(every)
+
+
+def test_the_hosts_time_between_forwards_weighs_for_drafting() -> None:
+    """A first draft accepted at rate a commits 1 + a tokens where a plain decode commits 1: where
+    its forward costs too much more to pay alone, the host's time between forwards, which both
+    pay, makes it pay. The controller measures that time between its decode forwards, not
+    across a prefill."""
+    rng = random.Random()
+    alpha = rng.uniform(0.4, 0.8)
+    draft = (1 + alpha) * rng.uniform(1.0, 1.0 + DRAFT_MARGIN / 2)  # E[1] / cost(1) < 1.05 E[0]
+    ctl = AdaptiveController(table([1.0, draft, 99.0, 99.0]), CHAIN, probe_interval=10**6)
+    alphas = [[alpha, 0.0, 0.0]]
+    assert ctl.choose(alphas) == 0
+    # Host work between forwards as long as a decode: 1 + alpha tokens in draft + 1 against
+    # 1 in 2, well over the margin.
+    end = 0.0
+    ctl.note_prefill()
+    for _ in range(60):
+        ctl.note_forward(1, end + 1.0, end + 2.0)
+        end += 2.0
+    assert ctl.costs.between[1] == pytest.approx(1.0)
+    assert ctl.choose(alphas) == 1
+    # A prefill between two decode forwards: that gap is not the host's work of an iteration.
+    ctl.note_prefill()
+    ctl.note_forward(1, end + 2.5, end + 3.5)
+    assert ctl.costs.between[1] == pytest.approx(1.0)

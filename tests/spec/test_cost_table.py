@@ -10,6 +10,7 @@ import pytest
 
 from eagleserve.spec.cost_table import (
     COST_EMA,
+    PAUSE_DECODES,
     SETTLE_DECODES,
     STALE_AFTER,
     STALE_WEIGHT,
@@ -138,3 +139,22 @@ def test_a_scale_not_measured_for_a_while_takes_a_measurement_at_more_weight() -
         costs.observe(1, 2, 1.5 * rng.uniform(0.9, 1.1))
     costs.observe(1, 0, late)
     assert costs.cost(1, 0) == pytest.approx(want + STALE_WEIGHT * (late - want))
+
+
+def test_an_iteration_pays_the_hosts_time_between_forwards() -> None:
+    """The gaps between decode forwards, an EMA per bucket, are added to every depth's cost
+    alike; a gap longer than PAUSE_DECODES plain decodes (a pause) is not measured."""
+    rng = random.Random()
+    start = sorted(rng.uniform(0.5, 2.0) for _ in range(4))
+    t = table(start)
+    assert [t.iteration(1, k) for k in range(4)] == [t.cost(1, k) for k in range(4)]
+    gaps = [rng.uniform(0.1, 0.5) * start[0] for _ in range(30)]
+    expected = gaps[0]
+    for g in gaps:
+        t.observe_between(1, g)
+    for g in gaps[1:]:
+        expected += COST_EMA * (g - expected)
+    t.observe_between(1, (PAUSE_DECODES + 1) * start[0])  # a pause
+    for k in range(4):
+        assert t.iteration(1, k) == pytest.approx(t.cost(1, k) + expected)
+    assert t.iteration(4, 2) == t.cost(4, 2)  # another bucket has measured none
