@@ -16,10 +16,11 @@ target-only (median and range of each round's ratio to the same round's target-o
 acceptance by depth, the chain lengths adaptive chose (and, for the chains, the lengths they
 drafted: a chain stops short where the head is unsure of its drafts,
 --speculative-min-path-prob; with `--whole-chains`, chain 3 and adaptive also run drafting every
-step, each beside its twin; with `--pricing-twins`, adaptive also runs as it priced before two
-changes, one at a time: its cut chains priced as whole ones (before spec/chain_cut.py), and its
+step, each beside its twin; with `--pricing-twins`, adaptive also runs as it priced before three
+changes, one at a time: its cut chains priced as whole ones (before spec/chain_cut.py), its
 drafting iterations priced on a scale of their own, not over the decode's
-(`CostTable.drafting_follows_decode`)), and whether every setting's tokens equal target-only's.
+(`CostTable.drafting_follows_decode`), and its iterations priced without the host's time
+between forwards (`CostTable.iteration`)), and whether every setting's tokens equal target-only's.
 Writes bench/results/adaptive.json.
 
 Prompt sets: MT-bench first turns, HumanEval, "copy" (passages the answer must repeat:
@@ -81,22 +82,26 @@ def settings(
 
 def price_as_before(name: str, engine: Engine) -> None:
     """The engine's adaptive controller as it priced before one change: learning nothing of cut
-    chains (spec/chain_cut.py), so every planned depth is priced whole; or its drafting scale
-    its own, not a ratio over the decode scale."""
+    chains (spec/chain_cut.py), so every planned depth is priced whole; its drafting scale its
+    own, not a ratio over the decode scale; or without the host's time between forwards
+    (`CostTable.iteration`)."""
     controller = engine.scheduler.worker.controller  # type: ignore[union-attr]
     if name == PRICED_WHOLE:
         controller.observe_chain = lambda *args: None
+    elif name == NO_GAPS:
+        controller.note_forward = lambda *args: None
     else:
         controller.costs.drafting_follows_decode = False
 
 
 PRICED_WHOLE = "adaptive 0..3, cut chains priced whole"
 OWN_SCALE = "adaptive 0..3, drafting on its own scale"
-PRICING_TWINS = (PRICED_WHOLE, OWN_SCALE)
+NO_GAPS = "adaptive 0..3, no time between forwards"
+PRICING_TWINS = (PRICED_WHOLE, OWN_SCALE, NO_GAPS)
 # Run order within a round (rotated from round to round, `rotated`): adaptive beside target-only,
 # and each setting beside its whole-chain twin where there is one.
 ORDER = ["target-only", "adaptive 0..3", "adaptive 0..3, whole chains", PRICED_WHOLE, OWN_SCALE,
-         "chain 1", "chain 3", "chain 3, whole chain"]  # fmt: skip
+         NO_GAPS, "chain 1", "chain 3", "chain 3, whole chain"]  # fmt: skip
 WHOLE = {"chain 3": "chain 3, whole chain", "adaptive 0..3": "adaptive 0..3, whole chains"}
 MIN_REQUESTS = 8
 COPY_TEXT = [
@@ -186,7 +191,7 @@ def main() -> None:
     ap.add_argument("--whole-chains", action="store_true",
                     help="also chain 3, adaptive at --speculative-min-path-prob 0")  # fmt: skip
     ap.add_argument("--pricing-twins", action="store_true",
-                    help="also adaptive pricing as before each of two changes")  # fmt: skip
+                    help="also adaptive pricing as before each of three changes")  # fmt: skip
     ap.add_argument("--out", default=None, help="JSON name under bench/results (and its PNG)")
     args = ap.parse_args()
     if args.threads:
