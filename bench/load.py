@@ -279,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
         outcomes, elapsed, ctx = asyncio.run(drive(args, url))
         try:
             final = wait_idle(url)
-            spec = spec_figures(url, final)
+            spec = spec_figures(url)
         except httpx.TransportError:  # the server is gone: the summary says how it ended
             final, spec = {}, None
     finally:

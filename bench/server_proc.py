@@ -17,6 +17,9 @@ from typing import Any
 
 import httpx
 
+from eagleserve.benchmark.stats import spec_counters
+from eagleserve.benchmark.stats import spec_figures as served_spec_figures
+
 HOST = "127.0.0.1"  # all traffic stays on the loopback interface
 
 
@@ -136,41 +139,23 @@ def read_metrics(url: str) -> dict[str, float]:
     return out
 
 
-def spec_figures(url: str, totals: dict[str, float]) -> dict[str, Any] | None:
+def spec_figures(url: str) -> dict[str, Any] | None:
     """The server's speculation since it started (None without any verify), from its /metrics
-    `totals` (`read_metrics`) and its per-depth counters: tau (tokens committed per verify), the
+    (eagleserve/benchmark/stats.py `spec_figures`): tau (tokens committed per verify), the
     share of draft tokens accepted, and by draft depth the share of the iterations drafting that
     deep (adaptive; else of all verifies) whose draft there was accepted."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    by: dict[str, dict[int, float]] = {"accepted": {}, "iterations": {}}
     text = httpx.get(url + "/metrics", timeout=30).text
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            if s.name == "eagleserve_spec_accepted_per_position_total":
-                by["accepted"][int(s.labels["position"])] = s.value
-            elif s.name == "eagleserve_spec_iterations_total":
-                by["iterations"][int(s.labels["num_drafts"])] = s.value
-    verifies = totals.get("eagleserve_spec_verify_calls_total", 0.0)
-    if not verifies:
+    fig = served_spec_figures({}, spec_counters(text))
+    if fig is None:
         return None
-    proposed = totals.get("eagleserve_spec_proposed_tokens_total", 0.0)
-    committed = totals.get("eagleserve_spec_accepted_tokens_total", 0.0)
-    iterations = by["iterations"]
-
-    def drafted_at(depth: int) -> float:
-        """Iterations that proposed a draft at `depth` (adaptive), else every verify."""
-        if not iterations:
-            return verifies
-        return sum(n for k, n in iterations.items() if k > depth)
-
+    by_depth = fig["spec_acceptance_by_depth"]
+    iterations = fig.get("spec_iterations_by_num_drafts", {})
     return {
-        "tau": round(committed / verifies, 3),
-        "draft_acceptance": round((committed - verifies) / proposed, 3) if proposed else None,
-        "acceptance_by_depth": {d: round(a / drafted_at(d), 3)
-                                for d, a in sorted(by["accepted"].items()) if drafted_at(d)},
-        "iterations_by_num_drafts": {k: int(n) for k, n in sorted(iterations.items())},
-    }  # fmt: skip
+        "tau": round(fig["spec_accept_length"], 3),
+        "draft_acceptance": round(fig["spec_draft_acceptance_rate"], 3),
+        "acceptance_by_depth": {d: round(a, 3) for d, a in enumerate(by_depth) if a is not None},
+        "iterations_by_num_drafts": {int(k): n for k, n in iterations.items()},
+    }
 
 
 def wait_idle(url: str, timeout: float = 60.0) -> dict[str, float]:

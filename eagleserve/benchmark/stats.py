@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import math
 import random
-import re
 import statistics
 from dataclasses import dataclass, field
+
+import numpy as np
 
 # What `--percentile-metrics` may name, and the goodput SLOs' keys (vLLM's).
 LATENCY_METRICS = ("ttft", "tpot", "itl", "e2el")
@@ -50,14 +51,8 @@ def arrival_gaps(n: int, request_rate: float, burstiness: float, rng: random.Ran
 
 
 def percentile(values: list[float], p: float) -> float:
-    """The p-th percentile, linear between the closest ranks (numpy's default)."""
-    s = sorted(values)
-    if not s:
-        return 0.0
-    pos = (len(s) - 1) * p / 100.0
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+    """The p-th percentile (numpy's linear one, as vLLM reports); 0 for no values."""
+    return float(np.percentile(values, p)) if values else 0.0
 
 
 def parse_goodput(items: list[str]) -> dict[str, float]:
@@ -130,23 +125,20 @@ def summarize(
     return out
 
 
-_SAMPLE = re.compile(r"^(eagleserve_spec_\w+?)(?:_total)?(?:\{([^}]*)\})? ([-+0-9.eE]+|NaN)$")
-
-
 def spec_counters(metrics_text: str) -> dict[str, float]:
     """The speculative counters of a /metrics page: `name` or `name[label]` -> value."""
+    from prometheus_client.parser import text_string_to_metric_families
+
     out: dict[str, float] = {}
-    for line in metrics_text.splitlines():
-        m = _SAMPLE.match(line)
-        if m is None or m.group(1).endswith("_created"):
-            continue
-        name, labels, value = m.groups()
-        key = name.removeprefix("eagleserve_")
-        for label in (labels or "").split(","):
-            lname, _, lvalue = label.partition("=")
-            if lname in ("position", "num_drafts"):
-                key += f"[{lvalue.strip(chr(34))}]"
-        out[key] = float(value)
+    for fam in text_string_to_metric_families(metrics_text):
+        for sample in fam.samples:
+            if not (sample.name.startswith("eagleserve_spec_") and sample.name.endswith("_total")):
+                continue
+            key = sample.name.removeprefix("eagleserve_").removesuffix("_total")
+            for label in ("position", "num_drafts"):
+                if label in sample.labels:
+                    key += f"[{sample.labels[label]}]"
+            out[key] = sample.value
     return out
 
 

@@ -3,7 +3,6 @@ stream of server-sent events, the engine's requests aborted however the response
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import AsyncIterable, AsyncIterator, Callable
 from dataclasses import dataclass
@@ -22,7 +21,7 @@ from eagleserve.server.serving import (
     Serving,
     Tracker,
     run_to_end,
-    wait_disconnect,
+    unless_client_leaves,
 )
 
 CLIENT_CLOSED = 499
@@ -140,15 +139,8 @@ async def respond(
 
 async def first_output(request: Request, stream: OutputStream) -> TokenOutput | None:
     """The stream's first output; None if the client leaves first."""
-    first = asyncio.ensure_future(anext(stream))
-    gone = asyncio.ensure_future(wait_disconnect(request))
-    try:
-        await asyncio.wait({first, gone}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for task in (first, gone):
-            task.cancel()
-        await asyncio.gather(first, gone, return_exceptions=True)
-    return first.result() if first.done() and not first.cancelled() else None
+    first = await unless_client_leaves(request, anext(stream))
+    return None if first is None else first.result()
 
 
 async def chained(first: TokenOutput, rest: OutputStream) -> AsyncIterator[TokenOutput]:

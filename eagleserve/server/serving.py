@@ -5,9 +5,9 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
@@ -30,6 +30,8 @@ from eagleserve.server.protocol import MAX_N, _SamplingFields, error_body, new_i
 from eagleserve.server.request_log import finished_line, received_line
 from eagleserve.server.request_log import logger as request_log
 from eagleserve.server.tool_formats import TOOL_FORMATS, ToolFormat
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -282,17 +284,25 @@ async def collect(stream: OutputStream, tracker: Tracker) -> None:
             return
 
 
-async def run_to_end(request: Request, stream: OutputStream, tracker: Tracker) -> bool:
-    """Runs every request to the end; aborts them if the client leaves first. True if done."""
-    work = asyncio.create_task(collect(stream, tracker))
-    gone = asyncio.create_task(wait_disconnect(request))
+async def unless_client_leaves(request: Request, aw: Awaitable[T]) -> asyncio.Future[T] | None:
+    """Awaits `aw` unless the client closes the connection first (then `aw` is cancelled):
+    its finished task, or None if the client left first."""
+    work = asyncio.ensure_future(aw)
+    gone = asyncio.ensure_future(wait_disconnect(request))
     try:
         await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
     finally:
-        gone.cancel()
-        if not work.done():
-            work.cancel()
-        tracker.close(stream)
+        for task in (work, gone):
+            task.cancel()  # a finished task stays as it finished
         await asyncio.gather(work, gone, return_exceptions=True)
+    return work if work.done() and not work.cancelled() else None
+
+
+async def run_to_end(request: Request, stream: OutputStream, tracker: Tracker) -> bool:
+    """Runs every request to the end; aborts them if the client leaves first. True if done."""
+    try:
+        done = await unless_client_leaves(request, collect(stream, tracker))
+    finally:
+        tracker.close(stream)
     tracker.done()
-    return work.done() and not work.cancelled()
+    return done is not None
