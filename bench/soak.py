@@ -95,7 +95,7 @@ def soak(ns: argparse.Namespace, engine: Engine) -> dict[str, Any]:
         rid = f"s{len(jobs)}"
         jobs[rid] = (job, ids, request_params(job, 0, grammar))
         tokens[rid], outputs[rid] = [], 0
-        sched.add_request(GenerateReqInput(rid, jobs[rid][1], jobs[rid][2]))
+        sched.add_request(GenerateReqInput(rid, jobs[rid][1], jobs[rid][2], job.stream))
         live[rid] = client
 
     def end(rid: str, reason: str) -> None:

@@ -129,6 +129,7 @@ class EngineStats:
     prefix_cache_hit_tokens_total: int = 0
     prefix_cache_evicted_tokens_total: int = 0
     num_retracted_total: int = 0
+    generation_tokens_total: int = 0  # output tokens committed (sent or not yet)
     spec_verify_calls_total: int = 0
     spec_accepted_tokens_total: int = 0
     # Accepted draft tokens at each draft depth (index 0 = first draft token).

@@ -108,8 +108,6 @@ class EngineLoop:
             for out in outputs:
                 if out.finished:
                     self.live.discard(out.rid)
-            if self.stats_log is not None:
-                self.stats_log.count(outputs)
             if outputs:
                 self.send.send_pyobj(BatchTokenOutput(outputs))
                 if not sched.has_work():  # just went idle: publish final gauges (KV back)

@@ -23,6 +23,7 @@ def engine_stats(sched: Scheduler) -> EngineStats:
         prefix_cache_queried_tokens_total=sched.prefix_cache.queried_tokens,
         prefix_cache_evicted_tokens_total=sched.prefix_cache.evicted_tokens,
         num_retracted_total=sched.num_retracted,
+        generation_tokens_total=sched.generation_tokens,
         grammar_compiles_total=grammar.compiles if grammar else 0,
         grammar_compile_seconds_total=grammar.compile_seconds if grammar else 0.0,
         grammar_cache_hits_total=grammar.cache_hits if grammar else 0,

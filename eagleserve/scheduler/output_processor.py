@@ -149,12 +149,20 @@ def append_tokens(
     return taken
 
 
+# A request that is not streamed still sends its output every this many tokens (SGLang's
+# choice): the server then detokenizes as it goes, counts tokens and inter-token latency while
+# the request runs, and /health_generate sees tokens come, at a small share of the messages.
+NON_STREAM_INTERVAL = 50
+
+
 def output_due(req: Req, stream_interval: int) -> bool:
     """Whether `req`'s unsent tokens go to the server now: its first token at once (the time
-    to it is the client's first wait), then whenever `stream_interval` are unsent, and the
-    rest with its end."""
+    to it is the client's first wait and the server's TTFT), then whenever `stream_interval`
+    are unsent (NON_STREAM_INTERVAL at least where the client waits for the whole answer), and
+    the rest with its end."""
     unsent = len(req.output_ids) - req.num_sent_tokens
-    return req.finished or req.num_sent_tokens == 0 or unsent >= stream_interval
+    interval = stream_interval if req.stream else max(stream_interval, NON_STREAM_INTERVAL)
+    return req.finished or req.num_sent_tokens == 0 or unsent >= interval
 
 
 def make_output(req: Req) -> TokenOutput:

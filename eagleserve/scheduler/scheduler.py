@@ -108,7 +108,7 @@ class Scheduler:
         # (no token of that one is kept).
         self.inflight: tuple[list[Req], Future[GenerationBatchResult], Req | None] | None = None
         self.deferred_release: list[Req] = []
-        self.num_retracted = 0
+        self.num_retracted = self.generation_tokens = 0
         eagle = self.worker if isinstance(self.worker, EagleWorker) else None
         self.spec_stats = SpecStats(self.spec_config, eagle and eagle.drafter.acceptance_prior)
         if warm_up_needed(args, self.device):
@@ -135,7 +135,7 @@ class Scheduler:
             return
         seed = None if params.is_greedy else self.request_seeds.seed_for(params.seed)
         req = Req(msg.rid, list(msg.input_ids), params, self.eos_token_ids, sampling_seed=seed)
-        req.constraint, req.priority = constraint, msg.priority
+        req.constraint, req.priority, req.stream = constraint, msg.priority, msg.stream
         bound = self.args.max_queued_requests
         away = self.waiting.turned_away(req, bound)
         if away is not None:
@@ -349,7 +349,9 @@ class Scheduler:
             if result.num_drafts is not None:  # a speculative decode, k = 0 included
                 self.spec_stats.count_verify(req, result.num_drafts, len(toks))
             want_lp = req.sampling_params.logprobs is not None
-            append_tokens(req, toks, self.stop_checker, lp if want_lp else None, top)
+            self.generation_tokens += append_tokens(
+                req, toks, self.stop_checker, lp if want_lp else None, top
+            )
             # The newest token is the next step's input: its KV is not written yet.
             req.kv_committed_len = req.seq_len - 1
             if output_due(req, self.args.stream_interval):

@@ -11,7 +11,7 @@ import os
 import time
 from collections.abc import Callable
 
-from eagleserve.messages import EngineStats, TokenOutput
+from eagleserve.messages import EngineStats
 
 INTERVAL_ENV = "EAGLESERVE_LOG_STATS_INTERVAL"
 logger = logging.getLogger("eagleserve.engine")
@@ -39,9 +39,10 @@ def depth_acceptance(prev: EngineStats, cur: EngineStats) -> list[float | None]:
     return [a / n if n else None for a, n in zip(accepted, drafted)]
 
 
-def stats_lines(prev: EngineStats, cur: EngineStats, generated: int, seconds: float) -> list[str]:
-    """The log's lines for an interval of `seconds` in which `generated` tokens went out."""
+def stats_lines(prev: EngineStats, cur: EngineStats, seconds: float) -> list[str]:
+    """The log's lines for an interval of `seconds`."""
     prompt = cur.prefix_cache_queried_tokens_total - prev.prefix_cache_queried_tokens_total
+    generated = cur.generation_tokens_total - prev.generation_tokens_total
     hits = cur.prefix_cache_hit_tokens_total - prev.prefix_cache_hit_tokens_total
     lines = [
         f"prompt throughput {prompt / seconds:.1f} tokens/s, generation throughput "
@@ -65,16 +66,11 @@ def stats_lines(prev: EngineStats, cur: EngineStats, generated: int, seconds: fl
 
 
 class StatsLog:
-    """Counts the tokens the engine sends, and logs `stats_lines` once per interval that had
-    work (none while it idles)."""
+    """Logs `stats_lines` once per interval that had work (none while it idles)."""
 
     def __init__(self, stats: Callable[[], EngineStats], interval_s: float) -> None:
         self.stats, self.interval_s = stats, interval_s
         self.last, self.last_time = stats(), time.monotonic()
-        self.generated = 0
-
-    def count(self, outputs: list[TokenOutput]) -> None:
-        self.generated += sum(len(out.new_token_ids) for out in outputs)
 
     def tick(self) -> None:
         now = time.monotonic()
@@ -84,7 +80,8 @@ class StatsLog:
         cur = self.stats()
         last = self.last
         admitted = cur.prefix_cache_queried_tokens_total != last.prefix_cache_queried_tokens_total
-        if self.generated or admitted or cur.num_running or cur.num_waiting:
-            for line in stats_lines(self.last, cur, self.generated, seconds):
+        generated = cur.generation_tokens_total != last.generation_tokens_total
+        if generated or admitted or cur.num_running or cur.num_waiting:
+            for line in stats_lines(last, cur, seconds):
                 logger.info("%s", line)
-        self.last, self.last_time, self.generated = cur, now, 0
+        self.last, self.last_time = cur, now

@@ -54,6 +54,7 @@ def warm_up(sched: Scheduler) -> float:
     spec_stats = copy.deepcopy(sched.spec_stats)
     cache = sched.prefix_cache
     counters = (cache.hit_tokens, cache.queried_tokens, cache.evicted_tokens)
+    generated = sched.generation_tokens
     controller = getattr(sched.worker, "controller", None)  # adaptive: its probe rhythm
     probe_state = None if controller is None else (controller.since_draft, controller.backoff)
     t0 = time.perf_counter()
@@ -72,6 +73,7 @@ def warm_up(sched: Scheduler) -> float:
             sched.step()
     cache.flush()  # the warm-up's prompts leave the prefix cache
     cache.hit_tokens, cache.queried_tokens, cache.evicted_tokens = counters
+    sched.generation_tokens = generated
     sched.spec_stats = spec_stats
     if controller is not None:
         controller.since_draft, controller.backoff = probe_state

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.usefixtures("torch_threads")
 
 
 def add(sched: Scheduler, rid: str, prompt: list[int], params: SamplingParams, pri: int) -> Req:
-    sched.add_request(GenerateReqInput(rid, list(prompt), params, priority=pri))
+    sched.add_request(GenerateReqInput(rid, list(prompt), params, stream=True, priority=pri))
     return next(r for r in sched.waiting if r.rid == rid)
 
 

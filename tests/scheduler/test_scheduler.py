@@ -29,7 +29,8 @@ def greedy(max_new_tokens: int) -> SamplingParams:
 
 
 def add(sched: Scheduler, rid: str, prompt: list[int], params: SamplingParams) -> Req:
-    sched.add_request(GenerateReqInput(rid, list(prompt), params))
+    """Queues a streamed request: its tokens come as they are made."""
+    sched.add_request(GenerateReqInput(rid, list(prompt), params, stream=True))
     req = sched.waiting[-1]
     assert req.rid == rid
     return req

@@ -1,6 +1,7 @@
-"""--stream-interval: a request's output goes out once that many tokens are unsent (its first
-token and its end at once), with the same tokens as one output an iteration, target-only and
-under speculation, with the overlap scheduler and without."""
+"""--stream-interval: a streamed request's output goes out once that many tokens are unsent (its
+first token and its end at once), with the same tokens as one output an iteration, target-only
+and under speculation, with the overlap scheduler and without; a request that is not streamed
+sends its output every NON_STREAM_INTERVAL tokens at most often."""
 
 from __future__ import annotations
 
@@ -13,15 +14,18 @@ from random_llama import head_dir, model_dir  # noqa: F401  (the fixtures)
 
 from eagleserve.core import SamplingParams
 from eagleserve.messages import GenerateReqInput, TokenOutput
+from eagleserve.scheduler.output_processor import NON_STREAM_INTERVAL
 from eagleserve.scheduler.scheduler import Scheduler
 
 pytestmark = pytest.mark.usefixtures("torch_threads")
 
 
-def outputs_by_request(sched: Scheduler, prompts: list[list[int]], lengths: list[int]) -> dict:
+def outputs_by_request(
+    sched: Scheduler, prompts: list[list[int]], lengths: list[int], stream: list[bool]
+) -> dict:
     for i, (prompt, n) in enumerate(zip(prompts, lengths, strict=True)):
         params = SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True)
-        sched.add_request(GenerateReqInput(f"r{i}", prompt, params))
+        sched.add_request(GenerateReqInput(f"r{i}", prompt, params, stream=stream[i]))
     outs: dict[str, list[TokenOutput]] = {}
     for _ in range(10_000):
         if not sched.has_work():
@@ -53,7 +57,7 @@ def test_outputs_gather_stream_interval_tokens(
         sched = make_scheduler(model_dir, max_total_tokens=1024, max_running_requests=8,
                                disable_overlap_schedule=not overlap, stream_interval=k,
                                **(chain if spec else {}))  # fmt: skip
-        runs[k] = outputs_by_request(sched, prompts, lengths)
+        runs[k] = outputs_by_request(sched, prompts, lengths, [True] * len(prompts))
     for i, n in enumerate(lengths):
         every, gathered = runs[1][f"r{i}"], runs[interval][f"r{i}"]
         tokens = [t for o in every for t in o.new_token_ids]
@@ -66,3 +70,38 @@ def test_outputs_gather_stream_interval_tokens(
         if not spec:
             assert all(len(o.new_token_ids) == 1 for o in every)
         assert len(gathered) < len(every) or len(every) <= 2
+
+
+@pytest.mark.parametrize("stream_interval", [1, NON_STREAM_INTERVAL + 14])
+def test_a_request_not_streamed_gets_few_outputs(
+    model_dir: str,  # noqa: F811
+    make_scheduler: Callable[..., Scheduler],
+    stream_interval: int,
+) -> None:
+    """Beside a streamed request, one that is not streamed sends its first token at once, then
+    at most one output per max(stream_interval, NON_STREAM_INTERVAL) tokens: the same tokens
+    in far fewer messages for the server to take in."""
+    rng = random.Random()
+    prompts = [torch.randint(1, 63, (rng.randint(3, 12),)).tolist() for _ in range(2)]
+    n = rng.randint(2 * NON_STREAM_INTERVAL + 30, 3 * NON_STREAM_INTERVAL)
+    sched = make_scheduler(model_dir, max_total_tokens=1024, max_running_requests=8,
+                           stream_interval=stream_interval)  # fmt: skip
+    outs = outputs_by_request(sched, prompts, [n, n], [True, False])
+    streamed, whole = outs["r0"], outs["r1"]
+    # The engine's count (its stats log's generation throughput) has every token, sent or not.
+    assert sched.stats().generation_tokens_total == 2 * n
+    interval = max(stream_interval, NON_STREAM_INTERVAL)
+    assert sum(len(o.new_token_ids) for o in whole) == n and whole[-1].finished
+    assert len(whole[0].new_token_ids) == 1  # the first token at once
+    assert all(len(o.new_token_ids) == interval for o in whole[1:-1])
+    assert len(whole) == 2 + (n - 1) // interval - ((n - 1) % interval == 0)
+    assert len(streamed) == 1 + -(-(n - 1) // stream_interval)
+    # The same tokens as when both are streamed.
+    both = outputs_by_request(
+        make_scheduler(model_dir, max_total_tokens=1024, max_running_requests=8),
+        prompts, [n, n], [True, True],
+    )  # fmt: skip
+    for rid, got in (("r0", streamed), ("r1", whole)):
+        assert [t for o in got for t in o.new_token_ids] == [
+            t for o in both[rid] for t in o.new_token_ids
+        ]
