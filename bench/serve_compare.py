@@ -2,7 +2,8 @@
 
     python bench/serve_compare.py [--configs target,adaptive,chain3] [--concurrency 1,8]
         [--dataset-name mtbench|sharegpt|random] [--num-prompts 32] [--rounds 2] [--device auto]
-        [--config NAME=FLAGS ...] [--out serve_compare.json]
+        [--config NAME=FLAGS ...] [--checkout NAME=DIR ...] [--disable-stream]
+        [--out serve_compare.json]
 
 Each config is an `eagleserve serve` of the default model: `target` (no speculation),
 `adaptive` (`make serve`'s config: the shipped EAGLE3 head, adaptive depth 0..3) and `chain3`
@@ -15,9 +16,13 @@ answer's length; or `--random-input-len` / `--random-output-len` random ids), so
 HTTP server, the detokenizer and the engine's host work are all in the figures. Reports output
 tok/s (median over rounds) and its ratio to target-only's (the median of each round's ratio),
 TTFT and TPOT medians, tau, acceptance by depth and how many answers equal target-only's at
-concurrency 1 in round 1. `--config NAME=FLAGS` adds a config of its own (e.g.
-`target-si8="--model default --stream-interval 8"`). Writes bench/results/<out> with the
-machine named (the server's device as it reports it).
+concurrency 1 in round 1, and the HTTP server process's CPU time per output token (Linux:
+its /proc counters around the run; the engine process's is not in it). `--config NAME=FLAGS`
+adds a config of its own (e.g. `target-si8="--model default --stream-interval 8"`), and
+`--checkout NAME=DIR` serves config NAME from another checkout's package (a `git worktree` of
+an earlier commit), so that one interleaved run compares two commits;
+`--disable-stream` asks for whole answers (TTFT is then each request's latency). Writes
+bench/results/<out> with the machine named (the server's device as it reports it).
 """
 
 from __future__ import annotations
@@ -63,6 +68,14 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--serve-flags", default="", help="more `eagleserve serve` flags, every config")
     p.add_argument("--config", action="append", default=[], metavar="NAME=FLAGS",
                    help="another config: its name and `eagleserve serve` flags")  # fmt: skip
+    p.add_argument(
+        "--checkout",
+        action="append",
+        default=[],
+        metavar="NAME=DIR",
+        help="serve config NAME with the eagleserve package of the checkout DIR",
+    )
+    p.add_argument("--disable-stream", action="store_true", help="whole answers, not streams")
     p.add_argument("--out", default="serve_compare.json")
     return p.parse_args()
 
@@ -85,12 +98,21 @@ def run_bench(url: str, ns: argparse.Namespace, concurrency: int) -> dict[str, A
              "--num-prompts", str(ns.num_prompts), "--max-concurrency", str(concurrency),
              "--endpoint", "/v1/chat/completions", "--percentile-metrics", "ttft,tpot,itl,e2el",
              "--metric-percentiles", "50,90,99", "--save-detailed", "--disable-tqdm"]  # fmt: skip
+    if ns.disable_stream:
+        flags.append("--disable-stream")
     if ns.dataset_name == "mtbench":
         flags += ["--dataset-path", ns.mtbench_path, "--custom-output-len", str(ns.output_len)]
     if ns.dataset_name == "random":
         flags += ["--random-input-len", str(ns.random_input_len), "--random-output-len",
                   str(ns.random_output_len), "--ignore-eos"]  # fmt: skip
     return bench_serve(build_parser().parse_args(flags))
+
+
+def cpu_seconds(pid: int) -> float:
+    """The process's user + system CPU time so far (Linux /proc)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def main() -> None:
@@ -102,13 +124,21 @@ def main() -> None:
     configs = ns.configs.split(",")
     levels = [int(c) for c in ns.concurrency.split(",")]
     extra = ns.serve_flags.split()
+    checkouts = dict(item.partition("=")[::2] for item in ns.checkout)
     runs: dict[tuple[str, int], list[dict[str, Any]]] = {}
     for rnd in range(ns.rounds):
         for name in rotated(configs, rnd):
-            server = Server([*CONFIGS[name], "--device", ns.device, *extra])
+            env = {"PYTHONPATH": os.path.abspath(checkouts[name])} if name in checkouts else None
+            server = Server([*CONFIGS[name], "--device", ns.device, *extra], env)
             try:
                 for c in levels:
+                    cpu = cpu_seconds(server.proc.pid)
                     r = run_bench(server.url, ns, c)
+                    # The benchmark's untimed first request (the first prompt again) is in
+                    # the CPU time, so its tokens are counted too.
+                    answers = [q["output_tokens"] for q in r["requests"]]
+                    spent = cpu_seconds(server.proc.pid) - cpu
+                    r["server_cpu_ms_per_token"] = 1000 * spent / (sum(answers) + answers[0])
                     runs.setdefault((name, c), []).append(r)
                     tau = r.get("spec_accept_length")
                     print(f"round {rnd} {name} c={c}: {r['output_throughput']:.1f} tok/s"
@@ -132,6 +162,9 @@ def main() -> None:
                 "vs_first_config": statistics.median(ratios), "vs_first_config_rounds": ratios,
                 "median_ttft_ms": statistics.median(r["median_ttft_ms"] for r in rs),
                 "median_tpot_ms": statistics.median(r["median_tpot_ms"] for r in rs),
+                "server_cpu_ms_per_token": statistics.median(
+                    r["server_cpu_ms_per_token"] for r in rs
+                ),
                 "tau": rs[0].get("spec_accept_length"),
                 "acceptance_by_depth": rs[0].get("spec_acceptance_by_depth"),
                 "iterations_by_num_drafts": rs[0].get("spec_iterations_by_num_drafts"),
@@ -141,13 +174,14 @@ def main() -> None:
             rows.append(row)
             depth = row["acceptance_by_depth"]
             table.append([name, c, row["output_tok_s"], row["vs_first_config"],
-                          row["median_ttft_ms"], row["median_tpot_ms"],
+                          row["median_ttft_ms"], row["median_tpot_ms"] or "-",
+                          row["server_cpu_ms_per_token"],
                           row["tau"] if row["tau"] else "-",
                           depth_shares(depth) if depth else "-",
                           f"{equal}/{len(texts)}"])  # fmt: skip
     device = runs[(configs[0], levels[0])][0]["device"]
     headers = ["config", "conc", "tok/s", f"x {configs[0]}", "TTFT p50 ms", "TPOT p50 ms",
-               "tau", "accept by depth", f"= {configs[0]}"]  # fmt: skip
+               "server CPU ms/tok", "tau", "accept by depth", f"= {configs[0]}"]  # fmt: skip
     print(f"\n{device}; {ns.dataset_name}, {ns.num_prompts} prompts, greedy, {ns.rounds} rounds")
     print(format_table(headers, table))
     # Each run's figures; its requests' texts and times stay out (megabytes a run).

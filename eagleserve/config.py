@@ -185,9 +185,9 @@ class ServerArgs:
     # a 503, or with priority scheduling turns away a lower-priority waiting one. None: no bound.
     max_queued_requests: int | None = None
     max_total_tokens: int = 16384  # the K/V pool's size in tokens (SGLang's flag name)
-    # A request's output goes to the server once this many tokens are unsent (its first token
-    # and its end at once): fewer, larger chunks, less host work a token (SGLang's and vLLM's
-    # flag; scheduler/output_processor.py `output_due`).
+    # A streamed request's output goes to the server once this many tokens are unsent (its
+    # first token and its end at once): fewer, larger chunks, less host work a token (SGLang's
+    # and vLLM's flag; scheduler/output_processor.py `output_due`).
     stream_interval: int = 1
     # Most tokens a request may span, prompt + output (SGLang's flag name); default: the
     # model's max_position_embeddings, capped by max_total_tokens.

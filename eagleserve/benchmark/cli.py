@@ -48,9 +48,10 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
         "serve",
         help="throughput and latency of a running server under a request rate",
         description="Send a data set's prompts to a running server at a request rate (at most "
-        "--max-concurrency at once), each streamed, and report throughput, TTFT / TPOT / ITL / "
-        "end-to-end percentiles and, under speculation, tokens per verify step and acceptance "
-        "by draft depth (from the server's /metrics), as vLLM's `vllm bench serve` does.",
+        "--max-concurrency at once), each streamed (unless --disable-stream), and report "
+        "throughput, TTFT / TPOT / ITL / end-to-end percentiles and, under speculation, tokens "
+        "per verify step and acceptance by draft depth (from the server's /metrics), as "
+        "vLLM's `vllm bench serve` does.",
     )
     p.add_argument("--base-url", default=DEFAULT_URL, help=f"the server (default {DEFAULT_URL})")
     p.add_argument(
@@ -105,6 +106,12 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top-p", type=float)
     p.add_argument("--top-k", type=int)
     p.add_argument("--ignore-eos", action="store_true", help="every answer runs to its max_tokens")
+    p.add_argument(
+        "--disable-stream",
+        action="store_true",
+        help="ask for whole answers, not streams (SGLang's flag): a request's first token comes "
+        "with its last, so its TTFT is its latency and it has no TPOT or ITL",
+    )
     p.add_argument("--seed", type=int, default=0, help="the data set's draws and the arrivals")
     p.add_argument(
         "--percentile-metrics",
@@ -301,6 +308,7 @@ def bench_serve(ns: argparse.Namespace) -> dict[str, Any]:
             ns.top_p,
             ns.top_k,
             ns.ignore_eos,
+            stream=not ns.disable_stream,
         )
         records, duration, spec = asyncio.run(run_async(ns, settings, prompts, gaps))
     result: dict[str, Any] = {

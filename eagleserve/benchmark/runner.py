@@ -1,5 +1,6 @@
-"""Sends the benchmark's requests: each one streamed, timed chunk by chunk and counted by the
-server's usage; arrivals at the request rate, at most `max_concurrency` in flight."""
+"""Sends the benchmark's requests: each one streamed, timed chunk by chunk, or (without
+streaming) timed whole, and counted by the server's usage; arrivals at the request rate, at
+most `max_concurrency` in flight."""
 
 from __future__ import annotations
 
@@ -30,15 +31,17 @@ class RequestSettings:
     top_p: float | None
     top_k: int | None
     ignore_eos: bool
+    stream: bool = True
 
     def body(self, p: BenchPrompt) -> dict[str, Any]:
         body: dict[str, Any] = {
             "model": self.model,
             "max_tokens": p.output_len,
             "temperature": self.temperature,
-            "stream": True,
-            "stream_options": {"include_usage": True},
+            "stream": self.stream,
         }
+        if self.stream:
+            body["stream_options"] = {"include_usage": True}
         if self.chat:
             assert isinstance(p.prompt, str), "a chat prompt is text"
             body["messages"] = [{"role": "user", "content": p.prompt}]
@@ -54,22 +57,25 @@ class RequestSettings:
 
 
 def chunk_text(chunk: dict[str, Any]) -> str:
-    """The text a completion or chat chunk adds (a reasoning model's thinking included)."""
+    """The text a completion or chat chunk, or a whole answer, holds (a reasoning model's
+    thinking included)."""
     parts = []
     for choice in chunk.get("choices") or []:
-        delta = choice.get("delta") or {}
-        parts += [choice.get("text"), delta.get("reasoning_content"), delta.get("content")]
+        said = choice.get("delta") or choice.get("message") or {}
+        parts += [choice.get("text"), said.get("reasoning_content"), said.get("content")]
     return "".join(p for p in parts if p)
 
 
 async def send_request(
     http: httpx.AsyncClient, path: str, body: dict[str, Any], t0: float
 ) -> RequestRecord:
-    """One streamed request, timed; its failure (a status, an error event, a lost connection)
-    is kept in the record, never raised."""
-    rec = RequestRecord()
+    """One request, timed; its failure (a status, an error event, a lost connection) is kept in
+    the record, never raised."""
+    rec = RequestRecord(streamed=body["stream"])
     sent = time.perf_counter()
     rec.start = sent - t0
+    if not rec.streamed:
+        return await send_whole(http, path, body, rec, sent)
     last = None
     try:
         async with http.stream("POST", path, json=body) as resp:
@@ -104,6 +110,30 @@ async def send_request(
     rec.ok = rec.output_tokens > 0
     if not rec.ok:
         rec.error = "the stream ended without output or usage"
+    return rec
+
+
+async def send_whole(
+    http: httpx.AsyncClient, path: str, body: dict[str, Any], rec: RequestRecord, sent: float
+) -> RequestRecord:
+    """A request that is not streamed: its client sees its first token with its last, so its
+    time to first token is its latency (as SGLang's benchmark counts it)."""
+    try:
+        resp = await http.post(path, json=body)
+        if resp.status_code != 200:
+            rec.error = f"HTTP {resp.status_code}: {resp.text[:300]}"
+            return rec
+        answer = resp.json()
+        rec.generated_text = chunk_text(answer)
+        rec.prompt_tokens = answer["usage"]["prompt_tokens"]
+        rec.output_tokens = answer["usage"]["completion_tokens"]
+    except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
+        rec.error = f"{type(exc).__name__}: {exc}"
+        return rec
+    rec.latency = rec.ttft = time.perf_counter() - sent
+    rec.ok = rec.output_tokens > 0
+    if not rec.ok:
+        rec.error = "the answer had no output"
     return rec
 
 

@@ -27,11 +27,13 @@ class RequestRecord:
     latency: float = 0.0
     itls: list[float] = field(default_factory=list)  # gaps between streamed chunks after the first
     generated_text: str = ""
+    streamed: bool = True
 
     @property
     def tpot(self) -> float | None:
-        """Time per output token after the first; None for a one-token answer."""
-        if self.output_tokens < 2:
+        """Time per output token after the first; None for a one-token answer, or one that was
+        not streamed (its tokens came at once)."""
+        if self.output_tokens < 2 or not self.streamed:
             return None
         return (self.latency - self.ttft) / (self.output_tokens - 1)
 

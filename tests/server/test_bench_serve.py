@@ -65,6 +65,28 @@ def test_random_prompts_are_answered_and_counted(server: ServerProcess, tmp_path
     assert "Speculative Decoding" not in out
 
 
+@pytest.mark.parametrize("endpoint", ["/v1/completions", "/v1/chat/completions"])
+def test_answers_not_streamed_are_the_streamed_ones_timed_whole(
+    server: ServerProcess, tmp_path, endpoint: str
+) -> None:
+    """--disable-stream: the same answers as streamed, each request's TTFT its latency (its
+    client saw every token at once) and no TPOT or ITL."""
+    rng = random.Random()
+    n, out_len = rng.randint(3, 6), rng.randint(6, 12)
+    flags = ["--endpoint", endpoint, "--num-prompts", str(n), "--random-input-len", "24",
+             "--random-output-len", str(out_len), "--ignore-eos", "--seed",
+             str(rng.randrange(1000)), "--percentile-metrics", "ttft,tpot,itl,e2el"]  # fmt: skip
+    streamed = bench(server.url, tmp_path, *flags)
+    whole = bench(server.url, tmp_path, *flags, "--disable-stream")
+    assert whole["completed"] == n and whole["total_output_tokens"] == n * out_len
+    texts = [q["generated_text"] for q in whole["requests"]]
+    assert texts == [q["generated_text"] for q in streamed["requests"]] and all(texts)
+    for q in whole["requests"]:
+        assert q["ttft"] == q["latency"] > 0 and q["itls"] == [] and not q["streamed"]
+    assert whole["mean_tpot_ms"] == 0 == whole["mean_itl_ms"] < streamed["mean_tpot_ms"]
+    assert whole["mean_ttft_ms"] == pytest.approx(whole["mean_e2el_ms"])
+
+
 def test_speculation_reports_tau_and_acceptance_by_depth(
     spec_server: ServerProcess, tmp_path
 ) -> None:
