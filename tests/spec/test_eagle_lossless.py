@@ -170,7 +170,7 @@ def test_a_prefill_in_chunks_goes_back_when_a_running_request_needs_its_slots(
     ref = [r["token_ids"] for r in target.generate([running, long], [want, want])]
     sched = eng.scheduler
     tokens: dict[str, list[int]] = {"running": [], "long": []}
-    sched.add_request(GenerateReqInput("running", running, want))
+    sched.add_request(GenerateReqInput("running", running, want, stream=True))
     while len(tokens["running"]) < 2:  # the long prompt then just fits the pool
         for out in sched.step():
             tokens[out.rid] += out.new_token_ids

@@ -45,7 +45,7 @@ def test_preempted_speculating_requests_keep_their_tokens(
             tokens.setdefault(out.rid, []).extend(out.new_token_ids)
 
     for i in (0, 1, 3):  # two decode; the sampled one waits
-        sched.add_request(GenerateReqInput(f"r{i}", prompts[i], params[i], priority=0))
+        sched.add_request(GenerateReqInput(f"r{i}", prompts[i], params[i], stream=True))
     while len(tokens.get("r1", [])) < 3:
         step()
     sched.add_request(GenerateReqInput("r2", prompts[2], params[2], priority=4))
