@@ -128,8 +128,8 @@ def main() -> None:
     runs: dict[tuple[str, int], list[dict[str, Any]]] = {}
     for rnd in range(ns.rounds):
         for name in rotated(configs, rnd):
-            env = {"PYTHONPATH": os.path.abspath(checkouts[name])} if name in checkouts else None
-            server = Server([*CONFIGS[name], "--device", ns.device, *extra], env)
+            cwd = checkouts.get(name)  # its package comes first on the server's path there
+            server = Server([*CONFIGS[name], "--device", ns.device, *extra], cwd=cwd)
             try:
                 for c in levels:
                     cpu = cpu_seconds(server.proc.pid)

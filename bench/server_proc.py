@@ -63,8 +63,13 @@ class Server:
     """`eagleserve serve` on 127.0.0.1 and a free port; `stop()` sends SIGTERM."""
 
     def __init__(
-        self, flags: list[str], env: dict[str, str] | None = None, new_session: bool = False
+        self,
+        flags: list[str],
+        env: dict[str, str] | None = None,
+        new_session: bool = False,
+        cwd: str | None = None,
     ) -> None:
+        """`cwd`: run there, so that `python -m eagleserve` serves that checkout's package."""
         cmd = [
             sys.executable,
             "-m",
@@ -87,6 +92,7 @@ class Server:
             text=True,
             start_new_session=new_session,
             env={**os.environ, **(env or {})},
+            cwd=cwd,
         )
         self.url = self._wait_ready(300.0)
 
