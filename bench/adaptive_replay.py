@@ -78,7 +78,7 @@ def greedy(new_tokens: int) -> SamplingParams:
 
 def run_one(sched: Scheduler, ids: list[int], new_tokens: int) -> list[float]:
     """Generates one request alone; the seconds of each of its steps after the prefill's."""
-    sched.add_request(GenerateReqInput("r", ids, greedy(new_tokens)))
+    sched.add_request(GenerateReqInput("r", ids, greedy(new_tokens), stream=True))  # as served
     steps: list[float] = []
     while sched.has_work():
         t0 = time.perf_counter()
@@ -121,7 +121,7 @@ def serving_costs(engine: Engine, prompts: list[list[int]], new_tokens: int) -> 
     steady: list[float] = []
     for ids in prompts:
         picks[0] = 0
-        sched.add_request(GenerateReqInput("r", ids, greedy(4 * len(script))))
+        sched.add_request(GenerateReqInput("r", ids, greedy(4 * len(script)), stream=True))
         while sched.has_work():
             before, t0 = picks[0], time.perf_counter()
             sched.step()

@@ -112,7 +112,7 @@ def run_iterations(
     detok: dict[str, Any] = {}
     for i, ids in enumerate(prompts(batch, vocab, 24, seed)):
         rid = f"host-{seed}-{i}"
-        s.add_request(GenerateReqInput(rid, ids, params))
+        s.add_request(GenerateReqInput(rid, ids, params, stream=True))  # output every step
         if engine.tokenizer is not None:
             detok[rid] = IncrementalDetokenizer(engine.tokenizer)
     rows = []

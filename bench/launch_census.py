@@ -174,7 +174,8 @@ def time_host(
     clock.wrap(interp.GridExecutor, "__call__", "device")
     sched = eng.scheduler
     for i, ids in enumerate(prompts):
-        sched.add_request(GenerateReqInput(f"timed-{i}", ids, sampling(temperature, new)))
+        params = sampling(temperature, new)  # streamed: the server's output every iteration
+        sched.add_request(GenerateReqInput(f"timed-{i}", ids, params, stream=True))
     rows = []
     try:
         while sched.has_work():

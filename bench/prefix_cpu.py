@@ -114,7 +114,8 @@ def long_prompt_during_decode(
     params = SamplingParams(max_new_tokens=96, temperature=0.0, ignore_eos=True)
     engine.generate([tokens_of(engine, "Warm up.", 8)], params)
     for i, q in enumerate(QUESTIONS):
-        sched.add_request(GenerateReqInput(f"s{i}", engine.tokenizer.encode(q), params))
+        # Streams: each token's gap is timed as it comes.
+        sched.add_request(GenerateReqInput(f"s{i}", engine.tokenizer.encode(q), params, True))
     last: dict[str, float] = {}
     gaps: list[tuple[float, float]] = []  # (time of the token, gap before it)
     steps, arrival, first = 0, None, None
