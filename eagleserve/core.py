@@ -73,8 +73,10 @@ class Req:
     # Tokens already handed to the output stream (streaming sends the rest).
     num_sent_tokens: int = 0
     # Whether the client streams the answer: a request that does not needs no output between
-    # its first token and its end (scheduler/output_processor.py `output_due`).
+    # its first token and its end (scheduler/output_processor.py `output_due`), and when (time.
+    # monotonic()) its last output went.
     stream: bool = False
+    output_sent_time: float = 0.0
     retract_count: int = 0
     # Priority scheduling's value (scheduler/waiting_queue.py), and the request's place in
     # arrival order (-1 until the waiting queue numbers it; a retraction keeps it).

@@ -108,8 +108,8 @@ FIELD_HELP: dict[str, str] = {
     "stream_interval": "tokens a streamed request's output gathers before the engine sends it "
     "(its first token and its end go at once): a larger value streams fewer, larger chunks for "
     "less host work a token, which pays where the server shares the engine's CPU cores "
-    "(SGLang's and vLLM's flag; a request that is not streamed sends every 50 tokens at most "
-    "often)",
+    "(SGLang's and vLLM's flag; a request that is not streamed sends every 50 tokens, or "
+    "after a second)",
     "disable_log_stats": "no periodic log line of the engine's throughput, requests, KV use, "
     "prefix cache hits and speculative acceptance (every $EAGLESERVE_LOG_STATS_INTERVAL "
     "seconds, 10, while it has work; vLLM's flag)",

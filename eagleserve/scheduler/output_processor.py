@@ -150,19 +150,27 @@ def append_tokens(
 
 
 # A request that is not streamed still sends its output every this many tokens (SGLang's
-# choice): the server then detokenizes as it goes, counts tokens and inter-token latency while
-# the request runs, and /health_generate sees tokens come, at a small share of the messages.
+# choice), or after this many seconds without one: the server then detokenizes as it goes and
+# counts tokens and inter-token latency while the request runs, and /health_generate, which
+# takes tokens sent in its last RECENT_TOKENS_S (5 s) while requests run as proof that the
+# engine works, sees them come even where a slow decode takes longer than that for 50.
 NON_STREAM_INTERVAL = 50
+NON_STREAM_MAX_WAIT_S = 1.0
 
 
-def output_due(req: Req, stream_interval: int) -> bool:
-    """Whether `req`'s unsent tokens go to the server now: its first token at once (the time
-    to it is the client's first wait and the server's TTFT), then whenever `stream_interval`
-    are unsent (NON_STREAM_INTERVAL at least where the client waits for the whole answer), and
-    the rest with its end."""
+def output_due(req: Req, stream_interval: int, now: float) -> bool:
+    """Whether `req`'s unsent tokens go to the server at monotonic time `now`: its first token
+    at once (the time to it is the client's first wait and the server's TTFT), then whenever
+    `stream_interval` are unsent (where the client waits for the whole answer: every
+    NON_STREAM_INTERVAL at least, or NON_STREAM_MAX_WAIT_S after the last), and the rest with
+    its end."""
+    if req.finished or req.num_sent_tokens == 0:
+        return True
     unsent = len(req.output_ids) - req.num_sent_tokens
-    interval = stream_interval if req.stream else max(stream_interval, NON_STREAM_INTERVAL)
-    return req.finished or req.num_sent_tokens == 0 or unsent >= interval
+    if req.stream:
+        return unsent >= stream_interval
+    waited = now - req.output_sent_time >= NON_STREAM_MAX_WAIT_S
+    return unsent >= max(stream_interval, NON_STREAM_INTERVAL) or (unsent > 0 and waited)
 
 
 def make_output(req: Req) -> TokenOutput:
@@ -191,6 +199,7 @@ def make_output(req: Req) -> TokenOutput:
         out.queue_time_s = start - req.arrival_time
         out.prefill_time_s = time.monotonic() - start
     req.num_sent_tokens = len(req.output_ids)
+    req.output_sent_time = time.monotonic()
     return out
 
 

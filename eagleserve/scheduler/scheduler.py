@@ -354,7 +354,7 @@ class Scheduler:
             )
             # The newest token is the next step's input: its KV is not written yet.
             req.kv_committed_len = req.seq_len - 1
-            if output_due(req, self.args.stream_interval):
+            if output_due(req, self.args.stream_interval, time.monotonic()):
                 outputs.append(make_output(req))
             if req.finished:
                 self.release(req)

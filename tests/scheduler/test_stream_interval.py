@@ -12,9 +12,10 @@ import pytest
 import torch
 from random_llama import head_dir, model_dir  # noqa: F401  (the fixtures)
 
-from eagleserve.core import SamplingParams
+from eagleserve.core import Req, SamplingParams
 from eagleserve.messages import GenerateReqInput, TokenOutput
-from eagleserve.scheduler.output_processor import NON_STREAM_INTERVAL
+from eagleserve.scheduler import output_processor
+from eagleserve.scheduler.output_processor import NON_STREAM_INTERVAL, output_due
 from eagleserve.scheduler.scheduler import Scheduler
 
 pytestmark = pytest.mark.usefixtures("torch_threads")
@@ -77,10 +78,12 @@ def test_a_request_not_streamed_gets_few_outputs(
     model_dir: str,  # noqa: F811
     make_scheduler: Callable[..., Scheduler],
     stream_interval: int,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Beside a streamed request, one that is not streamed sends its first token at once, then
     at most one output per max(stream_interval, NON_STREAM_INTERVAL) tokens: the same tokens
     in far fewer messages for the server to take in."""
+    monkeypatch.setattr(output_processor, "NON_STREAM_MAX_WAIT_S", 1e9)  # a slow machine's
     rng = random.Random()
     prompts = [torch.randint(1, 63, (rng.randint(3, 12),)).tolist() for _ in range(2)]
     n = rng.randint(2 * NON_STREAM_INTERVAL + 30, 3 * NON_STREAM_INTERVAL)
@@ -105,3 +108,34 @@ def test_a_request_not_streamed_gets_few_outputs(
         assert [t for o in got for t in o.new_token_ids] == [
             t for o in both[rid] for t in o.new_token_ids
         ]
+
+
+def test_a_request_not_streamed_sends_what_waited_a_second() -> None:
+    """Tokens of a request that is not streamed wait for NON_STREAM_INTERVAL of them or
+    NON_STREAM_MAX_WAIT_S since its last output (/health_generate reads tokens sent in the last
+    5 s as the engine's proof of work); a stream's wait for `stream_interval` has no clock."""
+    rng = random.Random()
+    wait = output_processor.NON_STREAM_MAX_WAIT_S
+    for _ in range(100):
+        interval = rng.randint(1, 8)
+        req = Req("r", [1, 2, 3], SamplingParams(), stream=rng.random() < 0.5)
+        req.output_ids = [
+            rng.randrange(100) for _ in range(rng.randint(1, 3 * NON_STREAM_INTERVAL))
+        ]
+        sent_at = rng.uniform(0, 100)
+        req.num_sent_tokens = rng.randint(1, len(req.output_ids))
+        req.output_sent_time = sent_at
+        unsent = len(req.output_ids) - req.num_sent_tokens
+        soon, late = sent_at + rng.uniform(0, 0.99) * wait, sent_at + rng.uniform(1, 10) * wait
+        if req.stream:
+            assert (
+                output_due(req, interval, soon)
+                == output_due(req, interval, late)
+                == (unsent >= interval)
+            )
+        else:
+            bound = max(interval, NON_STREAM_INTERVAL)
+            assert output_due(req, interval, soon) == (unsent >= bound)
+            assert output_due(req, interval, late) == (unsent > 0)
+        req.num_sent_tokens = 0  # the first token goes at once
+        assert output_due(req, interval, soon)
