@@ -68,13 +68,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--serve-flags", default="", help="more `eagleserve serve` flags, every config")
     p.add_argument("--config", action="append", default=[], metavar="NAME=FLAGS",
                    help="another config: its name and `eagleserve serve` flags")  # fmt: skip
-    p.add_argument(
-        "--checkout",
-        action="append",
-        default=[],
-        metavar="NAME=DIR",
-        help="serve config NAME with the eagleserve package of the checkout DIR",
-    )
+    p.add_argument("--checkout", action="append", default=[], metavar="NAME=DIR",
+                   help="serve config NAME with the checkout DIR's eagleserve")  # fmt: skip
     p.add_argument("--disable-stream", action="store_true", help="whole answers, not streams")
     p.add_argument("--out", default="serve_compare.json")
     return p.parse_args()
