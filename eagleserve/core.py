@@ -72,9 +72,9 @@ class Req:
     constraint: Any = None
     # Tokens already handed to the output stream (streaming sends the rest).
     num_sent_tokens: int = 0
-    # Whether the client streams the answer: a request that does not needs no output between
-    # its first token and its end (scheduler/output_processor.py `output_due`), and when (time.
-    # monotonic()) its last output went.
+    # Whether the client streams the answer (one that does not needs no output between its
+    # first token and its end: scheduler/output_processor.py `output_due`), and the
+    # time.monotonic() of the request's last output.
     stream: bool = False
     output_sent_time: float = 0.0
     retract_count: int = 0
