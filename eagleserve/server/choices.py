@@ -76,6 +76,10 @@ class ChoiceState:
         self.logprobs: list[tuple[int, str, float, list[tuple[int, float]]]] = []
         self.lp_sent = 0  # entries of `logprobs` already streamed
         self.text_offset = text_offset  # completion logprobs: offset of the first token
+        # Tokens the text leaves out (skip_special_tokens): their entries take no room in it.
+        self.unshown_ids = frozenset(
+            getattr(tokenizer, "all_special_ids", ()) if params.skip_special_tokens else ()
+        )
         self.prompt = prompt
         # The prompt's scores (with its first output); echo's entries go out once, first.
         self.prompt_scores: PromptScores | None = None
@@ -181,16 +185,20 @@ class ChoiceState:
                     prompt_offset += len(text)
             self.prompt_lp_sent = True
         start = self.lp_sent if only_new else 0
-        offset = self.text_offset + sum(len(text) for _, text, _, _ in self.logprobs[:start])
-        for (name, value, alts), (_, text, _, _) in zip(
+        offset = self.text_offset + sum(self._width(t, s) for t, s, _, _ in self.logprobs[:start])
+        for (name, value, alts), (token, text, _, _) in zip(
             self._take_lp(only_new), self.logprobs[start:], strict=True
         ):  # fmt: skip
             out.tokens.append(name)
             out.token_logprobs.append(value)
             out.top_logprobs.append(dict(alts))
             out.text_offset.append(offset)
-            offset += len(text)
+            offset += self._width(token, text)
         return out
+
+    def _width(self, token: int, text: str) -> int:
+        """How many characters of the answer's text a generated token takes."""
+        return 0 if token in self.unshown_ids else len(text)
 
     def chat_logprobs(self, only_new: bool = False) -> ChatLogprobs:
         content = [

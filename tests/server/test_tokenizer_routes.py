@@ -16,7 +16,7 @@ from importlib.metadata import version
 
 import httpx
 import pytest
-from conftest import TINY_BOS, add_bos_to_tokenizer, save_tiny_model
+from conftest import TINY_BOS, TINY_EOS, add_bos_to_tokenizer, save_tiny_model
 
 from bench.server_proc import Server
 
@@ -89,16 +89,26 @@ def test_a_text_prompt_gets_the_tokenizers_bos(http: httpx.Client) -> None:
         assert plain["choices"][0]["text"] == greedy(http, ids)["choices"][0]["text"]
 
 
-def test_echo_shows_the_prompt_as_sent(http: httpx.Client) -> None:
+@pytest.mark.parametrize("eos_bias", [0, 100], ids=["as drawn", "all EOS"])
+def test_echo_shows_the_prompt_as_sent(http: httpx.Client, eos_bias: int) -> None:
     text = words(random.Random())
-    out = greedy(http, text, echo=True, logprobs=1)["choices"][0]
+    bias = {"logit_bias": {str(TINY_EOS): eos_bias}} if eos_bias else {}
+    out = greedy(http, text, echo=True, logprobs=1, **bias)["choices"][0]
     assert out["text"].startswith(text)
     lp = out["logprobs"]
     assert lp["tokens"][0] == "<s>" and lp["token_logprobs"][0] is None
-    # Every entry's offset points at its text in the echo; the added BOS takes no room.
-    assert lp["text_offset"][:2] == [0, 0]
-    for token, offset in zip(lp["tokens"][1:], lp["text_offset"][1:], strict=True):
-        assert out["text"][offset : offset + len(token)] == token
+    # Every entry's offset points at its text in the echo; the added BOS takes no room, nor does
+    # an EOS the model draws (ignore_eos keeps it; the text skips special tokens).
+    offsets = lp["text_offset"]
+    assert offsets[:2] == [0, 0]
+    for i, (token, offset) in enumerate(zip(lp["tokens"], offsets, strict=True)):
+        if token in ("<s>", "</s>"):
+            assert i == 0 or token == "</s>", lp["tokens"]
+            assert offset == (offsets[i + 1] if i + 1 < len(offsets) else len(out["text"]))
+        else:
+            assert out["text"][offset : offset + len(token)] == token
+    if eos_bias == 100:
+        assert lp["tokens"][-6:] == ["</s>"] * 6 and out["text"] == text
 
 
 def test_a_chat_is_not_given_a_second_bos(http: httpx.Client) -> None:
