@@ -28,8 +28,12 @@ $(VENV)/.installed: pyproject.toml
 serve: setup
 	$(BIN)/eagleserve serve --config $(CONFIG) --host $(HOST) --port $(PORT)
 
+# One test worker a core, at most 4 (each holds torch and its models; TEST_WORKERS=0: one
+# process). A module's tests stay in one worker, which starts its fixtures (servers, engines) once.
+TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); echo $$(( n < 4 ? n : 4 )))
+
 test: setup
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadscope tests
 
 lint: setup
 	$(BIN)/ruff check eagleserve tests bench
