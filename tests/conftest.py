@@ -21,6 +21,7 @@ from eagleserve.scheduler.omp_spin import use_overlap_spin
 # descheduled thread. Before torch loads libgomp, which reads it once.
 if os.environ.get("PYTEST_XDIST_WORKER") and "OMP_NUM_THREADS" not in os.environ:
     os.environ["OMP_NUM_THREADS"] = "1"
+
 # Before torch loads libgomp: the overlap tests run as the server's CPU engine process does
 # (scheduler/omp_spin.py); the others do not notice.
 use_overlap_spin()
